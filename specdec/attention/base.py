@@ -1,0 +1,75 @@
+"""The attention-backend contract shared by the models, the engine and the kernels.
+
+A forward pass runs over a *packed* batch: the new tokens of B rows laid end to end
+(T tokens in all). Row b has ``prefix_lens[b]`` tokens already in the KV cache, all of
+which every new token of the row may see, followed by its new tokens, stored in the
+cache at logical positions ``prefix_lens[b] .. seq_lens[b]-1`` of the row's block table
+(their physical slots are ``slot_mapping``). Among the new tokens of one row the mask is
+causal, or, when ``tree_mask`` is given, new token i sees new token j iff bit j of
+``tree_mask[i]`` is set (bit i is always set: a node sees itself).
+
+Physical slot = block_id * block_size + offset. K/V caches are
+(num_blocks, block_size, num_kv_heads, head_dim) views whose block stride may be larger
+than block_size * num_kv_heads * head_dim (one storage holds every layer of both models).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttnMetadata:
+    """Where the new tokens of a packed batch go and what each may attend to.
+
+    Built once per forward by the engine; backends only read it.
+    """
+
+    query_start_loc: torch.Tensor  # (B+1,) int32: row b's new tokens are [qsl[b], qsl[b+1])
+    prefix_lens: torch.Tensor  # (B,) int32: tokens already cached, fully visible
+    seq_lens: torch.Tensor  # (B,) int32: prefix_lens + new tokens
+    block_tables: torch.Tensor  # (B, max_blocks) int32: logical block -> physical block
+    slot_mapping: torch.Tensor  # (T,) int64: physical slot of each new token
+    block_size: int
+    tree_mask: torch.Tensor | None = None  # (T,) int64 ancestor bitmask within the row, or None = causal
+    max_query_len: int = 0  # host-side copies, so backends need not sync
+    max_seq_len: int = 0
+    host_query_start_loc: list[int] | None = None
+    host_seq_lens: list[int] | None = None
+    host_prefix_lens: list[int] | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Writes the new tokens' K/V into the paged cache, then attends.
+
+    Callers own the cache tensors; a backend writes only the slots in
+    ``meta.slot_mapping`` and reads only slots reachable through ``meta.block_tables``
+    below ``meta.seq_lens``.
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (T, Hq, D) already rotated
+        k: torch.Tensor,  # (T, Hkv, D) already rotated
+        v: torch.Tensor,  # (T, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        meta: AttnMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        """Store k/v at ``meta.slot_mapping`` and return attention output for q."""
