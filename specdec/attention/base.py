@@ -1,12 +1,16 @@
 """The attention-backend contract shared by the models, the engine and the kernels.
 
-A forward pass runs over a *packed* batch: the new tokens of B rows laid end to end
-(T tokens in all). Row b has ``prefix_lens[b]`` tokens already in the KV cache, all of
-which every new token of the row may see, followed by its new tokens, stored in the
-cache at logical positions ``prefix_lens[b] .. seq_lens[b]-1`` of the row's block table
-(their physical slots are ``slot_mapping``). Among the new tokens of one row the mask is
-causal, or, when ``tree_mask`` is given, new token i sees new token j iff bit j of
-``tree_mask[i]`` is set (bit i is always set: a node sees itself).
+A forward pass runs over a *packed* batch: the query tokens of B rows laid end to end
+(T tokens in all). Row b sees logical positions ``0 .. seq_lens[b]-1`` of its block
+table, split in two: the *prefix* ``[0, prefix_lens[b])``, which every query of the row
+may see, and the *region* ``[prefix_lens[b], seq_lens[b])`` of R tokens, whose visibility
+is masked. The row's q_len queries are the LAST q_len positions of the region (q_len <= R;
+usually q_len == R); their K/V are written at ``slot_mapping`` before attending, the
+earlier region positions are already cached (a draft tree grown level by level).
+Within the region the mask is causal (query at region position r sees region positions
+<= r), or, when ``tree_mask`` is given, a query sees region position j iff bit j of its
+``tree_mask`` entry is set (its own bit is always set). With q_len == R and causal rows,
+this is ordinary chunked prefill / decode.
 
 Physical slot = block_id * block_size + offset. K/V caches are
 (num_blocks, block_size, num_kv_heads, head_dim) views whose block stride may be larger
@@ -34,7 +38,7 @@ class AttnMetadata:
     block_tables: torch.Tensor  # (B, max_blocks) int32: logical block -> physical block
     slot_mapping: torch.Tensor  # (T,) int64: physical slot of each new token
     block_size: int
-    tree_mask: torch.Tensor | None = None  # (T,) int64 ancestor bitmask within the row, or None = causal
+    tree_mask: torch.Tensor | None = None  # (T,) int64 bitmask over the row's region, or None = causal
     max_query_len: int = 0  # host-side copies, so backends need not sync
     max_seq_len: int = 0
     host_query_start_loc: list[int] | None = None

@@ -34,14 +34,15 @@ def gather_kv(
     return cache[blocks, pos % block_size]
 
 
-def new_token_mask(
-    n_new: int, tree_mask_row: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:  # (n_new, n_new) bool: [i, j] = new token i may see new token j
-    """Causal mask among a row's new tokens, or the ancestor bitmask expanded to a matrix."""
-    if tree_mask_row is None:
-        return torch.ones(n_new, n_new, dtype=torch.bool, device=device).tril()
-    bits = torch.arange(n_new, device=device)
-    return ((tree_mask_row.view(-1, 1) >> bits.view(1, -1)) & 1).bool()
+def region_mask(
+    n_query: int, region_len: int, tree_mask_rows: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:  # (n_query, region_len) bool: [i, j] = query i may see region position j
+    """Causal mask of the last ``n_query`` region positions, or the bitmasks expanded to a matrix."""
+    j = torch.arange(region_len, device=device)
+    if tree_mask_rows is None:
+        r = torch.arange(region_len - n_query, region_len, device=device)
+        return j.view(1, -1) <= r.view(-1, 1)
+    return ((tree_mask_rows.view(-1, 1) >> j.view(1, -1)) & 1).bool()
 
 
 def paged_attention(
@@ -56,46 +57,49 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # (T, Hq, D)
-    """Attention of each row's new tokens over its cached prefix plus its new tokens.
+    """Attention of each row's queries over its prefix and the visible part of its region.
 
-    The new tokens' K/V must already be in the cache. Query i of a row sees every prefix
-    position and the new tokens allowed by the causal or tree mask; with a sliding window W,
-    a query at logical position p sees only positions > p - W (tree queries count depth).
+    The queries' K/V must already be in the cache (see ``specdec.attention.base``). With a
+    sliding window W, a query at logical position p sees only keys at positions > p - W,
+    where a region position's logical position is prefix_len + its depth in the mask
+    (depth = number of visible region positions - 1; for causal rows, its index).
     """
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
     qsl, pre, sl = query_start_loc.tolist(), prefix_lens.tolist(), seq_lens.tolist()
     for b in range(len(sl)):
         s, e = qsl[b], qsl[b + 1]
-        n_new = e - s
-        if n_new == 0:
+        if e == s:
             continue
         keys = gather_kv(k_cache, block_tables[b], sl[b]).float()  # (S, Hkv, D)
         vals = gather_kv(v_cache, block_tables[b], sl[b]).float()
         tm = None if tree_mask is None else tree_mask[s:e]
-        mask = torch.ones(n_new, sl[b], dtype=torch.bool, device=q.device)
-        mask[:, pre[b]:] = new_token_mask(n_new, tm, q.device)
+        mask = torch.ones(e - s, sl[b], dtype=torch.bool, device=q.device)
+        mask[:, pre[b]:] = region_mask(e - s, sl[b] - pre[b], tm, q.device)
         if sliding_window is not None:
-            q_pos = pre[b] + _depths(mask[:, pre[b]:])  # (n_new,)
-            k_pos = _key_positions(pre[b], mask[:, pre[b]:])  # (S,)
-            mask &= k_pos.view(1, -1) > q_pos.view(-1, 1) - sliding_window
-        qf = q[s:e].float().transpose(0, 1)  # (Hq, n_new, D)
+            mask &= _window_mask(pre[b], mask[:, pre[b]:], tm, sliding_window)
+        qf = q[s:e].float().transpose(0, 1)  # (Hq, n_q, D)
         kf = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # (Hq, S, D)
         vf = vals.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
-        scores = (qf @ kf.transpose(1, 2)) * scale  # (Hq, n_new, S)
+        scores = (qf @ kf.transpose(1, 2)) * scale  # (Hq, n_q, S)
         scores = scores.masked_fill(~mask, float("-inf"))
         out[s:e] = (scores.softmax(-1) @ vf).transpose(0, 1).to(q.dtype)
     return out
 
 
-def _depths(new_mask: torch.Tensor) -> torch.Tensor:
-    """Depth of each new token = number of new tokens it sees, minus one (chain: its index)."""
-    return new_mask.sum(-1) - 1
-
-
-def _key_positions(prefix_len: int, new_mask: torch.Tensor) -> torch.Tensor:
-    pre = torch.arange(prefix_len, device=new_mask.device)
-    return torch.cat([pre, prefix_len + _depths(new_mask)])
+def _window_mask(prefix_len: int, qmask: torch.Tensor, tm, window: int) -> torch.Tensor:
+    """Keys inside the sliding window of each query (positions by depth for tree rows)."""
+    region_len = qmask.shape[1]
+    if tm is None:
+        key_depth = torch.arange(region_len, device=qmask.device)
+    else:  # a tree row: region position j has depth popcount(its mask) - 1, unknown here for
+        # non-query positions, so trees under a window must have q_len == region_len
+        key_depth = qmask.sum(-1) - 1 if qmask.shape[0] == region_len else None
+        if key_depth is None:
+            raise NotImplementedError("sliding window with a partially cached tree region")
+    q_pos = prefix_len + qmask.sum(-1) - 1 if tm is not None else prefix_len + key_depth[-qmask.shape[0]:]
+    k_pos = torch.cat([torch.arange(prefix_len, device=qmask.device), prefix_len + key_depth])
+    return k_pos.view(1, -1) > q_pos.view(-1, 1) - window
 
 
 class TorchAttentionBackend(AttentionBackend):

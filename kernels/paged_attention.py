@@ -1,0 +1,321 @@
+"""Paged attention over the shared KV pool: decode, tree verify and chunked prefill in one kernel.
+
+One program handles a tile of BLOCK_Q new tokens of one row times all GROUP query heads that
+share one KV head (so each K/V tile is loaded once for the whole GQA group), and one of
+NUM_SPLITS contiguous chunks of that tile's visible key range (split-K / flash-decoding).
+With NUM_SPLITS > 1 the programs write fp32 partial outputs plus log-sum-exp, and a second
+small kernel combines them. Decode (max_query_len == 1) uses the same kernel with a 16-row
+tile and more splits. Keys are read position by position through the block table, so the
+cache block size and the kernel's key tile BLOCK_N are independent.
+
+Grids depend only on ``max_query_len`` (must be >= the true value) and the chosen split
+count; every length is read on the device, so a launch stays valid for CUDA-graph replay
+with any lengths within those bounds.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec.attention.torch_backend import paged_attention as _torch_paged_attention
+from specdec.kernels.arg_checks import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_launchable,
+    check_tensor,
+    next_pow2,
+)
+
+LOG2E = 1.4426950408889634
+MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per new token
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _tree_depth(tm, n_new):
+    """Depth of each tree token = popcount of its mask restricted to the row's n_new bits, minus one."""
+    bits = tl.arange(0, 64).to(tl.int64)
+    on = ((tm[:, None] >> bits[None, :]) & 1) & (bits[None, :] < n_new).to(tl.int64)
+    return tl.sum(on, axis=1) - 1
+
+
+@triton.jit
+def _paged_attn_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, pre_ptr, sl_ptr, tm_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    scale_log2, window,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt0, stride_bt1,
+    stride_ot, stride_oh,
+    stride_ps, stride_pt, stride_ph,  # partial o (splits, T, Hq, D); lse uses (splits, T, Hq) / D
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_TREE: tl.constexpr, SLIDING: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
+    tile = tl.program_id(0)
+    b = tl.program_id(1) // NUM_KV_HEADS
+    kvh = tl.program_id(1) % NUM_KV_HEADS
+    split = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + b).to(tl.int32)
+    n_new = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
+    tile_start = tile * BLOCK_Q
+    if tile_start >= n_new:
+        return
+    prefix = tl.load(pre_ptr + b).to(tl.int32)
+    seq_len = tl.load(sl_ptr + b).to(tl.int32)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    t_idx = tile_start + offs_m // GROUP_P  # (BLOCK_M,) new-token index within the row
+    head = kvh * GROUP + offs_m % GROUP_P  # (BLOCK_M,) query head
+    row_ok = (t_idx < n_new) & (offs_m % GROUP_P < GROUP)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    d_ok = offs_d < HEAD_DIM
+    tok = (q_start + t_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_P)
+
+    # Visible key range [lo, hi) of this tile, split into NUM_SPLITS chunks of whole key tiles.
+    if IS_TREE:
+        tm_q = tl.load(tm_ptr + q_start + t_idx, mask=t_idx < n_new, other=0)  # (BLOCK_M,) int64
+        hi = seq_len
+    else:
+        hi = tl.minimum(seq_len, prefix + tile_start + BLOCK_Q)
+    lo = 0
+    if SLIDING:
+        if IS_TREE:
+            q_pos = prefix + _tree_depth(tm_q, n_new)  # (BLOCK_M,)
+            lo = tl.maximum(prefix - window + 1, 0)
+        else:
+            q_pos = prefix + t_idx
+            lo = tl.maximum(prefix + tile_start - window + 1, 0)
+    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    k_lo = lo + split * chunk
+    k_hi = tl.minimum(k_lo + chunk, hi)
+
+    m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: fully masked tiles give p = 0, no NaN
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_P), tl.float32)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical key positions
+        n_ok = offs_n < k_hi
+        blk = tl.load(bt_ptr + b * stride_bt0 + (offs_n // PAGE_SIZE) * stride_bt1, mask=n_ok, other=0)
+        blk = blk.to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + (blk * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
+        v = tl.load(v_ptr + (blk * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
+                    + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+
+        j = offs_n - prefix  # new-token index of each key (negative inside the prefix)
+        jj = tl.maximum(j, 0)
+        if IS_TREE:
+            vis_new = ((tm_q[:, None] >> jj[None, :].to(tl.int64)) & 1) != 0
+        else:
+            vis_new = j[None, :] <= t_idx[:, None]
+        vis = ((j < 0)[None, :] | vis_new) & n_ok[None, :]
+        if SLIDING:
+            if IS_TREE:
+                tm_k = tl.load(tm_ptr + q_start + jj, mask=(j >= 0) & n_ok, other=0)
+                k_pos = tl.where(j >= 0, prefix + _tree_depth(tm_k, n_new), offs_n)
+            else:
+                k_pos = offs_n
+            vis = vis & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        part = split * stride_ps + tok * stride_pt + head * stride_ph  # (BLOCK_M,)
+        tl.store(part_o_ptr + part[:, None] + offs_d[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part // HEAD_DIM_P, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_P)
+    offs_d = tl.arange(0, HEAD_DIM_P)
+    s_ok = offs_s < NUM_SPLITS
+    part = offs_s * stride_ps + tok * stride_pt + head * stride_ph  # (SPLITS_P,)
+    lse = tl.load(part_lse_ptr + part // HEAD_DIM_P, mask=s_ok, other=float("-inf"))  # (SPLITS_P,)
+    w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: lse = -inf -> weight 0
+    o = tl.load(part_o_ptr + part[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)  # (HEAD_DIM_P,)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def paged_attention_reference(
+    q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask, scale,
+    sliding_window=None, *, max_query_len=None, max_seq_len=None, num_splits=None, out=None,
+):
+    """The torch reference (specdec.attention.torch_backend.paged_attention); launch hints are ignored."""
+    res = _torch_paged_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask, scale,
+        sliding_window,
+    )
+    return res if out is None else out.copy_(res)
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # (T, Hq, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D), any block stride
+    v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    block_tables: torch.Tensor,  # (>=B, max_blocks) int32
+    query_start_loc: torch.Tensor,  # (B+1,) int32
+    prefix_lens: torch.Tensor,  # (B,) int32
+    seq_lens: torch.Tensor,  # (B,) int32
+    tree_mask: torch.Tensor | None,  # (T,) int64 or None (causal)
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # (T, Hq, D)
+    """Same result as ``specdec.attention.torch_backend.paged_attention``, computed by Triton kernels.
+
+    ``max_query_len`` must be >= every row's new-token count (None: read from the device, a sync);
+    ``max_seq_len`` only steers the split count (None: read from the device). ``num_splits``
+    forces the split-K factor. ``out`` (T, Hq, D), q's dtype, receives the result when given.
+    Tokens outside every row's [qsl[b], qsl[b+1]) are left unwritten.
+    """
+    _check_args(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask,
+                scale, sliding_window, num_splits, out)
+    T, hq, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    nrows = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty((T, hq, d), dtype=q.dtype, device=q.device)  # (T, Hq, D)
+    if T == 0 or nrows == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if max_query_len < 1:
+        return out
+    if tree_mask is not None and max_query_len > MAX_TREE_TOKENS:
+        raise ValueError(f"tree_mask rows hold at most {MAX_TREE_TOKENS} new tokens, got {max_query_len}")
+    if max_seq_len > block_tables.shape[1] * page:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds block_tables capacity "
+                         f"{block_tables.shape[1]} blocks x {page}")
+
+    group = hq // hkv
+    group_p = next_pow2(group)
+    block_m, block_n, num_warps, num_stages = _tile_config(q, d, group_p, max_query_len)
+    n_tiles = triton.cdiv(max_query_len, block_m // group_p)
+    kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
+    splits = num_splits or _auto_splits(q.device, n_tiles * nrows * hkv, kv_span, block_n)
+    if splits > 1:
+        part_o = torch.empty((splits, T, hq, next_pow2(d)), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((splits, T, hq), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # never touched
+    _paged_attn_kernel[(n_tiles, nrows * hkv, splits)](
+        q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens,
+        q if tree_mask is None else tree_mask, out, part_o, part_lse,
+        float(scale) * LOG2E, int(sliding_window or 0),
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), block_tables.stride(1),
+        out.stride(0), out.stride(1),
+        *(part_o.stride()[:3] if splits > 1 else (0, 0, 0)),
+        NUM_KV_HEADS=hkv, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=d, HEAD_DIM_P=next_pow2(d), PAGE_SIZE=page, IS_TREE=tree_mask is not None,
+        SLIDING=sliding_window is not None, NUM_SPLITS=splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if splits > 1:
+        _combine_splits_kernel[(T, hq)](
+            part_o, part_lse, out, *part_o.stride()[:3], out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, SPLITS_P=next_pow2(splits), HEAD_DIM=d, HEAD_DIM_P=next_pow2(d),
+        )
+    return out
+
+
+def _tile_config(q: torch.Tensor, d: int, group_p: int, max_query_len: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 16-row tiles for decode, 64 rows otherwise."""
+    if q.device.type != "cuda":
+        return max(16, group_p), 16, 1, 1  # interpreter: small tiles keep the tests fast
+    block_m = 16 if max_query_len == 1 else 64
+    block_m = max(block_m, group_p)
+    block_n = 64 if d <= 128 and q.dtype != torch.float32 else 32
+    return block_m, block_n, 4, 2
+
+
+def _auto_splits(device: torch.device, programs: int, kv_span: int, block_n: int) -> int:
+    """Split the keys until the grid fills the GPU twice, keeping >= 4 key tiles per split."""
+    if device.type != "cuda":
+        return 1
+    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target:
+        return 1
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, programs), kv_span // (4 * block_n)))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask,
+                scale, sliding_window, num_splits, out) -> None:
+    check_tensor("q", q, shape=(None, None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    dev = q.device
+    check_launchable(_paged_attn_kernel, dev)
+    t, hq, d = q.shape
+    check_tensor("k_cache", k_cache, shape=(None, None, None, d), dtypes=(q.dtype,), device=dev,
+                 last_dim_contiguous=True)
+    check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=(q.dtype,), device=dev,
+                 last_dim_contiguous=True)
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k_cache heads ({hkv})")
+    check_tensor("seq_lens", seq_lens, shape=(None,), dtypes=INDEX_DTYPES, device=dev)
+    b = seq_lens.shape[0]
+    check_tensor("prefix_lens", prefix_lens, shape=(b,), dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("query_start_loc", query_start_loc, shape=(b + 1,), dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("block_tables", block_tables, shape=(None, None), dtypes=INDEX_DTYPES, device=dev)
+    if block_tables.shape[0] < b:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, need >= {b} (one per row)")
+    if tree_mask is not None:
+        check_tensor("tree_mask", tree_mask, shape=(t,), dtypes=(torch.int64,), device=dev)
+    if isinstance(scale, torch.Tensor) or not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be a finite Python float, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= 64):
+        raise ValueError(f"num_splits must be None or an int in [1, 64], got {num_splits!r}")
+    if out is not None:
+        check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)

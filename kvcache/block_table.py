@@ -1,0 +1,48 @@
+"""Per-request block tables kept in one host tensor, staged to the device once per step."""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockTables:
+    """Rows of logical -> physical block ids, one row per live request.
+
+    The host tensor is pinned when the device is CUDA. ``stage`` copies the active rows to
+    a device buffer with one gather and one copy.
+    """
+
+    def __init__(self, max_rows: int, max_blocks_per_row: int, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, pin_memory=pin)
+        self._staging = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, pin_memory=pin)
+        self._device_buf = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, device=self.device)
+        self._free_rows = list(range(max_rows - 1, -1, -1))
+        self.max_blocks_per_row = max_blocks_per_row
+
+    def acquire_row(self) -> int:
+        if not self._free_rows:
+            raise RuntimeError("no free block-table rows: too many live requests")
+        return self._free_rows.pop()
+
+    def release_row(self, row: int) -> None:
+        self.host[row].zero_()
+        self._free_rows.append(row)
+
+    def set_row(self, row: int, blocks: list[int]) -> None:
+        if len(blocks) > self.max_blocks_per_row:
+            raise ValueError(
+                f"sequence needs {len(blocks)} blocks, more than max_blocks_per_row={self.max_blocks_per_row}"
+            )
+        self.host[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+
+    def stage(self, rows: list[int]) -> torch.Tensor:
+        """Device tensor ``(len(rows), max_blocks_per_row)`` holding the given rows, in order."""
+        n = len(rows)
+        idx = torch.tensor(rows, dtype=torch.int64)
+        torch.index_select(self.host, 0, idx, out=self._staging[:n])
+        if self.device.type == "cpu":
+            return self._staging[:n].clone()
+        self._device_buf[:n].copy_(self._staging[:n], non_blocking=True)
+        return self._device_buf[:n]

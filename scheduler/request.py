@@ -1,0 +1,70 @@
+"""The request-state object that travels through schedule -> propose -> verify -> commit."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.outputs import AcceptanceStats
+from specdec.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request: its tokens, its KV blocks, its progress for both models.
+
+    ``tokens`` is prompt + output. The target's KV covers ``tokens[:num_computed]``; the
+    draft's covers ``tokens[:num_computed_draft]``. While running, the last token is pending
+    (its KV is computed by the next verify forward).
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    bt_row: int = -1
+    num_computed: int = 0
+    num_computed_draft: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    generator: torch.Generator | None = None
+    arrival: int = 0
+    text: str = ""
+    emitted_tokens: int = 0  # output tokens already streamed
+    emitted_chars: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.tokens:
+            self.tokens = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.num_computed >= len(self.tokens) - 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

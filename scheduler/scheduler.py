@@ -1,0 +1,225 @@
+"""Continuous batching: admission under a KV capacity policy, chunked prefill, preemption."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
+from specdec.kvcache.block_table import BlockTables
+from specdec.scheduler.request import Request, RequestStatus
+
+
+class CapacityPolicy(enum.Enum):
+    GUARANTEED_NO_EVICT = "guaranteed_no_evict"  # admit only what can finish
+    MAX_UTILIZATION = "max_utilization"  # admit greedily, preempt by recompute
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048  # prefill tokens per step
+    policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
+        if not isinstance(self.policy, CapacityPolicy):
+            object.__setattr__(self, "policy", CapacityPolicy(self.policy))
+
+
+@dataclass
+class PrefillChunk:
+    req: Request
+    start: int
+    end: int
+
+
+@dataclass
+class StepBatch:
+    """What one engine step runs: prefill chunks, and rows that speculate (draft + verify)."""
+
+    prefill: list[PrefillChunk] = field(default_factory=list)
+    decode: list[Request] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    """Owns the queues, the allocator bookkeeping and the block tables of all requests.
+
+    ``lookahead`` is the number of positions past the sequence a speculating row writes
+    (the draft tree's node budget).
+    """
+
+    def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, tables: BlockTables,
+                 block_size: int, lookahead: int, prefix_cache=None) -> None:
+        self.cfg, self.allocator, self.tables = cfg, allocator, tables
+        self.block_size, self.lookahead = block_size, lookahead
+        self.prefix_cache = prefix_cache
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._arrivals = 0
+
+    def add(self, req: Request) -> None:
+        req.arrival = self._arrivals
+        self._arrivals += 1
+        self.waiting.append(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.block_size)
+
+    def _max_blocks(self, req: Request) -> int:
+        return self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+
+    def schedule(self) -> StepBatch:
+        """Admit what fits, then pick prefill chunks and speculating rows for one step."""
+        batch = StepBatch()
+        self._admit()
+        budget = self.cfg.max_num_tokens
+        for req in self.running:
+            if req.prefill_done or budget == 0:
+                continue
+            end = min(len(req.tokens) - 1, req.num_computed + budget)
+            batch.prefill.append(PrefillChunk(req, req.num_computed, end))
+            budget -= end - req.num_computed
+        for req in list(self.running):
+            if req.prefill_done and req in self.running:
+                if self._reserve(req, len(req.tokens) + self.lookahead, batch):
+                    batch.decode.append(req)
+        batch.decode = [r for r in batch.decode if r in self.running]
+        return batch
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.cfg.max_batch_size:
+            req = self.waiting[0]
+            if not self._can_admit(req):
+                break
+            self.waiting.pop(0)
+            req.bt_row = self.tables.acquire_row()
+            req.status = RequestStatus.RUNNING
+            if self.prefix_cache is not None:
+                self.prefix_cache.attach(req)
+            self.allocator_grow(req, len(req.tokens) - 1)
+            self.running.append(req)
+
+    def _can_admit(self, req: Request) -> bool:
+        if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
+            reserved = sum(self._max_blocks(r) - len(r.blocks) for r in self.running)
+            return self._free_blocks() - reserved >= self._max_blocks(req)
+        return self._free_blocks() >= self.blocks_for(len(req.tokens) + self.lookahead)
+
+    def _free_blocks(self) -> int:
+        evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
+        return self.allocator.num_free + evictable
+
+    def allocator_grow(self, req: Request, num_positions: int) -> None:
+        """Give ``req`` blocks covering ``num_positions`` logical positions (may raise OutOfBlocks)."""
+        need = self.blocks_for(num_positions) - len(req.blocks)
+        if need <= 0:
+            return
+        if self.prefix_cache is not None:
+            self.prefix_cache.make_room(need)
+        req.blocks += self.allocator.allocate(need)
+        self.tables.set_row(req.bt_row, req.blocks)
+
+    def _reserve(self, req: Request, num_positions: int, batch: StepBatch) -> bool:
+        """Grow ``req`` to ``num_positions``, preempting later arrivals if the pool is full."""
+        while True:
+            try:
+                self.allocator_grow(req, num_positions)
+                return True
+            except OutOfBlocks:
+                victim = max(self.running, key=lambda r: r.arrival)
+                self.preempt(victim)
+                batch.preempted.append(victim)
+                if victim is req:
+                    return False
+
+    def preempt(self, req: Request) -> None:
+        """Free ``req``'s KV and requeue it at the front; it is recomputed from its tokens."""
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed = req.num_computed_draft = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.insert(0, req)
+
+    def shrink(self, req: Request) -> None:
+        """Free blocks past the request's current tokens (rejected tree slots)."""
+        keep = self.blocks_for(len(req.tokens))
+        if len(req.blocks) > keep:
+            self.allocator.free(req.blocks[keep:])
+            del req.blocks[keep:]
+            self.tables.set_row(req.bt_row, req.blocks)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req)
+        else:
+            self.allocator.free(req.blocks)
+        req.blocks = []
+        if req.bt_row >= 0:
+            self.tables.release_row(req.bt_row)
+            req.bt_row = -1
+
+
+def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], results) -> None:
+    """Adopt each row's accepted path into its sequence, append tokens, apply stop rules.
+
+    ``results[i]`` has ``accepted_nodes``, ``accepted_tokens``, ``bonus_token`` and
+    ``draft_computed`` (nodes whose draft KV was written). KV of accepted node a_j moves from
+    position L + a_j to L + j - 1 for both models, in one call for the whole batch.
+    """
+    import torch
+
+    src, dst = [], []
+    for req, res in zip(rows, results):
+        base = len(req.tokens)
+        for j, node in enumerate(res.accepted_nodes):
+            if node != j:
+                src.append(_slot(req, base + node, sched.block_size))
+                dst.append(_slot(req, base + j, sched.block_size))
+    if src:
+        dev = pool.storage.device
+        pool.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+    for req, res in zip(rows, results):
+        base = len(req.tokens)
+        m = len(res.accepted_nodes)
+        done = res.draft_computed or ()
+        n_draft = next((j for j, node in enumerate(res.accepted_nodes) if node not in done), m)
+        req.stats.record(res.num_drafted, res.max_depth, m)
+        req.num_computed = base + m
+        if res.draft_computed is None:  # model-free drafter: nothing of the draft to track
+            req.num_computed_draft = base + m
+        else:
+            req.num_computed_draft = base + n_draft
+        reason = None
+        for tok in [*res.accepted_tokens, res.bonus_token]:
+            reason = stopper.append(req, tok)
+            if reason:
+                break
+        stopper.finalize_text(req, reason)
+        if reason:
+            sched.finish(req, reason)
+        else:
+            sched.shrink(req)
+
+
+def _slot(req: Request, pos: int, block_size: int) -> int:
+    return req.blocks[pos // block_size] * block_size + pos % block_size

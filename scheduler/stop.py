@@ -1,0 +1,46 @@
+"""Stop conditions checked at every committed token: EOS, stop tokens, stop strings, length."""
+
+from __future__ import annotations
+
+from specdec.scheduler.request import Request
+
+
+class StopChecker:
+    """Decides, token by token, whether a request ends; keeps the request's output text current."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def append(self, req: Request, token: int) -> str | None:
+        """Append one token; return a finish reason if the request must stop after it."""
+        req.tokens.append(token)
+        p = req.params
+        if not p.ignore_eos and token in req.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.stop:
+            text = self.decode(req.output_ids)
+            cut = _first_stop(text, p.stop)
+            if cut is not None:
+                req.text = text[:cut]
+                return "stop"
+        if req.num_output >= p.max_new_tokens:
+            return "length"
+        return None
+
+    def finalize_text(self, req: Request, reason: str | None) -> None:
+        """Refresh ``req.text`` unless a stop string already fixed it."""
+        if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids), req.params.stop):
+            return
+        req.text = self.decode(req.output_ids)
+
+
+def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,30 @@
+"""The drafter interface: propose a token tree for each speculating row."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+from specdec.scheduler.request import Request
+from specdec.tree import DraftTree
+
+
+class Proposal(NamedTuple):
+    """Trees for the rows, and per row the nodes whose draft KV was written (None: no draft KV)."""
+
+    trees: list[DraftTree]
+    draft_computed: list[frozenset[int] | None]
+
+
+class Drafter(ABC):
+    """Grows draft trees. ``max_nodes`` bounds every tree (the scheduler reserves that many slots)."""
+
+    max_nodes: int = 0
+    uses_kv: bool = False  # True when the drafter keeps a model's KV in the shared pool
+
+    def prefill(self, chunks) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
+        """Write the draft model's KV for prompt chunks (list of PrefillChunk)."""
+
+    @abstractmethod
+    def propose(self, rows: list[Request]) -> Proposal:
+        """One tree per row, nodes in level order, at most ``max_nodes`` each."""

@@ -1,0 +1,41 @@
+"""Model-free drafting by prompt lookup: continue the latest earlier occurrence of the suffix."""
+
+from __future__ import annotations
+
+from specdec.drafters.base import Drafter, Proposal
+from specdec.scheduler.request import Request
+from specdec.tree import DraftTree
+
+
+def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier match of the longest suffix n-gram."""
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+class NgramDrafter(Drafter):
+    """Chains of up to ``k`` tokens drawn from the prompt and the generated text (point-mass drafts)."""
+
+    uses_kv = False
+
+    def __init__(self, k: int = 8, max_n: int = 4, min_n: int = 1, device="cpu") -> None:
+        if not 1 <= k <= 63:
+            raise ValueError(f"ngram k must be in [1, 63], got {k}")
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.k, self.max_n, self.min_n, self.device = k, max_n, min_n, device
+        self.max_nodes = k
+
+    def propose(self, rows: list[Request]) -> Proposal:
+        trees = []
+        for req in rows:
+            room = req.params.max_new_tokens - req.num_output - 1
+            cand = ngram_lookup(req.tokens, min(self.k, max(room, 0)), self.max_n, self.min_n)
+            trees.append(DraftTree.from_parents(cand, list(range(-1, len(cand) - 1)), device=self.device)
+                         if cand else DraftTree.empty(self.device))
+        return Proposal(trees, [None] * len(rows))

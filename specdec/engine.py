@@ -1,0 +1,314 @@
+"""SpecEngine: the draft -> verify loop over a continuous batch on one shared KV pool."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from specdec.config import ModelConfig
+from specdec.drafters.base import Drafter, Proposal
+from specdec.kvcache.allocator import BlockAllocator
+from specdec.kvcache.block_table import BlockTables
+from specdec.kvcache.pool import KVPool, KVSpec
+from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
+from specdec.outputs import AcceptanceStats, RequestOutput
+from specdec.prompts import PromptError, to_prompt_ids
+from specdec.runner import ModelRunner, RowInput
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler.request import Request
+from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
+from specdec.scheduler.stop import StopChecker
+from specdec.tree import template_from_spec
+from specdec.verifier import Verifier, new_generator
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Engine options. ``tree``: 'chain:K', 'topk:WxD' or 'dynamic:B' (draft model) or the n-gram
+    chain length as 'chain:K'. KV pool size: ``num_blocks`` or ``kv_memory_bytes`` (default 256 MiB
+    on CPU, 40% of free GPU memory on CUDA)."""
+
+    tree: str = "chain:4"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_bytes: int | None = None
+    max_batch_size: int = 64
+    max_num_tokens: int = 2048
+    policy: str = "guaranteed_no_evict"
+    prefix_cache: bool = True
+    attention_backend: str = "auto"
+    device: str = "cpu"
+    dtype: str = "float32"
+    ngram_max_n: int = 4
+
+    def __post_init__(self) -> None:
+        template_from_spec(self.tree)
+        if self.block_size < 1:
+            raise ValueError(f"SpecConfig.block_size must be >= 1, got {self.block_size}")
+        policies = [p.value for p in CapacityPolicy]
+        if self.policy not in policies:
+            raise ValueError(f"SpecConfig.policy must be one of {policies}, got {self.policy!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"SpecConfig.attention_backend must be auto, torch or triton, got "
+                             f"{self.attention_backend!r}")
+        resolve_dtype(self.dtype)
+        SchedulerConfig(self.max_batch_size, self.max_num_tokens)
+
+    @property
+    def tree_spec(self):
+        return template_from_spec(self.tree)
+
+
+class SpecEngine:
+    """``SpecEngine(draft, target).generate(prompts, params)``: lossless speculative decoding.
+
+    draft: a model name/path/LoadedModel, ``"ngram"``, or None (target-only decoding).
+    """
+
+    def __init__(self, draft: Any, target: Any, config: SpecConfig | None = None) -> None:
+        self.config = cfg = config or SpecConfig()
+        self.device = torch.device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype)
+        self.target = _as_loaded(target, dtype, self.device)
+        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device)
+        if self.draft is not None:
+            _check_same_vocab(self.draft, self.target)
+        specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
+        self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks,
+                           memory_bytes=None if cfg.num_blocks else self._kv_budget(), dtype=dtype, device=self.device)
+        max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
+        self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
+        self.allocator = BlockAllocator(self.pool.num_blocks)
+        self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
+        self.drafter = self._make_drafter(draft)
+        prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
+            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache)
+        self.verifier = Verifier(self.target.model, self.runner)
+        self.stopper = StopChecker(self.target.tokenizer)
+        self.stats = AcceptanceStats()
+        self._ids = itertools.count()
+
+    def _kv_budget(self) -> int:
+        if self.config.kv_memory_bytes:
+            return self.config.kv_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.4)
+        return 256 << 20
+
+    def _make_drafter(self, draft) -> Drafter:
+        spec = self.config.tree_spec
+        if draft == "ngram":
+            from specdec.drafters.ngram import NgramDrafter
+
+            if spec.kind != "chain":
+                raise ValueError(f"the n-gram drafter proposes chains: use tree='chain:K', got {spec}")
+            return NgramDrafter(spec.k, self.config.ngram_max_n, device=self.device)
+        if self.draft is None:
+            from specdec.drafters.ngram import NgramDrafter
+
+            return _NoDraft()
+        from specdec.drafters.model_drafter import ModelDrafter
+
+        return ModelDrafter(self.draft.model, self.runner, spec)
+
+    def _make_prefix_cache(self):
+        from specdec.kvcache.radix_cache import RadixPrefixCache
+
+        return RadixPrefixCache(self.allocator, self.config.block_size)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and queue one request; bad input raises a ValueError naming the field."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        ids = to_prompt_ids(prompt, self.target.tokenizer)
+        self._validate(ids, params)
+        eos = tuple(self.target.config.eos_token_ids)
+        if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
+            eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
+        req = Request(request_id or str(next(self._ids)), ids, params, eos)
+        req.generator = None if params.greedy else new_generator(params.seed, self.device)
+        self.scheduler.add(req)
+        return req
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        cfg = self.target.config
+        if not ids:
+            raise PromptError("prompt is empty: it must have at least 1 token")
+        bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        limit = cfg.max_position_embeddings
+        if len(ids) >= limit:
+            raise PromptError(f"prompt has {len(ids)} tokens; the model's max length is {limit} (prompt must "
+                              f"be < {limit} tokens)")
+        if len(ids) + params.max_new_tokens + self.drafter.max_nodes > limit:
+            raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
+                             f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.max_nodes}")
+        need = self.scheduler.blocks_for(len(ids) + params.max_new_tokens + self.drafter.max_nodes + 1)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "
+                             "(raise num_blocks/kv_memory_bytes or lower max_new_tokens)")
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that made progress or finished."""
+        batch: StepBatch = self.scheduler.schedule()
+        if batch.empty:
+            if self.scheduler.has_work:
+                raise RuntimeError("scheduler made no progress: the KV pool is too small for any request")
+            return []
+        self._prefill(batch)
+        proposal: Proposal = self.drafter.propose(batch.decode)
+        results = self.verifier.verify(batch.decode, proposal.trees, proposal.draft_computed)
+        commit_accepted(self.scheduler, self.stopper, self.pool, batch.decode, results)
+        for req in batch.decode:
+            if req.finished:
+                self.stats.merge(req.stats)
+        return [c.req for c in batch.prefill] + batch.decode
+
+    def _prefill(self, batch: StepBatch) -> None:
+        if not batch.prefill:
+            return
+        rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
+                         want_logits="none") for c in batch.prefill]
+        self.runner.run(0, self.target.model, rows)
+        self.drafter.prefill(batch.prefill)
+        for c in batch.prefill:
+            c.req.num_computed = c.end
+            if not self.drafter.uses_kv:
+                c.req.num_computed_draft = c.end
+        if self.scheduler.prefix_cache is not None:
+            for c in batch.prefill:
+                self.scheduler.prefix_cache.insert(c.req)
+
+    def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; one RequestOutput per prompt, in order.
+
+        A prompt that fails validation yields an output with finish_reason "error" and the
+        ValueError in ``error``; the other prompts run normally.
+        """
+        final: dict[str, RequestOutput] = {}
+        order = []
+        for out in self.stream(prompts, params, use_tqdm=use_tqdm, _order=order):
+            if out.finished:
+                final[out.request_id] = out
+        return [final[i] for i in order]
+
+    def stream(self, prompts, params=None, use_tqdm: bool = False, _order=None) -> Iterator[RequestOutput]:
+        """Yield incremental outputs (``new_token_ids``/``new_text``) as requests progress."""
+        prompt_list = _as_prompt_list(prompts)
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
+        if len(plist) != len(prompt_list):
+            raise ValueError(f"params has {len(plist)} entries for {len(prompt_list)} prompts")
+        order = _order if _order is not None else []
+        live = []
+        for prompt, p in zip(prompt_list, plist):
+            rid = str(next(self._ids))
+            order.append(rid)
+            try:
+                live.append(self.add_request(prompt, p, rid))
+            except ValueError as err:
+                yield RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err)
+        bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in live))
+        while self.scheduler.has_work:
+            for req in self.step():
+                out = _output(req, self.stopper)
+                if out.new_token_ids or out.finished:
+                    if bar is not None:
+                        bar.update(len(out.new_token_ids))
+                    yield out
+        if bar is not None:
+            bar.close()
+
+    def all_blocks_free(self) -> bool:
+        """True when no request holds a block (cached prefix blocks are evicted first)."""
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.evict_all()
+        return self.allocator.all_free()
+
+
+class _NoDraft(Drafter):
+    """Target-only decoding: empty trees, so each verify forward commits one token."""
+
+    def propose(self, rows):
+        from specdec.tree import DraftTree
+
+        return Proposal([DraftTree.empty(r.generator.device if r.generator else "cpu") for r in rows],
+                        [None] * len(rows))
+
+
+def _output(req: Request, stopper: StopChecker) -> RequestOutput:
+    out_ids = req.output_ids
+    new_ids = out_ids[req.emitted_tokens:]
+    text = req.text if req.finished else stopper.decode(out_ids)
+    new_text = text[req.emitted_chars:]
+    req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
+    return RequestOutput(req.request_id, list(req.prompt_ids), list(out_ids), text, req.finish_reason,
+                         req.stats, None, new_ids, new_text)
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="tok", desc="generate")
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids, chat messages) or a list of them -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) for m in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _as_loaded(model, dtype, device) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        return model
+    return load_model(model, dtype=dtype, device=device)
+
+
+def _kv_spec(cfg: ModelConfig) -> KVSpec:
+    return KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+
+
+def _backend(cfg: SpecConfig, device: torch.device):
+    try:
+        from specdec.kernels.backend import select_backend
+    except ImportError:
+        from specdec.attention.torch_backend import TorchAttentionBackend
+
+        if cfg.attention_backend == "triton":
+            raise
+        return TorchAttentionBackend()
+    return select_backend(device, cfg.attention_backend)
+
+
+def _check_same_vocab(draft: LoadedModel, target: LoadedModel) -> None:
+    """Refuse a draft whose tokenizer differs from the target's (a padded vocabulary is fine)."""
+    dt, tt = draft.tokenizer, target.tokenizer
+    if dt is None or tt is None:
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft vocab_size {draft.config.vocab_size} != target {target.config.vocab_size}")
+        return
+    dv, tv = dt.get_vocab(), tt.get_vocab()
+    common = min(len(dv), len(tv))
+    if any(dv.get(tok) != idx for tok, idx in tv.items() if idx < common) or max(len(dv), len(tv)) > max(
+            draft.config.vocab_size, target.config.vocab_size):
+        raise ValueError(f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
+                         "speculative decoding needs the same vocabulary")

@@ -1,0 +1,87 @@
+"""What generation returns: per-request outputs and acceptance statistics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AcceptanceStats:
+    """Counts of one request (or an aggregate): drafted and accepted tokens per target forward."""
+
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    committed: int = 0  # tokens committed by verify forwards (accepted + bonus)
+    depth_steps: list[int] = field(default_factory=list)  # forwards whose tree reached depth d
+    depth_accepted: list[int] = field(default_factory=list)  # forwards that accepted a token at depth d
+
+    def record(self, num_drafted: int, max_depth: int, num_accepted: int) -> None:
+        self.target_forwards += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.committed += num_accepted + 1
+        _grow(self.depth_steps, max_depth)
+        _grow(self.depth_accepted, max_depth)
+        for d in range(max_depth):
+            self.depth_steps[d] += 1
+            self.depth_accepted[d] += int(num_accepted > d)
+
+    def merge(self, other: AcceptanceStats) -> None:
+        self.target_forwards += other.target_forwards
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.committed += other.committed
+        for mine, theirs in ((self.depth_steps, other.depth_steps), (self.depth_accepted, other.depth_accepted)):
+            _grow(mine, len(theirs))
+            for d, n in enumerate(theirs):
+                mine[d] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per target forward (accepted draft tokens + the bonus token)."""
+        return self.committed / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [a / s if s else 0.0 for a, s in zip(self.depth_accepted, self.depth_steps)]
+
+    def as_dict(self) -> dict:
+        return {
+            "target_forwards": self.target_forwards, "drafted": self.drafted, "accepted": self.accepted,
+            "committed": self.committed, "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_depth": self.acceptance_by_depth,
+            "depth_steps": list(self.depth_steps), "depth_accepted": list(self.depth_accepted),
+        }
+
+
+def _grow(xs: list[int], n: int) -> None:
+    xs.extend([0] * (n - len(xs)))
+
+
+@dataclass
+class RequestOutput:
+    """A request's output so far (streaming) or in full (``finished``).
+
+    finish_reason: None while running, else "stop" (EOS, stop token or stop string),
+    "length" (max_new_tokens) or "error" (bad input; ``error`` says why).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stats: AcceptanceStats
+    error: ValueError | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

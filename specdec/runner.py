@@ -1,0 +1,113 @@
+"""Runs one model forward over a packed batch of rows on the shared KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.scheduler.request import Request
+from specdec.attention.base import AttentionBackend, AttnMetadata
+from specdec.kvcache.block_table import BlockTables
+from specdec.kvcache.pool import KVPool
+from specdec.models.llama import ForwardContext, LlamaForCausalLM
+
+MAX_TREE_REGION = 64
+
+
+@dataclass
+class RowInput:
+    """The queries of one row: tokens, RoPE positions and where in the region they sit.
+
+    The row sees logical positions [0, seq_len); [prefix_len, seq_len) is the masked region
+    and the queries are its last len(token_ids) positions. ``tree_mask`` holds one bitmask
+    over the region per query, or None for causal.
+    """
+
+    req: Request
+    token_ids: list[int]
+    positions: list[int]
+    prefix_len: int
+    seq_len: int
+    tree_mask: list[int] | None = None
+    want_logits: str = "last"  # "last", "all" or "none"
+
+
+def causal_bits(region_len: int, n_query: int) -> list[int]:
+    """Bitmasks equal to a causal mask for the last ``n_query`` positions of a region."""
+    return [(1 << (r + 1)) - 1 for r in range(region_len - n_query, region_len)]
+
+
+class ModelRunner:
+    """Builds ``AttnMetadata`` for rows of requests and runs a model over them."""
+
+    def __init__(self, pool: KVPool, tables: BlockTables, backend: AttentionBackend, device) -> None:
+        self.pool, self.tables, self.backend = pool, tables, backend
+        self.device = torch.device(device)
+
+    def slots(self, req: Request, logical: range | list[int]) -> list[int]:
+        bs = self.pool.block_size
+        return [req.blocks[p // bs] * bs + p % bs for p in logical]
+
+    def build(self, rows: list[RowInput]) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
+        """Metadata, token ids (T,) and positions (T,) of the packed rows."""
+        qsl, toks, pos, slots, masks = [0], [], [], [], []
+        use_tree = any(r.tree_mask is not None for r in rows)
+        for r in rows:
+            n = len(r.token_ids)
+            if not 0 < n <= r.seq_len - r.prefix_len:
+                raise ValueError(f"row of {r.req.request_id}: {n} queries for region of {r.seq_len - r.prefix_len}")
+            qsl.append(qsl[-1] + n)
+            toks += r.token_ids
+            pos += r.positions
+            slots += self.slots(r.req, range(r.seq_len - n, r.seq_len))
+            if use_tree:
+                region = r.seq_len - r.prefix_len
+                if r.tree_mask is None and region > MAX_TREE_REGION:
+                    raise ValueError(f"tree batch row with a causal region of {region} > {MAX_TREE_REGION}")
+                masks += r.tree_mask if r.tree_mask is not None else causal_bits(region, n)
+        dev = self.device
+        seq_lens = [r.seq_len for r in rows]
+        prefix = [r.prefix_len for r in rows]
+        meta = AttnMetadata(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=self.tables.stage([r.req.bt_row for r in rows]),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_size=self.pool.block_size,
+            tree_mask=torch.tensor(_as_signed(masks), dtype=torch.int64, device=dev) if use_tree else None,
+            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(rows))),
+            max_seq_len=max(seq_lens),
+            host_query_start_loc=qsl, host_seq_lens=seq_lens, host_prefix_lens=prefix,
+        )
+        ids = torch.tensor(toks, dtype=torch.int64, device=dev)
+        return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
+
+    def run(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> list[torch.Tensor | None]:
+        """Forward the rows through ``model`` (KV views of pool model ``model_idx``).
+
+        Returns per row the float32 logits it asked for: (V,) for "last", (n, V) for "all".
+        """
+        for r in rows:
+            self.tables.set_row(r.req.bt_row, r.req.blocks)
+        meta, ids, pos = self.build(rows)
+        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(model_idx))
+        with torch.inference_mode():
+            hidden = model(ids, pos, ctx)  # (T, hidden)
+            picks, spans = [], []
+            for i, r in enumerate(rows):
+                s, e = meta.host_query_start_loc[i], meta.host_query_start_loc[i + 1]
+                span = {"last": (e - 1, e), "all": (s, e), "none": (e, e)}[r.want_logits]
+                spans.append((len(picks), len(picks) + span[1] - span[0], r.want_logits))
+                picks += range(*span)
+            logits = model.compute_logits(hidden[picks]) if picks else None  # (P, V)
+        out = []
+        for a, b, kind in spans:
+            out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
+        return out
+
+
+def _as_signed(masks: list[int]) -> list[int]:
+    """Bitmasks using bit 63 become negative int64 values (two's complement)."""
+    return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]

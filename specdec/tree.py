@@ -1,0 +1,399 @@
+"""Draft trees as tensors (the hot path) and static tree templates checked with networkx.
+
+A tree hangs below the root, the request's pending token (verify token 0). Node i is
+verify token i + 1; nodes are in topological order (parent index < child index), so
+every per-node array can be filled in one forward sweep. See docs/design.md, "Trees".
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import NamedTuple
+
+import networkx as nx
+import torch
+from torch import Tensor
+
+MAX_TREE_NODES = 63  # with the root: 64 verify tokens, one int64 bitmask per node
+CHILD_MODES = ("iid", "without_replacement", "deterministic")
+ROOT = -1  # parent index of the root's children; also the root's id in children()/path_to()
+
+
+class HostView(NamedTuple):
+    """Host (Python list) copies of a tree's integer arrays."""
+
+    tokens: list[int]
+    parents: list[int]
+    depth: list[int]
+    ancestor_mask: list[int]
+    dist_index: list[int]
+    children: dict[int, list[int]]  # ROOT and every node -> children in index order
+
+
+def _int_vector(name: str, t: object, n: int | None) -> Tensor:
+    if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D int64 tensor, got {_describe(t)}")
+    if n is not None and t.shape[0] != n:
+        raise ValueError(f"{name} must have shape ({n},) like tokens, got {tuple(t.shape)}")
+    return t
+
+
+def _describe(t: object) -> str:
+    if isinstance(t, Tensor):
+        return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
+    return type(t).__name__
+
+
+def _depths_and_masks(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Depth (0 under the root) and ancestor bitmask (self included) of topologically ordered nodes."""
+    depth: list[int] = []
+    mask: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"parents[{i}] must be in [-1, {i - 1}] (topological order), got {p}")
+        depth.append(0 if p < 0 else depth[p] + 1)
+        mask.append((1 << i) | (0 if p < 0 else mask[p]))
+    return depth, mask
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A token tree below the pending token, validated at construction.
+
+    tokens, parents, depth, ancestor_mask, dist_index: (N,) int64 on one device, N <= 63.
+    draft_dists: (M, V) float32/float64 rows of shaped draft distributions, or None;
+    node i was drawn from row dist_index[i] (the distribution at its parent), -1 = none.
+    child_mode says how siblings were drawn: "iid" from their row, "without_replacement"
+    from their row, or "deterministic" (top-k, n-gram; no distribution needed).
+    Construction reads the small integer arrays to the host once (one sync on GPU).
+    """
+
+    tokens: Tensor  # (N,)
+    parents: Tensor  # (N,)
+    depth: Tensor  # (N,)
+    ancestor_mask: Tensor  # (N,)
+    draft_dists: Tensor | None = None  # (M, V)
+    dist_index: Tensor | None = None  # (N,); None means all -1
+    child_mode: str = "deterministic"
+
+    def __post_init__(self) -> None:
+        n = _int_vector("tokens", self.tokens, None).shape[0]
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
+        for name in ("parents", "depth", "ancestor_mask"):
+            _int_vector(name, getattr(self, name), n)
+        if self.dist_index is None:
+            object.__setattr__(self, "dist_index", torch.full_like(self.tokens, -1))
+        _int_vector("dist_index", self.dist_index, n)
+        if self.child_mode not in CHILD_MODES:
+            raise ValueError(f"child_mode must be one of {CHILD_MODES}, got {self.child_mode!r}")
+        self._check_dists()
+        for name in ("parents", "depth", "ancestor_mask", "dist_index", "draft_dists"):
+            t = getattr(self, name)
+            if t is not None and t.device != self.tokens.device:
+                raise ValueError(f"{name} is on {t.device}, tokens on {self.tokens.device}")
+        self._check_values()
+
+    def _check_dists(self) -> None:
+        d = self.draft_dists
+        if d is None:
+            if self.child_mode != "deterministic":
+                raise ValueError(f"draft_dists is required for child_mode {self.child_mode!r}")
+            return
+        if not isinstance(d, Tensor) or d.dim() != 2 or d.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"draft_dists must be a (M, V) float32/float64 tensor, got {_describe(d)}")
+        if d.shape[0] < 1 or d.shape[1] < 1:
+            raise ValueError(f"draft_dists must have M >= 1 rows and V >= 1 columns, got {tuple(d.shape)}")
+
+    def _check_values(self) -> None:
+        h = self.host
+        depth, mask = _depths_and_masks(h.parents)
+        for i in range(len(h.tokens)):
+            if h.depth[i] != depth[i]:
+                raise ValueError(f"depth[{i}] must be {depth[i]} (parent's depth + 1), got {h.depth[i]}")
+            if h.ancestor_mask[i] != mask[i]:
+                raise ValueError(f"ancestor_mask[{i}] must be {mask[i]:#x}, got {h.ancestor_mask[i]:#x}")
+        vocab = None if self.draft_dists is None else self.draft_dists.shape[1]
+        rows = 0 if self.draft_dists is None else self.draft_dists.shape[0]
+        for i, tok in enumerate(h.tokens):
+            if tok < 0 or (vocab is not None and tok >= vocab):
+                raise ValueError(f"tokens[{i}] must be in [0, {vocab}), got {tok}")
+            lo = -1 if self.child_mode == "deterministic" else 0
+            if not lo <= h.dist_index[i] < rows:
+                raise ValueError(f"dist_index[{i}] must be in [{lo}, {rows}) for child_mode "
+                                 f"{self.child_mode!r}, got {h.dist_index[i]}")
+        for parent, kids in h.children.items():
+            if len({h.dist_index[c] for c in kids}) > 1:
+                raise ValueError(f"dist_index: the children of node {parent} must share one row, "
+                                 f"got {[h.dist_index[c] for c in kids]}")
+            if self.child_mode == "without_replacement" and len({h.tokens[c] for c in kids}) < len(kids):
+                raise ValueError(f"tokens: children of node {parent} drawn without replacement repeat "
+                                 f"a token: {[h.tokens[c] for c in kids]}")
+
+    @cached_property
+    def host(self) -> HostView:
+        """Python-list copies of the integer arrays and the children table, read once."""
+        rows = torch.stack([self.tokens, self.parents, self.depth, self.ancestor_mask, self.dist_index])
+        tokens, parents, depth, mask, dist_index = rows.tolist()  # one device->host copy, (5, N)
+        children: dict[int, list[int]] = {ROOT: []}
+        for i, p in enumerate(parents):
+            children.setdefault(i, [])
+            children.setdefault(p, []).append(i)
+        return HostView(tokens, parents, depth, mask, dist_index, children)
+
+    @classmethod
+    def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
+        """A tree with no nodes: verification then samples only the bonus token (plain decoding)."""
+        z = torch.zeros(0, dtype=torch.int64, device=device)
+        return cls(z, z.clone(), z.clone(), z.clone())
+
+    @classmethod
+    def from_parents(
+        cls,
+        tokens: Sequence[int] | Tensor,
+        parents: Sequence[int] | Tensor,
+        draft_dists: Tensor | None = None,
+        dist_index: Sequence[int] | Tensor | None = None,
+        child_mode: str = "deterministic",
+        device: torch.device | str | None = None,
+    ) -> DraftTree:
+        """Build a tree from tokens and parent indices, computing depth and ancestor_mask."""
+        if device is None:
+            device = tokens.device if isinstance(tokens, Tensor) else "cpu"
+        plist = parents.tolist() if isinstance(parents, Tensor) else list(parents)
+        depth, mask = _depths_and_masks(plist)
+        as_i64 = lambda v: torch.as_tensor(v, dtype=torch.int64).to(device).reshape(-1)
+        dists = None if draft_dists is None else draft_dists.to(device)
+        di = None if dist_index is None else as_i64(dist_index)
+        return cls(as_i64(tokens), as_i64(plist), as_i64(depth), as_i64(mask), dists, di, child_mode)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def max_depth(self) -> int:
+        """Number of node levels below the root (max(depth) + 1; 0 for an empty tree)."""
+        return max(self.host.depth, default=-1) + 1
+
+    def children(self, i: int) -> list[int]:
+        """Node indices whose parent is i (i = -1: the root), in index order."""
+        if not -1 <= i < self.num_nodes:
+            raise ValueError(f"node index must be in [-1, {self.num_nodes}), got {i}")
+        return self.host.children[i]
+
+    def path_to(self, i: int) -> list[int]:
+        """Node indices from the root's child down to node i (root excluded; [] for i = -1)."""
+        if not -1 <= i < self.num_nodes:
+            raise ValueError(f"node index must be in [-1, {self.num_nodes}), got {i}")
+        path = []
+        while i != ROOT:
+            path.append(i)
+            i = self.host.parents[i]
+        return path[::-1]
+
+    def verify_tree_mask(self) -> Tensor:
+        """(N+1,) int64 attention mask rows of the verify tokens: bit j = may attend verify token j."""
+        root = torch.ones(1, dtype=torch.int64, device=self.tokens.device)
+        return torch.cat([root, 1 | (self.ancestor_mask << 1)])  # bit 63 wraps to the sign bit
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        """The same tree on another device."""
+        dists = None if self.draft_dists is None else self.draft_dists.to(device)
+        return DraftTree(self.tokens.to(device), self.parents.to(device), self.depth.to(device),
+                         self.ancestor_mask.to(device), dists, self.dist_index.to(device), self.child_mode)
+
+
+# ---------------------------------------------------------------- static templates (networkx)
+
+
+@dataclass(frozen=True)
+class TreeTemplate:
+    """A fixed tree shape: parents[i] of node i (-1 = root); a node's rank among its siblings
+    says which draft top-k token it gets. Checked with networkx to be a topologically ordered
+    arborescence of at most 63 nodes."""
+
+    parents: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parents", tuple(int(p) for p in self.parents))
+        n = len(self.parents)
+        if n > MAX_TREE_NODES:
+            raise ValueError(f"parents: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
+        bad = [i for i, p in enumerate(self.parents) if not -1 <= p < n]
+        if bad:
+            raise ValueError(f"parents[{bad[0]}] must be in [-1, {n}), got {self.parents[bad[0]]}")
+        g = self.graph()
+        if not nx.is_directed_acyclic_graph(g) or not nx.is_arborescence(g):
+            raise ValueError(f"parents must form a tree below the root, got {self.parents}")
+        if any(p >= i for i, p in enumerate(self.parents)):
+            raise ValueError(f"parents must be topologically ordered (parent < child), got {self.parents}")
+
+    def graph(self) -> nx.DiGraph:
+        """Directed tree with node -1 as the root and edges parent -> child."""
+        g = nx.DiGraph()
+        g.add_node(ROOT)
+        g.add_nodes_from(range(len(self.parents)))
+        g.add_edges_from((p, i) for i, p in enumerate(self.parents))
+        return g
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depth(self) -> tuple[int, ...]:
+        return tuple(_depths_and_masks(self.parents)[0])
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """Rank of each node among its siblings (0 = the parent's most probable draft token)."""
+        seen: dict[int, int] = {}
+        out = []
+        for p in self.parents:
+            out.append(seen.get(p, 0))
+            seen[p] = out[-1] + 1
+        return tuple(out)
+
+
+def chain_template(k: int) -> TreeTemplate:
+    """A chain of k nodes (1 <= k <= 63)."""
+    if not 1 <= k <= MAX_TREE_NODES:
+        raise ValueError(f"chain length k must be in [1, {MAX_TREE_NODES}], got {k}")
+    return TreeTemplate(tuple(range(-1, k - 1)))
+
+
+def topk_template(width: int, depth: int) -> TreeTemplate:
+    """Full tree: every node above the last level has `width` children, `depth` levels, level order."""
+    if width < 1 or depth < 1:
+        raise ValueError(f"width and depth must be >= 1, got width={width}, depth={depth}")
+    n = sum(width**d for d in range(1, depth + 1))
+    if n > MAX_TREE_NODES:
+        raise ValueError(f"topk {width}x{depth} has {n} nodes; at most {MAX_TREE_NODES} allowed")
+    parents, level = [], [ROOT]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(width):
+                nxt.append(len(parents))
+                parents.append(p)
+        level = nxt
+    return TreeTemplate(tuple(parents))
+
+
+TREE_SPEC_KINDS = ("chain", "topk", "dynamic")
+_SPEC_FORMS = "'chain:K', 'topk:WxD' or 'dynamic:B' (1 <= nodes <= 63), e.g. 'topk:2x3'"
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A drafter's tree shape. chain: width 1, `depth` nodes; topk: `width` children per node,
+    `depth` levels; dynamic: up to `budget` nodes grown by cumulative draft probability
+    (width = depth = 0: unconstrained). `budget` is the node count (filled in for static kinds)."""
+
+    kind: str
+    width: int = 0
+    depth: int = 0
+    budget: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in TREE_SPEC_KINDS:
+            raise ValueError(f"kind must be one of {TREE_SPEC_KINDS}, got {self.kind!r}")
+        if self.kind == "chain":
+            if self.width not in (0, 1):
+                raise ValueError(f"width of a chain must be 1, got {self.width}")
+            object.__setattr__(self, "width", 1)
+        if self.kind == "dynamic":
+            if not 1 <= self.budget <= MAX_TREE_NODES:
+                raise ValueError(f"budget must be in [1, {MAX_TREE_NODES}], got {self.budget}")
+            return
+        n = self.template().num_nodes
+        if self.budget not in (0, n):
+            raise ValueError(f"budget of {self.kind} {self.width}x{self.depth} must be {n}, got {self.budget}")
+        object.__setattr__(self, "budget", n)
+
+    @property
+    def k(self) -> int:
+        """Chain length (the depth of a chain)."""
+        return self.depth
+
+    @property
+    def is_static(self) -> bool:
+        return self.kind != "dynamic"
+
+    def template(self) -> TreeTemplate:
+        """The fixed shape of a chain or topk spec; dynamic trees have none (ValueError)."""
+        if self.kind == "chain":
+            return chain_template(self.depth)
+        if self.kind == "topk":
+            return topk_template(self.width, self.depth)
+        raise ValueError(f"kind {self.kind!r} has no static template")
+
+    def __str__(self) -> str:
+        return {"chain": f"chain:{self.depth}", "topk": f"topk:{self.width}x{self.depth}",
+                "dynamic": f"dynamic:{self.budget}"}[self.kind]
+
+
+def template_from_spec(spec: str) -> TreeSpec:
+    """Parse 'chain:K', 'topk:WxD' or 'dynamic:B' into a validated TreeSpec."""
+    s = spec.strip().lower() if isinstance(spec, str) else ""
+    if m := re.fullmatch(r"chain:(\d+)", s):
+        return TreeSpec("chain", width=1, depth=int(m[1]))
+    if m := re.fullmatch(r"topk:(\d+)x(\d+)", s):
+        return TreeSpec("topk", width=int(m[1]), depth=int(m[2]))
+    if m := re.fullmatch(r"dynamic:(\d+)", s):
+        return TreeSpec("dynamic", budget=int(m[1]))
+    raise ValueError(f"tree spec {spec!r} not understood; allowed forms: {_SPEC_FORMS}")
+
+
+def _tidy_layout(g: nx.DiGraph) -> dict[int, tuple[float, float]]:
+    """Leaves left to right in DFS order, parents centred over their children, y = -level."""
+    pos: dict[int, tuple[float, float]] = {}
+    next_x = [0.0]
+
+    def place(u: int, level: int) -> float:
+        kids = sorted(g.successors(u))
+        x = sum(place(c, level + 1) for c in kids) / len(kids) if kids else next_x[0]
+        if not kids:
+            next_x[0] += 1.0
+        pos[u] = (x, -float(level))
+        return x
+
+    place(ROOT, 0)
+    return pos
+
+
+def draw_tree(tree: DraftTree | TreeTemplate, path: str | Path, accepted: Sequence[int] = (),
+              title: str | None = None) -> Path:
+    """Write a picture of the tree (tokens as labels, `accepted` nodes highlighted) to `path`.
+    Needs matplotlib (the `bench` extra); raises ImportError naming it otherwise."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("draw_tree needs matplotlib: pip install 'specdec[bench]'") from e
+    if isinstance(tree, DraftTree):
+        g = TreeTemplate(tuple(tree.host.parents)).graph()
+        labels = {i: str(t) for i, t in enumerate(tree.host.tokens)}
+    else:
+        g = tree.graph()
+        labels = {i: f"#{r}" for i, r in enumerate(tree.ranks)}
+    labels[ROOT] = "root"
+    pos = _tidy_layout(g)
+    on = set(accepted) | {ROOT}
+    fig = Figure(figsize=(max(4.0, 0.6 * len(g)), 1.2 * (1 + max(-y for _, y in pos.values()))))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = ["tab:green" if u in on else "lightgray" for u in g.nodes]
+    nx.draw_networkx(g, pos, ax=ax, labels=labels, node_color=colors, node_size=500, font_size=8,
+                     arrows=False)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title)
+    out = Path(path)
+    fig.savefig(out, bbox_inches="tight")
+    return out

@@ -1,0 +1,63 @@
+"""One target forward over each row's pending token + draft tree, then the lossless rule."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
+from specdec.runner import ModelRunner, RowInput
+from specdec.scheduler.request import Request
+from specdec.tree import DraftTree
+
+
+class VerifyResult(NamedTuple):
+    accepted_nodes: list[int]
+    accepted_tokens: list[int]
+    bonus_token: int
+    num_drafted: int
+    max_depth: int
+    draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
+
+
+class Verifier:
+    """Verifies draft trees with the target model (pool model 0)."""
+
+    def __init__(self, target, runner: ModelRunner) -> None:
+        self.target, self.runner = target, runner
+
+    def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
+        """Accept a path of each row's tree; output distribution is exactly the target's."""
+        if not rows:
+            return []
+        inputs = [self._row(r, t) for r, t in zip(rows, trees)]
+        logits = self.runner.run(0, self.target, inputs)
+        results = []
+        for req, tree, lg, dc in zip(rows, trees, logits, draft_computed):
+            lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
+            p = req.params
+            if p.greedy:
+                acc = verify_greedy(tree, lg.argmax(-1))
+            else:
+                probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)
+                acc = verify_stochastic(tree, probs, req.generator)
+            results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
+                                        tree.num_nodes, tree.max_depth, dc))
+        return results
+
+    @staticmethod
+    def _row(req: Request, tree: DraftTree) -> RowInput:
+        L = len(req.tokens)
+        n = tree.num_nodes
+        positions = [L - 1] + [L + int(d) for d in tree.depth.tolist()]
+        mask = tree.verify_tree_mask().tolist() if n else None
+        return RowInput(req, [req.tokens[-1]] + tree.tokens.tolist(), positions, L - 1, L + n, mask,
+                        want_logits="all")
+
+
+def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
+    """A per-request generator; unseeded requests draw their seed from torch's global RNG."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
+    return g

@@ -1,0 +1,171 @@
+"""paged_attention_triton against the torch reference: decode, tree verify, chunked prefill, windows."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from specdec.kernels.arg_checks import is_interpreted  # noqa: E402
+from specdec.kernels.paged_attention import (  # noqa: E402
+    _paged_attn_kernel,
+    paged_attention_reference,
+    paged_attention_triton,
+)
+from specdec.kernels.random_inputs import (  # noqa: E402
+    parents_chain,
+    parents_random,
+    parents_topk,
+    random_paged_batch,
+)
+
+INTERPRETED = is_interpreted(_paged_attn_kernel)
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 before the kernels import")
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
+HEAD_DIM = 16
+
+
+def _args(batch):
+    m = batch.meta
+    return (batch.q, batch.pool.k_cache, batch.pool.v_cache, m.block_tables, m.query_start_loc,
+            m.prefix_lens, m.seq_lens, m.tree_mask)
+
+
+def _check(batch, *, window=None, num_splits=None, tol=1e-4, **hints):
+    """Run both on the same inputs, the kernel into a NaN-poisoned output; compare by max rel error."""
+    scale = batch.q.shape[-1] ** -0.5
+    ref = paged_attention_reference(*_args(batch), scale, window).float()
+    out = torch.full_like(batch.q, float("nan"))
+    storage_before = batch.pool.storage.clone()
+    got = paged_attention_triton(*_args(batch), scale, window, num_splits=num_splits, out=out, **hints)
+    assert got.data_ptr() == out.data_ptr()
+    assert not out.isnan().any(), "unwritten output elements"
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < tol, f"max rel err {err:.3e}"
+    assert torch.equal(batch.pool.storage, storage_before), "attention wrote into the KV pool"
+
+
+GROUPS = [(2, 1), (6, 3), (8, 8)]  # (Hq, GQA ratio): Hkv = Hq / ratio
+
+
+@cpu_only
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("hq,ratio", GROUPS)
+def test_decode(block_size, num_splits, hq, ratio):
+    contexts = [1, block_size - 1, block_size, block_size + 1, 19, 41]
+    batch = random_paged_batch([c - 1 for c in contexts], [1] * len(contexts), hq, hq // ratio, HEAD_DIM,
+                               block_size, seed=block_size * 10 + num_splits + hq)
+    _check(batch, num_splits=num_splits)
+
+
+@cpu_only
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("hq,ratio", GROUPS)
+def test_tree_verify_mixed_shapes(num_splits, hq, ratio):
+    gen = torch.Generator().manual_seed(hq)
+    trees = [parents_chain(5), parents_topk(2, 3), parents_random(64, gen), parents_chain(1)]
+    batch = random_paged_batch([9, 0, 13, 4], [len(t) for t in trees], hq, hq // ratio, HEAD_DIM, 4,
+                               tree_parents=trees, seed=hq + num_splits)
+    _check(batch, num_splits=num_splits)
+
+
+@cpu_only
+@pytest.mark.parametrize("n", [1, 2, 3, 16, 31, 63, 64])
+def test_tree_verify_sizes(n):
+    gen = torch.Generator().manual_seed(n)
+    trees = [parents_random(n, gen), parents_chain(n)]
+    batch = random_paged_batch([n % 7, 8], [n, n], 6, 2, HEAD_DIM, 8, tree_parents=trees, seed=n)
+    _check(batch)
+
+
+@cpu_only
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("hq,ratio", GROUPS)
+def test_chunked_prefill(num_splits, hq, ratio):
+    # rows: fresh prompt, chunk after a prefix, a single token, a row with nothing new, a long chunk
+    batch = random_paged_batch([0, 5, 12, 7, 3], [9, 4, 1, 0, 70], hq, hq // ratio, HEAD_DIM, 4,
+                               seed=hq + num_splits)
+    _check(batch, num_splits=num_splits)
+
+
+@cpu_only
+@pytest.mark.parametrize("window", [1, 3, 10])
+def test_sliding_window_causal(window):
+    batch = random_paged_batch([0, 20, 6], [12, 3, 1], 6, 2, HEAD_DIM, 4, seed=window)
+    _check(batch, window=window, num_splits=2)
+
+
+@cpu_only
+@pytest.mark.parametrize("window", [2, 6])
+def test_sliding_window_tree(window):
+    gen = torch.Generator().manual_seed(window)
+    trees = [parents_topk(2, 2), parents_random(9, gen)]
+    batch = random_paged_batch([17, 3], [7, 9], 4, 2, HEAD_DIM, 4, tree_parents=trees, seed=window)
+    _check(batch, window=window)
+
+
+@cpu_only
+def test_oversized_launch_hints_are_harmless():
+    """A CUDA graph captured for larger max_query_len / max_seq_len replays correctly on smaller batches."""
+    batch = random_paged_batch([3, 11], [2, 5], 6, 2, HEAD_DIM, 4, seed=7)
+    _check(batch, max_query_len=16, max_seq_len=64, num_splits=2)
+
+
+@cpu_only
+def test_head_dim_not_power_of_two():
+    batch = random_paged_batch([6, 2], [3, 4], 4, 2, 24, 4, seed=3)
+    _check(batch)
+
+
+@cpu_only
+@pytest.mark.parametrize("field,bad,match", [
+    ("block_tables", lambda t: t.long().float(), "block_tables"),
+    ("q", lambda t: t[:, :, 0], "q must have shape"),
+    ("k_cache", lambda t: t.double(), "k_cache"),
+    ("seq_lens", lambda t: t[:1], "seq_lens"),
+    ("tree_mask", lambda t: torch.ones(3, dtype=torch.int32), "tree_mask"),
+])
+def test_bad_arguments_name_the_field(field, bad, match):
+    batch = random_paged_batch([3, 4], [1, 2], 4, 2, HEAD_DIM, 4, seed=0)
+    names = ["q", "k_cache", "v_cache", "block_tables", "query_start_loc", "prefix_lens", "seq_lens",
+             "tree_mask"]
+    args = list(_args(batch))
+    i = names.index(field)
+    args[i] = bad(args[i])
+    with pytest.raises(ValueError, match=match):
+        paged_attention_triton(*args, 0.25)
+
+
+@cpu_only
+def test_bad_options_raise():
+    batch = random_paged_batch([3], [65], 2, 1, HEAD_DIM, 4)
+    mask = torch.ones(65, dtype=torch.int64)  # 65 tree tokens cannot be bitmasks
+    with pytest.raises(ValueError, match="at most 64"):
+        paged_attention_triton(*_args(batch)[:-1], mask, 0.25)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention_triton(*_args(batch), 0.25, 0)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_attention_triton(*_args(batch), 0.25, num_splits=0)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 128)])
+@pytest.mark.parametrize("kind", ["decode", "tree", "prefill"])
+def test_gpu_bf16(hq, hkv, d, kind):
+    gen = torch.Generator().manual_seed(hq + d)
+    if kind == "decode":
+        pre, new, trees = [1, 15, 16, 17, 511, 4095, 8191, 300], [1] * 8, None
+    elif kind == "tree":
+        trees = [parents_topk(2, 5)[:64], parents_random(64, gen), parents_chain(16), parents_random(7, gen)]
+        pre, new = [4000, 17, 1000, 0], [len(t) for t in trees]
+    else:
+        pre, new, trees = [0, 1000, 37], [2048, 300, 1], None
+    batch = random_paged_batch(pre, new, hq, hkv, d, 16, tree_parents=trees, dtype=torch.bfloat16,
+                               device="cuda", seed=d)
+    _check(batch, tol=1e-2)
+    _check(batch, tol=1e-2, window=256)
