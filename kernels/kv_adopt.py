@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
 
@@ -68,7 +67,7 @@ def adopt_kv_reference(
     src, dst = src_slots[keep], dst_slots[keep]
     offs, elems = seg_offsets.tolist(), seg_token_elems.tolist()
     moves = []
-    for off, n in zip(offs, elems):
+    for off, n in zip(offs, elems, strict=True):
         cols = torch.arange(n, device=storage.device)  # (E,)
         src_cols = off + (src % block_size)[:, None] * n + cols  # (M', E)
         dst_cols = off + (dst % block_size)[:, None] * n + cols

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 
 

@@ -1,9 +1,16 @@
 """Paged attention over the shared KV pool: decode, tree verify and chunked prefill in one kernel.
 
-One program handles a tile of BLOCK_Q new tokens of one row times all GROUP query heads that
+Semantics are those of ``specdec.attention.torch_backend.paged_attention`` (the contract in
+``specdec.attention.base``): a row's queries are the last q_len positions of its region,
+causal or tree-masked (tree rows: region <= 64 positions, one int64 bitmask per query).
+Under a sliding window a tree key's depth is the number of the query's mask bits below it,
+which equals the reference's popcount(key mask) - 1 for ancestor-closed masks and, unlike
+the reference, is also defined when earlier region levels are cached (q_len < region).
+
+One program handles a tile of BLOCK_Q queries of one row times all GROUP query heads that
 share one KV head (so each K/V tile is loaded once for the whole GQA group), and one of
-NUM_SPLITS contiguous chunks of that tile's visible key range (split-K / flash-decoding).
-With NUM_SPLITS > 1 the programs write fp32 partial outputs plus log-sum-exp, and a second
+num_splits contiguous chunks of that tile's visible key range (split-K / flash-decoding).
+With num_splits > 1 the programs write fp32 partial outputs plus log-sum-exp, and a second
 small kernel combines them. Decode (max_query_len == 1) uses the same kernel with a 16-row
 tile and more splits. Keys are read position by position through the block table, so the
 cache block size and the kernel's key tile BLOCK_N are independent.
@@ -21,8 +28,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from specdec.attention.torch_backend import paged_attention as _torch_paged_attention
 from specdec.kernels.arg_checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -31,24 +36,31 @@ from specdec.kernels.arg_checks import (
     next_pow2,
 )
 
+from specdec.attention.torch_backend import paged_attention as _torch_paged_attention
+
 LOG2E = 1.4426950408889634
 MAX_TREE_TOKENS = 64  # one int64 ancestor bitmask per new token
 MAX_SPLITS = 32
 
 
 @triton.jit
-def _tree_depth(tm, n_new):
-    """Depth of each tree token = popcount of its mask restricted to the row's n_new bits, minus one."""
-    bits = tl.arange(0, 64).to(tl.int64)
-    on = ((tm[:, None] >> bits[None, :]) & 1) & (bits[None, :] < n_new).to(tl.int64)
-    return tl.sum(on, axis=1) - 1
+def _popcount(x):
+    """Set bits of each int64 (two's complement, so bit 63 counts too)."""
+    y = x & 0x7FFFFFFFFFFFFFFF  # non-negative: arithmetic shifts below act as logical ones
+    y = y - ((y >> 1) & 0x5555555555555555)
+    y = (y & 0x3333333333333333) + ((y >> 2) & 0x3333333333333333)
+    y = (y + (y >> 4)) & 0x0F0F0F0F0F0F0F0F
+    y = y + (y >> 8)
+    y = y + (y >> 16)
+    y = y + (y >> 32)
+    return (y & 0x7F) + (x < 0).to(tl.int64)
 
 
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, pre_ptr, sl_ptr, tm_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
-    scale_log2, window,
+    scale_log2, window, num_splits,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -57,7 +69,7 @@ def _paged_attn_kernel(
     stride_ps, stride_pt, stride_ph,  # partial o (splits, T, Hq, D); lse uses (splits, T, Hq) / D
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, IS_TREE: tl.constexpr, SLIDING: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, IS_TREE: tl.constexpr, SLIDING: tl.constexpr, USE_PARTIALS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_P
@@ -66,38 +78,44 @@ def _paged_attn_kernel(
     kvh = tl.program_id(1) % NUM_KV_HEADS
     split = tl.program_id(2)
     q_start = tl.load(qsl_ptr + b).to(tl.int32)
-    n_new = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start
+    n_q = tl.load(qsl_ptr + b + 1).to(tl.int32) - q_start  # the row's queries: last n_q region positions
     tile_start = tile * BLOCK_Q
-    if tile_start >= n_new:
+    if tile_start >= n_q:
         return
-    prefix = tl.load(pre_ptr + b).to(tl.int32)
     seq_len = tl.load(sl_ptr + b).to(tl.int32)
+    if IS_TREE:
+        prefix = tl.load(pre_ptr + b).to(tl.int32)  # tree bits index region positions from here
+    else:
+        prefix = seq_len - n_q  # causal: region positions before the queries are seen by all of them
 
     offs_m = tl.arange(0, BLOCK_M)
-    t_idx = tile_start + offs_m // GROUP_P  # (BLOCK_M,) new-token index within the row
+    t_idx = tile_start + offs_m // GROUP_P  # (BLOCK_M,) query index within the row
     head = kvh * GROUP + offs_m % GROUP_P  # (BLOCK_M,) query head
-    row_ok = (t_idx < n_new) & (offs_m % GROUP_P < GROUP)
+    row_ok = (t_idx < n_q) & (offs_m % GROUP_P < GROUP)
     offs_d = tl.arange(0, HEAD_DIM_P)
     d_ok = offs_d < HEAD_DIM
     tok = (q_start + t_idx).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_P)
 
-    # Visible key range [lo, hi) of this tile, split into NUM_SPLITS chunks of whole key tiles.
+    # Visible key range [lo, hi) of this tile, split into num_splits chunks of whole key tiles.
     if IS_TREE:
-        tm_q = tl.load(tm_ptr + q_start + t_idx, mask=t_idx < n_new, other=0)  # (BLOCK_M,) int64
+        tm_q = tl.load(tm_ptr + q_start + t_idx, mask=t_idx < n_q, other=0)  # (BLOCK_M,) int64
         hi = seq_len
     else:
         hi = tl.minimum(seq_len, prefix + tile_start + BLOCK_Q)
     lo = 0
-    if SLIDING:
+    if SLIDING:  # query position = prefix + depth; depth = visible region positions - 1 (causal: index)
         if IS_TREE:
-            q_pos = prefix + _tree_depth(tm_q, n_new)  # (BLOCK_M,)
+            region = (seq_len - prefix).to(tl.int64)
+            region_bits = tl.where(region >= 64, -1, (tl.full((), 1, tl.int64) << region) - 1)
+            q_pos = prefix + _popcount(tm_q & region_bits) - 1  # (BLOCK_M,)
             lo = tl.maximum(prefix - window + 1, 0)
         else:
             q_pos = prefix + t_idx
             lo = tl.maximum(prefix + tile_start - window + 1, 0)
-    chunk = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = (hi - lo + num_splits - 1) // num_splits
+    chunk = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     k_lo = lo + split * chunk
     k_hi = tl.minimum(k_lo + chunk, hi)
 
@@ -117,20 +135,21 @@ def _paged_attn_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
 
-        j = offs_n - prefix  # new-token index of each key (negative inside the prefix)
-        jj = tl.maximum(j, 0)
+        j = offs_n - prefix  # region index of each key (negative inside the prefix)
         if IS_TREE:
-            vis_new = ((tm_q[:, None] >> jj[None, :].to(tl.int64)) & 1) != 0
+            jj = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)  # tree regions hold <= 64 positions
+            vis_reg = ((tm_q[:, None] >> jj[None, :]) & 1) != 0
         else:
-            vis_new = j[None, :] <= t_idx[:, None]
-        vis = ((j < 0)[None, :] | vis_new) & n_ok[None, :]
+            vis_reg = j[None, :] <= t_idx[:, None]
+        vis = ((j < 0)[None, :] | vis_reg) & n_ok[None, :]
         if SLIDING:
-            if IS_TREE:
-                tm_k = tl.load(tm_ptr + q_start + jj, mask=(j >= 0) & n_ok, other=0)
-                k_pos = tl.where(j >= 0, prefix + _tree_depth(tm_k, n_new), offs_n)
+            if IS_TREE:  # a visible region key is an ancestor: its depth = the query's bits below it
+                below = (tl.full((), 1, tl.int64) << jj) - 1  # (BLOCK_N,)
+                k_pos = tl.where((j >= 0)[None, :], prefix + _popcount(tm_q[:, None] & below[None, :]),
+                                 offs_n[None, :])  # (BLOCK_M, BLOCK_N)
             else:
-                k_pos = offs_n
-            vis = vis & (k_pos[None, :] > q_pos[:, None] - window)
+                k_pos = offs_n[None, :]
+            vis = vis & (k_pos > q_pos[:, None] - window)
         s = tl.where(vis, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -142,7 +161,7 @@ def _paged_attn_kernel(
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
+    if not USE_PARTIALS:
         tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
@@ -154,22 +173,28 @@ def _paged_attn_kernel(
 
 @triton.jit
 def _combine_splits_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
-    stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, num_rows, num_splits, stride_ps, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_R: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    # rows r = token * NUM_HEADS + head; part_o is (splits, T*Hq, HEAD_DIM_P), part_lse (splits, T*Hq)
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_s = tl.arange(0, SPLITS_P)
     offs_d = tl.arange(0, HEAD_DIM_P)
-    s_ok = offs_s < NUM_SPLITS
-    part = offs_s * stride_ps + tok * stride_pt + head * stride_ph  # (SPLITS_P,)
-    lse = tl.load(part_lse_ptr + part // HEAD_DIM_P, mask=s_ok, other=float("-inf"))  # (SPLITS_P,)
-    w = tl.exp2(lse - tl.max(lse, axis=0))  # empty splits: lse = -inf -> weight 0
-    o = tl.load(part_o_ptr + part[:, None] + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    o = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)  # (HEAD_DIM_P,)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    r_ok = offs_r < num_rows
+    ok = r_ok[:, None] & (offs_s < num_splits)[None, :]  # (BLOCK_R, SPLITS_P)
+    part = offs_s[None, :].to(tl.int64) * stride_ps + offs_r[:, None].to(tl.int64) * HEAD_DIM_P
+    lse = tl.load(part_lse_ptr + part // HEAD_DIM_P, mask=ok, other=float("-inf"))  # (BLOCK_R, SPLITS_P)
+    m = tl.max(lse, axis=1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # rows past the end: every lse is -inf
+    w = tl.exp2(lse - m[:, None])  # empty splits: lse = -inf -> weight 0
+    o = tl.load(part_o_ptr + part[:, :, None] + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
+    w_sum = tl.sum(w, axis=1)
+    o = tl.sum(w[:, :, None] * o, axis=1) / tl.where(w_sum > 0, w_sum, 1.0)[:, None]  # (BLOCK_R, D_P)
+    tok = (offs_r // NUM_HEADS).to(tl.int64)
+    head = offs_r % NUM_HEADS
+    dst = out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + offs_d[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
 def paged_attention_reference(
@@ -203,10 +228,11 @@ def paged_attention_triton(
 ) -> torch.Tensor:  # (T, Hq, D)
     """Same result as ``specdec.attention.torch_backend.paged_attention``, computed by Triton kernels.
 
-    ``max_query_len`` must be >= every row's new-token count (None: read from the device, a sync);
+    ``max_query_len`` must be >= every row's query count (None: read from the device, a sync);
     ``max_seq_len`` only steers the split count (None: read from the device). ``num_splits``
     forces the split-K factor. ``out`` (T, Hq, D), q's dtype, receives the result when given.
     Tokens outside every row's [qsl[b], qsl[b+1]) are left unwritten.
+    Sliding windows are supported for every row kind (no torch fallback needed).
     """
     _check_args(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask,
                 scale, sliding_window, num_splits, out)
@@ -224,7 +250,7 @@ def paged_attention_triton(
     if max_query_len < 1:
         return out
     if tree_mask is not None and max_query_len > MAX_TREE_TOKENS:
-        raise ValueError(f"tree_mask rows hold at most {MAX_TREE_TOKENS} new tokens, got {max_query_len}")
+        raise ValueError(f"tree rows hold at most {MAX_TREE_TOKENS} queries, got max_query_len {max_query_len}")
     if max_seq_len > block_tables.shape[1] * page:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds block_tables capacity "
                          f"{block_tables.shape[1]} blocks x {page}")
@@ -243,7 +269,7 @@ def paged_attention_triton(
     _paged_attn_kernel[(n_tiles, nrows * hkv, splits)](
         q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens,
         q if tree_mask is None else tree_mask, out, part_o, part_lse,
-        float(scale) * LOG2E, int(sliding_window or 0),
+        float(scale) * LOG2E, int(sliding_window or 0), splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -252,26 +278,35 @@ def paged_attention_triton(
         *(part_o.stride()[:3] if splits > 1 else (0, 0, 0)),
         NUM_KV_HEADS=hkv, GROUP=group, GROUP_P=group_p, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=d, HEAD_DIM_P=next_pow2(d), PAGE_SIZE=page, IS_TREE=tree_mask is not None,
-        SLIDING=sliding_window is not None, NUM_SPLITS=splits,
+        SLIDING=sliding_window is not None, USE_PARTIALS=splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
     )
     if splits > 1:
-        _combine_splits_kernel[(T, hq)](
-            part_o, part_lse, out, *part_o.stride()[:3], out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, SPLITS_P=next_pow2(splits), HEAD_DIM=d, HEAD_DIM_P=next_pow2(d),
+        block_r = _combine_rows(q.device, splits, d)
+        _combine_splits_kernel[(triton.cdiv(T * hq, block_r),)](
+            part_o, part_lse, out, T * hq, splits, part_o.stride(0), out.stride(0), out.stride(1),
+            NUM_HEADS=hq, SPLITS_P=next_pow2(splits), BLOCK_R=block_r,
+            HEAD_DIM=d, HEAD_DIM_P=next_pow2(d),
         )
     return out
 
 
 def _tile_config(q: torch.Tensor, d: int, group_p: int, max_query_len: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages): 16-row tiles for decode, 64 rows otherwise."""
-    if q.device.type != "cuda":
-        return max(16, group_p), 16, 1, 1  # interpreter: small tiles keep the tests fast
+    if q.device.type != "cuda":  # interpreter: few, large programs keep the tests fast
+        return max(16, min(64, group_p * next_pow2(max_query_len))), 16, 1, 1
     block_m = 16 if max_query_len == 1 else 64
     block_m = max(block_m, group_p)
     block_n = 64 if d <= 128 and q.dtype != torch.float32 else 32
     return block_m, block_n, 4, 2
+
+
+def _combine_rows(device: torch.device, splits: int, d: int) -> int:
+    """(token, head) rows per combine program: ~4K fp32 partials on a GPU, 64 rows interpreted."""
+    if device.type != "cuda":
+        return 64
+    return max(1, min(64, 4096 // (next_pow2(splits) * next_pow2(d))))
 
 
 def _auto_splits(device: torch.device, programs: int, kv_span: int, block_n: int) -> int:
@@ -284,7 +319,7 @@ def _auto_splits(device: torch.device, programs: int, kv_span: int, block_n: int
     return max(1, min(MAX_SPLITS, triton.cdiv(target, programs), kv_span // (4 * block_n)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -36,11 +36,15 @@ class PagedBatch:
 
 
 def make_pool(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-              dtype: torch.dtype, device: torch.device | str, gen: torch.Generator) -> PagedPool:
-    """A pool filled with random values (the junk segments too)."""
+              dtype: torch.dtype, device: torch.device | str, gen: torch.Generator | None) -> PagedPool:
+    """A pool filled with random values (the junk segments too); ``gen`` None draws on the device
+    (fast for benchmark-sized pools, not reproducible across devices)."""
     seg = block_size * num_kv_heads * head_dim
     block_elems = JUNK_BEFORE + 2 * seg + JUNK_AFTER
-    storage = torch.randn(num_blocks, block_elems, generator=gen).to(device=device, dtype=dtype)
+    if gen is None:
+        storage = torch.randn(num_blocks, block_elems, device=device, dtype=dtype)
+    else:
+        storage = torch.randn(num_blocks, block_elems, generator=gen).to(device=device, dtype=dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     strides = (block_elems, num_kv_heads * head_dim, head_dim, 1)
     k_cache = storage.as_strided(shape, strides, storage.storage_offset() + JUNK_BEFORE)
@@ -81,34 +85,40 @@ def tree_mask_from_parents(parents: list[int]) -> list[int]:
 
 def random_paged_batch(
     prefix_lens: list[int],
-    new_lens: list[int],
+    region_lens: list[int],
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
     *,
-    tree_parents: list[list[int]] | None = None,  # per row, len == new_lens[b]; None = causal
+    query_lens: list[int] | None = None,  # queries = last query_lens[b] region positions; None = all
+    tree_parents: list[list[int]] | None = None,  # per row, one parent per region position; None = causal
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    pool_on_device_rng: bool = False,
 ) -> PagedBatch:
-    """Random q and pool, permuted non-contiguous block tables, and the matching metadata."""
+    """Random q and pool, permuted non-contiguous block tables, and the matching metadata
+    (the contract of ``specdec.attention.base``: prefix, then a region whose tail is queried)."""
     gen = torch.Generator().manual_seed(seed)
-    seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
+    query_lens = list(region_lens) if query_lens is None else query_lens
+    seq_lens = [p + n for p, n in zip(prefix_lens, region_lens, strict=True)]
     nrows = len(seq_lens)
     max_blocks = max(1, max(-(-s // block_size) for s in seq_lens))
     num_blocks = nrows * max_blocks + spare_blocks
-    pool = make_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, device, gen)
+    pool = make_pool(num_blocks, block_size, num_kv_heads, head_dim, dtype, device,
+                     None if pool_on_device_rng else gen)
     tables = torch.randperm(num_blocks, generator=gen)[: nrows * max_blocks].view(nrows, max_blocks)
     qsl = [0]
-    for n in new_lens:
+    for n in query_lens:
         qsl.append(qsl[-1] + n)
     slots = [int(tables[b, pos // block_size]) * block_size + pos % block_size
-             for b in range(nrows) for pos in range(prefix_lens[b], seq_lens[b])]
+             for b in range(nrows) for pos in range(seq_lens[b] - query_lens[b], seq_lens[b])]
     tree_mask = None
     if tree_parents is not None:
-        bits = [m for parents in tree_parents for m in tree_mask_from_parents(parents)]
+        bits = [m for parents, n in zip(tree_parents, query_lens, strict=True)
+                for m in tree_mask_from_parents(parents)[len(parents) - n:]]
         tree_mask = torch.tensor(bits, dtype=torch.int64, device=device)
 
     def i32(x):
@@ -118,9 +128,8 @@ def random_paged_batch(
         query_start_loc=i32(qsl), prefix_lens=i32(prefix_lens), seq_lens=i32(seq_lens),
         block_tables=tables.to(device=device, dtype=torch.int32),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device), block_size=block_size,
-        tree_mask=tree_mask, max_query_len=max(new_lens, default=0), max_seq_len=max(seq_lens, default=0),
+        tree_mask=tree_mask, max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
         host_query_start_loc=qsl, host_seq_lens=seq_lens, host_prefix_lens=list(prefix_lens),
     )
     q = torch.randn(qsl[-1], num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     return PagedBatch(q, pool, meta)
-

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
 from specdec.kernels.arg_checks import (
     FLOAT_DTYPES,
     INDEX_DTYPES,
@@ -98,7 +97,7 @@ def fused_rope_cache_write_reference(
     v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
     if out is None:
         return q, k, v
-    return tuple(o.copy_(x) for o, x in zip(out, (q, k, v)))
+    return tuple(o.copy_(x) for o, x in zip(out, (q, k, v), strict=True))
 
 
 def fused_rope_cache_write(
@@ -124,7 +123,7 @@ def fused_rope_cache_write(
     if out is None:
         out = tuple(torch.empty((t, h, head_dim), dtype=qkv.dtype, device=qkv.device)
                     for h in (num_heads, num_kv_heads, num_kv_heads))
-    for name, o, h in zip(("out[0]", "out[1]", "out[2]"), out, (num_heads, num_kv_heads, num_kv_heads)):
+    for name, o, h in zip(("out[0]", "out[1]", "out[2]"), out, (num_heads, num_kv_heads, num_kv_heads), strict=True):
         check_tensor(name, o, shape=(t, h, head_dim), dtypes=(qkv.dtype,), device=qkv.device)
         if not o.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {o.stride()}")

@@ -87,10 +87,12 @@ class Scheduler:
         self._admit()
         budget = self.cfg.max_num_tokens
         for req in self.running:
-            if req.prefill_done or budget == 0:
+            if req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
                 continue
             end = min(len(req.tokens) - 1, req.num_computed + budget)
             batch.prefill.append(PrefillChunk(req, req.num_computed, end))
+            if self.prefix_cache is not None:
+                self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
         for req in list(self.running):
             if req.prefill_done and req in self.running:
@@ -98,6 +100,17 @@ class Scheduler:
                     batch.decode.append(req)
         batch.decode = [r for r in batch.decode if r in self.running]
         return batch
+
+    def _wait_for_shared_prefix(self, req: Request) -> bool:
+        """Prefix-aware skipping: wait while another request computes our next block; adopt it after."""
+        pc = self.prefix_cache
+        if pc is None:
+            return False
+        if pc.pending_block(req):
+            return True
+        if pc.adopt(req):
+            self.tables.set_row(req.bt_row, req.blocks)
+        return req.prefill_done
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.cfg.max_batch_size:
@@ -109,6 +122,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
+            self.tables.set_row(req.bt_row, req.blocks)
             self.allocator_grow(req, len(req.tokens) - 1)
             self.running.append(req)
 

@@ -11,9 +11,9 @@ exactly as p: P(x_i = y, accepted) = min(q_i(y), p(y)) and P(rejected) * p'(y) =
 max(p(y) - q_i(y), 0), which add up to p(y).
 
 Edge cases (each leaves the rule exact):
-- q_i(x_i) = 0: x_i could not have been drawn from q_i (a null proposal, e.g. a
-  without-replacement draw past the end of q's support, where q_i is all zeros); it is
-  rejected and p stays unchanged.
+- q_i(x_i) = 0: rejected. Drawing such an x_i from q_i has probability 0, except when
+  q_i is all zeros (a without-replacement draw past the end of q's support): that is a
+  null proposal, and the residual max(p - 0, 0) is p itself.
 - p(x_i) = 0: accepted with probability 0, the ordinary residual follows.
 - residual mass 0: then p <= q_i everywhere, so rejection has probability 0 and can only
   happen through rounding; p stays unchanged.
@@ -102,15 +102,12 @@ def accept_prob(p: Tensor, q: Tensor | None, x: int) -> float:
 
 def reject_residual(p: Tensor, q: Tensor | None, x: int) -> Tensor:
     """The target distribution (V,) to use after x ~ q was rejected against p."""
-    # p'(y) = max(p(y) - q(y), 0) / sum_z max(p(z) - q(z), 0)
-    # kept as p when q(x) = 0 (null proposal) or the residual has no mass (rounding)
+    # p'(y) = max(p(y) - q(y), 0) / sum_z max(p(z) - q(z), 0); kept as p if that mass is 0
     if q is None:
         r = p.clone()
         r[x] = 0.0  # max(p - onehot(x), 0)
-    elif q[x].item() > 0.0:
-        r = (p - q).clamp_(min=0.0)
     else:
-        return p
+        r = (p - q).clamp_(min=0.0)  # q all zeros (null proposal): r = p
     s = r.sum().item()
     return r.div_(s) if s > 0.0 else p
 
@@ -134,10 +131,10 @@ def proposals(mode: str, q: Tensor | None, xs: Sequence[int]) -> Iterator[Tensor
         raise ValueError(f"child_mode must be one of {CHILD_MODES}, got {mode!r}")
     if mode == "deterministic":
         q = None
-    for x in xs:
+    for i in range(len(xs)):
+        if i and mode == "without_replacement":
+            q = remove_token(q, xs[i - 1])
         yield q
-        if mode == "without_replacement":
-            q = remove_token(q, x)
 
 
 def try_children(p: Tensor, q: Tensor | None, xs: Sequence[int], mode: str,
@@ -147,11 +144,24 @@ def try_children(p: Tensor, q: Tensor | None, xs: Sequence[int], mode: str,
     Returns (i, p) when xs[i] is accepted, or (None, p_final) when all are rejected; the
     token at this position is then sampled from p_final.
     """
-    for i, (x, q_i) in enumerate(zip(xs, proposals(mode, q, xs))):
+    for i, (x, q_i) in enumerate(zip(xs, proposals(mode, q, xs), strict=True)):
         if coins[i] < accept_prob(p, q_i, x):
             return i, p
         p = reject_residual(p, q_i, x)
     return None, p
+
+
+def sample_token(p: Tensor, u: float) -> int:
+    """The token y that uniform u in [0, 1) selects from p (V,) with probability p(y) / sum(p)."""
+    # inverse CDF: the first y with cdf(y) > u * cdf(V-1); zero-probability tokens are never chosen
+    cdf = p.cumsum(0)  # (V,)
+    y = int(torch.searchsorted(cdf, cdf[-1:] * u, right=True).item())
+    if y < p.shape[0]:
+        return y
+    nz = torch.nonzero(p)  # u * total rounded up to total (or p has no mass): the last possible token
+    if nz.shape[0] == 0:
+        raise ValueError("cannot sample from a distribution with no mass (all probabilities zero)")
+    return int(nz[-1].item())
 
 
 # ---------------------------------------------------------------- whole-tree verification
@@ -168,13 +178,14 @@ def verify_greedy(tree: DraftTree, target_argmax: Tensor) -> AcceptResult:
     tokens = tree.host.tokens
     node, path = ROOT, []
     while True:
-        nxt = next((c for c in tree.children(node) if tokens[c] == want[node + 1]), None)
+        nxt = next((c for c in tree.host.children[node] if tokens[c] == want[node + 1]), None)
         if nxt is None:
             return AcceptResult(path, [tokens[c] for c in path], int(want[node + 1]))
         node = nxt
         path.append(node)
 
 
+@torch.inference_mode()
 def verify_stochastic(tree: DraftTree, target_probs: Tensor, generator: torch.Generator) -> AcceptResult:
     """Accept a path of the tree and sample the bonus so that the committed tokens are
     distributed exactly as sampling the target one token at a time.
@@ -182,18 +193,20 @@ def verify_stochastic(tree: DraftTree, target_probs: Tensor, generator: torch.Ge
     target_probs: (N+1, V) shaped target distributions (shape_probs), row 0 at the root, row
     i+1 at node i. generator lives on target_probs' device. The children's draft
     distributions come from tree.draft_dists[tree.dist_index] and tree.child_mode.
-    Host syncs: one per tried child, plus one for the coins and one for the bonus.
+    Host syncs: one or two per tried child, plus one for the coins and one for the bonus.
     """
     n = tree.num_nodes
     _check_rows("target_probs", target_probs, n, 2)
-    if tree.draft_dists is not None and tree.draft_dists.shape[1] != target_probs.shape[1]:
-        raise ValueError(f"target_probs has V={target_probs.shape[1]} but draft_dists has "
-                         f"V={tree.draft_dists.shape[1]}")
-    coins = torch.rand(n, dtype=torch.float64, generator=generator, device=target_probs.device).tolist()
+    d = tree.draft_dists
+    if d is not None and (d.shape[1] != target_probs.shape[1] or d.device != target_probs.device):
+        raise ValueError(f"target_probs (V={target_probs.shape[1]}, {target_probs.device}) must match "
+                         f"draft_dists (V={d.shape[1]}, {d.device})")
+    # one uniform per node (each child is tried at most once) and one for the bonus: (N+1,)
+    coins = torch.rand(n + 1, dtype=torch.float64, generator=generator, device=target_probs.device).tolist()
     h = tree.host
     node, path = ROOT, []
     while True:
-        kids = tree.children(node)
+        kids = h.children[node]
         p = target_probs[node + 1]  # (V,)
         if not kids:
             break
@@ -203,8 +216,7 @@ def verify_stochastic(tree: DraftTree, target_probs: Tensor, generator: torch.Ge
             break
         node = kids[hit]
         path.append(node)
-    bonus = torch.multinomial(p, 1, generator=generator).item()
-    return AcceptResult(path, [h.tokens[c] for c in path], int(bonus))
+    return AcceptResult(path, [h.tokens[c] for c in path], sample_token(p, coins[n]))
 
 
 def _check_rows(name: str, t: Tensor, n: int, dim: int) -> None:

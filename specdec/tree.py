@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,18 +33,16 @@ class HostView(NamedTuple):
     children: dict[int, list[int]]  # ROOT and every node -> children in index order
 
 
+def _describe(t: object) -> str:
+    return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype})" if isinstance(t, Tensor) else type(t).__name__
+
+
 def _int_vector(name: str, t: object, n: int | None) -> Tensor:
     if not isinstance(t, Tensor) or t.dtype != torch.int64 or t.dim() != 1:
         raise ValueError(f"{name} must be a 1-D int64 tensor, got {_describe(t)}")
     if n is not None and t.shape[0] != n:
         raise ValueError(f"{name} must have shape ({n},) like tokens, got {tuple(t.shape)}")
     return t
-
-
-def _describe(t: object) -> str:
-    if isinstance(t, Tensor):
-        return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype})"
-    return type(t).__name__
 
 
 def _depths_and_masks(parents: Sequence[int]) -> tuple[list[int], list[int]]:
@@ -60,6 +57,21 @@ def _depths_and_masks(parents: Sequence[int]) -> tuple[list[int], list[int]]:
     return depth, mask
 
 
+def _check_range(name: str, got: list[int], want: list[int] | tuple[int, int | None], why: str = "") -> None:
+    """Raise ValueError naming name[i] where got differs from the list want or leaves [lo, hi)."""
+    if isinstance(want, list):
+        if got == want:
+            return
+        i = next(i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
+        raise ValueError(f"{name}[{i}] must be {want[i]} ({why}), got {got[i]}")
+    lo, hi = want
+    if not got or (min(got) >= lo and (hi is None or max(got) < hi)):
+        return
+    i = next(i for i, g in enumerate(got) if g < lo or (hi is not None and g >= hi))
+    allowed = f">= {lo}" if hi is None else f"in [{lo}, {hi})"
+    raise ValueError(f"{name}[{i}] must be {allowed}{' ' + why if why else ''}, got {got[i]}")
+
+
 @dataclass(frozen=True, eq=False)
 class DraftTree:
     """A token tree below the pending token, validated at construction.
@@ -67,8 +79,8 @@ class DraftTree:
     tokens, parents, depth, ancestor_mask, dist_index: (N,) int64 on one device, N <= 63.
     draft_dists: (M, V) float32/float64 rows of shaped draft distributions, or None;
     node i was drawn from row dist_index[i] (the distribution at its parent), -1 = none.
-    child_mode says how siblings were drawn: "iid" from their row, "without_replacement"
-    from their row, or "deterministic" (top-k, n-gram; no distribution needed).
+    child_mode says how siblings were drawn, in index order: "iid" from their row,
+    "without_replacement" from their row, or "deterministic" (top-k, n-gram; no distribution).
     Construction reads the small integer arrays to the host once (one sync on GPU).
     """
 
@@ -96,6 +108,7 @@ class DraftTree:
             t = getattr(self, name)
             if t is not None and t.device != self.tokens.device:
                 raise ValueError(f"{name} is on {t.device}, tokens on {self.tokens.device}")
+        object.__setattr__(self, "_host", self._read_host())
         self._check_values()
 
     def _check_dists(self) -> None:
@@ -112,21 +125,16 @@ class DraftTree:
     def _check_values(self) -> None:
         h = self.host
         depth, mask = _depths_and_masks(h.parents)
-        for i in range(len(h.tokens)):
-            if h.depth[i] != depth[i]:
-                raise ValueError(f"depth[{i}] must be {depth[i]} (parent's depth + 1), got {h.depth[i]}")
-            if h.ancestor_mask[i] != mask[i]:
-                raise ValueError(f"ancestor_mask[{i}] must be {mask[i]:#x}, got {h.ancestor_mask[i]:#x}")
+        _check_range("depth", h.depth, depth, "the parent's depth + 1")
+        _check_range("ancestor_mask", h.ancestor_mask, mask, "the parent's mask | (1 << i)")
         vocab = None if self.draft_dists is None else self.draft_dists.shape[1]
         rows = 0 if self.draft_dists is None else self.draft_dists.shape[0]
-        for i, tok in enumerate(h.tokens):
-            if tok < 0 or (vocab is not None and tok >= vocab):
-                raise ValueError(f"tokens[{i}] must be in [0, {vocab}), got {tok}")
-            lo = -1 if self.child_mode == "deterministic" else 0
-            if not lo <= h.dist_index[i] < rows:
-                raise ValueError(f"dist_index[{i}] must be in [{lo}, {rows}) for child_mode "
-                                 f"{self.child_mode!r}, got {h.dist_index[i]}")
+        _check_range("tokens", h.tokens, (0, vocab))
+        lo = -1 if self.child_mode == "deterministic" else 0
+        _check_range("dist_index", h.dist_index, (lo, rows), f"for child_mode {self.child_mode!r}")
         for parent, kids in h.children.items():
+            if len(kids) < 2:
+                continue
             if len({h.dist_index[c] for c in kids}) > 1:
                 raise ValueError(f"dist_index: the children of node {parent} must share one row, "
                                  f"got {[h.dist_index[c] for c in kids]}")
@@ -134,9 +142,12 @@ class DraftTree:
                 raise ValueError(f"tokens: children of node {parent} drawn without replacement repeat "
                                  f"a token: {[h.tokens[c] for c in kids]}")
 
-    @cached_property
+    @property
     def host(self) -> HostView:
         """Python-list copies of the integer arrays and the children table, read once."""
+        return self._host
+
+    def _read_host(self) -> HostView:
         rows = torch.stack([self.tokens, self.parents, self.depth, self.ancestor_mask, self.dist_index])
         tokens, parents, depth, mask, dist_index = rows.tolist()  # one device->host copy, (5, N)
         children: dict[int, list[int]] = {ROOT: []}
@@ -152,15 +163,10 @@ class DraftTree:
         return cls(z, z.clone(), z.clone(), z.clone())
 
     @classmethod
-    def from_parents(
-        cls,
-        tokens: Sequence[int] | Tensor,
-        parents: Sequence[int] | Tensor,
-        draft_dists: Tensor | None = None,
-        dist_index: Sequence[int] | Tensor | None = None,
-        child_mode: str = "deterministic",
-        device: torch.device | str | None = None,
-    ) -> DraftTree:
+    def from_parents(cls, tokens: Sequence[int] | Tensor, parents: Sequence[int] | Tensor,
+                     draft_dists: Tensor | None = None, dist_index: Sequence[int] | Tensor | None = None,
+                     child_mode: str = "deterministic", device: torch.device | str | None = None,
+                     ) -> DraftTree:
         """Build a tree from tokens and parent indices, computing depth and ancestor_mask."""
         if device is None:
             device = tokens.device if isinstance(tokens, Tensor) else "cpu"
@@ -184,7 +190,7 @@ class DraftTree:
         """Node indices whose parent is i (i = -1: the root), in index order."""
         if not -1 <= i < self.num_nodes:
             raise ValueError(f"node index must be in [-1, {self.num_nodes}), got {i}")
-        return self.host.children[i]
+        return list(self.host.children[i])
 
     def path_to(self, i: int) -> list[int]:
         """Node indices from the root's child down to node i (root excluded; [] for i = -1)."""
@@ -313,7 +319,8 @@ class TreeSpec:
             return
         n = self.template().num_nodes
         if self.budget not in (0, n):
-            raise ValueError(f"budget of {self.kind} {self.width}x{self.depth} must be {n}, got {self.budget}")
+            raise ValueError(f"budget of {self.kind} {self.width}x{self.depth} must be {n}, "
+                             f"got {self.budget}")
         object.__setattr__(self, "budget", n)
 
     @property
@@ -353,13 +360,11 @@ def template_from_spec(spec: str) -> TreeSpec:
 def _tidy_layout(g: nx.DiGraph) -> dict[int, tuple[float, float]]:
     """Leaves left to right in DFS order, parents centred over their children, y = -level."""
     pos: dict[int, tuple[float, float]] = {}
-    next_x = [0.0]
+    leaves = iter(range(len(g)))
 
     def place(u: int, level: int) -> float:
         kids = sorted(g.successors(u))
-        x = sum(place(c, level + 1) for c in kids) / len(kids) if kids else next_x[0]
-        if not kids:
-            next_x[0] += 1.0
+        x = sum(place(c, level + 1) for c in kids) / len(kids) if kids else float(next(leaves))
         pos[u] = (x, -float(level))
         return x
 

@@ -8,7 +8,6 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-
 from specdec.kernels.arg_checks import is_interpreted  # noqa: E402
 from specdec.kernels.paged_attention import (  # noqa: E402
     _paged_attn_kernel,
@@ -100,19 +99,47 @@ def test_sliding_window_causal(window):
 
 
 @cpu_only
-@pytest.mark.parametrize("window", [2, 6])
-def test_sliding_window_tree(window):
+@pytest.mark.parametrize("window,big", [(2, False), (6, False), (5, True)])
+def test_sliding_window_tree(window, big):
     gen = torch.Generator().manual_seed(window)
-    trees = [parents_topk(2, 2), parents_random(9, gen)]
-    batch = random_paged_batch([17, 3], [7, 9], 4, 2, HEAD_DIM, 4, tree_parents=trees, seed=window)
+    if big:  # 64 positions: the last query's mask has bit 63 (the sign bit) set
+        trees = [parents_chain(64), parents_random(64, gen)]
+    else:
+        trees = [parents_topk(2, 2), parents_random(9, gen)]
+    batch = random_paged_batch([17, 3], [len(t) for t in trees], 4, 2, HEAD_DIM, 4, tree_parents=trees,
+                               seed=window)
     _check(batch, window=window)
+
+
+@cpu_only
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("tree", [False, True])
+def test_queries_are_the_region_tail(tree, window):
+    """Rows whose earlier region positions are cached (a tree grown level by level): the queries'
+    outputs equal the matching rows of the all-region-queried result."""
+    gen = torch.Generator().manual_seed(11)
+    trees = [parents_topk(2, 3), parents_random(20, gen), parents_chain(6)] if tree else None
+    prefix, region, q_lens = [9, 3, 0], [15, 20, 6], [8, 5, 1]
+    full = random_paged_batch(prefix, region, 6, 2, HEAD_DIM, 4, tree_parents=trees, seed=5)
+    part = random_paged_batch(prefix, region, 6, 2, HEAD_DIM, 4, tree_parents=trees, seed=5,
+                              query_lens=q_lens)
+    assert torch.equal(full.pool.storage, part.pool.storage)
+    tail = torch.cat([torch.arange(e - n, e) for e, n in zip(torch.tensor(region).cumsum(0).tolist(), q_lens,
+                                                               strict=True)])
+    part.q = full.q[tail].clone()
+    scale = HEAD_DIM ** -0.5
+    expect = paged_attention_reference(*_args(full), scale, window)[tail]
+    got = paged_attention_triton(*_args(part), scale, window, num_splits=2)
+    assert ((got - expect).abs().max() / expect.abs().max()).item() < 1e-4
+    if not (tree and window):  # the reference itself does not define windowed partial tree regions
+        _check(part, window=window)
 
 
 @cpu_only
 def test_oversized_launch_hints_are_harmless():
     """A CUDA graph captured for larger max_query_len / max_seq_len replays correctly on smaller batches."""
     batch = random_paged_batch([3, 11], [2, 5], 6, 2, HEAD_DIM, 4, seed=7)
-    _check(batch, max_query_len=16, max_seq_len=64, num_splits=2)
+    _check(batch, max_query_len=16, max_seq_len=16, num_splits=2)
 
 
 @cpu_only
@@ -126,7 +153,8 @@ def test_head_dim_not_power_of_two():
     ("block_tables", lambda t: t.long().float(), "block_tables"),
     ("q", lambda t: t[:, :, 0], "q must have shape"),
     ("k_cache", lambda t: t.double(), "k_cache"),
-    ("seq_lens", lambda t: t[:1], "seq_lens"),
+    ("seq_lens", lambda t: t.float(), "seq_lens"),
+    ("query_start_loc", lambda t: t[:-1], "query_start_loc"),
     ("tree_mask", lambda t: torch.ones(3, dtype=torch.int32), "tree_mask"),
 ])
 def test_bad_arguments_name_the_field(field, bad, match):

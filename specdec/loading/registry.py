@@ -82,12 +82,12 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype, device)
             f"checkpoint does not match {cfg.architecture}: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
-    model = model.to_empty(device=device)
-    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False, assign=False)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rope = model.rope.__class__(cfg).to(device)
-    return model.to(dtype).eval().requires_grad_(False)
+    return model.eval().requires_grad_(False)
 
 
 def _from_hf_folder(path: Path, name: str, dtype, device) -> LoadedModel:
@@ -108,7 +108,31 @@ def _from_gguf(path: Path, name: str, dtype, device) -> LoadedModel:
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf(ckpt.hf_config)
     model = build_model(cfg, ckpt.state_dict, dtype, device)
-    return LoadedModel(name, model, load_gguf_tokenizer(path), cfg)
+    return LoadedModel(name, model, _cached_gguf_tokenizer(path, load_gguf_tokenizer), cfg)
+
+
+def _cached_gguf_tokenizer(path: Path, convert):
+    """transformers converts a GGUF vocabulary slowly (~7 s); keep the converted tokenizer on disk.
+
+    The cache key is the file's absolute path, size and mtime; set SPECDEC_CACHE to move it.
+    """
+    import hashlib
+    import os
+
+    from transformers import AutoTokenizer
+
+    st = Path(path).stat()
+    key = hashlib.sha1(f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
+    folder = root / "tokenizers" / key
+    if (folder / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tok = convert(path)
+    try:
+        tok.save_pretrained(str(folder))
+    except OSError:
+        pass  # a read-only home only costs the next load the conversion again
+    return tok
 
 
 def truncate_layers(base: LoadedModel, num_layers: int) -> LoadedModel:

@@ -1,0 +1,115 @@
+"""pytest-benchmark entries for every kernel: Triton on CUDA (skipped without it), torch reference on CPU.
+
+Run: pytest bench/bench_kernels.py --benchmark-only   (or --benchmark-json=out.json)
+GPU shapes are Llama-8B-like attention (Hq 32, Hkv 8, D 128, bf16, block 16); CPU entries use
+small shapes so the torch references finish quickly.
+"""
+
+import pytest
+import torch
+
+from specdec.kernels.block_table import stage_block_tables, stage_block_tables_reference
+from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
+from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
+from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
+from specdec.kernels.random_inputs import parents_topk, random_paged_batch
+from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="Triton kernels are benchmarked on CUDA only")
+IMPLS = [pytest.param("triton", marks=needs_cuda), "torch"]
+
+
+def _setup(impl):
+    """(device, dtype, scale factor for sizes, synchronize) for an implementation."""
+    if impl == "triton":
+        return "cuda", torch.bfloat16, 1, torch.cuda.synchronize
+    return "cpu", torch.float32, 0, (lambda: None)
+
+
+def _run(benchmark, fn, sync):
+    fn()  # warm-up / compile
+    sync()
+    benchmark(lambda: (fn(), sync()))
+
+
+def _attention_case(impl, kind):
+    device, dtype, big, sync = _setup(impl)
+    hq, hkv, d = (32, 8, 128) if big else (4, 2, 16)
+    rows = 32 if big else 2
+    ctx = 2048 if big else 64
+    if kind == "decode":
+        pre, reg, trees = [ctx - 1] * rows, [1] * rows, None
+    elif kind == "tree64":
+        pre, reg = [ctx] * rows, [64] * rows
+        trees = [parents_topk(2, 6)[:64]] * rows
+    else:  # one prefill chunk after a cached prefix
+        pre, reg, trees = [ctx], [512 if big else 16], None
+    batch = random_paged_batch(pre, reg, hq, hkv, d, 16, tree_parents=trees, dtype=dtype, device=device,
+                               pool_on_device_rng=big == 1)
+    m = batch.meta
+    args = (batch.q, batch.pool.k_cache, batch.pool.v_cache, m.block_tables, m.query_start_loc,
+            m.prefix_lens, m.seq_lens, m.tree_mask, d ** -0.5)
+    fn = paged_attention_triton if impl == "triton" else paged_attention_reference
+    return (lambda: fn(*args, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)), sync
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["decode", "tree64", "prefill"])
+def test_paged_attention(benchmark, impl, kind):
+    fn, sync = _attention_case(impl, kind)
+    _run(benchmark, fn, sync)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_store_kv(benchmark, impl):
+    device, dtype, big, sync = _setup(impl)
+    t, hkv, d = (2048, 8, 128) if big else (64, 2, 16)
+    batch = random_paged_batch([0], [t], hkv, hkv, d, 16, dtype=dtype, device=device,
+                               pool_on_device_rng=big == 1)
+    k = torch.randn(t, hkv, d, device=device, dtype=dtype)
+    fn = store_kv_triton if impl == "triton" else store_kv_reference
+    pool, slots = batch.pool, batch.meta.slot_mapping
+    _run(benchmark, lambda: fn(k, k, pool.k_cache, pool.v_cache, slots), sync)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fused_rope_cache_write(benchmark, impl):
+    device, dtype, big, sync = _setup(impl)
+    t, hq, hkv, d = (2048, 32, 8, 128) if big else (64, 4, 2, 16)
+    batch = random_paged_batch([0], [t], hkv, hkv, d, 16, dtype=dtype, device=device,
+                               pool_on_device_rng=big == 1)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, device=device, dtype=dtype)
+    pos = torch.arange(t, device=device)
+    cos = torch.randn(t, d // 2, device=device)
+    fn = fused_rope_cache_write if impl == "triton" else fused_rope_cache_write_reference
+    pool, slots = batch.pool, batch.meta.slot_mapping
+    _run(benchmark, lambda: fn(qkv, pos, cos, cos, pool.k_cache, pool.v_cache, slots, hq, hkv, d), sync)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_adopt_kv(benchmark, impl):
+    """Batch 64, 8 accepted tokens each, 64 segments (32 layers x K/V) of 1024 elements per token."""
+    device, dtype, big, sync = _setup(impl)
+    rows, segs, width, page = (64, 64, 1024, 16) if big else (4, 8, 32, 4)
+    block_elems = segs * width * page
+    storage = torch.randn(rows * 8, block_elems, device=device, dtype=dtype)
+    offsets = torch.arange(segs, device=device) * width * page
+    widths = torch.full((segs,), width, device=device)
+    base = torch.arange(rows, device=device)[:, None] * 8 * page + 4 * page  # rows own disjoint blocks
+    dst = (base + torch.arange(8, device=device)).flatten()
+    src = (base + torch.arange(8, device=device) * 2).flatten()
+    fn = adopt_kv if impl == "triton" else adopt_kv_reference
+    _run(benchmark, lambda: fn(storage, offsets, widths, page, src, dst, max_token_elems=width), sync)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_stage_block_tables(benchmark, impl):
+    device, _, big, sync = _setup(impl)
+    r, b, cols = (1024, 64, 512) if big else (64, 8, 32)
+    host = torch.randint(0, 10_000, (r, cols), dtype=torch.int32)
+    host = host.pin_memory() if big else host
+    rows = torch.randperm(r)[:b].to(device)
+    out = torch.empty(b, cols, dtype=torch.int32, device=device)
+    fn = stage_block_tables if impl == "triton" else stage_block_tables_reference
+    _run(benchmark, lambda: fn(host, rows, out), sync)

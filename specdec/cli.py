@@ -1,0 +1,91 @@
+"""``specdec`` command line: generate, bench, distill."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on cuda, float32 on cpu")
+
+
+def _device_dtype(args) -> tuple[str, str]:
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, dtype
+
+
+def cmd_generate(args) -> int:
+    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.sampling_params import SamplingParams
+
+    device, dtype = _device_dtype(args)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens)
+    draft = None if args.draft == "none" else args.draft
+    engine = SpecEngine(draft, args.model, SpecConfig(tree=args.tree, device=device, dtype=dtype))
+    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    final = None
+    for out in engine.stream(prompt, params):
+        if out.error is not None:
+            print(f"error: {out.error}", file=sys.stderr)
+            return 2
+        sys.stdout.write(out.new_text)
+        sys.stdout.flush()
+        final = out
+    sys.stdout.write("\n")
+    if final is not None and args.stats:
+        s = final.stats
+        print(f"[{len(final.token_ids)} tokens, finish={final.finish_reason}, target forwards={s.target_forwards}, "
+              f"mean accepted length={s.mean_accepted_length:.2f}, acceptance rate={s.acceptance_rate:.2f}]",
+              file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
+    g.add_argument("--model", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
+    g.add_argument("--draft", default="ngram", help="draft model name/path, 'ngram', or 'none'")
+    g.add_argument("--tree", default="chain:4", help="chain:K | topk:WxD | dynamic:BUDGET")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
+    _add_model_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    from specdec.bench_cli import add_bench_parser
+
+    add_bench_parser(sub, _add_model_args)
+    try:
+        from specdec.distill import add_distill_parser
+    except ImportError:
+        pass
+    else:
+        add_distill_parser(sub, _add_model_args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
