@@ -7,7 +7,6 @@ small shapes so the torch references finish quickly.
 
 import pytest
 import torch
-
 from specdec.kernels.block_table import stage_block_tables, stage_block_tables_reference
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton

@@ -4,8 +4,10 @@ Usage: python bench/gpu_kernels.py OUT.json [--quick]
 
 For each model shape, batch B in (1, 4, 16, 64), context (cached prefix) S in (512, 2048, 8192)
 and N query tokens per row in (1, 16, 64) (N = 1 is decode, N > 1 a tree verify), it reports
-median times (triton.testing.do_bench) of
+median GPU times, replayed from CUDA graphs (triton.testing.do_bench_cudagraph, as the engine runs
+its steps; eager timing here would mostly measure Python launch overhead), of
   triton        paged_attention_triton through permuted block tables (auto split-K)
+  triton_eager  the same launched eagerly (includes host launch overhead)
   triton_1split the same with num_splits=1 (shows what split-K buys)
   sdpa          F.scaled_dot_product_attention on K/V already gathered into contiguous
                 (B, Hkv, S+N, D) tensors: the dense lower bound without paging
@@ -22,21 +24,25 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
-
 from specdec.kernels.block_table import stage_block_tables, stage_block_tables_reference
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
 from specdec.kernels.paged_attention import paged_attention_triton
 from specdec.kernels.random_inputs import parents_random, random_paged_batch, tree_mask_from_parents
 from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
+from triton.testing import do_bench, do_bench_cudagraph
 
 MODELS = {"llama-8b": (32, 8, 128), "smollm2-135m": (9, 3, 64)}  # (Hq, Hkv, D)
 BATCHES, CONTEXTS, QUERIES = (1, 4, 16, 64), (512, 2048, 8192), (1, 16, 64)
 BLOCK = 16
 
 
-def bench_ms(fn) -> float:
+def bench_ms(fn, graph: bool = True) -> float:
+    """Median ms of ``fn``, replayed from a CUDA graph when ``graph`` (fn must not sync), else eager."""
+    fn()  # compile / warm up outside any capture
+    torch.cuda.synchronize()
+    if graph:
+        return do_bench_cudagraph(fn, rep=50, return_mode="median")
     return do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
@@ -44,7 +50,7 @@ def copy_bandwidth() -> float:
     """Bytes per second of a 2 GiB device-to-device copy, counting bytes read and written."""
     x = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
     y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x))
+    ms = bench_ms(lambda: y.copy_(x), graph=False)
     return 2 * x.numel() * x.element_size() / (ms * 1e-3)
 
 
@@ -73,8 +79,9 @@ def _dense_inputs(batch, n, tree):
 def attention_row(model, b, s, n) -> dict:
     hq, hkv, d = MODELS[model]
     tree = parents_random(n, torch.Generator().manual_seed(n))
-    batch = random_paged_batch([s] * b, [n] * b, hq, hkv, d, BLOCK, tree_parents=[tree] * b if n > 1 else None,
-                               dtype=torch.bfloat16, device="cuda", pool_on_device_rng=True)
+    trees = [tree] * b if n > 1 else None
+    batch = random_paged_batch([s] * b, [n] * b, hq, hkv, d, BLOCK, tree_parents=trees, dtype=torch.bfloat16,
+                               device="cuda", pool_on_device_rng=True)
     m = batch.meta
     args = (batch.q, batch.pool.k_cache, batch.pool.v_cache, m.block_tables, m.query_start_loc,
             m.prefix_lens, m.seq_lens, m.tree_mask, d ** -0.5)
@@ -83,8 +90,10 @@ def attention_row(model, b, s, n) -> dict:
     k, v = gather()
     row = {"model": model, "batch": b, "context": s, "queries": n}
     row["triton_ms"] = bench_ms(lambda: paged_attention_triton(*args, **hints))
+    row["triton_eager_ms"] = bench_ms(lambda: paged_attention_triton(*args, **hints), graph=False)
     row["triton_1split_ms"] = bench_ms(lambda: paged_attention_triton(*args, **hints, num_splits=1))
-    row["sdpa_ms"] = bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    row["sdpa_ms"] = bench_ms(
+        lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
     row["gather_sdpa_ms"] = bench_ms(
         lambda: F.scaled_dot_product_attention(q, *gather(), attn_mask=mask, enable_gqa=True))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
@@ -128,7 +137,8 @@ def small_kernel_rows() -> list[dict]:
     }
     out = []
     for name, (call, fast, ref, nbytes) in cases.items():
-        fast_ms, ref_ms = bench_ms(lambda: call(fast)), bench_ms(lambda: call(ref))  # noqa: B023
+        fast_ms = bench_ms(lambda: call(fast))  # noqa: B023
+        ref_ms = bench_ms(lambda: call(ref), graph=False)  # noqa: B023  (references sync on the host)
         out.append({"kernel": name, "triton_ms": fast_ms, "torch_ms": ref_ms,
                     "triton_GBps": nbytes / (fast_ms * 1e-3) / 1e9})
     return out
@@ -142,7 +152,7 @@ def main(argv: list[str]) -> None:
     results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "attention": [],
                "small_kernels": []}
     print(f"{results['device']}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
-    print(f"{'model':>13} {'B':>3} {'S':>5} {'N':>3} | {'triton':>8} {'1split':>8} {'sdpa':>8} "
+    print(f"{'model':>13} {'B':>3} {'S':>5} {'N':>3} | {'triton':>8} {'eager':>8} {'1split':>8} {'sdpa':>8} "
           f"{'gat+sdpa':>8} ms | {'GB/s':>6} {'%copy':>6} | {'relerr':>7}")
     for model in MODELS:
         for b in BATCHES[:2] if quick else BATCHES:
@@ -152,15 +162,21 @@ def main(argv: list[str]) -> None:
                     row["frac_of_copy"] = row["triton_GBps"] * 1e9 / copy_bw
                     results["attention"].append(row)
                     print(f"{model:>13} {b:>3} {s:>5} {n:>3} | {row['triton_ms']:8.4f} "
+                          f"{row['triton_eager_ms']:8.4f} "
                           f"{row['triton_1split_ms']:8.4f} {row['sdpa_ms']:8.4f} {row['gather_sdpa_ms']:8.4f}"
                           f"    | {row['triton_GBps']:6.0f} {100 * row['frac_of_copy']:5.1f}% | "
                           f"{row['max_rel_err']:.1e}", flush=True)
                     torch.cuda.empty_cache()
+                    _dump(results, argv[1])  # partial results survive a time limit
     for row in small_kernel_rows():
         results["small_kernels"].append(row)
         print(f"{row['kernel']:>30}: triton {row['triton_ms']:.4f} ms ({row['triton_GBps']:.0f} GB/s), "
               f"torch {row['torch_ms']:.4f} ms")
-    with open(argv[1], "w") as f:
+    _dump(results, argv[1])
+
+
+def _dump(results: dict, path: str) -> None:
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
 
 

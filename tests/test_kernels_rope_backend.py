@@ -137,8 +137,8 @@ def test_gpu_rope_and_backend_bf16():
         assert ((g.float() - r.float()).abs().max() / r.float().abs().max()).item() < 1e-2
     assert ((pool.storage.float() - ref_storage.float()).abs().max()).item() < 2e-2
 
-    batch = random_paged_batch([300, 2000, 17], [64, 1, 33], 32, 8, 128, 16,
-                               tree_parents=[parents_topk(2, 5)[:64], [-1], parents_topk(4, 2)[:33]],
+    trees = [parents_topk(2, 6)[:64], [-1], parents_topk(4, 2)]
+    batch = random_paged_batch([300, 2000, 17], [len(t) for t in trees], 32, 8, 128, 16, tree_parents=trees,
                                dtype=torch.bfloat16, device="cuda")
     got, got_storage = _backend_run(select_backend(torch.device("cuda")), batch, None)
     ref, ref_storage = _backend_run(TorchAttentionBackend(), batch, None)

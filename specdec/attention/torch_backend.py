@@ -102,6 +102,48 @@ def _window_mask(prefix_len: int, qmask: torch.Tensor, tm, window: int) -> torch
     return k_pos.view(1, -1) > q_pos.view(-1, 1) - window
 
 
+def paged_attention_padded(
+    q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask, scale,
+    sliding_window=None,
+):
+    """Same result as ``paged_attention``, computed for all rows at once on padded tensors.
+
+    The fast CPU path (few large ops instead of a Python loop per row); sliding windows and
+    partially cached tree regions go through ``paged_attention``.
+    """
+    if sliding_window is not None:
+        return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens,
+                               tree_mask, scale, sliding_window)
+    dev, bs = q.device, k_cache.shape[1]
+    hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
+    qsl = query_start_loc.long()
+    n_q = qsl[1:] - qsl[:-1]  # (B,)
+    nb, max_q, s_max = n_q.shape[0], int(n_q.max()), int(seq_lens.max())
+    qi = torch.arange(max_q, device=dev)
+    valid_q = qi.view(1, -1) < n_q.view(-1, 1)  # (B, max_q)
+    tok = (qsl[:-1].view(-1, 1) + qi.view(1, -1)).clamp(max=q.shape[0] - 1)  # (B, max_q)
+    pos = torch.arange(s_max, device=dev)
+    blocks = block_tables.long().gather(1, (pos // bs).view(1, -1).expand(nb, -1))  # (B, S)
+    keys = k_cache[blocks, (pos % bs).view(1, -1)].float()  # (B, S, Hkv, D)
+    vals = v_cache[blocks, (pos % bs).view(1, -1)].float()
+    pre, sl = prefix_lens.long().view(-1, 1, 1), seq_lens.long().view(-1, 1, 1)
+    kpos = pos.view(1, 1, -1)
+    if tree_mask is None:  # query i of a row sits at position seq_len - n_q + i
+        qpos = (seq_lens.long() - n_q).view(-1, 1, 1) + qi.view(1, -1, 1)
+        mask = kpos <= qpos
+    else:
+        bits = tree_mask[tok]  # (B, max_q)
+        rel = (kpos - pre).clamp(0, 63)
+        mask = (kpos < pre) | (((bits.unsqueeze(-1) >> rel) & 1) == 1)
+    mask = mask & (kpos < sl) & valid_q.unsqueeze(-1)  # (B, max_q, S)
+    qf = q[tok].float().view(nb, max_q, hkv, hq // hkv, d)
+    scores = torch.einsum("bqhgd,bshd->bhgqs", qf, keys) * scale  # (B, Hkv, G, max_q, S)
+    scores = scores.masked_fill(~mask.view(nb, 1, 1, max_q, s_max), float("-inf"))
+    probs = torch.nan_to_num(scores.softmax(-1))
+    o = torch.einsum("bhgqs,bshd->bqhgd", probs, vals).reshape(nb, max_q, hq, d)
+    return o[valid_q].to(q.dtype)  # (T, Hq, D)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Reference backend: scatter-write, then gather through the block table and run dense attention."""
 
@@ -109,7 +151,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(
+        return paged_attention_padded(
             q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.prefix_lens,
             meta.seq_lens, meta.tree_mask, scale, sliding_window,
         )

@@ -1,0 +1,23 @@
+"""Shared fixtures of the benchmark suites (CI does not run bench/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from specdec.loading.registry import load_model
+
+    return load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(smollm2):
+    from specdec.prompts import chat_ids
+
+    questions = ["What is the capital of France?", "Write a haiku about autumn.", "Explain TCP in one line.",
+                 "List three prime numbers.", "Who wrote Hamlet?", "Translate 'good night' to German.",
+                 "Give me a synonym for happy.", "What is 12 times 12?"]
+    return [chat_ids([{"role": "user", "content": q}], smollm2.tokenizer) for q in questions]
