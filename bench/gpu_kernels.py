@@ -1,6 +1,6 @@
 """Time the Triton kernels on a GPU: paged attention against torch SDPA, and the small KV kernels.
 
-Usage: python bench/gpu_kernels.py OUT.json [--quick]
+Usage: python bench/gpu_kernels.py OUT.json [--quick | --tune]
 
 For each model shape, batch B in (1, 4, 16, 64), context (cached prefix) S in (512, 2048, 8192)
 and N query tokens per row in (1, 16, 64) (N = 1 is decode, N > 1 a tree verify), it reports
@@ -14,11 +14,13 @@ its steps; eager timing here would mostly measure Python launch overhead), of
   gather_sdpa   gathering K/V through the block tables, then SDPA (a torch paged path)
 and the achieved bandwidth of the Triton kernel (K/V bytes read + q/out bytes, over time),
 as a fraction of the measured device copy bandwidth (2 x bytes / time of a large copy).
-It prints a table and writes every number to OUT.json.
+It prints a table and writes every number to OUT.json. ``--tune`` instead sweeps the attention
+tile configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) on a few decode and tree cases.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
@@ -105,6 +107,42 @@ def attention_row(model, b, s, n) -> dict:
     return row
 
 
+TUNE_CASES = [("llama-8b", 64, 8192, 1), ("llama-8b", 4, 8192, 1), ("smollm2-135m", 64, 2048, 1),
+              ("llama-8b", 16, 8192, 64), ("llama-8b", 64, 2048, 16), ("smollm2-135m", 64, 8192, 64),
+              ("llama-8b", 1, 8192, 64)]
+
+
+def tune_rows() -> list[dict]:
+    """Graph-replay time of every tile configuration on TUNE_CASES (failed compiles are skipped)."""
+    rows = []
+    for model, b, s, n in TUNE_CASES:
+        hq, hkv, d = MODELS[model]
+        trees = [parents_random(n, torch.Generator().manual_seed(n))] * b if n > 1 else None
+        batch = random_paged_batch([s] * b, [n] * b, hq, hkv, d, BLOCK, tree_parents=trees,
+                                   dtype=torch.bfloat16, device="cuda", pool_on_device_rng=True)
+        m = batch.meta
+        args = (batch.q, batch.pool.k_cache, batch.pool.v_cache, m.block_tables, m.query_start_loc,
+                m.prefix_lens, m.seq_lens, m.tree_mask, d ** -0.5)
+        hints = dict(max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+        block_ms = (16,) if n == 1 else (64, 128, 256)
+        for cfg in itertools.product(block_ms, (32, 64, 128), (2, 4, 8), (2, 3, 4)):
+            if n > 1 and (cfg[1] == 128 or cfg[2] == 2 or cfg[3] == 4):
+                continue
+            try:
+                ms = bench_ms(lambda: paged_attention_triton(*args, **hints, tile_config=cfg))  # noqa: B023
+            except Exception as exc:  # noqa: BLE001 - out of resources etc.: report and go on
+                print(f"{model} B={b} S={s} N={n} {cfg}: {type(exc).__name__}")
+                continue
+            rows.append({"model": model, "batch": b, "context": s, "queries": n, "tile": cfg, "ms": ms})
+        best = sorted((r for r in rows if r["batch"] == b and r["context"] == s and r["queries"] == n
+                       and r["model"] == model), key=lambda r: r["ms"])[:4]
+        best_str = ", ".join(f"{r['tile']} {r['ms']:.4f}" for r in best)
+        print(f"{model} B={b} S={s} N={n}: {best_str}", flush=True)
+        del batch
+        torch.cuda.empty_cache()
+    return rows
+
+
 def small_kernel_rows() -> list[dict]:
     """store_kv, fused rope + cache write, KV adoption and block-table staging vs their references."""
     t, hq, hkv, d = 4096, 32, 8, 128
@@ -148,6 +186,9 @@ def main(argv: list[str]) -> None:
     if len(argv) < 2 or not torch.cuda.is_available():
         raise SystemExit("usage: python bench/gpu_kernels.py OUT.json [--quick]  (needs CUDA)")
     quick = "--quick" in argv
+    if "--tune" in argv:
+        _dump({"tune": tune_rows()}, argv[1])
+        return
     copy_bw = copy_bandwidth()
     results = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bw / 1e9, "attention": [],
                "small_kernels": []}

@@ -32,7 +32,8 @@ def check_tensor(
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if shape is not None:
         want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        if t.dim() != len(shape) or any(s is not None and s != g for s, g in zip(shape, t.shape, strict=True)):
+        sizes = zip(shape, t.shape, strict=False)
+        if t.dim() != len(shape) or any(s is not None and s != g for s, g in sizes):
             raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")

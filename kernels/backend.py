@@ -65,7 +65,8 @@ def select_backend(device: torch.device | str, prefer: str = "auto") -> Attentio
         return TritonAttentionBackend()
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
         return TritonAttentionBackend()
+    interp = os.environ.get("TRITON_INTERPRET")
     raise ValueError(
         f"prefer='triton' needs a CUDA device, or device 'cpu' with TRITON_INTERPRET=1 in the environment "
-        f"(Triton's interpreter); got device {device} and TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}"
+        f"(Triton's interpreter); got device {device} and TRITON_INTERPRET={interp!r}"
     )

@@ -57,6 +57,52 @@ def _popcount(x):
 
 
 @triton.jit
+def _attend_keys(
+    acc, l_i, m_i, q, tm_q, t_idx, q_pos, k_from, k_to, prefix, window, scale_log2, k_base, v_base,
+    bt_row, stride_bt1, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok,
+    BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, REGION: tl.constexpr, IS_TREE: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, l_i, m_i) with keys [k_from, k_to); REGION keys get the
+    causal / tree mask, prefix keys only the length and window checks."""
+    for start in range(k_from, k_to, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical key positions
+        n_ok = offs_n < k_to
+        blk = tl.load(bt_row + (offs_n // PAGE_SIZE) * stride_bt1, mask=n_ok, other=0).to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + (blk * stride_kb + in_page * stride_ks)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
+        v = tl.load(v_base + (blk * stride_vb + in_page * stride_vs)[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+
+        vis = n_ok[None, :]
+        k_pos = offs_n[None, :]
+        if REGION:
+            j = offs_n - prefix  # region index of each key
+            if IS_TREE:
+                jj = tl.minimum(j, 63).to(tl.int64)  # tree regions hold <= 64 positions
+                vis = vis & (((tm_q[:, None] >> jj[None, :]) & 1) != 0)
+                if SLIDING:  # a visible region key is an ancestor: its depth = the query's bits below it
+                    below = (tl.full((), 1, tl.int64) << jj) - 1  # (BLOCK_N,)
+                    k_pos = prefix + _popcount(tm_q[:, None] & below[None, :])  # (BLOCK_M, BLOCK_N)
+            else:
+                vis = vis & (j[None, :] <= t_idx[:, None])
+        if SLIDING:
+            vis = vis & (k_pos > q_pos[:, None] - window)
+        s = tl.where(vis, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, pre_ptr, sl_ptr, tm_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -99,6 +145,8 @@ def _paged_attn_kernel(
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_P)
 
     # Visible key range [lo, hi) of this tile, split into num_splits chunks of whole key tiles.
+    tm_q = 0  # (BLOCK_M,) int64 masks of tree queries
+    q_pos = 0  # (BLOCK_M,) logical positions of the queries, under a sliding window
     if IS_TREE:
         tm_q = tl.load(tm_ptr + q_start + t_idx, mask=t_idx < n_q, other=0)  # (BLOCK_M,) int64
         hi = seq_len
@@ -122,42 +170,18 @@ def _paged_attn_kernel(
     m_i = tl.full((BLOCK_M,), -1.0e30, tl.float32)  # finite: fully masked tiles give p = 0, no NaN
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM_P), tl.float32)
-    for start in range(k_lo, k_hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical key positions
-        n_ok = offs_n < k_hi
-        blk = tl.load(bt_ptr + b * stride_bt0 + (offs_n // PAGE_SIZE) * stride_bt1, mask=n_ok, other=0)
-        blk = blk.to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + (blk * stride_kb + in_page * stride_ks + kvh * stride_kh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
-        v = tl.load(v_ptr + (blk * stride_vb + in_page * stride_vs + kvh * stride_vh)[:, None]
-                    + offs_d[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_P)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-
-        j = offs_n - prefix  # region index of each key (negative inside the prefix)
-        if IS_TREE:
-            jj = tl.minimum(tl.maximum(j, 0), 63).to(tl.int64)  # tree regions hold <= 64 positions
-            vis_reg = ((tm_q[:, None] >> jj[None, :]) & 1) != 0
-        else:
-            vis_reg = j[None, :] <= t_idx[:, None]
-        vis = ((j < 0)[None, :] | vis_reg) & n_ok[None, :]
-        if SLIDING:
-            if IS_TREE:  # a visible region key is an ancestor: its depth = the query's bits below it
-                below = (tl.full((), 1, tl.int64) << jj) - 1  # (BLOCK_N,)
-                k_pos = tl.where((j >= 0)[None, :], prefix + _popcount(tm_q[:, None] & below[None, :]),
-                                 offs_n[None, :])  # (BLOCK_M, BLOCK_N)
-            else:
-                k_pos = offs_n[None, :]
-            vis = vis & (k_pos > q_pos[:, None] - window)
-        s = tl.where(vis, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])  # (BLOCK_M, BLOCK_N)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    bt_row = bt_ptr + b * stride_bt0
+    mid = tl.minimum(tl.maximum(prefix, k_lo), k_hi)  # prefix keys need no mask, region keys do
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, tm_q, t_idx, q_pos, k_lo, mid, prefix, window, scale_log2, k_base, v_base,
+        bt_row, stride_bt1, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok,
+        BLOCK_N, PAGE_SIZE, False, IS_TREE, SLIDING, DOT_PRECISION)
+    acc, l_i, m_i = _attend_keys(
+        acc, l_i, m_i, q, tm_q, t_idx, q_pos, mid, k_hi, prefix, window, scale_log2, k_base, v_base,
+        bt_row, stride_bt1, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, d_ok,
+        BLOCK_N, PAGE_SIZE, True, IS_TREE, SLIDING, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_mask = row_ok[:, None] & d_ok[None, :]
@@ -200,6 +224,7 @@ def _combine_splits_kernel(
 def paged_attention_reference(
     q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask, scale,
     sliding_window=None, *, max_query_len=None, max_seq_len=None, num_splits=None, out=None,
+    tile_config=None,
 ):
     """The torch reference (specdec.attention.torch_backend.paged_attention); launch hints are ignored."""
     res = _torch_paged_attention(
@@ -225,12 +250,14 @@ def paged_attention_triton(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    tile_config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:  # (T, Hq, D)
     """Same result as ``specdec.attention.torch_backend.paged_attention``, computed by Triton kernels.
 
     ``max_query_len`` must be >= every row's query count (None: read from the device, a sync);
     ``max_seq_len`` only steers the split count (None: read from the device). ``num_splits``
     forces the split-K factor. ``out`` (T, Hq, D), q's dtype, receives the result when given.
+    ``tile_config`` = (BLOCK_M, BLOCK_N, num_warps, num_stages) overrides the tuned tiles.
     Tokens outside every row's [qsl[b], qsl[b+1]) are left unwritten.
     Sliding windows are supported for every row kind (no torch fallback needed).
     """
@@ -250,14 +277,17 @@ def paged_attention_triton(
     if max_query_len < 1:
         return out
     if tree_mask is not None and max_query_len > MAX_TREE_TOKENS:
-        raise ValueError(f"tree rows hold at most {MAX_TREE_TOKENS} queries, got max_query_len {max_query_len}")
+        raise ValueError(f"tree rows hold at most {MAX_TREE_TOKENS} queries, got {max_query_len}")
     if max_seq_len > block_tables.shape[1] * page:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds block_tables capacity "
                          f"{block_tables.shape[1]} blocks x {page}")
 
     group = hq // hkv
     group_p = next_pow2(group)
-    block_m, block_n, num_warps, num_stages = _tile_config(q, d, group_p, max_query_len)
+    block_m, block_n, num_warps, num_stages = tile_config or _tile_config(q, d, group_p, max_query_len)
+    if block_m < max(16, group_p) or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"tile_config {tile_config}: BLOCK_M must be a power of two >= max(16, {group_p}) "
+                         "and BLOCK_N a power of two >= 16")
     n_tiles = triton.cdiv(max_query_len, block_m // group_p)
     kv_span = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + max_query_len)
     splits = num_splits or _auto_splits(q.device, n_tiles * nrows * hkv, kv_span, block_n)
@@ -293,13 +323,22 @@ def paged_attention_triton(
 
 
 def _tile_config(q: torch.Tensor, d: int, group_p: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): 16-row tiles for decode, 64 rows otherwise."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages), from an H200 sweep (bench/gpu_kernels.py --tune).
+
+    Multi-query tiles grow to hold all of a row's queries x the GQA group, so K/V is read once.
+    """
     if q.device.type != "cuda":  # interpreter: few, large programs keep the tests fast
         return max(16, min(64, group_p * next_pow2(max_query_len))), 16, 1, 1
-    block_m = 16 if max_query_len == 1 else 64
-    block_m = max(block_m, group_p)
-    block_n = 64 if d <= 128 and q.dtype != torch.float32 else 32
-    return block_m, block_n, 4, 2
+    if d > 128 or q.dtype == torch.float32:  # big tiles would spill
+        return max(16 if max_query_len == 1 else 64, group_p), 32, 4, 2
+    if max_query_len == 1:
+        return max(16, group_p), 128 if d <= 64 else 64, 4, 3
+    rows = next_pow2(max_query_len) * group_p
+    if rows <= 64:
+        return 64, 64, 4, 3
+    if rows <= 128 or d > 64:
+        return max(128, group_p), 32, 4, 3
+    return max(256, group_p), 64, 8, 3
 
 
 def _combine_rows(device: torch.device, splits: int, d: int) -> int:
@@ -353,4 +392,5 @@ def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens,
     if num_splits is not None and not (isinstance(num_splits, int) and 1 <= num_splits <= 64):
         raise ValueError(f"num_splits must be None or an int in [1, 64], got {num_splits!r}")
     if out is not None:
-        check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=dev, last_dim_contiguous=True)
+        check_tensor("out", out, shape=tuple(q.shape), dtypes=(q.dtype,), device=dev,
+                     last_dim_contiguous=True)

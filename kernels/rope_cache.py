@@ -123,7 +123,10 @@ def fused_rope_cache_write(
     if out is None:
         out = tuple(torch.empty((t, h, head_dim), dtype=qkv.dtype, device=qkv.device)
                     for h in (num_heads, num_kv_heads, num_kv_heads))
-    for name, o, h in zip(("out[0]", "out[1]", "out[2]"), out, (num_heads, num_kv_heads, num_kv_heads), strict=True):
+    if len(out) != 3:
+        raise ValueError(f"out must be a (q, k, v) tuple of 3 tensors, got {len(out)}")
+    heads = (num_heads, num_kv_heads, num_kv_heads)
+    for name, o, h in zip(("out[0]", "out[1]", "out[2]"), out, heads, strict=True):
         check_tensor(name, o, shape=(t, h, head_dim), dtypes=(qkv.dtype,), device=qkv.device)
         if not o.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {o.stride()}")
@@ -160,7 +163,8 @@ def _check_args(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_he
     check_tensor("positions", positions, shape=(t,), dtypes=INDEX_DTYPES, device=dev)
     check_tensor("cos", cos, shape=(None, head_dim // 2), dtypes=FLOAT_DTYPES, device=dev,
                  last_dim_contiguous=True)
-    check_tensor("sin", sin, shape=tuple(cos.shape), dtypes=FLOAT_DTYPES, device=dev, last_dim_contiguous=True)
+    check_tensor("sin", sin, shape=tuple(cos.shape), dtypes=FLOAT_DTYPES, device=dev,
+                 last_dim_contiguous=True)
     check_tensor("k_cache", k_cache, shape=(None, None, num_kv_heads, head_dim), dtypes=FLOAT_DTYPES,
                  device=dev, last_dim_contiguous=True)
     check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=FLOAT_DTYPES, device=dev,

@@ -197,3 +197,18 @@ def test_gpu_bf16(hq, hkv, d, kind):
                                device="cuda", seed=d)
     _check(batch, tol=1e-2)
     _check(batch, tol=1e-2, window=256)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["decode", "tree", "prefill"])
+def test_gpu_fp32(kind):
+    """fp32 on the GPU (the engine's exactness runs): IEEE dots, tight tolerance."""
+    gen = torch.Generator().manual_seed(1)
+    trees = [parents_random(64, gen), parents_chain(5)] if kind == "tree" else None
+    pre, new = {"decode": ([1, 700, 33], [1, 1, 1]), "tree": ([900, 3], [64, 5]),
+                "prefill": ([0, 300], [700, 40])}[kind]
+    batch = random_paged_batch(pre, new, 9, 3, 64, 16, tree_parents=trees, device="cuda", seed=2)
+    _check(batch, tol=1e-4)
+    _check(batch, tol=1e-4, window=100)
+

@@ -38,7 +38,8 @@ def _rope_tables(max_pos, d, device):
 def _rope_case(t, hq, hkv, d, page, device, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     width = (hq + 2 * hkv) * d
-    qkv = torch.randn(t, width + 8, generator=gen).to(device=device, dtype=dtype)[:, :width]  # row stride > width
+    wide = torch.randn(t, width + 8, generator=gen).to(device=device, dtype=dtype)
+    qkv = wide[:, :width]  # row stride > width
     positions = torch.randint(0, 100, (t,), generator=gen).to(device)
     num_blocks = t // page + 2
     slots = torch.randperm(num_blocks * page, generator=gen)[:t]
@@ -59,7 +60,8 @@ def test_fused_rope_cache_write(t, hq, hkv, d, page):
     qkv, pos, cos, sin, slots, pool = _rope_case(t, hq, hkv, d, page, "cpu", torch.float32, seed=t)
     expect = make_pool(pool.storage.shape[0], page, hkv, d, torch.float32, "cpu", torch.Generator())
     expect.storage.copy_(pool.storage)
-    ref = fused_rope_cache_write_reference(qkv, pos, cos, sin, expect.k_cache, expect.v_cache, slots, hq, hkv, d)
+    ref = fused_rope_cache_write_reference(qkv, pos, cos, sin, expect.k_cache, expect.v_cache, slots,
+                                           hq, hkv, d)
     out = tuple(torch.full((t, h, d), float("nan")) for h in (hq, hkv, hkv))
     got = fused_rope_cache_write(qkv, pos, cos, sin, pool.k_cache, pool.v_cache, slots, hq, hkv, d, out=out)
     for name, g, r in zip("qkv", got, ref, strict=True):

@@ -34,9 +34,9 @@ def load_default_draft(dtype: torch.dtype | str = torch.float32, device: torch.d
     """
     if not default_draft_available():
         raise ModelNotFoundError(
-            f"the default draft {DEFAULT_DRAFT_NAME!r} is not installed (expected a trained draft folder at "
-            f"{DEFAULT_DRAFT_DIR}); train one with `specdec distill --target smollm2-135m --out DIR` and pass "
-            f"DIR as the draft, or use draft='ngram'")
+            f"the default draft {DEFAULT_DRAFT_NAME!r} is not installed (expected a trained draft folder "
+            f"at {DEFAULT_DRAFT_DIR}); train one with `specdec distill --target smollm2-135m --out DIR` and "
+            f"pass DIR as the draft, or use draft='ngram'")
     model = load_draft_folder(DEFAULT_DRAFT_DIR, dtype=dtype, device=device, target=target)
     model.name = DEFAULT_DRAFT_NAME
     return model

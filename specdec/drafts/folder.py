@@ -39,7 +39,8 @@ def hf_config(cfg: ModelConfig):
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling or {})}
     kwargs: dict[str, Any] = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, rope_parameters=rope,
         max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=cfg.tie_word_embeddings,
         bos_token_id=cfg.bos_token_id, eos_token_id=list(cfg.eos_token_ids) or None,
@@ -96,7 +97,8 @@ def read_draft_meta(path: str | Path) -> dict:
 
 
 def load_draft_folder(path: str | Path, dtype: torch.dtype | str = torch.float32,
-                      device: torch.device | str = "cpu", target: LoadedModel | str | None = None) -> LoadedModel:
+                      device: torch.device | str = "cpu",
+                      target: LoadedModel | str | None = None) -> LoadedModel:
     """Load a draft folder as a ready ``LoadedModel`` (dtype/device as asked).
 
     The shared embeddings / LM head come from ``target``: a ``LoadedModel`` (its tensors are used

@@ -19,15 +19,22 @@ from specdec.models.rope import RotaryEmbedding
 TRAINED_PREFIXES = ("model.layers.", "model.norm.")
 
 
-def target_layer_map(num_target_layers: int, num_layers: int) -> list[int]:
-    """Evenly spaced target layer indices, always the first and, for >= 2 layers, the last.
+def target_layer_map(num_target_layers: int, num_layers: int, explicit: tuple[int, ...] | None = None
+                     ) -> list[int]:
+    """The target layers a draft starts from: ``explicit`` (checked), else evenly spaced indices
+    that always include the first and, for >= 2 layers, the last.
 
     The first layer reads the raw embeddings and the last writes what the final norm and LM head
-    expect, so a draft that starts with both is already a rough approximation of the target.
+    expect, so a draft that starts with both has the right interfaces at either end.
     """
     if not 1 <= num_layers <= num_target_layers:
         raise ValueError(f"layers must be in [1, {num_target_layers}] (the target's layer count), "
                          f"got {num_layers}")
+    if explicit is not None:
+        if len(explicit) != num_layers or not all(0 <= i < num_target_layers for i in explicit):
+            raise ValueError(f"init_layers must be {num_layers} indices in [0, {num_target_layers}), "
+                             f"got {list(explicit)}")
+        return list(explicit)
     if num_layers == 1:
         return [0]
     return [round(i * (num_target_layers - 1) / (num_layers - 1)) for i in range(num_layers)]

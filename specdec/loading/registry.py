@@ -57,6 +57,10 @@ def load_model(
         return load_default_draft(dtype=dtype, device=device)
     path = Path(name).expanduser()
     if path.is_dir():
+        from specdec.drafts import is_draft_folder, load_draft_folder
+
+        if is_draft_folder(path):
+            return load_draft_folder(path, dtype=dtype, device=device)
         return _from_hf_folder(path, name, dtype, device)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path, name, dtype, device)

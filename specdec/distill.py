@@ -1,0 +1,283 @@
+"""``specdec distill``: train a small draft model for a target by self-distillation.
+
+1. Data (``drafts.distill_data``): the target, run by our engine alone (greedy by default),
+   answers training prompts; prompt and response ids are cached in ``OUT/data.pt``.
+2. Draft (``drafts.layers``): ``--layers`` decoder layers copied from the target (evenly spaced,
+   first and last included) and its final norm; embeddings / LM head are the target's, frozen.
+3. Loss (``drafts.training``): KL(target || draft) of the next-token distributions at every
+   response position, the target's logits computed on the fly. AdamW, linear warm-up then cosine
+   decay, bf16 autocast on CUDA (float32 master weights), float32 on CPU. ``OUT/ckpt.pt`` every
+   ``--ckpt-every`` steps; ``--resume`` continues exactly.
+4. Export (``drafts.folder``): a draft folder that stores only the trained tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from specdec.drafts.distill_data import DataSpec, DistillData
+from specdec.drafts.training import TrainState
+from specdec.loading.registry import DTYPES, LoadedModel
+
+TRAINING_FILES = ("data.pt", "ckpt.pt")  # in OUT next to the draft, but not part of it
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Options of one run (``specdec distill --help`` explains each); validated at construction."""
+
+    out: str
+    target: str = "smollm2-135m"
+    layers: int = 2
+    init_layers: tuple[int, ...] | None = None
+    data: str = "sharegpt"
+    num_prompts: int = 4000
+    val_prompts: int | None = None
+    response_tokens: int = 128
+    max_prompt_tokens: int = 256
+    temperature: float = 0.0
+    gen_batch_size: int = 128
+    steps: int = 3000
+    batch_size: int = 32
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ckpt_every: int = 500
+    stop_after: int | None = None
+    seed: int = 0
+    resume: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    save_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "num_prompts", "response_tokens", "max_prompt_tokens", "gen_batch_size",
+                     "steps", "batch_size", "ckpt_every"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+        if self.init_layers is not None:
+            object.__setattr__(self, "init_layers", tuple(self.init_layers))
+        _require(self.init_layers is None or len(self.init_layers) == self.layers, "init_layers",
+                 f"None or {self.layers} target layer indices (one per draft layer)", self.init_layers)
+        _require(isinstance(self.out, str) and self.out != "", "out", "a folder path", self.out)
+        _require(self.data == "sharegpt" or self.data.endswith(".jsonl"), "data",
+                 "'sharegpt' or a path to a .jsonl prompt file", self.data)
+        _require(self.val_prompts is None or 0 <= self.val_prompts < self.num_prompts, "val_prompts",
+                 f"None (auto) or in [0, num_prompts={self.num_prompts})", self.val_prompts)
+        _require(self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        _require(self.lr > 0, "lr", "a number > 0", self.lr)
+        _require(0 <= self.warmup_steps <= self.steps, "warmup_steps", f"in [0, steps={self.steps}]",
+                 self.warmup_steps)
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _require(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
+        _require(self.grad_clip >= 0, "grad_clip", "a number >= 0 (0 = off)", self.grad_clip)
+        _require(self.stop_after is None or 1 <= self.stop_after <= self.steps, "stop_after",
+                 f"None or in [1, steps={self.steps}]", self.stop_after)
+        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", "an int >= 0", self.seed)
+        _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype)
+        _require(self.save_dtype in DTYPES, "save_dtype", f"one of {sorted(DTYPES)}", self.save_dtype)
+        _require(self.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N", self.device)
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 autocast for the training forwards: on CUDA unless ``dtype`` is float32."""
+        return self.device.startswith("cuda") and self.dtype != "float32"
+
+    @property
+    def num_val(self) -> int:
+        """Prompts held out for the validation KL: ``val_prompts``, or min(64, num_prompts // 10)."""
+        return min(64, self.num_prompts // 10) if self.val_prompts is None else self.val_prompts
+
+    @property
+    def data_spec(self) -> DataSpec:
+        return DataSpec(self.target, self.data, self.num_prompts, self.response_tokens,
+                        self.max_prompt_tokens, float(self.temperature), self.seed, self.dtype)
+
+
+def _require(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"DistillConfig.{name} must be {rule}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    """What a run produced: the draft folder (None when stopped before the last step), KLs, times."""
+
+    folder: Path | None
+    first_kl: float
+    final_kl: float
+    state: TrainState
+    gen_seconds: float
+    wall_seconds: float
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _ends(losses: list[float]) -> tuple[float, float]:
+    """Mean training KL of the first and of the last k steps (k = 50, or a fifth of short runs)."""
+    k = max(1, min(50, len(losses) // 5))
+    return _mean(losses[:k]), _mean(losses[-k:])
+
+
+def loss_curve(losses: list[float], points: int = 100) -> list[list[float]]:
+    """``[[last step of window, mean KL of window], ...]`` with at most ``points`` windows."""
+    w = max(1, -(-len(losses) // points))
+    return [[min(i + w, len(losses)), round(_mean(losses[i:i + w]), 6)] for i in range(0, len(losses), w)]
+
+
+def _device_name(device: str) -> str:
+    return f"{device} ({torch.cuda.get_device_name(device)})" if device.startswith("cuda") else device
+
+
+def export(cfg: DistillConfig, target: LoadedModel, draft: LoadedModel, data: DistillData, layers: list[int],
+           state: TrainState, wall: float) -> Path:
+    """Write the draft folder into ``cfg.out``; returns the path of its ``model.safetensors``."""
+    from specdec.drafts.folder import save_draft_folder
+
+    ref = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
+    first, final = _ends(state.losses)
+    record = {
+        "data": cfg.data, "source": data.source, "num_prompts": len(data.prompts),
+        "val_prompts": cfg.num_val, "response_tokens": cfg.response_tokens,
+        "generated_tokens": data.num_response_tokens, "max_prompt_tokens": cfg.max_prompt_tokens,
+        "generation": "greedy" if cfg.temperature == 0 else f"sampled, temperature {cfg.temperature}",
+        "steps": state.step, "batch_size": cfg.batch_size, "lr": cfg.lr, "warmup_steps": cfg.warmup_steps,
+        "schedule": f"linear warm-up, cosine to {cfg.min_lr_ratio} x lr", "weight_decay": cfg.weight_decay,
+        "grad_clip": cfg.grad_clip, "seed": cfg.seed, "loss": "KL(target || draft) per response token",
+        "first_kl": first, "final_kl": final, "val_kl": state.val, "loss_curve": loss_curve(state.losses),
+        "device": _device_name(cfg.device),
+        "precision": "bf16 autocast, fp32 master weights" if cfg.autocast else "float32",
+        "wall_seconds": {"data": round(data.gen_seconds, 2), "train": round(state.train_seconds, 2),
+                         "this_run": round(wall, 2)},
+    }
+    return save_draft_folder(cfg.out, draft, target, ref, {"target_layers": layers, "training": record},
+                             DTYPES[cfg.save_dtype])
+
+
+def _teacher(target: LoadedModel, cfg: DistillConfig) -> LoadedModel:
+    """The target in ``cfg.dtype`` (what the engine runs), sharing nothing with the fp32 copy."""
+    from specdec.loading.registry import build_model
+
+    if cfg.dtype == "float32":
+        return target
+    model = build_model(target.config, target.model.state_dict(), DTYPES[cfg.dtype], cfg.device)
+    return LoadedModel(target.name, model, target.tokenizer, target.config)
+
+
+def distill(cfg: DistillConfig) -> DistillResult:
+    """Generate the data (or reuse ``data.pt``), train (or resume ``ckpt.pt``) and, once every step
+    is done, export the draft folder into ``cfg.out``."""
+    from specdec.drafts.distill_data import load_or_generate
+    from specdec.drafts.layers import draft_from_target, target_layer_map
+    from specdec.drafts.training import train
+    from specdec.loading.registry import load_model
+
+    t0 = time.perf_counter()
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    target = load_model(cfg.target, dtype=torch.float32, device=cfg.device)  # holds the shared tensors
+    layers = target_layer_map(target.config.num_layers, cfg.layers, cfg.init_layers)
+    teacher = _teacher(target, cfg)
+    data = load_or_generate(Path(cfg.out), cfg.data_spec, teacher, cfg.gen_batch_size, cfg.device,
+                            cfg.dtype, strict=cfg.resume)
+    num_train = len(data.prompts) - cfg.num_val
+    if num_train < 1:
+        raise ValueError(f"DistillConfig.val_prompts={cfg.num_val} leaves no training example out of "
+                         f"the {len(data.prompts)} prompts of {cfg.data}")
+    draft = draft_from_target(target, layers, name=str(cfg.out))
+    state = train(cfg, teacher, draft, data, num_train)
+    folder = None
+    if state.step >= cfg.steps:
+        export(cfg, target, draft, data, layers, state, time.perf_counter() - t0)
+        folder = Path(cfg.out)
+    first, final = _ends(state.losses)
+    return DistillResult(folder, first, final, state, data.gen_seconds, time.perf_counter() - t0)
+
+
+def _draft_mb(folder: Path) -> float:
+    files = [f for f in folder.iterdir() if f.is_file() and f.name not in TRAINING_FILES]
+    return sum(f.stat().st_size for f in files if f.suffix != ".tmp") / 2**20
+
+
+def summary_line(res: DistillResult) -> str:
+    """One line: wall time, KL first -> final (and validation), output sizes or where it stopped."""
+    s = res.state
+    line = (f"distill: {res.wall_seconds:.1f}s wall (data {res.gen_seconds:.1f}s, "
+            f"train {s.train_seconds:.1f}s) | step {s.step} | KL {res.first_kl:.4f} -> {res.final_kl:.4f}")
+    if s.val:
+        line += f" | val KL {s.val[0][1]:.4f} -> {s.val[-1][1]:.4f}"
+    if res.folder is None:
+        return line + " | stopped before the last step: continue with --resume"
+    weights = (res.folder / "model.safetensors").stat().st_size / 2**20
+    return line + (f" | {res.folder}: model.safetensors {weights:.2f} MB, draft "
+                   f"{_draft_mb(res.folder):.2f} MB (without {' and '.join(TRAINING_FILES)})")
+
+
+def add_distill_parser(sub, add_model_args) -> None:
+    """Register ``specdec distill`` on the CLI's subparsers."""
+    d = {f.name: f.default for f in fields(DistillConfig)}
+    p = sub.add_parser("distill", help="train a small draft model for a target by self-distillation")
+    add = p.add_argument
+    add("--target", default=d["target"], help="target model: smollm2-135m, a HF folder or a .gguf")
+    add("--out", default=None, help="output folder: the draft, plus data.pt and ckpt.pt (required)")
+    add("--layers", type=int, default=d["layers"], help="draft decoder layers, copied from the target's")
+    add("--init-layers", type=_int_list, default=None, metavar="I,J,...",
+        help="target layers to start from (default: evenly spaced, first and last included)")
+    add("--data", default=d["data"], help="sharegpt (train split) | PATH.jsonl")
+    add("--num-prompts", type=int, default=d["num_prompts"])
+    add("--val-prompts", type=int, default=d["val_prompts"],
+        help="prompts held out for the val KL (default: min(64, num-prompts/10))")
+    add("--response-tokens", type=int, default=d["response_tokens"], help="target tokens per prompt")
+    add("--max-prompt-tokens", type=int, default=d["max_prompt_tokens"], help="truncate longer prompts")
+    add("--temperature", type=float, default=d["temperature"], help="data generation (0 = greedy)")
+    add("--gen-batch-size", type=int, default=d["gen_batch_size"], help="engine batch for generation")
+    add("--steps", type=int, default=d["steps"])
+    add("--batch-size", type=int, default=d["batch_size"], help="sequences per training step")
+    add("--lr", type=float, default=d["lr"])
+    add("--warmup-steps", type=int, default=d["warmup_steps"])
+    add("--min-lr-ratio", type=float, default=d["min_lr_ratio"], help="final lr / lr (cosine decay)")
+    add("--weight-decay", type=float, default=d["weight_decay"])
+    add("--grad-clip", type=float, default=d["grad_clip"], help="max grad norm (0 = off)")
+    add("--ckpt-every", type=int, default=d["ckpt_every"])
+    add("--stop-after", type=int, default=None, help="stop after this step (checkpointed, same schedule)")
+    add("--seed", type=int, default=d["seed"])
+    add("--resume", action="store_true", help="continue from OUT/data.pt and OUT/ckpt.pt")
+    add("--save-dtype", default=d["save_dtype"], choices=sorted(DTYPES), help="dtype of the stored weights")
+    add("--write-prompts", default=None, metavar="PATH.jsonl",
+        help="only write the training prompts (--data, --num-prompts) to a JSONL file and exit")
+    add_model_args(p)
+    p.set_defaults(func=cmd_distill)
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected layer indices like 0,29, got {text!r}") from None
+
+
+def cmd_distill(args) -> int:
+    from specdec.cli import _device_dtype
+
+    if args.write_prompts:
+        from specdec.drafts.distill_data import load_train_prompts, write_prompt_file
+
+        n = write_prompt_file(load_train_prompts(args.data, args.num_prompts), args.write_prompts)
+        print(f"distill: wrote {n} training prompts to {args.write_prompts}")
+        return 0
+    if not args.out:
+        raise ValueError("distill needs --out DIR")
+    device, dtype = _device_dtype(args)
+    names = [f.name for f in fields(DistillConfig) if f.name not in ("device", "dtype")]
+    cfg = DistillConfig(**{n: getattr(args, n) for n in names}, device=device, dtype=dtype)
+    print(summary_line(distill(cfg)))
+    return 0
