@@ -111,8 +111,6 @@ class SpecEngine:
                 raise ValueError(f"the n-gram drafter proposes chains: use tree='chain:K', got {spec}")
             return NgramDrafter(spec.k, self.config.ngram_max_n, device=self.device)
         if self.draft is None:
-            from specdec.drafters.ngram import NgramDrafter
-
             return _NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter
 

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.scheduler.request import Request
 from specdec.attention.base import AttentionBackend, AttnMetadata
 from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
+from specdec.scheduler.request import Request
 
 MAX_TREE_REGION = 64
 

@@ -1,0 +1,215 @@
+"""Bad input gets a ValueError naming the field and its allowed range; other requests go on."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
+from specdec.loading.registry import load_model
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+GOOD = [[5, 6, 7], [8, 9], [30, 31, 32, 33, 34, 35]]
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft):
+    return SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:3", num_blocks=256, block_size=8))
+
+
+@pytest.fixture(autouse=True)
+def _drain(request):
+    """If a test queued a request by mistake, run it out so the next test starts clean."""
+    yield
+    if "engine" in request.fixturenames:
+        eng = request.getfixturevalue("engine")
+        while eng.scheduler.has_work:
+            eng.step()
+
+
+@pytest.fixture(scope="module")
+def good_outputs(engine):
+    outs = engine.generate(GOOD, PARAMS)
+    assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in outs)
+    return [o.token_ids for o in outs]
+
+
+# ---------------------------------------------------------------- SamplingParams
+
+@pytest.mark.parametrize("kwargs,field,shown", [
+    ({"temperature": -0.1}, "temperature", ">= 0"),
+    ({"temperature": float("nan")}, "temperature", ">= 0"),
+    ({"top_p": 0.0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"top_p": -0.2}, "top_p", "(0, 1]"),
+    ({"top_k": -1}, "top_k", ">= 0"),
+    ({"max_new_tokens": 0}, "max_new_tokens", ">= 1"),
+    ({"max_new_tokens": -5}, "max_new_tokens", ">= 1"),
+    ({"seed": -1}, "seed", ">= 0"),
+    ({"stop": [""]}, "stop", "non-empty"),
+    ({"stop": ["ok", ""]}, "stop", "non-empty"),
+    ({"stop": ""}, "stop", "non-empty"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids", ">= 0"),
+])
+def test_sampling_params_rejected_at_construction(kwargs, field, shown):
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    msg = str(info.value)
+    assert field in msg and shown in msg, msg
+
+
+def test_sampling_params_edges_are_accepted():
+    SamplingParams(temperature=0, top_p=1.0, top_k=0, max_new_tokens=1, seed=0, stop=["x"])
+    assert SamplingParams(temperature=0).greedy and not SamplingParams(temperature=0.5).greedy
+    assert SamplingParams(stop="abc").stop == ("abc",)
+
+
+# ---------------------------------------------------------------- prompts inside generate()
+
+# (prompt, words the error message must contain)
+BAD_PROMPTS = [
+    ([], ["empty"]),
+    ([5] * 512, ["512", "max length"]),  # the tiny models' max_position_embeddings is 512
+    ([5, -1, 3], ["-1", "vocabulary", "[0, 256)"]),
+    ([5, 256], ["256", "vocabulary", "[0, 256)"]),
+    ([5, 10_000], ["10000", "vocabulary"]),
+    ([5] * 505, ["max_new_tokens", "max length"]),  # prompt fits, prompt + 8 new + 3 drafted do not
+    ("some text", ["tokenizer"]),  # the tiny models have no tokenizer
+    (3.5, ["prompt must be"]),
+    ([1.5, 2.0], ["prompt must be"]),
+    ([{"role": "user"}], ["content"]),
+]
+
+
+def test_bad_prompts_in_generate_error_and_others_finish(engine, good_outputs):
+    bad_prompts = [p for p, _ in BAD_PROMPTS]
+    prompts = [GOOD[0], *bad_prompts[:5], GOOD[1], *bad_prompts[5:], GOOD[2]]
+    outs = engine.generate(prompts, PARAMS)
+    assert len(outs) == len(prompts)
+    good = [outs[0], outs[6], outs[-1]]
+    bad = outs[1:6] + outs[7:-1]
+    assert [o.token_ids for o in good] == good_outputs
+    for o in good:
+        assert o.error is None and o.finish_reason in ("stop", "length")
+    for o, (prompt, words) in zip(bad, BAD_PROMPTS, strict=True):
+        assert o.finish_reason == "error", prompt
+        assert isinstance(o.error, ValueError), (prompt, o.error)
+        assert o.token_ids == [] and o.finished
+        for w in words:
+            assert w in str(o.error), (prompt, str(o.error), w)
+    assert len({o.request_id for o in outs}) == len(outs)
+    assert engine.all_blocks_free()
+
+
+def test_bad_params_entry_in_generate(engine, good_outputs):
+    """A per-request params list: a request too large for the KV pool errors, its neighbours run."""
+    huge = SamplingParams(max_new_tokens=500)  # fits the model (2 + 500 <= 512), needs 63 of 16 blocks
+    small = SamplingParams(max_new_tokens=8)
+    eng = SpecEngine(None, engine.target, SpecConfig(num_blocks=16, block_size=8))
+    outs = eng.generate(GOOD, [small, huge, small])
+    assert outs[1].finish_reason == "error"
+    assert isinstance(outs[1].error, ValueError)
+    assert "KV blocks" in str(outs[1].error) and "16" in str(outs[1].error)
+    assert outs[0].finish_reason in ("stop", "length") and outs[2].finish_reason in ("stop", "length")
+    ref = SpecEngine(None, engine.target, SpecConfig(num_blocks=64, block_size=8)).generate(
+        [GOOD[0], GOOD[2]], small)
+    assert [outs[0].token_ids, outs[2].token_ids] == [r.token_ids for r in ref]
+    assert eng.all_blocks_free()
+    with pytest.raises(ValueError, match="params has 2 entries for 3 prompts"):
+        eng.generate(GOOD, [small, small])
+
+
+@pytest.mark.parametrize("prompt,words", BAD_PROMPTS)
+def test_add_request_raises_directly(engine, prompt, words):
+    with pytest.raises(ValueError) as info:
+        engine.add_request(prompt, PARAMS)
+    for w in words:
+        assert w in str(info.value)
+    assert not engine.scheduler.has_work  # nothing was queued
+    assert engine.all_blocks_free()
+
+
+def test_add_request_rejects_wrong_params_type(engine):
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.add_request([5, 6], {"temperature": 0.5})
+    assert not engine.scheduler.has_work
+
+
+def test_engine_still_works_after_bad_input(engine, good_outputs):
+    for p, _ in BAD_PROMPTS:
+        with pytest.raises(ValueError):
+            engine.add_request(p, PARAMS)
+    outs = engine.generate(GOOD, PARAMS)
+    assert [o.token_ids for o in outs] == good_outputs
+    assert engine.all_blocks_free()
+
+
+# ---------------------------------------------------------------- SpecConfig and models
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"tree": "foo:3"}, ["tree spec", "foo:3", "chain:K"]),
+    ({"tree": "chain:0"}, ["[1, 63]", "0"]),
+    ({"tree": "chain:64"}, ["[1, 63]", "64"]),
+    ({"tree": "topk:0x3"}, ["width", ">= 1"]),
+    ({"tree": "dynamic:0"}, ["budget", "[1, 63]"]),
+    ({"policy": "x"}, ["policy", "guaranteed_no_evict", "max_utilization"]),
+    ({"block_size": 0}, ["block_size", ">= 1"]),
+    ({"max_batch_size": 0}, ["max_batch_size", ">= 1"]),
+    ({"max_num_tokens": 0}, ["max_num_tokens", ">= 1"]),
+    ({"dtype": "float8"}, ["dtype", "float32"]),
+    ({"attention_backend": "cuda"}, ["attention_backend", "torch"]),
+    pytest.param({"num_blocks": 0}, ["num_blocks", ">= 1"], marks=pytest.mark.xfail(strict=True, reason=(
+        "bug: SpecConfig does not validate num_blocks; num_blocks=0 passes and SpecEngine then fails in "
+        "KVPool with 'give exactly one of num_blocks or memory_bytes' (engine.py treats 0 as unset)"))),
+])
+def test_bad_spec_config(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        SpecConfig(**kwargs)
+    for w in words:
+        assert w in str(info.value), (str(info.value), w)
+
+
+def test_ngram_drafter_needs_a_chain(tiny_target):
+    with pytest.raises(ValueError, match="chain"):
+        SpecEngine("ngram", tiny_target, SpecConfig(tree="topk:2x2", num_blocks=8))
+
+
+def test_draft_with_other_vocab_is_refused(tiny_target, tiny_factory):
+    other = load_model(tiny_factory("vocab300", vocab_size=300))
+    with pytest.raises(ValueError, match="vocab_size"):
+        SpecEngine(other, tiny_target, SpecConfig(num_blocks=8))
+
+
+def test_unknown_model_path(tmp_path, tiny_target):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(ModelNotFoundError, match="no_such_model"):
+        load_model(missing)
+    with pytest.raises(ModelNotFoundError, match="no_such_model"):
+        SpecEngine(None, str(missing), SpecConfig(num_blocks=8))
+    with pytest.raises(ModelNotFoundError, match="no_such_model"):
+        SpecEngine(str(missing), tiny_target, SpecConfig(num_blocks=8))
+    not_a_model = tmp_path / "weights.bin"
+    not_a_model.write_bytes(b"\0" * 16)
+    with pytest.raises(UnsupportedModelError, match="weights.bin"):
+        load_model(not_a_model)
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(empty_dir)
+
+
+@pytest.mark.slow
+def test_text_prompts_with_a_tokenizer(smollm2):
+    eng = SpecEngine(None, smollm2, SpecConfig(num_blocks=24, block_size=16))
+    too_long = [5] * smollm2.config.max_position_embeddings
+    prompts = ["", "Hello", too_long, [{"role": "user", "content": "Hi"}], [{"role": 1, "content": "x"}]]
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["error", "length", "error", "length", "error"]
+    assert "empty" in str(outs[0].error)
+    assert str(smollm2.config.max_position_embeddings) in str(outs[2].error)
+    assert "role" in str(outs[4].error)
+    assert all(len(outs[i].token_ids) == 2 for i in (1, 3))
+    assert eng.all_blocks_free()
