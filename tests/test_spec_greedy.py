@@ -49,7 +49,8 @@ def reference(tiny_target, mixed):
 
 def _engine(draft_kind, tiny_draft, tiny_target, tree, **cfg):
     draft = {"model": tiny_draft, "ngram": "ngram", "self": tiny_target}[draft_kind]
-    return SpecEngine(draft, tiny_target, SpecConfig(tree=tree, **{"num_blocks": 512, "block_size": 8, **cfg}))
+    cfg = {"num_blocks": 512, "block_size": 8, **cfg}
+    return SpecEngine(draft, tiny_target, SpecConfig(tree=tree, **cfg))
 
 
 DRAFTERS = [("model", "chain:1"), ("model", "chain:4"), ("model", "chain:8"), ("model", "topk:2x3"),
@@ -110,7 +111,8 @@ PREEMPT_PREFILL_BUG = pytest.mark.xfail(strict=True, raises=IndexError, reason=(
 
 
 @pytest.mark.parametrize("draft,tree,prefix_cache", [
-    ("model", "chain:4", False), ("model", "chain:4", True), ("ngram", "chain:4", True),
+    ("model", "chain:4", False), ("model", "chain:4", True),
+    pytest.param("ngram", "chain:4", True, marks=PREEMPT_PREFILL_BUG),
     pytest.param("model", "dynamic:16", False, marks=PREEMPT_PREFILL_BUG),
     pytest.param("model", "topk:2x3", True, marks=PREEMPT_PREFILL_BUG),
 ])
