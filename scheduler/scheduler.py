@@ -99,6 +99,7 @@ class Scheduler:
                 if self._reserve(req, len(req.tokens) + self.lookahead, batch):
                     batch.decode.append(req)
         batch.decode = [r for r in batch.decode if r in self.running]
+        batch.prefill = [c for c in batch.prefill if c.req in self.running]  # drop chunks of preempted rows
         return batch
 
     def _wait_for_shared_prefix(self, req: Request) -> bool:
@@ -175,6 +176,15 @@ class Scheduler:
             del req.blocks[keep:]
             self.tables.set_row(req.bt_row, req.blocks)
 
+    def abort(self, req: Request) -> None:
+        """Drop a request that is waiting or running (its consumer went away); frees its KV."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+            return
+        self.finish(req, "abort")
+
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -217,17 +227,18 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
         m = len(res.accepted_nodes)
         done = res.draft_computed or ()
         n_draft = next((j for j, node in enumerate(res.accepted_nodes) if node not in done), m)
-        req.stats.record(res.num_drafted, res.max_depth, m)
         req.num_computed = base + m
         if res.draft_computed is None:  # model-free drafter: nothing of the draft to track
             req.num_computed_draft = base + m
         else:
             req.num_computed_draft = base + n_draft
-        reason = None
+        reason, appended = None, 0
         for tok in [*res.accepted_tokens, res.bonus_token]:
             reason = stopper.append(req, tok)
+            appended += 1
             if reason:
                 break
+        req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         stopper.finalize_text(req, reason)
         if reason:
             sched.finish(req, reason)

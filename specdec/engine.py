@@ -47,6 +47,10 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         template_from_spec(self.tree)
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"SpecConfig.num_blocks must be >= 1 or None (sized by memory), got {self.num_blocks}")
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
+            raise ValueError(f"SpecConfig.kv_memory_bytes must be >= 1 or None, got {self.kv_memory_bytes}")
         if self.block_size < 1:
             raise ValueError(f"SpecConfig.block_size must be >= 1, got {self.block_size}")
         policies = [p.value for p in CapacityPolicy]
@@ -79,7 +83,7 @@ class SpecEngine:
             _check_same_vocab(self.draft, self.target)
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
         self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks,
-                           memory_bytes=None if cfg.num_blocks else self._kv_budget(), dtype=dtype, device=self.device)
+                           memory_bytes=None if cfg.num_blocks is not None else self._kv_budget(), dtype=dtype, device=self.device)
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
         self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
         self.allocator = BlockAllocator(self.pool.num_blocks)
@@ -219,15 +223,20 @@ class SpecEngine:
             except ValueError as err:
                 yield RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err)
         bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in live))
-        while self.scheduler.has_work:
-            for req in self.step():
-                out = _output(req, self.stopper)
-                if out.new_token_ids or out.finished:
-                    if bar is not None:
-                        bar.update(len(out.new_token_ids))
-                    yield out
-        if bar is not None:
-            bar.close()
+        try:
+            while self.scheduler.has_work:
+                for req in self.step():
+                    out = _output(req, self.stopper)
+                    if out.new_token_ids or out.finished:
+                        if bar is not None:
+                            bar.update(len(out.new_token_ids))
+                        yield out
+        finally:  # a consumer that stops early (or an error) must not leave requests holding KV
+            for req in live:
+                if not req.finished:
+                    self.scheduler.abort(req)
+            if bar is not None:
+                bar.close()
 
     def all_blocks_free(self) -> bool:
         """True when no request holds a block (cached prefix blocks are evicted first)."""

@@ -16,11 +16,13 @@ class AcceptanceStats:
     depth_steps: list[int] = field(default_factory=list)  # forwards whose tree reached depth d
     depth_accepted: list[int] = field(default_factory=list)  # forwards that accepted a token at depth d
 
-    def record(self, num_drafted: int, max_depth: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, max_depth: int, num_accepted: int, num_committed: int | None = None) -> None:
+        """One target forward: ``num_accepted`` draft tokens kept, ``num_committed`` tokens appended
+        (accepted + bonus, fewer when a stop rule ended the request inside the step)."""
         self.target_forwards += 1
         self.drafted += num_drafted
         self.accepted += num_accepted
-        self.committed += num_accepted + 1
+        self.committed += num_accepted + 1 if num_committed is None else num_committed
         _grow(self.depth_steps, max_depth)
         _grow(self.depth_accepted, max_depth)
         for d in range(max_depth):
@@ -69,7 +71,8 @@ class RequestOutput:
     """A request's output so far (streaming) or in full (``finished``).
 
     finish_reason: None while running, else "stop" (EOS, stop token or stop string),
-    "length" (max_new_tokens) or "error" (bad input; ``error`` says why).
+    "length" (max_new_tokens), "error" (bad input; ``error`` says why) or "abort" (its stream was
+    closed before it finished).
     """
 
     request_id: str

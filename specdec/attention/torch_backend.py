@@ -88,18 +88,24 @@ def paged_attention(
 
 
 def _window_mask(prefix_len: int, qmask: torch.Tensor, tm, window: int) -> torch.Tensor:
-    """Keys inside the sliding window of each query (positions by depth for tree rows)."""
-    region_len = qmask.shape[1]
+    """Keys inside each query's sliding window: (n_q, prefix_len + R) bool.
+
+    Logical positions: prefix key p is at p; a region key is at prefix_len + its depth, where
+    for a tree row the depth of region key j seen from query i is the number of positions the
+    query sees below j (its ancestors, for an ancestor-closed mask; also defined when earlier
+    levels of the tree are cached), and for a causal row it is j.
+    """
+    n_q, region_len = qmask.shape
+    dev = qmask.device
     if tm is None:
-        key_depth = torch.arange(region_len, device=qmask.device)
-    else:  # a tree row: region position j has depth popcount(its mask) - 1, unknown here for
-        # non-query positions, so trees under a window must have q_len == region_len
-        key_depth = qmask.sum(-1) - 1 if qmask.shape[0] == region_len else None
-        if key_depth is None:
-            raise NotImplementedError("sliding window with a partially cached tree region")
-    q_pos = prefix_len + qmask.sum(-1) - 1 if tm is not None else prefix_len + key_depth[-qmask.shape[0]:]
-    k_pos = torch.cat([torch.arange(prefix_len, device=qmask.device), prefix_len + key_depth])
-    return k_pos.view(1, -1) > q_pos.view(-1, 1) - window
+        key_depth = torch.arange(region_len, device=dev).expand(n_q, -1)
+        q_pos = prefix_len + torch.arange(region_len - n_q, region_len, device=dev)
+    else:
+        seen = qmask.long()
+        key_depth = seen.cumsum(-1) - seen  # (n_q, R): visible positions strictly below j
+        q_pos = prefix_len + seen.sum(-1) - 1
+    k_pos = torch.cat([torch.arange(prefix_len, device=dev).expand(n_q, -1), prefix_len + key_depth], dim=1)
+    return k_pos > q_pos.view(-1, 1) - window
 
 
 def paged_attention_padded(
