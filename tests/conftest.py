@@ -14,6 +14,7 @@ import pytest
 import torch
 
 TINY_VOCAB = 256
+PAIR_EOS = 193  # EOS of the tiny spec-decoding pair (tiny_target / tiny_draft)
 
 # Eight chat prompts of different lengths for SmolLM2 (greedy references are shared between files).
 CHAT_QUESTIONS = [
@@ -111,9 +112,10 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
         "llama_rope_linear": save_tiny(root / "linrope", "llama", seed=40, rope_parameters={
             "rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
     }
-    # spec-decoding pair
+    # spec-decoding pair; EOS is a token these models often produce, so greedy requests do stop at EOS
+    pair = dict(eos_token_id=PAIR_EOS)
     torch.manual_seed(0)
-    target = transformers.LlamaForCausalLM(tiny_hf_config("llama", num_hidden_layers=3))
+    target = transformers.LlamaForCausalLM(tiny_hf_config("llama", num_hidden_layers=3, **pair))
     _randomize_(target, 1)
     with torch.no_grad():
         for name, p in target.named_parameters():
@@ -121,7 +123,7 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
                 p.mul_(0.2)
     target.save_pretrained(str(root / "llama"))
     dirs["llama"] = root / "llama"
-    draft = transformers.LlamaForCausalLM(tiny_hf_config("llama", num_hidden_layers=2))
+    draft = transformers.LlamaForCausalLM(tiny_hf_config("llama", num_hidden_layers=2, **pair))
     g = torch.Generator().manual_seed(2)
     state = {k: v.clone() for k, v in target.state_dict().items() if "layers.2." not in k}
     for k, v in state.items():

@@ -161,9 +161,9 @@ def test_engine_still_works_after_bad_input(engine, good_outputs):
     ({"max_num_tokens": 0}, ["max_num_tokens", ">= 1"]),
     ({"dtype": "float8"}, ["dtype", "float32"]),
     ({"attention_backend": "cuda"}, ["attention_backend", "torch"]),
-    pytest.param({"num_blocks": 0}, ["num_blocks", ">= 1"], marks=pytest.mark.xfail(strict=True, reason=(
-        "bug: SpecConfig does not validate num_blocks; num_blocks=0 passes and SpecEngine then fails in "
-        "KVPool with 'give exactly one of num_blocks or memory_bytes' (engine.py treats 0 as unset)"))),
+    ({"num_blocks": 0}, ["num_blocks", ">= 1"]),
+    ({"num_blocks": -4}, ["num_blocks", ">= 1"]),
+    ({"kv_memory_bytes": 0}, ["kv_memory_bytes", ">= 1"]),
 ])
 def test_bad_spec_config(kwargs, words):
     with pytest.raises(ValueError) as info:

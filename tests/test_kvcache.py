@@ -222,6 +222,25 @@ class OwnershipChecker:
         self.checks += 1
 
 
+def test_ownership_checker_catches_a_planted_violation(tiny_target, tiny_draft):
+    """The checker used below can fail: plant another request's writable block and it complains."""
+    eng = SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:2", num_blocks=64, block_size=4))
+    checker = OwnershipChecker(eng)
+    for p in _prompts(3, 8):
+        eng.add_request(p, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    eng.step()
+    a, b = eng.scheduler.running[:2]
+    checker.check()
+    b.blocks.append(a.blocks[-1])  # b now holds a block that a will write
+    with pytest.raises(AssertionError):
+        checker.check()
+    b.blocks.pop()
+    checker.check()
+    while eng.scheduler.has_work:
+        eng.step()
+    assert eng.all_blocks_free()
+
+
 def _count_preemptions(engine: SpecEngine) -> list:
     seen = []
     preempt = engine.scheduler.preempt
@@ -270,14 +289,7 @@ def test_live_requests_never_share_writable_blocks(tiny_target, tiny_draft, refe
     assert eng.all_blocks_free()
 
 
-PREEMPT_PREFILL_BUG = pytest.mark.xfail(strict=True, raises=IndexError, reason=(
-    "bug: Scheduler.schedule() picks prefill chunks first, then _reserve() for decode rows may preempt "
-    "a request that already has a chunk in batch.prefill; the chunk stays in the batch and "
-    "ModelRunner.slots() indexes the preempted request's empty block list (IndexError)"))
-
-
-@pytest.mark.parametrize("draft,tree", [(None, "chain:4"), ("model", "chain:4"),
-                                        pytest.param("model", "topk:2x3", marks=PREEMPT_PREFILL_BUG)])
+@pytest.mark.parametrize("draft,tree", [(None, "chain:4"), ("model", "chain:4"), ("model", "topk:2x3")])
 def test_max_utilization_preempts_and_output_is_unchanged(tiny_target, tiny_draft, reference, draft, tree):
     prompts, expect = reference
     d = tiny_draft if draft == "model" else None
@@ -304,3 +316,18 @@ def test_guaranteed_no_evict_never_preempts(tiny_target, tiny_draft, reference):
     assert not preempted
     assert [o.token_ids for o in outs] == expect
     assert eng.all_blocks_free()
+
+
+def test_abandoned_stream_releases_its_requests(tiny_target, tiny_draft, reference):
+    """A consumer that stops iterating a stream aborts its requests: their KV is freed at once."""
+    prompts, _ = reference
+    eng = SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:4", num_blocks=128, block_size=4))
+    stream = eng.stream(prompts[:3], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    next(stream)
+    stream.close()
+    try:
+        assert not eng.scheduler.has_work
+        assert eng.all_blocks_free()
+    finally:
+        while eng.scheduler.has_work:  # leave nothing behind for the shared fixtures
+            eng.step()

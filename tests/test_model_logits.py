@@ -168,6 +168,26 @@ def test_tree_masked_rows_match_transformers(tiny_dirs):
     assert (out[1] - ref_other).abs().max().item() < TOL_TINY
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "llama_rope_llama3"])
+def test_tiny_engine_greedy_matches_transformers_generate(tiny_dirs, name):
+    """End to end on the tiny checkpoints: the engine's greedy tokens equal transformers generate()."""
+    from specdec.engine import SpecConfig, SpecEngine
+
+    folder = tiny_dirs[name]
+    ours, hf = load_model(folder), load_hf(folder)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (4, 19, 33)]
+    eng = SpecEngine(None, ours, SpecConfig(num_blocks=64, block_size=8))
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=20))  # both sides stop at EOS
+    for prompt, out in zip(prompts, outs, strict=True):
+        x = torch.tensor([prompt])
+        with torch.inference_mode():
+            y = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=20,
+                            pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        assert out.token_ids == y[0, len(prompt):].tolist()
+    assert eng.all_blocks_free()
+
+
 # ---------------------------------------------------------------- SmolLM2-135M
 
 

@@ -89,7 +89,8 @@ def sampled(small_pair):
     results = {}
     for n, (kind, tree, temp, top_k, top_p) in enumerate(CONFIGS):
         eng = SpecEngine(draft if kind == "model" else None, target, SpecConfig(
-            tree=tree, num_blocks=2048, block_size=4, max_batch_size=128, max_num_tokens=8192))
+            tree=tree, num_blocks=2048, block_size=4, max_batch_size=128, max_num_tokens=8192,
+            policy="max_utilization"))
         params = [SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=10_000 * n + s,
                                  max_new_tokens=2, ignore_eos=True) for s in range(RUNS)]
         outs = eng.generate([PROMPT] * RUNS, params)
@@ -162,3 +163,22 @@ def test_seed_reproducible_across_batch_composition(tiny_target, tiny_draft, tre
     assert again.token_ids == alone
     assert eng.stats.accepted > 0
     assert eng.all_blocks_free()
+
+
+def test_seeded_sampling_unchanged_by_preemption(tiny_target, tiny_draft):
+    """Preemption recomputes a request's KV from its tokens; its random stream continues unchanged."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (15 + 3 * i,), generator=g).tolist() for i in range(10)]
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_new_tokens=20, ignore_eos=True)
+              for i in range(10)]
+    roomy = SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:4", num_blocks=512, block_size=4))
+    expect = [o.token_ids for o in roomy.generate(prompts, params)]
+    tight = SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:4", num_blocks=26, block_size=4,
+                                                           policy="max_utilization"))
+    preempted = []
+    preempt = tight.scheduler.preempt
+    tight.scheduler.preempt = lambda req: (preempted.append(req.request_id), preempt(req))
+    outs = tight.generate(prompts, params)
+    assert preempted
+    assert [o.token_ids for o in outs] == expect
+    assert tight.all_blocks_free()
