@@ -258,11 +258,24 @@ class _NoDraft(Drafter):
 def _output(req: Request, stopper: StopChecker) -> RequestOutput:
     out_ids = req.output_ids
     new_ids = out_ids[req.emitted_tokens:]
-    text = req.text if req.finished else stopper.decode(out_ids)
+    text = req.text if req.finished else _stable_text(stopper.decode(out_ids), req.params.stop)
     new_text = text[req.emitted_chars:]
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), list(out_ids), text, req.finish_reason,
                          req.stats, None, new_ids, new_text)
+
+
+def _stable_text(text: str, stops: tuple[str, ...]) -> str:
+    """The part of a running request's text that later tokens cannot change: without a trailing
+    incomplete UTF-8 character and without a suffix that may grow into a stop string."""
+    text = text.rstrip("\ufffd")
+    cut = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
 
 
 def _progress(enabled: bool, total: int):

@@ -148,10 +148,6 @@ def test_stream_increments_concatenate_to_final(engine, smollm2_hf_greedy, chat_
     assert engine.all_blocks_free()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: engine._output streams text[emitted_chars:] without holding back a possible stop-string "
-    "prefix, so the start of a stop string completed in a later step is streamed and then cut from "
-    "the final text (concatenated new_text != final text)"))
 def test_stream_text_with_a_stop_string_spanning_steps(engine, smollm2, smollm2_hf_greedy, chat_prompt_ids):
     """Streamed text deltas never show characters that the final text drops: a stop string that
     starts in one step and is completed in a later one must not leak its first part."""
@@ -173,10 +169,6 @@ def test_stream_text_with_a_stop_string_spanning_steps(engine, smollm2, smollm2_
     assert engine.all_blocks_free()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: engine._output streams the decode of every token prefix, so a character split over several "
-    "byte-level tokens (emoji, CJK) is streamed as U+FFFD and the deltas never equal the final text; "
-    "hold back text that ends in an incomplete UTF-8 sequence until the next token completes it"))
 def test_stream_text_with_multibyte_characters(engine):
     prompt = [{"role": "user", "content": "Reply with three emojis that describe summer."}]
     streamed, final = "", None
