@@ -82,8 +82,9 @@ class SpecEngine:
         if self.draft is not None:
             _check_same_vocab(self.draft, self.target)
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
-        self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks,
-                           memory_bytes=None if cfg.num_blocks is not None else self._kv_budget(), dtype=dtype, device=self.device)
+        budget = None if cfg.num_blocks is not None else self._kv_budget()
+        self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
+                           device=self.device)
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
         self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
         self.allocator = BlockAllocator(self.pool.num_blocks)
