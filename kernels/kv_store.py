@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 
+from specdec.attention.torch_backend import write_kv
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -41,12 +43,7 @@ def store_kv_reference(
     slot_mapping: torch.Tensor,  # (T,) int64
 ) -> None:
     """Store token t's K/V at physical slot ``slot_mapping[t]``; tokens with a negative slot are skipped."""
-    keep = slot_mapping >= 0  # (T,)
-    slots = slot_mapping[keep]
-    page = k_cache.shape[1]
-    blocks, offsets = torch.div(slots, page, rounding_mode="floor"), slots % page
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def store_kv_triton(

@@ -14,12 +14,16 @@ def write_kv(
     v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     slot_mapping: torch.Tensor,  # (T,) int64
 ) -> None:
-    """Store each token's K/V at its physical slot (block * block_size + offset)."""
+    """Store each token's K/V at its physical slot (block * block_size + offset).
+
+    Tokens with a negative slot (padding) are skipped.
+    """
+    keep = slot_mapping >= 0  # (T,)
+    slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+    blocks, offsets = torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
+    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
+    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
 
 
 def gather_kv(
