@@ -18,9 +18,12 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0)
-    b.add_argument("--batch-size", type=int, default=1)
+    b.add_argument("--batch-size", default="1", help="one batch size or a comma list to sweep, e.g. 1,8,32,64")
     b.add_argument("--tree", default=None, help="chain:K | topk:WxD | dynamic:BUDGET (default chain:4 / ngram chain:8)")
-    b.add_argument("--baseline", default="none", choices=["hf", "none"])
+    b.add_argument("--baseline", default="none", choices=["hf", "none"],
+                   help="hf: also transformers generate (dynamic cache; static cache + torch.compile; assisted)")
+    b.add_argument("--no-hf-compile", action="store_true",
+                   help="run the static-cache transformers baseline without torch.compile (quick checks)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", dest="json_out", default=None)
     b.add_argument("--plot", default=None)
@@ -38,9 +41,21 @@ def default_draft() -> str:
     return DEFAULT_DRAFT if default_draft_available() else "ngram"
 
 
+def parse_batch_sizes(text: str) -> list[int]:
+    """``"1,8,32"`` -> [1, 8, 32]; every size a positive int, no repeats (ValueError otherwise)."""
+    try:
+        sizes = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-size must be positive ints separated by commas, got {text!r}") from None
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--batch-size must be distinct positive ints separated by commas, got {text!r}")
+    return sizes
+
+
 def cmd_bench(args) -> int:
     from specdec.bench_data import load_dataset
-    from specdec.bench_report import build_report, environment_info, format_table, plot_report, write_json
+    from specdec.bench_plot import plot_report
+    from specdec.bench_report import build_report, environment_info, format_sweep, format_table, lossless_ok, write_json
     from specdec.cli import _device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.loading.registry import load_model
@@ -48,35 +63,66 @@ def cmd_bench(args) -> int:
     from specdec.sampling_params import SamplingParams
 
     device, dtype = _device_dtype(args)
+    batch_sizes = parse_batch_sizes(args.batch_size)
     draft_name = args.draft or default_draft()
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
     prompts = load_dataset(args.dataset, args.num_prompts)
     target = load_model(args.target, dtype=dtype, device=device)
     draft = "ngram" if draft_name == "ngram" else load_model(draft_name, dtype=dtype, device=device)
-    cfg = SpecConfig(tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend)
-    spec = SpecEngine(draft, target, cfg)
-    plain = SpecEngine(None, target, cfg)
+    cfg = SpecConfig(tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
+                     max_batch_size=max(64, *batch_sizes))
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
-    _warm_up(spec, plain, ids[0], params)
-    spec_runs = _run_engine(spec, ids, params, args.batch_size, "speculative", device)
-    plain_runs = _run_engine(plain, ids, params, args.batch_size, "target-only", device)
-    hf_runs = hf_assisted = [None] * len(ids)
+    engines = (SpecEngine(draft, target, cfg), SpecEngine(None, target, cfg))
+    hf = None
     if args.baseline == "hf":
-        hf_runs, hf_assisted = _run_hf(target, draft, tree, ids, params, device)
-    records = [_record(p, i, s, t, h, a, params.greedy)
-               for p, i, s, t, h, a in zip(prompts, ids, spec_runs, plain_runs, hf_runs, hf_assisted)]
-    config = {**vars(args), "draft": draft_name, "tree": tree, "device": device, "dtype": dtype}
+        from specdec.bench_hf import HFBaselines
+        from specdec.tree import template_from_spec
+
+        hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
+    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype)) for b in batch_sizes]
+    config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
+              "dtype": dtype}
     config.pop("func", None)
-    report = build_report(records, environment_info(), config)
+    report = build_report(sweep[0][1], environment_info(), config, sweep=sweep)
     print(format_table(report))
+    print(format_sweep(report), end="")
     if args.json_out:
         write_json(report, args.json_out)
     if args.plot:
         plot_report(report, args.plot)
-    lossless = report["overall"]["lossless"]
-    return 0 if lossless["identical"] == lossless["checked"] else 1
+    return 0 if lossless_ok(report) else 1
+
+
+def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str) -> list[dict]:
+    """Per-prompt records of one batch size: engine runs, transformers runs (``hf`` may be None) and
+    the divergence analysis of every greedy record whose outputs part."""
+    from specdec.bench_hf import HF_PARTS
+    from specdec.divergence import classify_divergences, float32_reference
+
+    spec, plain = engines
+    _warm_up(spec, plain, ids[:batch_size], params)
+    device = target.device
+    spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device)
+    plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device)
+    hf_runs = {part: hf.run(part, ids, batch_size) if hf else [None] * len(ids) for part in HF_PARTS}
+    records = [_record(p, i, s, t, {part: runs[k] for part, runs in hf_runs.items()}, params.greedy)
+               for k, (p, i, s, t) in enumerate(zip(prompts, ids, spec_runs, plain_runs))]
+    reference = _cached(lambda: float32_reference(target))
+    return classify_divergences(records, ids, reference, dtype, target.config.num_layers)
+
+
+def _cached(make):
+    """A zero-argument callable returning ``make()``, made on the first call only."""
+    box = []
+
+    def get():
+        if not box:
+            box.append(make())
+        return box[0]
+
+    return get
 
 
 def _sync(device: str) -> None:
@@ -84,12 +130,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _warm_up(spec, plain, ids, params) -> None:
+def _warm_up(spec, plain, group, params) -> None:
+    """A short untimed run of both engines at the batch size about to be timed."""
     from dataclasses import replace
 
     short = replace(params, max_new_tokens=min(8, params.max_new_tokens))
-    spec.generate([ids], short)
-    plain.generate([ids], short)
+    spec.generate(group, short)
+    plain.generate(group, short)
 
 
 def _run_engine(engine, ids, params, batch_size, label, device) -> list[dict]:
@@ -112,7 +159,7 @@ def _run_engine(engine, ids, params, batch_size, label, device) -> list[dict]:
     return runs
 
 
-def _record(prompt, ids, spec, plain, hf, hf_assisted, greedy: bool) -> dict:
+def _record(prompt, ids, spec, plain, hf: dict, greedy: bool) -> dict:
     s = spec["stats"]
     return {
         "id": prompt.id, "category": prompt.category, "prompt_tokens": len(ids), "greedy": greedy,
@@ -122,54 +169,5 @@ def _record(prompt, ids, spec, plain, hf, hf_assisted, greedy: bool) -> dict:
                  "token_ids": spec["token_ids"]},
         "target_only": {"output_tokens": len(plain["token_ids"]), "time_s": plain["time_s"],
                         "token_ids": plain["token_ids"]},
-        "hf": hf, "hf_assisted": hf_assisted,
+        **hf,
     }
-
-
-def to_hf_model(loaded):
-    """A transformers model with the same weights as ``loaded`` (for the baselines)."""
-    import transformers
-
-    c = loaded.config
-    cls_name = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config",
-                "MistralForCausalLM": "MistralConfig"}[c.architecture]
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta, **(c.rope_scaling or {})}
-    hf_cfg = getattr(transformers, cls_name)(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta, rope_parameters=rope,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None,
-    )
-    hf_cfg.architectures = [c.architecture]
-    model = getattr(transformers, c.architecture)(hf_cfg)
-    model.load_state_dict(loaded.model.state_dict(), strict=False)
-    return model.to(device=loaded.device, dtype=loaded.dtype).eval()
-
-
-def _run_hf(target, draft, tree: str, ids, params, device):
-    """transformers ``generate``: plain, and assisted (assistant model or prompt lookup)."""
-    from tqdm.auto import tqdm
-
-    from specdec.tree import template_from_spec
-
-    hf_t = to_hf_model(target)
-    kwargs = {"max_new_tokens": params.max_new_tokens, "do_sample": not params.greedy,
-              "pad_token_id": target.tokenizer.eos_token_id if target.tokenizer else 0}
-    if not params.greedy:
-        kwargs.update(temperature=params.temperature, top_p=params.top_p)
-    assisted = ({"prompt_lookup_num_tokens": template_from_spec(tree).k} if draft == "ngram"
-                else {"assistant_model": to_hf_model(draft)})
-    plain_runs, assisted_runs = [], []
-    for i in tqdm(ids, desc="transformers", unit="prompt"):
-        x = torch.tensor([i], device=device)
-        for extra, out in (({}, plain_runs), (assisted, assisted_runs)):
-            _sync(device)
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                y = hf_t.generate(x, attention_mask=torch.ones_like(x), **kwargs, **extra)
-            _sync(device)
-            out.append({"output_tokens": int(y.shape[1] - x.shape[1]), "time_s": time.perf_counter() - t0})
-    return plain_runs, assisted_runs
-
-

@@ -11,19 +11,28 @@ with ``dataclasses.asdict``)::
       "target_only": {"output_tokens": int, "time_s": float, "token_ids": [int, ...]},
       "hf": {"output_tokens": int, "time_s": float} | None,           # plain HF generate()
       "hf_assisted": {"output_tokens": int, "time_s": float} | None,  # HF assisted generation
+      "hf_static": {"output_tokens": int, "time_s": float} | None,    # HF static cache + compile
+      "divergence": {"position": int, "class": "numerical_tie" | "mismatch", ...} | None,
     }
+
+``divergence`` (optional) is what :mod:`specdec.divergence` found where a greedy record's spec and
+target-only outputs part; a differing greedy record without it counts as ``unclassified``.
 
 ``per_depth_*[d]`` counts draft tokens proposed / accepted at draft depth ``d`` (0 = first draft
 token after the last committed one).  Report layout (stable keys; ``<summary>`` below is the same
 object for ``overall`` and every ``per_category`` entry)::
 
     schema_version, overall: <summary>, per_depth_acceptance, per_category: {cat: <summary>},
-    records, env, config
+    records, env, config, sweep: [{batch_size, **<summary>}, ...]
     <summary> = num_prompts, prompt_tokens, output_tokens, drafted, accepted, target_forwards,
       acceptance_rate, mean_accepted_length, target_forwards_per_token, per_depth_acceptance,
       spec_tokens_per_s, target_only_tokens_per_s, hf_tokens_per_s, hf_assisted_tokens_per_s,
-      speedup, speedup_vs_hf, speedup_vs_hf_assisted,
-      lossless: {checked, identical, mismatches}
+      speedup, speedup_vs_hf, speedup_vs_hf_assisted, hf_static_tokens_per_s, speedup_vs_hf_static,
+      lossless: {checked, identical, mismatches, divergence: {identical, numerical_tie, mismatch,
+                 unclassified, positions: {id: position}}}
+
+``records`` and the summaries above are those of the first batch size run; ``sweep`` holds the
+overall summary of every batch size run (the first included).
 
 Ratios whose denominator is zero and HF rates that were not measured are ``None`` (JSON null).
 """
@@ -46,10 +55,12 @@ SUMMARY_KEYS = (
     "num_prompts", "prompt_tokens", "output_tokens", "drafted", "accepted", "target_forwards",
     "acceptance_rate", "mean_accepted_length", "target_forwards_per_token", "per_depth_acceptance",
     "spec_tokens_per_s", "target_only_tokens_per_s", "hf_tokens_per_s", "hf_assisted_tokens_per_s",
-    "speedup", "speedup_vs_hf", "speedup_vs_hf_assisted", "lossless",
+    "speedup", "speedup_vs_hf", "speedup_vs_hf_assisted", "hf_static_tokens_per_s", "speedup_vs_hf_static",
+    "lossless",
 )
 REPORT_KEYS = ("schema_version", "overall", "per_depth_acceptance", "per_category", "records", "env",
-               "config")
+               "config", "sweep")
+HF_PARTS = ("hf", "hf_assisted", "hf_static")
 _SPEC_KEYS = ("output_tokens", "time_s", "drafted", "accepted", "target_forwards", "per_depth_drafted",
               "per_depth_accepted", "token_ids")
 _RUN_KEYS = ("output_tokens", "time_s")
@@ -73,7 +84,8 @@ def normalize_record(record: Any) -> dict:
             raise ValueError(f"record {rid!r}: {part} is missing {missing}")
     if len(rec["spec"]["per_depth_drafted"]) != len(rec["spec"]["per_depth_accepted"]):
         raise ValueError(f"record {rid!r}: per_depth_drafted and per_depth_accepted differ in length")
-    for part in ("hf", "hf_assisted"):
+    rec.setdefault("divergence", None)
+    for part in HF_PARTS:
         rec.setdefault(part, None)
         if rec[part] is not None and any(k not in rec[part] for k in _RUN_KEYS):
             raise ValueError(f"record {rid!r}: {part} needs {_RUN_KEYS}")
@@ -96,6 +108,33 @@ def check_lossless(records: Iterable[Any]) -> tuple[int, int, list[str]]:
         else:
             mismatches.append(str(rec["id"]))
     return checked, identical, mismatches
+
+
+def divergence_counts(records: Iterable[dict]) -> dict:
+    """Greedy records by outcome: ``{identical, numerical_tie, mismatch, unclassified, positions}``.
+
+    ``positions`` maps each differing record's id to its first differing output position (None when
+    the record carries no divergence analysis, which counts it as ``unclassified``).
+    """
+    counts = {"identical": 0, "numerical_tie": 0, "mismatch": 0, "unclassified": 0, "positions": {}}
+    for rec in records:
+        if not rec["greedy"]:
+            continue
+        if list(rec["spec"]["token_ids"]) == list(rec["target_only"]["token_ids"]):
+            counts["identical"] += 1
+            continue
+        div = rec.get("divergence")
+        cls = div.get("class") if div else None
+        counts[cls if cls in ("numerical_tie", "mismatch") else "unclassified"] += 1
+        counts["positions"][str(rec["id"])] = div.get("position") if div else None
+    return counts
+
+
+def lossless_ok(report: dict) -> bool:
+    """True when no greedy divergence of any batch size run is a mismatch or unclassified."""
+    summaries = [report["overall"], *report.get("sweep", [])]
+    return all(s["lossless"]["divergence"]["mismatch"] == 0 and s["lossless"]["divergence"]["unclassified"] == 0
+               for s in summaries)
 
 
 def _per_depth(records: Sequence[dict]) -> list[float | None]:
@@ -139,6 +178,7 @@ def summarize(records: Sequence[dict]) -> dict:
     target_tps, _ = _rate(records, "target_only")
     hf_tps, spec_on_hf = _rate(records, "hf")
     hfa_tps, spec_on_hfa = _rate(records, "hf_assisted")
+    hfs_tps, spec_on_hfs = _rate(records, "hf_static")
     checked, identical, mismatches = check_lossless(records)
     return {
         "num_prompts": len(records),
@@ -158,15 +198,21 @@ def summarize(records: Sequence[dict]) -> dict:
         "speedup": _ratio(spec_tps, target_tps),
         "speedup_vs_hf": _ratio(spec_on_hf, hf_tps),
         "speedup_vs_hf_assisted": _ratio(spec_on_hfa, hfa_tps),
-        "lossless": {"checked": checked, "identical": identical, "mismatches": mismatches},
+        "hf_static_tokens_per_s": hfs_tps,
+        "speedup_vs_hf_static": _ratio(spec_on_hfs, hfs_tps),
+        "lossless": {"checked": checked, "identical": identical, "mismatches": mismatches,
+                     "divergence": divergence_counts(records)},
     }
 
 
-def build_report(records: Iterable[Any], env: dict, config: dict) -> dict:
+def build_report(records: Iterable[Any], env: dict, config: dict,
+                 sweep: Sequence[tuple[int, Iterable[Any]]] = ()) -> dict:
     """Build the full report dict (keys: :data:`REPORT_KEYS`; summaries: :data:`SUMMARY_KEYS`).
 
     ``per_depth_acceptance`` at top level equals ``overall.per_depth_acceptance``;
     ``per_category`` is ordered by category name; ``records`` holds the normalized input records.
+    ``sweep`` gives ``(batch_size, records)`` per batch size run; the report's ``sweep`` is
+    ``[{"batch_size": b, **summary}]`` in that order (empty when not given).
     """
     recs = [normalize_record(r) for r in records]
     by_cat: dict[str, list[dict]] = {}
@@ -181,6 +227,7 @@ def build_report(records: Iterable[Any], env: dict, config: dict) -> dict:
         "records": recs,
         "env": dict(env),
         "config": dict(config),
+        "sweep": [{"batch_size": int(b), **summarize([normalize_record(r) for r in recs_b])} for b, recs_b in sweep],
     }
 
 
@@ -192,42 +239,78 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def format_table(report: dict) -> str:
-    """Plain-text table: one row per category plus ``overall``, then acceptance by depth."""
+    """Plain-text table: one row per category plus ``overall``, then acceptance by depth, then how
+    greedy outputs compared (identical / numerical_tie / mismatch, with divergence positions)."""
     rows = [(cat, s) for cat, s in report["per_category"].items()] + [("overall", report["overall"])]
-    header = ("category", "n", "accept", "mal", "fwd/tok", "spec t/s", "tgt t/s", "hf t/s", "hfa t/s",
-              "speedup", "vs hf", "vs hfa", "identical")
+    header = ("category", "n", "accept", "mal", "fwd/tok", "spec t/s", "tgt t/s", "hf t/s", "hfs t/s", "hfa t/s",
+              "speedup", "vs hf", "vs hfs", "vs hfa", "identical", "tie", "mism")
     table = [header]
     for name, s in rows:
-        ll = s["lossless"]
+        ll, dv = s["lossless"], s["lossless"]["divergence"]
         table.append((
             name, str(s["num_prompts"]), _fmt(s["acceptance_rate"], ".3f"),
             _fmt(s["mean_accepted_length"]), _fmt(s["target_forwards_per_token"], ".3f"),
             _fmt(s["spec_tokens_per_s"], ".1f"), _fmt(s["target_only_tokens_per_s"], ".1f"),
-            _fmt(s["hf_tokens_per_s"], ".1f"), _fmt(s["hf_assisted_tokens_per_s"], ".1f"),
-            _fmt(s["speedup"], ".2f", "x"), _fmt(s["speedup_vs_hf"], ".2f", "x"),
+            _fmt(s["hf_tokens_per_s"], ".1f"), _fmt(s["hf_static_tokens_per_s"], ".1f"),
+            _fmt(s["hf_assisted_tokens_per_s"], ".1f"), _fmt(s["speedup"], ".2f", "x"),
+            _fmt(s["speedup_vs_hf"], ".2f", "x"), _fmt(s["speedup_vs_hf_static"], ".2f", "x"),
             _fmt(s["speedup_vs_hf_assisted"], ".2f", "x"), f"{ll['identical']}/{ll['checked']}",
+            str(dv["numerical_tie"]), str(dv["mismatch"] + dv["unclassified"]),
         ))
     depth = max((len(s["per_depth_acceptance"]) for _, s in rows), default=0)
     dtable = [("category", *[f"d{d}" for d in range(depth)])]
     for name, s in rows:
         accs = s["per_depth_acceptance"]
         dtable.append((name, *[_fmt(accs[d], ".3f") if d < len(accs) else "-" for d in range(depth)]))
-
-    def render(t: list[tuple[str, ...]]) -> list[str]:
-        widths = [max(len(r[i]) for r in t) for i in range(len(t[0]))]
-        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths,
-                                                                                              strict=True)))
-                 for r in t]
-        lines.insert(1, "-" * len(lines[0]))
-        return lines
-
     env = report.get("env") or {}
     head = [f"device: {env.get('device', '?')}  commit: {env.get('git_commit') or '?'}"]
-    mism = report["overall"]["lossless"]["mismatches"]
-    tail = [f"lossless MISMATCH on: {', '.join(mism)}"] if mism else []
-    legend = "mal = mean accepted length (tokens per target forward); rates are tokens/s"
-    return "\n".join(head + render(table) + ["", "acceptance by draft depth"] + render(dtable)
-                     + ["", legend] + tail) + "\n"
+    legend = ("mal = mean accepted length (tokens per target forward); rates are tokens/s; hfs = transformers "
+              "static cache + compile; tie/mism = greedy divergences classified numerical_tie / mismatch")
+    return "\n".join(head + render_table(table) + ["", "acceptance by draft depth"] + render_table(dtable)
+                     + ["", legend] + divergence_lines(report["records"])) + "\n"
+
+
+def render_table(t: list[tuple[str, ...]]) -> list[str]:
+    """Rows of strings as aligned lines (first column left-aligned), a rule under the header."""
+    widths = [max(len(r[i]) for r in t) for i in range(len(t[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in t]
+    lines.insert(1, "-" * len(lines[0]))
+    return lines
+
+
+def divergence_lines(records: Iterable[dict]) -> list[str]:
+    """One line per greedy divergence class: ``numerical_tie on: id@position, ...`` (empty if none)."""
+    by_class: dict[str, list[str]] = {}
+    for rec in records:
+        if not rec["greedy"] or list(rec["spec"]["token_ids"]) == list(rec["target_only"]["token_ids"]):
+            continue
+        div = rec.get("divergence")
+        cls = div["class"] if div else "unclassified"
+        pos = f"@{div['position']}" if div else ""
+        by_class.setdefault(cls, []).append(f"{rec['id']}{pos}")
+    label = {"numerical_tie": "numerical_tie (bf16 rounding) on", "mismatch": "lossless MISMATCH on",
+             "unclassified": "lossless MISMATCH (unclassified) on"}
+    return [f"{label[c]}: {', '.join(ids)}" for c, ids in sorted(by_class.items())]
+
+
+def format_sweep(report: dict) -> str:
+    """Plain-text table of the batch-size sweep: one row per batch size (empty string without one)."""
+    sweep = report.get("sweep") or []
+    if len(sweep) < 2:
+        return ""
+    table = [("batch", "n", "mal", "spec t/s", "tgt t/s", "hf t/s", "hfs t/s", "hfa t/s", "speedup", "vs hf",
+              "vs hfs", "identical", "tie", "mism")]
+    for e in sweep:
+        dv = e["lossless"]["divergence"]
+        table.append((str(e["batch_size"]), str(e["num_prompts"]), _fmt(e["mean_accepted_length"]),
+                      _fmt(e["spec_tokens_per_s"], ".1f"), _fmt(e["target_only_tokens_per_s"], ".1f"),
+                      _fmt(e["hf_tokens_per_s"], ".1f"), _fmt(e["hf_static_tokens_per_s"], ".1f"),
+                      _fmt(e["hf_assisted_tokens_per_s"], ".1f"), _fmt(e["speedup"], ".2f", "x"),
+                      _fmt(e["speedup_vs_hf"], ".2f", "x"), _fmt(e["speedup_vs_hf_static"], ".2f", "x"),
+                      f"{e['lossless']['identical']}/{e['lossless']['checked']}", str(dv["numerical_tie"]),
+                      str(dv["mismatch"] + dv["unclassified"])))
+    return "\n".join(["batch-size sweep", *render_table(table)]) + "\n"
 
 
 def write_json(report: dict, path: str | Path) -> Path:
@@ -237,47 +320,6 @@ def write_json(report: dict, path: str | Path) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     os.replace(tmp, path)
-    return path
-
-
-def plot_report(report: dict, path: str | Path) -> Path:
-    """Save one PNG: overall acceptance by draft depth (left) and speedup per category (right).
-
-    Uses matplotlib's Agg canvas directly (no pyplot global state, no display needed).  Missing
-    values (None) are drawn as empty bars.  Returns the path.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.2), dpi=100)
-    FigureCanvasAgg(fig)
-    ax_d, ax_s = fig.subplots(1, 2)
-    accs = report["per_depth_acceptance"]
-    ax_d.bar(range(len(accs)), [a or 0.0 for a in accs], color="tab:blue")
-    ax_d.set_xticks(range(len(accs)), [str(d) for d in range(len(accs))])
-    ax_d.set_ylim(0, 1)
-    ax_d.set_xlabel("draft depth")
-    ax_d.set_ylabel("acceptance rate")
-    ax_d.set_title("Acceptance by draft depth (overall)")
-
-    names = [*report["per_category"], "overall"]
-    sums = [*report["per_category"].values(), report["overall"]]
-    series = [("vs target-only", "speedup", "tab:green"), ("vs HF", "speedup_vs_hf", "tab:orange"),
-              ("vs HF assisted", "speedup_vs_hf_assisted", "tab:red")]
-    series = [s for s in series if any(x[s[1]] is not None for x in sums)] or series[:1]
-    width = 0.8 / len(series)
-    for i, (label, key, color) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
-        ax_s.bar(xs, [x[key] or 0.0 for x in sums], width=width, label=label, color=color)
-    ax_s.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-    ax_s.set_xticks(range(len(names)), names, rotation=30, ha="right")
-    ax_s.set_ylabel("speedup (x)")
-    ax_s.set_title("Speculative decoding speedup per category")
-    ax_s.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png")
     return path
 
 

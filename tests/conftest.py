@@ -186,7 +186,7 @@ def smollm2_hf(smollm2):
     independent implementation of the forward); tests/test_gguf_loader.py checks those weights
     against transformers' own GGUF loader.
     """
-    from specdec.bench_cli import to_hf_model
+    from specdec.bench_hf import to_hf_model
 
     return to_hf_model(smollm2)
 

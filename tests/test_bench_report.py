@@ -8,20 +8,22 @@ from dataclasses import dataclass
 
 import pytest
 
+from specdec.bench_plot import plot_report
 from specdec.bench_report import (
     REPORT_KEYS,
     SUMMARY_KEYS,
     build_report,
     check_lossless,
     environment_info,
+    format_sweep,
     format_table,
-    plot_report,
+    lossless_ok,
     write_json,
 )
 
 
 def rec(rid, category, *, out, time_s, drafted, accepted, forwards, pd_d, pd_a, tgt_time, greedy=True,
-        hf=None, hf_assisted=None, corrupt=False):
+        hf=None, hf_assisted=None, hf_static=None, corrupt=False):
     ids = list(range(100, 100 + out))
     spec_ids = list(ids)
     if corrupt:
@@ -32,8 +34,12 @@ def rec(rid, category, *, out, time_s, drafted, accepted, forwards, pd_d, pd_a, 
                  "target_forwards": forwards, "per_depth_drafted": pd_d, "per_depth_accepted": pd_a,
                  "token_ids": spec_ids},
         "target_only": {"output_tokens": out, "time_s": tgt_time, "token_ids": ids},
-        "hf": hf, "hf_assisted": hf_assisted,
+        "hf": hf, "hf_assisted": hf_assisted, "hf_static": hf_static,
     }
+
+
+def NO_DIVERGENCE(identical):
+    return {"identical": identical, "numerical_tie": 0, "mismatch": 0, "unclassified": 0, "positions": {}}
 
 
 @pytest.fixture
@@ -42,7 +48,8 @@ def records():
         # a: 40 drafted / 30 accepted over 3 depths, 40 tokens in 10 forwards
         rec("a", "math", out=40, time_s=1.0, drafted=40, accepted=30, forwards=10,
             pd_d=[10, 10, 10, 10], pd_a=[10, 9, 7, 4], tgt_time=2.0,
-            hf={"output_tokens": 40, "time_s": 4.0}, hf_assisted={"output_tokens": 40, "time_s": 2.5}),
+            hf={"output_tokens": 40, "time_s": 4.0}, hf_assisted={"output_tokens": 40, "time_s": 2.5},
+            hf_static={"output_tokens": 40, "time_s": 1.0}),
         # b: 20 drafted / 10 accepted, 2 depths only, 20 tokens in 10 forwards
         rec("b", "math", out=20, time_s=1.0, drafted=20, accepted=10, forwards=10,
             pd_d=[10, 10], pd_a=[6, 4], tgt_time=1.0,
@@ -60,7 +67,8 @@ def test_report_keys_stable(records):
     assert list(report["per_category"]) == ["math", "writing"]
     for summary in report["per_category"].values():
         assert tuple(summary) == SUMMARY_KEYS
-    assert set(report["overall"]["lossless"]) == {"checked", "identical", "mismatches"}
+    assert set(report["overall"]["lossless"]) == {"checked", "identical", "mismatches", "divergence"}
+    assert report["sweep"] == []
     assert report["env"] == {"device": "cpu"} and report["config"] == {"draft_depth": 4}
     assert [r["id"] for r in report["records"]] == ["a", "b", "c"]
     json.dumps(report, allow_nan=False)  # JSON-serialisable as is
@@ -82,7 +90,9 @@ def test_report_values_by_hand(records):
     assert o["speedup_vs_hf"] == pytest.approx(30.0 / 10.0)
     assert o["hf_assisted_tokens_per_s"] == pytest.approx(16.0)
     assert o["speedup_vs_hf_assisted"] == pytest.approx(40.0 / 16.0)
-    assert o["lossless"] == {"checked": 2, "identical": 2, "mismatches": []}
+    assert o["hf_static_tokens_per_s"] == pytest.approx(40.0)
+    assert o["speedup_vs_hf_static"] == pytest.approx(40.0 / 40.0)
+    assert o["lossless"] == {"checked": 2, "identical": 2, "mismatches": [], "divergence": NO_DIVERGENCE(2)}
 
 
 def test_per_category_and_unmeasured_hf(records):
@@ -94,7 +104,7 @@ def test_per_category_and_unmeasured_hf(records):
     assert writing["speedup"] == pytest.approx(15.0 / 10.0)
     assert writing["hf_tokens_per_s"] is None and writing["hf_assisted_tokens_per_s"] is None
     assert writing["speedup_vs_hf"] is None
-    assert writing["lossless"] == {"checked": 0, "identical": 0, "mismatches": []}
+    assert writing["lossless"] == {"checked": 0, "identical": 0, "mismatches": [], "divergence": NO_DIVERGENCE(0)}
     assert report["per_depth_acceptance"] == report["overall"]["per_depth_acceptance"]
 
 
@@ -113,8 +123,36 @@ def test_lossless_catches_corruption(records):
     assert check_lossless(records) == (2, 2, [])
     assert check_lossless(bad) == (2, 1, ["b"])
     report = build_report(bad, env={}, config={})
-    assert report["overall"]["lossless"] == {"checked": 2, "identical": 1, "mismatches": ["b"]}
-    assert "MISMATCH on: b" in format_table(report)
+    assert report["overall"]["lossless"] == {
+        "checked": 2, "identical": 1, "mismatches": ["b"],
+        "divergence": {"identical": 1, "numerical_tie": 0, "mismatch": 0, "unclassified": 1, "positions": {"b": None}}}
+    assert "MISMATCH (unclassified) on: b" in format_table(report)
+    assert not lossless_ok(report)
+
+
+@pytest.mark.parametrize("cls", ["numerical_tie", "mismatch"])
+def test_classified_divergence_counts_and_exit_rule(records, cls):
+    bad = copy.deepcopy(records)
+    bad[1]["spec"]["token_ids"][5] = 99999
+    bad[1]["divergence"] = {"position": 5, "class": cls}
+    report = build_report(bad, env={}, config={}, sweep=[(1, bad), (4, records)])
+    dv = report["overall"]["lossless"]["divergence"]
+    assert dv[cls] == 1 and dv["unclassified"] == 0 and dv["positions"] == {"b": 5}
+    assert [e["batch_size"] for e in report["sweep"]] == [1, 4]
+    assert report["sweep"][1]["lossless"]["divergence"] == NO_DIVERGENCE(2)
+    assert lossless_ok(report) == (cls == "numerical_tie")
+    label = "numerical_tie (bf16 rounding) on: b@5" if cls == "numerical_tie" else "lossless MISMATCH on: b@5"
+    assert label in format_table(report)
+    sweep_table = format_sweep(report).splitlines()
+    assert sweep_table[0] == "batch-size sweep" and len(sweep_table) == 2 + 1 + 2
+    assert sweep_table[3].split()[0] == "1" and sweep_table[4].split()[0] == "4"
+
+
+def test_sweep_plot_is_a_png(records, tmp_path):
+    pytest.importorskip("matplotlib")
+    report = build_report(records, env={}, config={}, sweep=[(1, records), (8, records)])
+    path = plot_report(report, tmp_path / "sweep.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_dataclass_records_and_missing_keys(records):

@@ -1,0 +1,98 @@
+"""PNG figures of a ``specdec bench`` report (matplotlib's Agg canvas: no display, no pyplot state)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SWEEP_SERIES = (("speculative", "spec_tokens_per_s", "tab:blue", "o"),
+                ("target-only", "target_only_tokens_per_s", "tab:green", "s"),
+                ("transformers", "hf_tokens_per_s", "tab:orange", "^"),
+                ("transformers static+compile", "hf_static_tokens_per_s", "tab:red", "v"))
+
+
+def _figure(width: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, 4.2), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return path
+
+
+def _depth_axis(ax, curves: list[tuple[str, list[float | None]]]) -> None:
+    """Acceptance by draft depth: bars for one curve, lines for several (one per batch size)."""
+    if len(curves) == 1:
+        accs = curves[0][1]
+        ax.bar(range(len(accs)), [a or 0.0 for a in accs], color="tab:blue")
+    else:
+        for label, accs in curves:
+            ax.plot(range(len(accs)), [a if a is not None else float("nan") for a in accs], marker="o", label=label)
+        ax.legend(fontsize=8)
+    depth = max(len(a) for _, a in curves)
+    ax.set_xticks(range(depth), [str(d) for d in range(depth)])
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("acceptance rate")
+    ax.set_title("Acceptance by draft depth")
+
+
+def plot_report(report: dict, path: str | Path) -> Path:
+    """Save one PNG and return its path.
+
+    With one batch size: acceptance by draft depth (left) and speedup per category (right).  With
+    several (``report["sweep"]`` longer than 1): tokens/s against batch size for speculative,
+    target-only and both transformers configurations (log-log; unmeasured series left out), next to
+    acceptance by depth per batch size.  Missing values (None) are drawn as empty bars / gaps.
+    """
+    sweep = report.get("sweep") or []
+    if len(sweep) > 1:
+        return plot_sweep(sweep, path)
+    fig = _figure(11)
+    ax_d, ax_s = fig.subplots(1, 2)
+    _depth_axis(ax_d, [("overall", report["per_depth_acceptance"])])
+    names = [*report["per_category"], "overall"]
+    sums = [*report["per_category"].values(), report["overall"]]
+    series = [("vs target-only", "speedup", "tab:green"), ("vs HF", "speedup_vs_hf", "tab:orange"),
+              ("vs HF static+compile", "speedup_vs_hf_static", "tab:purple"),
+              ("vs HF assisted", "speedup_vs_hf_assisted", "tab:red")]
+    series = [s for s in series if any(x.get(s[1]) is not None for x in sums)] or series[:1]
+    width = 0.8 / len(series)
+    for i, (label, key, color) in enumerate(series):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(names))]
+        ax_s.bar(xs, [x.get(key) or 0.0 for x in sums], width=width, label=label, color=color)
+    ax_s.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+    ax_s.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax_s.set_ylabel("speedup (x)")
+    ax_s.set_title("Speculative decoding speedup per category")
+    ax_s.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_sweep(sweep: list[dict], path: str | Path) -> Path:
+    """Tokens/s against batch size (left) and acceptance by depth per batch size (right); returns the path."""
+    fig = _figure(12)
+    ax_t, ax_d = fig.subplots(1, 2)
+    sizes = [e["batch_size"] for e in sweep]
+    for label, key, color, marker in SWEEP_SERIES:
+        ys = [e.get(key) for e in sweep]
+        if all(y is None for y in ys):
+            continue
+        ax_t.plot(sizes, [y if y is not None else float("nan") for y in ys], label=label, color=color, marker=marker)
+    ax_t.set_xscale("log", base=2)
+    ax_t.set_yscale("log")
+    ax_t.set_xticks(sizes, [str(b) for b in sizes])
+    ax_t.set_xlabel("batch size")
+    ax_t.set_ylabel("output tokens/s")
+    ax_t.set_title("Throughput against batch size")
+    ax_t.legend(fontsize=8)
+    ax_t.grid(True, which="both", alpha=0.3)
+    _depth_axis(ax_d, [(f"batch {e['batch_size']}", e["per_depth_acceptance"]) for e in sweep])
+    return _save(fig, path)
