@@ -71,7 +71,7 @@ def float32_reference(loaded) -> torch.nn.Module:
     """A float32 transformers copy of ``loaded`` (its weights, as stored, upcast) on the same device."""
     from specdec.bench_hf import to_hf_model
 
-    return to_hf_model(loaded).float()
+    return to_hf_model(loaded).float().requires_grad_(False)
 
 
 @torch.inference_mode()
@@ -82,6 +82,7 @@ def _final_hidden(ref: torch.nn.Module, ids: list[int]) -> torch.Tensor:
     return ref.model(input_ids=x).last_hidden_state[0, -1].float()  # (d,)
 
 
+@torch.inference_mode()
 def classify_one(ref: torch.nn.Module, prefix: list[int], div: Divergence, dtype: str,
                  num_layers: int) -> dict:
     """Classify one divergence with the float32 model ``ref`` on ``prefix`` (prompt + shared output).
@@ -104,7 +105,7 @@ def classify_one(ref: torch.nn.Module, prefix: list[int], div: Divergence, dtype
     bound = tie_bound(max(abs(za), abs(zb)), float(h.norm()), float(w[pair].norm(dim=1).max()),
                       h.numel(), num_layers, dtype)
     out.update(logit_gap=abs(za - zb), top_gap=top - max(za, zb), bound=bound)
-    if abs(za - zb) <= bound and top - max(za, zb) <= bound:
+    if bound > 0 and abs(za - zb) <= bound and top - max(za, zb) <= bound:
         out["class"] = NUMERICAL_TIE
     return out
 
