@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
+
+from specdec.bench_hf import HF_PARTS
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
 
@@ -22,6 +25,8 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--tree", default=None, help="chain:K | topk:WxD | dynamic:BUDGET (default chain:4 / ngram chain:8)")
     b.add_argument("--baseline", default="none", choices=["hf", "none"],
                    help="hf: also transformers generate (dynamic cache; static cache + torch.compile; assisted)")
+    b.add_argument("--hf-configs", default="hf,hf_static,hf_assisted",
+                   help="with --baseline hf: which transformers configurations to run (comma list)")
     b.add_argument("--no-hf-compile", action="store_true",
                    help="run the static-cache transformers baseline without torch.compile (quick checks)")
     b.add_argument("--seed", type=int, default=0)
@@ -52,6 +57,15 @@ def parse_batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+def parse_hf_configs(text: str) -> tuple[str, ...]:
+    """``"hf,hf_static"`` -> ("hf", "hf_static"); each must be one of :data:`HF_PARTS` (ValueError otherwise)."""
+    parts = tuple(p.strip() for p in str(text).split(",") if p.strip())
+    bad = [p for p in parts if p not in HF_PARTS]
+    if bad or not parts:
+        raise ValueError(f"--hf-configs must be a comma list of {', '.join(HF_PARTS)}, got {text!r}")
+    return parts
+
+
 def cmd_bench(args) -> int:
     from specdec.bench_data import load_dataset
     from specdec.bench_plot import plot_report
@@ -64,6 +78,7 @@ def cmd_bench(args) -> int:
 
     device, dtype = _device_dtype(args)
     batch_sizes = parse_batch_sizes(args.batch_size)
+    hf_configs = parse_hf_configs(args.hf_configs)
     draft_name = args.draft or default_draft()
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
     prompts = load_dataset(args.dataset, args.num_prompts)
@@ -81,7 +96,8 @@ def cmd_bench(args) -> int:
         from specdec.tree import template_from_spec
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
-    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype)) for b in batch_sizes]
+    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs))
+             for b in batch_sizes]
     config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
               "dtype": dtype}
     config.pop("func", None)
@@ -91,14 +107,18 @@ def cmd_bench(args) -> int:
     if args.json_out:
         write_json(report, args.json_out)
     if args.plot:
-        plot_report(report, args.plot)
+        try:
+            plot_report(report, args.plot)
+        except ImportError as err:  # matplotlib is a bench extra; the JSON can be plotted elsewhere
+            print(f"no plot ({err}); later: python -m specdec.bench_plot {args.plot} {args.json_out or 'REPORT.json'}",
+                  file=sys.stderr)
     return 0 if lossless_ok(report) else 1
 
 
-def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str) -> list[dict]:
-    """Per-prompt records of one batch size: engine runs, transformers runs (``hf`` may be None) and
-    the divergence analysis of every greedy record whose outputs part."""
-    from specdec.bench_hf import HF_PARTS
+def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str,
+                   hf_configs=HF_PARTS) -> list[dict]:
+    """Per-prompt records of one batch size: engine runs, the transformers configurations ``hf_configs``
+    (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part."""
     from specdec.divergence import classify_divergences, float32_reference
 
     spec, plain = engines
@@ -106,7 +126,8 @@ def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, d
     device = target.device
     spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device)
     plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device)
-    hf_runs = {part: hf.run(part, ids, batch_size) if hf else [None] * len(ids) for part in HF_PARTS}
+    hf_runs = {part: hf.run(part, ids, batch_size) if hf and part in hf_configs else [None] * len(ids)
+               for part in HF_PARTS}
     records = [_record(p, i, s, t, {part: runs[k] for part, runs in hf_runs.items()}, params.greedy)
                for k, (p, i, s, t) in enumerate(zip(prompts, ids, spec_runs, plain_runs))]
     reference = _cached(lambda: float32_reference(target))

@@ -96,3 +96,29 @@ def plot_sweep(sweep: list[dict], path: str | Path) -> Path:
     ax_t.grid(True, which="both", alpha=0.3)
     _depth_axis(ax_d, [(f"batch {e['batch_size']}", e["per_depth_acceptance"]) for e in sweep])
     return _save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m specdec.bench_plot OUT.png REPORT.json [REPORT.json ...] [--json MERGED.json]``:
+    plot one report, or join the sweeps of several runs (same prompts and options, other batch
+    sizes) into one table, plot and, with ``--json``, one report."""
+    import argparse
+    import json
+
+    from specdec.bench_report import format_sweep, merge_sweeps, write_json
+
+    ap = argparse.ArgumentParser(prog="python -m specdec.bench_plot", description=main.__doc__)
+    ap.add_argument("png")
+    ap.add_argument("reports", nargs="+")
+    ap.add_argument("--json", dest="json_out", default=None)
+    args = ap.parse_args(argv)
+    report = merge_sweeps([json.loads(open(p, encoding="utf-8").read()) for p in args.reports])
+    print(format_sweep(report), end="")
+    if args.json_out:
+        write_json(report, args.json_out)
+    plot_report(report, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -313,6 +313,32 @@ def format_sweep(report: dict) -> str:
     return "\n".join(["batch-size sweep", *render_table(table)]) + "\n"
 
 
+def merge_sweeps(reports: Sequence[dict]) -> dict:
+    """One report whose ``sweep`` joins the sweeps of ``reports`` (runs of the same prompts and options
+    at different batch sizes), ordered by batch size; the other keys come from the first report.
+
+    Raises ValueError when a batch size repeats or the runs' configs differ beyond the batch size.
+    """
+    if not reports:
+        raise ValueError("merge_sweeps needs at least one report")
+    ignore = {"batch_size", "json_out", "plot"}
+    base = {k: v for k, v in reports[0]["config"].items() if k not in ignore}
+    entries = []
+    for i, rep in enumerate(reports):
+        other = {k: v for k, v in rep["config"].items() if k not in ignore}
+        if other != base:
+            diff = sorted(k for k in base.keys() | other.keys() if base.get(k) != other.get(k))
+            raise ValueError(f"report {i} differs from report 0 in config {diff}; only batch_size may differ")
+        entries += rep["sweep"]
+    sizes = [e["batch_size"] for e in entries]
+    if len(set(sizes)) != len(sizes):
+        raise ValueError(f"batch sizes repeat across the reports: {sizes}")
+    merged = dict(reports[0])
+    merged["sweep"] = sorted(entries, key=lambda e: e["batch_size"])
+    merged["config"] = {**reports[0]["config"], "batch_size": sorted(sizes)}
+    return merged
+
+
 def write_json(report: dict, path: str | Path) -> Path:
     """Write ``report`` as indented JSON (creating parent dirs, replacing atomically); returns the path."""
     path = Path(path)

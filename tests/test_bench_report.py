@@ -18,6 +18,7 @@ from specdec.bench_report import (
     format_sweep,
     format_table,
     lossless_ok,
+    merge_sweeps,
     write_json,
 )
 
@@ -146,6 +147,18 @@ def test_classified_divergence_counts_and_exit_rule(records, cls):
     sweep_table = format_sweep(report).splitlines()
     assert sweep_table[0] == "batch-size sweep" and len(sweep_table) == 2 + 1 + 2
     assert sweep_table[3].split()[0] == "1" and sweep_table[4].split()[0] == "4"
+
+
+def test_merge_sweeps_joins_batch_sizes(records):
+    one = build_report(records, env={}, config={"batch_size": [8], "tree": "chain:8"}, sweep=[(8, records)])
+    two = build_report(records, env={}, config={"batch_size": [1], "tree": "chain:8"}, sweep=[(1, records)])
+    merged = merge_sweeps([one, two])
+    assert [e["batch_size"] for e in merged["sweep"]] == [1, 8] and merged["config"]["batch_size"] == [1, 8]
+    with pytest.raises(ValueError, match="repeat"):
+        merge_sweeps([one, one])
+    other = build_report(records, env={}, config={"batch_size": [1], "tree": "chain:4"}, sweep=[(1, records)])
+    with pytest.raises(ValueError, match="tree"):
+        merge_sweeps([one, other])
 
 
 def test_sweep_plot_is_a_png(records, tmp_path):

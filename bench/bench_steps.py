@@ -1,0 +1,112 @@
+"""pytest-benchmark entries for engine steps: a target-only decode step, a verify step per tree size.
+
+Run: python -m pytest bench/bench_steps.py --benchmark-columns=median,iqr,rounds
+On CUDA the model is SmolLM2-135M-shaped with random weights in bf16 (a step of random weights costs
+what a step of the real ones costs); on the CPU a small random model in float32 keeps rounds short.
+GPU-only entries skip cleanly without CUDA.
+
+* decode step: one ``engine.step()`` of a target-only engine with ``batch`` rows mid-generation
+  (128-token prompts already prefilled): one token per row.
+* verify step: one ``engine.step()`` whose drafter proposes a chain of ``nodes`` random tokens per
+  row, so the target verifies exactly ``nodes + 1`` tokens per row (random drafts are rejected:
+  each step still commits one token per row).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.config import ModelConfig
+from specdec.drafters.base import Proposal
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.registry import LoadedModel
+from specdec.models.llama import LlamaForCausalLM
+from specdec.sampling_params import SamplingParams
+from specdec.tree import DraftTree
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="GPU step benchmarks need CUDA")
+PROMPT_LEN, ROUNDS, WARMUP = 128, 20, 3
+SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True, rope_theta=100000.0)
+SMALL_SHAPE = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=10000.0)
+GPU_CASES = [pytest.param("cuda", b, marks=needs_cuda) for b in (1, 16, 64)]
+CPU_CASES = [("cpu", 1), ("cpu", 4)]
+
+
+def random_model(device: str) -> LoadedModel:
+    """A random-weight Llama: SmolLM2-135M's shape in bf16 on CUDA, a small one in float32 on the CPU."""
+    import transformers
+
+    shape = SMOLLM2_SHAPE if device == "cuda" else SMALL_SHAPE
+    cfg = ModelConfig.from_hf(transformers.LlamaConfig(**shape, max_position_embeddings=8192, eos_token_id=2))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    model = model.to(torch.bfloat16 if device == "cuda" else torch.float32).eval().requires_grad_(False)
+    model.rope = model.rope.__class__(cfg).to(device)
+    return LoadedModel("random", model, None, cfg)
+
+
+class RandomChainDrafter(NgramDrafter):
+    """Proposes ``k`` random tokens as a chain for every row (for timing verification only)."""
+
+    def __init__(self, k: int, vocab: int, device) -> None:
+        super().__init__(k, device=device)
+        self.vocab = vocab
+
+    def propose(self, rows) -> Proposal:
+        trees = [DraftTree.from_parents(torch.randint(3, self.vocab, (self.k,)).tolist(), list(range(-1, self.k - 1)),
+                                        device=self.device) for _ in rows]
+        return Proposal(trees, [None] * len(rows))
+
+
+def mid_generation(engine: SpecEngine, batch: int, vocab: int) -> SpecEngine:
+    """``engine`` with ``batch`` requests prefilled and decoding (room for every benchmark round)."""
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(max_new_tokens=4 * (ROUNDS + WARMUP + 8), ignore_eos=True)
+    reqs = [engine.add_request(torch.randint(3, vocab, (PROMPT_LEN,), generator=g).tolist(), params)
+            for _ in range(batch)]
+    while any(r.num_computed < PROMPT_LEN for r in reqs):
+        engine.step()
+    engine.step()
+    return engine
+
+
+def _bench_step(benchmark, engine: SpecEngine, device: str) -> None:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def step():
+        engine.step()
+        sync()
+
+    benchmark.pedantic(step, rounds=ROUNDS, warmup_rounds=WARMUP)
+
+
+@pytest.mark.parametrize("device,batch", GPU_CASES + CPU_CASES)
+def test_decode_step(benchmark, device, batch):
+    target = random_model(device)
+    engine = SpecEngine(None, target, SpecConfig(device=device, dtype=_dtype(device), prefix_cache=False))
+    _bench_step(benchmark, mid_generation(engine, batch, target.config.vocab_size), device)
+    benchmark.extra_info.update(batch=batch, tokens_per_step=batch)
+
+
+@pytest.mark.parametrize("nodes", [4, 16, 63])
+@pytest.mark.parametrize("device,batch", GPU_CASES + CPU_CASES)
+def test_verify_step(benchmark, device, batch, nodes):
+    if device == "cpu" and nodes == 63:
+        pytest.skip("CPU entries stay small")
+    target = random_model(device)
+    cfg = SpecConfig(tree=f"chain:{nodes}", device=device, dtype=_dtype(device), prefix_cache=False)
+    engine = SpecEngine("ngram", target, cfg)
+    # same max_nodes as the n-gram drafter it replaces, so the scheduler's reservations still hold
+    engine.drafter = RandomChainDrafter(nodes, target.config.vocab_size, engine.device)
+    _bench_step(benchmark, mid_generation(engine, batch, target.config.vocab_size), device)
+    benchmark.extra_info.update(batch=batch, nodes=nodes, tokens_verified_per_step=batch * (nodes + 1))
+
+
+def _dtype(device: str) -> str:
+    return "bfloat16" if device == "cuda" else "float32"
