@@ -2,6 +2,10 @@
 
 Tiny checkpoints are written once per session with transformers and loaded with
 ``specdec.loading.registry.load_model`` (no tokenizer: prompts are token ids).
+
+Without CUDA the Triton kernels run in the interpreter: ``TRITON_INTERPRET=1`` is set here, before
+any test module imports a kernel. Markers: ``triton_interpreter`` tests run only when the kernels
+are interpreted (CPU), ``gpu`` tests only on CUDA with compiled kernels.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 256
 PAIR_EOS = 193  # EOS of the tiny spec-decoding pair (tiny_target / tiny_draft)
@@ -51,6 +58,35 @@ def single_thread():
     """Module-wide ``one_thread()``: use with ``pytestmark = pytest.mark.usefixtures("single_thread")``."""
     with one_thread():
         yield
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip ``triton_interpreter`` tests unless interpreted, ``gpu`` tests unless compiled on CUDA."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("triton_interpreter") and not interpreted:
+            item.add_marker(pytest.mark.skip(reason="needs TRITON_INTERPRET=1 before the kernels import"))
+        if item.get_closest_marker("gpu") and (not cuda or interpreted):
+            item.add_marker(pytest.mark.skip(reason="needs CUDA (compiled Triton)"))
+
+
+@pytest.fixture
+def count_preemptions():
+    """``count(engine) -> list``: from then on, the ids of the requests ``engine``'s scheduler preempts."""
+
+    def count(engine) -> list:
+        seen = []
+        preempt = engine.scheduler.preempt
+
+        def counting(req):
+            seen.append(req.request_id)
+            return preempt(req)
+
+        engine.scheduler.preempt = counting
+        return seen
+
+    return count
 
 
 def _randomize_(model: torch.nn.Module, seed: int) -> None:

@@ -1,15 +1,9 @@
 """The engine on the Triton backend (interpreted on CPU, float32) equals target-only greedy output."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-from specdec import SamplingParams, SpecConfig, SpecEngine, load_model  # noqa: E402
+from specdec import SamplingParams, SpecConfig, SpecEngine, load_model
 
 
 @pytest.fixture(scope="module")

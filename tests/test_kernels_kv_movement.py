@@ -1,26 +1,14 @@
 """KV store, KV adoption and block-table staging kernels against their torch references."""
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from specdec.kernels.arg_checks import is_interpreted  # noqa: E402
-from specdec.kernels.block_table import (  # noqa: E402
-    _stage_rows_kernel,
+from specdec.kernels.block_table import (
     stage_block_tables,
     stage_block_tables_reference,
 )
-from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference  # noqa: E402
-from specdec.kernels.kv_store import store_kv_reference, store_kv_triton  # noqa: E402
-from specdec.kernels.random_inputs import make_pool  # noqa: E402
-
-INTERPRETED = is_interpreted(_stage_rows_kernel)
-cpu_only = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 before the kernels import")
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
+from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
+from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
+from specdec.kernels.random_inputs import make_pool
 
 
 def _store_case(t, hkv, d, page, device, dtype, seed):
@@ -34,7 +22,7 @@ def _store_case(t, hkv, d, page, device, dtype, seed):
     return pool, k, v, slots.to(device)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("t,hkv,d,page", [(1, 1, 16, 4), (9, 2, 16, 8), (12, 3, 24, 4)])
 def test_store_kv(t, hkv, d, page):
     pool, k, v, slots = _store_case(t, hkv, d, page, "cpu", torch.float32, seed=t)
@@ -71,7 +59,7 @@ def _accepted_moves(tables, page, lens, n_nodes, gen):
     return torch.tensor(src), torch.tensor(dst)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("rows", [1, 3, 14])
 def test_adopt_kv_accepted_paths(rows):
     gen = torch.Generator().manual_seed(rows)
@@ -91,7 +79,7 @@ def test_adopt_kv_accepted_paths(rows):
     assert torch.equal(storage, expect)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 def test_adopt_kv_overlapping_chain_and_padding():
     """Pair 3 writes the slot pair 1 reads: the result must be the snapshot (in-order) one."""
     seg_offsets, seg_elems, block_elems = _pool_segments(8, [16, 16])
@@ -109,7 +97,7 @@ def test_adopt_kv_overlapping_chain_and_padding():
     assert torch.equal(ref, expect) and torch.equal(storage, expect)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("r,b,max_blocks", [(1, 1, 1), (10, 4, 7), (33, 33, 40)])
 def test_stage_block_tables(r, b, max_blocks):
     gen = torch.Generator().manual_seed(r)
@@ -122,7 +110,7 @@ def test_stage_block_tables(r, b, max_blocks):
     assert torch.equal(got, ref) and torch.equal(out, expect)  # rows past B untouched
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 def test_bad_arguments_name_the_field():
     host = torch.zeros(4, 3, dtype=torch.int32)
     with pytest.raises(ValueError, match="host_table"):
@@ -138,7 +126,6 @@ def test_bad_arguments_name_the_field():
                  torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_store_adopt_stage():
     pool, k, v, slots = _store_case(300, 8, 128, 16, "cuda", torch.bfloat16, seed=1)

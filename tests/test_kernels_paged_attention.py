@@ -1,29 +1,18 @@
 """paged_attention_triton against the torch reference: decode, tree verify, chunked prefill, windows."""
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from specdec.kernels.arg_checks import is_interpreted  # noqa: E402
-from specdec.kernels.paged_attention import (  # noqa: E402
-    _paged_attn_kernel,
+from specdec.kernels.paged_attention import (
     paged_attention_reference,
     paged_attention_triton,
 )
-from specdec.kernels.random_inputs import (  # noqa: E402
+from specdec.kernels.random_inputs import (
     parents_chain,
     parents_random,
     parents_topk,
     random_paged_batch,
 )
 
-INTERPRETED = is_interpreted(_paged_attn_kernel)
-cpu_only = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 before the kernels import")
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
 HEAD_DIM = 16
 
 
@@ -50,7 +39,7 @@ def _check(batch, *, window=None, num_splits=None, tol=1e-4, **hints):
 GROUPS = [(2, 1), (6, 3), (8, 8)]  # (Hq, GQA ratio): Hkv = Hq / ratio
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("block_size", [4, 8])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("hq,ratio", GROUPS)
@@ -61,7 +50,7 @@ def test_decode(block_size, num_splits, hq, ratio):
     _check(batch, num_splits=num_splits)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("num_splits", [1, 2])
 @pytest.mark.parametrize("hq,ratio", GROUPS)
 def test_tree_verify_mixed_shapes(num_splits, hq, ratio):
@@ -72,7 +61,7 @@ def test_tree_verify_mixed_shapes(num_splits, hq, ratio):
     _check(batch, num_splits=num_splits)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("n", [1, 2, 3, 16, 31, 63, 64])
 def test_tree_verify_sizes(n):
     gen = torch.Generator().manual_seed(n)
@@ -81,7 +70,7 @@ def test_tree_verify_sizes(n):
     _check(batch)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("hq,ratio", GROUPS)
 def test_chunked_prefill(num_splits, hq, ratio):
@@ -91,14 +80,14 @@ def test_chunked_prefill(num_splits, hq, ratio):
     _check(batch, num_splits=num_splits)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("window", [1, 3, 10])
 def test_sliding_window_causal(window):
     batch = random_paged_batch([0, 20, 6], [12, 3, 1], 6, 2, HEAD_DIM, 4, seed=window)
     _check(batch, window=window, num_splits=2)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("window,big", [(2, False), (6, False), (5, True)])
 def test_sliding_window_tree(window, big):
     gen = torch.Generator().manual_seed(window)
@@ -111,7 +100,7 @@ def test_sliding_window_tree(window, big):
     _check(batch, window=window)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("tree", [False, True])
 def test_queries_are_the_region_tail(tree, window):
@@ -135,20 +124,20 @@ def test_queries_are_the_region_tail(tree, window):
         _check(part, window=window)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 def test_oversized_launch_hints_are_harmless():
     """A CUDA graph captured for larger max_query_len / max_seq_len replays correctly on smaller batches."""
     batch = random_paged_batch([3, 11], [2, 5], 6, 2, HEAD_DIM, 4, seed=7)
     _check(batch, max_query_len=16, max_seq_len=16, num_splits=2)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 def test_head_dim_not_power_of_two():
     batch = random_paged_batch([6, 2], [3, 4], 4, 2, 24, 4, seed=3)
     _check(batch)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("field,bad,match", [
     ("block_tables", lambda t: t.long().float(), "block_tables"),
     ("q", lambda t: t[:, :, 0], "q must have shape"),
@@ -168,7 +157,7 @@ def test_bad_arguments_name_the_field(field, bad, match):
         paged_attention_triton(*args, 0.25)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 def test_bad_options_raise():
     batch = random_paged_batch([3], [65], 2, 1, HEAD_DIM, 4)
     mask = torch.ones(65, dtype=torch.int64)  # 65 tree tokens cannot be bitmasks
@@ -180,7 +169,6 @@ def test_bad_options_raise():
         paged_attention_triton(*_args(batch), 0.25, num_splits=0)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (16, 16, 128)])
 @pytest.mark.parametrize("kind", ["decode", "tree", "prefill"])
@@ -199,7 +187,6 @@ def test_gpu_bf16(hq, hkv, d, kind):
     _check(batch, tol=1e-2, window=256)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["decode", "tree", "prefill"])
 def test_gpu_fp32(kind):

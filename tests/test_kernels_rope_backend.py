@@ -1,32 +1,20 @@
 """Fused RoPE + cache write, the Triton attention backend and select_backend."""
 
-import os
-
+import pytest
 import torch
-
-if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-from specdec.kernels.arg_checks import is_interpreted  # noqa: E402
-from specdec.kernels.backend import TritonAttentionBackend, select_backend  # noqa: E402
-from specdec.kernels.random_inputs import (  # noqa: E402
+from specdec.kernels.backend import TritonAttentionBackend, select_backend
+from specdec.kernels.random_inputs import (
     make_pool,
     parents_random,
     parents_topk,
     random_paged_batch,
 )
-from specdec.kernels.rope_cache import (  # noqa: E402
-    _rope_cache_kernel,
+from specdec.kernels.rope_cache import (
     fused_rope_cache_write,
     fused_rope_cache_write_reference,
 )
 
-from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-
-INTERPRETED = is_interpreted(_rope_cache_kernel)
-cpu_only = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 before the kernels import")
-gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs CUDA (compiled Triton)")
+from specdec.attention.torch_backend import TorchAttentionBackend
 
 
 def _rope_tables(max_pos, d, device):
@@ -54,7 +42,7 @@ def _rotate_half_hf(x, cos, sin):  # Hugging Face Llama convention, written out 
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("t,hq,hkv,d,page", [(1, 2, 2, 16, 4), (7, 6, 2, 16, 8), (10, 8, 1, 24, 4)])
 def test_fused_rope_cache_write(t, hq, hkv, d, page):
     qkv, pos, cos, sin, slots, pool = _rope_case(t, hq, hkv, d, page, "cpu", torch.float32, seed=t)
@@ -73,7 +61,7 @@ def test_fused_rope_cache_write(t, hq, hkv, d, page):
     torch.testing.assert_close(got[0], q_hf, rtol=1e-5, atol=1e-5)
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 def test_rope_bad_arguments():
     qkv, pos, cos, sin, slots, pool = _rope_case(3, 2, 1, 16, 4, "cpu", torch.float32, seed=0)
     with pytest.raises(ValueError, match="qkv"):
@@ -98,7 +86,7 @@ def _backend_run(backend, batch, window):
     return backend.forward(batch.q, k, v, kc, vc, batch.meta, d ** -0.5, window), storage
 
 
-@cpu_only
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("tree,window", [(False, None), (True, None), (False, 5)])
 def test_triton_backend_matches_torch_backend(tree, window):
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +114,6 @@ def test_select_backend(monkeypatch):
         assert select_backend("cuda", "torch").name == "torch"
 
 
-@gpu
 @pytest.mark.gpu
 def test_gpu_rope_and_backend_bf16():
     qkv, pos, cos, sin, slots, pool = _rope_case(500, 32, 8, 128, 16, "cuda", torch.bfloat16, seed=0)

@@ -241,18 +241,6 @@ def test_ownership_checker_catches_a_planted_violation(tiny_target, tiny_draft):
     assert eng.all_blocks_free()
 
 
-def _count_preemptions(engine: SpecEngine) -> list:
-    seen = []
-    preempt = engine.scheduler.preempt
-
-    def counting(req):
-        seen.append(req.request_id)
-        return preempt(req)
-
-    engine.scheduler.preempt = counting
-    return seen
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_target):
     """Target-only greedy outputs of the prompts used below (large pool, no prefix cache)."""
@@ -290,13 +278,14 @@ def test_live_requests_never_share_writable_blocks(tiny_target, tiny_draft, refe
 
 
 @pytest.mark.parametrize("draft,tree", [(None, "chain:4"), ("model", "chain:4"), ("model", "topk:2x3")])
-def test_max_utilization_preempts_and_output_is_unchanged(tiny_target, tiny_draft, reference, draft, tree):
+def test_max_utilization_preempts_and_output_is_unchanged(tiny_target, tiny_draft, reference, draft, tree,
+                                                           count_preemptions):
     prompts, expect = reference
     d = tiny_draft if draft == "model" else None
     # each request alone needs at most 20 blocks; all of them at once need far more than 30
     eng = SpecEngine(d, tiny_target, SpecConfig(tree=tree, num_blocks=30, block_size=4,
                                                 policy="max_utilization", max_batch_size=12))
-    preempted = _count_preemptions(eng)
+    preempted = count_preemptions(eng)
     checker = OwnershipChecker(eng)
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert preempted, "the pool was meant to be too small for all requests: expected preemption"
@@ -306,11 +295,11 @@ def test_max_utilization_preempts_and_output_is_unchanged(tiny_target, tiny_draf
     assert eng.all_blocks_free()
 
 
-def test_guaranteed_no_evict_never_preempts(tiny_target, tiny_draft, reference):
+def test_guaranteed_no_evict_never_preempts(tiny_target, tiny_draft, reference, count_preemptions):
     prompts, expect = reference
     eng = SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:4", num_blocks=30, block_size=4,
                                                          policy="guaranteed_no_evict", max_batch_size=12))
-    preempted = _count_preemptions(eng)
+    preempted = count_preemptions(eng)
     OwnershipChecker(eng)
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert not preempted

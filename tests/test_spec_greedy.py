@@ -96,28 +96,17 @@ def test_spec_greedy_with_shared_prefix(tiny_target, tiny_draft, tree, max_num_t
             assert eng.scheduler.prefix_cache.stats.hit_tokens >= 5 * 8 * len(tails)
 
 
-def _count_preemptions(engine):
-    seen = []
-    preempt = engine.scheduler.preempt
-
-    def counting(req):
-        seen.append(req.request_id)
-        return preempt(req)
-
-    engine.scheduler.preempt = counting
-    return seen
-
-
 @pytest.mark.parametrize("draft,tree,prefix_cache", [
     ("model", "chain:4", False), ("model", "chain:4", True), ("ngram", "chain:4", True),
     ("model", "dynamic:16", False), ("model", "topk:2x3", True),
 ])
-def test_spec_greedy_under_preemption(tiny_target, tiny_draft, mixed, reference, draft, tree, prefix_cache):
+def test_spec_greedy_under_preemption(tiny_target, tiny_draft, mixed, reference, draft, tree, prefix_cache,
+                                      count_preemptions):
     prompts, params = mixed
     # the longest request alone needs 60 + 24 + 16 + 1 positions = 13 blocks; together far more than 24
     eng = _engine(draft, tiny_draft, tiny_target, tree, num_blocks=24, policy="max_utilization",
                   prefix_cache=prefix_cache)
-    preempted = _count_preemptions(eng)
+    preempted = count_preemptions(eng)
     outs = eng.generate(prompts, params)
     assert preempted, "expected the tiny pool to force preemption"
     assert [o.token_ids for o in outs] == reference
