@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.bench_hf import to_hf_model
+from specdec.benchmark.hf import to_hf_model
 
 NEW_TOKENS = 32
 

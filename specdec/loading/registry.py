@@ -52,12 +52,12 @@ def load_model(
 
         return _from_gguf(smollm2_gguf_path(), name, dtype, device)
     if name == "smollm2-135m-draft":
-        from specdec.drafts import load_default_draft
+        from specdec.training import load_default_draft
 
         return load_default_draft(dtype=dtype, device=device)
     path = Path(name).expanduser()
     if path.is_dir():
-        from specdec.drafts import is_draft_folder, load_draft_folder
+        from specdec.training import is_draft_folder, load_draft_folder
 
         if is_draft_folder(path):
             return load_draft_folder(path, dtype=dtype, device=device)

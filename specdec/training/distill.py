@@ -1,14 +1,14 @@
 """``specdec distill``: train a small draft model for a target by self-distillation.
 
-1. Data (``drafts.distill_data``): the target, run by our engine alone (greedy by default),
+1. Data (``training.distill_data``): the target, run by our engine alone (greedy by default),
    answers training prompts; prompt and response ids are cached in ``OUT/data.pt``.
-2. Draft (``drafts.layers``): ``--layers`` decoder layers copied from the target (evenly spaced,
+2. Draft (``training.layers``): ``--layers`` decoder layers copied from the target (evenly spaced,
    first and last included) and its final norm; embeddings / LM head are the target's, frozen.
-3. Loss (``drafts.training``): KL(target || draft) of the next-token distributions at every
+3. Loss (``training.training``): KL(target || draft) of the next-token distributions at every
    response position, the target's logits computed on the fly. AdamW, linear warm-up then cosine
    decay, bf16 autocast on CUDA (float32 master weights), float32 on CPU. ``OUT/ckpt.pt`` every
    ``--ckpt-every`` steps; ``--resume`` continues exactly.
-4. Export (``drafts.folder``): a draft folder that stores only the trained tensors.
+4. Export (``training.folder``): a draft folder that stores only the trained tensors.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafts.distill_data import DataSpec, DistillData
-from specdec.drafts.training import TrainState
+from specdec.training.distill_data import DataSpec, DistillData
+from specdec.training.training import TrainState
 from specdec.loading.registry import DTYPES, LoadedModel
 
 TRAINING_FILES = ("data.pt", "ckpt.pt")  # in OUT next to the draft, but not part of it
@@ -141,7 +141,7 @@ def _device_name(device: str) -> str:
 def export(cfg: DistillConfig, target: LoadedModel, draft: LoadedModel, data: DistillData, layers: list[int],
            state: TrainState, wall: float) -> Path:
     """Write the draft folder into ``cfg.out``; returns the path of its ``model.safetensors``."""
-    from specdec.drafts.folder import save_draft_folder
+    from specdec.training.folder import save_draft_folder
 
     ref = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
     first, final = _ends(state.losses)
@@ -176,9 +176,9 @@ def _teacher(target: LoadedModel, cfg: DistillConfig) -> LoadedModel:
 def distill(cfg: DistillConfig) -> DistillResult:
     """Generate the data (or reuse ``data.pt``), train (or resume ``ckpt.pt``) and, once every step
     is done, export the draft folder into ``cfg.out``."""
-    from specdec.drafts.distill_data import load_or_generate
-    from specdec.drafts.layers import draft_from_target, target_layer_map
-    from specdec.drafts.training import train
+    from specdec.training.distill_data import load_or_generate
+    from specdec.training.layers import draft_from_target, target_layer_map
+    from specdec.training.training import train
     from specdec.loading.registry import load_model
 
     t0 = time.perf_counter()
@@ -266,10 +266,10 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def cmd_distill(args) -> int:
-    from specdec.cli import _device_dtype
+    from specdec.cli.main import _device_dtype
 
     if args.write_prompts:
-        from specdec.drafts.distill_data import load_train_prompts, write_prompt_file
+        from specdec.training.distill_data import load_train_prompts, write_prompt_file
 
         n = write_prompt_file(load_train_prompts(args.data, args.num_prompts), args.write_prompts)
         print(f"distill: wrote {n} training prompts to {args.write_prompts}")

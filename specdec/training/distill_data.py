@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.bench_data import BenchPrompt, load_prompt_file, load_sharegpt
+from specdec.benchmark.data import BenchPrompt, load_prompt_file, load_sharegpt
 from specdec.loading.registry import LoadedModel
 
 SHAREGPT_TRAIN_CATEGORY = "sharegpt-train"

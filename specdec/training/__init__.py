@@ -2,7 +2,7 @@
 
 ``load_draft_folder(path, dtype, device, target=None)`` loads any draft folder (one with a
 ``specdec_draft.json``); ``load_default_draft`` loads the one shipped as package data in
-``specdec/drafts/smollm2-135m-draft/`` for the ``smollm2-135m`` target.
+``specdec/training/smollm2-135m-draft/`` for the ``smollm2-135m`` target.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafts.folder import DRAFT_META, is_draft_folder, load_draft_folder, read_draft_meta
+from specdec.training.folder import DRAFT_META, is_draft_folder, load_draft_folder, read_draft_meta
 from specdec.loading.errors import ModelNotFoundError
 
 DEFAULT_DRAFT_NAME = "smollm2-135m-draft"

@@ -99,15 +99,15 @@ def plot_sweep(sweep: list[dict], path: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m specdec.bench_plot OUT.png REPORT.json [REPORT.json ...] [--json MERGED.json]``:
+    """``python -m specdec.benchmark.plot OUT.png REPORT.json [REPORT.json ...] [--json MERGED.json]``:
     plot one report, or join the sweeps of several runs (same prompts and options, other batch
     sizes) into one table, plot and, with ``--json``, one report."""
     import argparse
     import json
 
-    from specdec.bench_report import format_sweep, merge_sweeps, write_json
+    from specdec.benchmark.report import format_sweep, merge_sweeps, write_json
 
-    ap = argparse.ArgumentParser(prog="python -m specdec.bench_plot", description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m specdec.benchmark.plot", description=main.__doc__)
     ap.add_argument("png")
     ap.add_argument("reports", nargs="+")
     ap.add_argument("--json", dest="json_out", default=None)

@@ -66,11 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from specdec.bench_cli import add_bench_parser
+    from specdec.cli.bench import add_bench_parser
 
     add_bench_parser(sub, _add_model_args)
     try:
-        from specdec.distill import add_distill_parser
+        from specdec.training.distill import add_distill_parser
     except ImportError:
         pass
     else:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from specdec.drafts.dense_attention import dense_hidden
-from specdec.drafts.distill_data import DistillData, atomic_save
-from specdec.drafts.layers import trained_state
+from specdec.training.dense_attention import dense_hidden
+from specdec.training.distill_data import DistillData, atomic_save
+from specdec.training.layers import trained_state
 from specdec.loading.registry import LoadedModel
 
 if TYPE_CHECKING:
-    from specdec.distill import DistillConfig
+    from specdec.training.distill import DistillConfig
 
 LOG_EVERY = 10  # steps between progress-bar loss updates (each one syncs the device)
 MUST_MATCH = ("target", "layers", "init_layers", "data", "num_prompts", "response_tokens",

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ModelConfig
-from specdec.drafts.layers import TRAINED_PREFIXES, shared_keys, trained_state
+from specdec.training.layers import TRAINED_PREFIXES, shared_keys, trained_state
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.loading.registry import LoadedModel, build_model, resolve_dtype
 

@@ -15,7 +15,7 @@ with ``dataclasses.asdict``)::
       "divergence": {"position": int, "class": "numerical_tie" | "mismatch", ...} | None,
     }
 
-``divergence`` (optional) is what :mod:`specdec.divergence` found where a greedy record's spec and
+``divergence`` (optional) is what :mod:`specdec.benchmark.divergence` found where a greedy record's spec and
 target-only outputs part; a differing greedy record without it counts as ``unclassified``.
 
 ``per_depth_*[d]`` counts draft tokens proposed / accepted at draft depth ``d`` (0 = first draft

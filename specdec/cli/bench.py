@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specdec.bench_hf import HF_PARTS
+from specdec.benchmark.hf import HF_PARTS
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
 
@@ -40,7 +40,7 @@ def add_bench_parser(sub, add_model_args) -> None:
 def default_draft() -> str:
     """The shipped draft when it is installed, else n-gram lookup."""
     try:
-        from specdec.drafts import default_draft_available
+        from specdec.training import default_draft_available
     except ImportError:
         return "ngram"
     return DEFAULT_DRAFT if default_draft_available() else "ngram"
@@ -67,10 +67,10 @@ def parse_hf_configs(text: str) -> tuple[str, ...]:
 
 
 def cmd_bench(args) -> int:
-    from specdec.bench_data import load_dataset
-    from specdec.bench_plot import plot_report
-    from specdec.bench_report import build_report, environment_info, format_sweep, format_table, lossless_ok, write_json
-    from specdec.cli import _device_dtype
+    from specdec.benchmark.data import load_dataset
+    from specdec.benchmark.plot import plot_report
+    from specdec.benchmark.report import build_report, environment_info, format_sweep, format_table, lossless_ok, write_json
+    from specdec.cli.main import _device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.loading.registry import load_model
     from specdec.prompts import to_prompt_ids
@@ -92,7 +92,7 @@ def cmd_bench(args) -> int:
     engines = (SpecEngine(draft, target, cfg), SpecEngine(None, target, cfg))
     hf = None
     if args.baseline == "hf":
-        from specdec.bench_hf import HFBaselines
+        from specdec.benchmark.hf import HFBaselines
         from specdec.tree import template_from_spec
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
@@ -110,7 +110,7 @@ def cmd_bench(args) -> int:
         try:
             plot_report(report, args.plot)
         except ImportError as err:  # matplotlib is a bench extra; the JSON can be plotted elsewhere
-            print(f"no plot ({err}); later: python -m specdec.bench_plot {args.plot} {args.json_out or 'REPORT.json'}",
+            print(f"no plot ({err}); later: python -m specdec.benchmark.plot {args.plot} {args.json_out or 'REPORT.json'}",
                   file=sys.stderr)
     return 0 if lossless_ok(report) else 1
 
@@ -119,7 +119,7 @@ def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, d
                    hf_configs=HF_PARTS) -> list[dict]:
     """Per-prompt records of one batch size: engine runs, the transformers configurations ``hf_configs``
     (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part."""
-    from specdec.divergence import classify_divergences, float32_reference
+    from specdec.benchmark.divergence import classify_divergences, float32_reference
 
     spec, plain = engines
     _warm_up(spec, plain, ids[:batch_size], params)

@@ -69,7 +69,7 @@ def tie_bound(logit_scale: float, hidden_norm: float, weight_norm: float, hidden
 
 def float32_reference(loaded) -> torch.nn.Module:
     """A float32 transformers copy of ``loaded`` (its weights, as stored, upcast) on the same device."""
-    from specdec.bench_hf import to_hf_model
+    from specdec.benchmark.hf import to_hf_model
 
     return to_hf_model(loaded).float().requires_grad_(False)
 

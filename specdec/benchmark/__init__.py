@@ -1,0 +1,2 @@
+"""What ``specdec bench`` measures and reports: prompt sets (``data``), transformers baselines (``hf``),
+divergence analysis (``divergence``), the report and its tables (``report``) and plots (``plot``)."""
