@@ -18,8 +18,8 @@ import math
 import torch
 
 from specdec.benchmark.data import load_dataset
-from specdec.benchmark.hf import to_hf_model
 from specdec.benchmark.divergence import tie_bound
+from specdec.benchmark.hf import to_hf_model
 from specdec.loading.registry import load_model
 from specdec.prompts import to_prompt_ids
 

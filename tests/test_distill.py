@@ -14,16 +14,16 @@ from safetensors.torch import load_file
 from specdec import training as drafts
 from specdec.cli import main
 from specdec.config import ModelConfig
-from specdec.training.distill import DistillConfig
-from specdec.training import load_default_draft, load_draft_folder
-from specdec.training.dense_attention import dense_hidden
-from specdec.training.distill_data import describe_source, load_train_prompts, prompt_token_ids
-from specdec.training.layers import target_layer_map
-from specdec.training.training import batch_indices, lr_at
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.loading.registry import LoadedModel, build_model, load_model
 from specdec.sampling_params import SamplingParams
+from specdec.training import load_default_draft, load_draft_folder
+from specdec.training.dense_attention import dense_hidden
+from specdec.training.distill import DistillConfig
+from specdec.training.distill_data import describe_source, load_train_prompts, prompt_token_ids
+from specdec.training.layers import target_layer_map
+from specdec.training.training import batch_indices, lr_at
 
 STEPS = 40
 RUN_ARGS = ["--num-prompts", "16", "--val-prompts", "4", "--response-tokens", "16", "--steps", str(STEPS),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.cli.bench import _cached, run_batch_size
 from specdec.benchmark.data import BenchPrompt
 from specdec.benchmark.divergence import (
     MISMATCH,
@@ -22,6 +21,7 @@ from specdec.benchmark.divergence import (
     float32_reference,
     tie_bound,
 )
+from specdec.cli.bench import _cached, run_batch_size
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 from specdec.sampling_params import SamplingParams

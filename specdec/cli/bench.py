@@ -69,14 +69,21 @@ def parse_hf_configs(text: str) -> tuple[str, ...]:
 def cmd_bench(args) -> int:
     from specdec.benchmark.data import load_dataset
     from specdec.benchmark.plot import plot_report
-    from specdec.benchmark.report import build_report, environment_info, format_sweep, format_table, lossless_ok, write_json
-    from specdec.cli.main import _device_dtype
+    from specdec.benchmark.report import (
+        build_report,
+        environment_info,
+        format_sweep,
+        format_table,
+        lossless_ok,
+        write_json,
+    )
+    from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.loading.registry import load_model
     from specdec.prompts import to_prompt_ids
     from specdec.sampling_params import SamplingParams
 
-    device, dtype = _device_dtype(args)
+    device, dtype = device_dtype(args)
     batch_sizes = parse_batch_sizes(args.batch_size)
     hf_configs = parse_hf_configs(args.hf_configs)
     draft_name = args.draft or default_draft()
@@ -110,8 +117,8 @@ def cmd_bench(args) -> int:
         try:
             plot_report(report, args.plot)
         except ImportError as err:  # matplotlib is a bench extra; the JSON can be plotted elsewhere
-            print(f"no plot ({err}); later: python -m specdec.benchmark.plot {args.plot} {args.json_out or 'REPORT.json'}",
-                  file=sys.stderr)
+            later = f"python -m specdec.benchmark.plot {args.plot} {args.json_out or 'REPORT.json'}"
+            print(f"no plot ({err}); later: {later}", file=sys.stderr)
     return 0 if lossless_ok(report) else 1
 
 

@@ -1,23 +1,12 @@
-"""``specdec`` command line: generate, bench, distill."""
+"""``specdec`` command line: the parser, ``generate``, and ``main``; ``bench`` and ``distill`` live beside it."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on cuda, float32 on cpu")
-
-
-def _device_dtype(args) -> tuple[str, str]:
-    import torch
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, dtype
+from specdec.cli.common import add_model_args as _add_model_args
+from specdec.cli.common import device_dtype as _device_dtype
 
 
 def cmd_generate(args) -> int:
@@ -70,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub, _add_model_args)
     try:
-        from specdec.training.distill import add_distill_parser
+        from specdec.cli.distill import add_distill_parser
     except ImportError:
         pass
     else:

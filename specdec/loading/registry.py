@@ -1,56 +1,28 @@
-"""``load_model``: names, HF folders and GGUF files -> a ready ``LoadedModel``."""
+"""``load_model``: every model name -> a ready ``LoadedModel``.
+
+Base models (``smollm2-135m``, Hugging Face folders, GGUF files) load through ``specdec.loading.base``;
+the draft folders written by ``specdec distill`` and the shipped default draft through
+``specdec.training``, which loads a draft's target with ``load_base_model`` (so no import circle).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from specdec.config import ModelConfig
-from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
-from specdec.models.llama import LlamaForCausalLM
+from specdec.loading.base import DTYPES, LoadedModel, build_model, load_base_model, resolve_dtype, truncate_layers
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedModel:
-    """A model ready to run, with the tokenizer it was trained with."""
-
-    name: str
-    model: LlamaForCausalLM
-    tokenizer: Any
-    config: ModelConfig
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.lm_head.weight.dtype
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+__all__ = ["DTYPES", "LoadedModel", "build_model", "load_base_model", "load_model", "resolve_dtype",
+           "truncate_layers"]
 
 
 def load_model(
     name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
 ) -> LoadedModel:
-    """Load ``smollm2-135m``, a registered draft name, a Hugging Face folder or a GGUF file."""
+    """Load ``smollm2-135m``, a registered draft name, a draft folder, a Hugging Face folder or a GGUF file."""
     dtype = resolve_dtype(dtype)
     name = str(name_or_path)
-    if name == "smollm2-135m":
-        from specdec.loading.gguf_loader import smollm2_gguf_path
-
-        return _from_gguf(smollm2_gguf_path(), name, dtype, device)
     if name == "smollm2-135m-draft":
         from specdec.training import load_default_draft
 
@@ -61,97 +33,4 @@ def load_model(
 
         if is_draft_folder(path):
             return load_draft_folder(path, dtype=dtype, device=device)
-        return _from_hf_folder(path, name, dtype, device)
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path, name, dtype, device)
-    if path.is_file():
-        raise UnsupportedModelError(f"{path}: expected a .gguf file or a Hugging Face checkpoint folder")
-    raise ModelNotFoundError(
-        f"model {name!r} not found: give 'smollm2-135m', a Hugging Face checkpoint folder or a .gguf file"
-    )
-
-
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
-    """Instantiate the module and load ``state`` strictly (missing or unexpected names are errors)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    state = dict(state)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
-    if missing or unexpected:
-        raise UnsupportedModelError(
-            f"checkpoint does not match {cfg.architecture}: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rope = model.rope.__class__(cfg).to(device)
-    return model.eval().requires_grad_(False)
-
-
-def _from_hf_folder(path: Path, name: str, dtype, device) -> LoadedModel:
-    from transformers import AutoTokenizer
-
-    from specdec.loading.hf import read_hf_config, read_hf_state_dict
-
-    cfg = ModelConfig.from_hf(read_hf_config(path))
-    model = build_model(cfg, read_hf_state_dict(path), dtype, device)
-    has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True) if has_tok else None
-    return LoadedModel(name, model, tok, cfg)
-
-
-def _from_gguf(path: Path, name: str, dtype, device) -> LoadedModel:
-    from specdec.loading.gguf_loader import load_gguf, load_gguf_tokenizer
-
-    ckpt = load_gguf(path)
-    cfg = ModelConfig.from_hf(ckpt.hf_config)
-    model = build_model(cfg, ckpt.state_dict, dtype, device)
-    return LoadedModel(name, model, _cached_gguf_tokenizer(path, load_gguf_tokenizer), cfg)
-
-
-def _cached_gguf_tokenizer(path: Path, convert):
-    """transformers converts a GGUF vocabulary slowly (~7 s); keep the converted tokenizer on disk.
-
-    The cache key is the file's absolute path, size and mtime; set SPECDEC_CACHE to move it.
-    """
-    import hashlib
-    import os
-
-    from transformers import AutoTokenizer
-
-    st = Path(path).stat()
-    key = hashlib.sha1(f"{Path(path).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    root = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec"))
-    folder = root / "tokenizers" / key
-    if (folder / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    tok = convert(path)
-    try:
-        tok.save_pretrained(str(folder))
-    except OSError:
-        pass  # a read-only home only costs the next load the conversion again
-    return tok
-
-
-def truncate_layers(base: LoadedModel, num_layers: int) -> LoadedModel:
-    """A draft made of the first ``num_layers`` layers of ``base`` (weights shared, not copied)."""
-    if not 1 <= num_layers <= base.config.num_layers:
-        raise ValueError(f"num_layers must be in [1, {base.config.num_layers}], got {num_layers}")
-    from dataclasses import replace
-
-    cfg = replace(base.config, num_layers=num_layers)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    src = base.model
-    model.model.embed_tokens = src.model.embed_tokens
-    model.model.layers = torch.nn.ModuleList(list(src.model.layers)[:num_layers])
-    model.model.norm = src.model.norm
-    model.lm_head = src.lm_head
-    model.rope = src.rope
-    return LoadedModel(f"{base.name}[:{num_layers}]", model.eval(), base.tokenizer, cfg)
+    return load_base_model(name_or_path, dtype, device)

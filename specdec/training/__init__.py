@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.training.folder import DRAFT_META, is_draft_folder, load_draft_folder, read_draft_meta
 from specdec.loading.errors import ModelNotFoundError
+from specdec.training.folder import DRAFT_META, is_draft_folder, load_draft_folder, read_draft_meta
 
 DEFAULT_DRAFT_NAME = "smollm2-135m-draft"
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent / DEFAULT_DRAFT_NAME

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from specdec.benchmark.data import BenchPrompt, load_prompt_file, load_sharegpt
-from specdec.loading.registry import LoadedModel
+from specdec.loading.base import LoadedModel
 
 SHAREGPT_TRAIN_CATEGORY = "sharegpt-train"
 CHUNK_BATCHES = 4  # prompts per generate call = CHUNK_BATCHES * gen_batch; data.pt is saved after each

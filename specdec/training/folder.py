@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.config import ModelConfig
-from specdec.training.layers import TRAINED_PREFIXES, shared_keys, trained_state
+from specdec.loading.base import LoadedModel, build_model, resolve_dtype
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
-from specdec.loading.registry import LoadedModel, build_model, resolve_dtype
+from specdec.training.layers import TRAINED_PREFIXES, shared_keys, trained_state
 
 DRAFT_META = "specdec_draft.json"
 FORMAT = "specdec-draft"
@@ -102,20 +102,20 @@ def load_draft_folder(path: str | Path, dtype: torch.dtype | str = torch.float32
     """Load a draft folder as a ready ``LoadedModel`` (dtype/device as asked).
 
     The shared embeddings / LM head come from ``target``: a ``LoadedModel`` (its tensors are used
-    by reference when dtype and device already match), a name/path for ``load_model``, or None
+    by reference when dtype and device already match), a base model name/path for ``load_base_model``, or None
     for the target recorded in the folder. A target whose shared tensors differ in shape or
     statistics from the recorded fingerprint raises ``UnsupportedModelError``.
     """
     from transformers import AutoTokenizer
 
+    from specdec.loading.base import load_base_model
     from specdec.loading.hf import read_hf_config
-    from specdec.loading.registry import load_model
 
     path, dtype = Path(path), resolve_dtype(dtype)
     meta = read_draft_meta(path)
     cfg = ModelConfig.from_hf(read_hf_config(path))
     if not isinstance(target, LoadedModel):
-        target = load_model(target or meta["target"], dtype=dtype, device=device)
+        target = load_base_model(target or meta["target"], dtype=dtype, device=device)
     own = load_file(str(path / "model.safetensors"))
     bad = [k for k in own if not k.startswith(TRAINED_PREFIXES)]
     if bad:

@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import torch
 
-from specdec.loading.registry import LoadedModel
+from specdec.loading.base import LoadedModel
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.rope import RotaryEmbedding
 

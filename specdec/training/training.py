@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from specdec.loading.base import LoadedModel
 from specdec.training.dense_attention import dense_hidden
 from specdec.training.distill_data import DistillData, atomic_save
 from specdec.training.layers import trained_state
-from specdec.loading.registry import LoadedModel
 
 if TYPE_CHECKING:
     from specdec.training.distill import DistillConfig
