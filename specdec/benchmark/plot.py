@@ -86,8 +86,13 @@ def plot_sweep(sweep: list[dict], path: str | Path) -> Path:
         if all(y is None for y in ys):
             continue
         ax_t.plot(sizes, [y if y is not None else float("nan") for y in ys], label=label, color=color, marker=marker)
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
     ax_t.set_xscale("log", base=2)
     ax_t.set_yscale("log")
+    ax_t.yaxis.set_minor_locator(LogLocator(base=10, subs=(2, 5)))
+    for axis_formatter in (ax_t.yaxis.set_major_formatter, ax_t.yaxis.set_minor_formatter):
+        axis_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax_t.set_xticks(sizes, [str(b) for b in sizes])
     ax_t.set_xlabel("batch size")
     ax_t.set_ylabel("output tokens/s")
