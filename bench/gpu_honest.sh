@@ -10,8 +10,9 @@
 #   run 3, carry .whl:                    bash bench/gpu_honest.sh sweep1
 #   run 4, carry .whl:                    bash bench/gpu_honest.sh sweepN
 #   run 5, carry .whl:                    bash bench/gpu_honest.sh suites
-# and back here, from the files of runs 3 and 4:
+# and back here, from the files of runs 3 and 4 (and run 5's new baseline):
 #   python -m specdec.benchmark.plot sweep.png sweep_b1.json sweep_bN.json --json sweep.json
+#   cp -r FILES/baselines/Linux-CPython-3.12-64bit bench/baselines/   # the H200 baseline later runs compare against
 #
 # Each stage writes its logs and JSON under $OUT and prints a short summary last. Stage times
 # (SmolLM2-135M, H200, eager engine of commit 170566d): correctness ~4 min, sweep1 ~8 min, sweepN ~4 min,
@@ -80,9 +81,13 @@ EOF
     ;;
   suites)
     setup
+    # compare against the committed baselines (bench/baselines) when this machine kind has one; save a new one
+    mkdir -p "$OUT/baselines" && cp -r bench/baselines/. "$OUT/baselines/" 2>/dev/null
+    compare=()
+    ls "$OUT"/baselines/Linux-CPython-3.12-64bit/*.json > /dev/null 2>&1 && compare=(--benchmark-compare)
     python3 -P -m pytest -p no:cacheprovider bench/bench_steps.py bench/bench_kernels.py \
-      --benchmark-storage="file://$OUT/baselines" --benchmark-save=h200 --benchmark-columns=median,iqr,rounds \
-      > "$OUT/suites.log" 2>&1
+      --benchmark-storage="file://$OUT/baselines" --benchmark-save=h200 "${compare[@]}" \
+      --benchmark-columns=median,iqr,rounds > "$OUT/suites.log" 2>&1
     echo "suites exit $?"; tail -n 45 "$OUT/suites.log"
     ;;
   *)
