@@ -15,12 +15,11 @@ from specdec.benchmark.report import (
     build_report,
     check_lossless,
     environment_info,
-    format_sweep,
     format_table,
     lossless_ok,
-    merge_sweeps,
     write_json,
 )
+from specdec.benchmark.sweep import format_sweep, merge_sweeps
 
 
 def rec(rid, category, *, out, time_s, drafted, accepted, forwards, pd_d, pd_a, tgt_time, greedy=True,

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from specdec.benchmark.report import format_sweep, merge_sweeps, write_json
+    from specdec.benchmark.report import write_json
+    from specdec.benchmark.sweep import format_sweep, merge_sweeps
 
     ap = argparse.ArgumentParser(prog="python -m specdec.benchmark.plot", description=main.__doc__)
     ap.add_argument("png")

@@ -72,11 +72,11 @@ def cmd_bench(args) -> int:
     from specdec.benchmark.report import (
         build_report,
         environment_info,
-        format_sweep,
         format_table,
         lossless_ok,
         write_json,
     )
+    from specdec.benchmark.sweep import format_sweep
     from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.loading.registry import load_model
