@@ -14,9 +14,10 @@
 #   python -m specdec.benchmark.plot sweep.png sweep_b1.json sweep_bN.json --json sweep.json
 #   cp -r FILES/baselines/Linux-CPython-3.12-64bit bench/baselines/   # the H200 baseline later runs compare against
 #
-# Each stage writes its logs and JSON under $OUT and prints a short summary last. Stage times
-# (SmolLM2-135M, H200, eager engine of commit 170566d): correctness ~4 min, sweep1 ~8 min, sweepN ~4 min,
-# suites ~3 min. Sweep: the first 64 MT-bench prompts, 64 new tokens, n-gram chain:8.
+# Each stage writes its logs and JSON under $OUT and prints a short summary last. Stage times, estimated
+# from the H200 rates in ../shared/GPU.md (eager engine of 170566d; not yet measured): correctness ~4 min,
+# sweep1 ~8 min (batch 1: transformers dynamic-cache generate alone ~150 s), sweepN ~4 min, suites ~3 min.
+# Sweep: the first 64 MT-bench prompts, 64 new tokens, n-gram chain:8, transformers dynamic and static+compile.
 set -uo pipefail
 stage=${1:?usage: gpu_honest.sh prep|correctness|sweep1|sweepN|suites}
 # Dry run on the CPU (tiny and quick): OUT=/tmp/o MODEL=<a .gguf> SITE=/tmp/s EXTRA="--num-prompts 2
