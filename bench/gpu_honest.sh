@@ -40,6 +40,7 @@ setup() {
   fi
   python3 -m pip install -q --no-index --no-deps --upgrade --target "$SITE" .whl/*.whl
   export PYTHONPATH=$SITE
+  [ -f .whl/commit.txt ] && SPECDEC_GIT_COMMIT=$(cat .whl/commit.txt) && export SPECDEC_GIT_COMMIT
   nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv > "$OUT/nvidia-smi.txt" 2>&1
 }
 
@@ -51,6 +52,8 @@ case "$stage" in
   prep)
     /work/shared/tools/stage-model || exit 1
     python3 -m pip wheel -q --no-deps -w .whl . || exit 1
+    rm -rf build
+    git describe --always --dirty > .whl/commit.txt
     python3 - <<'EOF'
 import json
 from specdec.benchmark.data import load_mtbench

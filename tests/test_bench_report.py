@@ -213,3 +213,13 @@ def test_environment_info_keys():
     assert isinstance(env["device"], str) and env["device"]
     assert env["python"].count(".") == 2
     assert env["git_commit"] is None or len(env["git_commit"]) == 40
+
+
+def test_environment_commit_outside_a_checkout(monkeypatch):
+    from specdec.benchmark import report
+
+    monkeypatch.setattr(report, "_git", lambda *args: None)
+    monkeypatch.setenv("SPECDEC_GIT_COMMIT", "f13ad5e-dirty")
+    assert environment_info()["git_commit"] == "f13ad5e-dirty"
+    monkeypatch.delenv("SPECDEC_GIT_COMMIT")
+    assert environment_info()["git_commit"] is None

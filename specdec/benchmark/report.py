@@ -339,7 +339,8 @@ def environment_info() -> dict:
 
     Keys: ``device`` (CUDA device name, else CPU model), ``cuda`` (CUDA version or None),
     ``torch``/``triton``/``transformers`` (installed versions or None), ``git_commit`` (HEAD of the
-    checkout holding this package, None if not a git repo), ``git_dirty`` (bool or None),
+    checkout holding this package; outside a checkout, e.g. an installed wheel, the ``SPECDEC_GIT_COMMIT``
+    environment variable, else None), ``git_dirty`` (bool or None),
     ``python``, ``platform``.
     """
     device, cuda = None, None
@@ -353,6 +354,7 @@ def environment_info() -> dict:
         pass
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    commit = commit or os.environ.get("SPECDEC_GIT_COMMIT") or None
     return {
         "device": device or _cpu_name(),
         "cuda": cuda,
