@@ -44,6 +44,7 @@ class SpecConfig:
     device: str = "cpu"
     dtype: str = "float32"
     ngram_max_n: int = 4
+    cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
 
     def __post_init__(self) -> None:
         template_from_spec(self.tree)
@@ -61,6 +62,8 @@ class SpecConfig:
                              f"{self.attention_backend!r}")
         resolve_dtype(self.dtype)
         SchedulerConfig(self.max_batch_size, self.max_num_tokens)
+        if self.cuda_graphs not in (None, True, False):
+            raise ValueError(f"SpecConfig.cuda_graphs must be None (auto), True or False, got {self.cuda_graphs!r}")
 
     @property
     def tree_spec(self):
@@ -90,6 +93,7 @@ class SpecEngine:
         self.allocator = BlockAllocator(self.pool.num_blocks)
         self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
         self.drafter = self._make_drafter(draft)
+        self.graph_report = self._setup_graphs(max_blocks)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
@@ -120,6 +124,30 @@ class SpecEngine:
         from specdec.drafters.model_drafter import ModelDrafter
 
         return ModelDrafter(self.draft.model, self.runner, spec)
+
+    def _setup_graphs(self, bt_width: int):
+        """Fuse projections and, when enabled, capture the graphed steps (returns the capture report)."""
+        from specdec.scheduler.cuda_graphs import GraphRunner
+
+        for m in (self.target, self.draft):
+            if m is not None:
+                m.model.fuse()
+        want = self.config.cuda_graphs
+        triton = self.runner.backend.name == "triton"
+        if want is None:
+            want = self.device.type == "cuda" and triton
+        if not want:
+            return None
+        if self.device.type == "cuda" and not triton:
+            raise ValueError("SpecConfig.cuda_graphs=True on CUDA needs the Triton attention backend "
+                             f"(attention_backend='auto' or 'triton'), got {self.config.attention_backend!r}")
+        models, max_query = {0: self.target.model}, {0: self.drafter.max_nodes + 1}
+        if self.draft is not None:
+            models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
+        graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
+                             bt_width, self.device, capture=self.device.type == "cuda")
+        self.runner.graphs = graphs
+        return graphs.capture()
 
     def _make_prefix_cache(self):
         from specdec.kvcache.radix_cache import RadixPrefixCache

@@ -36,6 +36,5 @@ class NgramDrafter(Drafter):
         for req in rows:
             room = req.params.max_new_tokens - req.num_output - 1
             cand = ngram_lookup(req.tokens, min(self.k, max(room, 0)), self.max_n, self.min_n)
-            trees.append(DraftTree.from_parents(cand, list(range(-1, len(cand) - 1)), device=self.device)
-                         if cand else DraftTree.empty(self.device))
+            trees.append(DraftTree.chain(cand))  # host trees: verification reads tokens from the host view
         return Proposal(trees, [None] * len(rows))
