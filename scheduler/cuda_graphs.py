@@ -63,6 +63,8 @@ class GraphRunner:
                                                                               or max_batch,)
         self.query_buckets = {m: tuple(q for q in QUERY_BUCKETS if q <= bucket(max(1, mq), QUERY_BUCKETS))
                               for m, mq in max_query.items()}
+        self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
+        self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
         top_q = max(max(qs) for qs in self.query_buckets.values())
         self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)
         self.max_seq_len = bt_width * pool.block_size
@@ -72,12 +74,11 @@ class GraphRunner:
 
     def key_for(self, model_idx: int, rows) -> tuple[int, int, int] | None:
         """(model, B bucket, Q bucket) for these rows, or None when they must run eagerly."""
-        if model_idx not in self.query_buckets:
+        query_of = self._query_of.get(model_idx)
+        n, longest = len(rows), max(len(r.token_ids) for r in rows)
+        if query_of is None or n >= len(self._batch_of) or longest >= len(query_of):
             return None
-        b = bucket(len(rows), self.batch_buckets)
-        q = bucket(max(len(r.token_ids) for r in rows), self.query_buckets[model_idx])
-        if b is None or q is None:
-            return None
+        b, q = self._batch_of[n], query_of[longest]
         if q > 1 and any(r.seq_len - r.prefix_len > MAX_TREE_REGION for r in rows):
             return None
         return model_idx, b, q

@@ -44,6 +44,7 @@ class Request:
     text: str = ""
     emitted_tokens: int = 0  # output tokens already streamed
     emitted_chars: int = 0
+    detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text
 
     def __post_init__(self) -> None:
         if not self.tokens:

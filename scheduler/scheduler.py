@@ -94,12 +94,14 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
+        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
         for req in list(self.running):
-            if req.prefill_done and req in self.running:
+            if req.prefill_done and req.status is running:
                 if self._reserve(req, len(req.tokens) + self.lookahead, batch):
                     batch.decode.append(req)
-        batch.decode = [r for r in batch.decode if r in self.running]
-        batch.prefill = [c for c in batch.prefill if c.req in self.running]  # drop chunks of preempted rows
+        if batch.preempted:
+            batch.decode = [r for r in batch.decode if r.status is running]
+            batch.prefill = [c for c in batch.prefill if c.req.status is running]  # drop preempted rows' chunks
         return batch
 
     def _wait_for_shared_prefix(self, req: Request) -> bool:
@@ -239,7 +241,8 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
             if reason:
                 break
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
-        stopper.finalize_text(req, reason)
+        if reason:  # running requests' text is decoded incrementally where it is streamed
+            stopper.finalize_text(req, reason)
         if reason:
             sched.finish(req, reason)
         else:

@@ -39,6 +39,10 @@ def _sizes(b: int, q: int, width: int) -> dict[str, int]:
             "prefix_lens": b, "seq_lens": b, "num_tokens": b, "block_tables": b * width}
 
 
+def _total(b: int, q: int, width: int) -> int:
+    return 5 * b * q + 4 * b + 1 + b * width
+
+
 def _offsets(b: int, q: int, width: int) -> tuple[dict[str, tuple[int, int]], int]:
     out, off = {}, 0
     for name, n in _sizes(b, q, width).items():
@@ -60,6 +64,14 @@ class StepInputs:
         self.dev = torch.zeros(total, dtype=torch.int64, device=self.device)
         self._copied = torch.cuda.Event() if pin else None
         self._views: dict[tuple[int, int], StepViews] = {}
+        self._arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def _host_arrays(self, b: int, q: int) -> dict[str, np.ndarray]:
+        """numpy views of bucket (b, q)'s sections in the host buffer (cached per bucket)."""
+        if (b, q) not in self._arrays:
+            offs, _ = _offsets(b, q, self.width)
+            self._arrays[(b, q)] = {n: self._np[o:o + size] for n, (o, size) in offs.items()}
+        return self._arrays[(b, q)]
 
     def views(self, b: int, q: int) -> StepViews:
         """Device views of bucket (b, q); the same tensors every call (graphs capture them)."""
@@ -72,7 +84,11 @@ class StepInputs:
 
     def clear(self, b: int, q: int) -> None:
         """Write an all-padding step (used while capturing: no kernel stores or reads anything)."""
-        self._write_padding(b, q, 0)
+        a = self._host_arrays(b, q)
+        for arr in a.values():
+            arr[:] = 0
+        a["slots"][:] = -1
+        a["parents"][:] = -1
         self._send(b, q)
 
     def fill(self, b: int, q: int, rows, slots: list[list[int]], bt_rows: np.ndarray) -> None:
@@ -81,10 +97,17 @@ class StepInputs:
         ``bt_rows`` its block-table rows (len(rows), W)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the host buffer
-        offs, _ = _offsets(b, q, self.width)
-        a = {n: self._np[o:o + size] for n, (o, size) in offs.items()}
+        a = self._host_arrays(b, q)
         nrows = len(rows)
-        self._write_padding(b, q, nrows, a)
+        # Padding: token 0 at position 0, no slot (nothing stored), no parent, zero-length rows. (Buckets
+        # lay their sections out differently in one buffer, so nothing stale may be left in them.)
+        for name in ("ids", "positions", "tree_mask"):
+            a[name][:] = 0
+        a["slots"][:] = -1
+        a["parents"][:] = -1
+        for name in ("prefix_lens", "seq_lens", "num_tokens"):
+            a[name][nrows:] = 0
+        a["block_tables"][nrows * self.width:] = 0  # the torch reference gathers every row's table
         for i, r in enumerate(rows):
             n, s = len(r.token_ids), i * q
             a["ids"][s:s + n] = r.token_ids
@@ -102,18 +125,8 @@ class StepInputs:
         a["block_tables"].reshape(b, self.width)[:nrows] = bt_rows
         self._send(b, q)
 
-    def _write_padding(self, b: int, q: int, nrows: int, a: dict | None = None) -> None:
-        if a is None:
-            offs, _ = _offsets(b, q, self.width)
-            a = {n: self._np[o:o + size] for n, (o, size) in offs.items()}
-        for name in ("ids", "positions", "tree_mask", "prefix_lens", "seq_lens", "num_tokens", "qsl"):
-            a[name][:] = 0
-        a["slots"][:] = -1
-        a["parents"][:] = -1
-        a["block_tables"][nrows * self.width:] = 0
-
     def _send(self, b: int, q: int) -> None:
-        _, n = _offsets(b, q, self.width)
+        n = _total(b, q, self.width)
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -287,7 +287,7 @@ class _NoDraft(Drafter):
 def _output(req: Request, stopper: StopChecker) -> RequestOutput:
     out_ids = req.output_ids
     new_ids = out_ids[req.emitted_tokens:]
-    text = req.text if req.finished else _stable_text(stopper.decode(out_ids), req.params.stop)
+    text = req.text if req.finished else _stable_text(stopper.running_text(req), req.params.stop)
     new_text = text[req.emitted_chars:]
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), list(out_ids), text, req.finish_reason,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,7 +40,7 @@ class ForwardResult(NamedTuple):
     """Per-row logits (as asked by ``want_logits``) and, from a graphed target forward, the batch's
     greedy acceptance (``accept_greedy_padded``, on the device) — None when the step ran eagerly."""
 
-    logits: list[torch.Tensor | None]
+    logits: Sequence[torch.Tensor | None]
     accept: torch.Tensor | None
 
 
@@ -119,12 +120,7 @@ class ModelRunner:
         slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
         bt = self.tables.host_rows([r.req.bt_row for r in rows])
         out = self.graphs.run(key, rows, slots, bt)
-        picks = []
-        for i, r in enumerate(rows):
-            s, e = i * q, i * q + len(r.token_ids)
-            picks.append(None if r.want_logits == "none" else
-                         out.logits[e - 1] if r.want_logits == "last" else out.logits[s:e])
-        return ForwardResult(picks, out.accept)
+        return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept)
 
     def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]):
         meta, ids, pos = self.build(rows)
@@ -142,6 +138,25 @@ class ModelRunner:
         for a, b, kind in spans:
             out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
         return out
+
+
+class _PaddedLogits:
+    """Per-row logits of a padded step, sliced only when a row is read (greedy verify reads none)."""
+
+    def __init__(self, logits: torch.Tensor, q: int, rows: list[RowInput]) -> None:
+        self.logits, self.q, self.rows = logits, q, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        r = self.rows[i]
+        s, e = i * self.q, i * self.q + len(r.token_ids)
+        return None if r.want_logits == "none" else self.logits[e - 1] if r.want_logits == "last" else \
+            self.logits[s:e]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.rows)))
 
 
 def _with_causal_mask(r: RowInput) -> RowInput:

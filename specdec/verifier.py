@@ -38,14 +38,15 @@ class Verifier:
         if fwd.accept is not None and any(r.params.greedy for r in rows):
             greedy_rows = fwd.accept.tolist()  # (B, Q+2): the step's one device->host read
         results = []
-        for i, (req, tree, lg, dc) in enumerate(zip(rows, trees, fwd.logits, draft_computed)):
+        for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
             h = tree.host
             if p.greedy and greedy_rows is not None:
                 nodes, bonus = unpack_greedy(greedy_rows[i])
-                results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, tree.num_nodes,
+                results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens),
                                             tree.max_depth, dc))
                 continue
+            lg = fwd.logits[i]
             lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
             if p.greedy:
                 acc = verify_greedy(tree, lg.argmax(-1))

@@ -17,7 +17,7 @@ def tiny(tmp_path_factory):
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     folder = tmp_path_factory.mktemp("tiny_triton")
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
