@@ -130,6 +130,8 @@ class GraphRunner:
         if m != 0:
             return GraphOutput(logits, None)
         argmax = logits.argmax(-1).view(b, q)
+        if q == 1:  # decode: nothing drafted, the bonus token is the argmax
+            return GraphOutput(logits, torch.cat([torch.zeros_like(argmax), argmax, torch.zeros_like(argmax)], 1))
         accept = accept_greedy_padded(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax,
                                       v.num_tokens)
         return GraphOutput(logits, accept)
