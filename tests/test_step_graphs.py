@@ -172,3 +172,21 @@ def test_gpu_graph_replay_equals_eager(tiny_dirs, draft, tree, n_rows):
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert eng.all_blocks_free()
 
+
+
+@pytest.mark.parametrize("vocab,max_n", [(3, 4), (6, 2), (50, 3)])
+def test_ngram_index_equals_lookup_as_tokens_grow(vocab, max_n):
+    """The incremental n-gram index proposes exactly what the scanning lookup proposes, at every length."""
+    from specdec.drafters.ngram import NgramIndex, ngram_lookup
+
+    rng = random.Random(vocab)
+    tokens = [rng.randrange(vocab) for _ in range(5)]
+    index = NgramIndex(max_n)
+    hits = 0
+    for _ in range(300):
+        k = rng.randrange(0, 9)
+        want = ngram_lookup(tokens, k, max_n)
+        assert index.lookup(tokens, k) == want
+        hits += bool(want)
+        tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+    assert hits > 50
