@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
+from specdec.fault_isolation import check_finite
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
@@ -33,6 +34,7 @@ class Verifier:
             return []
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
         logits = self.runner.run(0, self.target, inputs)
+        check_finite(rows, logits, "target")  # names the rows with NaN/inf logits; the engine fails them
         results = []
         for req, tree, lg, dc in zip(rows, trees, logits, draft_computed):
             lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
