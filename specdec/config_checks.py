@@ -19,7 +19,10 @@ def check_spec_config(cfg) -> None:
     from specdec.tree import template_from_spec
 
     _require(isinstance(cfg.tree, str), "tree", "must be a str: chain:K, topk:WxD or dynamic:B", cfg.tree)
-    template_from_spec(cfg.tree)
+    try:
+        template_from_spec(cfg.tree)
+    except ValueError as err:
+        raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
     for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n"):
         _positive_int(cfg, name, optional=False)
     _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)")

@@ -212,10 +212,14 @@ class SpecEngine:
         return [None] * len(chunks)
 
     def _fail(self, req: Request, err: Exception) -> None:
-        """Fail one request after a compute fault: its KV is not trusted, so the prefix cache forgets
-        the blocks it holds before they are freed."""
+        """Fail one request after a compute fault. Its KV is not trusted: the prefix cache forgets the
+        blocks it holds, and the blocks only it holds are zeroed (NaN left in a free block could leak
+        into other rows through padded attention, where 0 * NaN is NaN) before they are freed."""
         if self.scheduler.prefix_cache is not None:
             self.scheduler.prefix_cache.discard(req)
+        own = [b for b in req.blocks if self.allocator.refcount(b) == 1]
+        if own:
+            self.pool.storage[torch.tensor(own, device=self.pool.storage.device)] = 0
         req.text = self.stopper.decode(req.output_ids)
         self.scheduler.fail(req, err)
 
