@@ -14,14 +14,13 @@ from specdec.config_checks import check_spec_config
 from specdec.drafters.base import Drafter, Proposal
 from specdec.errors import FieldError
 from specdec.fault_isolation import run_isolated
-from specdec.kvcache.allocator import BlockAllocator
+from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.prompts import PromptError, is_chat, is_token_ids, to_prompt_ids
 from specdec.routing import OutputQueue, Router
-from specdec.kvcache.allocator import OutOfBlocks
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request

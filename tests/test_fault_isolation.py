@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.kvcache.allocator import OutOfBlocks
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import RequestFault
-from specdec.kvcache.allocator import OutOfBlocks
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
