@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from specdec.engine import SpecConfig, SpecEngine
-from specdec.loading.registry import LoadedModel
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -119,20 +118,6 @@ def test_failed_submission_aborts_what_it_queued(engine, reference, monkeypatch)
 
 
 # ---------------------------------------------------------------- bug B: stop string at offset 0
-
-
-@pytest.fixture(scope="module")
-def letter_target(tiny_target):
-    """The tiny target with a real (word-level) Hugging Face tokenizer: token i decodes to 1-2 letters."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    letters = "abcdefghijklmnopqrstuvwxyz"
-    vocab = {(letters[i // 26] if i >= 26 else "") + letters[i % 26]: i for i in range(256)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
-    tok.decoder = decoders.Fuse()
-    return LoadedModel("tiny-letters", tiny_target.model, PreTrainedTokenizerFast(tokenizer_object=tok),
-                       tiny_target.config)
 
 
 @pytest.mark.parametrize("stream", [False, True])
