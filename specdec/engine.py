@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
 from specdec.outputs import AcceptanceStats, RequestOutput
-from specdec.prompts import PromptError, is_chat, is_token_ids, to_prompt_ids
+from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampling_params import SamplingParams
@@ -259,7 +259,7 @@ class SpecEngine:
         A params entry of the wrong type raises TypeError before anything is queued; if the
         submission fails half-way, or the consumer stops early, this call's requests are aborted.
         """
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = as_prompt_list(prompts)
         plist = _params_list(params, len(prompt_list))
         order = _order if _order is not None else []
         queue, bar = OutputQueue(), None
@@ -344,15 +344,6 @@ def _itself(req: Request) -> Request:
 
 def _chunk_request(chunk) -> Request:
     return chunk.req
-
-
-def _as_prompt_list(prompts) -> list:
-    """One prompt (text, token ids, chat messages) or a list of them -> a list of prompts."""
-    if isinstance(prompts, str) or is_chat(prompts) or (is_token_ids(prompts) and len(prompts) > 0):
-        return [prompts]
-    if not isinstance(prompts, Iterable):
-        raise PromptError(f"prompts must be one prompt or a list of prompts, got {type(prompts).__name__}")
-    return list(prompts)
 
 
 def _params_list(params, n: int) -> list[SamplingParams | None]:

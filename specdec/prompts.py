@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 
 PROMPT_FORMS = ("a str, a list/tuple of int token ids, a 1-D integer tensor or array, or a list of chat "
                 "messages ({role, content} dicts)")
@@ -22,6 +23,15 @@ def is_token_ids(prompt) -> bool:
 
 def is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids, chat messages) or a batch of them (a list, a 2-D tensor) -> a list."""
+    if isinstance(prompts, str) or is_chat(prompts) or (is_token_ids(prompts) and len(prompts) > 0):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise PromptError(f"prompts must be one prompt or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def to_prompt_ids(prompt, tokenizer) -> list[int]:

@@ -41,11 +41,16 @@ def engine(tiny_target):
     ({"ignore_eos": 1}, "ignore_eos", ["bool"]),
 ])
 def test_sampling_params_type_errors_name_the_field(kwargs, field, words):
+    assert_field_error(SamplingParams, kwargs, field, words)
+
+
+def assert_field_error(cls, kwargs: dict, field: str, words: list[str]) -> None:
+    """``cls(**kwargs)`` raises a FieldError for ``field`` whose message has ``cls.field`` and ``words``."""
     with pytest.raises(FieldError) as info:
-        SamplingParams(**kwargs)
+        cls(**kwargs)
     assert info.value.field == field
     msg = str(info.value)
-    assert f"SamplingParams.{field}" in msg and all(w in msg for w in words), msg
+    assert f"{cls.__name__}.{field}" in msg and all(w in msg for w in words), msg
 
 
 def test_sampling_params_normalises_integral_types():
@@ -83,11 +88,7 @@ def test_top_k_keeps_the_largest_logits_at_any_temperature():
     ({"ngram_max_n": 0}, "ngram_max_n", [">= 1"]),
 ])
 def test_spec_config_type_errors_name_the_field(kwargs, field, words):
-    with pytest.raises(FieldError) as info:
-        SpecConfig(**kwargs)
-    assert info.value.field == field
-    msg = str(info.value)
-    assert f"SpecConfig.{field}" in msg and all(w in msg for w in words), msg
+    assert_field_error(SpecConfig, kwargs, field, words)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given without a GPU")
