@@ -114,10 +114,10 @@ def sampled(pair):
 def test_first_two_tokens_follow_the_target(sampled, target_logits, config):
     joint, stats = sampled[config]
     p1, exact = exact_dists(target_logits, *config[1:])
-    assert (p1 > 0.02).sum() >= 3, "the target distribution is too peaked to test anything"
     p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
-    print(f"\n{config}: p(first)={p_first:.3g} p(joint)={p_joint:.3g} mean accepted length="
-          f"{stats.mean_accepted_length:.2f} acceptance={stats.acceptance_rate:.2f}")
+    print(f"\n{config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g} mean accepted length="
+          f"{stats.mean_accepted_length:.2f} acceptance rate={stats.acceptance_rate:.2f}")
+    assert (p1 > 0.02).sum() >= 2 and (exact > 0.01).sum() >= 5, "the target is too peaked to test anything"
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
     # the draft is correlated: draft tokens are accepted often, at depth 1 and 2, but not always
     assert stats.mean_accepted_length >= 1.8, stats.as_dict()
@@ -133,6 +133,6 @@ def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch)
     joint, stats = sample(pair, *config, SAMPLES, 0)
     p1, exact = exact_dists(target_logits, *config[1:])
     p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
-    print(f"\nnegative control {config}: p(first)={p_first:.3g} p(joint)={p_joint:.3g}")
+    print(f"\nnegative control {config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g}")
     assert stats.accepted < stats.drafted  # rejections happened, so the wrong rule was used
     assert p_first < P_MIN and p_joint < P_MIN
