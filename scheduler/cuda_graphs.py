@@ -36,7 +36,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 
 class GraphOutput(NamedTuple):
     logits: torch.Tensor  # (B*Q, V) float32, padded layout
-    accept: torch.Tensor | None  # (B, Q + 2) int64 greedy acceptance (target graphs only)
+    accept: torch.Tensor | None  # (B, Q + 3) int64: greedy acceptance, then 1 if the row's logits are finite
 
 
 @dataclass
@@ -130,8 +130,11 @@ class GraphRunner:
         if m != 0:
             return GraphOutput(logits, None)
         argmax = logits.argmax(-1).view(b, q)
+        real = torch.arange(q, device=argmax.device).view(1, -1) < v.num_tokens.view(-1, 1)  # (B, Q)
+        finite = (torch.isfinite(logits).all(-1).view(b, q) | ~real).all(1, keepdim=True).long()  # (B, 1)
         if q == 1:  # decode: nothing drafted, the bonus token is the argmax
-            return GraphOutput(logits, torch.cat([torch.zeros_like(argmax), argmax, torch.zeros_like(argmax)], 1))
-        accept = accept_greedy_padded(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax,
-                                      v.num_tokens)
-        return GraphOutput(logits, accept)
+            accept = torch.cat([torch.zeros_like(argmax), argmax, torch.zeros_like(argmax)], 1)
+        else:
+            accept = accept_greedy_padded(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax,
+                                          v.num_tokens)
+        return GraphOutput(logits, torch.cat([accept, finite], 1))

@@ -38,6 +38,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    error: Exception | None = None  # why the request failed (finish_reason "error")
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     generator: torch.Generator | None = None
     arrival: int = 0

@@ -53,7 +53,8 @@ class StopChecker:
 
     def finalize_text(self, req: Request, reason: str | None) -> None:
         """Refresh ``req.text`` unless a stop string already fixed it."""
-        if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids), req.params.stop):
+        if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids),
+                                                                  req.params.stop) is not None:
             return
         req.text = self.decode(req.output_ids)
 

@@ -8,6 +8,7 @@ import torch
 
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
+from specdec.fault_isolation import check_finite, check_finite_flags
 from specdec.runner import ModelRunner, RowInput, _as_signed
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
@@ -35,8 +36,11 @@ class Verifier:
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
         fwd = self.runner.forward(0, self.target, inputs)
         greedy_rows = None
-        if fwd.accept is not None and any(r.params.greedy for r in rows):
-            greedy_rows = fwd.accept.tolist()  # (B, Q+2): the step's one device->host read
+        if fwd.accept is not None:  # graphed step: (B, Q+3), the step's one device->host read
+            greedy_rows = fwd.accept.tolist()
+            check_finite_flags(rows, [row[-1] for row in greedy_rows], "target")
+        else:
+            check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
         results = []
         for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
