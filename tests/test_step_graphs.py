@@ -190,3 +190,22 @@ def test_ngram_index_equals_lookup_as_tokens_grow(vocab, max_n):
         hits += bool(want)
         tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
     assert hits > 50
+
+
+def test_fused_projections_stand_in_only_while_valid(tiny_target):
+    """Fused q/k/v and gate/up weights are used for inference only while the projections are views of them."""
+    import copy
+
+    from specdec.models.llama import _fused_valid
+
+    model = copy.deepcopy(tiny_target.model).fuse()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert _fused_valid(attn.q_proj, attn.qkv_weight) and _fused_valid(mlp.gate_proj, mlp.gate_up_weight)
+    assert torch.equal(attn.qkv_weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)
+    converted = copy.deepcopy(model).double()  # .to()/.float() replace the parameters: back to separate matmuls
+    assert not _fused_valid(converted.model.layers[0].self_attn.q_proj, converted.model.layers[0].self_attn.qkv_weight)
+    model.requires_grad_(True)
+    with torch.enable_grad():  # training needs gradients of the separate projections
+        assert not _fused_valid(attn.q_proj, attn.qkv_weight)
+    with torch.no_grad():
+        assert _fused_valid(attn.q_proj, attn.qkv_weight)

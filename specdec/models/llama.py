@@ -65,7 +65,7 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rope: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        if self.qkv_weight is not None:
+        if _fused_valid(self.q_proj, self.qkv_weight):
             qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
         else:
             qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
@@ -89,7 +89,7 @@ class MLP(nn.Module):
             self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        if self.gate_up_weight is None or ctx is None:
+        if ctx is None or not _fused_valid(self.gate_proj, self.gate_up_weight):
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = nn.functional.linear(x, self.gate_up_weight)  # (T, 2I)
         return self.down_proj(ctx.backend.silu_mul(gate_up))  # (T, hidden)
@@ -155,6 +155,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # (T, V)
 
 
+def _fused_valid(first: nn.Linear, fused: torch.Tensor | None) -> bool:
+    """Whether a fused weight may stand in for its projections: it exists, the projections are still
+    views of it (``.to()``/``.float()`` or loading replace them), and no gradient is wanted (the fused
+    tensor is detached, so training uses the separate projections)."""
+    w = first.weight
+    return fused is not None and w.data_ptr() == fused.data_ptr() and not (torch.is_grad_enabled()
+                                                                          and w.requires_grad)
+
+
 def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
     """One (sum of out, in) weight holding the linears' rows; each linear's weight becomes a view of it."""
     return _fuse_params([lin for lin in linears], "weight")
@@ -169,6 +178,6 @@ def _fuse_params(linears: list[nn.Linear], name: str) -> torch.Tensor:
     start = 0
     for lin in linears:
         n = getattr(lin, name).shape[0]
-        setattr(lin, name, nn.Parameter(fused[start:start + n], requires_grad=False))
+        setattr(lin, name, nn.Parameter(fused[start:start + n], requires_grad=getattr(lin, name).requires_grad))
         start += n
     return fused
