@@ -57,7 +57,7 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """Concatenate the q/k/v weights into one matrix; the three projections become views of it."""
-        if self.qkv_weight is not None:
+        if _fused_valid(self.q_proj, self.qkv_weight, for_grad=False):
             return
         self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         if self.q_proj.bias is not None:
@@ -85,7 +85,7 @@ class MLP(nn.Module):
 
     def fuse(self) -> None:
         """Concatenate gate and up weights into one matrix; both projections become views of it."""
-        if self.gate_up_weight is None:
+        if not _fused_valid(self.gate_proj, self.gate_up_weight, for_grad=False):
             self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -155,13 +155,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # (T, V)
 
 
-def _fused_valid(first: nn.Linear, fused: torch.Tensor | None) -> bool:
+def _fused_valid(first: nn.Linear, fused: torch.Tensor | None, for_grad: bool = True) -> bool:
     """Whether a fused weight may stand in for its projections: it exists, the projections are still
-    views of it (``.to()``/``.float()`` or loading replace them), and no gradient is wanted (the fused
-    tensor is detached, so training uses the separate projections)."""
+    views of it (``.to()``/``.float()`` or loading replace them), and (``for_grad``) no gradient is
+    wanted (the fused tensor is detached, so training uses the separate projections)."""
     w = first.weight
-    return fused is not None and w.data_ptr() == fused.data_ptr() and not (torch.is_grad_enabled()
-                                                                          and w.requires_grad)
+    if fused is None or w.data_ptr() != fused.data_ptr() or w.dtype != fused.dtype:
+        return False
+    return not (for_grad and torch.is_grad_enabled() and w.requires_grad)
 
 
 def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
