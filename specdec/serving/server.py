@@ -93,6 +93,7 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
         try:
             final = await _until(request, _final(outputs, timing))
         except _ClientGone:
+            timing.abandoned()
             await outputs.aclose()
             return Response(status_code=499)
         timing.report(final)
@@ -108,6 +109,7 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             async for out in outputs:
                 timing.saw(out)
                 if out.finish_reason == "error":
+                    timing.report(out)
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
                 if out.new_text or out.finished:
@@ -118,19 +120,27 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
                         yield _sse(protocol.usage_chunk(rid, model_name, out, chat))
             yield "data: [DONE]\n\n"
         finally:  # also on disconnect: closing the stream cancels an unfinished request
+            timing.abandoned()
             await outputs.aclose()
 
     class _Timing:
         def __init__(self, arrival: float) -> None:
-            self.arrival, self.first = arrival, None
+            self.arrival, self.first, self.reported = arrival, None, False
 
         def saw(self, out: RequestOutput) -> None:
             if self.first is None and out.new_token_ids:
                 self.first = time.perf_counter()
 
         def report(self, final: RequestOutput) -> None:
+            self.reported = True
             metrics.observe_request(final.finish_reason, self.arrival, self.first, time.perf_counter(),
                                     len(final.token_ids))
+
+        def abandoned(self) -> None:
+            """The client went away before the final output: count the request as aborted."""
+            if not self.reported:
+                self.reported = True
+                metrics.observe_request("abort", self.arrival, self.first, time.perf_counter(), 0)
 
     async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> RequestOutput:
         async for out in outputs:
