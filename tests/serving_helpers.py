@@ -93,3 +93,74 @@ def stream_completion(client, url: str, body: dict, disconnect_after: int | None
                 return res  # leaving the with-block closes the connection
     res.latency = time.perf_counter() - t0
     return res
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """One client of a load test: its request body and, for a deliberate disconnect, after how many events."""
+
+    body: dict
+    disconnect_after: int | None = None
+
+
+def mixed_jobs(n: int, seed: int = 0, disconnect_share: float = 0.1, long_tokens: int = 128) -> list[LoadJob]:
+    """``n`` greedy streaming completions of mixed prompt and output lengths; a ``disconnect_share`` of
+    them generate ``long_tokens`` tokens ignoring EOS and disconnect after 2 events."""
+    import random
+
+    rng = random.Random(seed)
+    words = ["river", "stone", "light", "model", "token", "quiet", "seven", "orange", "cloud", "paper"]
+    jobs = []
+    for i in range(n):
+        prompt = " ".join(rng.choice(words) for _ in range(rng.randint(1, 30)))
+        if rng.random() < disconnect_share:
+            body = {"prompt": prompt, "max_tokens": long_tokens, "ignore_eos": True, "temperature": 0}
+            jobs.append(LoadJob(body, disconnect_after=2))
+        else:
+            body = {"prompt": f"{i}: {prompt}", "max_tokens": rng.choice([4, 16, 32, 64]), "temperature": 0}
+            jobs.append(LoadJob(body))
+    return jobs
+
+
+def run_alone(url: str, jobs: list[LoadJob]) -> dict[int, str]:
+    """Greedy text of every job that does not disconnect, each request sent alone (one at a time)."""
+    import httpx
+
+    out = {}
+    with httpx.Client(timeout=300) as http:
+        for i, job in enumerate(jobs):
+            if job.disconnect_after is None:
+                r = http.post(f"{url}/v1/completions", json=job.body)
+                r.raise_for_status()
+                out[i] = r.json()["choices"][0]["text"]
+    return out
+
+
+def run_concurrently(url: str, jobs: list[LoadJob]) -> tuple[list[StreamResult], float]:
+    """All jobs at once, one thread and one streaming connection each; (results, wall seconds)."""
+    import threading
+    import time
+
+    import httpx
+
+    results: list[StreamResult | None] = [None] * len(jobs)
+    limits = httpx.Limits(max_connections=len(jobs) + 4, max_keepalive_connections=len(jobs) + 4)
+    with httpx.Client(timeout=600, limits=limits) as http:
+        def client(i: int) -> None:
+            try:
+                results[i] = stream_completion(http, url, jobs[i].body, jobs[i].disconnect_after)
+            except Exception as err:  # noqa: BLE001 - reported as this client's error
+                results[i] = StreamResult(status=0, error=f"{type(err).__name__}: {err}")
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results, time.perf_counter() - t0
+
+
+def percentile(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(p * (len(s) - 1)))]

@@ -9,13 +9,12 @@ import time
 import httpx
 import openai
 import pytest
+from serving_helpers import stream_completion, with_tokenizer
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
 from specdec.serving.executor import Executor
 from specdec.serving.server import ServerThread, build_app
-
-from serving_helpers import stream_completion, with_tokenizer
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 MODEL = "tiny"
