@@ -195,3 +195,27 @@ def test_models_health_and_metrics(client, server):
     assert 0 <= values["specdec_acceptance_rate"] <= 1
     assert values["specdec_tokens_per_second"] > 0
     assert values["specdec_queue_length"] == 0 and values["specdec_running_requests"] == 0
+
+
+@pytest.mark.slow
+def test_smollm2_chat_over_http_equals_target_only(smollm2, smollm2_target_only, smollm2_new_tokens):
+    """The real SmolLM2 behind the server (n-gram speculation): chat answers, streamed and not, equal
+    the engine's target-only greedy outputs of the same chat prompts."""
+    from conftest import CHAT_QUESTIONS
+
+    executor = Executor(SpecEngine("ngram", smollm2, SpecConfig(tree="chain:4", num_blocks=256)))
+    srv = ServerThread(build_app(executor, "smollm2-135m")).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i in (3,):  # one short answer keeps CI time down
+            kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": CHAT_QUESTIONS[i]}],
+                      max_tokens=smollm2_new_tokens, temperature=0)
+            r = client.chat.completions.create(**kw)
+            chunks = client.chat.completions.create(stream=True, **kw)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+            assert r.choices[0].message.content == streamed == smollm2_target_only[i].text
+            assert r.usage.completion_tokens == len(smollm2_target_only[i].token_ids)
+        assert _idle_and_free(executor)
+    finally:
+        srv.stop()
+        executor.shutdown()
