@@ -177,6 +177,7 @@ def test_disconnect_mid_stream_frees_every_block(server):
     assert _idle_and_free(executor)
     metrics = httpx.get(f"{url}/metrics").text
     assert 'specdec_requests_finished_total{finish_reason="abort"} 2.0' in metrics
+    assert "specdec_running_requests 0.0" in metrics and "specdec_kv_blocks_used 0.0" in metrics
 
 
 def test_models_health_and_metrics(client, server):

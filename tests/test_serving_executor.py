@@ -135,3 +135,15 @@ def test_duplicate_request_id_is_refused(executor):
     with pytest.raises(ValueError, match="request_id"):
         executor.enqueue(PROMPTS[0], PARAMS, request_id="x")
     assert executor.result("x", timeout=60).finished
+
+
+def test_shutdown_ends_live_requests_and_refuses_new_ones(tiny_target):
+    ex = Executor(SpecEngine(None, tiny_target, SpecConfig(num_blocks=64)))
+    rid = ex.enqueue(PROMPTS[0], SamplingParams(max_new_tokens=400, ignore_eos=True))
+    outputs = ex.stream(rid, timeout=60)
+    next(outputs)  # admitted
+    ex.shutdown()
+    assert list(outputs)[-1].finish_reason == "abort"
+    assert ex.engine.all_blocks_free()
+    with pytest.raises(RuntimeError, match="shut down"):
+        ex.enqueue(PROMPTS[0], PARAMS)

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from specdec.engine import SpecEngine
 from specdec.engine import _output as request_output
@@ -53,6 +53,15 @@ class IterationStats:
     kv_blocks_total: int
     num_waiting: int  # queue length after the step
     num_running: int
+
+
+class Load(NamedTuple):
+    """The engine's load right now (updated by the loop after every step and message)."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
 
 
 class _Channel:
@@ -115,6 +124,7 @@ class Executor:
         self._stats: deque[IterationStats] = deque(maxlen=stats_history)
         self._listeners: list[Callable[[IterationStats], None]] = []
         self._steps = 0
+        self.load = Load(0, 0, engine.allocator.num_blocks - engine.allocator.num_free, engine.allocator.num_blocks)
         self._thread = threading.Thread(target=self._run, name="specdec-executor", daemon=True)
         self._thread.start()
 
@@ -123,6 +133,8 @@ class Executor:
     def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request and return its id. Its outputs go to the calling thread, or to the
         calling coroutine's event loop when called from one."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the executor was shut down; create a new one")
         rid = request_id or f"req-{next(self._ids)}"
         with self._lock:
             if rid in self._channels:
@@ -233,13 +245,32 @@ class Executor:
                 msg = self._inbox.get_nowait() if busy else self._inbox.get()
             except queue.Empty:
                 msg = None
+            if msg is not None and msg[0] is _STOP:
+                self._abort_all()
+                self._refuse_pending()
+                return
             if msg is not None:
-                if msg[0] is _STOP:
-                    self._abort_all()
-                    return
-                self._handle(msg)
-                continue  # drain the inbox before the next step
-            self._step()
+                self._handle(msg)  # drain the inbox before the next step
+            else:
+                self._step()
+            self._update_load()
+
+    def _update_load(self) -> None:
+        sched, alloc = self.engine.scheduler, self.engine.allocator
+        self.load = Load(len(sched.waiting), len(sched.running), alloc.num_blocks - alloc.num_free, alloc.num_blocks)
+
+    def _refuse_pending(self) -> None:
+        """After shutdown: answer what is still in the inbox, so that no reader waits forever."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                err = RuntimeError("the executor was shut down")
+                msg[4].put(RequestOutput(msg[1], [], [], "", "error", AcceptanceStats(), error=err))
+            elif msg[0] == "call":
+                msg[2].put((False, RuntimeError("the executor was shut down")))
 
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specdec.serving.executor import IterationStats
+from specdec.serving.executor import IterationStats, Load
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -20,7 +21,7 @@ class ServingMetrics:
     Rates (tokens/s, acceptance rate) are over the last ``window_s`` seconds of engine steps.
     """
 
-    def __init__(self, window_s: float = 10.0) -> None:
+    def __init__(self, load: Callable[[], Load] | None = None, window_s: float = 10.0) -> None:
         self.registry = reg = CollectorRegistry()
         self.window_s = window_s
         self._window: deque[IterationStats] = deque()
@@ -29,6 +30,12 @@ class ServingMetrics:
         self.running = Gauge("specdec_running_requests", "Requests admitted and running", registry=reg)
         self.kv_used = Gauge("specdec_kv_blocks_used", "KV blocks allocated (prefix cache included)", registry=reg)
         self.kv_total = Gauge("specdec_kv_blocks_total", "KV blocks in the pool", registry=reg)
+        if load is not None:  # read the executor's current load at scrape time
+            self.queue_length.set_function(lambda: load().num_waiting)
+            self.running.set_function(lambda: load().num_running)
+            self.kv_used.set_function(lambda: load().kv_blocks_used)
+            self.kv_total.set_function(lambda: load().kv_blocks_total)
+        self._live_load = load is not None
         self.batch = Gauge("specdec_batch_size", "Requests in the last engine step", registry=reg)
         self.tokens = Counter("specdec_generation_tokens", "Output tokens committed", registry=reg)
         self.drafted = Counter("specdec_draft_tokens", "Draft tokens proposed", registry=reg)
@@ -47,10 +54,11 @@ class ServingMetrics:
                              buckets=_LATENCY_BUCKETS, registry=reg)
 
     def on_step(self, s: IterationStats) -> None:
-        self.queue_length.set(s.num_waiting)
-        self.running.set(s.num_running)
-        self.kv_used.set(s.kv_blocks_used)
-        self.kv_total.set(s.kv_blocks_total)
+        if not self._live_load:
+            self.queue_length.set(s.num_waiting)
+            self.running.set(s.num_running)
+            self.kv_used.set(s.kv_blocks_used)
+            self.kv_total.set(s.kv_blocks_total)
         self.batch.set(s.batch_size)
         self.tokens.inc(s.new_tokens)
         self.drafted.inc(s.drafted)

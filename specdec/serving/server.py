@@ -35,7 +35,7 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
               metrics: ServingMetrics | None = None) -> FastAPI:
     """The FastAPI application serving ``executor``'s engine under the name ``model_name``."""
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
-    metrics = metrics or ServingMetrics()
+    metrics = metrics or ServingMetrics(lambda: executor.load)
     executor.add_stats_listener(metrics.on_step)
     app.state.executor, app.state.metrics, app.state.model_name = executor, metrics, model_name
     created = int(time.time())
