@@ -111,7 +111,9 @@ class Executor:
     ``cancel(id)``; ``iteration_stats()``. Use as a context manager or call ``shutdown()``.
 
     The first output of every request acknowledges it: no new tokens, ``finish_reason`` None (or
-    "error" with the validation error in ``.error`` when the engine refused the request).
+    "error" with the validation error in ``.error`` when the engine refused the request). Each request
+    has one reader. The executor owns the engine: while it runs, reach the engine only through
+    ``run_on_loop``.
     """
 
     def __init__(self, engine: SpecEngine, stats_history: int = 1024) -> None:
