@@ -220,3 +220,40 @@ def test_smollm2_chat_over_http_equals_target_only(smollm2, smollm2_target_only,
     finally:
         srv.stop()
         executor.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_against_the_server(server, tmp_path, endpoint):
+    import json
+
+    from specdec.serving.bench_client import BenchServeConfig, run_bench
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS * 2)))
+    rep = run_bench(BenchServeConfig(url=server[0], dataset=str(path), num_prompts=6, request_rate=50.0,
+                                     concurrency=3, max_tokens=8, endpoint=endpoint, ignore_eos=True))
+    assert rep["completed"] == 6 and rep["failed"] == 0 and rep["model"] == MODEL
+    assert rep["mean_output_tokens"] == 8  # ignore_eos: exactly max_tokens, counted by the server's usage
+    for key in ("ttft", "tpot", "e2e_latency"):
+        assert 0 < rep[key]["p50_ms"] <= rep[key]["p99_ms"]
+    assert rep["ttft"]["p50_ms"] <= rep["e2e_latency"]["p50_ms"]
+    assert rep["mean_accepted_length"] >= 1.0
+
+
+def test_poisson_arrivals():
+    from specdec.serving.bench_client import arrival_times
+
+    times = arrival_times(4000, rate=8.0, seed=3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times == sorted(times) and times[0] == 0.0
+    assert abs(sum(gaps) / len(gaps) - 1 / 8) < 0.01  # exponential gaps with mean 1/rate
+    assert arrival_times(5, float("inf"), 0) == [0.0] * 5
+
+
+def test_cli_registers_serve_and_bench_serve():
+    from specdec.cli import build_parser
+
+    a = build_parser().parse_args(["serve", "--target", "t", "--draft", "none", "--port", "9", "--host", "0.0.0.0"])
+    assert (a.target, a.draft, a.port, a.host) == ("t", "none", 9, "0.0.0.0")
+    b = build_parser().parse_args(["bench-serve", "--url", "http://x:1", "--request-rate", "4", "--concurrency", "8"])
+    assert (b.url, b.request_rate, b.concurrency) == ("http://x:1", 4.0, 8)
