@@ -29,7 +29,7 @@ PORT=${PORT:-8765}
 start=$(date +%s)
 mkdir -p "$OUT"
 
-if [ -d "$root/.stage-serve/whl" ] && ! python3 -c "import fastapi, uvicorn, prometheus_client, httpx, specdec" 2>/dev/null; then
+if [ -d "$root/.stage-serve/whl" ]; then  # the wheels the image lacks, and specdec itself
   python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.stage-serve/whl/*.whl \
     > "$OUT/pip.log" 2>&1 || { echo "wheel install failed, see pip.log"; tail -5 "$OUT/pip.log"; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}

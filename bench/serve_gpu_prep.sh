@@ -10,11 +10,15 @@ set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 n=${1:-200}
 out="$root/.stage-serve"
-grep -qxF "/.stage-serve/" "$root/.git/info/exclude" 2>/dev/null || echo "/.stage-serve/" >> "$root/.git/info/exclude"
+exclude=$(git -C "$root" rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qxF "/.stage-serve/" "$exclude" 2>/dev/null || echo "/.stage-serve/" >> "$exclude"
 rm -rf "$out" && mkdir -p "$out/whl"
-python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$out/whl" blake3 gguf fastapi uvicorn prometheus-client httpx
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out/whl")
+# blake3 and gguf without their dependencies (numpy and the rest are on the GPU image; a second numpy would shadow it)
+python3 -m pip download -q --no-deps "${plat[@]}" blake3 gguf
+python3 -m pip download -q "${plat[@]}" fastapi uvicorn prometheus-client httpx
 python3 -m pip wheel -q --no-deps -w "$out/whl" "$root"
 python3 - "$n" "$out/prompts.jsonl" <<'PY'
 import json, sys
