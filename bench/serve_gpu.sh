@@ -11,7 +11,7 @@
 #
 # Settings (environment): MODEL (/tmp/model.gguf), RATES ("2 8 32"), NUM_PROMPTS (64), MAX_TOKENS (128),
 # CONCURRENCY (64), SPEC_DRAFT (ngram), SPEC_TREE (chain:4), DEVICE_ARGS (""), BUDGET_S (560: stop early
-# so that what was measured comes back within one 10-minute run).
+# so that what was measured comes back within one 10-minute run), NO_WHEELS (set: use what is installed).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$root/out}
@@ -29,8 +29,8 @@ PORT=${PORT:-8765}
 start=$(date +%s)
 mkdir -p "$OUT"
 
-if [ -d "$root/.stage-serve/whl" ]; then  # the wheels the image lacks, and specdec itself
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site "$root"/.stage-serve/whl/*.whl \
+if [ -d "$root/.stage-serve/whl" ] && [ -z "${NO_WHEELS:-}" ]; then  # the wheels the image lacks, and specdec
+  python3 -m pip install -q --upgrade --no-index --no-deps --target /tmp/site "$root"/.stage-serve/whl/*.whl \
     > "$OUT/pip.log" 2>&1 || { echo "wheel install failed, see pip.log"; tail -5 "$OUT/pip.log"; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
