@@ -9,7 +9,7 @@
 # GPU run 2 (carry .stage/piece_01 and .stage-serve):
 #   cp .stage/piece_01/* /tmp/stage/ && cat /tmp/stage/piece.* > /tmp/model.gguf && bash bench/serve_gpu.sh
 #
-# Settings (environment): MODEL (/tmp/model.gguf), RATES ("2 8 32"), NUM_PROMPTS (64), MAX_TOKENS (128),
+# Settings (environment): MODEL (/tmp/model.gguf), RATES ("2 8 32"), NUM_PROMPTS (100), MAX_TOKENS (128),
 # CONCURRENCY (64), SPEC_DRAFT (ngram), SPEC_TREE (chain:4), DEVICE_ARGS (""), BUDGET_S (560: stop early
 # so that what was measured comes back within one 10-minute run), NO_WHEELS (set: use what is installed).
 set -uo pipefail
@@ -17,7 +17,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$root/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 RATES=${RATES:-"2 8 32"}
-NUM_PROMPTS=${NUM_PROMPTS:-64}
+NUM_PROMPTS=${NUM_PROMPTS:-100}
 MAX_TOKENS=${MAX_TOKENS:-128}
 CONCURRENCY=${CONCURRENCY:-64}
 SPEC_DRAFT=${SPEC_DRAFT:-ngram}
