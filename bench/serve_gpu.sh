@@ -72,7 +72,8 @@ run_config spec "$SPEC_DRAFT" "$SPEC_TREE"
 py - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
-rows = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "bench_*_rate*.json")))]
+rows = [json.load(open(p)) for p in glob.glob(os.path.join(out, "bench_*_rate*.json"))]
+rows.sort(key=lambda r: (r["label"].rsplit("_rate", 1)[0] != "target_only", r["config"]["request_rate"]))
 json.dump(rows, open(os.path.join(out, "summary.json"), "w"), indent=2)
 lines = ["| config | rate (req/s) | completed | req/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) "
          "| e2e p50 / p99 (ms) | mean accepted length |", "|" + "---|" * 9]
@@ -81,6 +82,13 @@ for r in rows:
     lines.append(f"| {r['label'].rsplit('_rate', 1)[0]} | {r['config']['request_rate']} | {r['completed']}/"
                  f"{r['completed'] + r['failed']} | {r['request_throughput']:.2f} | {r['output_throughput']:.0f} | "
                  f"{f('ttft')} | {f('tpot')} | {f('e2e_latency')} | {r['mean_accepted_length'] or 0:.2f} |")
+by = {(r["label"].rsplit("_rate", 1)[0], r["config"]["request_rate"]): r for r in rows}
+lines += ["", "| rate (req/s) | spec / target-only output tok/s | TPOT p50 ratio | TTFT p50 ratio |", "|---|---|---|---|"]
+for (name, rate), s in by.items():
+    t = by.get(("target_only", rate))
+    if name == "spec" and t and t["output_throughput"] and t["tpot"]["p50_ms"] and t["ttft"]["p50_ms"]:
+        lines.append(f"| {rate} | {s['output_throughput'] / t['output_throughput']:.2f}x | "
+                     f"{s['tpot']['p50_ms'] / t['tpot']['p50_ms']:.2f} | {s['ttft']['p50_ms'] / t['ttft']['p50_ms']:.2f} |")
 open(os.path.join(out, "summary.md"), "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
 PY
