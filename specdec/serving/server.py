@@ -86,7 +86,7 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
         if ack.finish_reason == "error":
             await outputs.aclose()
             return _error(_refusal(ack.error, chat))
-        timing = _Timing(arrival)
+        timing = _Timing(metrics, arrival)
         if parsed.stream:
             return StreamingResponse(_events(rid, outputs, chat, parsed.include_usage, timing),
                                      media_type="text/event-stream")
@@ -123,33 +123,37 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             timing.abandoned()
             await outputs.aclose()
 
-    class _Timing:
-        def __init__(self, arrival: float) -> None:
-            self.arrival, self.first, self.reported = arrival, None, False
-
-        def saw(self, out: RequestOutput) -> None:
-            if self.first is None and out.new_token_ids:
-                self.first = time.perf_counter()
-
-        def report(self, final: RequestOutput) -> None:
-            self.reported = True
-            metrics.observe_request(final.finish_reason, self.arrival, self.first, time.perf_counter(),
-                                    len(final.token_ids))
-
-        def abandoned(self) -> None:
-            """The client went away before the final output: count the request as aborted."""
-            if not self.reported:
-                self.reported = True
-                metrics.observe_request("abort", self.arrival, self.first, time.perf_counter(), 0)
-
-    async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> RequestOutput:
-        async for out in outputs:
-            timing.saw(out)
-            if out.finished:
-                return out
-        raise RuntimeError("request stream ended without a final output")
-
     return app
+
+
+class _Timing:
+    """Arrival, first-token and end times of one HTTP request, reported once to the metrics."""
+
+    def __init__(self, metrics: ServingMetrics, arrival: float) -> None:
+        self.metrics, self.arrival, self.first, self.reported = metrics, arrival, None, False
+
+    def saw(self, out: RequestOutput) -> None:
+        if self.first is None and out.new_token_ids:
+            self.first = time.perf_counter()
+
+    def report(self, final: RequestOutput) -> None:
+        self.reported = True
+        self.metrics.observe_request(final.finish_reason, self.arrival, self.first, time.perf_counter(),
+                                     len(final.token_ids))
+
+    def abandoned(self) -> None:
+        """The client went away before the final output: count the request as aborted."""
+        if not self.reported:
+            self.reported = True
+            self.metrics.observe_request("abort", self.arrival, self.first, time.perf_counter(), 0)
+
+
+async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> RequestOutput:
+    async for out in outputs:
+        timing.saw(out)
+        if out.finished:
+            return out
+    raise RuntimeError("request stream ended without a final output")
 
 
 async def _until(request: Request, awaitable):
