@@ -193,6 +193,22 @@ class RadixPrefixCache:
         self._hashes.pop(req, None)
         self._clear_in_progress(req)
 
+    def discard(self, req) -> int:
+        """Forget every cached block ``req`` holds, with everything cached under it; return how many
+        nodes were dropped. For a request that failed: its KV is not trusted, so no later request
+        may reuse it. Call before ``release``; blocks still referenced elsewhere stay allocated."""
+        held = set(req.blocks)
+        dropped = 0
+        for node in self._nodes():  # parents before children
+            if node.parent is not None and node.block in held:
+                dropped += self._drop_subtree(node)
+        return dropped
+
+    def _drop_subtree(self, node: _Node) -> int:
+        dropped = sum(self._drop_subtree(c) for c in list(node.children.values()))
+        self._evict(node)
+        return dropped + 1
+
     def adopt(self, req) -> int:
         """Swap the request's not-yet-computed blocks for cached equal ones; return how many.
 

@@ -64,6 +64,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.failed: list[Request] = []  # failed since the engine last took them (take_failed)
         self._arrivals = 0
 
     def add(self, req: Request) -> None:
@@ -94,12 +95,14 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
+        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
         for req in list(self.running):
-            if req.prefill_done and req in self.running:
+            if req.prefill_done and req.status is running:
                 if self._reserve(req, len(req.tokens) + self.lookahead, batch):
                     batch.decode.append(req)
-        batch.decode = [r for r in batch.decode if r in self.running]
-        batch.prefill = [c for c in batch.prefill if c.req in self.running]  # drop chunks of preempted rows
+        if batch.preempted:
+            batch.decode = [r for r in batch.decode if r.status is running]
+            batch.prefill = [c for c in batch.prefill if c.req.status is running]  # drop preempted rows' chunks
         return batch
 
     def _wait_for_shared_prefix(self, req: Request) -> bool:
@@ -124,8 +127,11 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
             self.tables.set_row(req.bt_row, req.blocks)
-            self.allocator_grow(req, len(req.tokens) - 1)
             self.running.append(req)
+            try:
+                self.allocator_grow(req, len(req.tokens) - 1)
+            except OutOfBlocks as err:  # the pool shrank below what admission counted on
+                self.fail(req, err)
 
     def _can_admit(self, req: Request) -> bool:
         if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
@@ -148,12 +154,18 @@ class Scheduler:
         self.tables.set_row(req.bt_row, req.blocks)
 
     def _reserve(self, req: Request, num_positions: int, batch: StepBatch) -> bool:
-        """Grow ``req`` to ``num_positions``, preempting later arrivals if the pool is full."""
+        """Grow ``req`` to ``num_positions``, preempting later arrivals if the pool is full.
+
+        When preemption cannot help (GUARANTEED_NO_EVICT promised the blocks, or ``req`` runs
+        alone) ``req`` fails with finish_reason "error"; the other requests are untouched."""
         while True:
             try:
                 self.allocator_grow(req, num_positions)
                 return True
-            except OutOfBlocks:
+            except OutOfBlocks as err:
+                if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT or self.running == [req]:
+                    self.fail(req, err)
+                    return False
                 victim = max(self.running, key=lambda r: r.arrival)
                 self.preempt(victim)
                 batch.preempted.append(victim)
@@ -184,6 +196,19 @@ class Scheduler:
             req.finish_reason = "abort"
             return
         self.finish(req, "abort")
+
+    def fail(self, req: Request, err: Exception) -> None:
+        """End ``req`` with finish_reason "error" and ``err`` as its cause; frees its KV."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.error = err
+        self.finish(req, "error")
+        self.failed.append(req)
+
+    def take_failed(self) -> list[Request]:
+        """The requests failed since the last call (the engine reports them to their callers)."""
+        failed, self.failed = self.failed, []
+        return failed
 
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
@@ -239,7 +264,8 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
             if reason:
                 break
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
-        stopper.finalize_text(req, reason)
+        if reason:  # running requests' text is decoded incrementally where it is streamed
+            stopper.finalize_text(req, reason)
         if reason:
             sched.finish(req, reason)
         else:

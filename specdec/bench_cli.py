@@ -39,25 +39,30 @@ def default_draft() -> str:
 
 
 def cmd_bench(args) -> int:
-    from specdec.bench_data import load_dataset
+    from specdec.bench_data import DATASET_NAMES, load_dataset
     from specdec.bench_report import build_report, environment_info, format_table, plot_report, write_json
     from specdec.cli import _device_dtype
+    from specdec.cli_checks import build, check_dataset, check_model, check_positive, load
     from specdec.engine import SpecConfig, SpecEngine
-    from specdec.loading.registry import load_model
     from specdec.prompts import to_prompt_ids
     from specdec.sampling_params import SamplingParams
 
-    device, dtype = _device_dtype(args)
+    device, dtype = _device_dtype(args)  # every argument is checked before a model loads
+    check_positive("--batch-size", args.batch_size)
+    check_positive("--num-prompts", args.num_prompts, allow_none=True)
+    check_dataset("--dataset", args.dataset, DATASET_NAMES)
     draft_name = args.draft or default_draft()
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
+    cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend)
+    params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   max_new_tokens=args.max_new_tokens)
+    check_model("--target", args.target)
+    check_model("--draft", draft_name, extra=("ngram",))
     prompts = load_dataset(args.dataset, args.num_prompts)
-    target = load_model(args.target, dtype=dtype, device=device)
-    draft = "ngram" if draft_name == "ngram" else load_model(draft_name, dtype=dtype, device=device)
-    cfg = SpecConfig(tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend)
+    target = load("--target", args.target, dtype, device)
+    draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, device)
     spec = SpecEngine(draft, target, cfg)
     plain = SpecEngine(None, target, cfg)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
     _warm_up(spec, plain, ids[0], params)
     spec_runs = _run_engine(spec, ids, params, args.batch_size, "speculative", device)

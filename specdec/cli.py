@@ -13,22 +13,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _device_dtype(args) -> tuple[str, str]:
-    import torch
+    """--device / --dtype with their defaults; UsageError for a device that does not exist here."""
+    from specdec.cli_checks import device_and_dtype
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, dtype
+    return device_and_dtype(args.device, args.dtype)
 
 
 def cmd_generate(args) -> int:
+    from specdec.cli_checks import build, check_model, load
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.sampling_params import SamplingParams
 
-    device, dtype = _device_dtype(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
-    draft = None if args.draft == "none" else args.draft
-    engine = SpecEngine(draft, args.model, SpecConfig(tree=args.tree, device=device, dtype=dtype))
+    device, dtype = _device_dtype(args)  # every argument is checked before a model loads
+    params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   seed=args.seed, max_new_tokens=args.max_new_tokens)
+    config = build(SpecConfig, tree=args.tree, device=device, dtype=dtype)
+    check_model("--model", args.model)
+    check_model("--draft", args.draft, extra=("ngram", "none"))
+    target = load("--model", args.model, dtype, device)
+    draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device)
+    engine = SpecEngine(None if draft == "none" else draft, target, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     final = None
     for out in engine.stream(prompt, params):
@@ -81,10 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a user error (bad argument, missing or unreadable model or file) prints
+    ``error: <message>`` and returns 2, only an internal error shows a traceback."""
+    from specdec.loading.errors import ModelNotFoundError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, ModelNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

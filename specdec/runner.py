@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +33,15 @@ class RowInput:
     seq_len: int
     tree_mask: list[int] | None = None
     want_logits: str = "last"  # "last", "all" or "none"
+    parents: list[int] | None = None  # verify rows: each query's parent query index (-1 = root)
+
+
+class ForwardResult(NamedTuple):
+    """Per-row logits (as asked by ``want_logits``) and, from a graphed target forward, the batch's
+    greedy acceptance (``accept_greedy_padded``, on the device) — None when the step ran eagerly."""
+
+    logits: Sequence[torch.Tensor | None]
+    accept: torch.Tensor | None
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:
@@ -44,6 +55,7 @@ class ModelRunner:
     def __init__(self, pool: KVPool, tables: BlockTables, backend: AttentionBackend, device) -> None:
         self.pool, self.tables, self.backend = pool, tables, backend
         self.device = torch.device(device)
+        self.graphs = None  # a GraphRunner once the engine enables the static-buffer step
 
     def slots(self, req: Request, logical: range | list[int]) -> list[int]:
         bs = self.pool.block_size
@@ -87,10 +99,30 @@ class ModelRunner:
     def run(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> list[torch.Tensor | None]:
         """Forward the rows through ``model`` (KV views of pool model ``model_idx``).
 
-        Returns per row the float32 logits it asked for: (V,) for "last", (n, V) for "all".
+        Returns per row the float32 logits it asked for: (V,) for "last", (n, V) for "all". Logits of a
+        graphed step are views of the graph's output: use them before the next forward.
         """
+        return self.forward(model_idx, model, rows).logits
+
+    def forward(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> ForwardResult:
+        """``run`` plus the device-side greedy acceptance when the step was graphed (target only)."""
         for r in rows:
             self.tables.set_row(r.req.bt_row, r.req.blocks)
+        key = self.graphs.key_for(model_idx, rows) if self.graphs is not None else None
+        if key is not None:
+            return self._forward_graphed(key, rows)
+        return ForwardResult(self._forward_eager(model_idx, model, rows), None)
+
+    def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
+        _, _, q = key
+        if q > 1:
+            rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
+        slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
+        bt = self.tables.host_rows([r.req.bt_row for r in rows])
+        out = self.graphs.run(key, rows, slots, bt)
+        return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept)
+
+    def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]):
         meta, ids, pos = self.build(rows)
         ctx = ForwardContext(self.backend, meta, self.pool.model_kv(model_idx))
         with torch.inference_mode():
@@ -106,6 +138,31 @@ class ModelRunner:
         for a, b, kind in spans:
             out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
         return out
+
+
+class _PaddedLogits:
+    """Per-row logits of a padded step, sliced only when a row is read (greedy verify reads none)."""
+
+    def __init__(self, logits: torch.Tensor, q: int, rows: list[RowInput]) -> None:
+        self.logits, self.q, self.rows = logits, q, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        r = self.rows[i]
+        s, e = i * self.q, i * self.q + len(r.token_ids)
+        return None if r.want_logits == "none" else self.logits[e - 1] if r.want_logits == "last" else \
+            self.logits[s:e]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.rows)))
+
+
+def _with_causal_mask(r: RowInput) -> RowInput:
+    from dataclasses import replace
+
+    return replace(r, tree_mask=_as_signed(causal_bits(r.seq_len - r.prefix_len, len(r.token_ids))))
 
 
 def _as_signed(masks: list[int]) -> list[int]:

@@ -151,7 +151,9 @@ def paged_attention_padded(
     scores = scores.masked_fill(~mask.view(nb, 1, 1, max_q, s_max), float("-inf"))
     probs = torch.nan_to_num(scores.softmax(-1))
     o = torch.einsum("bhgqs,bshd->bqhgd", probs, vals).reshape(nb, max_q, hq, d)
-    return o[valid_q].to(q.dtype)  # (T, Hq, D)
+    out = torch.zeros_like(q)  # (T, Hq, D): tokens of no row (padding) stay zero
+    out[tok[valid_q]] = o[valid_q].to(q.dtype)
+    return out
 
 
 class TorchAttentionBackend(AttentionBackend):

@@ -6,6 +6,7 @@ the target uses), and every deeper level reads it through the tree mask.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ class ModelDrafter(Drafter):
         self.model, self.runner, self.spec = model, runner, spec
         self.max_nodes = spec.budget
         self._template = spec.template() if spec.is_static else None
+        self._child_count = Counter(self._template.parents) if self._template is not None else {}
         self._max_depth = spec.depth if spec.is_static else min(DYNAMIC_MAX_DEPTH, spec.budget)
 
     def prefill(self, chunks) -> None:
@@ -78,7 +80,8 @@ class ModelDrafter(Drafter):
             g.req.num_computed_draft = g.L
             g.frontier = [(-1, lg)]
         for level in range(self._max_depth):
-            new = [self._expand(g) for g in grows]
+            greedy_top = self._greedy_topk(grows)
+            new = [self._expand(g, greedy_top.get(i, {})) for i, g in enumerate(grows)]
             if level + 1 == self._max_depth:
                 break
             live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.max_nodes]
@@ -95,21 +98,54 @@ class ModelDrafter(Drafter):
             g.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
             g.computed.update(nodes)
 
-    def _expand(self, g: _Growth) -> list[int]:
-        """Add the next level's children of the frontier; return the new node indices."""
+    def _children_wanted(self, g: _Growth, parent: int) -> int:
+        if self.max_nodes - len(g.tokens) <= 0:
+            return 0
+        if self._template is None:
+            return DYNAMIC_CANDIDATES
+        return self._child_count.get(parent, 0)
+
+    def _greedy_topk(self, grows: list[_Growth]) -> dict[int, dict[int, tuple[list[int], list[float]]]]:
+        """Top draft tokens (and their draft probabilities) of every greedy row's frontier nodes, with one
+        top-k over the stacked frontier logits and one device->host read for the whole batch:
+        {row: {frontier position: (tokens, probabilities)}}."""
+        where, logits, ks = [], [], []
+        for gi, g in enumerate(grows):
+            if not g.req.params.greedy:
+                continue
+            for fi, (parent, lg) in enumerate(g.frontier):
+                k = self._children_wanted(g, parent)
+                if k:
+                    where.append((gi, fi))
+                    logits.append(lg)
+                    ks.append(k)
+        if not logits:
+            return {}
+        kmax = max(ks)
+        probs = torch.softmax(torch.stack(logits).float(), dim=-1)  # (F, V)
+        top = probs.topk(min(kmax, probs.shape[-1]))
+        host = torch.cat([top.indices.double(), top.values.double()], dim=1).tolist()  # (F, 2k): one read
+        out: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
+        for (gi, fi), k, h in zip(where, ks, host):
+            out.setdefault(gi, {})[fi] = ([int(t) for t in h[:k]], h[kmax:kmax + k])
+        return out
+
+    def _expand(self, g: _Growth, greedy_top: dict[int, tuple[list[int], list[float]]]) -> list[int]:
+        """Add the next level's children of the frontier; return the new node indices. ``greedy_top``
+        holds a greedy row's precomputed top tokens per frontier position."""
         p = g.req.params
         budget = self.max_nodes - len(g.tokens)
         if budget <= 0 or not g.frontier:
             return []
         if self._template is None:
-            return self._expand_dynamic(g, budget)
+            return self._expand_dynamic(g, budget, greedy_top)
         new = []
-        for parent, lg in g.frontier:
-            want = sum(1 for q in self._template.parents if q == parent)
+        for fi, (parent, lg) in enumerate(g.frontier):
+            want = self._child_count.get(parent, 0)
             if want == 0:
                 continue
             if p.greedy:
-                toks, row = lg.topk(want).indices.tolist(), -1
+                toks, row = greedy_top[fi][0], -1
             else:
                 q = shape_probs(lg, p.temperature, p.top_k, p.top_p)
                 row = len(g.dist_rows)
@@ -118,14 +154,17 @@ class ModelDrafter(Drafter):
             new += [g.add(t, parent, 0.0, row) for t in toks]
         return new
 
-    def _expand_dynamic(self, g: _Growth, budget: int) -> list[int]:
+    def _expand_dynamic(self, g: _Growth, budget: int, greedy_top) -> list[int]:
         p = g.req.params
         cands = []  # (score, parent, token)
-        for parent, lg in g.frontier:
-            q = torch.softmax(lg.float(), -1) if p.greedy else shape_probs(lg, p.temperature, p.top_k, p.top_p)
-            top = q.topk(DYNAMIC_CANDIDATES)
+        for fi, (parent, lg) in enumerate(g.frontier):
+            if p.greedy:
+                toks, probs = greedy_top[fi]
+            else:
+                top = shape_probs(lg, p.temperature, p.top_k, p.top_p).topk(DYNAMIC_CANDIDATES)
+                toks, probs = top.indices.tolist(), top.values.tolist()
             base = g.score[parent] if parent >= 0 else 1.0
-            cands += [(base * pr, parent, t) for pr, t in zip(top.values.tolist(), top.indices.tolist()) if pr > 0]
+            cands += [(base * pr, parent, t) for pr, t in zip(probs, toks) if pr > 0]
         cands.sort(key=lambda c: -c[0])
         beam = max(1, min(DYNAMIC_BEAM_MAX, self.max_nodes // 6))
         chosen = sorted(cands[:min(beam, budget)], key=lambda c: (c[1], -c[0]))

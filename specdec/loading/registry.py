@@ -46,7 +46,12 @@ def load_model(
 ) -> LoadedModel:
     """Load ``smollm2-135m``, a registered draft name, a Hugging Face folder or a GGUF file."""
     dtype = resolve_dtype(dtype)
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"model must be a name or a path (str or Path), got {type(name_or_path).__name__}")
     name = str(name_or_path)
+    if not name.strip():
+        raise ModelNotFoundError("model name is empty: give 'smollm2-135m', a Hugging Face checkpoint folder "
+                                 "or a .gguf file")
     if name == "smollm2-135m":
         from specdec.loading.gguf_loader import smollm2_gguf_path
 

@@ -22,6 +22,7 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttnMetadata
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    rope_cs: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (T, 1, D/2) gathered once per forward
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """q/k/v projections (fused into one matmul after ``fuse``), RoPE + cache write + attention
+    through the backend, output projection."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -48,15 +52,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.scale = self.hd**-0.5
         self.sliding_window = cfg.sliding_window
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): q | k | v rows, one matmul
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate the q/k/v weights into one matrix; the three projections become views of it."""
+        if self.qkv_weight is not None:
+            return
+        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, positions, rope: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.nh, self.hd)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.nkv, self.hd)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.nkv, self.hd)  # (T, Hkv, D)
-        q, k = rope(positions, q, k)
+        if self.qkv_weight is not None:
+            qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         k_cache, v_cache = ctx.kv[self.layer]
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.sliding_window)
+        o = ctx.backend.qkv_attention(qkv, positions, rope, ctx.rope_cs, k_cache, v_cache, ctx.meta, self.scale,
+                                      (self.nh, self.nkv, self.hd), self.sliding_window)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.nh * self.hd))  # (T, hidden)
 
 
@@ -66,9 +81,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse(): gate | up rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        """Concatenate gate and up weights into one matrix; both projections become views of it."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        if self.gate_up_weight is None or ctx is None:
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = nn.functional.linear(x, self.gate_up_weight)  # (T, 2I)
+        return self.down_proj(ctx.backend.silu_mul(gate_up))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +103,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, ctx):
+        """(x, residual) -> (x, residual): the layer's output is x + residual (summed by the next norm)."""
+        b = ctx.backend
+        h, residual = b.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn(h, positions, rope, ctx)
+        h, residual = b.add_rmsnorm(x, residual, self.post_attention_layernorm.weight,
+                                    self.post_attention_layernorm.eps)
+        return self.mlp(h, ctx), residual
 
 
 class LlamaBody(nn.Module):
@@ -104,12 +133,42 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
 
+    def fuse(self) -> LlamaForCausalLM:
+        """Fuse q/k/v and gate/up projections for inference (call once the model sits on its device and
+        dtype; the separate projections stay as views, so state_dict and training are unchanged)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states (T, hidden) of the packed tokens ``input_ids`` (T,)."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
+        ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, ctx)
+        norm = self.model.norm
+        return ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (T, V)
+
+
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One (sum of out, in) weight holding the linears' rows; each linear's weight becomes a view of it."""
+    return _fuse_params([lin for lin in linears], "weight")
+
+
+def _fuse_biases(*linears: nn.Linear) -> torch.Tensor:
+    return _fuse_params([lin for lin in linears], "bias")
+
+
+def _fuse_params(linears: list[nn.Linear], name: str) -> torch.Tensor:
+    fused = torch.cat([getattr(lin, name).detach() for lin in linears])  # (sum out, ...)
+    start = 0
+    for lin in linears:
+        n = getattr(lin, name).shape[0]
+        setattr(lin, name, nn.Parameter(fused[start:start + n], requires_grad=False))
+        start += n
+    return fused
