@@ -147,3 +147,23 @@ def test_shutdown_ends_live_requests_and_refuses_new_ones(tiny_target):
     assert ex.engine.all_blocks_free()
     with pytest.raises(RuntimeError, match="shut down"):
         ex.enqueue(PROMPTS[0], PARAMS)
+
+
+def test_a_fault_in_one_row_of_a_batch_fails_only_that_request(executor, reference, monkeypatch):
+    """The engine isolates a forward that raises for one row; through the executor only that request
+    ends with an error, and the batch's other requests finish with their reference tokens."""
+    verifier = executor.engine.verifier
+    real_verify = verifier.verify
+
+    def verify(rows, *args, **kwargs):
+        if any(r.request_id == "victim" and r.num_output >= 2 for r in rows):
+            raise FloatingPointError("injected fault in the victim's row")
+        return real_verify(rows, *args, **kwargs)
+
+    monkeypatch.setattr(verifier, "verify", verify)
+    ids = [executor.enqueue(p, PARAMS) for p in PROMPTS]
+    victim = executor.enqueue(PROMPTS[2], PARAMS, request_id="victim")
+    out = executor.result(victim, timeout=60)
+    assert out.finish_reason == "error" and "injected" in str(out.error)
+    assert [executor.result(i, timeout=60).token_ids for i in ids] == reference
+    assert executor.run_on_loop(lambda e: e.all_blocks_free())

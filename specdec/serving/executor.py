@@ -2,9 +2,9 @@
 
 Callers on any thread (or in any asyncio event loop) ``enqueue`` requests, read their outputs as a
 stream or await the final one, and ``cancel`` them. Every engine call happens on the loop thread;
-other threads talk to it only through queues. A request that fails (bad input, an error while its
-output is built, a failed engine step it took part in) ends with ``finish_reason == "error"``;
-the loop and the other requests go on.
+other threads talk to it only through queues. A request that fails (bad input, a fault the engine
+isolated to its row, an error while its output is built, an exception escaping an engine step it
+took part in) ends with ``finish_reason == "error"``; the loop and the other requests go on.
 """
 
 from __future__ import annotations
