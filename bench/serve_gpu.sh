@@ -48,7 +48,7 @@ run_config() {  # name draft tree
   python3 -P -m specdec.cli serve --target "$MODEL" --draft "$draft" --tree "$tree" --port "$PORT" \
      --served-model-name smollm2-135m --log-level warning $DEVICE_ARGS > "$OUT/serve_$name.log" 2>&1 &
   pid=$!
-  for _ in $(seq 1 240); do
+  for _ in $(seq 1 480); do  # up to 4 minutes: model load, tokenizer conversion, CUDA graph capture
     get "/health" > /dev/null 2>&1 && break
     kill -0 $pid 2>/dev/null || { echo "server $name died"; tail -20 "$OUT/serve_$name.log"; return 1; }
     sleep 0.5

@@ -20,6 +20,8 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import torch
+
 from specdec.engine import SpecEngine
 from specdec.engine import _output as request_output
 from specdec.outputs import AcceptanceStats, RequestOutput
@@ -241,6 +243,10 @@ class Executor:
     # ------------------------------------------------------------------ loop thread
 
     def _run(self) -> None:
+        with torch.inference_mode():  # thread-local: the loop thread never records autograd state
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             busy = self.engine.scheduler.has_work
             try:
@@ -327,19 +333,18 @@ class Executor:
             return
         seconds = time.perf_counter() - t0
         drafted = accepted = new_tokens = prefill = 0
-        for req in progressed:
-            live = self._live.get(req.request_id)
-            if live is None:
-                continue
-            s = req.stats
+        lives = [live for req in progressed if (live := self._live.get(req.request_id)) is not None]
+        for live in lives:
+            req, s = live.req, live.req.stats
             prefill += s.target_forwards == live.forwards  # a prefill chunk runs no verify forward
             drafted += s.drafted - live.drafted
             accepted += s.accepted - live.accepted
             new_tokens += req.num_output - live.num_output
             live.drafted, live.accepted, live.num_output, live.forwards = (s.drafted, s.accepted, req.num_output,
                                                                           s.target_forwards)
+        self._record(seconds, len(progressed), prefill, new_tokens, drafted, accepted)  # before readers wake
+        for live in lives:
             self._deliver(live)
-        self._record(seconds, len(progressed), prefill, new_tokens, drafted, accepted)
 
     def _deliver(self, live: _Live) -> None:
         req = live.req
