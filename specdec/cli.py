@@ -71,8 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from specdec.bench_cli import add_bench_parser
+    from specdec.serving.cli import add_serve_parsers
 
     add_bench_parser(sub, _add_model_args)
+    add_serve_parsers(sub, _add_model_args)
     try:
         from specdec.distill import add_distill_parser
     except ImportError:
