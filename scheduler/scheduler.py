@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
+from specdec.kvcache.sliding_window import RELEASED, WindowReuse, live_blocks
 from specdec.scheduler.request import Request, RequestStatus
 
 
@@ -54,14 +55,18 @@ class Scheduler:
     """Owns the queues, the allocator bookkeeping and the block tables of all requests.
 
     ``lookahead`` is the number of positions past the sequence a speculating row writes
-    (the draft tree's node budget).
+    (the draft tree's node budget). With ``window`` (every model attends through a sliding
+    window) blocks below every future query's window are released at the start of each step,
+    prefill blocks are allocated chunk by chunk, and capacity counts a request's window-bounded
+    peak instead of its full length.
     """
 
     def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, tables: BlockTables,
-                 block_size: int, lookahead: int, prefix_cache=None) -> None:
+                 block_size: int, lookahead: int, prefix_cache=None, window: WindowReuse | None = None) -> None:
         self.cfg, self.allocator, self.tables = cfg, allocator, tables
         self.block_size, self.lookahead = block_size, lookahead
         self.prefix_cache = prefix_cache
+        self.window = window
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._arrivals = 0
@@ -79,17 +84,32 @@ class Scheduler:
         return -(-num_positions // self.block_size)
 
     def _max_blocks(self, req: Request) -> int:
-        return self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+        """Most blocks ``req`` holds at once from now on (its full length without a window)."""
+        full = self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+        if self.window is None:
+            return full
+        return min(full, self.window.peak(len(req.tokens) - 1 - req.num_computed, self.cfg.max_num_tokens))
+
+    def blocks_needed(self, num_prompt: int, max_new_tokens: int) -> int:
+        """Blocks a request must be able to hold at once to run at all, even after a preemption."""
+        full = self.blocks_for(num_prompt + max_new_tokens + self.lookahead + 1)
+        if self.window is None:
+            return full
+        return min(full, self.window.peak(num_prompt + max_new_tokens - 1, self.cfg.max_num_tokens))
 
     def schedule(self) -> StepBatch:
         """Admit what fits, then pick prefill chunks and speculating rows for one step."""
         batch = StepBatch()
+        for req in self.running:
+            self.release_outside_window(req)
         self._admit()
         budget = self.cfg.max_num_tokens
-        for req in self.running:
-            if req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
+        for req in list(self.running):
+            if req not in self.running or req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
                 continue
             end = min(len(req.tokens) - 1, req.num_computed + budget)
+            if not self._reserve(req, end, batch):  # a no-op unless blocks are allocated per chunk
+                continue
             batch.prefill.append(PrefillChunk(req, req.num_computed, end))
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
@@ -124,14 +144,17 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
             self.tables.set_row(req.bt_row, req.blocks)
-            self.allocator_grow(req, len(req.tokens) - 1)
+            if self.window is None:
+                self.allocator_grow(req, len(req.tokens) - 1)
+            else:  # windowed prefill blocks come chunk by chunk; a long cached prefix is dropped now
+                self.release_outside_window(req)
             self.running.append(req)
 
     def _can_admit(self, req: Request) -> bool:
         if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
-            reserved = sum(self._max_blocks(r) - len(r.blocks) for r in self.running)
+            reserved = sum(max(0, self._max_blocks(r) - len(live_blocks(r.blocks))) for r in self.running)
             return self._free_blocks() - reserved >= self._max_blocks(req)
-        return self._free_blocks() >= self.blocks_for(len(req.tokens) + self.lookahead)
+        return self._free_blocks() >= min(self.blocks_for(len(req.tokens) + self.lookahead), self._max_blocks(req))
 
     def _free_blocks(self) -> int:
         evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
@@ -159,6 +182,20 @@ class Scheduler:
                 batch.preempted.append(victim)
                 if victim is req:
                     return False
+
+    def release_outside_window(self, req: Request) -> None:
+        """Drop ``req``'s references to blocks no future query of any model can read (windowed
+        engines only); their block-table entries become RELEASED. Shared blocks stay with their
+        other holders (the prefix cache, other requests)."""
+        if self.window is None:
+            return
+        dead = min(self.window.num_dead_blocks(req.num_computed, req.num_computed_draft), len(req.blocks))
+        drop = [b for b in req.blocks[:dead] if b != RELEASED]
+        if not drop:
+            return
+        self.allocator.free(drop)
+        req.blocks[:dead] = [RELEASED] * dead
+        self.tables.set_row(req.bt_row, req.blocks)
 
     def preempt(self, req: Request) -> None:
         """Free ``req``'s KV and requeue it at the front; it is recomputed from its tokens."""
@@ -196,7 +233,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.release(req)
         else:
-            self.allocator.free(req.blocks)
+            self.allocator.free(live_blocks(req.blocks))
         req.blocks = []
         if req.bt_row >= 0:
             self.tables.release_row(req.bt_row)

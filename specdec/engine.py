@@ -14,6 +14,7 @@ from specdec.drafters.base import Drafter, Proposal
 from specdec.kvcache.allocator import BlockAllocator
 from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
+from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.prompts import PromptError, to_prompt_ids
@@ -44,6 +45,7 @@ class SpecConfig:
     device: str = "cpu"
     dtype: str = "float32"
     ngram_max_n: int = 4
+    window_reuse: bool = True  # sliding-window models release blocks outside every window
 
     def __post_init__(self) -> None:
         template_from_spec(self.tree)
@@ -91,9 +93,12 @@ class SpecEngine:
         self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
         self.drafter = self._make_drafter(draft)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
+        window = None if not cfg.window_reuse else window_reuse_for(
+            self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
+            self.drafter.max_nodes)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
-            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache)
+            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
@@ -157,7 +162,7 @@ class SpecEngine:
         if len(ids) + params.max_new_tokens + self.drafter.max_nodes > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
                              f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.max_nodes}")
-        need = self.scheduler.blocks_for(len(ids) + params.max_new_tokens + self.drafter.max_nodes + 1)
+        need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "
                              "(raise num_blocks/kv_memory_bytes or lower max_new_tokens)")

@@ -30,11 +30,18 @@ def gather_kv(
     cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
     block_table_row: torch.Tensor,  # (max_blocks,) int32
     seq_len: int,
-) -> torch.Tensor:  # (seq_len, Hkv, D)
-    """Read the first ``seq_len`` logical positions of one row through its block table."""
+    start: int = 0,
+) -> torch.Tensor:  # (seq_len - start, Hkv, D)
+    """Read logical positions ``[start, seq_len)`` of one row through its block table.
+
+    Raises RuntimeError if one of them lies in a released block (a negative table entry).
+    """
     block_size = cache.shape[1]
-    pos = torch.arange(seq_len, device=cache.device)
+    pos = torch.arange(start, seq_len, device=cache.device)
     blocks = block_table_row.long()[pos // block_size]
+    if bool((blocks < 0).any()):
+        bad = int(pos[blocks < 0][0])
+        raise RuntimeError(f"position {bad} lies in a released KV block; only positions >= {start} are read")
     return cache[blocks, pos % block_size]
 
 
@@ -66,7 +73,9 @@ def paged_attention(
     The queries' K/V must already be in the cache (see ``specdec.attention.base``). With a
     sliding window W, a query at logical position p sees only keys at positions > p - W,
     where a region position's logical position is prefix_len + its depth in the mask
-    (depth = number of visible region positions - 1; for causal rows, its index).
+    (depth = number of visible region positions - 1; for causal rows, its index). Every
+    query sits at or after prefix_len, so keys below prefix_len - W + 1 are never read (their
+    blocks may have been released).
     """
     out = torch.empty_like(q)
     hq, hkv = q.shape[1], k_cache.shape[2]
@@ -75,13 +84,15 @@ def paged_attention(
         s, e = qsl[b], qsl[b + 1]
         if e == s:
             continue
-        keys = gather_kv(k_cache, block_tables[b], sl[b]).float()  # (S, Hkv, D)
-        vals = gather_kv(v_cache, block_tables[b], sl[b]).float()
+        lo = 0 if sliding_window is None else max(0, pre[b] - sliding_window + 1)
+        keys = gather_kv(k_cache, block_tables[b], sl[b], lo).float()  # (S - lo, Hkv, D)
+        vals = gather_kv(v_cache, block_tables[b], sl[b], lo).float()
         tm = None if tree_mask is None else tree_mask[s:e]
         mask = torch.ones(e - s, sl[b], dtype=torch.bool, device=q.device)
         mask[:, pre[b]:] = region_mask(e - s, sl[b] - pre[b], tm, q.device)
         if sliding_window is not None:
             mask &= _window_mask(pre[b], mask[:, pre[b]:], tm, sliding_window)
+        mask = mask[:, lo:]  # (n_q, S - lo)
         qf = q[s:e].float().transpose(0, 1)  # (Hq, n_q, D)
         kf = keys.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)  # (Hq, S, D)
         vf = vals.transpose(0, 1).repeat_interleave(hq // hkv, dim=0)
