@@ -88,14 +88,21 @@ class Scheduler:
         full = self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
         if self.window is None:
             return full
-        return min(full, self.window.peak(len(req.tokens) - 1 - req.num_computed, self.cfg.max_num_tokens))
+        return min(full, self.window.peak(len(req.tokens) - 1 - req.num_computed, self._chunk_cap(req.num_prompt)))
 
     def blocks_needed(self, num_prompt: int, max_new_tokens: int) -> int:
         """Blocks a request must be able to hold at once to run at all, even after a preemption."""
         full = self.blocks_for(num_prompt + max_new_tokens + self.lookahead + 1)
         if self.window is None:
             return full
-        return min(full, self.window.peak(num_prompt + max_new_tokens - 1, self.cfg.max_num_tokens))
+        return min(full, self.window.peak(num_prompt + max_new_tokens - 1, self._chunk_cap(num_prompt)))
+
+    def _chunk_cap(self, num_prompt: int) -> int:
+        """Longest prefill chunk of a request. Windowed: no longer than its first prefill could be
+        (or the window), so recomputing a long sequence after a preemption needs no more blocks."""
+        if self.window is None:
+            return self.cfg.max_num_tokens
+        return min(self.cfg.max_num_tokens, max(num_prompt - 1, self.window.max_window))
 
     def schedule(self) -> StepBatch:
         """Admit what fits, then pick prefill chunks and speculating rows for one step."""
@@ -107,7 +114,7 @@ class Scheduler:
         for req in list(self.running):
             if req not in self.running or req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
                 continue
-            end = min(len(req.tokens) - 1, req.num_computed + budget)
+            end = min(len(req.tokens) - 1, req.num_computed + min(budget, self._chunk_cap(req.num_prompt)))
             if not self._reserve(req, end, batch):  # a no-op unless blocks are allocated per chunk
                 continue
             batch.prefill.append(PrefillChunk(req, req.num_computed, end))

@@ -78,7 +78,8 @@ def test_logits_and_greedy_match_transformers_full_forward(tiny_factory, mistral
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_factory(f"mistral_w{window}_l2_s5")), dtype=torch.float32)
     prompts = _prompts([5, 2 * window + 7], seed=window)
     params = [SamplingParams(max_new_tokens=total - len(p), ignore_eos=True) for p in prompts]
-    eng = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=block_size, max_num_tokens=24))
+    eng = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=block_size, max_num_tokens=24,
+                                              prefix_cache=False))
     rec = StepRecorder(eng)
     seen: dict[tuple[str, int], torch.Tensor] = {}
     run = eng.runner.run
@@ -110,7 +111,7 @@ def test_logits_and_greedy_match_transformers_full_forward(tiny_factory, mistral
 
 # ---------------------------------------------------------------- speculation stays lossless
 
-LENGTHS = [6, 40, 13, 21, 9, 30, 17, 25]
+LENGTHS = [6, 40, 21, 13, 9, 30, 17, 25]
 
 
 @pytest.fixture(scope="module")
@@ -129,17 +130,18 @@ def test_spec_greedy_equals_target_only_torch(spec_case, tree, batch):
     """Draft = the target's first layer (accepts often, not always); chunked prefill of prompts
     longer than the window; blocks are released while the batch runs."""
     target, prompts, params, ref = spec_case
+    n = 3 if batch == 1 else len(prompts)  # one at a time costs a forward per request: three suffice
     eng = SpecEngine(truncate_layers(target, 1), target, SpecConfig(
         tree=tree, num_blocks=400, block_size=4, max_batch_size=batch, max_num_tokens=24))
     rec = StepRecorder(eng)
-    assert _generate(eng, prompts, params) == ref
+    assert _generate(eng, prompts[:n], params) == ref[:n]
     assert rec.released_seen
     assert 0 < eng.stats.accepted < eng.stats.drafted
 
 
-@pytest.mark.parametrize("tree", ["dynamic:32", "topk:4x4"])
+@pytest.mark.parametrize("tree", ["dynamic:32", "topk:2x4"])
 def test_tree_wider_than_the_window(spec_case, tree):
-    """A tree's slots reach further past the pending token than the window (32 or 16 slots for
+    """A tree's slots reach further past the pending token than the window (32 or 30 slots for
     W = 16) while its depth does not: windows count depth, and release keeps what depth needs."""
     target, prompts, params, ref = spec_case
     eng = SpecEngine(truncate_layers(target, 1), target, SpecConfig(tree=tree, num_blocks=400, block_size=4))
