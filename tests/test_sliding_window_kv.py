@@ -20,7 +20,7 @@ from specdec.kvcache.sliding_window import RELEASED, WindowReuse, blocks_spannin
 from specdec.scheduler.request import Request  # noqa: E402
 from specdec.scheduler.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 
-from specdec.attention.torch_backend import gather_kv, paged_attention  # noqa: E402
+from specdec.attention.torch_backend import gather_kv, paged_attention, paged_attention_padded  # noqa: E402
 from specdec.config import ModelConfig  # noqa: E402
 from specdec.sampling_params import SamplingParams  # noqa: E402
 
@@ -146,11 +146,14 @@ def test_gather_kv_refuses_a_released_block():
         gather_kv(cache, row, 14, start=7)
 
 
-def _windowed_batch():
-    """Causal decode/prefill rows and tree rows with prefixes far longer than the window."""
+def _windowed_batch(partial: bool = False):
+    """Causal decode/prefill rows and tree rows with prefixes far longer than the window
+    (``partial``: only the last queries of each region are new, as in a draft's tree levels)."""
     tree = parents_topk(2, 2)
-    causal = random_paged_batch([37, 22, 0], [1, 6, 9], 4, 2, 16, 4, seed=1)
-    trees = random_paged_batch([29, 41], [len(tree)] * 2, 4, 2, 16, 4, tree_parents=[tree, tree], seed=2)
+    causal = random_paged_batch([37, 22, 0], [1, 6, 9], 4, 2, 16, 4, seed=1,
+                                query_lens=[1, 2, 4] if partial else None)
+    trees = random_paged_batch([29, 41], [len(tree)] * 2, 4, 2, 16, 4, tree_parents=[tree, tree], seed=2,
+                               query_lens=[4, 2] if partial else None)
     return causal, trees
 
 
@@ -168,14 +171,19 @@ def _args(batch, tables):
             m.seq_lens, m.tree_mask, 0.25)
 
 
-@pytest.mark.parametrize("window", [5, 8])
-def test_torch_reference_reads_only_the_window(window):
-    for batch in _windowed_batch():
+@pytest.mark.parametrize("window", [1, 3, 5, 8])
+@pytest.mark.parametrize("partial", [False, True])
+def test_torch_attention_reads_only_the_window(window, partial):
+    """The per-row reference and the batched CPU path agree, and neither reads a released block."""
+    for batch in _windowed_batch(partial):
+        dead = _kill_dead_blocks(batch, window, RELEASED)
         want = paged_attention(*_args(batch, batch.meta.block_tables), window)
-        got = paged_attention(*_args(batch, _kill_dead_blocks(batch, window, RELEASED)), window)
-        assert torch.equal(got, want)
-        with pytest.raises(RuntimeError, match="released"):  # without the window every key is read
-            paged_attention(*_args(batch, _kill_dead_blocks(batch, window, RELEASED)), None)
+        assert torch.equal(paged_attention(*_args(batch, dead), window), want)
+        got = paged_attention_padded(*_args(batch, dead), window)
+        assert (got - want).abs().max().item() < 1e-5
+        for attend in (paged_attention, paged_attention_padded):  # without the window every key is read
+            with pytest.raises(RuntimeError, match="released"):
+                attend(*_args(batch, dead), None)
 
 
 @pytest.mark.skipif(not is_interpreted(_paged_attn_kernel), reason="needs TRITON_INTERPRET=1 (CPU)")

@@ -129,40 +129,60 @@ def paged_attention_padded(
 ):
     """Same result as ``paged_attention``, computed for all rows at once on padded tensors.
 
-    The fast CPU path (few large ops instead of a Python loop per row); sliding windows and
-    partially cached tree regions go through ``paged_attention``.
+    The fast CPU path (few large ops instead of a Python loop per row). Under a sliding window
+    each row gathers only keys from ``prefix_len - W + 1`` on, so released blocks are never read.
     """
-    if sliding_window is not None:
-        return paged_attention(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens,
-                               tree_mask, scale, sliding_window)
     dev, bs = q.device, k_cache.shape[1]
     hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
     qsl = query_start_loc.long()
     n_q = qsl[1:] - qsl[:-1]  # (B,)
-    nb, max_q, s_max = n_q.shape[0], int(n_q.max()), int(seq_lens.max())
+    nb, max_q = n_q.shape[0], int(n_q.max())
     qi = torch.arange(max_q, device=dev)
     valid_q = qi.view(1, -1) < n_q.view(-1, 1)  # (B, max_q)
     tok = (qsl[:-1].view(-1, 1) + qi.view(1, -1)).clamp(max=q.shape[0] - 1)  # (B, max_q)
-    pos = torch.arange(s_max, device=dev)
-    blocks = block_tables.long().gather(1, (pos // bs).view(1, -1).expand(nb, -1))  # (B, S)
-    keys = k_cache[blocks, (pos % bs).view(1, -1)].float()  # (B, S, Hkv, D)
-    vals = v_cache[blocks, (pos % bs).view(1, -1)].float()
-    pre, sl = prefix_lens.long().view(-1, 1, 1), seq_lens.long().view(-1, 1, 1)
-    kpos = pos.view(1, 1, -1)
+    pre, sl = prefix_lens.long(), seq_lens.long()  # (B,)
+    lo = torch.zeros_like(pre) if sliding_window is None else (pre - sliding_window + 1).clamp(min=0)
+    span = int((sl - lo).max())
+    pos = lo.view(-1, 1) + torch.arange(span, device=dev).view(1, -1)  # (B, S) logical key positions
+    in_seq = pos < sl.view(-1, 1)  # (B, S)
+    blocks = block_tables.long().gather(1, (pos // bs).clamp(max=block_tables.shape[1] - 1))  # (B, S)
+    if bool((in_seq & (blocks < 0)).any()):
+        raise RuntimeError("a key inside a row's window lies in a released KV block")
+    blocks = torch.where(in_seq, blocks, 0)
+    keys = k_cache[blocks, pos % bs].float()  # (B, S, Hkv, D)
+    vals = v_cache[blocks, pos % bs].float()
+    kpos = pos.unsqueeze(1)  # (B, 1, S)
     if tree_mask is None:  # query i of a row sits at position seq_len - n_q + i
-        qpos = (seq_lens.long() - n_q).view(-1, 1, 1) + qi.view(1, -1, 1)
+        qpos = (sl - n_q).view(-1, 1, 1) + qi.view(1, -1, 1)  # (B, max_q, 1)
         mask = kpos <= qpos
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
     else:
         bits = tree_mask[tok]  # (B, max_q)
-        rel = (kpos - pre).clamp(0, 63)
-        mask = (kpos < pre) | (((bits.unsqueeze(-1) >> rel) & 1) == 1)
-    mask = mask & (kpos < sl) & valid_q.unsqueeze(-1)  # (B, max_q, S)
+        rel = kpos - pre.view(-1, 1, 1)  # (B, 1, S) region index of each key (< 0: prefix)
+        rel_c = rel.clamp(0, 63).expand(nb, max_q, span)
+        mask = (rel < 0) | (((bits.unsqueeze(-1) >> rel_c) & 1) == 1)
+        if sliding_window is not None:
+            mask &= _tree_window_mask(bits, rel, rel_c, pre, sl, sliding_window)
+    mask = mask & in_seq.unsqueeze(1) & valid_q.unsqueeze(-1)  # (B, max_q, S)
     qf = q[tok].float().view(nb, max_q, hkv, hq // hkv, d)
     scores = torch.einsum("bqhgd,bshd->bhgqs", qf, keys) * scale  # (B, Hkv, G, max_q, S)
-    scores = scores.masked_fill(~mask.view(nb, 1, 1, max_q, s_max), float("-inf"))
+    scores = scores.masked_fill(~mask.view(nb, 1, 1, max_q, span), float("-inf"))
     probs = torch.nan_to_num(scores.softmax(-1))
     o = torch.einsum("bhgqs,bshd->bqhgd", probs, vals).reshape(nb, max_q, hq, d)
     return o[valid_q].to(q.dtype)  # (T, Hq, D)
+
+
+def _tree_window_mask(bits, rel, rel_c, pre, sl, window: int) -> torch.Tensor:  # (B, max_q, S) bool
+    """Keys inside each tree query's window: a query sits at prefix_len + its depth, a region key
+    at prefix_len + the number of the query's mask bits below it (``_window_mask``, batched)."""
+    j = torch.arange(64, device=bits.device)
+    in_region = j.view(1, 1, -1) < (sl - pre).view(-1, 1, 1)  # (B, 1, 64)
+    seen = ((bits.unsqueeze(-1) >> j) & 1) * in_region  # (B, max_q, 64)
+    below = seen.cumsum(-1) - seen  # visible region positions strictly below j
+    q_pos = pre.view(-1, 1) + seen.sum(-1) - 1  # (B, max_q)
+    k_pos = torch.where(rel < 0, rel, below.gather(-1, rel_c)) + pre.view(-1, 1, 1)  # (B, max_q, S)
+    return k_pos > q_pos.unsqueeze(-1) - window
 
 
 class TorchAttentionBackend(AttentionBackend):
