@@ -197,11 +197,13 @@ class Scheduler:
         if self.window is None:
             return
         dead = min(self.window.num_dead_blocks(req.num_computed, req.num_computed_draft), len(req.blocks))
-        drop = [b for b in req.blocks[:dead] if b != RELEASED]
-        if not drop:
+        first = dead
+        while first > 0 and req.blocks[first - 1] != RELEASED:  # released entries form a prefix
+            first -= 1
+        if first == dead:
             return
-        self.allocator.free(drop)
-        req.blocks[:dead] = [RELEASED] * dead
+        self.allocator.free(req.blocks[first:dead])
+        req.blocks[first:dead] = [RELEASED] * (dead - first)
         self.tables.set_row(req.bt_row, req.blocks)
 
     def preempt(self, req: Request) -> None:
