@@ -159,16 +159,17 @@ if os.environ.get("SPECDEC_FULL_INTERPRETER") == "1":  # ~1 min each in the inte
 @pytest.mark.parametrize("tree,batch", TRITON_CASES)
 def test_spec_greedy_equals_target_only_triton(mistral, tree, batch):
     """The Triton kernels (interpreted) on a 1-layer model that drafts for itself, sequences of 4x
-    the window (prompts longer than the window, prefilled in two chunks): outputs equal target-only
-    decoding, and the draft, reading its window through the released table, proposes the target's
-    own tokens (a static tree's every level, a dynamic tree's first level, is accepted)."""
+    the window (prompts longer than the window; at batch 1 prefilled in chunks of 32): outputs
+    equal target-only decoding, and the draft, reading its window through the released table,
+    proposes the target's own tokens (a static tree's every level, a dynamic tree's first level,
+    is accepted)."""
     target = mistral(layers=1, seed=6)
     prompts = _prompts([56, 58, 60, 57, 61, 59, 62, 63][:batch], seed=2)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     ref = _generate(SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=4, window_reuse=False)),
                     prompts, params)
     eng = SpecEngine(target, target, SpecConfig(tree=tree, num_blocks=200, block_size=4,
-                                                attention_backend="triton", max_num_tokens=32))
+                                                attention_backend="triton", max_num_tokens=32 * batch))
     rec = StepRecorder(eng)
     assert _generate(eng, prompts, params) == ref
     assert rec.released_seen
