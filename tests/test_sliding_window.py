@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
-from specdec.kvcache.sliding_window import RELEASED
 
-from specdec.engine import SpecConfig, SpecEngine
-from specdec.loading.registry import load_model, truncate_layers
-from specdec.sampling_params import SamplingParams
+if not torch.cuda.is_available():  # CPU: the Triton backend runs in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from specdec.kvcache.sliding_window import RELEASED  # noqa: E402
+
+from specdec.engine import SpecConfig, SpecEngine  # noqa: E402
+from specdec.loading.registry import load_model, truncate_layers  # noqa: E402
+from specdec.sampling_params import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

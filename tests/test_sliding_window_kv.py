@@ -187,10 +187,10 @@ def test_torch_attention_reads_only_the_window(window, partial):
 
 
 @pytest.mark.skipif(not is_interpreted(_paged_attn_kernel), reason="needs TRITON_INTERPRET=1 (CPU)")
-@pytest.mark.parametrize("window", [5, 8])
-def test_triton_kernel_reads_only_the_window(window):
+@pytest.mark.parametrize("window,partial", [(5, False), (8, True)])
+def test_triton_kernel_reads_only_the_window(window, partial):
     """Dead entries point at a NaN block (any read would poison the output) or are RELEASED."""
-    for batch in _windowed_batch():
+    for batch in _windowed_batch(partial):
         want = paged_attention(*_args(batch, batch.meta.block_tables), window)
         used = set(batch.meta.block_tables.flatten().tolist())
         spare = next(b for b in range(batch.pool.storage.shape[0]) if b not in used)
