@@ -62,6 +62,8 @@ class SpecConfig:
             raise ValueError(f"SpecConfig.attention_backend must be auto, torch or triton, got "
                              f"{self.attention_backend!r}")
         resolve_dtype(self.dtype)
+        if not isinstance(self.window_reuse, bool):
+            raise ValueError(f"SpecConfig.window_reuse must be True or False, got {self.window_reuse!r}")
         SchedulerConfig(self.max_batch_size, self.max_num_tokens)
 
     @property

@@ -55,6 +55,13 @@ def test_window_reuse_rejects_bad_fields(kw, field):
         WindowReuse(**args)
 
 
+def test_spec_config_window_reuse_must_be_a_bool():
+    from specdec.engine import SpecConfig
+
+    with pytest.raises(ValueError, match="window_reuse"):
+        SpecConfig(window_reuse="yes")
+
+
 def _cfg(window):
     return ModelConfig("MistralForCausalLM", 32, 8, 8, 1, 1, 1, 8, sliding_window=window)
 
