@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
+from specdec.kvcache.sliding_window import RELEASED, WindowReuse, live_blocks
 from specdec.scheduler.request import Request, RequestStatus
 
 
@@ -54,14 +55,18 @@ class Scheduler:
     """Owns the queues, the allocator bookkeeping and the block tables of all requests.
 
     ``lookahead`` is the number of positions past the sequence a speculating row writes
-    (the draft tree's node budget).
+    (the draft tree's node budget). With ``window`` (every model attends through a sliding
+    window) blocks below every future query's window are released at the start of each step,
+    prefill blocks are allocated chunk by chunk, and capacity counts a request's window-bounded
+    peak instead of its full length.
     """
 
     def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, tables: BlockTables,
-                 block_size: int, lookahead: int, prefix_cache=None) -> None:
+                 block_size: int, lookahead: int, prefix_cache=None, window: WindowReuse | None = None) -> None:
         self.cfg, self.allocator, self.tables = cfg, allocator, tables
         self.block_size, self.lookahead = block_size, lookahead
         self.prefix_cache = prefix_cache
+        self.window = window
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.failed: list[Request] = []  # failed since the engine last took them (take_failed)
@@ -80,17 +85,39 @@ class Scheduler:
         return -(-num_positions // self.block_size)
 
     def _max_blocks(self, req: Request) -> int:
-        return self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+        """Most blocks ``req`` holds at once from now on (its full length without a window)."""
+        full = self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+        if self.window is None:
+            return full
+        return min(full, self.window.peak(len(req.tokens) - 1 - req.num_computed, self._chunk_cap(req.num_prompt)))
+
+    def blocks_needed(self, num_prompt: int, max_new_tokens: int) -> int:
+        """Blocks a request must be able to hold at once to run at all, even after a preemption."""
+        full = self.blocks_for(num_prompt + max_new_tokens + self.lookahead + 1)
+        if self.window is None:
+            return full
+        return min(full, self.window.peak(num_prompt + max_new_tokens - 1, self._chunk_cap(num_prompt)))
+
+    def _chunk_cap(self, num_prompt: int) -> int:
+        """Longest prefill chunk of a request. Windowed: no longer than its first prefill could be
+        (or the window), so recomputing a long sequence after a preemption needs no more blocks."""
+        if self.window is None:
+            return self.cfg.max_num_tokens
+        return min(self.cfg.max_num_tokens, max(num_prompt - 1, self.window.max_window))
 
     def schedule(self) -> StepBatch:
         """Admit what fits, then pick prefill chunks and speculating rows for one step."""
         batch = StepBatch()
+        for req in self.running:
+            self.release_outside_window(req)
         self._admit()
         budget = self.cfg.max_num_tokens
-        for req in self.running:
-            if req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
+        for req in list(self.running):
+            if req not in self.running or req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
                 continue
-            end = min(len(req.tokens) - 1, req.num_computed + budget)
+            end = min(len(req.tokens) - 1, req.num_computed + min(budget, self._chunk_cap(req.num_prompt)))
+            if not self._reserve(req, end, batch):  # a no-op unless blocks are allocated per chunk
+                continue
             batch.prefill.append(PrefillChunk(req, req.num_computed, end))
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
@@ -129,15 +156,18 @@ class Scheduler:
             self.tables.set_row(req.bt_row, req.blocks)
             self.running.append(req)
             try:
-                self.allocator_grow(req, len(req.tokens) - 1)
+                if self.window is None:
+                    self.allocator_grow(req, len(req.tokens) - 1)
+                else:  # windowed prefill blocks come chunk by chunk; a long cached prefix is dropped now
+                    self.release_outside_window(req)
             except OutOfBlocks as err:  # the pool shrank below what admission counted on
                 self.fail(req, err)
 
     def _can_admit(self, req: Request) -> bool:
         if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
-            reserved = sum(self._max_blocks(r) - len(r.blocks) for r in self.running)
+            reserved = sum(max(0, self._max_blocks(r) - len(live_blocks(r.blocks))) for r in self.running)
             return self._free_blocks() - reserved >= self._max_blocks(req)
-        return self._free_blocks() >= self.blocks_for(len(req.tokens) + self.lookahead)
+        return self._free_blocks() >= min(self.blocks_for(len(req.tokens) + self.lookahead), self._max_blocks(req))
 
     def _free_blocks(self) -> int:
         evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
@@ -171,6 +201,22 @@ class Scheduler:
                 batch.preempted.append(victim)
                 if victim is req:
                     return False
+
+    def release_outside_window(self, req: Request) -> None:
+        """Drop ``req``'s references to blocks no future query of any model can read (windowed
+        engines only); their block-table entries become RELEASED. Shared blocks stay with their
+        other holders (the prefix cache, other requests)."""
+        if self.window is None:
+            return
+        dead = min(self.window.num_dead_blocks(req.num_computed, req.num_computed_draft), len(req.blocks))
+        first = dead
+        while first > 0 and req.blocks[first - 1] != RELEASED:  # released entries form a prefix
+            first -= 1
+        if first == dead:
+            return
+        self.allocator.free(req.blocks[first:dead])
+        req.blocks[first:dead] = [RELEASED] * (dead - first)
+        self.tables.set_row(req.bt_row, req.blocks)
 
     def preempt(self, req: Request) -> None:
         """Free ``req``'s KV and requeue it at the front; it is recomputed from its tokens."""
@@ -221,7 +267,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.release(req)
         else:
-            self.allocator.free(req.blocks)
+            self.allocator.free(live_blocks(req.blocks))
         req.blocks = []
         if req.bt_row >= 0:
             self.tables.release_row(req.bt_row)

@@ -37,6 +37,7 @@ def check_spec_config(cfg) -> None:
     known = cfg.dtype in DTYPES.values() if isinstance(cfg.dtype, torch.dtype) else cfg.dtype in list(DTYPES)
     _require(known, "dtype", f"must be one of {sorted(DTYPES)}", cfg.dtype)
     object.__setattr__(cfg, "device", check_device(cfg.device))
+    _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
     _require(cfg.cuda_graphs is None or isinstance(cfg.cuda_graphs, bool), "cuda_graphs",
              "must be None (auto), True or False", cfg.cuda_graphs)
 

@@ -17,6 +17,7 @@ from specdec.fault_isolation import run_isolated
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
+from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
@@ -49,6 +50,7 @@ class SpecConfig:
     dtype: str = "float32"
     ngram_max_n: int = 4
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
+    window_reuse: bool = True  # sliding-window models release blocks outside every window
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -86,9 +88,12 @@ class SpecEngine:
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
+        window = None if not cfg.window_reuse else window_reuse_for(
+            self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
+            self.drafter.max_nodes)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
-            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache)
+            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
@@ -183,7 +188,7 @@ class SpecEngine:
         if len(ids) + params.max_new_tokens + self.drafter.max_nodes > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
                              f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.max_nodes}")
-        need = self.scheduler.blocks_for(len(ids) + params.max_new_tokens + self.drafter.max_nodes + 1)
+        need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "
                              "(raise num_blocks/kv_memory_bytes or lower max_new_tokens)")

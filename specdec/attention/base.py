@@ -12,6 +12,10 @@ Within the region the mask is causal (query at region position r sees region pos
 ``tree_mask`` entry is set (its own bit is always set). With q_len == R and causal rows,
 this is ordinary chunked prefill / decode.
 
+With a sliding window W every query sits at or after ``prefix_lens[b]``, so no key below
+``prefix_lens[b] - W + 1`` is visible; block-table entries wholly below it may be RELEASED (-1,
+``specdec.kvcache.sliding_window``) and a backend must not read them.
+
 Physical slot = block_id * block_size + offset. K/V caches are
 (num_blocks, block_size, num_kv_heads, head_dim) views whose block stride may be larger
 than block_size * num_kv_heads * head_dim (one storage holds every layer of both models).
