@@ -78,7 +78,8 @@ class SpecEngine:
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)
-        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device)
+        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device,
+                                                                                self.target)
         if self.draft is not None:
             _check_same_vocab(self.draft, self.target)
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
@@ -94,7 +95,7 @@ class SpecEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
             self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache)
-        self.verifier = Verifier(self.target.model, self.runner)
+        self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
         self._ids = itertools.count()
@@ -118,7 +119,12 @@ class SpecEngine:
         if self.draft is None:
             return _NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter
+        from specdec.drafts.eagle import EagleDraft
 
+        if isinstance(self.draft.model, EagleDraft):
+            from specdec.drafters.eagle_drafter import EagleDrafter
+
+            return EagleDrafter(self.draft.model, self.runner, spec, self.target.config.vocab_size)
         return ModelDrafter(self.draft.model, self.runner, spec)
 
     def _make_prefix_cache(self):
@@ -175,6 +181,7 @@ class SpecEngine:
         proposal: Proposal = self.drafter.propose(batch.decode)
         results = self.verifier.verify(batch.decode, proposal.trees, proposal.draft_computed)
         commit_accepted(self.scheduler, self.stopper, self.pool, batch.decode, results)
+        self.drafter.accepted(batch.decode, results)
         for req in batch.decode:
             if req.finished:
                 self.stats.merge(req.stats)
@@ -185,8 +192,8 @@ class SpecEngine:
             return
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in batch.prefill]
-        self.runner.run(0, self.target.model, rows)
-        self.drafter.prefill(batch.prefill)
+        _, features = self.runner.run_features(0, self.target.model, rows, self.drafter.target_features)
+        self.drafter.prefill(batch.prefill, features)
         for c in batch.prefill:
             c.req.num_computed = c.end
             if not self.drafter.uses_kv:
@@ -298,10 +305,11 @@ def _as_prompt_list(prompts) -> list:
     return list(prompts)
 
 
-def _as_loaded(model, dtype, device) -> LoadedModel:
+def _as_loaded(model, dtype, device, target: LoadedModel | None = None) -> LoadedModel:
+    """``model`` itself, or loaded; a draft folder shares its embeddings with ``target``."""
     if isinstance(model, LoadedModel):
         return model
-    return load_model(model, dtype=dtype, device=device)
+    return load_model(model, dtype=dtype, device=device, target=target)
 
 
 def _kv_spec(cfg: ModelConfig) -> KVSpec:

@@ -84,20 +84,34 @@ class ModelRunner:
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
+    def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
+        """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
+        for r in rows:
+            self.tables.set_row(r.req.bt_row, r.req.blocks)
+        meta, ids, pos = self.build(rows)
+        return ForwardContext(self.backend, meta, self.pool.model_kv(model_idx)), ids, pos
+
     def run(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> list[torch.Tensor | None]:
         """Forward the rows through ``model`` (KV views of pool model ``model_idx``).
 
         Returns per row the float32 logits it asked for: (V,) for "last", (n, V) for "all".
         """
-        for r in rows:
-            self.tables.set_row(r.req.bt_row, r.req.blocks)
-        meta, ids, pos = self.build(rows)
-        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(model_idx))
+        return self.run_features(model_idx, model, rows)[0]
+
+    def run_features(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
+                     aux_layers: tuple[int, ...] = ()) -> tuple[list[torch.Tensor | None], list[torch.Tensor] | None]:
+        """``run``, plus per row the outputs of decoder layers ``aux_layers`` at all its queries
+        (n, len(aux_layers) * hidden); None when ``aux_layers`` is empty."""
+        ctx, ids, pos = self.prepare(model_idx, rows)
+        qsl = ctx.meta.host_query_start_loc
         with torch.inference_mode():
-            hidden = model(ids, pos, ctx)  # (T, hidden)
+            if aux_layers:
+                hidden, aux = model.forward_features(ids, pos, ctx, aux_layers)  # (T, hidden), (T, k * hidden)
+            else:
+                hidden, aux = model(ids, pos, ctx), None  # (T, hidden)
             picks, spans = [], []
             for i, r in enumerate(rows):
-                s, e = meta.host_query_start_loc[i], meta.host_query_start_loc[i + 1]
+                s, e = qsl[i], qsl[i + 1]
                 span = {"last": (e - 1, e), "all": (s, e), "none": (e, e)}[r.want_logits]
                 spans.append((len(picks), len(picks) + span[1] - span[0], r.want_logits))
                 picks += range(*span)
@@ -105,7 +119,7 @@ class ModelRunner:
         out = []
         for a, b, kind in spans:
             out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
-        return out
+        return out, None if aux is None else [aux[qsl[i]:qsl[i + 1]] for i in range(len(rows))]
 
 
 def _as_signed(masks: list[int]) -> list[int]:

@@ -19,22 +19,23 @@ class VerifyResult(NamedTuple):
     num_drafted: int
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
+    features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
 
 
 class Verifier:
     """Verifies draft trees with the target model (pool model 0)."""
 
-    def __init__(self, target, runner: ModelRunner) -> None:
-        self.target, self.runner = target, runner
+    def __init__(self, target, runner: ModelRunner, aux_layers: tuple[int, ...] = ()) -> None:
+        self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
         if not rows:
             return []
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
-        logits = self.runner.run(0, self.target, inputs)
+        logits, aux = self.runner.run_features(0, self.target, inputs, self.aux_layers)
         results = []
-        for req, tree, lg, dc in zip(rows, trees, logits, draft_computed):
+        for i, (req, tree, lg, dc) in enumerate(zip(rows, trees, logits, draft_computed)):
             lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
             p = req.params
             if p.greedy:
@@ -42,8 +43,10 @@ class Verifier:
             else:
                 probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)
                 acc = verify_stochastic(tree, probs, req.generator)
-            results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
-                                        tree.num_nodes, tree.max_depth, dc))
+            nodes = list(acc.accepted_nodes)
+            feats = None if aux is None else aux[i][[0] + [1 + a for a in nodes]]  # (m + 1, k * hidden)
+            results.append(VerifyResult(nodes, list(acc.accepted_tokens), int(acc.bonus_token),
+                                        tree.num_nodes, tree.max_depth, dc, feats))
         return results
 
     @staticmethod

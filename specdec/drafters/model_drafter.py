@@ -37,6 +37,7 @@ class _Growth:
     dist_index: list[int] = field(default_factory=list)
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node or -1, logits (V,))
     computed: set[int] = field(default_factory=set)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node (-1: root) -> draft state (EAGLE)
 
     def add(self, token: int, parent: int, score: float, dist_row: int) -> int:
         i = len(self.tokens)
@@ -60,7 +61,7 @@ class ModelDrafter(Drafter):
         self._template = spec.template() if spec.is_static else None
         self._max_depth = spec.depth if spec.is_static else min(DYNAMIC_MAX_DEPTH, spec.budget)
 
-    def prefill(self, chunks) -> None:
+    def prefill(self, chunks, features=None) -> None:
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
         if rows:
@@ -72,11 +73,7 @@ class ModelDrafter(Drafter):
         if not rows:
             return Proposal([], [])
         grows = [_Growth(r, len(r.tokens)) for r in rows]
-        catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
-                             r.num_computed_draft, len(r.tokens)) for r in rows]
-        for g, lg in zip(grows, self.runner.run(DRAFT_MODEL_INDEX, self.model, catch_up)):
-            g.req.num_computed_draft = g.L
-            g.frontier = [(-1, lg)]
+        self._catch_up(grows)
         for level in range(self._max_depth):
             new = [self._expand(g) for g in grows]
             if level + 1 == self._max_depth:
@@ -86,6 +83,15 @@ class ModelDrafter(Drafter):
                 break
             self._forward_level(live)
         return Proposal([self._tree(g) for g in grows], [frozenset(g.computed) for g in grows])
+
+    def _catch_up(self, grows: list[_Growth]) -> None:
+        """Draft KV up to each row's last token; the root's draft logits become the frontier."""
+        rows = [g.req for g in grows]
+        catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
+                             r.num_computed_draft, len(r.tokens)) for r in rows]
+        for g, lg in zip(grows, self.runner.run(DRAFT_MODEL_INDEX, self.model, catch_up)):
+            g.req.num_computed_draft = g.L
+            g.frontier = [(-1, lg)]
 
     def _forward_level(self, live: list[tuple[_Growth, list[int]]]) -> None:
         inputs = [RowInput(g.req, [g.tokens[i] for i in nodes], [g.L + g.depth[i] for i in nodes], g.L,
