@@ -126,12 +126,14 @@ class ModelDrafter(Drafter):
 
     def _expand_dynamic(self, g: _Growth, budget: int) -> list[int]:
         p = g.req.params
-        cands = []  # (score, parent, token)
-        for parent, lg in g.frontier:
-            q = torch.softmax(lg.float(), -1) if p.greedy else shape_probs(lg, p.temperature, p.top_k, p.top_p)
-            top = q.topk(DYNAMIC_CANDIDATES)
-            base = g.score[parent] if parent >= 0 else 1.0
-            cands += [(base * pr, parent, t) for pr, t in zip(top.values.tolist(), top.indices.tolist()) if pr > 0]
+        parents = [parent for parent, _ in g.frontier]
+        lg = torch.stack([logits for _, logits in g.frontier])  # (F, V)
+        q = torch.softmax(lg.float(), -1) if p.greedy else shape_probs(lg, p.temperature, p.top_k, p.top_p)
+        top = q.topk(min(DYNAMIC_CANDIDATES, q.shape[-1]))  # (F, C)
+        base = [g.score[parent] if parent >= 0 else 1.0 for parent in parents]
+        cands = [(b * pr, parent, t) for parent, b, prs, ts in zip(parents, base, top.values.tolist(),
+                                                                   top.indices.tolist())
+                 for pr, t in zip(prs, ts) if pr > 0]  # (score, parent, token)
         cands.sort(key=lambda c: -c[0])
         beam = max(1, min(DYNAMIC_BEAM_MAX, self.max_nodes // 6))
         chosen = sorted(cands[:min(beam, budget)], key=lambda c: (c[1], -c[0]))

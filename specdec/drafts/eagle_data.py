@@ -20,8 +20,8 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assist
 
 
 def conversation_messages(conv: dict) -> list[dict] | None:
-    """Chat messages of a ShareGPT conversation up to its first malformed turn; None without an
-    assistant reply after a user turn."""
+    """Chat messages of a ShareGPT conversation from its first user/system turn up to its first
+    malformed turn; None without an assistant reply after a user turn."""
     out: list[dict] = []
     for turn in (conv.get("conversations") if isinstance(conv, dict) else None) or ():
         role = ROLES.get(turn.get("from")) if isinstance(turn, dict) else None
@@ -32,7 +32,8 @@ def conversation_messages(conv: dict) -> list[dict] | None:
     roles = [m["role"] for m in out]
     if "user" not in roles or "assistant" not in roles[roles.index("user"):]:
         return None
-    return out
+    first = next(i for i, r in enumerate(roles) if r in ("user", "system"))
+    return out[first:]
 
 
 def render_with_spans(messages: list[dict], tokenizer, max_chars: int) -> tuple[str, list[tuple[int, int]]]:

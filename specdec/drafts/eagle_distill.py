@@ -37,8 +37,10 @@ def draft_vocabulary(data: TokenFile, num_train: int, vocab_size: int, n: int) -
     return vocab, {"held_out_assistant_tokens": int(len(held)), "coverage": cov}
 
 
-def distill_eagle(cfg: EagleTrainConfig) -> EagleResult:
-    """Train (or resume) the eagle draft of ``cfg`` and, once the planned steps are done, export it."""
+def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
+    """Train (or resume) the eagle draft of ``cfg`` and, once the planned steps are done, export it.
+
+    ``target``: the already loaded ``cfg.target`` (in ``cfg.dtype`` on ``cfg.device``), else loaded here."""
     from specdec.drafts.eagle import EagleShape, default_aux_layers, eagle_from_target
     from specdec.loading.registry import load_model
 
@@ -46,7 +48,7 @@ def distill_eagle(cfg: EagleTrainConfig) -> EagleResult:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     data = load_token_file(cfg.tokens)
-    target = load_model(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    target = target or load_model(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tcfg = target.config
     num_train, num_val = split_docs(data, cfg.val_docs)
     vocab, cov = draft_vocabulary(data, num_train, tcfg.vocab_size, min(cfg.draft_vocab, tcfg.vocab_size))
