@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--mtbench-prompts", type=int, default=80)
     r.add_argument("--sharegpt-prompts", type=int, default=200)
-    r.add_argument("--eval-batch", type=int, default=80)
+    r.add_argument("--eval-batch", type=int, default=100)
     args = ap.parse_args(argv)
     return prepare(args) if args.cmd == "prepare" else run(args)
 

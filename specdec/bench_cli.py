@@ -29,13 +29,13 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.set_defaults(func=cmd_bench)
 
 
-def default_draft() -> str:
-    """The shipped draft when it is installed, else n-gram lookup."""
+def default_draft(target: str = "smollm2-135m") -> str:
+    """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup."""
     try:
         from specdec.drafts import default_draft_available
     except ImportError:
         return "ngram"
-    return DEFAULT_DRAFT if default_draft_available() else "ngram"
+    return DEFAULT_DRAFT if target == "smollm2-135m" and default_draft_available() else "ngram"
 
 
 def cmd_bench(args) -> int:
@@ -48,11 +48,11 @@ def cmd_bench(args) -> int:
     from specdec.sampling_params import SamplingParams
 
     device, dtype = _device_dtype(args)
-    draft_name = args.draft or default_draft()
+    draft_name = args.draft or default_draft(args.target)
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
     prompts = load_dataset(args.dataset, args.num_prompts)
     target = load_model(args.target, dtype=dtype, device=device)
-    draft = "ngram" if draft_name == "ngram" else load_model(draft_name, dtype=dtype, device=device)
+    draft = "ngram" if draft_name == "ngram" else load_model(draft_name, dtype=dtype, device=device, target=target)
     cfg = SpecConfig(tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend)
     spec = SpecEngine(draft, target, cfg)
     plain = SpecEngine(None, target, cfg)

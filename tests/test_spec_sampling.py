@@ -78,8 +78,19 @@ CONFIGS = [  # (draft, tree, temperature, top_k, top_p)
     ("model", "chain:2", 0.7, 0, 0.9),
     ("model", "topk:2x2", 1.0, 5, 1.0),
     ("model", "topk:2x2", 0.7, 0, 0.9),
+    ("eagle", "topk:2x2", 0.7, 0, 0.9),  # feature-conditioned draft over 6 of the 8 tokens
     (None, "chain:2", 0.7, 0, 0.9),  # target-only sampling, the baseline the others must equal
 ]
+
+
+def _eagle_draft(target):
+    """An untrained eagle draft whose vocabulary leaves out tokens 2 and 5 (draft probability 0)."""
+    from specdec.drafts.eagle import EagleShape, eagle_from_target
+    from specdec.loading.registry import LoadedModel
+
+    model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
+    model = model.eval().requires_grad_(False)
+    return LoadedModel("eagle", model, None, model.config)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +99,8 @@ def sampled(small_pair):
     _, target, draft = small_pair
     results = {}
     for n, (kind, tree, temp, top_k, top_p) in enumerate(CONFIGS):
-        eng = SpecEngine(draft if kind == "model" else None, target, SpecConfig(
+        chosen = {"model": draft, "eagle": _eagle_draft(target) if kind == "eagle" else None, None: None}[kind]
+        eng = SpecEngine(chosen, target, SpecConfig(
             tree=tree, num_blocks=2048, block_size=4, max_batch_size=128, max_num_tokens=8192,
             policy="max_utilization"))
         params = [SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=10_000 * n + s,
@@ -111,7 +123,7 @@ def test_first_token_distribution(sampled, target_logits, config):
     assert (p1 > 0.02).sum() >= 3, "the target distribution is too peaked to test anything"
     p = chisquare_p(counts, p1)
     assert p > P_MIN, f"first-token counts {counts.tolist()} vs exact {p1.tolist()}: p={p:.2g}"
-    if config[0] == "model":
+    if config[0] in ("model", "eagle"):
         # both branches of the accept rule ran: some draft tokens accepted, some rejected,
         # and the second level of the tree was reached and accepted sometimes
         assert 0.05 < stats.acceptance_rate < 0.95, stats.as_dict()
