@@ -22,6 +22,10 @@ import time
 from pathlib import Path
 
 T0 = time.perf_counter()
+# dynamic:63 = 63 nodes + the pending token = 64 verify tokens
+DEFAULT_EVALS = ("eagle/dynamic:63/mtbench/0,eagle/dynamic:63/mtbench/0.7,eagle/dynamic:63/sharegpt/0,"
+                 "eagle/dynamic:63/sharegpt/0.7,ngram/chain:8/mtbench/0,eagle/chain:5/mtbench/0,"
+                 "ngram/chain:8/mtbench/0.7,untrained/dynamic:63/mtbench/0")
 
 
 def log(msg: str) -> None:
@@ -83,7 +87,7 @@ def train(args, target):
     cfg = EagleTrainConfig(out=str(work), tokens=str(Path(args.data_dir) / "train.npz"), target=args.model,
                            draft_vocab=args.draft_vocab, unroll=args.unroll, max_len=args.max_len,
                            batch_tokens=args.batch_tokens, steps=args.max_steps, time_budget=args.train_seconds,
-                           lr=args.lr, ckpt_every=args.ckpt_every, val_docs=args.val_docs, seed=args.seed,
+                           lr=args.lr, warmup_steps=args.warmup_steps, ckpt_every=args.ckpt_every, val_docs=args.val_docs, seed=args.seed,
                            resume=args.resume, device=args.device, dtype=args.dtype)
     res = distill_eagle(cfg, target=target)
     log(summary_line(res))
@@ -118,10 +122,7 @@ def run(args) -> int:
     log(f"draft folder {folder}: {sum(f.stat().st_size for f in folder.iterdir()) / 2**20:.2f} MB")
     draft = load_draft_folder(folder, dtype=args.dtype, device=args.device, target=target)
     report = {"training": res.record, "evals": [], "skipped": []}
-    plan = [("eagle", args.tree, "mtbench", 0.0), ("eagle", args.tree, "mtbench", args.temperature),
-            ("eagle", args.tree, "sharegpt", 0.0), ("eagle", args.tree, "sharegpt", args.temperature),
-            ("ngram", "chain:8", "mtbench", 0.0), ("eagle", "chain:5", "mtbench", 0.0),
-            ("ngram", "chain:8", "mtbench", args.temperature), ("untrained", args.tree, "mtbench", 0.0)]
+    plan = [(d, t, s, float(temp)) for d, t, s, temp in (e.split("/") for e in args.evals.split(","))]
     last = 0.0
     for kind, tree, name, temp in plan:
         left = args.deadline - (time.perf_counter() - T0)
@@ -132,7 +133,7 @@ def run(args) -> int:
         d = {"eagle": draft, "ngram": "ngram", "untrained": lambda: _untrained(draft, target)}[kind]
         d = d() if callable(d) else d
         t = time.perf_counter()
-        r = evaluate(d, target, sets[name], tree, temp, args)
+        r = evaluate(d, target, sets[name], tree, temp, args)  # temperature > 0 uses --top-p
         last = time.perf_counter() - t
         report["evals"].append({"draft": kind, "tree": tree, "set": name, "temperature": temp,
                                 "top_p": args.top_p if temp else 1.0, **r})
@@ -177,12 +178,13 @@ def main(argv=None) -> int:
     r.add_argument("--max-len", type=int, default=1024)
     r.add_argument("--batch-tokens", type=int, default=32768)
     r.add_argument("--lr", type=float, default=1e-3)
+    r.add_argument("--warmup-steps", type=int, default=100)
     r.add_argument("--ckpt-every", type=int, default=1000)
     r.add_argument("--val-docs", type=int, default=64)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--resume", action="store_true")
-    r.add_argument("--tree", default="dynamic:63", help="63 nodes + the pending token = 64 verify tokens")
-    r.add_argument("--temperature", type=float, default=0.7)
+    r.add_argument("--evals", default=DEFAULT_EVALS,
+                   help="comma list of DRAFT/TREE/SET/TEMPERATURE in priority order; DRAFT: eagle, ngram, untrained")
     r.add_argument("--top-p", type=float, default=0.9)
     r.add_argument("--max-new-tokens", type=int, default=128)
     r.add_argument("--mtbench-prompts", type=int, default=80)

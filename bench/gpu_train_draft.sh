@@ -14,8 +14,9 @@ train_s=${2:-300}
 deadline=${3:-490}
 shift $(( $# < 3 ? $# : 3 ))
 out=${OUT:-/tmp/eagle_out}
+site=${SITE:-/tmp/site}
 mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site TQDM_MININTERVAL=15
+python3 -m pip install -q --no-index --no-deps --upgrade --target "$site" .whl/*.whl
+export PYTHONPATH=$site TQDM_MININTERVAL=15
 python3 -P bench/gpu_train_draft.py run --model "$model" --data-dir .data/eagle --out "$out" \
   --train-seconds "$train_s" --deadline "$deadline" "$@" 2>&1 | tee "$out/train_draft.log"
