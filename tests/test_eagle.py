@@ -164,10 +164,10 @@ PROMPTS = [[{"role": "user", "content": _sentence(random.Random(i), 3 + 4 * i)}]
 def test_greedy_output_equals_target_only(setup, tree):
     root, _, target = setup
     draft = load_model(root / "full", target=target)
-    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     cfg = dict(max_batch_size=5, num_blocks=128, block_size=8)
     plain = SpecEngine(None, target, SpecConfig(**cfg)).generate(PROMPTS, params)
-    for prefix_cache in (False, True):
+    for prefix_cache in (False, True) if tree == "chain:4" else (True,):
         eng = SpecEngine(draft, target, SpecConfig(tree=tree, prefix_cache=prefix_cache, **cfg))
         spec = eng.generate(PROMPTS + PROMPTS[:2], params)  # repeated prompts hit the prefix cache
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain + plain[:2]]
@@ -219,3 +219,15 @@ def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
             g = torch.cat([torch.zeros(1, m.config.hidden_size), m.fuse(aux)[:-1]])  # features of p - 1
             ref = m(ids, torch.arange(n), ForwardContext(*dense, [(None, None)]), g)
         torch.testing.assert_close(hidden, ref[-1], rtol=0, atol=1e-4)
+
+
+def test_default_draft_name_loads_an_eagle_folder(setup, monkeypatch):
+    from specdec import drafts
+    from specdec.bench_cli import default_draft
+
+    root, _, target = setup
+    monkeypatch.setattr(drafts, "DEFAULT_DRAFT_DIR", root / "full")
+    assert drafts.default_draft_available() and default_draft("smollm2-135m") == "smollm2-135m-draft"
+    assert default_draft("another-target") == "ngram"
+    draft = load_model("smollm2-135m-draft", target=target)
+    assert isinstance(draft.model, EagleDraft) and draft.name == "smollm2-135m-draft"
