@@ -231,3 +231,30 @@ def test_default_draft_name_loads_an_eagle_folder(setup, monkeypatch):
     assert default_draft("another-target") == "ngram"
     draft = load_model("smollm2-135m-draft", target=target)
     assert isinstance(draft.model, EagleDraft) and draft.name == "smollm2-135m-draft"
+
+
+def test_unrolled_training_step_equals_the_tree_node_it_stands_for(tiny_target):
+    """Step k at position p of the training forward == the depth-(k-1) node at p of a run-time
+    chain drafted after a catch-up to p - k (computed here densely, one node at a time)."""
+    from specdec.drafts.eagle_unroll import UnrolledBackend, UnrolledBatch, shift_right, teacher_forward
+
+    t = tiny_target.model
+    shape = EagleShape(default_aux_layers(t.config.num_layers), 50)
+    m = eagle_from_target(t, shape, torch.arange(50), seed=4).eval().requires_grad_(False)
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    n = ids.shape[1]
+    with torch.no_grad():
+        teacher = teacher_forward(t, m, ids)
+        ctx = ForwardContext(UnrolledBackend(), UnrolledBatch(1, n), [(None, None)])
+        g, steps = shift_right(m.fuse(teacher.aux), 1, n), []
+        for _ in range(3):
+            steps.append(m(ids[0], torch.arange(n), ctx, g))
+            g = shift_right(steps[-1], 1, n)
+        for k in (1, 2):
+            for p in (k, 7, n - 1):
+                g = shift_right(m.fuse(teacher.aux), 1, n)[:p + 1].clone()  # target features up to p - k
+                for _ in range(k + 1):  # each pass makes one more chain node read its parent's output
+                    dense = ForwardContext(DenseCausalBackend(), DenseBatch(1, p + 1), [(None, None)])
+                    out = m(ids[0, :p + 1], torch.arange(p + 1), dense, g)
+                    g = torch.cat([g[:p - k + 1], out[p - k:p]])
+                torch.testing.assert_close(steps[k][p], out[p], rtol=0, atol=1e-5)
