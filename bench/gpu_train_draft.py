@@ -126,10 +126,10 @@ def run(args) -> int:
     draft = load_draft_folder(folder, dtype=args.dtype, device=args.device, target=target)
     report = {"training": res.record, "evals": [], "skipped": []}
     plan = [(d, t, s, float(temp)) for d, t, s, temp in (e.split("/") for e in args.evals.split(","))]
-    last = 0.0
+    per_prompt = 0.0  # seconds per prompt of the last evaluation: estimates the next one
     for kind, tree, name, temp in plan:
         left = args.deadline - (time.perf_counter() - T0)
-        if left < 1.3 * last or left < 10:
+        if left < 1.3 * per_prompt * len(sets[name]) or left < 10:
             report["skipped"].append({"draft": kind, "tree": tree, "set": name, "temperature": temp,
                                       "why": f"{left:.0f}s left before the deadline"})
             continue
@@ -143,7 +143,7 @@ def run(args) -> int:
             report["skipped"].append({"draft": kind, "tree": tree, "set": name, "temperature": temp,
                                       "why": f"{type(err).__name__}: {err}"})
             continue
-        last = time.perf_counter() - t
+        per_prompt = (time.perf_counter() - t) / max(1, len(sets[name]))
         report["evals"].append({"draft": kind, "tree": tree, "set": name, "temperature": temp,
                                 "top_p": args.top_p if temp else 1.0, **r})
         log(f"{kind:9s} {tree:10s} {name:8s} T={temp}: mean accepted length {r['mean_accepted_length']:.3f} "
