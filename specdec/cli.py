@@ -25,13 +25,17 @@ def cmd_generate(args) -> int:
     from specdec.sampling_params import SamplingParams
 
     device, dtype = _device_dtype(args)  # every argument is checked before a model loads
+    from specdec.bench_cli import default_draft
+
+    name = args.draft or default_draft(args.model, device)
+    tree = args.tree or ("chain:8" if name == "ngram" else "chain:4")
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens)
-    config = build(SpecConfig, tree=args.tree, device=device, dtype=dtype)
+    config = build(SpecConfig, tree=tree, device=device, dtype=dtype)
     check_model("--model", args.model)
-    check_model("--draft", args.draft, extra=("ngram", "none"))
+    check_model("--draft", name, extra=("ngram", "none"))
     target = load("--model", args.model, dtype, device)
-    draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device)
+    draft = name if name in ("ngram", "none") else load("--draft", name, dtype, device, target=target)
     engine = SpecEngine(None if draft == "none" else draft, target, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     final = None
@@ -57,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
     g.add_argument("--model", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
-    g.add_argument("--draft", default="ngram", help="draft model name/path, 'ngram', or 'none'")
-    g.add_argument("--tree", default="chain:4", help="chain:K | topk:WxD | dynamic:BUDGET")
+    g.add_argument("--draft", default=None,
+                   help="draft model name/path, 'ngram', or 'none' (default: the shipped draft, else ngram)")
+    g.add_argument("--tree", default=None, help="chain:K | topk:WxD | dynamic:BUDGET (default chain:4 / ngram chain:8)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)

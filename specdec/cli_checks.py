@@ -61,12 +61,15 @@ def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
     raise UsageError(flag, f"{name!r} {what}; give {_model_forms(extra)}")
 
 
-def load(flag: str, name: str, dtype: str, device: str):
-    """``load_model`` whose checkpoint errors (missing, truncated, unsupported) name ``flag``."""
+def load(flag: str, name: str, dtype: str, device: str, target=None):
+    """``load_model`` whose checkpoint errors (missing, truncated, unsupported) name ``flag``; ``target``:
+    the loaded target, for drafts that read it (eagle) or share its weights."""
     from specdec.loading.errors import ModelNotFoundError
     from specdec.loading.registry import load_model
 
     try:
+        if target is not None:
+            return load_model(name, dtype=dtype, device=device, target=target)
         return load_model(name, dtype=dtype, device=device)
     except (ModelNotFoundError, ValueError) as err:
         raise UsageError(flag, str(err)) from err

@@ -19,6 +19,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
 from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
+from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
@@ -74,7 +75,8 @@ class SpecEngine:
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)
-        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device)
+        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device,
+                                                                                self.target)
         if self.draft is not None:
             _check_same_vocab(self.draft, self.target)
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
@@ -94,7 +96,7 @@ class SpecEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
             self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache, window)
-        self.verifier = Verifier(self.target.model, self.runner)
+        self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
         self.router = Router()
@@ -119,7 +121,12 @@ class SpecEngine:
         if self.draft is None:
             return _NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter
+        from specdec.drafts.eagle import EagleDraft
 
+        if isinstance(self.draft.model, EagleDraft):
+            from specdec.drafters.eagle_drafter import EagleDrafter
+
+            return EagleDrafter(self.draft.model, self.runner, spec, self.target.config.vocab_size)
         return ModelDrafter(self.draft.model, self.runner, spec)
 
     def _setup_graphs(self, bt_width: int):
@@ -127,19 +134,19 @@ class SpecEngine:
         from specdec.scheduler.cuda_graphs import GraphRunner
 
         for m in (self.target, self.draft):
-            if m is not None:
+            if m is not None and isinstance(m.model, LlamaForCausalLM):
                 m.model.fuse()
         want = self.config.cuda_graphs
         triton = self.runner.backend.name == "triton"
-        if want is None:
-            want = self.device.type == "cuda" and triton
+        if want is None:  # a feature-reading (eagle) draft needs target features, which graphs do not return yet
+            want = self.device.type == "cuda" and triton and not self.drafter.target_features
         if not want:
             return None
         if self.device.type == "cuda" and not triton:
             raise ValueError("SpecConfig.cuda_graphs=True on CUDA needs the Triton attention backend "
                              f"(attention_backend='auto' or 'triton'), got {self.config.attention_backend!r}")
         models, max_query = {0: self.target.model}, {0: self.drafter.max_nodes + 1}
-        if self.draft is not None:
+        if self.draft is not None and isinstance(self.draft.model, LlamaForCausalLM):
             models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
         graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
                              bt_width, self.device, capture=self.device.type == "cuda")
@@ -208,6 +215,7 @@ class SpecEngine:
         prefilled = self._prefill(batch)
         rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)
         commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
+        self.drafter.accepted(rows, results)
         for req in rows:
             if req.finished:
                 self.stats.merge(req.stats)
@@ -233,8 +241,8 @@ class SpecEngine:
             return []
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
-        self.runner.run(0, self.target.model, rows)
-        self.drafter.prefill(chunks)
+        _, features = self.runner.run_features(0, self.target.model, rows, self.drafter.target_features)
+        self.drafter.prefill(chunks, features)
         for c in chunks:
             c.req.num_computed = c.end
             if not self.drafter.uses_kv:
@@ -388,10 +396,11 @@ def _params_list(params, n: int) -> list[SamplingParams | None]:
     return plist
 
 
-def _as_loaded(model, dtype, device) -> LoadedModel:
+def _as_loaded(model, dtype, device, target: LoadedModel | None = None) -> LoadedModel:
+    """``model`` itself, or loaded; a draft folder shares its embeddings with ``target``."""
     if isinstance(model, LoadedModel):
         return model
-    return load_model(model, dtype=dtype, device=device)
+    return load_model(model, dtype=dtype, device=device, target=target)
 
 
 def _kv_spec(cfg: ModelConfig) -> KVSpec:

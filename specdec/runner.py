@@ -42,6 +42,7 @@ class ForwardResult(NamedTuple):
 
     logits: Sequence[torch.Tensor | None]
     accept: torch.Tensor | None
+    features: list[torch.Tensor] | None = None  # per row (n, k * hidden) outputs of the asked decoder layers
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:
@@ -96,6 +97,13 @@ class ModelRunner:
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
+    def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
+        """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
+        for r in rows:
+            self.tables.set_row(r.req.bt_row, r.req.blocks)
+        meta, ids, pos = self.build(rows)
+        return ForwardContext(self.backend, meta, self.pool.model_kv(model_idx)), ids, pos
+
     def run(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> list[torch.Tensor | None]:
         """Forward the rows through ``model`` (KV views of pool model ``model_idx``).
 
@@ -104,14 +112,23 @@ class ModelRunner:
         """
         return self.forward(model_idx, model, rows).logits
 
-    def forward(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> ForwardResult:
-        """``run`` plus the device-side greedy acceptance when the step was graphed (target only)."""
+    def run_features(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
+                     aux_layers: tuple[int, ...] = ()):
+        """``run``, plus per row the outputs of decoder layers ``aux_layers`` at all its queries
+        (n, len(aux_layers) * hidden); None when ``aux_layers`` is empty."""
+        res = self.forward(model_idx, model, rows, aux_layers)
+        return res.logits, res.features
+
+    def forward(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
+                aux_layers: tuple[int, ...] = ()) -> ForwardResult:
+        """``run`` plus the device-side greedy acceptance when the step was graphed (target only) and the
+        features of ``aux_layers`` (those forwards run eagerly)."""
         for r in rows:
             self.tables.set_row(r.req.bt_row, r.req.blocks)
-        key = self.graphs.key_for(model_idx, rows) if self.graphs is not None else None
+        key = self.graphs.key_for(model_idx, rows) if self.graphs is not None and not aux_layers else None
         if key is not None:
             return self._forward_graphed(key, rows)
-        return ForwardResult(self._forward_eager(model_idx, model, rows), None)
+        return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
 
     def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
         _, _, q = key
@@ -122,14 +139,17 @@ class ModelRunner:
         out = self.graphs.run(key, rows, slots, bt)
         return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept)
 
-    def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]):
-        meta, ids, pos = self.build(rows)
-        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(model_idx))
+    def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput], aux_layers=()):
+        ctx, ids, pos = self.prepare(model_idx, rows)
+        qsl = ctx.meta.host_query_start_loc
         with torch.inference_mode():
-            hidden = model(ids, pos, ctx)  # (T, hidden)
+            if aux_layers:
+                hidden, aux = model.forward_features(ids, pos, ctx, aux_layers)  # (T, hidden), (T, k * hidden)
+            else:
+                hidden, aux = model(ids, pos, ctx), None  # (T, hidden)
             picks, spans = [], []
             for i, r in enumerate(rows):
-                s, e = meta.host_query_start_loc[i], meta.host_query_start_loc[i + 1]
+                s, e = qsl[i], qsl[i + 1]
                 span = {"last": (e - 1, e), "all": (s, e), "none": (e, e)}[r.want_logits]
                 spans.append((len(picks), len(picks) + span[1] - span[0], r.want_logits))
                 picks += range(*span)
@@ -137,7 +157,7 @@ class ModelRunner:
         out = []
         for a, b, kind in spans:
             out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
-        return out
+        return out, None, None if aux is None else [aux[qsl[i]:qsl[i + 1]] for i in range(len(rows))]
 
 
 class _PaddedLogits:

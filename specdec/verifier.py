@@ -21,26 +21,28 @@ class VerifyResult(NamedTuple):
     num_drafted: int
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
+    features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
 
 
 class Verifier:
     """Verifies draft trees with the target model (pool model 0)."""
 
-    def __init__(self, target, runner: ModelRunner) -> None:
-        self.target, self.runner = target, runner
+    def __init__(self, target, runner: ModelRunner, aux_layers: tuple[int, ...] = ()) -> None:
+        self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
         if not rows:
             return []
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
-        fwd = self.runner.forward(0, self.target, inputs)
+        fwd = self.runner.forward(0, self.target, inputs, self.aux_layers)
         greedy_rows = None
         if fwd.accept is not None:  # graphed step: (B, Q+3), the step's one device->host read
             greedy_rows = fwd.accept.tolist()
             check_finite_flags(rows, [row[-1] for row in greedy_rows], "target")
         else:
             check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
+        aux = fwd.features
         results = []
         for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
@@ -57,8 +59,10 @@ class Verifier:
             else:
                 probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)
                 acc = verify_stochastic(tree, probs, req.generator)
-            results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
-                                        tree.num_nodes, tree.max_depth, dc))
+            nodes = list(acc.accepted_nodes)
+            feats = None if aux is None else aux[i][[0] + [1 + a for a in nodes]]  # (m + 1, k * hidden)
+            results.append(VerifyResult(nodes, list(acc.accepted_tokens), int(acc.bonus_token),
+                                        tree.num_nodes, tree.max_depth, dc, feats))
         return results
 
     @staticmethod

@@ -136,3 +136,22 @@ def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch)
     print(f"\nnegative control {config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g}")
     assert stats.accepted < stats.drafted  # rejections happened, so the wrong rule was used
     assert p_first < P_MIN and p_joint < P_MIN
+
+
+def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
+    """A feature-conditioned (eagle) draft whose vocabulary leaves out tokens 2 and 5 (draft probability 0):
+    the first two sampled tokens still follow the target exactly (top-k tree drawn without replacement)."""
+    from specdec.drafts.eagle import EagleShape, eagle_from_target
+    from specdec.loading.registry import LoadedModel
+
+    target_dir, target, _ = pair
+    model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
+    eagle = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)
+    settings = (0.7, 0, 0.9)
+    joint, stats = sample((target_dir, target, eagle), "topk:2x2", *settings, SAMPLES, 900_000)
+    p1, exact = exact_dists(target_logits, *settings)
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\neagle topk:2x2 {settings}: p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"mean accepted length={stats.mean_accepted_length:.2f}")
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
+    assert 0 < stats.accepted < stats.drafted  # its proposals are tried, and sometimes accepted

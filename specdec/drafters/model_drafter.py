@@ -38,6 +38,7 @@ class _Growth:
     dist_index: list[int] = field(default_factory=list)
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node or -1, logits (V,))
     computed: set[int] = field(default_factory=set)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node (-1: root) -> draft state (EAGLE)
 
     def add(self, token: int, parent: int, score: float, dist_row: int) -> int:
         i = len(self.tokens)
@@ -62,7 +63,7 @@ class ModelDrafter(Drafter):
         self._child_count = Counter(self._template.parents) if self._template is not None else {}
         self._max_depth = spec.depth if spec.is_static else min(DYNAMIC_MAX_DEPTH, spec.budget)
 
-    def prefill(self, chunks) -> None:
+    def prefill(self, chunks, features=None) -> None:
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
         if rows:
@@ -74,11 +75,7 @@ class ModelDrafter(Drafter):
         if not rows:
             return Proposal([], [])
         grows = [_Growth(r, len(r.tokens)) for r in rows]
-        catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
-                             r.num_computed_draft, len(r.tokens)) for r in rows]
-        for g, lg in zip(grows, self.runner.run(DRAFT_MODEL_INDEX, self.model, catch_up)):
-            g.req.num_computed_draft = g.L
-            g.frontier = [(-1, lg)]
+        self._catch_up(grows)
         for level in range(self._max_depth):
             greedy_top = self._greedy_topk(grows)
             new = [self._expand(g, greedy_top.get(i, {})) for i, g in enumerate(grows)]
@@ -89,6 +86,15 @@ class ModelDrafter(Drafter):
                 break
             self._forward_level(live)
         return Proposal([self._tree(g) for g in grows], [frozenset(g.computed) for g in grows])
+
+    def _catch_up(self, grows: list[_Growth]) -> None:
+        """Draft KV up to each row's last token; the root's draft logits become the frontier."""
+        rows = [g.req for g in grows]
+        catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
+                             r.num_computed_draft, len(r.tokens)) for r in rows]
+        for g, lg in zip(grows, self.runner.run(DRAFT_MODEL_INDEX, self.model, catch_up)):
+            g.req.num_computed_draft = g.L
+            g.frontier = [(-1, lg)]
 
     def _forward_level(self, live: list[tuple[_Growth, list[int]]]) -> None:
         inputs = [RowInput(g.req, [g.tokens[i] for i in nodes], [g.L + g.depth[i] for i in nodes], g.L,
@@ -156,15 +162,20 @@ class ModelDrafter(Drafter):
 
     def _expand_dynamic(self, g: _Growth, budget: int, greedy_top) -> list[int]:
         p = g.req.params
-        cands = []  # (score, parent, token)
-        for fi, (parent, lg) in enumerate(g.frontier):
-            if p.greedy:
+        if p.greedy:
+            cands = []  # (score, parent, token)
+            for fi, (parent, _) in enumerate(g.frontier):
                 toks, probs = greedy_top[fi]
-            else:
-                top = shape_probs(lg, p.temperature, p.top_k, p.top_p).topk(DYNAMIC_CANDIDATES)
-                toks, probs = top.indices.tolist(), top.values.tolist()
-            base = g.score[parent] if parent >= 0 else 1.0
-            cands += [(base * pr, parent, t) for pr, t in zip(probs, toks) if pr > 0]
+                base = g.score[parent] if parent >= 0 else 1.0
+                cands += [(base * pr, parent, t) for pr, t in zip(probs, toks) if pr > 0]
+        else:
+            parents = [parent for parent, _ in g.frontier]
+            lg = torch.stack([logits for _, logits in g.frontier])  # (F, V)
+            top = shape_probs(lg, p.temperature, p.top_k, p.top_p).topk(min(DYNAMIC_CANDIDATES, lg.shape[-1]))
+            base = [g.score[parent] if parent >= 0 else 1.0 for parent in parents]
+            cands = [(b * pr, parent, t) for parent, b, prs, ts in zip(parents, base, top.values.tolist(),
+                                                                       top.indices.tolist())
+                     for pr, t in zip(prs, ts) if pr > 0]  # (score, parent, token)
         cands.sort(key=lambda c: -c[0])
         beam = max(1, min(DYNAMIC_BEAM_MAX, self.max_nodes // 6))
         chosen = sorted(cands[:min(beam, budget)], key=lambda c: (c[1], -c[0]))

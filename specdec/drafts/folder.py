@@ -113,9 +113,13 @@ def load_draft_folder(path: str | Path, dtype: torch.dtype | str = torch.float32
 
     path, dtype = Path(path), resolve_dtype(dtype)
     meta = read_draft_meta(path)
-    cfg = ModelConfig.from_hf(read_hf_config(path))
     if not isinstance(target, LoadedModel):
         target = load_model(target or meta["target"], dtype=dtype, device=device)
+    if meta.get("kind") == "eagle":
+        from specdec.drafts.eagle_folder import load_eagle_folder
+
+        return load_eagle_folder(path, meta, dtype, device, target)
+    cfg = ModelConfig.from_hf(read_hf_config(path))
     own = load_file(str(path / "model.safetensors"))
     bad = [k for k in own if not k.startswith(TRAINED_PREFIXES)]
     if bad:

@@ -42,9 +42,13 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def load_model(
-    name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+    name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+    target: LoadedModel | None = None,
 ) -> LoadedModel:
-    """Load ``smollm2-135m``, a registered draft name, a Hugging Face folder or a GGUF file."""
+    """Load ``smollm2-135m``, a registered draft name, a Hugging Face folder or a GGUF file.
+
+    A draft (the registered name or a draft folder) takes its shared tensors from ``target`` when
+    given, else loads the target recorded in its folder."""
     dtype = resolve_dtype(dtype)
     if not isinstance(name_or_path, (str, Path)):
         raise TypeError(f"model must be a name or a path (str or Path), got {type(name_or_path).__name__}")
@@ -59,13 +63,13 @@ def load_model(
     if name == "smollm2-135m-draft":
         from specdec.drafts import load_default_draft
 
-        return load_default_draft(dtype=dtype, device=device)
+        return load_default_draft(dtype=dtype, device=device, target=target)
     path = Path(name).expanduser()
     if path.is_dir():
         from specdec.drafts import is_draft_folder, load_draft_folder
 
         if is_draft_folder(path):
-            return load_draft_folder(path, dtype=dtype, device=device)
+            return load_draft_folder(path, dtype=dtype, device=device, target=target)
         return _from_hf_folder(path, name, dtype, device)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path, name, dtype, device)

@@ -143,13 +143,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states (T, hidden) of the packed tokens ``input_ids`` (T,)."""
+        return self.forward_features(input_ids, positions, ctx)[0]
+
+    def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states (T, hidden) and the outputs of decoder layers ``aux_layers``
+        concatenated in that order (T, len(aux_layers) * hidden), or None when none are asked."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
         ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
-        residual = None
-        for layer in self.model.layers:
+        residual, aux = None, {}
+        for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, self.rope, ctx)
+            if i in aux_layers:
+                aux[i] = x if residual is None else x + residual  # the layer's output (x + residual)
         norm = self.model.norm
-        return ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
+        hidden = ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
+        return hidden, torch.cat([aux[i] for i in aux_layers], -1) if aux_layers else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (T, V)
