@@ -21,13 +21,32 @@ class TritonAttentionBackend(AttentionBackend):
     """
 
     name = "triton"
+    wants_rope_tables = False  # the fused RoPE kernel reads the full cos/sin tables by position
 
     def __init__(self) -> None:
         from specdec.kernels.kv_store import store_kv_triton
+        from specdec.kernels.norm_act import add_rmsnorm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
+        from specdec.kernels.rope_cache import fused_rope_cache_write
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
+        self._rope_store = fused_rope_cache_write
+        self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
+
+    def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
+                      sliding_window=None):
+        """RoPE + K/V store in one launch (``fused_rope_cache_write``), then the attention kernel."""
+        nh, nkv, hd = heads
+        q, _, _ = self._rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
+                                   nh, nkv, hd)
+        return self.attend(q, k_cache, v_cache, meta, scale, sliding_window)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        return self._add_rmsnorm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return self._silu_mul(gate_up)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -20,6 +20,8 @@ class BlockTables:
         self._device_buf = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, device=self.device)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.max_blocks_per_row = max_blocks_per_row
+        self._np = self.host.numpy()
+        self._written: list[list[int]] = [[] for _ in range(max_rows)]  # what each host row holds now
 
     def acquire_row(self) -> int:
         if not self._free_rows:
@@ -27,15 +29,26 @@ class BlockTables:
         return self._free_rows.pop()
 
     def release_row(self, row: int) -> None:
-        self.host[row].zero_()
+        self._np[row] = 0
+        self._written[row] = []
         self._free_rows.append(row)
 
     def set_row(self, row: int, blocks: list[int]) -> None:
+        """Make host row ``row`` start with ``blocks``; writes only what changed since the last call."""
         if len(blocks) > self.max_blocks_per_row:
             raise ValueError(
                 f"sequence needs {len(blocks)} blocks, more than max_blocks_per_row={self.max_blocks_per_row}"
             )
-        self.host[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        old = self._written[row]
+        if old == blocks:
+            return
+        same = len(old) if blocks[:len(old)] == old else 0
+        self._np[row, same:len(blocks)] = blocks[same:]
+        self._written[row] = list(blocks)
+
+    def host_rows(self, rows: list[int]):
+        """numpy copy (len(rows), max_blocks_per_row) int32 of the given host rows, in order."""
+        return self._np[rows]
 
     def stage(self, rows: list[int]) -> torch.Tensor:
         """Device tensor ``(len(rows), max_blocks_per_row)`` holding the given rows, in order."""

@@ -53,6 +53,7 @@ class KVPool:
         self.num_blocks = num_blocks
         self.storage = torch.zeros(num_blocks, self.block_elems, dtype=dtype, device=device)
         self._views = [self._model_views(m) for m in range(len(self.specs))]
+        self._segments_dev: tuple[torch.Tensor, torch.Tensor] | None = None  # for the adoption kernel
 
     def _segments(self) -> tuple[list[int], list[int]]:
         offsets, widths, off = [], [], 0
@@ -92,6 +93,16 @@ class KVPool:
         Precondition: dst_slots[i] <= src_slots[i], sorted by dst; sources are read before writes.
         """
         if src_slots.numel() == 0:
+            return
+        if self.storage.is_cuda:  # one Triton launch for every layer of every model
+            from specdec.kernels.kv_adopt import adopt_kv
+
+            if self._segments_dev is None:
+                dev = self.storage.device
+                self._segments_dev = (torch.tensor(self.seg_offsets, dtype=torch.int64, device=dev),
+                                      torch.tensor(self.seg_token_elems, dtype=torch.int64, device=dev))
+            adopt_kv(self.storage, *self._segments_dev, self.block_size, src_slots, dst_slots,
+                     max_token_elems=max(self.seg_token_elems))
             return
         bs = self.block_size
         sb, so = src_slots // bs, src_slots % bs

@@ -7,7 +7,8 @@ Ownership rules:
   (taken with ``allocator.incref``) on the physical block of every node in its tree and
   drops it (``allocator.free``) when the node is evicted. A request holds one reference on
   each block in ``req.blocks``; ``attach``/``adopt`` incref cached blocks on its behalf and
-  ``release`` drops them.
+  ``release`` drops them. A sliding-window request may drop a block early (its entry in
+  ``req.blocks`` becomes ``RELEASED``); a cached block it dropped stays with the cache.
 * The cache writes a request's ``blocks``/``num_computed``/``num_computed_draft``/
   ``num_cached_tokens`` only in ``attach`` and ``adopt``; it never reads or writes KV data.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 from blake3 import blake3
 from specdec.kvcache.allocator import BlockAllocator
+from specdec.kvcache.sliding_window import RELEASED, live_blocks
 
 _ROOT_HASH = b""
 
@@ -160,7 +162,8 @@ class RadixPrefixCache:
         Blocks fully below ``min(num_computed, num_computed_draft)`` (and inside ``tokens``)
         qualify. A new node takes its own reference on the request's block. If an equal block
         (same hash and tokens) is already cached, the cached one is kept and the request keeps
-        its own copy; the request's later blocks are chained under the cached node.
+        its own copy; the request's later blocks are chained under the cached node. A block the
+        request released before it was cached cannot be placed, nor anything after it.
         """
         done = min(req.num_computed, req.num_computed_draft, len(req.tokens))
         n_full = min(done // self.block_size, len(req.blocks))
@@ -170,6 +173,8 @@ class RadixPrefixCache:
             tokens = self._block_tokens(req, i)
             child = node.children.get(h)
             if child is None:
+                if req.blocks[i] == RELEASED:
+                    break
                 self.allocator.incref([req.blocks[i]])
                 self._seq += 1
                 child = _Node(h, tokens, req.blocks[i], node, seq=self._seq)
@@ -188,10 +193,26 @@ class RadixPrefixCache:
         """The request finished or was preempted: drop its references; cached blocks stay allocated."""
         path = self._match(req, min(len(req.blocks), len(req.tokens) // self.block_size))
         self._touch(path)  # just-released prefixes are the most recently used
-        self.allocator.free(req.blocks)
+        self.allocator.free(live_blocks(req.blocks))
         req.blocks = []
         self._hashes.pop(req, None)
         self._clear_in_progress(req)
+
+    def discard(self, req) -> int:
+        """Forget every cached block ``req`` holds, with everything cached under it; return how many
+        nodes were dropped. For a request that failed: its KV is not trusted, so no later request
+        may reuse it. Call before ``release``; blocks still referenced elsewhere stay allocated."""
+        held = set(req.blocks)
+        dropped = 0
+        for node in self._nodes():  # parents before children
+            if node.parent is not None and node.block in held:
+                dropped += self._drop_subtree(node)
+        return dropped
+
+    def _drop_subtree(self, node: _Node) -> int:
+        dropped = sum(self._drop_subtree(c) for c in list(node.children.values()))
+        self._evict(node)
+        return dropped + 1
 
     def adopt(self, req) -> int:
         """Swap the request's not-yet-computed blocks for cached equal ones; return how many.
@@ -199,15 +220,15 @@ class RadixPrefixCache:
         Optional, for prefix-aware skipping: after waiting for another request's chunk, the
         scheduler calls this before scheduling ``req``'s next chunk. Only when both models
         stopped at the same block boundary ``k * block_size`` and blocks 0..k-1 match the
-        tree by content. Each adopted block replaces the request's own block (freed here); the
+        tree by content. Each adopted block replaces the request's own block (freed here) or, past
+        the blocks the request holds (a windowed engine allocates per chunk), is appended; the
         caller must refresh the request's block-table row when the result is > 0.
         """
         bs = self.block_size
         k, rem = divmod(req.num_computed, bs)
-        if rem or req.num_computed_draft != req.num_computed:
+        if rem or req.num_computed_draft != req.num_computed or len(req.blocks) < k:
             return 0
-        limit = min(self._max_reusable_blocks(req), len(req.blocks))
-        path = self._match(req, limit)
+        path = self._match(req, self._max_reusable_blocks(req))
         if len(path) <= k:
             return 0
         new = path[k:]

@@ -38,12 +38,14 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    error: Exception | None = None  # why the request failed (finish_reason "error")
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     generator: torch.Generator | None = None
     arrival: int = 0
     text: str = ""
     emitted_tokens: int = 0  # output tokens already streamed
     emitted_chars: int = 0
+    detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
+from specdec.kvcache.sliding_window import RELEASED, WindowReuse, live_blocks
 from specdec.scheduler.request import Request, RequestStatus
 
 
@@ -54,16 +55,21 @@ class Scheduler:
     """Owns the queues, the allocator bookkeeping and the block tables of all requests.
 
     ``lookahead`` is the number of positions past the sequence a speculating row writes
-    (the draft tree's node budget).
+    (the draft tree's node budget). With ``window`` (every model attends through a sliding
+    window) blocks below every future query's window are released at the start of each step,
+    prefill blocks are allocated chunk by chunk, and capacity counts a request's window-bounded
+    peak instead of its full length.
     """
 
     def __init__(self, cfg: SchedulerConfig, allocator: BlockAllocator, tables: BlockTables,
-                 block_size: int, lookahead: int, prefix_cache=None) -> None:
+                 block_size: int, lookahead: int, prefix_cache=None, window: WindowReuse | None = None) -> None:
         self.cfg, self.allocator, self.tables = cfg, allocator, tables
         self.block_size, self.lookahead = block_size, lookahead
         self.prefix_cache = prefix_cache
+        self.window = window
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.failed: list[Request] = []  # failed since the engine last took them (take_failed)
         self._arrivals = 0
 
     def add(self, req: Request) -> None:
@@ -79,27 +85,51 @@ class Scheduler:
         return -(-num_positions // self.block_size)
 
     def _max_blocks(self, req: Request) -> int:
-        return self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+        """Most blocks ``req`` holds at once from now on (its full length without a window)."""
+        full = self.blocks_for(req.num_prompt + req.params.max_new_tokens + self.lookahead + 1)
+        if self.window is None:
+            return full
+        return min(full, self.window.peak(len(req.tokens) - 1 - req.num_computed, self._chunk_cap(req.num_prompt)))
+
+    def blocks_needed(self, num_prompt: int, max_new_tokens: int) -> int:
+        """Blocks a request must be able to hold at once to run at all, even after a preemption."""
+        full = self.blocks_for(num_prompt + max_new_tokens + self.lookahead + 1)
+        if self.window is None:
+            return full
+        return min(full, self.window.peak(num_prompt + max_new_tokens - 1, self._chunk_cap(num_prompt)))
+
+    def _chunk_cap(self, num_prompt: int) -> int:
+        """Longest prefill chunk of a request. Windowed: no longer than its first prefill could be
+        (or the window), so recomputing a long sequence after a preemption needs no more blocks."""
+        if self.window is None:
+            return self.cfg.max_num_tokens
+        return min(self.cfg.max_num_tokens, max(num_prompt - 1, self.window.max_window))
 
     def schedule(self) -> StepBatch:
         """Admit what fits, then pick prefill chunks and speculating rows for one step."""
         batch = StepBatch()
+        for req in self.running:
+            self.release_outside_window(req)
         self._admit()
         budget = self.cfg.max_num_tokens
-        for req in self.running:
-            if req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
+        for req in list(self.running):
+            if req not in self.running or req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
                 continue
-            end = min(len(req.tokens) - 1, req.num_computed + budget)
+            end = min(len(req.tokens) - 1, req.num_computed + min(budget, self._chunk_cap(req.num_prompt)))
+            if not self._reserve(req, end, batch):  # a no-op unless blocks are allocated per chunk
+                continue
             batch.prefill.append(PrefillChunk(req, req.num_computed, end))
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
+        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
         for req in list(self.running):
-            if req.prefill_done and req in self.running:
+            if req.prefill_done and req.status is running:
                 if self._reserve(req, len(req.tokens) + self.lookahead, batch):
                     batch.decode.append(req)
-        batch.decode = [r for r in batch.decode if r in self.running]
-        batch.prefill = [c for c in batch.prefill if c.req in self.running]  # drop chunks of preempted rows
+        if batch.preempted:
+            batch.decode = [r for r in batch.decode if r.status is running]
+            batch.prefill = [c for c in batch.prefill if c.req.status is running]  # drop preempted rows' chunks
         return batch
 
     def _wait_for_shared_prefix(self, req: Request) -> bool:
@@ -124,14 +154,20 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.attach(req)
             self.tables.set_row(req.bt_row, req.blocks)
-            self.allocator_grow(req, len(req.tokens) - 1)
             self.running.append(req)
+            try:
+                if self.window is None:
+                    self.allocator_grow(req, len(req.tokens) - 1)
+                else:  # windowed prefill blocks come chunk by chunk; a long cached prefix is dropped now
+                    self.release_outside_window(req)
+            except OutOfBlocks as err:  # the pool shrank below what admission counted on
+                self.fail(req, err)
 
     def _can_admit(self, req: Request) -> bool:
         if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
-            reserved = sum(self._max_blocks(r) - len(r.blocks) for r in self.running)
+            reserved = sum(max(0, self._max_blocks(r) - len(live_blocks(r.blocks))) for r in self.running)
             return self._free_blocks() - reserved >= self._max_blocks(req)
-        return self._free_blocks() >= self.blocks_for(len(req.tokens) + self.lookahead)
+        return self._free_blocks() >= min(self.blocks_for(len(req.tokens) + self.lookahead), self._max_blocks(req))
 
     def _free_blocks(self) -> int:
         evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
@@ -148,17 +184,39 @@ class Scheduler:
         self.tables.set_row(req.bt_row, req.blocks)
 
     def _reserve(self, req: Request, num_positions: int, batch: StepBatch) -> bool:
-        """Grow ``req`` to ``num_positions``, preempting later arrivals if the pool is full."""
+        """Grow ``req`` to ``num_positions``, preempting later arrivals if the pool is full.
+
+        When preemption cannot help (GUARANTEED_NO_EVICT promised the blocks, or ``req`` runs
+        alone) ``req`` fails with finish_reason "error"; the other requests are untouched."""
         while True:
             try:
                 self.allocator_grow(req, num_positions)
                 return True
-            except OutOfBlocks:
+            except OutOfBlocks as err:
+                if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT or self.running == [req]:
+                    self.fail(req, err)
+                    return False
                 victim = max(self.running, key=lambda r: r.arrival)
                 self.preempt(victim)
                 batch.preempted.append(victim)
                 if victim is req:
                     return False
+
+    def release_outside_window(self, req: Request) -> None:
+        """Drop ``req``'s references to blocks no future query of any model can read (windowed
+        engines only); their block-table entries become RELEASED. Shared blocks stay with their
+        other holders (the prefix cache, other requests)."""
+        if self.window is None:
+            return
+        dead = min(self.window.num_dead_blocks(req.num_computed, req.num_computed_draft), len(req.blocks))
+        first = dead
+        while first > 0 and req.blocks[first - 1] != RELEASED:  # released entries form a prefix
+            first -= 1
+        if first == dead:
+            return
+        self.allocator.free(req.blocks[first:dead])
+        req.blocks[first:dead] = [RELEASED] * (dead - first)
+        self.tables.set_row(req.bt_row, req.blocks)
 
     def preempt(self, req: Request) -> None:
         """Free ``req``'s KV and requeue it at the front; it is recomputed from its tokens."""
@@ -185,6 +243,19 @@ class Scheduler:
             return
         self.finish(req, "abort")
 
+    def fail(self, req: Request, err: Exception) -> None:
+        """End ``req`` with finish_reason "error" and ``err`` as its cause; frees its KV."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        req.error = err
+        self.finish(req, "error")
+        self.failed.append(req)
+
+    def take_failed(self) -> list[Request]:
+        """The requests failed since the last call (the engine reports them to their callers)."""
+        failed, self.failed = self.failed, []
+        return failed
+
     def finish(self, req: Request, reason: str) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -196,7 +267,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             self.prefix_cache.release(req)
         else:
-            self.allocator.free(req.blocks)
+            self.allocator.free(live_blocks(req.blocks))
         req.blocks = []
         if req.bt_row >= 0:
             self.tables.release_row(req.bt_row)
@@ -239,7 +310,8 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
             if reason:
                 break
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
-        stopper.finalize_text(req, reason)
+        if reason:  # running requests' text is decoded incrementally where it is streamed
+            stopper.finalize_text(req, reason)
         if reason:
             sched.finish(req, reason)
         else:

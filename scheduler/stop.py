@@ -16,6 +16,23 @@ class StopChecker:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def running_text(self, req: Request) -> str:
+        """The output's text so far, decoded incrementally: each call decodes only the tokens added
+        since the last one, with a few earlier tokens as context (so spaces and merges render as in a
+        full decode). An incomplete UTF-8 character at the end waits for its next token."""
+        if self.tokenizer is None:
+            return ""
+        st = req.detok  # [prefix_offset, read_offset, text]
+        ids = req.output_ids
+        if st[1] == len(ids):
+            return st[2]
+        prefix_text = self.decode(ids[st[0]:st[1]])
+        new_text = self.decode(ids[st[0]:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            st[2] += new_text[len(prefix_text):]
+            st[0], st[1] = st[1], len(ids)
+        return st[2]
+
     def append(self, req: Request, token: int) -> str | None:
         """Append one token; return a finish reason if the request must stop after it."""
         req.tokens.append(token)
@@ -36,7 +53,8 @@ class StopChecker:
 
     def finalize_text(self, req: Request, reason: str | None) -> None:
         """Refresh ``req.text`` unless a stop string already fixed it."""
-        if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids), req.params.stop):
+        if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids),
+                                                                  req.params.stop) is not None:
             return
         req.text = self.decode(req.output_ids)
 

@@ -51,8 +51,8 @@ class AcceptResult(NamedTuple):
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
     """Raise ValueError naming the field when a sampling parameter is out of range."""
-    if not temperature >= 0.0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 <= temperature < float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
     if not 0.0 < top_p <= 1.0:
@@ -65,19 +65,21 @@ def shape_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = No
 
     temperature 0: one-hot on the argmax (the first index among equal maxima). Otherwise
     softmax(logits / temperature), restricted to the top_k most probable tokens, then to
-    the smallest set of most probable tokens whose mass is >= top_p, renormalized. Equal
-    values are ranked by token id (lower id first), so the kept set is deterministic.
+    the smallest set of most probable tokens whose mass is >= top_p, renormalized. Tokens are
+    ranked by their logits before the division (so a huge temperature that rounds the scaled
+    values to ties cannot change which tokens are kept); equal logits are ranked by token id
+    (lower id first), so the kept set is deterministic.
     """
     check_sampling(temperature, top_k, top_p)
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
     vocab = x.shape[-1]
     if temperature == 0.0:
         return F.one_hot(x.argmax(-1), vocab).to(x.dtype)
-    x = x / temperature
     k = min(top_k or vocab, vocab)
     if k == vocab and top_p >= 1.0:
-        return torch.softmax(x, dim=-1)
-    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # (..., V) ranked by value, then id
+        return torch.softmax(x / temperature, dim=-1)
+    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # (..., V) ranked by logit, then id
+    xs = xs / temperature
     rank = torch.arange(vocab, device=x.device)
     probs = torch.softmax(xs.masked_fill(rank >= k, float("-inf")), dim=-1)  # (..., V) top-k
     if top_p < 1.0:

@@ -10,13 +10,19 @@ from typing import Any
 import torch
 
 from specdec.config import ModelConfig
+from specdec.config_checks import check_spec_config
 from specdec.drafters.base import Drafter, Proposal
-from specdec.kvcache.allocator import BlockAllocator
+from specdec.errors import FieldError
+from specdec.fault_isolation import run_isolated
+from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
+from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
+from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput
-from specdec.prompts import PromptError, to_prompt_ids
+from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
+from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request
@@ -44,23 +50,11 @@ class SpecConfig:
     device: str = "cpu"
     dtype: str = "float32"
     ngram_max_n: int = 4
+    cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
+    window_reuse: bool = True  # sliding-window models release blocks outside every window
 
     def __post_init__(self) -> None:
-        template_from_spec(self.tree)
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"SpecConfig.num_blocks must be >= 1 or None (sized by memory), got {self.num_blocks}")
-        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
-            raise ValueError(f"SpecConfig.kv_memory_bytes must be >= 1 or None, got {self.kv_memory_bytes}")
-        if self.block_size < 1:
-            raise ValueError(f"SpecConfig.block_size must be >= 1, got {self.block_size}")
-        policies = [p.value for p in CapacityPolicy]
-        if self.policy not in policies:
-            raise ValueError(f"SpecConfig.policy must be one of {policies}, got {self.policy!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"SpecConfig.attention_backend must be auto, torch or triton, got "
-                             f"{self.attention_backend!r}")
-        resolve_dtype(self.dtype)
-        SchedulerConfig(self.max_batch_size, self.max_num_tokens)
+        check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
 
     @property
     def tree_spec(self):
@@ -74,11 +68,15 @@ class SpecEngine:
     """
 
     def __init__(self, draft: Any, target: Any, config: SpecConfig | None = None) -> None:
+        if config is not None and not isinstance(config, SpecConfig):
+            raise TypeError(f"config must be a SpecConfig (e.g. SpecConfig(**options)) or None, got "
+                            f"{type(config).__name__}")
         self.config = cfg = config or SpecConfig()
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)
-        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device)
+        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device,
+                                                                                self.target)
         if self.draft is not None:
             _check_same_vocab(self.draft, self.target)
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
@@ -90,13 +88,18 @@ class SpecEngine:
         self.allocator = BlockAllocator(self.pool.num_blocks)
         self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
         self.drafter = self._make_drafter(draft)
+        self.graph_report = self._setup_graphs(max_blocks)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
+        window = None if not cfg.window_reuse else window_reuse_for(
+            self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
+            self.drafter.max_nodes)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
-            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache)
-        self.verifier = Verifier(self.target.model, self.runner)
+            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache, window)
+        self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
+        self.router = Router()
         self._ids = itertools.count()
 
     def _kv_budget(self) -> int:
@@ -118,8 +121,37 @@ class SpecEngine:
         if self.draft is None:
             return _NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter
+        from specdec.training.eagle import EagleDraft
 
+        if isinstance(self.draft.model, EagleDraft):
+            from specdec.drafters.eagle_drafter import EagleDrafter
+
+            return EagleDrafter(self.draft.model, self.runner, spec, self.target.config.vocab_size)
         return ModelDrafter(self.draft.model, self.runner, spec)
+
+    def _setup_graphs(self, bt_width: int):
+        """Fuse projections and, when enabled, capture the graphed steps (returns the capture report)."""
+        from specdec.scheduler.cuda_graphs import GraphRunner
+
+        for m in (self.target, self.draft):
+            if m is not None and isinstance(m.model, LlamaForCausalLM):
+                m.model.fuse()
+        want = self.config.cuda_graphs
+        triton = self.runner.backend.name == "triton"
+        if want is None:  # a feature-reading (eagle) draft needs target features, which graphs do not return yet
+            want = self.device.type == "cuda" and triton and not self.drafter.target_features
+        if not want:
+            return None
+        if self.device.type == "cuda" and not triton:
+            raise ValueError("SpecConfig.cuda_graphs=True on CUDA needs the Triton attention backend "
+                             f"(attention_backend='auto' or 'triton'), got {self.config.attention_backend!r}")
+        models, max_query = {0: self.target.model}, {0: self.drafter.max_nodes + 1}
+        if self.draft is not None and isinstance(self.draft.model, LlamaForCausalLM):
+            models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
+        graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
+                             bt_width, self.device, capture=self.device.type == "cuda")
+        self.runner.graphs = graphs
+        return graphs.capture()
 
     def _make_prefix_cache(self):
         from specdec.kvcache.radix_cache import RadixPrefixCache
@@ -129,10 +161,16 @@ class SpecEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
-        """Validate and queue one request; bad input raises a ValueError naming the field."""
-        params = params or SamplingParams()
+        """Validate and queue one request; bad input raises a ValueError naming the field.
+
+        Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request.
+        """
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.target.tokenizer is None:
+            raise FieldError("SamplingParams", "stop", f"needs a model with a tokenizer ({self.target.name!r} has "
+                             "none; use stop_token_ids)", params.stop)
         ids = to_prompt_ids(prompt, self.target.tokenizer)
         self._validate(ids, params)
         eos = tuple(self.target.config.eos_token_ids)
@@ -157,7 +195,7 @@ class SpecEngine:
         if len(ids) + params.max_new_tokens + self.drafter.max_nodes > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
                              f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.max_nodes}")
-        need = self.scheduler.blocks_for(len(ids) + params.max_new_tokens + self.drafter.max_nodes + 1)
+        need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "
                              "(raise num_blocks/kv_memory_bytes or lower max_new_tokens)")
@@ -165,41 +203,86 @@ class SpecEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that made progress or finished."""
+        """One engine step; returns the requests that made progress, finished or failed.
+
+        A failure that concerns some requests (an exception in their forward or draft, non-finite
+        logits, no KV block left for them) fails just those (finish_reason "error", the cause in
+        ``error``); the step goes on for the others. Outputs go to the stream that owns a request.
+        """
         batch: StepBatch = self.scheduler.schedule()
-        if batch.empty:
-            if self.scheduler.has_work:
-                raise RuntimeError("scheduler made no progress: the KV pool is too small for any request")
-            return []
-        self._prefill(batch)
-        proposal: Proposal = self.drafter.propose(batch.decode)
-        results = self.verifier.verify(batch.decode, proposal.trees, proposal.draft_computed)
-        commit_accepted(self.scheduler, self.stopper, self.pool, batch.decode, results)
-        for req in batch.decode:
+        if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
+            self._fail_stuck()
+        prefilled = self._prefill(batch)
+        rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)
+        commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
+        self.drafter.accepted(rows, results)
+        for req in rows:
             if req.finished:
                 self.stats.merge(req.stats)
-        return [c.req for c in batch.prefill] + batch.decode
+        progressed = list(dict.fromkeys(prefilled + rows + self.scheduler.take_failed()))
+        self._route(progressed)
+        return progressed
 
-    def _prefill(self, batch: StepBatch) -> None:
-        if not batch.prefill:
-            return
+    def _speculate(self, rows: list[Request]) -> list:
+        if not rows:
+            return []
+        proposal: Proposal = self.drafter.propose(rows)
+        return self.verifier.verify(rows, proposal.trees, proposal.draft_computed)
+
+    def _prefill(self, batch: StepBatch) -> list[Request]:
+        chunks, _ = run_isolated(batch.prefill, _chunk_request, self._prefill_chunks, self._fail)
+        if self.scheduler.prefix_cache is not None:
+            for c in chunks:
+                self.scheduler.prefix_cache.insert(c.req)
+        return [c.req for c in chunks]
+
+    def _prefill_chunks(self, chunks: list) -> list[None]:
+        if not chunks:
+            return []
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
-                         want_logits="none") for c in batch.prefill]
-        self.runner.run(0, self.target.model, rows)
-        self.drafter.prefill(batch.prefill)
-        for c in batch.prefill:
+                         want_logits="none") for c in chunks]
+        _, features = self.runner.run_features(0, self.target.model, rows, self.drafter.target_features)
+        self.drafter.prefill(chunks, features)
+        for c in chunks:
             c.req.num_computed = c.end
             if not self.drafter.uses_kv:
                 c.req.num_computed_draft = c.end
+        return [None] * len(chunks)
+
+    def _fail(self, req: Request, err: Exception) -> None:
+        """Fail one request after a compute fault. Its KV is not trusted: the prefix cache forgets the
+        blocks it holds, and the blocks only it holds are zeroed (NaN left in a free block could leak
+        into other rows through padded attention, where 0 * NaN is NaN) before they are freed."""
         if self.scheduler.prefix_cache is not None:
-            for c in batch.prefill:
-                self.scheduler.prefix_cache.insert(c.req)
+            self.scheduler.prefix_cache.discard(req)
+        own = [b for b in req.blocks if self.allocator.refcount(b) == 1]
+        if own:
+            self.pool.storage[torch.tensor(own, device=self.pool.storage.device)] = 0
+        req.text = self.stopper.decode(req.output_ids)
+        self.scheduler.fail(req, err)
+
+    def _fail_stuck(self) -> None:
+        """Nothing could be scheduled although requests wait: the pool lost blocks it was sized
+        with. The oldest waiting request fails instead of the whole engine."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            raise RuntimeError("scheduler made no progress although requests are running")
+        req = sched.waiting[0]
+        need = sched.blocks_for(len(req.tokens) + sched.lookahead)
+        sched.fail(req, OutOfBlocks(need, self.allocator.num_free))
+
+    def _route(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            if self.router.owns(req):
+                out = _output(req, self.stopper)
+                if out.new_token_ids or out.finished:
+                    self.router.deliver(req, out)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in order.
 
-        A prompt that fails validation yields an output with finish_reason "error" and the
-        ValueError in ``error``; the other prompts run normally.
+        A prompt that fails validation, or a request that fails while running, yields an output
+        with finish_reason "error" and the cause in ``error``; the other prompts run normally.
         """
         final: dict[str, RequestOutput] = {}
         order = []
@@ -209,33 +292,40 @@ class SpecEngine:
         return [final[i] for i in order]
 
     def stream(self, prompts, params=None, use_tqdm: bool = False, _order=None) -> Iterator[RequestOutput]:
-        """Yield incremental outputs (``new_token_ids``/``new_text``) as requests progress."""
-        prompt_list = _as_prompt_list(prompts)
-        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompt_list)
-        if len(plist) != len(prompt_list):
-            raise ValueError(f"params has {len(plist)} entries for {len(prompt_list)} prompts")
+        """Yield incremental outputs (``new_token_ids``/``new_text``) of these prompts' requests.
+
+        Only this call's requests are yielded, even when other streams drive the same engine.
+        A params entry of the wrong type raises TypeError before anything is queued; if the
+        submission fails half-way, or the consumer stops early, this call's requests are aborted.
+        """
+        prompt_list = as_prompt_list(prompts)
+        plist = _params_list(params, len(prompt_list))
         order = _order if _order is not None else []
-        live = []
-        for prompt, p in zip(prompt_list, plist):
-            rid = str(next(self._ids))
-            order.append(rid)
-            try:
-                live.append(self.add_request(prompt, p, rid))
-            except ValueError as err:
-                yield RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err)
-        bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in live))
+        queue, bar = OutputQueue(), None
         try:
-            while self.scheduler.has_work:
-                for req in self.step():
-                    out = _output(req, self.stopper)
-                    if out.new_token_ids or out.finished:
-                        if bar is not None:
-                            bar.update(len(out.new_token_ids))
-                        yield out
-        finally:  # a consumer that stops early (or an error) must not leave requests holding KV
-            for req in live:
+            for prompt, p in zip(prompt_list, plist):
+                rid = str(next(self._ids))
+                order.append(rid)
+                try:
+                    req = self.add_request(prompt, p, rid)
+                except ValueError as err:
+                    queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
+                    continue
+                self.router.own(queue, req)
+            bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))
+            while queue.pending or not queue.done:
+                if not queue.pending:
+                    self.step()
+                    continue
+                out = queue.pending.popleft()
+                if bar is not None:
+                    bar.update(len(out.new_token_ids))
+                yield out
+        finally:  # a failed submission, an error or an early stop must not leave requests holding KV
+            for req in queue.requests:
                 if not req.finished:
                     self.scheduler.abort(req)
+            self.router.release(queue)
             if bar is not None:
                 bar.close()
 
@@ -259,11 +349,11 @@ class _NoDraft(Drafter):
 def _output(req: Request, stopper: StopChecker) -> RequestOutput:
     out_ids = req.output_ids
     new_ids = out_ids[req.emitted_tokens:]
-    text = req.text if req.finished else _stable_text(stopper.decode(out_ids), req.params.stop)
+    text = req.text if req.finished else _stable_text(stopper.running_text(req), req.params.stop)
     new_text = text[req.emitted_chars:]
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), list(out_ids), text, req.finish_reason,
-                         req.stats, None, new_ids, new_text)
+                         req.stats, req.error, new_ids, new_text)
 
 
 def _stable_text(text: str, stops: tuple[str, ...]) -> str:
@@ -287,21 +377,30 @@ def _progress(enabled: bool, total: int):
     return tqdm(total=total, unit="tok", desc="generate")
 
 
-def _as_prompt_list(prompts) -> list:
-    """One prompt (text, token ids, chat messages) or a list of them -> a list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(m, dict) for m in prompts):
-        return [list(prompts)]
-    return list(prompts)
+def _itself(req: Request) -> Request:
+    return req
 
 
-def _as_loaded(model, dtype, device) -> LoadedModel:
+def _chunk_request(chunk) -> Request:
+    return chunk.req
+
+
+def _params_list(params, n: int) -> list[SamplingParams | None]:
+    """One SamplingParams (or None) per prompt; checked before anything is queued."""
+    plist = list(params) if isinstance(params, (list, tuple)) else [params] * n
+    if len(plist) != n:
+        raise ValueError(f"params has {len(plist)} entries for {n} prompts")
+    for i, p in enumerate(plist):
+        if p is not None and not isinstance(p, SamplingParams):
+            raise TypeError(f"params[{i}] must be SamplingParams or None, got {type(p).__name__}")
+    return plist
+
+
+def _as_loaded(model, dtype, device, target: LoadedModel | None = None) -> LoadedModel:
+    """``model`` itself, or loaded; a draft folder shares its embeddings with ``target``."""
     if isinstance(model, LoadedModel):
         return model
-    return load_model(model, dtype=dtype, device=device)
+    return load_model(model, dtype=dtype, device=device, target=target)
 
 
 def _kv_spec(cfg: ModelConfig) -> KVSpec:

@@ -2,24 +2,49 @@
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
+
+PROMPT_FORMS = ("a str, a list/tuple of int token ids, a 1-D integer tensor or array, or a list of chat "
+                "messages ({role, content} dicts)")
+
 
 class PromptError(ValueError):
     """A prompt that cannot be run; the message names the problem and the allowed range."""
 
 
+def is_token_ids(prompt) -> bool:
+    """True for one prompt given as token ids: a list/tuple of integers (any integral type, not bool)
+    or a 1-D integer torch tensor / numpy array."""
+    if _is_array(prompt):
+        return prompt.ndim == 1 and _integer_dtype(prompt)
+    return isinstance(prompt, (list, tuple)) and all(_is_int(t) for t in prompt)
+
+
+def is_chat(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
+
+
+def as_prompt_list(prompts) -> list:
+    """One prompt (text, token ids, chat messages) or a batch of them (a list, a 2-D tensor) -> a list."""
+    if isinstance(prompts, str) or is_chat(prompts) or (is_token_ids(prompts) and len(prompts) > 0):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise PromptError(f"prompts must be one prompt or a list of prompts, got {type(prompts).__name__}")
+    return list(prompts)
+
+
 def to_prompt_ids(prompt, tokenizer) -> list[int]:
-    """Token ids of a text prompt, a list of token ids, or a chat (list of {role, content})."""
+    """Token ids (Python ints) of one prompt in any form of ``PROMPT_FORMS``."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise PromptError("prompt is text but the model has no tokenizer; pass token ids")
         return list(tokenizer.encode(prompt)) if prompt else []
-    if isinstance(prompt, (list, tuple)):
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if all(isinstance(m, dict) for m in prompt):
-            return chat_ids(prompt, tokenizer)
-    raise PromptError(f"prompt must be a str, a list of token ids or a list of chat messages, got "
-                      f"{type(prompt).__name__}")
+    if is_token_ids(prompt):
+        return [int(t) for t in (prompt.tolist() if _is_array(prompt) else prompt)]
+    if is_chat(prompt):
+        return chat_ids(prompt, tokenizer)
+    raise PromptError(f"prompt must be {PROMPT_FORMS}, got {_describe(prompt)}")
 
 
 def chat_ids(messages: list[dict], tokenizer) -> list[int]:
@@ -31,3 +56,29 @@ def chat_ids(messages: list[dict], tokenizer) -> list[int]:
         raise PromptError("prompt is a chat but the tokenizer has no chat template")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _is_int(t) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _is_array(x) -> bool:
+    """A torch tensor or a numpy array (duck-typed: no numpy import needed)."""
+    return hasattr(x, "ndim") and hasattr(x, "dtype") and hasattr(x, "tolist")
+
+
+def _integer_dtype(x) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool
+    return getattr(x.dtype, "kind", "") in ("i", "u")
+
+
+def _describe(x) -> str:
+    if _is_array(x):
+        return f"{type(x).__name__} of shape {tuple(x.shape)} and dtype {x.dtype}"
+    if isinstance(x, (list, tuple)) and x:
+        kinds = sorted({type(t).__name__ for t in x})
+        return f"{type(x).__name__} of {'/'.join(kinds)}"
+    return type(x).__name__

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +33,16 @@ class RowInput:
     seq_len: int
     tree_mask: list[int] | None = None
     want_logits: str = "last"  # "last", "all" or "none"
+    parents: list[int] | None = None  # verify rows: each query's parent query index (-1 = root)
+
+
+class ForwardResult(NamedTuple):
+    """Per-row logits (as asked by ``want_logits``) and, from a graphed target forward, the batch's
+    greedy acceptance (``accept_greedy_padded``, on the device) — None when the step ran eagerly."""
+
+    logits: Sequence[torch.Tensor | None]
+    accept: torch.Tensor | None
+    features: list[torch.Tensor] | None = None  # per row (n, k * hidden) outputs of the asked decoder layers
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:
@@ -44,6 +56,7 @@ class ModelRunner:
     def __init__(self, pool: KVPool, tables: BlockTables, backend: AttentionBackend, device) -> None:
         self.pool, self.tables, self.backend = pool, tables, backend
         self.device = torch.device(device)
+        self.graphs = None  # a GraphRunner once the engine enables the static-buffer step
 
     def slots(self, req: Request, logical: range | list[int]) -> list[int]:
         bs = self.pool.block_size
@@ -84,20 +97,59 @@ class ModelRunner:
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
-    def run(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> list[torch.Tensor | None]:
-        """Forward the rows through ``model`` (KV views of pool model ``model_idx``).
-
-        Returns per row the float32 logits it asked for: (V,) for "last", (n, V) for "all".
-        """
+    def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
+        """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
         for r in rows:
             self.tables.set_row(r.req.bt_row, r.req.blocks)
         meta, ids, pos = self.build(rows)
-        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(model_idx))
+        return ForwardContext(self.backend, meta, self.pool.model_kv(model_idx)), ids, pos
+
+    def run(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput]) -> list[torch.Tensor | None]:
+        """Forward the rows through ``model`` (KV views of pool model ``model_idx``).
+
+        Returns per row the float32 logits it asked for: (V,) for "last", (n, V) for "all". Logits of a
+        graphed step are views of the graph's output: use them before the next forward.
+        """
+        return self.forward(model_idx, model, rows).logits
+
+    def run_features(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
+                     aux_layers: tuple[int, ...] = ()):
+        """``run``, plus per row the outputs of decoder layers ``aux_layers`` at all its queries
+        (n, len(aux_layers) * hidden); None when ``aux_layers`` is empty."""
+        res = self.forward(model_idx, model, rows, aux_layers)
+        return res.logits, res.features
+
+    def forward(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
+                aux_layers: tuple[int, ...] = ()) -> ForwardResult:
+        """``run`` plus the device-side greedy acceptance when the step was graphed (target only) and the
+        features of ``aux_layers`` (those forwards run eagerly)."""
+        for r in rows:
+            self.tables.set_row(r.req.bt_row, r.req.blocks)
+        key = self.graphs.key_for(model_idx, rows) if self.graphs is not None and not aux_layers else None
+        if key is not None:
+            return self._forward_graphed(key, rows)
+        return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
+
+    def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
+        _, _, q = key
+        if q > 1:
+            rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
+        slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
+        bt = self.tables.host_rows([r.req.bt_row for r in rows])
+        out = self.graphs.run(key, rows, slots, bt)
+        return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept)
+
+    def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput], aux_layers=()):
+        ctx, ids, pos = self.prepare(model_idx, rows)
+        qsl = ctx.meta.host_query_start_loc
         with torch.inference_mode():
-            hidden = model(ids, pos, ctx)  # (T, hidden)
+            if aux_layers:
+                hidden, aux = model.forward_features(ids, pos, ctx, aux_layers)  # (T, hidden), (T, k * hidden)
+            else:
+                hidden, aux = model(ids, pos, ctx), None  # (T, hidden)
             picks, spans = [], []
             for i, r in enumerate(rows):
-                s, e = meta.host_query_start_loc[i], meta.host_query_start_loc[i + 1]
+                s, e = qsl[i], qsl[i + 1]
                 span = {"last": (e - 1, e), "all": (s, e), "none": (e, e)}[r.want_logits]
                 spans.append((len(picks), len(picks) + span[1] - span[0], r.want_logits))
                 picks += range(*span)
@@ -105,7 +157,32 @@ class ModelRunner:
         out = []
         for a, b, kind in spans:
             out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
-        return out
+        return out, None, None if aux is None else [aux[qsl[i]:qsl[i + 1]] for i in range(len(rows))]
+
+
+class _PaddedLogits:
+    """Per-row logits of a padded step, sliced only when a row is read (greedy verify reads none)."""
+
+    def __init__(self, logits: torch.Tensor, q: int, rows: list[RowInput]) -> None:
+        self.logits, self.q, self.rows = logits, q, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        r = self.rows[i]
+        s, e = i * self.q, i * self.q + len(r.token_ids)
+        return None if r.want_logits == "none" else self.logits[e - 1] if r.want_logits == "last" else \
+            self.logits[s:e]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.rows)))
+
+
+def _with_causal_mask(r: RowInput) -> RowInput:
+    from dataclasses import replace
+
+    return replace(r, tree_mask=_as_signed(causal_bits(r.seq_len - r.prefix_len, len(r.token_ids))))
 
 
 def _as_signed(masks: list[int]) -> list[int]:

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+from specdec.errors import FieldError
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request samples and when it stops. Validated at construction.
+    """How one request samples and when it stops. Validated (types included) at construction.
 
-    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters.
+    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. ``stop`` is one
+    string or a sequence of strings (needs a model with a tokenizer); ``stop_token_ids`` a
+    sequence of token ids. Integers of any integral type (numpy included) are stored as int.
     """
 
     temperature: float = 0.0
@@ -22,23 +30,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               "temperature", "must be a number >= 0 (0 = greedy)", self.temperature)
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an int >= 0 (0 = off)",
-               self.top_k)
-        _check(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
-               self.top_p)
-        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0), "seed",
-               "must be None or an int >= 0", self.seed)
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
-               "must be an int >= 1", self.max_new_tokens)
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "must be ints >= 0", self.stop_token_ids)
+        set_ = object.__setattr__
+        set_(self, "temperature", _real(self.temperature, "temperature", "must be a finite number >= 0 (0 = greedy)",
+                                        lambda t: t >= 0))
+        set_(self, "top_p", _real(self.top_p, "top_p", "must be a number in (0, 1]", lambda p: 0 < p <= 1))
+        set_(self, "top_k", _integer(self.top_k, "top_k", "must be an int >= 0 (0 = off)", 0, None))
+        set_(self, "max_new_tokens", _integer(self.max_new_tokens, "max_new_tokens", "must be an int >= 1", 1, None))
+        if self.seed is not None:
+            set_(self, "seed", _integer(self.seed, "seed", "must be None or an int >= 0 and < 2**64", 0,
+                                        MAX_SEED))
+        set_(self, "stop", _stop_strings(self.stop))
+        set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
 
     @property
     def greedy(self) -> bool:
@@ -47,4 +50,31 @@ class SamplingParams:
 
 def _check(ok: bool, name: str, rule: str, value) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        raise FieldError("SamplingParams", name, rule, value)
+
+
+def _real(value, name: str, rule: str, in_range) -> float:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    _check(ok and in_range(value), name, rule, value)
+    return float(value)
+
+
+def _integer(value, name: str, rule: str, lo: int, hi: int | None) -> int:
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    _check(ok and lo <= value and (hi is None or value <= hi), name, rule, value)
+    return int(value)
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    rule = "must be a non-empty string or a list/tuple of non-empty strings"
+    if isinstance(stop, str):
+        stop = (stop,)
+    _check(isinstance(stop, (list, tuple)), "stop", rule, stop)
+    _check(all(isinstance(s, str) and s for s in stop), "stop", rule, stop)
+    return tuple(stop)
+
+
+def _token_ids(ids) -> tuple[int, ...]:
+    rule = "must be a list/tuple of ints >= 0"
+    _check(isinstance(ids, (list, tuple)), "stop_token_ids", rule, ids)
+    return tuple(_integer(t, "stop_token_ids", rule, 0, None) for t in ids)

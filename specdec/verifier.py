@@ -7,7 +7,9 @@ from typing import NamedTuple
 import torch
 
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
-from specdec.runner import ModelRunner, RowInput
+from specdec.acceptance_batched import unpack_greedy
+from specdec.fault_isolation import check_finite, check_finite_flags
+from specdec.runner import ModelRunner, RowInput, _as_signed
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
 
@@ -19,41 +21,59 @@ class VerifyResult(NamedTuple):
     num_drafted: int
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
+    features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
 
 
 class Verifier:
     """Verifies draft trees with the target model (pool model 0)."""
 
-    def __init__(self, target, runner: ModelRunner) -> None:
-        self.target, self.runner = target, runner
+    def __init__(self, target, runner: ModelRunner, aux_layers: tuple[int, ...] = ()) -> None:
+        self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
         if not rows:
             return []
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
-        logits = self.runner.run(0, self.target, inputs)
+        fwd = self.runner.forward(0, self.target, inputs, self.aux_layers)
+        greedy_rows = None
+        if fwd.accept is not None:  # graphed step: (B, Q+3), the step's one device->host read
+            greedy_rows = fwd.accept.tolist()
+            check_finite_flags(rows, [row[-1] for row in greedy_rows], "target")
+        else:
+            check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
+        aux = fwd.features
         results = []
-        for req, tree, lg, dc in zip(rows, trees, logits, draft_computed):
-            lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
+        for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
+            h = tree.host
+            if p.greedy and greedy_rows is not None:
+                nodes, bonus = unpack_greedy(greedy_rows[i])
+                results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens),
+                                            tree.max_depth, dc))
+                continue
+            lg = fwd.logits[i]
+            lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
             if p.greedy:
                 acc = verify_greedy(tree, lg.argmax(-1))
             else:
                 probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)
                 acc = verify_stochastic(tree, probs, req.generator)
-            results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
-                                        tree.num_nodes, tree.max_depth, dc))
+            nodes = list(acc.accepted_nodes)
+            feats = None if aux is None else aux[i][[0] + [1 + a for a in nodes]]  # (m + 1, k * hidden)
+            results.append(VerifyResult(nodes, list(acc.accepted_tokens), int(acc.bonus_token),
+                                        tree.num_nodes, tree.max_depth, dc, feats))
         return results
 
     @staticmethod
     def _row(req: Request, tree: DraftTree) -> RowInput:
         L = len(req.tokens)
-        n = tree.num_nodes
-        positions = [L - 1] + [L + int(d) for d in tree.depth.tolist()]
-        mask = tree.verify_tree_mask().tolist() if n else None
-        return RowInput(req, [req.tokens[-1]] + tree.tokens.tolist(), positions, L - 1, L + n, mask,
-                        want_logits="all")
+        h = tree.host
+        n = len(h.tokens)
+        positions = [L - 1] + [L + d for d in h.depth]
+        mask = _as_signed([1] + [1 | (m << 1) for m in h.ancestor_mask]) if n else None
+        return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, mask,
+                        want_logits="all", parents=[-1] + [p + 1 for p in h.parents])
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:

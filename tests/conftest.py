@@ -204,6 +204,23 @@ def tiny_draft(tiny_dirs):
     return load_model(tiny_dirs["llama_draft"])
 
 
+@pytest.fixture(scope="session")
+def letter_target(tiny_target):
+    """The tiny target with a real (word-level) Hugging Face tokenizer: token i decodes to 1-2 letters
+    ("a".."z", then "ba", "bb", ...), so text, stop strings and streaming text work without SmolLM2."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.loading.registry import LoadedModel
+
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    vocab = {(letters[i // 26] if i >= 26 else "") + letters[i % 26]: i for i in range(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.decoder = decoders.Fuse()
+    return LoadedModel("tiny-letters", tiny_target.model, PreTrainedTokenizerFast(tokenizer_object=tok),
+                       tiny_target.config)
+
+
 # ---------------------------------------------------------------- SmolLM2-135M
 
 

@@ -12,6 +12,10 @@ Within the region the mask is causal (query at region position r sees region pos
 ``tree_mask`` entry is set (its own bit is always set). With q_len == R and causal rows,
 this is ordinary chunked prefill / decode.
 
+With a sliding window W every query sits at or after ``prefix_lens[b]``, so no key below
+``prefix_lens[b] - W + 1`` is visible; block-table entries wholly below it may be RELEASED (-1,
+``specdec.kvcache.sliding_window``) and a backend must not read them.
+
 Physical slot = block_id * block_size + offset. K/V caches are
 (num_blocks, block_size, num_kv_heads, head_dim) views whose block stride may be larger
 than block_size * num_kv_heads * head_dim (one storage holds every layer of both models).
@@ -63,6 +67,7 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    wants_rope_tables: bool = True  # qkv_attention reads cos/sin gathered once per forward (ctx.rope_cs)
 
     @abstractmethod
     def forward(
@@ -77,3 +82,37 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
     ) -> torch.Tensor:  # (T, Hq, D)
         """Store k/v at ``meta.slot_mapping`` and return attention output for q."""
+
+    def qkv_attention(
+        self,
+        qkv: torch.Tensor,  # (T, (Hq + 2 Hkv) * D): q | k | v projections side by side
+        positions: torch.Tensor,  # (T,) RoPE positions
+        rope,  # the model's RotaryEmbedding (full cos/sin tables)
+        rope_cs: tuple[torch.Tensor, torch.Tensor] | None,  # (T, 1, D/2) cos, sin at positions
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttnMetadata,
+        scale: float,
+        heads: tuple[int, int, int],  # (Hq, Hkv, D)
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # (T, Hq, D)
+        """Split q/k/v, rotate q and k, store k/v, attend: ``forward`` after RoPE. Backends may fuse it."""
+        from specdec.models.rope import rotate
+
+        nh, nkv, hd = heads
+        q, k, v = qkv.view(qkv.shape[0], nh + 2 * nkv, hd).split([nh, nkv, nkv], dim=1)  # (T, H*, D)
+        cos, sin = rope_cs if rope_cs is not None else rope.gather(positions)
+        return self.forward(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, meta, scale,
+                            sliding_window)
+
+    def add_rmsnorm(self, x, residual, weight, eps):
+        """(weight * rmsnorm(x + residual), x + residual); residual None means x alone."""
+        from specdec.models.layer_ops import add_rmsnorm_reference
+
+        return add_rmsnorm_reference(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(T, 2I) gate | up -> (T, I) silu(gate) * up."""
+        from specdec.models.layer_ops import silu_mul_reference
+
+        return silu_mul_reference(gate_up)

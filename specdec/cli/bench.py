@@ -37,23 +37,30 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.set_defaults(func=cmd_bench)
 
 
-def default_draft() -> str:
-    """The shipped draft when it is installed, else n-gram lookup."""
+def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
+    """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup.
+
+    On CUDA the default stays n-gram for now: the eagle draft's steps (and the verify forward that hands
+    it target features) run eagerly, while n-gram speculation runs in CUDA graphs and is faster there."""
     try:
         from specdec.training import default_draft_available
     except ImportError:
         return "ngram"
-    return DEFAULT_DRAFT if default_draft_available() else "ngram"
+    if str(device).startswith("cuda"):
+        return "ngram"
+    return DEFAULT_DRAFT if target == "smollm2-135m" and default_draft_available() else "ngram"
 
 
 def parse_batch_sizes(text: str) -> list[int]:
-    """``"1,8,32"`` -> [1, 8, 32]; every size a positive int, no repeats (ValueError otherwise)."""
+    """``"1,8,32"`` -> [1, 8, 32]; every size an int >= 1, no repeats (UsageError naming --batch-size otherwise)."""
+    from specdec.cli.checks import UsageError
+
     try:
         sizes = [int(part) for part in str(text).split(",")]
     except ValueError:
-        raise ValueError(f"--batch-size must be positive ints separated by commas, got {text!r}") from None
+        raise UsageError("--batch-size", f"must be integers >= 1 separated by commas, got {text!r}") from None
     if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
-        raise ValueError(f"--batch-size must be distinct positive ints separated by commas, got {text!r}")
+        raise UsageError("--batch-size", f"must be distinct integers >= 1 separated by commas, got {text!r}")
     return sizes
 
 
@@ -67,7 +74,7 @@ def parse_hf_configs(text: str) -> tuple[str, ...]:
 
 
 def cmd_bench(args) -> int:
-    from specdec.benchmark.data import load_dataset
+    from specdec.benchmark.data import DATASET_NAMES, load_dataset
     from specdec.benchmark.plot import plot_report
     from specdec.benchmark.report import (
         build_report,
@@ -77,24 +84,28 @@ def cmd_bench(args) -> int:
         write_json,
     )
     from specdec.benchmark.sweep import format_sweep
+    from specdec.cli.checks import build, check_dataset, check_model, check_positive, load
     from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
-    from specdec.loading.registry import load_model
     from specdec.prompts import to_prompt_ids
     from specdec.sampling_params import SamplingParams
 
-    device, dtype = device_dtype(args)
+    device, dtype = device_dtype(args)  # every argument is checked before a model loads
     batch_sizes = parse_batch_sizes(args.batch_size)
     hf_configs = parse_hf_configs(args.hf_configs)
-    draft_name = args.draft or default_draft()
+    check_positive("--num-prompts", args.num_prompts, allow_none=True)
+    check_dataset("--dataset", args.dataset, DATASET_NAMES)
+    draft_name = args.draft or default_draft(args.target, device)
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
+    cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
+                max_batch_size=max(64, *batch_sizes))
+    params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   max_new_tokens=args.max_new_tokens)
+    check_model("--target", args.target)
+    check_model("--draft", draft_name, extra=("ngram",))
     prompts = load_dataset(args.dataset, args.num_prompts)
-    target = load_model(args.target, dtype=dtype, device=device)
-    draft = "ngram" if draft_name == "ngram" else load_model(draft_name, dtype=dtype, device=device)
-    cfg = SpecConfig(tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
-                     max_batch_size=max(64, *batch_sizes))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
+    target = load("--target", args.target, dtype, device)
+    draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, device, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
     engines = (SpecEngine(draft, target, cfg), SpecEngine(None, target, cfg))
     hf = None

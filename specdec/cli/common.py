@@ -13,9 +13,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def device_dtype(args) -> tuple[str, str]:
-    """(device, dtype) from ``--device`` / ``--dtype``: cuda + bfloat16 when CUDA is there, else cpu + float32."""
-    import torch
+    """(device, dtype) from ``--device`` / ``--dtype``: cuda + bfloat16 when CUDA is there, else cpu + float32.
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    return device, dtype
+    Raises UsageError (naming the flag) for a device that does not exist here."""
+    from specdec.cli.checks import device_and_dtype
+
+    return device_and_dtype(args.device, args.dtype)

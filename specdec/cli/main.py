@@ -1,4 +1,7 @@
-"""``specdec`` command line: the parser, ``generate``, and ``main``; ``bench`` and ``distill`` live beside it."""
+"""``specdec`` command line: the parser, ``generate``, and ``main``.
+
+``bench``, ``distill`` and the argument checks live beside it; ``serve`` / ``bench-serve`` live in
+``specdec.serving.cli``."""
 
 from __future__ import annotations
 
@@ -10,14 +13,22 @@ from specdec.cli.common import device_dtype as _device_dtype
 
 
 def cmd_generate(args) -> int:
+    from specdec.cli.bench import default_draft
+    from specdec.cli.checks import build, check_model, load
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.sampling_params import SamplingParams
 
-    device, dtype = _device_dtype(args)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens)
-    draft = None if args.draft == "none" else args.draft
-    engine = SpecEngine(draft, args.model, SpecConfig(tree=args.tree, device=device, dtype=dtype))
+    device, dtype = _device_dtype(args)  # every argument is checked before a model loads
+    name = args.draft or default_draft(args.model, device)
+    tree = args.tree or ("chain:8" if name == "ngram" else "chain:4")
+    params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   seed=args.seed, max_new_tokens=args.max_new_tokens)
+    config = build(SpecConfig, tree=tree, device=device, dtype=dtype)
+    check_model("--model", args.model)
+    check_model("--draft", name, extra=("ngram", "none"))
+    target = load("--model", args.model, dtype, device)
+    draft = name if name in ("ngram", "none") else load("--draft", name, dtype, device, target=target)
+    engine = SpecEngine(None if draft == "none" else draft, target, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     final = None
     for out in engine.stream(prompt, params):
@@ -42,8 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
     g.add_argument("--model", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
-    g.add_argument("--draft", default="ngram", help="draft model name/path, 'ngram', or 'none'")
-    g.add_argument("--tree", default="chain:4", help="chain:K | topk:WxD | dynamic:BUDGET")
+    g.add_argument("--draft", default=None,
+                   help="draft model name/path, 'ngram', or 'none' (default: the shipped draft, else ngram)")
+    g.add_argument("--tree", default=None, help="chain:K | topk:WxD | dynamic:BUDGET (default chain:4 / ngram chain:8)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -56,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     from specdec.cli.bench import add_bench_parser
+    from specdec.serving.cli import add_serve_parsers
 
     add_bench_parser(sub, _add_model_args)
+    add_serve_parsers(sub, _add_model_args)
     try:
         from specdec.cli.distill import add_distill_parser
     except ImportError:
@@ -68,10 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a user error (bad argument, missing or unreadable model or file) prints
+    ``error: <message>`` and returns 2, only an internal error shows a traceback."""
+    from specdec.loading.errors import ModelNotFoundError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as err:
+    except (ValueError, ModelNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

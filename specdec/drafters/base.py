@@ -22,8 +22,15 @@ class Drafter(ABC):
     max_nodes: int = 0
     uses_kv: bool = False  # True when the drafter keeps a model's KV in the shared pool
 
-    def prefill(self, chunks) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
-        """Write the draft model's KV for prompt chunks (list of PrefillChunk)."""
+    target_features: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE-style)
+
+    def prefill(self, chunks, features=None) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
+        """Write the draft model's KV for prompt chunks (list of PrefillChunk); ``features`` holds per
+        chunk the target's ``target_features`` outputs at its tokens (None when none are asked)."""
+
+    def accepted(self, rows: list[Request], results) -> None:  # noqa: B027 - optional hook
+        """Called after the verify results of ``rows`` were committed (``VerifyResult.features`` set
+        when ``target_features`` is not empty)."""
 
     @abstractmethod
     def propose(self, rows: list[Request]) -> Proposal:

@@ -6,6 +6,7 @@ the target uses), and every deeper level reads it through the tree mask.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ class _Growth:
     dist_index: list[int] = field(default_factory=list)
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node or -1, logits (V,))
     computed: set[int] = field(default_factory=set)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node (-1: root) -> draft state (EAGLE)
 
     def add(self, token: int, parent: int, score: float, dist_row: int) -> int:
         i = len(self.tokens)
@@ -58,9 +60,10 @@ class ModelDrafter(Drafter):
         self.model, self.runner, self.spec = model, runner, spec
         self.max_nodes = spec.budget
         self._template = spec.template() if spec.is_static else None
+        self._child_count = Counter(self._template.parents) if self._template is not None else {}
         self._max_depth = spec.depth if spec.is_static else min(DYNAMIC_MAX_DEPTH, spec.budget)
 
-    def prefill(self, chunks) -> None:
+    def prefill(self, chunks, features=None) -> None:
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
         if rows:
@@ -72,13 +75,10 @@ class ModelDrafter(Drafter):
         if not rows:
             return Proposal([], [])
         grows = [_Growth(r, len(r.tokens)) for r in rows]
-        catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
-                             r.num_computed_draft, len(r.tokens)) for r in rows]
-        for g, lg in zip(grows, self.runner.run(DRAFT_MODEL_INDEX, self.model, catch_up)):
-            g.req.num_computed_draft = g.L
-            g.frontier = [(-1, lg)]
+        self._catch_up(grows)
         for level in range(self._max_depth):
-            new = [self._expand(g) for g in grows]
+            greedy_top = self._greedy_topk(grows)
+            new = [self._expand(g, greedy_top.get(i, {})) for i, g in enumerate(grows)]
             if level + 1 == self._max_depth:
                 break
             live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.max_nodes]
@@ -86,6 +86,15 @@ class ModelDrafter(Drafter):
                 break
             self._forward_level(live)
         return Proposal([self._tree(g) for g in grows], [frozenset(g.computed) for g in grows])
+
+    def _catch_up(self, grows: list[_Growth]) -> None:
+        """Draft KV up to each row's last token; the root's draft logits become the frontier."""
+        rows = [g.req for g in grows]
+        catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
+                             r.num_computed_draft, len(r.tokens)) for r in rows]
+        for g, lg in zip(grows, self.runner.run(DRAFT_MODEL_INDEX, self.model, catch_up)):
+            g.req.num_computed_draft = g.L
+            g.frontier = [(-1, lg)]
 
     def _forward_level(self, live: list[tuple[_Growth, list[int]]]) -> None:
         inputs = [RowInput(g.req, [g.tokens[i] for i in nodes], [g.L + g.depth[i] for i in nodes], g.L,
@@ -95,21 +104,54 @@ class ModelDrafter(Drafter):
             g.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
             g.computed.update(nodes)
 
-    def _expand(self, g: _Growth) -> list[int]:
-        """Add the next level's children of the frontier; return the new node indices."""
+    def _children_wanted(self, g: _Growth, parent: int) -> int:
+        if self.max_nodes - len(g.tokens) <= 0:
+            return 0
+        if self._template is None:
+            return DYNAMIC_CANDIDATES
+        return self._child_count.get(parent, 0)
+
+    def _greedy_topk(self, grows: list[_Growth]) -> dict[int, dict[int, tuple[list[int], list[float]]]]:
+        """Top draft tokens (and their draft probabilities) of every greedy row's frontier nodes, with one
+        top-k over the stacked frontier logits and one device->host read for the whole batch:
+        {row: {frontier position: (tokens, probabilities)}}."""
+        where, logits, ks = [], [], []
+        for gi, g in enumerate(grows):
+            if not g.req.params.greedy:
+                continue
+            for fi, (parent, lg) in enumerate(g.frontier):
+                k = self._children_wanted(g, parent)
+                if k:
+                    where.append((gi, fi))
+                    logits.append(lg)
+                    ks.append(k)
+        if not logits:
+            return {}
+        kmax = max(ks)
+        probs = torch.softmax(torch.stack(logits).float(), dim=-1)  # (F, V)
+        top = probs.topk(min(kmax, probs.shape[-1]))
+        host = torch.cat([top.indices.double(), top.values.double()], dim=1).tolist()  # (F, 2k): one read
+        out: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
+        for (gi, fi), k, h in zip(where, ks, host):
+            out.setdefault(gi, {})[fi] = ([int(t) for t in h[:k]], h[kmax:kmax + k])
+        return out
+
+    def _expand(self, g: _Growth, greedy_top: dict[int, tuple[list[int], list[float]]]) -> list[int]:
+        """Add the next level's children of the frontier; return the new node indices. ``greedy_top``
+        holds a greedy row's precomputed top tokens per frontier position."""
         p = g.req.params
         budget = self.max_nodes - len(g.tokens)
         if budget <= 0 or not g.frontier:
             return []
         if self._template is None:
-            return self._expand_dynamic(g, budget)
+            return self._expand_dynamic(g, budget, greedy_top)
         new = []
-        for parent, lg in g.frontier:
-            want = sum(1 for q in self._template.parents if q == parent)
+        for fi, (parent, lg) in enumerate(g.frontier):
+            want = self._child_count.get(parent, 0)
             if want == 0:
                 continue
             if p.greedy:
-                toks, row = lg.topk(want).indices.tolist(), -1
+                toks, row = greedy_top[fi][0], -1
             else:
                 q = shape_probs(lg, p.temperature, p.top_k, p.top_p)
                 row = len(g.dist_rows)
@@ -118,14 +160,22 @@ class ModelDrafter(Drafter):
             new += [g.add(t, parent, 0.0, row) for t in toks]
         return new
 
-    def _expand_dynamic(self, g: _Growth, budget: int) -> list[int]:
+    def _expand_dynamic(self, g: _Growth, budget: int, greedy_top) -> list[int]:
         p = g.req.params
-        cands = []  # (score, parent, token)
-        for parent, lg in g.frontier:
-            q = torch.softmax(lg.float(), -1) if p.greedy else shape_probs(lg, p.temperature, p.top_k, p.top_p)
-            top = q.topk(DYNAMIC_CANDIDATES)
-            base = g.score[parent] if parent >= 0 else 1.0
-            cands += [(base * pr, parent, t) for pr, t in zip(top.values.tolist(), top.indices.tolist()) if pr > 0]
+        if p.greedy:
+            cands = []  # (score, parent, token)
+            for fi, (parent, _) in enumerate(g.frontier):
+                toks, probs = greedy_top[fi]
+                base = g.score[parent] if parent >= 0 else 1.0
+                cands += [(base * pr, parent, t) for pr, t in zip(probs, toks) if pr > 0]
+        else:
+            parents = [parent for parent, _ in g.frontier]
+            lg = torch.stack([logits for _, logits in g.frontier])  # (F, V)
+            top = shape_probs(lg, p.temperature, p.top_k, p.top_p).topk(min(DYNAMIC_CANDIDATES, lg.shape[-1]))
+            base = [g.score[parent] if parent >= 0 else 1.0 for parent in parents]
+            cands = [(b * pr, parent, t) for parent, b, prs, ts in zip(parents, base, top.values.tolist(),
+                                                                       top.indices.tolist())
+                     for pr, t in zip(prs, ts) if pr > 0]  # (score, parent, token)
         cands.sort(key=lambda c: -c[0])
         beam = max(1, min(DYNAMIC_BEAM_MAX, self.max_nodes // 6))
         chosen = sorted(cands[:min(beam, budget)], key=lambda c: (c[1], -c[0]))

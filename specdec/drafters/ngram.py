@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 from specdec.drafters.base import Drafter, Proposal
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
@@ -18,6 +20,30 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
     return []
 
 
+class NgramIndex:
+    """``ngram_lookup`` for one growing token list in O(max_n) per call: for every n it remembers the
+    latest start of each n-gram that is followed by at least one token, updated as tokens arrive
+    (tokens are only ever appended)."""
+
+    def __init__(self, max_n: int, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.next_start = dict.fromkeys(self.latest, 0)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Same result as ``ngram_lookup(tokens, k, max_n, min_n)``."""
+        L = len(tokens)
+        for n, table in self.latest.items():  # index every n-gram ending before the last token
+            for start in range(self.next_start[n], L - n):
+                table[tuple(tokens[start:start + n])] = start
+            self.next_start[n] = max(self.next_start[n], L - n)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            start = self.latest[n].get(tuple(tokens[L - n:]))
+            if start is not None:
+                return tokens[start + n:start + n + k]
+        return []
+
+
 class NgramDrafter(Drafter):
     """Chains of up to ``k`` tokens drawn from the prompt and the generated text (point-mass drafts)."""
 
@@ -30,12 +56,15 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.k, self.max_n, self.min_n, self.device = k, max_n, min_n, device
         self.max_nodes = k
+        self._index: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
 
     def propose(self, rows: list[Request]) -> Proposal:
         trees = []
         for req in rows:
             room = req.params.max_new_tokens - req.num_output - 1
-            cand = ngram_lookup(req.tokens, min(self.k, max(room, 0)), self.max_n, self.min_n)
-            trees.append(DraftTree.from_parents(cand, list(range(-1, len(cand) - 1)), device=self.device)
-                         if cand else DraftTree.empty(self.device))
+            index = self._index.get(req)
+            if index is None:
+                index = self._index[req] = NgramIndex(self.max_n, self.min_n)
+            cand = index.lookup(req.tokens, min(self.k, max(room, 0)))
+            trees.append(DraftTree.chain(cand))  # host trees: verification reads tokens from the host view
         return Proposal(trees, [None] * len(rows))

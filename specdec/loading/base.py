@@ -44,12 +44,23 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def model_name(name_or_path: str | Path) -> str:
+    """``name_or_path`` as a string; TypeError for anything but a str or Path, ModelNotFoundError when empty."""
+    if not isinstance(name_or_path, (str, Path)):
+        raise TypeError(f"model must be a name or a path (str or Path), got {type(name_or_path).__name__}")
+    name = str(name_or_path)
+    if not name.strip():
+        raise ModelNotFoundError("model name is empty: give 'smollm2-135m', a Hugging Face checkpoint folder "
+                                 "or a .gguf file")
+    return name
+
+
 def load_base_model(
     name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
 ) -> LoadedModel:
     """Load ``smollm2-135m``, a Hugging Face folder or a GGUF file (not a draft folder)."""
     dtype = resolve_dtype(dtype)
-    name = str(name_or_path)
+    name = model_name(name_or_path)
     if name == "smollm2-135m":
         from specdec.loading.gguf_loader import smollm2_gguf_path
 

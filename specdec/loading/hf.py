@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
@@ -44,5 +45,9 @@ def read_hf_state_dict(folder: Path) -> dict[str, torch.Tensor]:
         path = folder / name
         if not path.is_file():
             raise ModelNotFoundError(f"shard {name} listed in {index} is missing")
-        state.update(load_file(str(path)))
+        try:
+            state.update(load_file(str(path)))
+        except (SafetensorError, OSError) as err:
+            raise UnsupportedModelError(f"{path}: cannot read the safetensors file, it may be truncated or "
+                                        f"corrupt ({err})") from err
     return state

@@ -11,26 +11,38 @@ from pathlib import Path
 
 import torch
 
-from specdec.loading.base import DTYPES, LoadedModel, build_model, load_base_model, resolve_dtype, truncate_layers
+from specdec.loading.base import (
+    DTYPES,
+    LoadedModel,
+    build_model,
+    load_base_model,
+    model_name,
+    resolve_dtype,
+    truncate_layers,
+)
 
 __all__ = ["DTYPES", "LoadedModel", "build_model", "load_base_model", "load_model", "resolve_dtype",
            "truncate_layers"]
 
 
 def load_model(
-    name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
+    name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+    target: LoadedModel | None = None,
 ) -> LoadedModel:
-    """Load ``smollm2-135m``, a registered draft name, a draft folder, a Hugging Face folder or a GGUF file."""
+    """Load ``smollm2-135m``, a registered draft name, a draft folder, a Hugging Face folder or a GGUF file.
+
+    A draft (the registered name or a draft folder) takes its shared tensors from ``target`` when
+    given, else loads the target recorded in its folder."""
     dtype = resolve_dtype(dtype)
-    name = str(name_or_path)
+    name = model_name(name_or_path)
     if name == "smollm2-135m-draft":
         from specdec.training import load_default_draft
 
-        return load_default_draft(dtype=dtype, device=device)
+        return load_default_draft(dtype=dtype, device=device, target=target)
     path = Path(name).expanduser()
     if path.is_dir():
         from specdec.training import is_draft_folder, load_draft_folder
 
         if is_draft_folder(path):
-            return load_draft_folder(path, dtype=dtype, device=device)
+            return load_draft_folder(path, dtype=dtype, device=device, target=target)
     return load_base_model(name_or_path, dtype, device)

@@ -22,6 +22,7 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttnMetadata
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k_cache, v_cache)
+    rope_cs: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin (T, 1, D/2) gathered once per forward
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +38,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """q/k/v projections (fused into one matmul after ``fuse``), RoPE + cache write + attention
+    through the backend, output projection."""
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -48,15 +52,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=False)
         self.scale = self.hd**-0.5
         self.sliding_window = cfg.sliding_window
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse(): q | k | v rows, one matmul
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate the q/k/v weights into one matrix; the three projections become views of it."""
+        if _fused_valid(self.q_proj, self.qkv_weight, for_grad=False):
+            return
+        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, positions, rope: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.nh, self.hd)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.nkv, self.hd)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.nkv, self.hd)  # (T, Hkv, D)
-        q, k = rope(positions, q, k)
+        if _fused_valid(self.q_proj, self.qkv_weight):
+            qkv = nn.functional.linear(x, self.qkv_weight, self.qkv_bias)  # (T, (Hq + 2 Hkv) D)
+        else:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         k_cache, v_cache = ctx.kv[self.layer]
-        o = ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, self.scale, self.sliding_window)
+        o = ctx.backend.qkv_attention(qkv, positions, rope, ctx.rope_cs, k_cache, v_cache, ctx.meta, self.scale,
+                                      (self.nh, self.nkv, self.hd), self.sliding_window)  # (T, Hq, D)
         return self.o_proj(o.reshape(t, self.nh * self.hd))  # (T, hidden)
 
 
@@ -66,9 +81,18 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse(): gate | up rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+    def fuse(self) -> None:
+        """Concatenate gate and up weights into one matrix; both projections become views of it."""
+        if not _fused_valid(self.gate_proj, self.gate_up_weight, for_grad=False):
+            self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        if ctx is None or not _fused_valid(self.gate_proj, self.gate_up_weight):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = nn.functional.linear(x, self.gate_up_weight)  # (T, 2I)
+        return self.down_proj(ctx.backend.silu_mul(gate_up))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -79,9 +103,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, ctx):
+        """(x, residual) -> (x, residual): the layer's output is x + residual (summed by the next norm)."""
+        b = ctx.backend
+        h, residual = b.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        x = self.self_attn(h, positions, rope, ctx)
+        h, residual = b.add_rmsnorm(x, residual, self.post_attention_layernorm.weight,
+                                    self.post_attention_layernorm.eps)
+        return self.mlp(h, ctx), residual
 
 
 class LlamaBody(nn.Module):
@@ -104,12 +133,61 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(cfg)
 
+    def fuse(self) -> LlamaForCausalLM:
+        """Fuse q/k/v and gate/up projections for inference (call once the model sits on its device and
+        dtype; the separate projections stay as views, so state_dict and training are unchanged)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states (T, hidden) of the packed tokens ``input_ids`` (T,)."""
+        return self.forward_features(input_ids, positions, ctx)[0]
+
+    def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                         aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Final hidden states (T, hidden) and the outputs of decoder layers ``aux_layers``
+        concatenated in that order (T, len(aux_layers) * hidden), or None when none are asked."""
         x = self.model.embed_tokens(input_ids)  # (T, hidden)
-        for layer in self.model.layers:
-            x = layer(x, positions, self.rope, ctx)
-        return self.model.norm(x)
+        ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
+        residual, aux = None, {}
+        for i, layer in enumerate(self.model.layers):
+            x, residual = layer(x, residual, positions, self.rope, ctx)
+            if i in aux_layers:
+                aux[i] = x if residual is None else x + residual  # the layer's output (x + residual)
+        norm = self.model.norm
+        hidden = ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
+        return hidden, torch.cat([aux[i] for i in aux_layers], -1) if aux_layers else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # (T, V)
+
+
+def _fused_valid(first: nn.Linear, fused: torch.Tensor | None, for_grad: bool = True) -> bool:
+    """Whether a fused weight may stand in for its projections: it exists, the projections are still
+    views of it (``.to()``/``.float()`` or loading replace them), and (``for_grad``) no gradient is
+    wanted (the fused tensor is detached, so training uses the separate projections)."""
+    w = first.weight
+    if fused is None or w.data_ptr() != fused.data_ptr() or w.dtype != fused.dtype:
+        return False
+    return not (for_grad and torch.is_grad_enabled() and w.requires_grad)
+
+
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One (sum of out, in) weight holding the linears' rows; each linear's weight becomes a view of it."""
+    return _fuse_params([lin for lin in linears], "weight")
+
+
+def _fuse_biases(*linears: nn.Linear) -> torch.Tensor:
+    return _fuse_params([lin for lin in linears], "bias")
+
+
+def _fuse_params(linears: list[nn.Linear], name: str) -> torch.Tensor:
+    fused = torch.cat([getattr(lin, name).detach() for lin in linears])  # (sum out, ...)
+    start = 0
+    for lin in linears:
+        n = getattr(lin, name).shape[0]
+        setattr(lin, name, nn.Parameter(fused[start:start + n], requires_grad=getattr(lin, name).requires_grad))
+        start += n
+    return fused

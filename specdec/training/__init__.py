@@ -22,8 +22,8 @@ __all__ = ["DEFAULT_DRAFT_DIR", "DEFAULT_DRAFT_NAME", "DRAFT_META", "default_dra
 
 
 def default_draft_available() -> bool:
-    """True when the shipped default draft (metadata, config and weights) is installed."""
-    return all((DEFAULT_DRAFT_DIR / f).is_file() for f in (DRAFT_META, "config.json", "model.safetensors"))
+    """True when the shipped default draft (metadata and weights) is installed."""
+    return all((DEFAULT_DRAFT_DIR / f).is_file() for f in (DRAFT_META, "model.safetensors"))
 
 
 def load_default_draft(dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",

@@ -44,7 +44,7 @@ class DistillConfig:
     steps: int = 3000
     batch_size: int = 32
     lr: float = 5e-4
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # None: min(100, steps // 10)
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.0
     grad_clip: float = 1.0
@@ -61,6 +61,8 @@ class DistillConfig:
                      "steps", "batch_size", "ckpt_every"):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         if self.init_layers is not None:
             object.__setattr__(self, "init_layers", tuple(self.init_layers))
         _require(self.init_layers is None or len(self.init_layers) == self.layers, "init_layers",

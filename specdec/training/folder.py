@@ -18,11 +18,9 @@ from safetensors.torch import load_file, save_file
 from specdec.config import ModelConfig
 from specdec.loading.base import LoadedModel, build_model, resolve_dtype
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
+from specdec.training.folder_format import DRAFT_META, FORMAT, VERSION, check_shared, fingerprint
 from specdec.training.layers import TRAINED_PREFIXES, shared_keys, trained_state
 
-DRAFT_META = "specdec_draft.json"
-FORMAT = "specdec-draft"
-VERSION = 1
 HF_CONFIG_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config",
                      "MistralForCausalLM": "MistralConfig"}
 
@@ -56,10 +54,6 @@ def hf_config(cfg: ModelConfig):
     return out
 
 
-def _fingerprint(t: torch.Tensor) -> dict:
-    return {"shape": list(t.shape), "abs_mean": float(t.detach().float().abs().mean())}
-
-
 def save_draft_folder(out: str | Path, draft: LoadedModel, target: LoadedModel, target_ref: str,
                       extra: dict, save_dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write ``draft`` to folder ``out``; returns the path of its ``model.safetensors``.
@@ -79,7 +73,7 @@ def save_draft_folder(out: str | Path, draft: LoadedModel, target: LoadedModel, 
     target_state = target.model.state_dict()
     shared = shared_keys(draft.config.tie_word_embeddings)
     meta = {"format": FORMAT, "version": VERSION, "target": target_ref, "shared": shared,
-            "shared_fingerprint": {k: _fingerprint(target_state[k]) for k in shared}, **extra}
+            "shared_fingerprint": {k: fingerprint(target_state[k]) for k in shared}, **extra}
     (out / DRAFT_META).write_text(json.dumps(meta, indent=1))
     return weights
 
@@ -113,29 +107,22 @@ def load_draft_folder(path: str | Path, dtype: torch.dtype | str = torch.float32
 
     path, dtype = Path(path), resolve_dtype(dtype)
     meta = read_draft_meta(path)
-    cfg = ModelConfig.from_hf(read_hf_config(path))
     if not isinstance(target, LoadedModel):
         target = load_base_model(target or meta["target"], dtype=dtype, device=device)
+    if meta.get("kind") == "eagle":
+        from specdec.training.eagle_folder import load_eagle_folder
+
+        return load_eagle_folder(path, meta, dtype, device, target)
+    cfg = ModelConfig.from_hf(read_hf_config(path))
     own = load_file(str(path / "model.safetensors"))
     bad = [k for k in own if not k.startswith(TRAINED_PREFIXES)]
     if bad:
         raise UnsupportedModelError(f"{path}/model.safetensors holds non-draft tensors {bad[:3]}")
     target_state = target.model.state_dict()
     for key in meta["shared"]:
-        _check_shared(path, key, target_state.get(key), meta["shared_fingerprint"][key], target.name)
+        check_shared(path, key, target_state.get(key), meta["shared_fingerprint"][key], target.name)
         own[key] = target_state[key]
     model = build_model(cfg, own, dtype, device)
     tok = (AutoTokenizer.from_pretrained(str(path), local_files_only=True)
            if (path / "tokenizer_config.json").is_file() else target.tokenizer)
     return LoadedModel(str(path), model, tok, cfg)
-
-
-def _check_shared(path: Path, key: str, tensor: torch.Tensor | None, want: dict, target_name: str) -> None:
-    if tensor is None or list(tensor.shape) != want["shape"]:
-        got = None if tensor is None else list(tensor.shape)
-        raise UnsupportedModelError(f"draft {path} needs {key} of shape {want['shape']} from its target; "
-                                    f"target {target_name!r} has {got}")
-    mean = float(tensor.float().abs().mean())
-    if abs(mean - want["abs_mean"]) > 1e-2 * abs(want["abs_mean"]) + 1e-6:
-        raise UnsupportedModelError(f"draft {path} was trained against other {key} values (|w| mean "
-                                    f"{want['abs_mean']:.6g}) than target {target_name!r} has ({mean:.6g})")

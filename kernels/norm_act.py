@@ -1,0 +1,92 @@
+"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, and SiLU(gate) * up.
+
+Each replaces several torch launches per layer (RMSNorm alone is ~7 in eager torch), which is
+what a CUDA-graph replay of a small model spends its time on. Both compute in float32 and
+round once to the input dtype, like their torch references in ``specdec.models.layer_ops``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
+
+from specdec.models.layer_ops import add_rmsnorm_reference, silu_mul_reference  # noqa: F401 - the references
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps,
+    stride_x, stride_r, stride_o, stride_ro,
+    HIDDEN: tl.constexpr, HIDDEN_P: tl.constexpr, HAS_RES: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, HIDDEN_P)
+    ok = offs < HIDDEN
+    x = tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0)
+    if HAS_RES:  # h = x + residual, rounded to the dtype like the torch add it replaces
+        x = (x + tl.load(res_ptr + t * stride_r + offs, mask=ok, other=0.0)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + t * stride_ro + offs, x, mask=ok)
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / HIDDEN
+    normed = (xf * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty)  # (HIDDEN_P,)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + t * stride_o + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(
+    gu_ptr, out_ptr, n_cols, stride_gu, stride_o,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n_cols
+    g = tl.load(gu_ptr + t * stride_gu + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * stride_gu + n_cols + offs, mask=ok, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(u.dtype)  # silu rounded to the dtype, as torch's F.silu does
+    tl.store(out_ptr + t * stride_o + offs, act * u, mask=ok)
+
+
+def add_rmsnorm(
+    x: torch.Tensor,  # (T, H)
+    residual: torch.Tensor | None,  # (T, H) or None
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed (T, H), h (T, H)
+    """Same promises as ``add_rmsnorm_reference``, in one launch (h is x itself without residual)."""
+    check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_launchable(_add_rmsnorm_kernel, x.device)
+    t, hidden = x.shape
+    check_tensor("weight", weight, shape=(hidden,), dtypes=(x.dtype,), device=x.device)
+    if residual is not None:
+        check_tensor("residual", residual, shape=(t, hidden), dtypes=(x.dtype,), device=x.device,
+                     last_dim_contiguous=True)
+    out = torch.empty_like(x)
+    h = x if residual is None else torch.empty_like(x)
+    if t == 0:
+        return out, h
+    res = x if residual is None else residual
+    _add_rmsnorm_kernel[(t,)](
+        x, res, weight, out, h, float(eps), x.stride(0), res.stride(0), out.stride(0), h.stride(0),
+        HIDDEN=hidden, HIDDEN_P=next_pow2(hidden), HAS_RES=residual is not None,
+        num_warps=4 if hidden >= 1024 else 2,
+    )
+    return out, h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+    """Same promise as ``silu_mul_reference``, in one launch."""
+    check_tensor("gate_up", gate_up, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_launchable(_silu_mul_kernel, gate_up.device)
+    t, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up must have an even last dimension (gate | up), got {width}")
+    n = width // 2
+    out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
+    if t == 0:
+        return out
+    block = min(1024, next_pow2(n))
+    _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
+    return out

@@ -1,0 +1,140 @@
+"""CUDA-graph capture and replay of model forwards per (model, batch bucket, query bucket).
+
+Every graphed forward reads the persistent inputs of ``StepInputs`` and writes a fixed-size
+output: float32 logits of every padded token and, for the target, the greedy acceptance of the
+whole batch (``accept_greedy_padded``). Capture goes largest bucket first into one shared memory
+pool; replay = fill the inputs (one copy), ``graph.replay()``. A step whose shape fits no bucket
+runs eagerly. Without CUDA (tests) the same padded step runs eagerly over the same buffers, so
+everything but the capture itself is exercised on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from specdec.scheduler.step_inputs import StepInputs
+
+from specdec.acceptance_batched import accept_greedy_padded
+from specdec.attention.base import AttnMetadata
+from specdec.models.llama import ForwardContext
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MAX_TREE_REGION = 64  # one int64 bitmask per query
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """Smallest bucket >= n, or None when n exceeds them all."""
+    return next((x for x in buckets if x >= n), None)
+
+
+class GraphOutput(NamedTuple):
+    logits: torch.Tensor  # (B*Q, V) float32, padded layout
+    accept: torch.Tensor | None  # (B, Q + 3) int64: greedy acceptance, then 1 if the row's logits are finite
+
+
+@dataclass
+class CaptureReport:
+    """What capturing cost: graphs, seconds and bytes of the shared memory pool."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+    pool_bytes: int = 0
+    keys: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"{self.graphs} CUDA graphs captured in {self.seconds:.2f} s, pool {self.pool_bytes / 2**20:.0f} MiB"
+
+
+class GraphRunner:
+    """Replays captured forwards of the models in ``models`` (pool model index -> model)."""
+
+    def __init__(self, models: dict, pool, backend, max_batch: int, max_query: dict[int, int],
+                 bt_width: int, device: torch.device, capture: bool) -> None:
+        self.models, self.pool, self.backend = models, pool, backend
+        self.device = torch.device(device)
+        self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (bucket(max_batch, BATCH_BUCKETS)
+                                                                              or max_batch,)
+        self.query_buckets = {m: tuple(q for q in QUERY_BUCKETS if q <= bucket(max(1, mq), QUERY_BUCKETS))
+                              for m, mq in max_query.items()}
+        self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
+        self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
+        top_q = max(max(qs) for qs in self.query_buckets.values())
+        self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)
+        self.max_seq_len = bt_width * pool.block_size
+        self.capture_enabled = capture
+        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
+        self.report = CaptureReport()
+
+    def key_for(self, model_idx: int, rows) -> tuple[int, int, int] | None:
+        """(model, B bucket, Q bucket) for these rows, or None when they must run eagerly."""
+        query_of = self._query_of.get(model_idx)
+        n, longest = len(rows), max(len(r.token_ids) for r in rows)
+        if query_of is None or n >= len(self._batch_of) or longest >= len(query_of):
+            return None
+        b, q = self._batch_of[n], query_of[longest]
+        if q > 1 and any(r.seq_len - r.prefix_len > MAX_TREE_REGION for r in rows):
+            return None
+        return model_idx, b, q
+
+    def run(self, key: tuple[int, int, int], rows, slots, bt_rows) -> GraphOutput:
+        """Fill the inputs of ``key`` with ``rows`` and run its forward (replayed when captured)."""
+        _, b, q = key
+        self.inputs.fill(b, q, rows, slots, bt_rows)
+        if key in self.graphs:
+            graph, out = self.graphs[key]
+            graph.replay()
+            return out
+        return self._forward(key)
+
+    def capture(self) -> CaptureReport:
+        """Capture every (model, B, Q) bucket, largest first, into one memory pool (CUDA only)."""
+        if not self.capture_enabled or self.device.type != "cuda":
+            return self.report
+        start = time.perf_counter()
+        before = torch.cuda.memory_reserved(self.device)
+        mempool = torch.cuda.graph_pool_handle()
+        keys = [(m, b, q) for m, qs in self.query_buckets.items() for b in self.batch_buckets for q in qs]
+        for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
+            _, b, q = key
+            self.inputs.clear(b, q)
+            self._forward(key)  # warm-up: compiles the Triton kernels of this shape
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mempool):
+                out = self._forward(key)
+            self.graphs[key] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        self.report = CaptureReport(len(self.graphs), time.perf_counter() - start,
+                                    torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))
+        log.info("%s", self.report)
+        return self.report
+
+    @torch.inference_mode()
+    def _forward(self, key: tuple[int, int, int]) -> GraphOutput:
+        m, b, q = key
+        v = self.inputs.views(b, q)
+        meta = AttnMetadata(
+            query_start_loc=v.qsl, prefix_lens=v.prefix_lens, seq_lens=v.seq_lens, block_tables=v.block_tables,
+            slot_mapping=v.slots, block_size=self.pool.block_size, tree_mask=None if q == 1 else v.tree_mask,
+            max_query_len=q, max_seq_len=self.max_seq_len)
+        model = self.models[m]
+        hidden = model(v.ids, v.positions, ForwardContext(self.backend, meta, self.pool.model_kv(m)))  # (B*Q, H)
+        logits = model.compute_logits(hidden)  # (B*Q, V)
+        if m != 0:
+            return GraphOutput(logits, None)
+        argmax = logits.argmax(-1).view(b, q)
+        real = torch.arange(q, device=argmax.device).view(1, -1) < v.num_tokens.view(-1, 1)  # (B, Q)
+        finite = (torch.isfinite(logits).all(-1).view(b, q) | ~real).all(1, keepdim=True).long()  # (B, 1)
+        if q == 1:  # decode: nothing drafted, the bonus token is the argmax
+            accept = torch.cat([torch.zeros_like(argmax), argmax, torch.zeros_like(argmax)], 1)
+        else:
+            accept = accept_greedy_padded(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax,
+                                          v.num_tokens)
+        return GraphOutput(logits, torch.cat([accept, finite], 1))

@@ -1,0 +1,132 @@
+"""Persistent, bucket-padded inputs of a graphed forward: one pinned host buffer, one device twin.
+
+A step with B rows of at most Q queries each runs in the (batch bucket, query bucket) that holds
+it. Row b's verify/draft tokens sit at [b * Q, b * Q + n_b); the rest of the row and every row
+past the batch are padding: slot -1 (nothing is stored), tree mask 0, zero queries for padded
+rows. All int64 sections of a bucket are packed at the front of one buffer, so a step's metadata
+reaches the device with one non-blocking copy of a few kilobytes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+SECTIONS = ("ids", "positions", "slots", "tree_mask", "parents", "qsl", "prefix_lens", "seq_lens", "num_tokens",
+            "block_tables")
+
+
+class StepViews(NamedTuple):
+    """Device views of one bucket's inputs (all int64)."""
+
+    ids: torch.Tensor  # (B*Q,)
+    positions: torch.Tensor  # (B*Q,)
+    slots: torch.Tensor  # (B*Q,) -1 = padding
+    tree_mask: torch.Tensor  # (B*Q,) bitmask over the row's region
+    parents: torch.Tensor  # (B*Q,) verify index of the parent within the row, -1 = root/padding
+    qsl: torch.Tensor  # (B+1,)
+    prefix_lens: torch.Tensor  # (B,)
+    seq_lens: torch.Tensor  # (B,)
+    num_tokens: torch.Tensor  # (B,) real tokens per row
+    block_tables: torch.Tensor  # (B, W)
+
+
+def _sizes(b: int, q: int, width: int) -> dict[str, int]:
+    t = b * q
+    return {"ids": t, "positions": t, "slots": t, "tree_mask": t, "parents": t, "qsl": b + 1,
+            "prefix_lens": b, "seq_lens": b, "num_tokens": b, "block_tables": b * width}
+
+
+def _total(b: int, q: int, width: int) -> int:
+    return 5 * b * q + 4 * b + 1 + b * width
+
+
+def _offsets(b: int, q: int, width: int) -> tuple[dict[str, tuple[int, int]], int]:
+    out, off = {}, 0
+    for name, n in _sizes(b, q, width).items():
+        out[name] = (off, n)
+        off += n
+    return out, off
+
+
+class StepInputs:
+    """Host (pinned on CUDA) and device int64 buffers sized for (max_batch, max_query) and block-table
+    width ``width``. ``fill`` writes one bucket's inputs and starts their copy to the device."""
+
+    def __init__(self, max_batch: int, max_query: int, width: int, device: torch.device) -> None:
+        self.device, self.width = torch.device(device), width
+        _, total = _offsets(max_batch, max_query, width)
+        pin = self.device.type == "cuda"
+        self.host = torch.zeros(total, dtype=torch.int64, pin_memory=pin)
+        self._np = self.host.numpy()
+        self.dev = torch.zeros(total, dtype=torch.int64, device=self.device)
+        self._copied = torch.cuda.Event() if pin else None
+        self._views: dict[tuple[int, int], StepViews] = {}
+        self._arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+
+    def _host_arrays(self, b: int, q: int) -> dict[str, np.ndarray]:
+        """numpy views of bucket (b, q)'s sections in the host buffer (cached per bucket)."""
+        if (b, q) not in self._arrays:
+            offs, _ = _offsets(b, q, self.width)
+            self._arrays[(b, q)] = {n: self._np[o:o + size] for n, (o, size) in offs.items()}
+        return self._arrays[(b, q)]
+
+    def views(self, b: int, q: int) -> StepViews:
+        """Device views of bucket (b, q); the same tensors every call (graphs capture them)."""
+        if (b, q) not in self._views:
+            offs, _ = _offsets(b, q, self.width)
+            v = {n: self.dev[o:o + size] for n, (o, size) in offs.items()}
+            v["block_tables"] = v["block_tables"].view(b, self.width)
+            self._views[(b, q)] = StepViews(**v)
+        return self._views[(b, q)]
+
+    def clear(self, b: int, q: int) -> None:
+        """Write an all-padding step (used while capturing: no kernel stores or reads anything)."""
+        a = self._host_arrays(b, q)
+        for arr in a.values():
+            arr[:] = 0
+        a["slots"][:] = -1
+        a["parents"][:] = -1
+        self._send(b, q)
+
+    def fill(self, b: int, q: int, rows, slots: list[list[int]], bt_rows: np.ndarray) -> None:
+        """Write the rows (``RowInput``-like: token_ids, positions, prefix_len, seq_len, tree_mask, parents)
+        into bucket (b, q) and copy it to the device. ``slots[i]`` are row i's query slots and
+        ``bt_rows`` its block-table rows (len(rows), W)."""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the host buffer
+        a = self._host_arrays(b, q)
+        nrows = len(rows)
+        # Padding: token 0 at position 0, no slot (nothing stored), no parent, zero-length rows. (Buckets
+        # lay their sections out differently in one buffer, so nothing stale may be left in them.)
+        for name in ("ids", "positions", "tree_mask"):
+            a[name][:] = 0
+        a["slots"][:] = -1
+        a["parents"][:] = -1
+        for name in ("prefix_lens", "seq_lens", "num_tokens"):
+            a[name][nrows:] = 0
+        a["block_tables"][nrows * self.width:] = 0  # the torch reference gathers every row's table
+        for i, r in enumerate(rows):
+            n, s = len(r.token_ids), i * q
+            a["ids"][s:s + n] = r.token_ids
+            a["positions"][s:s + n] = r.positions
+            a["slots"][s:s + n] = slots[i]
+            if r.tree_mask is not None:
+                a["tree_mask"][s:s + n] = r.tree_mask
+            if r.parents is not None:
+                a["parents"][s:s + n] = r.parents
+            a["num_tokens"][i] = n
+        a["qsl"][:nrows + 1] = np.arange(nrows + 1) * q
+        a["qsl"][nrows + 1:] = nrows * q
+        a["prefix_lens"][:nrows] = [r.prefix_len for r in rows]
+        a["seq_lens"][:nrows] = [r.seq_len for r in rows]
+        a["block_tables"].reshape(b, self.width)[:nrows] = bt_rows
+        self._send(b, q)
+
+    def _send(self, b: int, q: int) -> None:
+        n = _total(b, q, self.width)
+        self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()

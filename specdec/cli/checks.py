@@ -1,0 +1,96 @@
+"""Command-line argument checks: every user error names its argument and is found before a model loads.
+
+``UsageError`` messages start with the argument (``--device: ...``); ``specdec.cli.main`` prints
+them as ``error: <message>`` and exits with status 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specdec.errors import FieldError
+
+BUILTIN_MODELS = ("smollm2-135m", "smollm2-135m-draft")
+# SamplingParams / SpecConfig fields -> the command-line argument that sets them
+FIELD_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
+               "max_new_tokens": "--max-new-tokens", "tree": "--tree", "device": "--device", "dtype": "--dtype",
+               "attention_backend": "--attention-backend"}
+
+
+class UsageError(ValueError):
+    """A command-line argument is wrong; the message starts with the argument's name."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+def build(cls, **kwargs):
+    """``cls(**kwargs)`` (SamplingParams, SpecConfig); a bad field becomes a UsageError naming its flag."""
+    try:
+        return cls(**kwargs)
+    except FieldError as err:
+        raise UsageError(FIELD_FLAGS.get(err.field, f"--{err.field.replace('_', '-')}"), str(err)) from None
+
+
+def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
+    """The device (default: cuda when available) and dtype (default: bfloat16 on cuda, float32 on cpu)."""
+    import torch
+
+    from specdec.config_checks import check_device
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = check_device(device)
+    except FieldError as err:
+        raise UsageError("--device", str(err).replace("SpecConfig.device ", "", 1)) from None
+    return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+
+
+def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
+    """A built-in model name, one of ``extra`` (e.g. 'ngram'), an existing folder or a .gguf file."""
+    if name in BUILTIN_MODELS or name in extra:
+        return
+    if not name.strip():
+        raise UsageError(flag, "is empty; give " + _model_forms(extra))
+    path = Path(name).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return
+    what = "is not a folder or a .gguf file" if path.exists() else "does not exist"
+    raise UsageError(flag, f"{name!r} {what}; give {_model_forms(extra)}")
+
+
+def load(flag: str, name: str, dtype: str, device: str, target=None):
+    """``load_model`` whose checkpoint errors (missing, truncated, unsupported) name ``flag``; ``target``:
+    the loaded target, for drafts that read it (eagle) or share its weights."""
+    from specdec.loading.errors import ModelNotFoundError
+    from specdec.loading.registry import load_model
+
+    try:
+        if target is not None:
+            return load_model(name, dtype=dtype, device=device, target=target)
+        return load_model(name, dtype=dtype, device=device)
+    except (ModelNotFoundError, ValueError) as err:
+        raise UsageError(flag, str(err)) from err
+
+
+def check_positive(flag: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise UsageError(flag, f"must be an integer >= 1, got {value}")
+
+
+def check_dataset(flag: str, name: str, names: tuple[str, ...]) -> None:
+    """A dataset name of ``names`` or an existing .jsonl file."""
+    if name in names:
+        return
+    if not name.endswith(".jsonl"):
+        raise UsageError(flag, f"must be one of {', '.join(names)} or a .jsonl prompt file, got {name!r}")
+    if not Path(name).expanduser().is_file():
+        raise UsageError(flag, f"prompt file {name!r} does not exist")
+
+
+def _model_forms(extra: tuple[str, ...]) -> str:
+    return ", ".join(repr(n) for n in BUILTIN_MODELS[:1] + extra) + ", a Hugging Face checkpoint folder or a .gguf file"

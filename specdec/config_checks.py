@@ -1,0 +1,71 @@
+"""Type-strict validation of ``SpecConfig`` (kept apart from the engine so the engine stays short)."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from specdec.errors import FieldError
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def check_spec_config(cfg) -> None:
+    """Raise FieldError naming the first field of ``cfg`` with a wrong type or value; normalises
+    ``policy`` (a CapacityPolicy becomes its string) and ``device`` (a torch.device becomes a str)."""
+    from specdec.loading.registry import DTYPES
+    from specdec.scheduler.scheduler import CapacityPolicy
+    from specdec.tree import template_from_spec
+
+    _require(isinstance(cfg.tree, str), "tree", "must be a str: chain:K, topk:WxD or dynamic:B", cfg.tree)
+    try:
+        template_from_spec(cfg.tree)
+    except ValueError as err:
+        raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
+    for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n"):
+        _positive_int(cfg, name, optional=False)
+    _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)")
+    _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None")
+    if isinstance(cfg.policy, CapacityPolicy):
+        object.__setattr__(cfg, "policy", cfg.policy.value)
+    policies = [p.value for p in CapacityPolicy]
+    _require(cfg.policy in policies, "policy", f"must be one of {policies}", cfg.policy)
+    _require(isinstance(cfg.prefix_cache, bool), "prefix_cache", "must be a bool", cfg.prefix_cache)
+    _require(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+             f"must be one of {list(ATTENTION_BACKENDS)}", cfg.attention_backend)
+    known = cfg.dtype in DTYPES.values() if isinstance(cfg.dtype, torch.dtype) else cfg.dtype in list(DTYPES)
+    _require(known, "dtype", f"must be one of {sorted(DTYPES)}", cfg.dtype)
+    object.__setattr__(cfg, "device", check_device(cfg.device))
+    _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
+    _require(cfg.cuda_graphs is None or isinstance(cfg.cuda_graphs, bool), "cuda_graphs",
+             "must be None (auto), True or False", cfg.cuda_graphs)
+
+
+def check_device(device) -> str:
+    """The device as a string; FieldError if it is not a torch device or CUDA is not available."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise FieldError("SpecConfig", "device", "must be a torch device such as 'cpu' or 'cuda:0'", device) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FieldError("SpecConfig", "device", "is a CUDA device but CUDA is not available on this machine",
+                         str(device))
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise FieldError("SpecConfig", "device", f"must name one of the {torch.cuda.device_count()} CUDA devices",
+                         str(device))
+    return str(dev)
+
+
+def _positive_int(cfg, name: str, optional: bool, why: str = "") -> None:
+    value = getattr(cfg, name)
+    if optional and value is None:
+        return
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    _require(ok and value >= 1, name, f"must be an int >= 1{why}", value)
+    object.__setattr__(cfg, name, int(value))
+
+
+def _require(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise FieldError("SpecConfig", name, rule, value)

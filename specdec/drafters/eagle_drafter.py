@@ -1,0 +1,124 @@
+"""EAGLE-style drafting: the draft reads the target's hidden states of the accepted tokens.
+
+Position p of the draft needs the target features of position p - 1. The verify forward returns
+them for the pending token and the accepted path; prefill returns them for the prompt. A request's
+features wait in this drafter (keyed weakly by the request) until the next catch-up consumes them.
+Tree nodes get their parent's draft hidden state instead (the root: the last catch-up position).
+Tree-node KV is written with those self-features, so it is never adopted: after acceptance the
+catch-up recomputes the accepted tokens with the target's features (``draft_computed`` is empty).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
+from specdec.runner import RowInput
+from specdec.scheduler.request import Request
+from specdec.training.eagle import EagleDraft
+from specdec.tree import TreeSpec
+
+
+@dataclass
+class _Features:
+    """Target features of positions [start, start + len(rows)) of one request."""
+
+    start: int
+    rows: torch.Tensor  # (n, k * hidden)
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        if start == self.start + len(self.rows):
+            self.rows = torch.cat([self.rows, rows])
+        else:
+            self.start, self.rows = start, rows
+
+    def before(self, begin: int, end: int) -> torch.Tensor:
+        """Features of positions [begin - 1, end - 1) (the inputs of draft positions [begin, end));
+        zeros where none is known (a prefix-cache hit or a preempted request's restart)."""
+        out = self.rows.new_zeros(end - begin, self.rows.shape[1])  # (end - begin, k * hidden)
+        lo, hi = max(begin - 1, self.start), min(end - 1, self.start + len(self.rows))
+        if lo < hi:
+            out[lo - begin + 1:hi - begin + 1] = self.rows[lo - self.start:hi - self.start]
+        return out
+
+    def drop_before(self, pos: int) -> None:
+        cut = min(max(0, pos - self.start), len(self.rows))
+        self.start, self.rows = self.start + cut, self.rows[cut:]
+
+
+class EagleDrafter(ModelDrafter):
+    """Chains, static top-k trees and dynamic trees from an ``EagleDraft`` sharing the pool."""
+
+    def __init__(self, model: EagleDraft, runner, spec: TreeSpec, vocab_size: int) -> None:
+        super().__init__(model, runner, spec)
+        self.vocab_size = vocab_size
+        self.target_features = model.aux_layers
+        self._feats: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
+
+    def _state(self, req: Request) -> _Features:
+        if req not in self._feats:
+            width = len(self.model.aux_layers) * self.model.config.hidden_size
+            self._feats[req] = _Features(0, torch.zeros(0, width, dtype=self.model.fc.weight.dtype,
+                                                         device=self.runner.device))
+        return self._feats[req]
+
+    def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden)."""
+        ctx, ids, pos = self.runner.prepare(DRAFT_MODEL_INDEX, rows)
+        with torch.inference_mode():
+            return self.model(ids, pos, ctx, g), ctx.meta.host_query_start_loc
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model.full_logits(self.model.compute_logits(hidden), self.vocab_size)  # (n, V)
+
+    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Draft KV of positions [b, e) of each request from its stored target features."""
+        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
+                zip(reqs, spans)]
+        aux = torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
+        with torch.inference_mode():
+            g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
+        hidden, qsl = self._hidden(rows, g)
+        for r, (_, e) in zip(reqs, spans):
+            r.num_computed_draft = e
+            self._state(r).drop_before(e - 1)
+        return hidden, qsl
+
+    def prefill(self, chunks, features=None) -> None:
+        if not chunks:
+            return
+        if features is None:
+            raise ValueError("an eagle draft needs the target features of the prefill (features=None)")
+        for c, f in zip(chunks, features):
+            self._state(c.req).put(c.start, f)
+        self._run_positions([c.req for c in chunks], [(c.start, c.end) for c in chunks])
+
+    def accepted(self, rows: list[Request], results) -> None:
+        for req, res in zip(rows, results):
+            if not req.finished:
+                self._state(req).put(req.num_computed_draft - 1, res.features)
+
+    def _catch_up(self, grows: list[_Growth]) -> None:
+        reqs = [g.req for g in grows]
+        hidden, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
+        last = hidden[[e - 1 for e in qsl[1:]]]  # (rows, hidden)
+        for g, h, lg in zip(grows, last, self._logits(last)):
+            g.hidden[-1] = h
+            g.frontier = [(-1, lg)]
+
+    def _forward_level(self, live: list[tuple[_Growth, list[int]]]) -> None:
+        rows = [RowInput(g.req, [g.tokens[i] for i in nodes], [g.L + g.depth[i] for i in nodes], g.L,
+                         g.L + len(g.tokens), [g.masks[i] for i in nodes], want_logits="none")
+                for g, nodes in live]
+        feats = torch.stack([g.hidden[g.parents[i]] for g, nodes in live for i in nodes])  # (T, hidden)
+        hidden, _ = self._hidden(rows, feats)
+        logits = self._logits(hidden)  # (T, V)
+        j = 0
+        for g, nodes in live:
+            g.frontier = [(i, logits[j + n]) for n, i in enumerate(nodes)]
+            g.hidden.update((i, hidden[j + n]) for n, i in enumerate(nodes))
+            j += len(nodes)

@@ -1,0 +1,89 @@
+"""Fault isolation: a failure while computing a batch fails only the requests that caused it.
+
+A batched forward that raises does not say which row was at fault, so the batch is retried
+row by row from a snapshot of the rows' mutable state; rows that fail alone are failed, the
+others keep the results of their solo run. A ``RequestFault`` names its requests, which are
+failed at once, and the rest is retried as one batch. See docs/design.md, "Fault isolation".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from specdec.errors import RequestFault
+from specdec.scheduler.request import Request
+
+
+class _RowState(NamedTuple):
+    num_computed: int
+    num_computed_draft: int
+    num_tokens: int
+    rng_state: torch.Tensor | None
+
+
+class Snapshot:
+    """What a draft/verify/prefill attempt may change in a request, so a retry starts identically:
+    the computed counts, the token count and the random generator's state."""
+
+    def __init__(self, reqs: Sequence[Request]) -> None:
+        self._states = {req: _RowState(req.num_computed, req.num_computed_draft, len(req.tokens),
+                                       req.generator.get_state() if req.generator is not None else None)
+                        for req in reqs}
+
+    def restore(self, req: Request) -> None:
+        s = self._states[req]
+        req.num_computed, req.num_computed_draft = s.num_computed, s.num_computed_draft
+        del req.tokens[s.num_tokens:]
+        if s.rng_state is not None:
+            req.generator.set_state(s.rng_state)
+
+
+def run_isolated(items: list, req_of: Callable[[Any], Request], call: Callable[[list], list],
+                 fail: Callable[[Request, Exception], None]) -> tuple[list, list]:
+    """``call(items)`` returns one result per item; returns (items that succeeded, their results).
+
+    When ``call`` raises, every item's request is restored to its state before the call and the
+    work is retried without the culprit; ``fail(req, err)`` is called once for each culprit.
+    """
+    snap = Snapshot([req_of(it) for it in items])
+    try:
+        return items, call(items)
+    except Exception as err:  # noqa: BLE001 - whatever one request triggers must not stop the others
+        for it in items:
+            snap.restore(req_of(it))
+        named = set(err.request_ids) if isinstance(err, RequestFault) else set()
+        culprits = [it for it in items if req_of(it).request_id in named]
+        if culprits:
+            for it in culprits:
+                fail(req_of(it), err)
+            return run_isolated([it for it in items if it not in culprits], req_of, call, fail)
+        if len(items) == 1:
+            fail(req_of(items[0]), err)
+            return [], []
+    done, results = [], []
+    for it in items:
+        ok, res = run_isolated([it], req_of, call, fail)
+        done += ok
+        results += res
+    return done, results
+
+
+def check_finite(rows: Sequence[Request], logits: Sequence[torch.Tensor | None], what: str) -> None:
+    """Raise ``RequestFault`` naming the rows whose logits contain NaN or infinity (one host sync)."""
+    pairs = [(req, lg) for req, lg in zip(rows, logits) if lg is not None]
+    if not pairs:
+        return
+    finite = torch.stack([torch.isfinite(lg).all() for _, lg in pairs]).tolist()
+    bad = [req.request_id for (req, _), ok in zip(pairs, finite) if not ok]
+    if bad:
+        raise RequestFault(bad, f"{what} logits are not finite (NaN or infinity) for request(s) {bad}")
+
+
+def check_finite_flags(rows: Sequence[Request], finite: Sequence[int], what: str) -> None:
+    """``check_finite`` for flags already computed on the device (1 = the row's logits are finite)."""
+    bad = [req.request_id for req, ok in zip(rows, finite) if not ok]
+    if bad:
+        raise RequestFault(bad, f"{what} logits are not finite (NaN or infinity) for request(s) {bad}")

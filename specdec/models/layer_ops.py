@@ -1,0 +1,26 @@
+"""Plain-torch elementwise ops of the decoder layer: the CPU path and the references of the fused kernels
+in ``specdec.kernels.norm_act``."""
+
+from __future__ import annotations
+
+import torch
+
+
+def add_rmsnorm_reference(
+    x: torch.Tensor,  # (T, H)
+    residual: torch.Tensor | None,  # (T, H) or None
+    weight: torch.Tensor,  # (H,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # normed (T, H), h (T, H)
+    """h = x + residual (x when residual is None); normed = weight * rmsnorm(h), computed in float32 and
+    rounded to h's dtype before the weight multiplies it (Hugging Face Llama's order)."""
+    h = x if residual is None else x + residual  # (T, H)
+    hf = h.float()
+    normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    return weight * normed, h
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+    """silu(gate) * up for gate | up side by side in the last dimension."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(g) * u

@@ -1,0 +1,386 @@
+"""Executor: an asynchronous API around one SpecEngine, driven by a single background loop thread.
+
+Callers on any thread (or in any asyncio event loop) ``enqueue`` requests, read their outputs as a
+stream or await the final one, and ``cancel`` them. Every engine call happens on the loop thread;
+other threads talk to it only through queues. A request that fails (bad input, a fault the engine
+isolated to its row, an error while its output is built, an exception escaping an engine step it
+took part in) ends with ``finish_reason == "error"``; the loop and the other requests go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from specdec.engine import SpecEngine
+from specdec.engine import _output as request_output
+from specdec.outputs import AcceptanceStats, RequestOutput
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests running in it were ended (their KV freed)."""
+
+
+class UnknownRequest(KeyError):
+    """No live or unread request has this id."""
+
+
+@dataclass(frozen=True)
+class IterationStats:
+    """What one engine step did, recorded on the loop thread right after it."""
+
+    step: int
+    wall_time: float  # time.time() at the end of the step
+    step_seconds: float
+    batch_size: int  # requests that ran (prefill chunks + speculating rows)
+    num_prefill: int
+    new_tokens: int  # output tokens committed in this step
+    drafted: int
+    accepted: int
+    kv_blocks_used: int  # allocated blocks, prefix-cache blocks included
+    kv_blocks_total: int
+    num_waiting: int  # queue length after the step
+    num_running: int
+
+
+class Load(NamedTuple):
+    """The engine's load right now (updated by the loop after every step and message)."""
+
+    num_waiting: int
+    num_running: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+
+
+class _Channel:
+    """Carries one request's outputs from the loop thread to its consumer.
+
+    Bound to the asyncio loop that was running when the request was enqueued, if any; then the
+    consumer awaits, otherwise it blocks on a thread-safe queue.
+    """
+
+    def __init__(self) -> None:
+        try:
+            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+        self.items: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if self.loop else queue.SimpleQueue()
+        self.done = False  # set by the consumer once it read the final output
+
+    def put(self, out: RequestOutput) -> bool:
+        """Deliver ``out``; False when the consumer's event loop is gone (the request should end)."""
+        if self.loop is None:
+            self.items.put(out)
+            return True
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, out)
+        except RuntimeError:  # the loop was closed
+            return False
+        return True
+
+
+@dataclass
+class _Live:
+    """Loop-thread bookkeeping of one admitted request."""
+
+    req: Request
+    channel: _Channel
+    drafted: int = 0
+    accepted: int = 0
+    num_output: int = 0
+    forwards: int = 0  # target forwards (speculating steps) seen so far
+
+
+_STOP = object()
+
+
+class Executor:
+    """``enqueue(prompt, params) -> id``; ``stream(id)`` / ``astream(id)`` / ``result(id)`` / ``aresult(id)``;
+    ``cancel(id)``; ``iteration_stats()``. Use as a context manager or call ``shutdown()``.
+
+    The first output of every request acknowledges it: no new tokens, ``finish_reason`` None (or
+    "error" with the validation error in ``.error`` when the engine refused the request). Each request
+    has one reader. The executor owns the engine: while it runs, reach the engine only through
+    ``run_on_loop``.
+    """
+
+    def __init__(self, engine: SpecEngine, stats_history: int = 1024) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._channels: dict[str, _Channel] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._live: dict[str, _Live] = {}
+        self._stats: deque[IterationStats] = deque(maxlen=stats_history)
+        self._listeners: list[Callable[[IterationStats], None]] = []
+        self._steps = 0
+        self.load = Load(0, 0, engine.allocator.num_blocks - engine.allocator.num_free, engine.allocator.num_blocks)
+        self._thread = threading.Thread(target=self._run, name="specdec-executor", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side (any thread)
+
+    def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request and return its id. Its outputs go to the calling thread, or to the
+        calling coroutine's event loop when called from one."""
+        if not self._thread.is_alive():
+            raise RuntimeError("the executor was shut down; create a new one")
+        rid = request_id or f"req-{next(self._ids)}"
+        with self._lock:
+            if rid in self._channels:
+                raise ValueError(f"request_id {rid!r} is already in use")
+            channel = self._channels[rid] = _Channel()
+        self._inbox.put(("add", rid, prompt, params, channel))
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        """End a request early (finish_reason "abort") and free its KV; a finished one is left alone."""
+        self._inbox.put(("cancel", request_id))
+
+    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[RequestOutput]:
+        """Outputs of a request enqueued from a thread, up to and including the final one."""
+        channel = self._channel(request_id, asyncio_bound=False)
+        try:
+            while True:
+                try:
+                    out = channel.items.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"no output for request {request_id!r} within {timeout} s") from None
+                yield out
+                if out.finished:
+                    return
+        finally:  # a reader that stops early cancels its request
+            self._close(request_id)
+
+    async def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of a request enqueued from a coroutine, up to and including the final one."""
+        channel = self._channel(request_id, asyncio_bound=True)
+        try:
+            while True:
+                out = await channel.items.get()
+                yield out
+                if out.finished:
+                    return
+        finally:  # a reader that stops early (or is cancelled) cancels its request
+            self._close(request_id)
+
+    def result(self, request_id: str, timeout: float | None = None) -> RequestOutput:
+        """Block until the request finishes; its final output (full text and token ids)."""
+        for out in self.stream(request_id, timeout):
+            if out.finished:
+                return out
+        raise RuntimeError(f"request {request_id!r} ended without a final output")
+
+    async def aresult(self, request_id: str) -> RequestOutput:
+        async for out in self.astream(request_id):
+            if out.finished:
+                return out
+        raise RuntimeError(f"request {request_id!r} ended without a final output")
+
+    def run_on_loop(self, fn: Callable[[SpecEngine], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn(engine)`` on the loop thread between steps and return its result (or raise its error)."""
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox.put(("call", fn, box))
+        ok, value = box.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    def add_stats_listener(self, fn: Callable[[IterationStats], None]) -> None:
+        """Call ``fn(stats)`` on the loop thread after every step (keep it quick; errors are logged)."""
+        self._listeners.append(fn)
+
+    def iteration_stats(self) -> list[IterationStats]:
+        """The most recent steps' statistics, oldest first."""
+        return list(self._stats)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is still running, stop the loop thread and wait for it."""
+        if self._thread.is_alive():
+            self._inbox.put((_STOP,))
+            self._thread.join(timeout)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _channel(self, request_id: str, asyncio_bound: bool) -> _Channel:
+        with self._lock:
+            channel = self._channels.get(request_id)
+        if channel is None:
+            raise UnknownRequest(request_id)
+        if (channel.loop is not None) != asyncio_bound:
+            where = "a coroutine (use astream/aresult)" if channel.loop else "a thread (use stream/result)"
+            raise RuntimeError(f"request {request_id!r} was enqueued from {where}")
+        return channel
+
+    def _close(self, request_id: str) -> None:
+        """The reader is done with a request: forget its channel and cancel it (no-op once finished)."""
+        with self._lock:
+            self._channels.pop(request_id, None)
+        self.cancel(request_id)
+
+    # ------------------------------------------------------------------ loop thread
+
+    def _run(self) -> None:
+        with torch.inference_mode():  # thread-local: the loop thread never records autograd state
+            self._loop()
+
+    def _loop(self) -> None:
+        while True:
+            busy = self.engine.scheduler.has_work
+            try:
+                msg = self._inbox.get_nowait() if busy else self._inbox.get()
+            except queue.Empty:
+                msg = None
+            if msg is not None and msg[0] is _STOP:
+                self._abort_all()
+                self._refuse_pending()
+                return
+            if msg is not None:
+                self._handle(msg)  # drain the inbox before the next step
+            else:
+                self._step()
+            self._update_load()
+
+    def _update_load(self) -> None:
+        sched, alloc = self.engine.scheduler, self.engine.allocator
+        self.load = Load(len(sched.waiting), len(sched.running), alloc.num_blocks - alloc.num_free, alloc.num_blocks)
+
+    def _refuse_pending(self) -> None:
+        """After shutdown: answer what is still in the inbox, so that no reader waits forever."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                err = RuntimeError("the executor was shut down")
+                msg[4].put(RequestOutput(msg[1], [], [], "", "error", AcceptanceStats(), error=err))
+            elif msg[0] == "call":
+                msg[2].put((False, RuntimeError("the executor was shut down")))
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            self._add(*msg[1:])
+        elif kind == "cancel":
+            self._cancel(msg[1])
+        elif kind == "call":
+            fn, box = msg[1:]
+            try:
+                box.put((True, fn(self.engine)))
+            except Exception as err:  # handed back to the caller, who raises it
+                box.put((False, err))
+
+    def _add(self, rid: str, prompt, params, channel: _Channel) -> None:
+        try:
+            req = self.engine.add_request(prompt, params, rid)
+        except (ValueError, TypeError) as err:
+            channel.put(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
+            return
+        live = self._live[rid] = _Live(req, channel)
+        if not channel.put(RequestOutput(rid, list(req.prompt_ids), [], "", None, req.stats)):
+            self._end(live, "abort")
+
+    def _cancel(self, rid: str) -> None:
+        live = self._live.get(rid)
+        if live is not None:
+            self._end(live, "abort")
+
+    def _end(self, live: _Live, reason: str, error: Exception | None = None) -> None:
+        """Take a request out of the engine (KV freed) and send its final output."""
+        req = live.req
+        if not req.finished:
+            self.engine.scheduler.abort(req)
+        req.finish_reason = reason
+        self._live.pop(req.request_id, None)
+        out = RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids), req.text, reason,
+                            req.stats, error=error)
+        live.channel.put(out)
+
+    def _abort_all(self) -> None:
+        for live in list(self._live.values()):
+            self._end(live, "abort")
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            progressed = self.engine.step()
+        except Exception as err:  # noqa: BLE001 - one failed step must not kill the loop
+            log.exception("engine step failed")
+            self._fail_running(err)
+            return
+        seconds = time.perf_counter() - t0
+        drafted = accepted = new_tokens = prefill = 0
+        lives = [live for req in progressed if (live := self._live.get(req.request_id)) is not None]
+        for live in lives:
+            req, s = live.req, live.req.stats
+            prefill += s.target_forwards == live.forwards  # a prefill chunk runs no verify forward
+            drafted += s.drafted - live.drafted
+            accepted += s.accepted - live.accepted
+            new_tokens += req.num_output - live.num_output
+            live.drafted, live.accepted, live.num_output, live.forwards = (s.drafted, s.accepted, req.num_output,
+                                                                          s.target_forwards)
+        self._record(seconds, len(progressed), prefill, new_tokens, drafted, accepted)  # before readers wake
+        for live in lives:
+            self._deliver(live)
+
+    def _deliver(self, live: _Live) -> None:
+        req = live.req
+        try:
+            out = request_output(req, self.engine.stopper)
+        except Exception as err:  # noqa: BLE001 - this request fails, the others go on
+            log.exception("building the output of request %s failed", req.request_id)
+            self._end(live, "error", err)
+            return
+        if not (out.new_token_ids or out.new_text or out.finished):
+            return
+        if req.finished:
+            self._live.pop(req.request_id, None)
+        if not live.channel.put(out) and not req.finished:
+            self._end(live, "abort")
+
+    def _fail_running(self, err: Exception) -> None:
+        """After a failed step: end every running request with an error; waiting ones go on."""
+        wrapped = EngineStepError(f"engine step failed: {type(err).__name__}: {err}")
+        for req in list(self.engine.scheduler.running):
+            live = self._live.get(req.request_id)
+            if live is not None:
+                self._end(live, "error", wrapped)
+            else:
+                self.engine.scheduler.abort(req)
+
+    def _record(self, seconds: float, batch: int, prefill: int, new_tokens: int, drafted: int,
+                accepted: int) -> None:
+        self._steps += 1
+        alloc, sched = self.engine.allocator, self.engine.scheduler
+        stats = IterationStats(self._steps, time.time(), seconds, batch, prefill, new_tokens, drafted, accepted,
+                               alloc.num_blocks - alloc.num_free, alloc.num_blocks, len(sched.waiting),
+                               len(sched.running))
+        self._stats.append(stats)
+        for fn in self._listeners:
+            try:
+                fn(stats)
+            except Exception:  # noqa: BLE001 - a broken listener must not stop the engine
+                log.exception("iteration stats listener failed")

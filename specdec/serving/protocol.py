@@ -1,0 +1,204 @@
+"""OpenAI request bodies -> (prompt, SamplingParams), and engine outputs -> OpenAI response bodies.
+
+Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
+engine does not have (n > 1, logprobs, penalties, tools) is a ``BadRequest`` naming the field.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.outputs import RequestOutput
+from specdec.sampling_params import SamplingParams
+
+
+class BadRequest(ValueError):
+    """A request body the server refuses (HTTP 400); ``field`` names the offending field."""
+
+    def __init__(self, field: str | None, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.field = field
+        self.status = status
+
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
+           "user", "ignore_eos"}
+# accepted only at the value that means "off": these features do not exist here
+_OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logprobs": (None, False),
+               "logit_bias": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
+               "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
+               "response_format": (None,), "parallel_tool_calls": (None,)}
+COMPLETION_FIELDS = _COMMON | {"prompt"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """What the engine needs from one OpenAI request."""
+
+    prompt: Any  # text, token ids, or chat messages
+    params: SamplingParams
+    stream: bool
+    include_usage: bool
+
+
+def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> ParsedRequest:
+    """A /v1/completions body; ``prompt`` is a string, one string in a list, or a list of token ids."""
+    _check_fields(body, COMPLETION_FIELDS, model)
+    if "prompt" not in body:
+        raise BadRequest("prompt", "field 'prompt' is required")
+    return ParsedRequest(_completion_prompt(body["prompt"]), _params(body, default_max_tokens),
+                         *_stream_flags(body))
+
+
+def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
+    """A /v1/chat/completions body; ``messages`` is a list of {role, content} with string content."""
+    _check_fields(body, CHAT_FIELDS, model)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages", "field 'messages' must be a non-empty list of {role, content} objects")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with string 'role' and 'content'")
+    if "max_completion_tokens" in body and "max_tokens" not in body:
+        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    return ParsedRequest([{"role": m["role"], "content": m["content"]} for m in msgs],
+                         _params(body, default_max_tokens), *_stream_flags(body))
+
+
+def _check_fields(body: Any, allowed: set[str], model: str) -> None:
+    if not isinstance(body, dict):
+        raise BadRequest(None, "the request body must be a JSON object")
+    for key, value in body.items():
+        if key in _OFF_VALUES:
+            if value not in _OFF_VALUES[key]:
+                raise BadRequest(key, f"field '{key}' is not supported by this server (allowed: "
+                                      f"{[v for v in _OFF_VALUES[key] if v is not None] or 'null'})")
+        elif key not in allowed:
+            raise BadRequest(key, f"unknown field '{key}'; allowed fields: {sorted(allowed)}")
+    if body.get("model") not in (None, model):
+        raise BadRequest("model", f"model {body.get('model')!r} is not served here; this server serves {model!r}",
+                         status=404)
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise BadRequest("n", f"field 'n' must be 1 (one choice per request; send several requests), got {n!r}")
+
+
+def _completion_prompt(prompt: Any) -> Any:
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("prompt", "field 'prompt' must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        return _completion_prompt(prompt[0])
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise BadRequest("prompt", "field 'prompt' holds several prompts; send one prompt per request")
+    raise BadRequest("prompt", "field 'prompt' must be a string or a list of token ids")
+
+
+def _params(body: dict, default_max_tokens: int) -> SamplingParams:
+    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
+    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
+    if top_p == 0:
+        raise BadRequest("top_p", "field 'top_p' must be in (0, 1], got 0")
+    top_k = _integer(body, "top_k", 0, lo=-1)
+    max_tokens = _integer(body, "max_tokens", default_max_tokens, lo=1)
+    seed = _integer(body, "seed", None, lo=0)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise BadRequest("ignore_eos", f"field 'ignore_eos' must be a boolean, got {ignore_eos!r}")
+    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+                          max_new_tokens=max_tokens, stop=_stop(body.get("stop")), ignore_eos=ignore_eos)
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise BadRequest("stop", f"field 'stop' must be a non-empty string or a list of them, got {stop!r}")
+    return tuple(stop)
+
+
+def _stream_flags(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("stream", f"field 'stream' must be a boolean, got {stream!r}")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest("stream_options", "field 'stream_options' may only hold 'include_usage'")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise BadRequest("stream_options", "stream_options.include_usage must be a boolean")
+    return bool(stream), include
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, name: str, default, lo: float, hi: float):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(name, f"field '{name}' must be a number in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def _integer(body: dict, name: str, default, lo: int):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_int(value) or value < lo:
+        raise BadRequest(name, f"field '{name}' must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def error_body(message: str, field: str | None, status: int) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": field, "code": status}}
+
+
+def usage(out: RequestOutput) -> dict:
+    """OpenAI usage plus ``mean_accepted_length`` (tokens committed per target forward)."""
+    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
+            "mean_accepted_length": out.stats.mean_accepted_length,
+            "acceptance_rate": out.stats.acceptance_rate}
+
+
+def completion_body(rid: str, model: str, out: RequestOutput, chat: bool) -> dict:
+    """The non-streaming response for a finished request."""
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
+                  "finish_reason": out.finish_reason}
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage(out)}
+
+
+def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None, chat: bool,
+               role: bool = False) -> dict:
+    """One server-sent event of a streaming response."""
+    if chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model: str, out: RequestOutput, chat: bool) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [], "usage": usage(out)}

@@ -1,0 +1,215 @@
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over an Executor, with Prometheus /metrics.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events),
+GET /v1/models, GET /health, GET /metrics. A client that disconnects cancels its request, which
+frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specdec.outputs import RequestOutput
+from specdec.serving import protocol
+from specdec.serving.executor import Executor
+from specdec.serving.metrics import ServingMetrics
+
+log = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 0.25
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int = 256,
+              metrics: ServingMetrics | None = None) -> FastAPI:
+    """The FastAPI application serving ``executor``'s engine under the name ``model_name``."""
+    app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
+    metrics = metrics or ServingMetrics(lambda: executor.load)
+    executor.add_stats_listener(metrics.on_step)
+    app.state.executor, app.state.metrics, app.state.model_name = executor, metrics, model_name
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not executor.alive:
+            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "specdec"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _handle(request, chat=True)
+
+    async def _handle(request: Request, chat: bool) -> Response:
+        arrival = time.perf_counter()
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error(protocol.BadRequest(None, "the request body is not valid JSON"))
+        try:
+            parsed = (protocol.parse_chat(body, model_name, default_chat_max_tokens) if chat
+                      else protocol.parse_completion(body, model_name))
+        except protocol.BadRequest as err:
+            return _error(err)
+        except ValueError as err:  # SamplingParams refused a combination the parser let through
+            return _error(protocol.BadRequest(None, str(err)))
+        rid = executor.enqueue(parsed.prompt, parsed.params)
+        outputs = executor.astream(rid)
+        try:
+            ack = await _until(request, outputs.__anext__())  # admission, or the engine's refusal
+        except _ClientGone:
+            await outputs.aclose()
+            return Response(status_code=499)
+        if ack.finish_reason == "error":
+            await outputs.aclose()
+            return _error(_refusal(ack.error, chat))
+        timing = _Timing(metrics, arrival)
+        if parsed.stream:
+            return StreamingResponse(_events(rid, outputs, chat, parsed.include_usage, timing),
+                                     media_type="text/event-stream")
+        try:
+            final = await _until(request, _final(outputs, timing))
+        except _ClientGone:
+            timing.abandoned()
+            await outputs.aclose()
+            return Response(status_code=499)
+        timing.report(final)
+        if final.finish_reason == "error":
+            return _error(protocol.BadRequest(None, str(final.error), 500))
+        return JSONResponse(protocol.completion_body(rid, model_name, final, chat))
+
+    async def _events(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, include_usage: bool,
+                      timing: _Timing) -> AsyncIterator[str]:
+        try:
+            if chat:
+                yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True))
+            async for out in outputs:
+                timing.saw(out)
+                if out.finish_reason == "error":
+                    timing.report(out)
+                    yield _sse(protocol.error_body(str(out.error), None, 500))
+                    break
+                if out.new_text or out.finished:
+                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat))
+                if out.finished:
+                    timing.report(out)
+                    if include_usage:
+                        yield _sse(protocol.usage_chunk(rid, model_name, out, chat))
+            yield "data: [DONE]\n\n"
+        finally:  # also on disconnect: closing the stream cancels an unfinished request
+            timing.abandoned()
+            await outputs.aclose()
+
+    return app
+
+
+class _Timing:
+    """Arrival, first-token and end times of one HTTP request, reported once to the metrics."""
+
+    def __init__(self, metrics: ServingMetrics, arrival: float) -> None:
+        self.metrics, self.arrival, self.first, self.reported = metrics, arrival, None, False
+
+    def saw(self, out: RequestOutput) -> None:
+        if self.first is None and out.new_token_ids:
+            self.first = time.perf_counter()
+
+    def report(self, final: RequestOutput) -> None:
+        self.reported = True
+        self.metrics.observe_request(final.finish_reason, self.arrival, self.first, time.perf_counter(),
+                                     len(final.token_ids))
+
+    def abandoned(self) -> None:
+        """The client went away before the final output: count the request as aborted."""
+        if not self.reported:
+            self.reported = True
+            self.metrics.observe_request("abort", self.arrival, self.first, time.perf_counter(), 0)
+
+
+async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> RequestOutput:
+    async for out in outputs:
+        timing.saw(out)
+        if out.finished:
+            return out
+    raise RuntimeError("request stream ended without a final output")
+
+
+async def _until(request: Request, awaitable):
+    """Await ``awaitable`` unless the client disconnects first (then raise _ClientGone)."""
+    task = asyncio.ensure_future(awaitable)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            raise _ClientGone()
+
+
+def _refusal(err: Exception | None, chat: bool) -> protocol.BadRequest:
+    """The engine refused a request at admission: a ValueError is the client's (400), anything else ours."""
+    if not isinstance(err, ValueError):
+        return protocol.BadRequest(None, f"request failed: {err}", 500)
+    text = str(err)
+    field = "max_tokens" if "max_new_tokens" in text else ("messages" if chat else "prompt")
+    return protocol.BadRequest(field, f"{field}: {text}")
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _error(err: protocol.BadRequest) -> JSONResponse:
+    return JSONResponse(protocol.error_body(str(err), err.field, err.status), status_code=err.status)
+
+
+class ServerThread:
+    """Runs uvicorn for ``app`` in a background thread (tests, benchmarks); ``stop()`` shuts it down."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, name="specdec-uvicorn", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server.config.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)

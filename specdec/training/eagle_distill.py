@@ -1,0 +1,105 @@
+"""One eagle-draft distillation run: token file -> draft vocabulary -> training -> draft folder."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.loading.registry import DTYPES
+from specdec.training.eagle_data import TokenFile, coverage, load_token_file, top_vocab
+from specdec.training.eagle_train import EagleState, EagleTrainConfig, config_record, evaluate, split_docs, train
+
+COVERAGE_SIZES = (4096, 8192, 16384, 24576, 32768)
+
+
+@dataclass(frozen=True)
+class EagleResult:
+    """What a run produced: the draft folder (None when stopped early), its record, the state."""
+
+    folder: Path | None
+    record: dict
+    state: EagleState
+
+
+def draft_vocabulary(data: TokenFile, num_train: int, vocab_size: int, n: int) -> tuple[np.ndarray, dict]:
+    """The ``n`` most frequent assistant tokens of the training conversations, and the coverage
+    (share of assistant tokens inside the top-k set) on the held-out conversations for several k."""
+    split = int(data.offsets[num_train])
+    train_tok = data.tokens[:split][data.assistant[:split]]
+    held = data.tokens[split:][data.assistant[split:]]
+    vocab = top_vocab(train_tok, vocab_size, n)
+    sizes = sorted({*(k for k in COVERAGE_SIZES if k < vocab_size), n})
+    cov = {str(k): round(coverage(held, top_vocab(train_tok, vocab_size, k)), 5) for k in sizes}
+    return vocab, {"held_out_assistant_tokens": int(len(held)), "coverage": cov}
+
+
+def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
+    """Train (or resume) the eagle draft of ``cfg`` and, once the planned steps are done, export it.
+
+    ``target``: the already loaded ``cfg.target`` (in ``cfg.dtype`` on ``cfg.device``), else loaded here."""
+    from specdec.loading.registry import load_model
+    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+
+    t0 = time.perf_counter()
+    Path(cfg.out).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    data = load_token_file(cfg.tokens)
+    target = target or load_model(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    tcfg = target.config
+    num_train, num_val = split_docs(data, cfg.val_docs)
+    vocab, cov = draft_vocabulary(data, num_train, tcfg.vocab_size, min(cfg.draft_vocab, tcfg.vocab_size))
+    shape = EagleShape(cfg.aux_layers or default_aux_layers(tcfg.num_layers), len(vocab))
+    draft = eagle_from_target(target.model, shape, torch.from_numpy(vocab), dtype=torch.float32, seed=cfg.seed)
+    state = train(cfg, target.model, draft, data)
+    done = state.step >= state.planned
+    val_docs = list(range(num_train, num_train + num_val))
+    if done and val_docs:
+        state.val.append({"step": state.step, **evaluate(cfg, target.model, draft, data, val_docs)})
+    record = _record(cfg, data, state, cov, num_train, num_val, time.perf_counter() - t0)
+    folder = None
+    if done:
+        from specdec.training.eagle_folder import save_eagle_folder
+
+        ref = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
+        save_eagle_folder(cfg.out, draft, target, ref, {"training": record}, DTYPES[cfg.save_dtype])
+        folder = Path(cfg.out)
+    return EagleResult(folder, record, state)
+
+
+def _record(cfg: EagleTrainConfig, data: TokenFile, state: EagleState, cov: dict, num_train: int, num_val: int,
+            wall: float) -> dict:
+    from specdec.training.distill import loss_curve
+
+    device = f"{cfg.device} ({torch.cuda.get_device_name(cfg.device)})" if cfg.device.startswith("cuda") \
+        else cfg.device
+    return {
+        "kind": "eagle", "data": data.meta, "train_conversations": num_train, "val_conversations": num_val,
+        "draft_vocab": cov, "options": {k: v for k, v in config_record(cfg).items()
+                                        if k not in ("out", "resume", "tokens")},
+        "tokens_file": Path(cfg.tokens).name,
+        "steps": state.step, "planned_steps": state.planned, "tokens_seen": state.tokens_seen,
+        "loss": f"sum over {cfg.unroll} unrolled steps (weights {cfg.step_decay}^k) of KL(target || draft) over "
+                f"the draft vocabulary, {cfg.loss_on} tokens",
+        "loss_curve": loss_curve(state.losses), "val": state.val, "device": device,
+        "precision": "bf16 autocast, fp32 master weights" if cfg.autocast else "float32",
+        "train_seconds": round(state.train_seconds, 2), "wall_seconds_this_run": round(wall, 2),
+    }
+
+
+def summary_line(res: EagleResult) -> str:
+    s = res.state
+    line = f"distill eagle: step {s.step}/{s.planned}, train {s.train_seconds:.1f}s, {s.tokens_seen} tokens"
+    if s.losses:
+        k = max(1, min(20, len(s.losses) // 5))
+        line += f" | loss {np.mean(s.losses[:k]):.4f} -> {np.mean(s.losses[-k:]):.4f}"
+    if s.val:
+        line += f" | val top-1 per step {s.val[-1]['top1']}"
+    if res.folder is None:
+        return line + " | stopped before the last step: continue with --resume"
+    size = sum(f.stat().st_size for f in res.folder.iterdir() if f.name in ("model.safetensors",
+                                                                               "specdec_draft.json"))
+    return line + f" | draft folder {res.folder} ({size / 2**20:.2f} MB)"

@@ -1,0 +1,294 @@
+"""``specdec distill --kind eagle``: train a feature-conditioned draft on a token file.
+
+Conversations of the token file (``training.eagle_data``) are grouped into batches of at most
+``batch_tokens`` padded tokens; the target prefills each batch (teacher distributions over the
+draft vocabulary and the features), the draft runs ``unroll`` steps (``training.eagle_unroll``) and
+AdamW minimises the KL. Batch ``s`` and the learning rate of step ``s`` are pure functions of
+(seed, s) and the planned step count, so a run resumed from ``OUT/ckpt.pt`` continues exactly.
+With ``time_budget`` the planned step count is fixed after ``PROBE_STEPS`` timed steps and stored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.training.eagle_data import TokenFile
+
+PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
+LOG_EVERY = 10
+MUST_MATCH = ("target", "tokens", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len", "batch_tokens",
+              "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "val_docs", "loss_on")
+
+
+@dataclass(frozen=True)
+class EagleTrainConfig:
+    """Options of one eagle-draft run (``specdec distill --help``); validated at construction."""
+
+    out: str
+    tokens: str
+    target: str = "smollm2-135m"
+    draft_vocab: int = 24576  # covers 98.4% of held-out ShareGPT assistant tokens (bench/RESULTS.md)
+    aux_layers: tuple[int, ...] | None = None
+    unroll: int = 3
+    step_decay: float = 0.8
+    max_len: int = 1024
+    batch_tokens: int = 16384
+    steps: int = 2000
+    time_budget: float | None = None
+    lr: float = 1e-3
+    warmup_steps: int | None = None
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    ckpt_every: int = 200
+    stop_after: int | None = None
+    val_docs: int = 32
+    loss_on: str = "assistant"
+    seed: int = 0
+    resume: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    save_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for name in ("draft_vocab", "unroll", "max_len", "batch_tokens", "steps", "ckpt_every"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+        if self.warmup_steps is None:
+            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
+        if self.aux_layers is not None:
+            object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
+        _require(0 <= self.warmup_steps <= self.steps, "warmup_steps", f"in [0, steps={self.steps}]",
+                 self.warmup_steps)
+        _require(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}", self.batch_tokens)
+        _require(0 < self.step_decay <= 1, "step_decay", "in (0, 1]", self.step_decay)
+        _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
+                 self.time_budget)
+        _require(self.lr > 0, "lr", "a number > 0", self.lr)
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
+        _require(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
+        _require(self.grad_clip >= 0, "grad_clip", "a number >= 0 (0 = off)", self.grad_clip)
+        _require(self.stop_after is None or 1 <= self.stop_after <= self.steps, "stop_after",
+                 f"None or in [1, steps={self.steps}]", self.stop_after)
+        _require(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
+        _require(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
+        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", "an int >= 0", self.seed)
+        _require(self.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N", self.device)
+
+    @property
+    def autocast(self) -> bool:
+        return self.device.startswith("cuda") and self.dtype != "float32"
+
+
+def _require(ok: bool, name: str, rule: str, value) -> None:
+    if not ok:
+        raise ValueError(f"EagleTrainConfig.{name} must be {rule}, got {value!r}")
+
+
+@dataclass
+class EagleState:
+    """Progress: steps done, planned steps, per-step loss, validation records, seconds over all runs."""
+
+    step: int = 0
+    planned: int = 0
+    losses: list[float] = field(default_factory=list)
+    val: list[dict] = field(default_factory=list)
+    train_seconds: float = 0.0
+    tokens_seen: int = 0
+
+
+@lru_cache(maxsize=4)
+def _epoch_batches(seed: int, epoch: int, lengths: tuple[int, ...], batch_tokens: int) -> tuple[tuple[int, ...], ...]:
+    """One epoch's batches of document indices: a permutation, sorted by length within windows of
+    64 (less padding), cut so that rows * longest row <= batch_tokens, then shuffled."""
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    batches, cur, longest = [], [], 0
+    for w in range(0, len(order), 64):
+        for i in sorted(order[w:w + 64], key=lambda j: lengths[j]):
+            if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
+                batches.append(tuple(cur))
+                cur, longest = [], 0
+            cur.append(i)
+            longest = max(longest, lengths[i])
+    if cur:
+        batches.append(tuple(cur))
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return tuple(batches[i] for i in perm)
+
+
+def batch_docs(step: int, lengths: tuple[int, ...], batch_tokens: int, seed: int) -> tuple[int, ...]:
+    """Document indices of batch ``step`` (epochs follow one another)."""
+    epoch = 0
+    while True:
+        batches = _epoch_batches(seed, epoch, lengths, batch_tokens)
+        if step < len(batches):
+            return batches[step]
+        step -= len(batches)
+        epoch += 1
+
+
+def make_rows(data: TokenFile, docs, max_len: int, loss_on: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded token rows (B, S) and the positions (B, S) whose next token is scored."""
+    pieces = [data.doc(i) for i in docs]
+    s = min(max_len, max(len(ids) for ids, _ in pieces))
+    ids = np.zeros((len(pieces), s), dtype=np.int64)
+    valid = np.zeros((len(pieces), s), dtype=bool)
+    for b, (tok, mask) in enumerate(pieces):
+        n = min(len(tok), s)
+        ids[b, :n] = tok[:n]
+        nxt = mask[1:n] if loss_on == "assistant" else np.ones(n - 1, dtype=bool)
+        valid[b, :n - 1] = nxt
+    return torch.from_numpy(ids).to(device), torch.from_numpy(valid).to(device)
+
+
+def lr_at(step: int, cfg: EagleTrainConfig, planned: int) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``planned``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, planned - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def plan_steps(cfg: EagleTrainConfig, step: int, elapsed: float, recent: list[float]) -> int:
+    """The planned step count once ``PROBE_STEPS`` steps are timed: what fits the time budget (at the
+    recent mean step time), at least ``step`` and at most ``cfg.steps``."""
+    per_step = sum(recent) / len(recent)
+    fit = step + int(max(0.0, cfg.time_budget - elapsed) / per_step)
+    return max(step, min(cfg.steps, fit))
+
+
+def split_docs(data: TokenFile, val_docs: int) -> tuple[int, int]:
+    """(number of training documents, number of validation documents); validation is the file's tail."""
+    val = min(val_docs, data.num_docs // 5)
+    if data.num_docs - val < 1:
+        raise ValueError(f"the token file has {data.num_docs} conversations: none left to train on")
+    return data.num_docs - val, val
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def config_record(cfg: EagleTrainConfig) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()}
+
+
+def check_resumable(path: Path, old: dict, cfg: EagleTrainConfig) -> None:
+    """A checkpoint made with other training-shaping options is an error naming them."""
+    now = config_record(cfg)
+    diff = {k: (old.get(k), now[k]) for k in MUST_MATCH if old.get(k) != now[k]}
+    if diff:
+        raise ValueError(f"cannot resume {path}: options differ (checkpoint, asked): {diff}")
+
+
+def evaluate(cfg: EagleTrainConfig, target, draft, data: TokenFile, docs: list[int]) -> dict:
+    """Per unrolled step over ``docs``: mean KL and top-1 agreement with the teacher."""
+    from specdec.training.eagle_unroll import teacher_forward, unrolled_loss
+
+    kl, top1, count = np.zeros(cfg.unroll), np.zeros(cfg.unroll), np.zeros(cfg.unroll)
+    rows_per_batch = max(1, cfg.batch_tokens // cfg.max_len)
+    with torch.no_grad(), torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.autocast):
+        for i in range(0, len(docs), rows_per_batch):
+            ids, valid = make_rows(data, docs[i:i + rows_per_batch], cfg.max_len, cfg.loss_on, cfg.device)
+            out = unrolled_loss(draft, teacher_forward(target, draft, ids), ids, valid, cfg.unroll, cfg.step_decay)
+            n = np.array([float(c) for c in out.count])
+            kl += np.array([float(x) for x in out.kl]) * n
+            top1 += np.array([float(x) for x in out.top1]) * n
+            count += n
+    count = np.maximum(count, 1)
+    return {"kl": (kl / count).round(5).tolist(), "top1": (top1 / count).round(4).tolist()}
+
+
+def save_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt, state: EagleState) -> None:
+    from specdec.training.distill_data import atomic_save
+    from specdec.training.eagle import trained_state
+
+    atomic_save({"config": config_record(cfg), "trained": trained_state(draft), "optimizer": opt.state_dict(),
+                 "rng": rng_state(), "state": asdict(state)}, path)
+
+
+def load_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt) -> EagleState:
+    ckpt = torch.load(path, weights_only=False, map_location="cpu")
+    check_resumable(path, ckpt["config"], cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if name in ckpt["trained"]:
+                p.copy_(ckpt["trained"][name])
+    opt.load_state_dict(ckpt["optimizer"])
+    set_rng_state(ckpt["rng"])
+    return EagleState(**ckpt["state"])
+
+
+def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
+    """Train ``draft`` until the planned step count (or ``stop_after``); checkpoints in ``cfg.out``.
+
+    Documents ``[0, num_train)`` are trained on; the tail gives the validation record at the end.
+    """
+    from tqdm.auto import tqdm
+
+    from specdec.training.eagle_unroll import teacher_forward, unrolled_loss
+
+    ckpt = Path(cfg.out) / "ckpt.pt"
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    state = EagleState(planned=cfg.steps)
+    if cfg.resume and ckpt.is_file():
+        state = load_checkpoint(ckpt, cfg, draft, opt)
+    elif cfg.resume:
+        print(f"distill: --resume but {ckpt} does not exist; training from step 0")
+    num_train, _ = split_docs(data, cfg.val_docs)
+    lengths = tuple(min(int(n), cfg.max_len) for n in data.lengths()[:num_train])
+    budget_open = cfg.time_budget is not None and state.step < PROBE_STEPS
+    t0, base, pending, times = time.perf_counter(), state.train_seconds, [], []
+    with tqdm(total=state.planned, initial=state.step, desc="distill eagle", unit="step") as bar:
+        while state.step < min(state.planned, cfg.stop_after or state.planned):
+            ts = time.perf_counter()
+            for grp in opt.param_groups:
+                grp["lr"] = lr_at(state.step, cfg, state.planned)
+            ids, valid = make_rows(data, batch_docs(state.step, lengths, cfg.batch_tokens, cfg.seed), cfg.max_len,
+                                   cfg.loss_on, cfg.device)
+            with torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.autocast):
+                out = unrolled_loss(draft, teacher_forward(target, draft, ids), ids, valid, cfg.unroll,
+                                    cfg.step_decay)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            opt.step()
+            pending.append(out.loss.detach())
+            state.step += 1
+            state.tokens_seen += int(ids.numel())
+            if cfg.time_budget is not None and base + time.perf_counter() - t0 > 1.1 * cfg.time_budget:
+                state.planned = state.step  # the estimate was off: stop at the budget (+10%)
+            if budget_open:
+                if cfg.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - ts)
+                if state.step >= PROBE_STEPS:
+                    state.planned = plan_steps(cfg, state.step, base + time.perf_counter() - t0, times[-10:])
+                    bar.total, budget_open = state.planned, False
+            saving = state.step % cfg.ckpt_every == 0 or state.step >= min(state.planned, cfg.stop_after or 1 << 60)
+            if saving or state.step % LOG_EVERY == 0:
+                state.losses += torch.stack(pending).float().cpu().tolist()
+                bar.update(len(pending))
+                bar.set_postfix(loss=f"{sum(state.losses[-LOG_EVERY:]) / len(state.losses[-LOG_EVERY:]):.4f}")
+                pending = []
+            if saving:
+                state.train_seconds = base + time.perf_counter() - t0
+                save_checkpoint(ckpt, cfg, draft, opt, state)
+    return state

@@ -1,0 +1,121 @@
+"""Training forward of an eagle draft: several unrolled drafting steps over whole conversations.
+
+Step 0 reads the target's features (position p: features of p - 1); step k > 0 reads the draft's
+own step k - 1 output at p - 1, as a tree node k levels deep does at run time. A step-k query at
+position p attends to the step-0 keys at positions <= p - k (the catch-up KV of the real run)
+and to the step-j keys at position p - k + j for j = 1..k (its ancestors in the tree and itself).
+Every step is scored against the same teacher: the target's next-token distribution at p,
+restricted to the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specdec.attention.base import AttentionBackend
+from specdec.models.llama import ForwardContext, LlamaForCausalLM
+from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
+from specdec.training.eagle import EagleDraft
+
+
+@dataclass
+class UnrolledBatch:
+    """Right-padded rows (batch, seq_len); the keys and values of the steps run so far."""
+
+    batch: int
+    seq_len: int
+    keys: list[torch.Tensor] = field(default_factory=list)  # per step (B, Hkv, S, D)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+
+def unrolled_mask(seq_len: int, step: int, device) -> torch.Tensor:
+    """Boolean (S, (step + 1) * S): which keys of steps 0..step a step-``step`` query may see."""
+    p = torch.arange(seq_len, device=device)
+    blocks = [p[None, :] <= p[:, None] - step]  # step-0 keys at positions <= p - step
+    blocks += [p[None, :] == p[:, None] - step + j for j in range(1, step + 1)]
+    return torch.cat(blocks, 1)
+
+
+class UnrolledBackend(AttentionBackend):
+    """Attention of one unrolled step over the keys of all steps so far; never touches a KV cache."""
+
+    name = "eagle-unrolled"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: UnrolledBatch, scale: float, sliding_window=None):
+        if sliding_window is not None:
+            raise ValueError("eagle training supports full-attention targets only (sliding_window must be None)")
+        b, s = meta.batch, meta.seq_len
+        hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+        meta.keys.append(k.view(b, s, hkv, d).transpose(1, 2))
+        meta.values.append(v.view(b, s, hkv, d).transpose(1, 2))
+        step = len(meta.keys) - 1
+        keys = torch.cat(meta.keys, 2).repeat_interleave(hq // hkv, dim=1)  # (B, Hq, (step+1)*S, D)
+        values = torch.cat(meta.values, 2).repeat_interleave(hq // hkv, dim=1)  # (B, Hq, (step+1)*S, D)
+        q4 = q.view(b, s, hq, d).transpose(1, 2)  # (B, Hq, S, D)
+        mask = unrolled_mask(s, step, q.device)  # (S, (step+1)*S)
+        o = F.scaled_dot_product_attention(q4, keys, values, attn_mask=mask, scale=scale)  # (B, Hq, S, D)
+        return o.transpose(1, 2).reshape(b * s, hq, d)  # (T, Hq, D)
+
+
+@dataclass
+class TeacherOut:
+    """The target's features (B*S, k*hidden) and log-probabilities over the draft vocabulary (B*S, N)."""
+
+    aux: torch.Tensor
+    logp: torch.Tensor
+
+
+def teacher_forward(target: LlamaForCausalLM, draft: EagleDraft, ids: torch.Tensor) -> TeacherOut:
+    """Prefill the target over right-padded rows ``ids`` (B, S) without autograd."""
+    b, s = ids.shape
+    positions = torch.arange(s, device=ids.device).repeat(b)  # (B*S,)
+    ctx = ForwardContext(DenseCausalBackend(), DenseBatch(b, s), [(None, None)] * target.config.num_layers)
+    with torch.no_grad():
+        final, aux = target.forward_features(ids.reshape(-1), positions, ctx, draft.aux_layers)
+        logp = torch.log_softmax(draft.lm_head(final).float(), -1)  # (B*S, N)
+    return TeacherOut(aux, logp)
+
+
+def shift_right(x: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    """(B*S, H) -> (B*S, H) where row (i, p) holds (i, p - 1) and (i, 0) is zero."""
+    x = x.view(b, s, -1)
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1).reshape(b * s, -1)
+
+
+@dataclass
+class UnrolledLoss:
+    """Weighted mean KL over steps (the training loss), and per step: mean KL, top-1 agreement, count."""
+
+    loss: torch.Tensor
+    kl: list[torch.Tensor]
+    top1: list[torch.Tensor]
+    count: list[torch.Tensor]
+
+
+def unrolled_loss(draft: EagleDraft, teacher: TeacherOut, ids: torch.Tensor, valid: torch.Tensor, unroll: int,
+                  decay: float) -> UnrolledLoss:
+    """KL(teacher || draft) at the ``valid`` (B, S) positions for steps 0..unroll-1, step k weighted
+    ``decay ** k`` (weights normalised to sum 1)."""
+    b, s = ids.shape
+    positions = torch.arange(s, device=ids.device).repeat(b)  # (B*S,)
+    ctx = ForwardContext(UnrolledBackend(), UnrolledBatch(b, s), [(None, None)])
+    g = shift_right(draft.fuse(teacher.aux), b, s)  # (B*S, hidden)
+    t_prob, t_top = teacher.logp.exp(), teacher.logp.argmax(-1)  # (B*S, N), (B*S,)
+    weights = [decay**k for k in range(unroll)]
+    loss, kls, tops, counts = 0.0, [], [], []
+    for k in range(unroll):
+        h = draft(ids.reshape(-1), positions, ctx, g)  # (B*S, hidden)
+        logp = torch.log_softmax(draft.compute_logits(h), -1)  # (B*S, N)
+        ok = (valid & (torch.arange(s, device=ids.device) >= k)).reshape(-1).float()  # (B*S,)
+        n = ok.sum().clamp_min(1)
+        kl_tok = (t_prob * (teacher.logp - logp)).sum(-1)  # (B*S,)
+        kl = (kl_tok * ok).sum() / n
+        loss = loss + weights[k] / sum(weights) * kl
+        kls.append(kl.detach())
+        tops.append(((logp.argmax(-1) == t_top).float() * ok).sum().detach() / n)
+        counts.append(n.detach())
+        g = shift_right(h, b, s)
+    return UnrolledLoss(loss, kls, tops, counts)

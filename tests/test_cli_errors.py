@@ -1,0 +1,73 @@
+"""CLI user errors: ``error: <argument>: <what>`` on stderr, exit status 2, no traceback, and found
+before any model loads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.cli import main
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model is a test failure: the argument checks must come first."""
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a model was loaded before the arguments were checked: {args}")
+
+    monkeypatch.setattr("specdec.loading.registry.load_model", refuse)
+
+
+def run_cli(capsys, argv: list[str]) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err)
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["generate", "--prompt", "hi", "--model", "/nonexistent"], ["--model", "/nonexistent", "does not exist"]),
+    (["generate", "--prompt", "hi", "--model", ""], ["--model", "empty"]),
+    (["generate", "--prompt", "hi", "--draft", "/no/draft"], ["--draft", "/no/draft"]),
+    (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature", ">= 0"]),
+    (["generate", "--prompt", "hi", "--temperature", "inf"], ["--temperature", "finite"]),
+    (["generate", "--prompt", "hi", "--top-p", "0"], ["--top-p", "(0, 1]"]),
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"], ["--max-new-tokens", ">= 1"]),
+    (["generate", "--prompt", "hi", "--seed", "-3"], ["--seed", ">= 0"]),
+    (["generate", "--prompt", "hi", "--tree", "foo:3"], ["--tree", "foo:3"]),
+    (["generate", "--prompt", "hi", "--device", "gpu"], ["--device", "gpu"]),
+    (["bench", "--dataset", "missing.jsonl"], ["--dataset", "missing.jsonl", "does not exist"]),
+    (["bench", "--dataset", "nosuchset"], ["--dataset", "mtbench"]),
+    (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
+    (["bench", "--num-prompts", "0"], ["--num-prompts", ">= 1"]),
+    (["bench", "--target", "/nonexistent"], ["--target", "/nonexistent"]),
+    (["bench", "--tree", "chain:99"], ["--tree", "[1, 63]"]),
+])
+def test_user_errors_name_the_argument(capsys, no_model_load, argv, words):
+    err = run_cli(capsys, argv)
+    assert all(w in err for w in words), err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error given without a GPU")
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"]])
+def test_cuda_without_a_gpu(capsys, no_model_load, command):
+    err = run_cli(capsys, [*command, "--device", "cuda"])
+    assert "--device" in err and "CUDA is not available" in err
+
+
+def test_truncated_checkpoint(capsys, tiny_llama_dir, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_bytes((tiny_llama_dir / "config.json").read_bytes())
+    data = (tiny_llama_dir / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[:100])
+    err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(broken), "--device", "cpu"])
+    assert "--model" in err and str(broken / "model.safetensors") in err
+
+
+def test_generate_with_token_level_errors_still_exits_2(capsys, tiny_llama_dir):
+    """A text prompt for a model without a tokenizer: the request error is printed, exit 2."""
+    err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(tiny_llama_dir), "--draft", "none",
+                           "--device", "cpu"])
+    assert "tokenizer" in err

@@ -1,0 +1,260 @@
+"""Eagle (feature-conditioned) drafts: token files, unrolled training, folders, lossless drafting.
+
+A 4-layer random Llama with a character-level chat tokenizer (``test_distill``) is the target;
+ShareGPT is a small fake JSON file in the same format.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_distill import _save_tiny_target
+
+from specdec.cli import main
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.errors import UnsupportedModelError
+from specdec.loading.registry import LoadedModel, build_model, load_model
+from specdec.models.llama import ForwardContext
+from specdec.sampling_params import SamplingParams
+from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
+from specdec.training.eagle import EagleDraft, EagleShape, default_aux_layers, eagle_from_target
+from specdec.training.eagle_data import build_token_file, conversation_messages, coverage, load_token_file, top_vocab
+from specdec.training.eagle_train import EagleTrainConfig, batch_docs
+from specdec.training.eagle_unroll import unrolled_mask
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+STEPS = 30
+WORDS = "the cat dog sat on a mat big red blue runs fast tree house why how what is are".split()
+TRAIN_ARGS = ["--kind", "eagle", "--draft-vocab", "40", "--unroll", "3", "--max-len", "96", "--batch-tokens",
+              "384", "--steps", str(STEPS), "--lr", "3e-3", "--ckpt-every", "10", "--val-docs", "4",
+              "--device", "cpu", "--seed", "1"]
+
+
+def _sentence(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _fake_sharegpt(path, n: int = 60) -> None:
+    rng = random.Random(0)
+    convs = []
+    for i in range(n):
+        turns = [{"from": "gpt", "value": "hello"}] if i % 7 == 3 else []  # a leading reply is dropped
+        for _ in range(rng.randint(1, 3)):
+            turns += [{"from": "human", "value": _sentence(rng, rng.randint(2, 8))},
+                      {"from": "gpt", "value": _sentence(rng, rng.randint(5, 25))}]
+        convs.append({"id": str(i), "conversations": turns})
+    path.write_text(json.dumps(convs))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    _save_tiny_target(root / "target")
+    _fake_sharegpt(root / "sharegpt.json")
+    target = load_model(root / "target")
+    build_token_file(root / "train.npz", target.tokenizer, "train", 10**6, 96, root / "sharegpt.json", "tiny")
+    base = ["distill", "--target", str(root / "target"), "--tokens", str(root / "train.npz"), *TRAIN_ARGS]
+    assert main([*base, "--out", str(root / "full")]) == 0
+    return root, base, target
+
+
+def test_token_file_marks_assistant_turns_of_the_train_split(setup):
+    root, _, target = setup
+    data = load_token_file(root / "train.npz")
+    assert data.meta["split"] == "train" and data.num_docs == 57  # indices 1..59 minus the 3 of index % 20 == 0
+    ids, mask = data.doc(0)
+    text = "".join(target.tokenizer.decode([int(t)]) for t, m in zip(ids, mask) if m)
+    turns = json.loads((root / "sharegpt.json").read_text())[1]["conversations"]
+    replies = "".join(t["value"] + "<|im_end|>\n" for t in turns if t["from"] == "gpt")
+    assert len(text) > 5 and replies.startswith(text) and len(ids) <= 96
+    assert conversation_messages({"conversations": [{"from": "gpt", "value": "x"}]}) is None
+
+
+def test_vocabulary_and_coverage():
+    tokens = np.array([5, 5, 5, 7, 7, 2, 9], dtype=np.uint16)
+    assert top_vocab(tokens, 12, 2).tolist() == [5, 7]
+    assert top_vocab(tokens, 12, 3).tolist() == [2, 5, 7]  # ties broken by the lower id
+    assert coverage(tokens, np.array([5, 7])) == pytest.approx(5 / 7)
+
+
+def test_unrolled_mask_is_the_tree_attention_of_depth_k():
+    m = unrolled_mask(5, 2, "cpu")  # (S, 3S): step-0 keys <= p-2, step-1 key p-1, step-2 key p
+    p = 4
+    assert m[p, :5].tolist() == [True, True, True, False, False]
+    assert m[p, 5:10].tolist() == [False, False, False, True, False]
+    assert m[p, 10:].tolist() == [False, False, False, False, True]
+    assert m.sum(1).tolist() == [1, 2, 3, 4, 5]
+
+
+def test_batches_are_a_function_of_seed_and_step():
+    lengths = tuple(random.Random(0).randint(5, 90) for _ in range(50))
+    first = [batch_docs(s, lengths, 200, 3) for s in range(40)]
+    assert first == [batch_docs(s, lengths, 200, 3) for s in range(40)]
+    assert all(len(b) * max(lengths[i] for i in b) <= 200 for b in first)
+    epoch = []
+    for s in range(40):
+        epoch += first[s]
+        if len(epoch) >= 50:
+            break
+    assert sorted(epoch) == list(range(50))  # one epoch covers every conversation once
+
+
+def _ckpt(folder):
+    return torch.load(folder / "ckpt.pt", weights_only=False)
+
+
+def test_training_lowers_the_kl_and_writes_a_small_folder(setup):
+    root, _, target = setup
+    losses = _ckpt(root / "full")["state"]["losses"]
+    assert len(losses) == STEPS and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
+    meta = json.loads((root / "full" / "specdec_draft.json").read_text())
+    assert meta["kind"] == "eagle" and meta["draft_vocab"] == 40 and meta["aux_layers"] == [0, 2, 3]
+    rec = meta["training"]
+    assert rec["steps"] == STEPS and len(rec["val"][-1]["top1"]) == 3 and rec["data"]["split"] == "train"
+    keys = set(load_file(str(root / "full" / "model.safetensors")))
+    assert "vocab_ids" in keys and not any(k.startswith(("embed_tokens", "lm_head")) for k in keys)
+
+
+def test_resumed_run_matches_uninterrupted(setup):
+    root, base, _ = setup
+    out = root / "resumed"
+    assert main([*base, "--out", str(out), "--stop-after", "10"]) == 0
+    assert not (out / "model.safetensors").exists()
+    assert main([*base, "--out", str(out), "--resume"]) == 0
+    full, resumed = _ckpt(root / "full"), _ckpt(out)
+    assert resumed["state"]["losses"] == pytest.approx(full["state"]["losses"], abs=1e-6)
+    for name, w in full["trained"].items():
+        torch.testing.assert_close(resumed["trained"][name], w, rtol=0, atol=1e-6)
+    args = [*base, "--out", str(out), "--resume"]
+    args[args.index("--unroll") + 1] = "2"
+    assert main(args) == 2  # a ValueError naming the differing option
+
+
+def test_options_of_the_other_kind_are_refused(setup):
+    root, base, _ = setup
+    assert main([*base, "--out", str(root / "x"), "--num-prompts", "3"]) == 2
+    assert main(["distill", "--out", str(root / "y"), "--draft-vocab", "8"]) == 2
+    with pytest.raises(ValueError, match="warmup_steps"):
+        EagleTrainConfig(out="o", tokens="t", steps=5, warmup_steps=6)
+    assert EagleTrainConfig(out="o", tokens="t", steps=5).warmup_steps == 0  # default fits a short run
+
+
+def test_folder_loads_on_its_target_only(setup):
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    assert isinstance(draft.model, EagleDraft) and draft.config.num_layers == 1
+    assert draft.model.embed_tokens.weight.data_ptr() == target.model.model.embed_tokens.weight.data_ptr()
+    state = dict(target.model.state_dict())
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * 2
+    other = LoadedModel("other", build_model(target.config, state, torch.float32, "cpu"), None, target.config)
+    with pytest.raises(UnsupportedModelError, match="embed_tokens"):
+        load_model(root / "full", target=other)
+
+
+PROMPTS = [[{"role": "user", "content": _sentence(random.Random(i), 3 + 4 * i)}] for i in range(5)]
+
+
+@pytest.mark.parametrize("tree", ["chain:1", "chain:4", "topk:2x3", "dynamic:16"])
+def test_greedy_output_equals_target_only(setup, tree):
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    cfg = dict(max_batch_size=5, num_blocks=128, block_size=8)
+    plain = SpecEngine(None, target, SpecConfig(**cfg)).generate(PROMPTS, params)
+    for prefix_cache in (False, True) if tree == "chain:4" else (True,):
+        eng = SpecEngine(draft, target, SpecConfig(tree=tree, prefix_cache=prefix_cache, **cfg))
+        spec = eng.generate(PROMPTS + PROMPTS[:2], params)  # repeated prompts hit the prefix cache
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain + plain[:2]]
+        assert eng.all_blocks_free()
+    assert sum(o.stats.accepted for o in spec) > 0
+
+
+def test_untrained_draft_over_a_partial_vocabulary_is_lossless(tiny_target):
+    shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
+    vocab = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:100].sort().values
+    model = eagle_from_target(tiny_target.model, shape, vocab, seed=2).eval().requires_grad_(False)
+    draft = LoadedModel("eagle", model, None, model.config)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    cfg = dict(num_blocks=256, block_size=8)
+    ref = [o.token_ids for o in SpecEngine(None, tiny_target, SpecConfig(**cfg)).generate(prompts, params)]
+    for tree in ("chain:3", "dynamic:12"):
+        out = SpecEngine(draft, tiny_target, SpecConfig(tree=tree, **cfg)).generate(prompts, params)
+        assert [o.token_ids for o in out] == ref
+
+
+def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
+    """The draft's root state at every step (paged KV written over prefill, catch-ups and
+    adoption, features handed over by verify) equals one dense forward of the draft over the
+    committed tokens with the target's features."""
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    # no prefix cache: after a hit the first uncached position has no target feature (zeros instead)
+    eng = SpecEngine(draft, target, SpecConfig(tree="topk:2x2", num_blocks=64, block_size=4, prefix_cache=False))
+    seen = []
+    orig = eng.drafter._catch_up
+
+    def spy(grows):
+        orig(grows)
+        seen.extend((list(g.req.tokens), g.hidden[-1].clone()) for g in grows)
+
+    eng.drafter._catch_up = spy
+    eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert len(seen) >= 10
+    m = draft.model
+    for tokens, hidden in seen:
+        ids = torch.tensor(tokens)
+        n = len(tokens)
+        with torch.no_grad():
+            dense = DenseCausalBackend(), DenseBatch(1, n)
+            ctx = ForwardContext(*dense, [(None, None)] * target.config.num_layers)
+            _, aux = target.model.forward_features(ids, torch.arange(n), ctx, m.aux_layers)
+            g = torch.cat([torch.zeros(1, m.config.hidden_size), m.fuse(aux)[:-1]])  # features of p - 1
+            ref = m(ids, torch.arange(n), ForwardContext(*dense, [(None, None)]), g)
+        torch.testing.assert_close(hidden, ref[-1], rtol=0, atol=1e-4)
+
+
+def test_default_draft_name_loads_an_eagle_folder(setup, monkeypatch):
+    from specdec import training as drafts
+    from specdec.cli.bench import default_draft
+
+    root, _, target = setup
+    monkeypatch.setattr(drafts, "DEFAULT_DRAFT_DIR", root / "full")
+    assert drafts.default_draft_available() and default_draft("smollm2-135m") == "smollm2-135m-draft"
+    assert default_draft("another-target") == "ngram"
+    draft = load_model("smollm2-135m-draft", target=target)
+    assert isinstance(draft.model, EagleDraft) and draft.name == "smollm2-135m-draft"
+
+
+def test_unrolled_training_step_equals_the_tree_node_it_stands_for(tiny_target):
+    """Step k at position p of the training forward == the depth-(k-1) node at p of a run-time
+    chain drafted after a catch-up to p - k (computed here densely, one node at a time)."""
+    from specdec.training.eagle_unroll import UnrolledBackend, UnrolledBatch, shift_right, teacher_forward
+
+    t = tiny_target.model
+    shape = EagleShape(default_aux_layers(t.config.num_layers), 50)
+    m = eagle_from_target(t, shape, torch.arange(50), seed=4).eval().requires_grad_(False)
+    ids = torch.randint(3, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    n = ids.shape[1]
+    with torch.no_grad():
+        teacher = teacher_forward(t, m, ids)
+        ctx = ForwardContext(UnrolledBackend(), UnrolledBatch(1, n), [(None, None)])
+        g, steps = shift_right(m.fuse(teacher.aux), 1, n), []
+        for _ in range(3):
+            steps.append(m(ids[0], torch.arange(n), ctx, g))
+            g = shift_right(steps[-1], 1, n)
+        for k in (1, 2):
+            for p in (k, 7, n - 1):
+                g = shift_right(m.fuse(teacher.aux), 1, n)[:p + 1].clone()  # target features up to p - k
+                for _ in range(k + 1):  # each pass makes one more chain node read its parent's output
+                    dense = ForwardContext(DenseCausalBackend(), DenseBatch(1, p + 1), [(None, None)])
+                    out = m(ids[0, :p + 1], torch.arange(p + 1), dense, g)
+                    g = torch.cat([g[:p - k + 1], out[p - k:p]])
+                torch.testing.assert_close(steps[k][p], out[p], rtol=0, atol=1e-5)

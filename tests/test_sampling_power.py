@@ -1,0 +1,157 @@
+"""Speculative sampling keeps the target distribution, tested with power.
+
+A tiny target over an 8-token vocabulary and a draft correlated with it (the target with noise on
+its output projection: mean accepted length about 2, so acceptance, residual sampling and the bonus
+token are all exercised). For each tree kind (chain, top-k tree, dynamic tree) and two sampling
+settings, SAMPLES seeded requests of one prompt run as one ``generate`` call; the first token and
+the first two tokens jointly are chi-square tested against the exact target distribution
+(transformers logits of the same weights, shaped by ``specdec.acceptance.shape_probs``). A negative
+control runs the engine with a deliberately wrong rejection rule and must fail the same test.
+
+CI runs SAMPLES = 4000 per configuration (the negative control shows that this size has power);
+``SPECDEC_CHISQ_SAMPLES=20000`` runs the full-size test (bench/RESULTS.md has its figures).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import specdec.acceptance
+from specdec.acceptance import shape_probs
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
+from specdec.sampling_params import SamplingParams
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+VOCAB = 8
+PROMPT = [1, 5, 2, 7, 3, 6, 4]  # block_size 2: its first 6 tokens are served from the prefix cache
+SAMPLES = int(os.environ.get("SPECDEC_CHISQ_SAMPLES", "4000"))
+P_MIN = 1e-3
+DRAFT_NOISE = 0.3  # std of the noise on the draft's lm_head, relative to the weights' std
+TREES = ["chain:2", "topk:2x2", "dynamic:18"]
+SETTINGS = [(0.9, 6, 1.0), (0.7, 0, 0.9)]  # (temperature, top_k, top_p)
+CONFIGS = [(tree, *s) for tree in TREES for s in SETTINGS]
+IDS = [f"{c[0]}-T{c[1]}-k{c[2]}-p{c[3]}" for c in CONFIGS]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_factory):
+    """(target folder, target, draft): the draft is the target with a noisy lm_head."""
+    kw = dict(vocab_size=VOCAB, max_position_embeddings=64, eos_token_id=None, bos_token_id=None,
+              initializer_range=0.2)
+    target_dir = tiny_factory("v8_power_target", seed=100, num_hidden_layers=2, **kw)
+    draft = load_model(target_dir)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        w = draft.model.lm_head.weight
+        w.add_(DRAFT_NOISE * w.std() * torch.randn(w.shape, generator=g))
+    return target_dir, load_model(target_dir), draft
+
+
+@pytest.fixture(scope="module")
+def target_logits(pair):
+    """(first-position logits (V,), second-position logits (V, V) indexed by the first token)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(pair[0]), dtype=torch.float32).eval()
+    seqs = torch.tensor([PROMPT + [x] for x in range(VOCAB)])  # (V, len+1)
+    with torch.inference_mode():
+        logits = hf(seqs).logits.double()  # (V, len+1, V)
+    return logits[0, -2], logits[:, -1]
+
+
+def exact_dists(target_logits, temperature, top_k, top_p):
+    first, second = target_logits
+    p1 = shape_probs(first, temperature, top_k, top_p).double()  # (V,)
+    p2 = shape_probs(second, temperature, top_k, top_p).double()  # (V, V): p(x2 | x1)
+    return p1, p1[:, None] * p2
+
+
+def chisquare_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value of counts against probs; cells with expected < 5 are pooled.
+
+    Cells of probability 0 must be empty (asserted), and are left out of the test."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    n = counts.sum()
+    zero = probs == 0
+    assert counts[zero].sum() == 0, f"tokens of zero target probability were sampled: {counts[zero]}"
+    counts, expected = counts[~zero], probs[~zero] / probs[~zero].sum() * n
+    small = expected < 5
+    if small.any():
+        counts = torch.cat([counts[~small], counts[small].sum().view(1)])
+        expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    assert len(counts) >= 2
+    return float(scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue)
+
+
+def sample(pair, tree, temperature, top_k, top_p, n, seed0):
+    """Joint counts (V, V) of the first two tokens of n seeded requests, and the engine's statistics."""
+    _, target, draft = pair
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, num_blocks=16384, block_size=2, max_batch_size=512,
+                                               max_num_tokens=8192, policy="max_utilization"))
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
+                             ignore_eos=True) for s in range(n)]
+    outs = eng.generate([PROMPT] * n, params)
+    assert eng.all_blocks_free()
+    pairs = torch.tensor([o.token_ids[:2] for o in outs])  # (n, 2)
+    joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    joint.index_add_(0, pairs[:, 0] * VOCAB + pairs[:, 1], torch.ones(n, dtype=torch.float64))
+    return joint.view(VOCAB, VOCAB), eng.stats
+
+
+@pytest.fixture(scope="module")
+def sampled(pair):
+    return {c: sample(pair, *c, SAMPLES, 100_000 * i) for i, c in enumerate(CONFIGS)}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_first_two_tokens_follow_the_target(sampled, target_logits, config):
+    joint, stats = sampled[config]
+    p1, exact = exact_dists(target_logits, *config[1:])
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\n{config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g} mean accepted length="
+          f"{stats.mean_accepted_length:.2f} acceptance rate={stats.acceptance_rate:.2f}")
+    assert (p1 > 0.02).sum() >= 2 and (exact > 0.01).sum() >= 5, "the target is too peaked to test anything"
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
+    # the draft is correlated: draft tokens are accepted often, at depth 1 and 2, but not always
+    assert stats.mean_accepted_length >= 1.8, stats.as_dict()
+    assert stats.depth_accepted[1] > 0.05 * stats.target_forwards, stats.as_dict()
+    assert stats.accepted < stats.drafted
+
+
+def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):
+    """After a rejection, sampling from the unchanged target (instead of the residual max(p - q, 0))
+    biases the output toward the draft; the chi-square test at the same sample size catches it."""
+    monkeypatch.setattr(specdec.acceptance, "reject_residual", lambda p, q, x: p)
+    config = CONFIGS[0]
+    joint, stats = sample(pair, *config, SAMPLES, 0)
+    p1, exact = exact_dists(target_logits, *config[1:])
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\nnegative control {config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g}")
+    assert stats.accepted < stats.drafted  # rejections happened, so the wrong rule was used
+    assert p_first < P_MIN and p_joint < P_MIN
+
+
+def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
+    """A feature-conditioned (eagle) draft whose vocabulary leaves out tokens 2 and 5 (draft probability 0):
+    the first two sampled tokens still follow the target exactly (top-k tree drawn without replacement)."""
+    from specdec.loading.registry import LoadedModel
+    from specdec.training.eagle import EagleShape, eagle_from_target
+
+    target_dir, target, _ = pair
+    model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
+    eagle = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)
+    settings = (0.7, 0, 0.9)
+    joint, stats = sample((target_dir, target, eagle), "topk:2x2", *settings, SAMPLES, 900_000)
+    p1, exact = exact_dists(target_logits, *settings)
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\neagle topk:2x2 {settings}: p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"mean accepted length={stats.mean_accepted_length:.2f}")
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
+    assert 0 < stats.accepted < stats.drafted  # its proposals are tried, and sometimes accepted

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible server, run for real (uvicorn on a free port) and spoken to with the `openai`
+client: completions and chat, streaming and not, stop strings, seeded sampling, 400s naming the field,
+disconnects that free every KV block, /metrics."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from serving_helpers import stream_completion, with_tokenizer
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.sampling_params import SamplingParams
+from specdec.serving.executor import Executor
+from specdec.serving.server import ServerThread, build_app
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+MODEL = "tiny"
+PROMPTS = ["Hello there, tell me a story.", "abc", "The quick brown fox jumps over the lazy dog " * 3]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_dirs, tmp_path_factory):
+    return with_tokenizer(tiny_dirs["llama"], tmp_path_factory.mktemp("served") / "llama")
+
+
+@pytest.fixture(scope="module")
+def server(target_dir, tiny_draft):
+    """(url, executor) of a speculative server (tiny draft model, chain:4) on a free port."""
+    engine = SpecEngine(tiny_draft, str(target_dir), SpecConfig(tree="chain:4", num_blocks=256))
+    executor = Executor(engine)
+    srv = ServerThread(build_app(executor, MODEL)).start()
+    yield srv.url, executor
+    srv.stop()
+    executor.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    """Target-only greedy text of each prompt, run alone in a plain engine (24 tokens)."""
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    return [engine.generate(p, SamplingParams(max_new_tokens=24))[0].text for p in PROMPTS]
+
+
+def _idle_and_free(executor: Executor, timeout: float = 20.0) -> bool:
+    """Wait until the engine has no work, then report whether every KV block is free."""
+    deadline = time.monotonic() + timeout
+    while executor.run_on_loop(lambda e: e.scheduler.has_work):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+    return executor.run_on_loop(lambda e: e.all_blocks_free())
+
+
+@pytest.mark.parametrize("i", range(len(PROMPTS)))
+def test_completion_greedy_equals_engine(client, server, reference, i):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0)
+    assert r.choices[0].text == reference[i]
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(PROMPTS[i].encode())  # byte tokenizer: one token per byte
+    assert 1 <= r.usage.completion_tokens <= 24
+    assert r.usage.model_extra["mean_accepted_length"] >= 1.0
+    assert _idle_and_free(server[1])
+
+
+def test_completion_stream_equals_non_stream(client, reference):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == reference[0]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals in (["stop"], ["length"])
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # it really streamed
+
+
+def test_chat_stream_and_not(client, target_dir):
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    ref = engine.generate([messages], SamplingParams(max_new_tokens=20))[0].text
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == ref
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def _stop_string(text: str) -> tuple[str, int]:
+    """A 2-character stop string first occurring a few characters in, and where it occurs."""
+    for k in range(3, len(text) - 2):
+        s = text[k:k + 2]
+        if "\ufffd" not in s and text.find(s) == k:
+            return s, k
+    raise AssertionError(f"no usable stop string in {text!r}")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string(client, reference, stream):
+    stop, at = _stop_string(reference[0])
+    kw = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].text for c in chunks)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        r = client.completions.create(**kw)
+        text, reason = r.choices[0].text, r.choices[0].finish_reason
+    assert text == reference[0][:at] and reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=32, temperature=1.0, top_p=0.95, extra_body={"top_k": 50})
+    a = client.completions.create(seed=7, **kw).choices[0].text
+    b = client.completions.create(seed=7, **kw).choices[0].text
+    c = client.completions.create(seed=8, **kw).choices[0].text
+    assert a == b and a != c
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=100_000), "max_tokens"),
+    (dict(n=2), "n"),
+    (dict(logprobs=2), "logprobs"),
+    (dict(prompt=""), "prompt"),
+    (dict(stop=[""]), "stop"),
+    (dict(seed=-3), "seed"),
+    (dict(extra_body={"top_k": "ten"}), "top_k"),
+    (dict(extra_body={"bogus": 1}), "bogus"),
+    (dict(stream=True, temperature=5), "temperature"),
+])
+def test_bad_completion_request_is_400_naming_the_field(client, kwargs, field):
+    kw = {"model": MODEL, "prompt": "hi", "max_tokens": 4} | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        r = client.completions.create(**kw)
+        list(r) if kw.get("stream") else None
+    assert err.value.status_code == 400
+    assert field in str(err.value) and err.value.body["param"] == field
+
+
+@pytest.mark.parametrize("messages, kwargs, field", [
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "messages[0]"),
+    ([], {}, "messages"),
+    ([{"role": "user", "content": "hi"}], dict(n=3), "n"),
+    ([{"role": "user", "content": "hi"}], dict(presence_penalty=0.5), "presence_penalty"),
+])
+def test_bad_chat_request_is_400_naming_the_field(client, messages, kwargs, field):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, **kwargs)
+    assert err.value.status_code == 400 and field in str(err.value)
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+
+
+def test_disconnect_mid_stream_frees_every_block(server):
+    url, executor = server
+    with httpx.Client(timeout=30) as http:
+        res = stream_completion(http, url, {"prompt": PROMPTS[2], "max_tokens": 300, "ignore_eos": True,
+                                            "temperature": 0}, disconnect_after=3)
+    assert res.disconnected and res.finish_reason is None
+    assert _idle_and_free(executor)
+    # a non-streaming client that gives up (read timeout) is cancelled too
+    with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
+        http.post(f"{url}/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 300, "ignore_eos": True})
+    assert _idle_and_free(executor)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'specdec_requests_finished_total{finish_reason="abort"} 2.0' in metrics
+    assert "specdec_running_requests 0.0" in metrics and "specdec_kv_blocks_used 0.0" in metrics
+
+
+def test_models_health_and_metrics(client, server):
+    url = server[0]
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0)
+    text = httpx.get(f"{url}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+              if line and not line.startswith("#")}
+    assert values["specdec_kv_blocks_total"] == 256
+    assert values["specdec_time_to_first_token_seconds_count"] >= 1
+    assert values["specdec_time_per_output_token_seconds_count"] >= 1
+    assert values["specdec_generation_tokens_total"] >= 8
+    assert values["specdec_draft_tokens_total"] > 0
+    assert 0 <= values["specdec_acceptance_rate"] <= 1
+    assert values["specdec_tokens_per_second"] > 0
+    assert values["specdec_queue_length"] == 0 and values["specdec_running_requests"] == 0
+
+
+@pytest.mark.slow
+def test_smollm2_chat_over_http_equals_target_only(smollm2, smollm2_target_only, smollm2_new_tokens):
+    """The real SmolLM2 behind the server (n-gram speculation): chat answers, streamed and not, equal
+    the engine's target-only greedy outputs of the same chat prompts."""
+    from conftest import CHAT_QUESTIONS
+
+    executor = Executor(SpecEngine("ngram", smollm2, SpecConfig(tree="chain:4", num_blocks=256)))
+    srv = ServerThread(build_app(executor, "smollm2-135m")).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        for i in (3,):  # one short answer keeps CI time down
+            kw = dict(model="smollm2-135m", messages=[{"role": "user", "content": CHAT_QUESTIONS[i]}],
+                      max_tokens=smollm2_new_tokens, temperature=0)
+            r = client.chat.completions.create(**kw)
+            chunks = client.chat.completions.create(stream=True, **kw)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks)
+            assert r.choices[0].message.content == streamed == smollm2_target_only[i].text
+            assert r.usage.completion_tokens == len(smollm2_target_only[i].token_ids)
+        assert _idle_and_free(executor)
+    finally:
+        srv.stop()
+        executor.shutdown()
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_bench_serve_against_the_server(server, tmp_path, endpoint):
+    import json
+
+    from specdec.serving.bench_client import BenchServeConfig, run_bench
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS * 2)))
+    rep = run_bench(BenchServeConfig(url=server[0], dataset=str(path), num_prompts=6, request_rate=50.0,
+                                     concurrency=3, max_tokens=8, endpoint=endpoint, ignore_eos=True))
+    assert rep["completed"] == 6 and rep["failed"] == 0 and rep["model"] == MODEL
+    assert rep["mean_output_tokens"] == 8  # ignore_eos: exactly max_tokens, counted by the server's usage
+    for key in ("ttft", "tpot", "e2e_latency"):
+        assert 0 < rep[key]["p50_ms"] <= rep[key]["p99_ms"]
+    assert rep["ttft"]["p50_ms"] <= rep["e2e_latency"]["p50_ms"]
+    assert rep["mean_accepted_length"] >= 1.0
+
+
+def test_poisson_arrivals():
+    from specdec.serving.bench_client import arrival_times
+
+    times = arrival_times(4000, rate=8.0, seed=3)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert times == sorted(times) and times[0] == 0.0
+    assert abs(sum(gaps) / len(gaps) - 1 / 8) < 0.01  # exponential gaps with mean 1/rate
+    assert arrival_times(5, float("inf"), 0) == [0.0] * 5
+
+
+def test_cli_registers_serve_and_bench_serve():
+    from specdec.cli.main import build_parser
+
+    a = build_parser().parse_args(["serve", "--target", "t", "--draft", "none", "--port", "9", "--host", "0.0.0.0"])
+    assert (a.target, a.draft, a.port, a.host) == ("t", "none", 9, "0.0.0.0")
+    b = build_parser().parse_args(["bench-serve", "--url", "http://x:1", "--request-rate", "4", "--concurrency", "8"])
+    assert (b.url, b.request_rate, b.concurrency) == ("http://x:1", 4.0, 8)

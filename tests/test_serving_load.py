@@ -1,0 +1,50 @@
+"""A CI-sized load test of the real server: many concurrent streaming clients of mixed lengths, some
+disconnecting mid-stream. Every completed stream equals the same request run alone (greedy), nothing
+fails except the deliberate disconnects, and no KV block leaks. bench/serve_load.py is the full size."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from serving_helpers import mixed_jobs, run_alone, run_concurrently, with_tokenizer
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.serving.executor import Executor
+from specdec.serving.server import ServerThread, build_app
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+NUM_CLIENTS = 40
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs, tiny_draft, tmp_path_factory):
+    target = with_tokenizer(tiny_dirs["llama"], tmp_path_factory.mktemp("load") / "llama")
+    # a small pool and batch cap, so requests queue, share the pool and get admitted as others finish
+    cfg = SpecConfig(tree="chain:4", num_blocks=160, max_batch_size=16)
+    executor = Executor(SpecEngine(tiny_draft, str(target), cfg))
+    srv = ServerThread(build_app(executor, "tiny")).start()
+    yield srv.url, executor
+    srv.stop()
+    executor.shutdown()
+
+
+def test_concurrent_streams_equal_requests_run_alone(server):
+    url, executor = server
+    jobs = mixed_jobs(NUM_CLIENTS, seed=1, long_tokens=200)
+    alone = run_alone(url, jobs)
+    results, _ = run_concurrently(url, jobs)
+    deliberate = [i for i, j in enumerate(jobs) if j.disconnect_after is not None]
+    assert 2 <= len(deliberate) <= NUM_CLIENTS // 4
+    for i, res in enumerate(results):
+        assert res.status == 200 and res.error is None, (i, res)
+        if i in deliberate:
+            assert res.disconnected and res.finish_reason is None
+        else:
+            assert res.finish_reason in ("stop", "length") and res.text == alone[i], i
+    deadline = time.monotonic() + 30
+    while executor.run_on_loop(lambda e: e.scheduler.has_work):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert executor.run_on_loop(lambda e: e.all_blocks_free())
+    assert max(s.num_waiting for s in executor.iteration_stats()) > 0  # the queue really filled

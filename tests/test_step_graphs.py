@@ -1,0 +1,211 @@
+"""The static-buffer (graphed) step: padded inputs, device-side greedy acceptance, bucket padding.
+
+On the CPU ``SpecConfig(cuda_graphs=True)`` runs the same padded step as on CUDA, only without the
+capture, so everything but ``graph.replay()`` is tested here; the GPU tests at the bottom compare
+replayed graphs with eager execution in float32.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from specdec.scheduler.cuda_graphs import bucket
+from specdec.scheduler.step_inputs import StepInputs
+
+from specdec.acceptance import verify_greedy
+from specdec.acceptance_batched import accept_greedy_padded, unpack_greedy
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.runner import RowInput, _as_signed
+from specdec.sampling_params import SamplingParams
+from specdec.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    parents = [rng.randrange(-1, i) for i in range(n)]
+    return DraftTree.from_parents([rng.randrange(vocab) for _ in range(n)], parents)
+
+
+def _padded(trees, argmax_rows, q):
+    """(tokens, parents, mask, argmax, num_tokens) of trees in the padded verify layout."""
+    b = len(trees)
+    tokens, parents, mask, argmax = (torch.zeros(b, q, dtype=torch.int64) for _ in range(4))
+    parents -= 1
+    num = torch.zeros(b, dtype=torch.int64)
+    for i, (t, am) in enumerate(zip(trees, argmax_rows)):
+        h, n = t.host, t.num_nodes + 1
+        tokens[i, :n] = torch.tensor([7] + h.tokens)
+        parents[i, :n] = torch.tensor([-1] + [p + 1 for p in h.parents])
+        mask[i, :n] = torch.tensor(_as_signed([1] + [1 | (m << 1) for m in h.ancestor_mask]))
+        argmax[i, :n] = am
+        num[i] = n
+    return tokens, parents, mask, argmax, num
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_greedy_acceptance_equals_host_rule(seed):
+    """Random trees (small vocabulary, so sibling duplicates and long accepted paths occur), padded
+    rows and a 63-node tree (bit 63 of the mask): same path and bonus as ``verify_greedy``."""
+    rng = random.Random(seed)
+    vocab = 3
+    sizes = [rng.randrange(0, 20) for _ in range(9)] + [63, 0]
+    trees = [_random_tree(rng, n, vocab) for n in sizes]
+    argmax_rows = []
+    for t in trees:  # the target agrees with the tree most of the time, so paths get deep
+        h = t.host
+        am = [rng.randrange(vocab) for _ in range(t.num_nodes + 1)]
+        for i, p in enumerate(h.parents):
+            if rng.random() < 0.7:
+                am[p + 1] = h.tokens[i]
+        argmax_rows.append(torch.tensor(am))
+    q = 64
+    out = accept_greedy_padded(*_padded(trees, argmax_rows, q)).tolist()
+    depths = []
+    for t, am, row in zip(trees, argmax_rows, out):
+        want = verify_greedy(t, am)
+        nodes, bonus = unpack_greedy(row)
+        assert (nodes, bonus) == (list(want.accepted_nodes), want.bonus_token)
+        depths.append(len(nodes))
+    assert max(depths) >= 3  # the test reaches deep paths
+
+
+def test_step_inputs_pad_rows_and_tokens():
+    """A bucket's padding stores nothing (slot -1) and padded rows have zero queries."""
+    inputs = StepInputs(max_batch=4, max_query=4, width=3, device=torch.device("cpu"))
+    rows = [RowInput(None, [5, 6], [10, 11], 9, 12, [1, 3], parents=[-1, 0]),
+            RowInput(None, [8], [3], 3, 4)]
+    inputs.fill(4, 4, rows, [[40, 41], [7]], np.array([[1, 2, 0], [3, 0, 0]], dtype=np.int32))
+    v = inputs.views(4, 4)
+    assert v.ids.tolist()[:8] == [5, 6, 0, 0, 8, 0, 0, 0]
+    assert v.slots.tolist() == [40, 41, -1, -1, 7] + [-1] * 11
+    assert v.parents.tolist()[:4] == [-1, 0, -1, -1]
+    assert v.qsl.tolist() == [0, 4, 8, 8, 8]  # rows 2 and 3: zero queries
+    assert v.seq_lens.tolist() == [12, 4, 0, 0] and v.num_tokens.tolist() == [2, 1, 0, 0]
+    assert v.block_tables.tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]]
+    inputs.fill(2, 1, [RowInput(None, [9], [4], 4, 5)], [[3]], np.array([[6, 0, 0]], dtype=np.int32))
+    v = inputs.views(2, 1)
+    assert v.slots.tolist() == [3, -1] and v.qsl.tolist() == [0, 1, 1]
+
+
+def test_buckets():
+    assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, None]
+
+
+NEW = 16
+PROMPT_LENS = [3, 9, 14, 5, 21, 7, 11]  # 7 rows: the batch-8 bucket has a padded row
+
+
+def _prompts(n_rows):
+    g = torch.Generator().manual_seed(11)
+    lens = (PROMPT_LENS * 5)[:n_rows]
+    return [torch.randint(3, 256, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_target):
+    eng = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8, prefix_cache=False,
+                                                   cuda_graphs=False))
+    outs = eng.generate(_prompts(7), SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("draft,tree", [(None, "chain:4"), ("ngram", "chain:6"), ("model", "chain:3"),
+                                        ("model", "topk:2x2"), ("model", "dynamic:12")])
+def test_padded_step_spec_equals_eager_target_only(tiny_target, tiny_draft, reference_tokens, draft, tree):
+    """Graph-path engine (CPU: padded static buffers, no capture) == eager target-only, batch 7."""
+    d = {"model": tiny_draft, "ngram": "ngram", None: None}[draft]
+    eng = SpecEngine(d, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=8, prefix_cache=False,
+                                                cuda_graphs=True, max_batch_size=8))
+    assert eng.runner.graphs is not None
+    outs = eng.generate(_prompts(7), SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference_tokens
+    assert eng.all_blocks_free()
+    if draft == "model":
+        assert eng.stats.mean_accepted_length > 1.2  # the noisy-copy draft is accepted, paths are adopted
+
+
+def test_padded_step_takes_the_device_acceptance(tiny_target, monkeypatch):
+    """With static buffers the greedy outcome comes from the device tensor, not the host rule."""
+    import specdec.verifier as verifier
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host greedy rule used on the padded path")
+
+    monkeypatch.setattr(verifier, "verify_greedy", forbidden)
+    eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=128, block_size=8,
+                                                      cuda_graphs=True, max_batch_size=4))
+    outs = eng.generate(_prompts(3), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert all(len(o.token_ids) == 8 for o in outs)
+
+
+def test_cuda_graphs_option_is_validated():
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        SpecConfig(cuda_graphs="yes")
+
+
+# ---------------------------------------------------------------- GPU: replay == eager (float32)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("n_rows", [1, 7, 32])
+@pytest.mark.parametrize("draft,tree", [(None, "chain:4"), ("ngram", "chain:8"), ("model", "chain:4"),
+                                        ("model", "topk:2x3"), ("model", "dynamic:16")])
+def test_gpu_graph_replay_equals_eager(tiny_dirs, draft, tree, n_rows):
+    """float32 on the GPU: graphs on (captured, replayed) give the tokens of eager target-only decoding."""
+    from specdec.loading.registry import load_model
+
+    target = load_model(tiny_dirs["llama"], device="cuda")
+    prompts = _prompts(n_rows)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    base = dict(num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=32)
+    ref = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **base)).generate(prompts, params)
+    d = {"model": load_model(tiny_dirs["llama_draft"], device="cuda"), "ngram": "ngram", None: None}[draft]
+    eng = SpecEngine(d, target, SpecConfig(tree=tree, cuda_graphs=True, **base))
+    assert eng.graph_report is not None and eng.graph_report.graphs > 0
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert eng.all_blocks_free()
+
+
+
+@pytest.mark.parametrize("vocab,max_n", [(3, 4), (6, 2), (50, 3)])
+def test_ngram_index_equals_lookup_as_tokens_grow(vocab, max_n):
+    """The incremental n-gram index proposes exactly what the scanning lookup proposes, at every length."""
+    from specdec.drafters.ngram import NgramIndex, ngram_lookup
+
+    rng = random.Random(vocab)
+    tokens = [rng.randrange(vocab) for _ in range(5)]
+    index = NgramIndex(max_n)
+    hits = 0
+    for _ in range(300):
+        k = rng.randrange(0, 9)
+        want = ngram_lookup(tokens, k, max_n)
+        assert index.lookup(tokens, k) == want
+        hits += bool(want)
+        tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+    assert hits > 50
+
+
+def test_fused_projections_stand_in_only_while_valid(tiny_target):
+    """Fused q/k/v and gate/up weights are used for inference only while the projections are views of them."""
+    import copy
+
+    from specdec.models.llama import _fused_valid
+
+    model = copy.deepcopy(tiny_target.model).fuse()
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert _fused_valid(attn.q_proj, attn.qkv_weight) and _fused_valid(mlp.gate_proj, mlp.gate_up_weight)
+    assert torch.equal(attn.qkv_weight[: attn.q_proj.weight.shape[0]], attn.q_proj.weight)
+    converted = copy.deepcopy(model).double()  # .to()/.float() replace the parameters: back to separate matmuls
+    assert not _fused_valid(converted.model.layers[0].self_attn.q_proj, converted.model.layers[0].self_attn.qkv_weight)
+    model.requires_grad_(True)
+    with torch.enable_grad():  # training needs gradients of the separate projections
+        assert not _fused_valid(attn.q_proj, attn.qkv_weight)
+    with torch.no_grad():
+        assert _fused_valid(attn.q_proj, attn.qkv_weight)

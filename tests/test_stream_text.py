@@ -1,0 +1,25 @@
+"""Incremental detokenisation: the streamed text grows by appending and ends equal to a full decode."""
+
+from specdec.scheduler.request import Request
+from specdec.scheduler.stop import StopChecker
+
+from specdec.sampling_params import SamplingParams
+
+TEXTS = ["Héllo wörld! 你好，世界。 Emoji: 😀👍🏽 and code: def f(x):\n    return x**2",
+         "  leading spaces\tand tabs\n\nnew lines ☃☃ -- ‘quotes’ «guillemets»"]
+
+
+def test_running_text_matches_full_decode_token_by_token(smollm2):
+    tok = smollm2.tokenizer
+    checker = StopChecker(tok)
+    for text in TEXTS:
+        ids = tok.encode(text, add_special_tokens=False)
+        req = Request("r", [1], SamplingParams())
+        seen = ""
+        for i, t in enumerate(ids):
+            req.tokens.append(t)
+            cur = checker.running_text(req)
+            assert cur.startswith(seen)  # streaming only ever appends
+            assert tok.decode(ids[:i + 1], skip_special_tokens=True).startswith(cur)
+            seen = cur
+        assert seen == tok.decode(ids, skip_special_tokens=True)
