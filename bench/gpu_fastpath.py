@@ -278,6 +278,52 @@ def real(out: Path, model_path: str, prompt_file: str) -> None:
     (out / "real.json").write_text(json.dumps(RESULTS, indent=1))
 
 
+def quick(out: Path, model_path: str, prompt_file: str) -> None:
+    """n-gram vs target-only at batch 1 and 16 (80 MT-bench prompts), and the shipped eagle draft (eager
+    draft steps) against graphed target-only decoding at batch 1 on the first 20 prompts."""
+    prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
+    new = 128 if CUDA else 8
+    res = RESULTS.setdefault("quick", {})
+    dt = "bfloat16" if CUDA else "float32"
+    target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    n = len(prompts) if CUDA else 2
+    runs = [("target_only", None, "chain:8", 1, n), ("ngram", "ngram", "chain:8", 1, n),
+            ("target_only", None, "chain:8", 16, n), ("ngram", "ngram", "chain:8", 16, n),
+            ("target_only", None, "chain:8", 1, 20 if CUDA else 2)]
+    for name, draft, tree, b, count in runs:
+        eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree=tree, max_batch_size=b,
+                                                   prefix_cache=False))
+        eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+        eng.stats = type(eng.stats)()
+        r = user_generate(eng, prompts[:count], params, batch=b)
+        r["mean_accepted_length"] = eng.stats.mean_accepted_length
+        res[f"{name}_b{b}_n{count}"] = r
+        log(f"quick {name} batch {b} ({count} prompts): {r['tok_per_s']:.1f} tok/s, "
+            f"mal {r['mean_accepted_length']:.2f}")
+    for b in (1, 16):
+        spec, plain = res[f"ngram_b{b}_n{n}"], res[f"target_only_b{b}_n{n}"]
+        res[f"ngram_speedup_b{b}"] = spec["tok_per_s"] / plain["tok_per_s"]
+        log(f"n-gram speed-up batch {b}: {res[f'ngram_speedup_b{b}']:.2f}x")
+    (out / "quick.json").write_text(json.dumps(RESULTS, indent=1))
+    try:
+        draft = load_model("smollm2-135m-draft", dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV,
+                           target=target)
+        for tree in ("dynamic:63", "chain:5"):
+            eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree=tree, max_batch_size=1,
+                                                       prefix_cache=False))
+            eng.generate(prompts[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            eng.stats = type(eng.stats)()
+            r = user_generate(eng, prompts[:20 if CUDA else 1], params, batch=1)
+            r["mean_accepted_length"] = eng.stats.mean_accepted_length
+            res[f"eagle_{tree}_b1_n20"] = r
+            log(f"quick eagle {tree} batch 1: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}")
+    except Exception as exc:  # noqa: BLE001 - reported, the round's other figures stand
+        res["eagle_error"] = repr(exc)
+        log("eagle failed:", repr(exc))
+    (out / "quick.json").write_text(json.dumps(RESULTS, indent=1))
+
+
 def float32_equality(out: Path, model_path: str, prompts) -> None:
     """float32, graphs on: speculative == target-only for n-gram, chain, top-k and dynamic trees."""
     target = load_model(model_path, dtype=torch.float32, device=DEV)
@@ -319,6 +365,8 @@ def main() -> None:
         micro(out)
     elif cmd == "real":
         real(out, sys.argv[3], sys.argv[4])
+    elif cmd == "quick":
+        quick(out, sys.argv[3], sys.argv[4])
     log(json.dumps(RESULTS, indent=1, default=str)[-6000:])
 
 
