@@ -88,8 +88,8 @@ def test_logits_and_greedy_match_transformers_full_forward(tiny_factory, mistral
     seen: dict[tuple[str, int], torch.Tensor] = {}
     forward = eng.runner.forward  # run() and the verifier both go through forward()
 
-    def capture(model_idx, model, rows):
-        out = forward(model_idx, model, rows)
+    def capture(model_idx, model, rows, *args):
+        out = forward(model_idx, model, rows, *args)
         for r, lg in zip(rows, out.logits):
             if r.want_logits == "all":  # a verify row: its first query is the pending token at L - 1
                 seen[(r.req.request_id, r.positions[0])] = lg[0]
