@@ -235,6 +235,13 @@ class DraftTree:
         root = torch.ones(1, dtype=torch.int64, device=self.tokens.device)
         return torch.cat([root, 1 | (self.ancestor_mask << 1)])  # bit 63 wraps to the sign bit
 
+    def verify_rows(self) -> tuple[list[int], list[int]]:
+        """Host twins of the verify token arrays: the values of ``verify_tree_mask`` as Python ints (bit 63
+        as the int64 sign), and each verify token's parent verify index (-1 for the root)."""
+        h = self.host
+        masks = [1] + [1 | (m << 1) for m in h.ancestor_mask]
+        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks], [-1] + [p + 1 for p in h.parents]
+
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree on another device."""
         dists = None if self.draft_dists is None else self.draft_dists.to(device)

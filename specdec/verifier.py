@@ -9,7 +9,7 @@ import torch
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
 from specdec.fault_isolation import check_finite, check_finite_flags
-from specdec.runner import ModelRunner, RowInput, _as_signed
+from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
 
@@ -71,9 +71,9 @@ class Verifier:
         h = tree.host
         n = len(h.tokens)
         positions = [L - 1] + [L + d for d in h.depth]
-        mask = _as_signed([1] + [1 | (m << 1) for m in h.ancestor_mask]) if n else None
-        return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, mask,
-                        want_logits="all", parents=[-1] + [p + 1 for p in h.parents])
+        masks, parents = tree.verify_rows()
+        return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
+                        want_logits="all", parents=parents)
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:

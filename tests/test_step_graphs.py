@@ -18,7 +18,7 @@ from specdec.scheduler.step_inputs import StepInputs
 from specdec.acceptance import verify_greedy
 from specdec.acceptance_batched import accept_greedy_padded, unpack_greedy
 from specdec.engine import SpecConfig, SpecEngine
-from specdec.runner import RowInput, _as_signed
+from specdec.runner import RowInput
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree
 
@@ -38,9 +38,10 @@ def _padded(trees, argmax_rows, q):
     num = torch.zeros(b, dtype=torch.int64)
     for i, (t, am) in enumerate(zip(trees, argmax_rows)):
         h, n = t.host, t.num_nodes + 1
+        masks, verify_parents = t.verify_rows()
         tokens[i, :n] = torch.tensor([7] + h.tokens)
-        parents[i, :n] = torch.tensor([-1] + [p + 1 for p in h.parents])
-        mask[i, :n] = torch.tensor(_as_signed([1] + [1 | (m << 1) for m in h.ancestor_mask]))
+        parents[i, :n] = torch.tensor(verify_parents)
+        mask[i, :n] = torch.tensor(masks)
         argmax[i, :n] = am
         num[i] = n
     return tokens, parents, mask, argmax, num

@@ -38,6 +38,7 @@ def _check_tree(tree: DraftTree, parents):
         assert {j for j in range(len(parents)) if m >> j & 1} == anc[i]
     vm = tree.verify_tree_mask()
     assert vm.dtype == torch.int64 and vm.shape == (len(parents) + 1,)
+    assert tree.verify_rows() == (vm.tolist(), [-1] + [p + 1 for p in parents])  # the host twin agrees
     assert vm[0].item() == 1
     for i in range(len(parents)):
         bits = {j for j in range(64) if (vm[i + 1].item() >> j) & 1}
@@ -84,6 +85,7 @@ def test_full_chain_uses_bit_63():
     tree = DraftTree.from_parents([0] * 63, chain_template(63).parents)
     vm = tree.verify_tree_mask()
     assert vm[-1].item() == -1  # all 64 bits set: int64 wraparound
+    assert tree.verify_rows()[0] == vm.tolist()  # the host twin wraps bit 63 the same way
     assert tree.ancestor_mask[-1].item() == (1 << 63) - 1
 
 
