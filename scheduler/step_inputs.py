@@ -40,7 +40,7 @@ def _sizes(b: int, q: int, width: int) -> dict[str, int]:
 
 
 def _total(b: int, q: int, width: int) -> int:
-    return 5 * b * q + 4 * b + 1 + b * width
+    return sum(_sizes(b, q, width).values())
 
 
 def _offsets(b: int, q: int, width: int) -> tuple[dict[str, tuple[int, int]], int]:

@@ -97,10 +97,13 @@ class ModelRunner:
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
-    def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
-        """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
+    def _sync_tables(self, rows: list[RowInput]) -> None:
         for r in rows:
             self.tables.set_row(r.req.bt_row, r.req.blocks)
+
+    def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
+        """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
+        self._sync_tables(rows)
         meta, ids, pos = self.build(rows)
         return ForwardContext(self.backend, meta, self.pool.model_kv(model_idx)), ids, pos
 
@@ -123,14 +126,13 @@ class ModelRunner:
                 aux_layers: tuple[int, ...] = ()) -> ForwardResult:
         """``run`` plus the device-side greedy acceptance when the step was graphed (target only) and the
         features of ``aux_layers`` (those forwards run eagerly)."""
-        for r in rows:
-            self.tables.set_row(r.req.bt_row, r.req.blocks)
         key = self.graphs.key_for(model_idx, rows) if self.graphs is not None and not aux_layers else None
         if key is not None:
             return self._forward_graphed(key, rows)
         return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
 
     def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
+        self._sync_tables(rows)
         _, _, q = key
         if q > 1:
             rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]

@@ -21,6 +21,7 @@ import torch
 
 from specdec.loading.base import DTYPES, LoadedModel
 from specdec.training.distill_data import DataSpec, DistillData
+from specdec.training.schedule import check_optimizer_fields
 from specdec.training.training import TrainState
 
 TRAINING_FILES = ("data.pt", "ckpt.pt")  # in OUT next to the draft, but not part of it
@@ -73,18 +74,9 @@ class DistillConfig:
         _require(self.val_prompts is None or 0 <= self.val_prompts < self.num_prompts, "val_prompts",
                  f"None (auto) or in [0, num_prompts={self.num_prompts})", self.val_prompts)
         _require(self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)", self.temperature)
-        _require(self.lr > 0, "lr", "a number > 0", self.lr)
-        _require(0 <= self.warmup_steps <= self.steps, "warmup_steps", f"in [0, steps={self.steps}]",
-                 self.warmup_steps)
-        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
-        _require(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
-        _require(self.grad_clip >= 0, "grad_clip", "a number >= 0 (0 = off)", self.grad_clip)
-        _require(self.stop_after is None or 1 <= self.stop_after <= self.steps, "stop_after",
-                 f"None or in [1, steps={self.steps}]", self.stop_after)
-        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", "an int >= 0", self.seed)
+        check_optimizer_fields(self, _require)
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype)
         _require(self.save_dtype in DTYPES, "save_dtype", f"one of {sorted(DTYPES)}", self.save_dtype)
-        _require(self.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N", self.device)
 
     @property
     def autocast(self) -> bool:

@@ -10,7 +10,6 @@ With ``time_budget`` the planned step count is fixed after ``PROBE_STEPS`` timed
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from specdec.training.eagle_data import TokenFile
+from specdec.training.schedule import check_optimizer_fields, report_losses, warmup_cosine
 
 PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
 LOG_EVERY = 10
@@ -65,22 +65,13 @@ class EagleTrainConfig:
             object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
         if self.aux_layers is not None:
             object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
-        _require(0 <= self.warmup_steps <= self.steps, "warmup_steps", f"in [0, steps={self.steps}]",
-                 self.warmup_steps)
         _require(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}", self.batch_tokens)
         _require(0 < self.step_decay <= 1, "step_decay", "in (0, 1]", self.step_decay)
         _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
                  self.time_budget)
-        _require(self.lr > 0, "lr", "a number > 0", self.lr)
-        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "in [0, 1]", self.min_lr_ratio)
-        _require(self.weight_decay >= 0, "weight_decay", "a number >= 0", self.weight_decay)
-        _require(self.grad_clip >= 0, "grad_clip", "a number >= 0 (0 = off)", self.grad_clip)
-        _require(self.stop_after is None or 1 <= self.stop_after <= self.steps, "stop_after",
-                 f"None or in [1, steps={self.steps}]", self.stop_after)
+        check_optimizer_fields(self, _require)
         _require(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
         _require(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
-        _require(isinstance(self.seed, int) and self.seed >= 0, "seed", "an int >= 0", self.seed)
-        _require(self.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N", self.device)
 
     @property
     def autocast(self) -> bool:
@@ -151,10 +142,7 @@ def make_rows(data: TokenFile, docs, max_len: int, loss_on: str, device) -> tupl
 
 def lr_at(step: int, cfg: EagleTrainConfig, planned: int) -> float:
     """Linear warm-up over ``warmup_steps``, then cosine decay to ``min_lr_ratio * lr`` at ``planned``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = min(1.0, (step - cfg.warmup_steps) / max(1, planned - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, planned, cfg.min_lr_ratio)
 
 
 def plan_steps(cfg: EagleTrainConfig, step: int, elapsed: float, recent: list[float]) -> int:
@@ -284,10 +272,7 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
                     bar.total, budget_open = state.planned, False
             saving = state.step % cfg.ckpt_every == 0 or state.step >= min(state.planned, cfg.stop_after or 1 << 60)
             if saving or state.step % LOG_EVERY == 0:
-                state.losses += torch.stack(pending).float().cpu().tolist()
-                bar.update(len(pending))
-                bar.set_postfix(loss=f"{sum(state.losses[-LOG_EVERY:]) / len(state.losses[-LOG_EVERY:]):.4f}")
-                pending = []
+                report_losses(state.losses, pending, bar, "loss", LOG_EVERY)
             if saving:
                 state.train_seconds = base + time.perf_counter() - t0
                 save_checkpoint(ckpt, cfg, draft, opt, state)

@@ -7,7 +7,6 @@ optimizer, step, RNG, loss history) continues exactly as if it had never stopped
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -22,6 +21,7 @@ from specdec.loading.base import LoadedModel
 from specdec.training.dense_attention import dense_hidden
 from specdec.training.distill_data import DistillData, atomic_save
 from specdec.training.layers import trained_state
+from specdec.training.schedule import report_losses, warmup_cosine
 
 if TYPE_CHECKING:
     from specdec.training.distill import DistillConfig
@@ -60,10 +60,7 @@ def batch_indices(step: int, n: int, batch_size: int, seed: int) -> list[int]:
 
 def lr_at(step: int, cfg: DistillConfig) -> float:
     """Learning rate of ``step``: linear warm-up, then cosine decay to ``min_lr_ratio * lr``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+    return warmup_cosine(step, cfg.lr, cfg.warmup_steps, cfg.steps, cfg.min_lr_ratio)
 
 
 def make_batch(data: DistillData, indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,10 +179,7 @@ def train(cfg: DistillConfig, teacher: LoadedModel, draft: LoadedModel, data: Di
             state.step += 1
             saving = state.step % cfg.ckpt_every == 0 or state.step == end
             if saving or state.step % LOG_EVERY == 0:
-                state.losses += torch.stack(pending).float().cpu().tolist()
-                bar.update(len(pending))
-                bar.set_postfix(kl=f"{sum(state.losses[-LOG_EVERY:]) / len(state.losses[-LOG_EVERY:]):.4f}")
-                pending = []
+                report_losses(state.losses, pending, bar, "kl", LOG_EVERY)
             if saving:
                 if val_idx:
                     state.val.append([state.step, evaluate(cfg, teacher, draft, data, val_idx)])
