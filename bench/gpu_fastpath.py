@@ -123,6 +123,17 @@ def user_generate(engine, prompts, params, batch: int) -> dict:
             "target_forwards": engine.stats.target_forwards}
 
 
+def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str) -> dict:
+    """``user_generate`` of a fresh engine (warmed up on two short requests, statistics reset after)."""
+    eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dtype, tree=tree, max_batch_size=batch,
+                                               prefix_cache=False))
+    eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    eng.stats = type(eng.stats)()
+    r = user_generate(eng, prompts, params, batch=batch)
+    r["mean_accepted_length"] = eng.stats.mean_accepted_length
+    return r
+
+
 def replay_ms(engine, key, iters: int = 200) -> float | None:
     """Median GPU time of replaying one captured graph (CUDA events) on synthetic 200-token rows."""
     g = engine.runner.graphs.graphs.get(key) if engine.runner.graphs else None
@@ -253,13 +264,7 @@ def real(out: Path, model_path: str, prompt_file: str) -> None:
     n = len(prompts) if CUDA else 2
     for b in (1, 16):
         for name, draft, tree in (("target_only", None, "chain:8"), ("ngram", "ngram", "chain:8")):
-            eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree=tree, max_batch_size=b,
-                                                       prefix_cache=False))
-            eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-            eng.stats = type(eng.stats)()
-            r = user_generate(eng, prompts[:n], params, batch=b)
-            r["mean_accepted_length"] = eng.stats.mean_accepted_length
-            res[f"{name}_b{b}"] = r
+            r = res[f"{name}_b{b}"] = measured_run(draft, target, tree, b, prompts[:n], params, dt)
             log(f"real {name} batch {b}: {r['tok_per_s']:.1f} tok/s, mean accepted length "
                 f"{r['mean_accepted_length']:.2f}")
         res[f"ngram_speedup_b{b}"] = res[f"ngram_b{b}"]["tok_per_s"] / res[f"target_only_b{b}"]["tok_per_s"]
@@ -292,13 +297,7 @@ def quick(out: Path, model_path: str, prompt_file: str) -> None:
             ("target_only", None, "chain:8", 16, n), ("ngram", "ngram", "chain:8", 16, n),
             ("target_only", None, "chain:8", 1, 10 if CUDA else 2)]
     for name, draft, tree, b, count in runs:
-        eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree=tree, max_batch_size=b,
-                                                   prefix_cache=False))
-        eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-        eng.stats = type(eng.stats)()
-        r = user_generate(eng, prompts[:count], params, batch=b)
-        r["mean_accepted_length"] = eng.stats.mean_accepted_length
-        res[f"{name}_b{b}_n{count}"] = r
+        r = res[f"{name}_b{b}_n{count}"] = measured_run(draft, target, tree, b, prompts[:count], params, dt)
         log(f"quick {name} batch {b} ({count} prompts): {r['tok_per_s']:.1f} tok/s, "
             f"mal {r['mean_accepted_length']:.2f}")
     for b in (1, 16):
@@ -309,15 +308,10 @@ def quick(out: Path, model_path: str, prompt_file: str) -> None:
     try:
         draft = load_model("smollm2-135m-draft", dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV,
                            target=target)
-        for tree in ("dynamic:63",):
-            eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree=tree, max_batch_size=1,
-                                                       prefix_cache=False))
-            eng.generate(prompts[:1], SamplingParams(max_new_tokens=8, ignore_eos=True))
-            eng.stats = type(eng.stats)()
-            r = user_generate(eng, prompts[:10 if CUDA else 1], params, batch=1)
-            r["mean_accepted_length"] = eng.stats.mean_accepted_length
-            res[f"eagle_{tree}_b1_n10"] = r
-            log(f"quick eagle {tree} batch 1: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}")
+        tree = "dynamic:63"
+        r = res[f"eagle_{tree}_b1_n10"] = measured_run(draft, target, tree, 1, prompts[:10 if CUDA else 1], params,
+                                                       dt)
+        log(f"quick eagle {tree} batch 1: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}")
     except Exception as exc:  # noqa: BLE001 - reported, the round's other figures stand
         res["eagle_error"] = repr(exc)
         log("eagle failed:", repr(exc))
