@@ -12,6 +12,7 @@ from torch import nn
 
 from specdec.attention.base import AttentionBackend, AttnMetadata
 from specdec.config import ModelConfig
+from specdec.models.layer_ops import add_rmsnorm_reference
 from specdec.models.rope import RotaryEmbedding
 
 
@@ -32,9 +33,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return add_rmsnorm_reference(x, None, self.weight, self.eps)[0]
 
 
 class Attention(nn.Module):
@@ -59,9 +58,10 @@ class Attention(nn.Module):
         """Concatenate the q/k/v weights into one matrix; the three projections become views of it."""
         if _fused_valid(self.q_proj, self.qkv_weight, for_grad=False):
             return
-        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_weight = _fuse_params(projections)
         if self.q_proj.bias is not None:
-            self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_bias = _fuse_params(projections, "bias")
 
     def forward(self, x, positions, rope: RotaryEmbedding, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
@@ -86,10 +86,10 @@ class MLP(nn.Module):
     def fuse(self) -> None:
         """Concatenate gate and up weights into one matrix; both projections become views of it."""
         if not _fused_valid(self.gate_proj, self.gate_up_weight, for_grad=False):
-            self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
+            self.gate_up_weight = _fuse_params((self.gate_proj, self.up_proj))
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
-        if ctx is None or not _fused_valid(self.gate_proj, self.gate_up_weight):
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if not _fused_valid(self.gate_proj, self.gate_up_weight):
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = nn.functional.linear(x, self.gate_up_weight)  # (T, 2I)
         return self.down_proj(ctx.backend.silu_mul(gate_up))  # (T, hidden)
@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, positions, self.rope, ctx)
             if i in aux_layers:
-                aux[i] = x if residual is None else x + residual  # the layer's output (x + residual)
+                aux[i] = x + residual  # the layer's output
         norm = self.model.norm
         hidden = ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
         return hidden, torch.cat([aux[i] for i in aux_layers], -1) if aux_layers else None
@@ -174,16 +174,9 @@ def _fused_valid(first: nn.Linear, fused: torch.Tensor | None, for_grad: bool = 
     return not (for_grad and torch.is_grad_enabled() and w.requires_grad)
 
 
-def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    """One (sum of out, in) weight holding the linears' rows; each linear's weight becomes a view of it."""
-    return _fuse_params([lin for lin in linears], "weight")
-
-
-def _fuse_biases(*linears: nn.Linear) -> torch.Tensor:
-    return _fuse_params([lin for lin in linears], "bias")
-
-
-def _fuse_params(linears: list[nn.Linear], name: str) -> torch.Tensor:
+def _fuse_params(linears: tuple[nn.Linear, ...], name: str = "weight") -> torch.Tensor:
+    """One tensor holding the linears' ``name`` ("weight" or "bias") rows side by side; each linear's
+    parameter becomes a view of it."""
     fused = torch.cat([getattr(lin, name).detach() for lin in linears])  # (sum out, ...)
     start = 0
     for lin in linears:
