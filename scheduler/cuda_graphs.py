@@ -56,7 +56,7 @@ class GraphRunner:
     """Replays captured forwards of the models in ``models`` (pool model index -> model)."""
 
     def __init__(self, models: dict, pool, backend, max_batch: int, max_query: dict[int, int],
-                 bt_width: int, device: torch.device, capture: bool) -> None:
+                 bt_width: int, device: torch.device) -> None:
         self.models, self.pool, self.backend = models, pool, backend
         self.device = torch.device(device)
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (bucket(max_batch, BATCH_BUCKETS)
@@ -68,7 +68,6 @@ class GraphRunner:
         top_q = max(max(qs) for qs in self.query_buckets.values())
         self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)
         self.max_seq_len = bt_width * pool.block_size
-        self.capture_enabled = capture
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
         self.report = CaptureReport()
 
@@ -95,7 +94,7 @@ class GraphRunner:
 
     def capture(self) -> CaptureReport:
         """Capture every (model, B, Q) bucket, largest first, into one memory pool (CUDA only)."""
-        if not self.capture_enabled or self.device.type != "cuda":
+        if self.device.type != "cuda":
             return self.report
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)

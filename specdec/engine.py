@@ -149,7 +149,7 @@ class SpecEngine:
         if self.draft is not None and isinstance(self.draft.model, LlamaForCausalLM):
             models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
         graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
-                             bt_width, self.device, capture=self.device.type == "cuda")
+                             bt_width, self.device)
         self.runner.graphs = graphs
         return graphs.capture()
 
