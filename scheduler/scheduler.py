@@ -113,7 +113,8 @@ class Scheduler:
         self._admit()
         budget = self.cfg.max_num_tokens
         for req in list(self.running):
-            if req not in self.running or req.prefill_done or budget == 0 or self._wait_for_shared_prefix(req):
+            if req.status is not RequestStatus.RUNNING or req.prefill_done or budget == 0 or \
+                    self._wait_for_shared_prefix(req):  # status: a request preempted by an earlier chunk
                 continue
             end = min(len(req.tokens) - 1, req.num_computed + min(budget, self._chunk_cap(req.num_prompt)))
             if not self._reserve(req, end, batch):  # a no-op unless blocks are allocated per chunk
@@ -312,7 +313,6 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed
             stopper.finalize_text(req, reason)
-        if reason:
             sched.finish(req, reason)
         else:
             sched.shrink(req)
