@@ -14,10 +14,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-SECTIONS = ("ids", "positions", "slots", "tree_mask", "parents", "qsl", "prefix_lens", "seq_lens", "num_tokens",
-            "block_tables")
-
-
 class StepViews(NamedTuple):
     """Device views of one bucket's inputs (all int64)."""
 
