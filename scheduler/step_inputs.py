@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+
 class StepViews(NamedTuple):
     """Device views of one bucket's inputs (all int64)."""
 
