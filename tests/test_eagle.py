@@ -175,6 +175,36 @@ def test_greedy_output_equals_target_only(setup, tree):
     assert sum(o.stats.accepted for o in spec) > 0
 
 
+@pytest.mark.parametrize("tree", ["chain:4", "topk:2x3", "dynamic:16"])
+def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
+    """With the graph path's padded buffers (on the CPU: eager replay), the verify step returns the target
+    features and every draft forward (catch-up and tree levels) goes through the padded buffers; greedy
+    output still equals target-only."""
+    from specdec.scheduler.cuda_graphs import GraphRunner
+
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    cfg = dict(max_batch_size=8, num_blocks=128, block_size=8)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(PROMPTS, params)
+    calls = {0: 0, 1: 0}
+    run = GraphRunner.run
+
+    def counting(self, key, *args, **kwargs):
+        calls[key[0]] += 1
+        out = run(self, key, *args, **kwargs)
+        assert (out.features is not None) == (key[0] == 0) and (out.hidden is not None) == (key[0] == 1)
+        return out
+
+    monkeypatch.setattr(GraphRunner, "run", counting)
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, **cfg))
+    spec = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert calls[0] > 0 and calls[1] > calls[0]  # draft: a catch-up and at least one level per verify
+    assert sum(o.stats.accepted for o in spec) > 0
+    assert eng.all_blocks_free()
+
+
 def test_untrained_draft_over_a_partial_vocabulary_is_lossless(tiny_target):
     shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
     vocab = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:100].sort().values

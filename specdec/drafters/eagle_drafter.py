@@ -30,7 +30,7 @@ class _Features:
     rows: torch.Tensor  # (n, k * hidden)
 
     def put(self, start: int, rows: torch.Tensor) -> None:
-        if start == self.start + len(self.rows):
+        if start == self.start + len(self.rows) and len(self.rows):
             self.rows = torch.cat([self.rows, rows])
         else:
             self.start, self.rows = start, rows
@@ -38,6 +38,8 @@ class _Features:
     def before(self, begin: int, end: int) -> torch.Tensor:
         """Features of positions [begin - 1, end - 1) (the inputs of draft positions [begin, end));
         zeros where none is known (a prefix-cache hit or a preempted request's restart)."""
+        if self.start == begin - 1 and len(self.rows) >= end - begin:  # the usual case: all known, no copy
+            return self.rows[:end - begin]
         out = self.rows.new_zeros(end - begin, self.rows.shape[1])  # (end - begin, k * hidden)
         lo, hi = max(begin - 1, self.start), min(end - 1, self.start + len(self.rows))
         if lo < hi:
@@ -65,28 +67,34 @@ class EagleDrafter(ModelDrafter):
                                                          device=self.runner.device))
         return self._feats[req]
 
-    def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden)."""
-        ctx, ids, pos = self.runner.prepare(DRAFT_MODEL_INDEX, rows)
-        with torch.inference_mode():
-            return self.model(ids, pos, ctx, g), ctx.meta.host_query_start_loc
+    def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
+        draft-vocabulary logits (T, N) when the forward was graphed (else None: ``_logits`` computes them)."""
+        return self.runner.run_with_features(DRAFT_MODEL_INDEX, self.model, rows, g)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Target-vocabulary logits (n, V) of draft states ``hidden`` (or of their draft logits, when known)."""
         with torch.inference_mode():
-            return self.model.full_logits(self.model.compute_logits(hidden), self.vocab_size)  # (n, V)
+            if draft_logits is None:
+                draft_logits = self.model.compute_logits(hidden)
+            return self.model.full_logits(draft_logits, self.vocab_size)  # (n, V)
 
-    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
-        """Draft KV of positions [b, e) of each request from its stored target features."""
+    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]):
+        """Draft KV of positions [b, e) of each request from its stored target features: hidden states
+        (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
         rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
                 zip(reqs, spans)]
         aux = torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
-        hidden, qsl = self._hidden(rows, g)
+        hidden, logits = self._hidden(rows, g)
         for r, (_, e) in zip(reqs, spans):
             r.num_computed_draft = e
             self._state(r).drop_before(e - 1)
-        return hidden, qsl
+        qsl = [0]
+        for b, e in spans:
+            qsl.append(qsl[-1] + e - b)
+        return hidden, logits, qsl
 
     def prefill(self, chunks, features=None) -> None:
         if not chunks:
@@ -104,9 +112,10 @@ class EagleDrafter(ModelDrafter):
 
     def _catch_up(self, grows: list[_Growth]) -> None:
         reqs = [g.req for g in grows]
-        hidden, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
-        last = hidden[[e - 1 for e in qsl[1:]]]  # (rows, hidden)
-        for g, h, lg in zip(grows, last, self._logits(last)):
+        hidden, logits, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
+        ends = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
+        last = hidden.index_select(0, ends)  # (rows, hidden)
+        for g, h, lg in zip(grows, last, self._logits(last, None if logits is None else logits.index_select(0, ends))):
             g.hidden[-1] = h
             g.frontier = [(-1, lg)]
 
@@ -115,8 +124,8 @@ class EagleDrafter(ModelDrafter):
                          g.L + len(g.tokens), [g.masks[i] for i in nodes], want_logits="none")
                 for g, nodes in live]
         feats = torch.stack([g.hidden[g.parents[i]] for g, nodes in live for i in nodes])  # (T, hidden)
-        hidden, _ = self._hidden(rows, feats)
-        logits = self._logits(hidden)  # (T, V)
+        hidden, draft_logits = self._hidden(rows, feats)
+        logits = self._logits(hidden, draft_logits)  # (T, V)
         j = 0
         for g, nodes in live:
             g.frontier = [(i, logits[j + n]) for n, i in enumerate(nodes)]
