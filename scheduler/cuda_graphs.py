@@ -77,6 +77,7 @@ class GraphRunner:
         self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
+        self.programs: list = []  # more device programs captured with these graphs (``capture(pool) -> (n, s)``)
         self.report = CaptureReport()
         top_t = max(self.batch_buckets) * top_q
         self.feature_inputs = {m: torch.zeros(top_t, model.config.hidden_size, device=self.device,
@@ -126,8 +127,9 @@ class GraphRunner:
             with torch.cuda.graph(graph, pool=mempool):
                 out = self._forward(key)
             self.graphs[key] = (graph, out)
+        extra = sum(program.capture(mempool)[0] for program in self.programs)
         torch.cuda.synchronize(self.device)
-        self.report = CaptureReport(len(self.graphs), time.perf_counter() - start,
+        self.report = CaptureReport(len(self.graphs) + extra, time.perf_counter() - start,
                                     torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))
         log.info("%s", self.report)
         return self.report

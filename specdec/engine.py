@@ -151,6 +151,8 @@ class SpecEngine:
         graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
                              bt_width, self.device, aux_layers=self.drafter.target_features)
         self.runner.graphs = graphs
+        if hasattr(self.drafter, "enable_device_loop"):
+            self.drafter.enable_device_loop(graphs)
         return graphs.capture()
 
     def _make_prefix_cache(self):

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.runner import RowInput
+from specdec.runner import RowInput, _with_causal_mask
 from specdec.scheduler.request import Request
 from specdec.training.eagle import EagleDraft
-from specdec.tree import TreeSpec
+from specdec.tree import DraftTree, TreeSpec
 
 
 @dataclass
@@ -59,6 +60,49 @@ class EagleDrafter(ModelDrafter):
         self.vocab_size = vocab_size
         self.target_features = model.aux_layers
         self._feats: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
+        self.device_loop = None  # a DeviceTreeLoop once the graph path is on (static trees only)
+
+    def enable_device_loop(self, graphs) -> None:
+        """Draft greedy batches of a static tree with one device program per batch bucket (captured with
+        ``graphs``, the engine's GraphRunner)."""
+        if self._template is None:
+            return
+        from specdec.drafters.eagle_device import DeviceTreeLoop
+        from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket
+
+        catch_up = bucket(self.spec.depth + 1, QUERY_BUCKETS) or self.spec.depth + 1  # accepted path + bonus
+        self.device_loop = DeviceTreeLoop(self.model, self.runner.pool, self.runner.backend, self._template,
+                                          graphs.batch_buckets, catch_up, graphs.inputs.width, self.runner.device)
+        graphs.programs.append(self.device_loop)
+
+    def propose(self, rows: list[Request]) -> Proposal:
+        loop = self.device_loop
+        if loop is not None and rows and all(r.params.greedy for r in rows):
+            spans = [(r.num_computed_draft, len(r.tokens)) for r in rows]
+            sizes = [e - b for b, e in spans]
+            b = loop.bucket(len(rows), max(sizes))
+            if b is not None and min(sizes) > 0:
+                return self._propose_on_device(rows, spans, b)
+        return super().propose(rows)
+
+    def _propose_on_device(self, reqs: list[Request], spans: list[tuple[int, int]], b: int) -> Proposal:
+        loop, runner = self.device_loop, self.runner
+        rows = [RowInput(r, r.tokens[s:e], list(range(s, e)), s, e, want_logits="none") for r, (s, e) in
+                zip(reqs, spans)]
+        aux = torch.cat([self._state(r).before(s, e) for r, (s, e) in zip(reqs, spans)])  # (T, k * hidden)
+        where = torch.tensor([i * loop.q + j for i, (s, e) in enumerate(spans) for j in range(e - s)],
+                             dtype=torch.int64, device=runner.device)
+        runner._sync_tables(rows)
+        slots = [runner.slots(r, range(s, e)) for r, (s, e) in zip(reqs, spans)]
+        bt = runner.tables.host_rows([r.bt_row for r in reqs])
+        if loop.q > 1:
+            rows = [_with_causal_mask(r) for r in rows]
+        tokens = loop.run(b, rows, slots, bt, where, aux).tolist()  # (b, N): the step's one read
+        for r, (_, e) in zip(reqs, spans):
+            r.num_computed_draft = e
+            self._state(r).drop_before(e - 1)
+        trees = [DraftTree.of_template(tokens[i], self._template) for i in range(len(reqs))]
+        return Proposal(trees, [frozenset()] * len(reqs))
 
     def _state(self, req: Request) -> _Features:
         if req not in self._feats:
