@@ -14,6 +14,7 @@ PROMPTS: the pre-tokenised MT-bench file of bench/gpu_fastpath.py. Writes OUT_DI
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from specdec.acceptance import shape_probs
 from specdec.loading.registry import load_model
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BATCH = int(os.environ.get("CHISQ_BATCH", "64"))  # rows per step (CPU runs are faster with more)
 SETTINGS = [(0.7, 0, 1.0), (0.7, 0, 0.9)]  # (temperature, top_k, top_p)
 
 
@@ -60,7 +62,7 @@ def main() -> None:
     for pi, prompt in enumerate(prompts):
         ref_logits = _last_logits(target.model, prompt)  # (V,)
         for tree in trees:
-            eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype="float32", tree=tree, max_batch_size=64))
+            eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype="float32", tree=tree, max_batch_size=BATCH))
             for t, k, top_p in SETTINGS:
                 t0 = time.perf_counter()
                 params = [SamplingParams(temperature=t, top_k=k, top_p=top_p, seed=1_000_003 * pi + s,

@@ -320,12 +320,14 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
                        target=target)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     sizes = {1: 20 if CUDA else 1, 64: 64 if CUDA else 2}
-    trees = ("chain:4", "dynamic:15", "dynamic:31", "dynamic:63", "topk:2x3") if CUDA else ("chain:3", "dynamic:7")
+    trees = {1: ("chain:3", "chain:5", "chain:7", "topk:2x3", "topk:2x4", "dynamic:15", "dynamic:31", "dynamic:63"),
+             64: ("chain:3", "chain:5", "topk:2x3", "dynamic:15")} if CUDA else {1: ("chain:3", "dynamic:7"),
+                                                                                 64: ("chain:3",)}
     for b, count in sizes.items():
         ps = prompts[:count]
         base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt)
         log(f"eagle round: target-only batch {b}: {base['tok_per_s']:.1f} tok/s")
-        for tree in trees if b == 1 else trees[:3]:
+        for tree in trees[b]:
             try:
                 r = measured_run(draft, target, tree, b, ps, params, dt)
             except Exception as exc:  # noqa: BLE001 - reported, the other shapes still run

@@ -54,9 +54,12 @@ case "$stage" in
   eagle)
     install
     cd /tmp
-    timeout 420 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+    timeout 380 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
       > "$D/eagle.log" 2>&1
+    timeout 170 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 20000 \
+      > "$D/chisq.log" 2>&1
     grep -h -e "^eagle" "$D/eagle.log" | tail -20
+    tail -3 "$D/chisq.log" | cut -c1-300
     pack
     ;;
   serve)
