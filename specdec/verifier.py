@@ -8,6 +8,7 @@ import torch
 
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
+from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
 from specdec.fault_isolation import check_finite, check_finite_flags
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
@@ -36,22 +37,13 @@ class Verifier:
             return []
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
         fwd = self.runner.forward(0, self.target, inputs, self.aux_layers)
-        greedy_rows = None
-        if fwd.accept is not None:  # graphed step: (B, Q+3), the step's one device->host read
-            greedy_rows = fwd.accept.tolist()
-            check_finite_flags(rows, [row[-1] for row in greedy_rows], "target")
-        else:
-            check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
+        if fwd.accept is not None:  # padded step: every row's outcome on the device
+            return self._from_device(rows, trees, draft_computed, fwd)
+        check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
         aux = fwd.features
         results = []
         for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
-            h = tree.host
-            if p.greedy and greedy_rows is not None:
-                nodes, bonus = unpack_greedy(greedy_rows[i])
-                results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens),
-                                            tree.max_depth, dc))
-                continue
             lg = fwd.logits[i]
             lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
             if p.greedy:
@@ -66,6 +58,25 @@ class Verifier:
         return results
 
     @staticmethod
+    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
+        """Results of a padded step: the graph's greedy acceptance, sampled rows replaced by
+        ``accept_stochastic_padded``; one device->host read of the (B, Q + 3) outcome."""
+        accept = fwd.accept
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            accept = accept.clone()
+            accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
+                                                   fwd.logits, sampled)
+        host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
+        check_finite_flags(rows, [row[-1] for row in host], "target")
+        results = []
+        for row, tree, dc in zip(host, trees, draft_computed):
+            nodes, bonus = unpack_greedy(row)
+            h = tree.host
+            results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
+        return results
+
+    @staticmethod
     def _row(req: Request, tree: DraftTree) -> RowInput:
         L = len(req.tokens)
         h = tree.host
@@ -74,6 +85,16 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
+
+
+def _accept_sampled(rows: list[Request], trees: list[DraftTree], padded, index: list[int]) -> torch.Tensor:
+    """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step (logits ``padded``)."""
+    logits = padded.logits.view(-1, padded.q, padded.logits.shape[-1])  # (B bucket, Q, V)
+    dev = logits.device
+    rows_logits = logits[torch.tensor(index, dtype=torch.int64).to(dev)]  # (S, Q, V)
+    padded_trees = pad_trees(trees, padded.q, dev)
+    uniforms = draw_uniforms([r.generator for r in rows], trees, padded.q, dev)
+    return accept_stochastic_padded(rows_logits, padded_trees, sampling_rows([r.params for r in rows], dev), uniforms)
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
