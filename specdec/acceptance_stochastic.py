@@ -145,7 +145,8 @@ def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:
         kept = torch.where(nucleus, kept / kept.sum(-1, keepdim=True), kept)
         filtered = (k < vocab) | nucleus
         probs = torch.where(filtered, torch.zeros_like(kept).scatter_(-1, order, kept), probs)
-    return torch.where(greedy, F.one_hot(x.argmax(-1), vocab).to(x.dtype), probs)
+    top = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # one-hot argmax (first maximum)
+    return torch.where(greedy, top, probs)
 
 
 def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor,
@@ -243,8 +244,9 @@ def _check(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: 
     if tuple(uniforms.shape) != (b, q) or uniforms.dtype != torch.float64:
         raise ValueError(f"uniforms must be (B, Q) = {(b, q)} float64, got {tuple(uniforms.shape)} {uniforms.dtype}")
     for name in ("temperature", "top_k", "top_p"):
-        if tuple(getattr(sampling, name).shape) != (b,):
-            raise ValueError(f"sampling.{name} must have shape (B,) = ({b},), got {tuple(getattr(sampling, name).shape)}")
+        shape = tuple(getattr(sampling, name).shape)
+        if shape != (b,):
+            raise ValueError(f"sampling.{name} must have shape (B,) = ({b},), got {shape}")
     if trees.dists is not None and trees.dists.shape[1] != vocab:
         raise ValueError(f"trees.dists must have V = {vocab} columns like logits, got {trees.dists.shape[1]}")
     if not 0 <= trees.max_trials < q:

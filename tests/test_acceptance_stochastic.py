@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from specdec import acceptance
-from specdec.acceptance import sample_token, shape_probs, verify_stochastic
-from specdec.acceptance_batched import accept_greedy_padded, unpack_greedy
+from specdec.acceptance import shape_probs, verify_stochastic
+from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import (
     MODE_CODE,
     PaddedTrees,
@@ -26,7 +26,6 @@ from specdec.acceptance_stochastic import (
     sampling_rows,
     shape_probs_rows,
 )
-from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
 from specdec.tree import CHILD_MODES, DraftTree
 
@@ -200,3 +199,101 @@ def test_negative_control_unnormalised_residual_fails(monkeypatch):
     monkeypatch.setattr(mod, "_residual", lambda p, q_i: (p - q_i).clamp(min=0.0))
     counts, exact = _fixed_tree_counts("iid_tree", torch.Generator().manual_seed(5))
     assert chisquare_p(counts, exact) < P_MIN
+
+
+# ---------------------------------------------------------------- (b) agreement with the host rule
+
+K_DRAWS = 600  # draws per random tree for each rule
+
+
+def _random_tree(rng: random.Random, mode: str, n: int, vocab: int) -> DraftTree:
+    parents = [i - 1 if rng.random() < 0.5 else rng.randrange(-1, i) for i in range(n)]  # deep and bushy
+    tokens, used = [], {}
+    for p in parents:  # siblings drawn without replacement never repeat a token
+        taken = used.setdefault(p, set()) if mode == "without_replacement" else set()
+        tokens.append(rng.choice([t for t in range(vocab) if t not in taken]))
+        taken.add(tokens[-1])
+    if mode == "deterministic":
+        return DraftTree.from_parents(tokens, parents)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    dists = torch.softmax(2.0 * torch.randn(n + 1, vocab, generator=g), -1)  # (N+1, V), row v+1 under node v
+    return DraftTree.from_parents(tokens, parents, dists, [p + 1 for p in parents], mode)
+
+
+def _random_case(seed: int, vocab: int = 6):
+    """Random trees of every mode (one empty), target logits (T, Q, V) and sampling params per tree."""
+    rng = random.Random(seed)
+    trees = [_random_tree(rng, mode, n, vocab) for mode, n in zip(CHILD_MODES * 3, [7, 5, 9, 3, 8, 6, 0, 4, 10])]
+    g = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(len(trees), 12, vocab, generator=g)
+    for t, lg in zip(trees, logits):  # the target often agrees with the tree, so paths get deep
+        for i, p in enumerate(t.host.parents):
+            lg[p + 1, t.host.tokens[i]] += 3.0 * (rng.random() < 0.6)
+    params = [SamplingParams(temperature=rng.choice([0.6, 1.0, 1.5]), top_k=rng.choice([0, 3]),
+                             top_p=rng.choice([1.0, 0.85]), seed=i) for i in range(len(trees))]
+    return trees, logits, params
+
+
+def _device_outcomes(trees, logits, params, seeds):
+    """Outcomes (nodes, bonus) of the device rule, each tree repeated once per seed (one call)."""
+    rows = [(t, lg, p, s) for t, lg, p in zip(trees, logits, params) for s in seeds]
+    gens = [torch.Generator().manual_seed(s) for *_, s in rows]
+    q = logits.shape[1]
+    padded = pad_trees([r[0] for r in rows], q, "cpu")
+    out = accept_stochastic_padded(torch.stack([r[1] for r in rows]), padded,
+                                   sampling_rows([r[2] for r in rows], "cpu"),
+                                   draw_uniforms(gens, [r[0] for r in rows], q, "cpu"))
+    return [unpack_greedy(row) for row in out.tolist()]
+
+
+def _host_outcomes(trees, logits, params, seeds):
+    res = []
+    for t, lg, p in zip(trees, logits, params):
+        probs = shape_probs(lg[:t.num_nodes + 1], p.temperature, p.top_k, p.top_p)
+        for s in seeds:
+            r = verify_stochastic(t, probs, torch.Generator().manual_seed(s))
+            res.append((list(r.accepted_nodes), r.bonus_token))
+    return res
+
+
+def test_same_generator_same_outcome_as_host_rule():
+    """Seeded like verify_stochastic, the device rule makes the same choices (up to float rounding)."""
+    trees, logits, params = _random_case(3)
+    seeds = range(150)
+    dev, host = _device_outcomes(trees, logits, params, seeds), _host_outcomes(trees, logits, params, seeds)
+    same = sum(d == h for d, h in zip(dev, host)) / len(dev)
+    assert same >= 0.995, same
+    assert max(len(n) for n, _ in dev) >= 3  # deep paths are exercised
+
+
+def test_outcome_distribution_matches_host_rule():
+    """Independent streams (different seeds): per tree, the (path, bonus) outcomes of the device rule and of
+    verify_stochastic are one distribution (two-sample chi-square, sparse outcomes pooled)."""
+    trees, logits, params = _random_case(4)
+    dev = _device_outcomes(trees, logits, params, range(K_DRAWS))
+    host = _host_outcomes(trees, logits, params, range(10**6, 10**6 + K_DRAWS))
+    for i in range(len(trees)):
+        a = [str(o) for o in dev[i * K_DRAWS:(i + 1) * K_DRAWS]]
+        b = [str(o) for o in host[i * K_DRAWS:(i + 1) * K_DRAWS]]
+        keys = sorted(set(a) | set(b))
+        table = torch.tensor([[a.count(k) for k in keys], [b.count(k) for k in keys]], dtype=torch.float64)
+        rare = table.sum(0) < 10
+        table = torch.cat([table[:, ~rare], table[:, rare].sum(1, keepdim=True)], 1)
+        table = table[:, table.sum(0) > 0]
+        if table.shape[1] < 2:
+            continue
+        assert scipy_stats.chi2_contingency(table.numpy()).pvalue > P_MIN, (i, keys, table)
+
+
+def test_shape_probs_rows_equals_shape_probs():
+    g = torch.Generator().manual_seed(2)
+    logits = 3.0 * torch.randn(6, 4, 9, generator=g)
+    logits[2, :, 3:5] = logits[2, :, 2:3]  # ties keep the lower ids
+    params = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.6), (0.5, 4, 0.8), (2.0, 20, 1.0)]
+    sampling = sampling_rows([SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p in params], "cpu")
+    got = shape_probs_rows(logits, sampling)
+    for row, (t, k, p) in zip(range(6), params):
+        assert torch.allclose(got[row], shape_probs(logits[row], t, k, p), rtol=0, atol=1e-7), row
+    plain = sampling_rows([SamplingParams(temperature=1.0)] * 6, "cpu")
+    assert not plain.filtered
+    assert torch.allclose(shape_probs_rows(logits, plain), torch.softmax(logits, -1), rtol=0, atol=1e-7)
