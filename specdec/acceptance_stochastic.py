@@ -42,6 +42,7 @@ class PaddedTrees(NamedTuple):
     child_mode: Tensor  # (B,) int64 MODE_CODE of the row's tree
     dists: Tensor | None  # (R, V) float32/float64 draft distributions of all rows, stacked; None if none
     max_trials: int  # host bound on the children any row can try (loop length); at most Q - 1
+    modes: frozenset[str] = frozenset(CHILD_MODES)  # host: child modes present (fewer = less work per step)
 
 
 class RowSampling(NamedTuple):
@@ -51,6 +52,7 @@ class RowSampling(NamedTuple):
     top_k: Tensor  # (B,) int64; 0 = off
     top_p: Tensor  # (B,) float in (0, 1]; 1 = off
     filtered: bool = True  # host flag: False promises no row uses top-k/top-p (skips the sort)
+    any_greedy: bool = True  # host flag: False promises no row has temperature 0 (skips the greedy rule)
 
 
 def sampling_rows(params: Sequence, device: torch.device | str) -> RowSampling:
@@ -58,7 +60,7 @@ def sampling_rows(params: Sequence, device: torch.device | str) -> RowSampling:
     host = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64).reshape(-1, 3)
     dev = host.to(device)  # (B, 3)
     filtered = any((p.top_k or 0) > 0 or p.top_p < 1.0 for p in params)
-    return RowSampling(dev[:, 0], dev[:, 1].long(), dev[:, 2], filtered)
+    return RowSampling(dev[:, 0], dev[:, 1].long(), dev[:, 2], filtered, any(p.temperature == 0 for p in params))
 
 
 def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) -> PaddedTrees:
@@ -91,7 +93,7 @@ def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) ->
         dtype = torch.float64 if any(d.dtype == torch.float64 for d in dists) else torch.float32
         stacked = torch.cat([d.to(device=device, dtype=dtype) for d in dists])  # (R, V)
     return PaddedTrees(dev[:, :q], dev[:, q:2 * q], dev[:, 2 * q:3 * q], dev[:, 3 * q:4 * q], dev[:, 4 * q],
-                       dev[:, 4 * q + 1], stacked, trials)
+                       dev[:, 4 * q + 1], stacked, trials, frozenset(t.child_mode for t in trees if t.num_nodes))
 
 
 def _max_trials(tree: DraftTree) -> int:
@@ -155,54 +157,61 @@ def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSa
 
     logits: (B, Q, V) target logits at the verify tokens; uniforms: (B, Q) float64 from ``draw_uniforms``.
     Rows with temperature 0 get ``accept_greedy_padded``'s answer exactly; padded rows (num_tokens 0)
-    accept nothing (their bonus is meaningless). No host reads; shapes depend only on the inputs' shapes
-    and ``trees.max_trials``."""
+    accept nothing (their bonus is meaningless). No host reads; the work done depends only on the inputs'
+    shapes and the host fields of ``trees`` and ``sampling``, so the call can be captured in a CUDA graph."""
     b, q, vocab = _check(logits, trees, sampling, uniforms)
     probs = shape_probs_rows(logits, sampling)  # (B, Q, V)
     dists = trees.dists
-    work = probs.dtype if dists is None else torch.promote_types(probs.dtype, dists.dtype)
-    probs = probs.to(work)
+    if dists is not None:
+        probs = probs.to(torch.promote_types(probs.dtype, dists.dtype))
+        dists = dists.to(probs.dtype)
     idx = torch.arange(q, device=logits.device)
     first_child, next_sibling = _links(trees.parents, trees.num_tokens)
     det = (trees.child_mode == _DET).view(-1, 1)  # (B, 1)
-    wor = (trees.child_mode == _WOR).view(-1, 1)
+    wor = (trees.child_mode == _WOR).view(-1, 1) if "without_replacement" in trees.modes else None
 
     def draft_row(child: Tensor) -> Tensor:  # (B, 1) verify index (q = none) -> (B, V) its draft distribution
-        if dists is None:
-            return probs.new_zeros(b, vocab)
         di = trees.dist_index.gather(1, child.clamp(max=q - 1))  # (B, 1)
-        ok = (child < q) & (di >= 0)
-        return dists.to(work)[di.clamp(min=0).view(-1)] * ok
+        return dists[di.clamp(min=0).view(-1)] * ((child < q) & (di >= 0))
 
     nxt = first_child[:, :1]  # (B, 1) next child to try; q = none (the row has stopped)
     p = probs[:, 0]  # (B, V) target distribution at the current node, after the rejections so far
-    q_cur = draft_row(nxt)  # (B, V) draft distribution of the next child (iid / without replacement)
+    q_cur = None if dists is None else draft_row(nxt)  # (B, V) draft distribution of the next child
     on_path = torch.zeros(b, q, dtype=torch.bool, device=logits.device)
     for _ in range(trees.max_trials):
         live = nxt < q  # (B, 1)
         c = nxt.clamp(max=q - 1)
         x = trees.tokens.gather(1, c)  # (B, 1)
-        point = torch.zeros_like(p).scatter_(1, x, 1.0)  # (B, V) point mass on x
-        q_i = torch.where(det, point, q_cur)
+        point = torch.zeros_like(p).scatter_(1, x, 1.0)  # (B, V) point mass on x: the deterministic q_i
+        q_i = point if q_cur is None else torch.where(det, point, q_cur)
         px, qx = p.gather(1, x).double(), q_i.gather(1, x).double()
         a = torch.where(qx > 0, torch.clamp(px / qx.clamp(min=1e-300), max=1.0), 0.0)  # min(1, p(x)/q_i(x))
         acc = live & (uniforms.gather(1, c) < a)
         rej = live & ~acc
         at_child = probs.gather(1, c.unsqueeze(-1).expand(b, 1, vocab)).squeeze(1)  # (B, V)
         p = torch.where(acc, at_child, torch.where(rej, _residual(p, q_i), p))
-        removed = q_cur.masked_fill(point > 0, 0.0)  # the next without-replacement draw: x removed
-        left = removed.sum(-1, keepdim=True)
-        removed = torch.where(left > 0, removed / left, torch.zeros_like(removed))
         child_first = first_child.gather(1, c)
-        q_cur = torch.where(acc, draft_row(child_first), torch.where(rej & wor, removed, q_cur))
+        if q_cur is not None:
+            after = q_cur if wor is None else torch.where(rej & wor, _remove(q_cur, point), q_cur)
+            q_cur = torch.where(acc, draft_row(child_first), after)
         nxt = torch.where(acc, child_first, torch.where(rej, next_sibling.gather(1, c), nxt))
         on_path |= acc & (idx.view(1, -1) == c)
     bonus = _sample(p, uniforms[:, :1])  # (B, 1)
     count = on_path.sum(1, keepdim=True)
     order = torch.where(on_path, idx, idx + q).argsort(dim=1)  # path indices first, in depth order
     out = torch.cat([count, bonus, order], dim=1)  # (B, Q + 2)
+    if not sampling.any_greedy:
+        return out
     greedy = accept_greedy_padded(trees.tokens, trees.parents, trees.tree_mask, logits.argmax(-1), trees.num_tokens)
     return torch.where((sampling.temperature == 0).view(-1, 1), greedy, out)
+
+
+def _remove(q_cur: Tensor, point: Tensor) -> Tensor:
+    """(B, V) the next without-replacement draft distribution: q_cur without the drawn token, renormalized
+    (all zeros once q_cur's support is used up)."""
+    r = q_cur.masked_fill(point > 0, 0.0)
+    left = r.sum(-1, keepdim=True)
+    return torch.where(left > 0, r / left, torch.zeros_like(r))
 
 
 def _residual(p: Tensor, q_i: Tensor) -> Tensor:
@@ -247,6 +256,8 @@ def _check(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: 
         shape = tuple(getattr(sampling, name).shape)
         if shape != (b,):
             raise ValueError(f"sampling.{name} must have shape (B,) = ({b},), got {shape}")
+    if trees.dists is None and trees.modes - {"deterministic"}:
+        raise ValueError(f"trees.dists is required for child modes {sorted(trees.modes - {'deterministic'})}")
     if trees.dists is not None and trees.dists.shape[1] != vocab:
         raise ValueError(f"trees.dists must have V = {vocab} columns like logits, got {trees.dists.shape[1]}")
     if not 0 <= trees.max_trials < q:

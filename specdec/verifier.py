@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
@@ -66,7 +67,7 @@ class Verifier:
         if sampled:
             accept = accept.clone()
             accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
-                                                   fwd.logits, sampled)
+                                                   fwd.logits, sampled, accept.shape[1] - 3)
         host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         check_finite_flags(rows, [row[-1] for row in host], "target")
         results = []
@@ -87,14 +88,17 @@ class Verifier:
                         want_logits="all", parents=parents)
 
 
-def _accept_sampled(rows: list[Request], trees: list[DraftTree], padded, index: list[int]) -> torch.Tensor:
-    """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step (logits ``padded``)."""
-    logits = padded.logits.view(-1, padded.q, padded.logits.shape[-1])  # (B bucket, Q, V)
-    dev = logits.device
-    rows_logits = logits[torch.tensor(index, dtype=torch.int64).to(dev)]  # (S, Q, V)
-    padded_trees = pad_trees(trees, padded.q, dev)
-    uniforms = draw_uniforms([r.generator for r in rows], trees, padded.q, dev)
-    return accept_stochastic_padded(rows_logits, padded_trees, sampling_rows([r.params for r in rows], dev), uniforms)
+def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: list[int], q: int) -> torch.Tensor:
+    """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step with Q = q."""
+    full = getattr(logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped the rows
+    if isinstance(full, torch.Tensor):
+        picked = full.view(-1, q, full.shape[-1])[torch.tensor(index, dtype=torch.int64).to(full.device)]  # (S, Q, V)
+    else:
+        picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index])  # (S, Q, V)
+    dev = picked.device
+    uniforms = draw_uniforms([r.generator for r in rows], trees, q, dev)
+    return accept_stochastic_padded(picked, pad_trees(trees, q, dev), sampling_rows([r.params for r in rows], dev),
+                                    uniforms)
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:

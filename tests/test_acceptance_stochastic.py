@@ -79,7 +79,7 @@ def _batch(roots, shape, setting, g):
                             + (n + 1) * torch.arange(b).view(-1, 1)], 1)  # node drawn from its parent's row
     trees = PaddedTrees(ctx, rows(vparents), rows(masks), torch.full((b, n + 1), -1) if det else dist_index,
                         torch.full((b,), n + 1), torch.full((b,), MODE_CODE[mode]),
-                        None if det else q_table[ctx].reshape(-1, VOCAB), n)
+                        None if det else q_table[ctx].reshape(-1, VOCAB), n, frozenset({mode}))
     return tl[ctx], trees, sampling  # logits (B, N+1, V)
 
 
@@ -179,7 +179,7 @@ def _fixed_tree_counts(shape, g):
     shift = (one.dist_index >= 0) * (n + 1) * torch.arange(b).view(-1, 1)  # each row its own copy of the dists
     dists = None if one.dists is None else one.dists.repeat(b, 1)
     trees = PaddedTrees(rep(one.tokens), rep(one.parents), rep(one.tree_mask), rep(one.dist_index) + shift,
-                        rep(one.num_tokens), rep(one.child_mode), dists, one.max_trials)
+                        rep(one.num_tokens), rep(one.child_mode), dists, one.max_trials, one.modes)
     out = accept_stochastic_padded(rep(logits), trees, _sampling(b, *SETTINGS["t1"]), _uniforms(trees, g))
     m = out[:, :1]
     deepest = torch.where(m > 0, out.gather(1, (m + 1).clamp(min=2)), 0).view(-1)  # last accepted verify index

@@ -67,7 +67,7 @@ def test_padded_rows_accept_nothing_and_change_nothing():
 
     wide = PaddedTrees(widen(padded.tokens, 0), widen(padded.parents, -1), widen(padded.tree_mask, 0),
                        widen(padded.dist_index, -1), widen(padded.num_tokens, 0), widen(padded.child_mode),
-                       padded.dists, padded.max_trials)
+                       padded.dists, padded.max_trials, padded.modes)
     both = accept_stochastic_padded(widen(lg), wide, sampling._replace(
         temperature=widen(sampling.temperature), top_k=widen(sampling.top_k), top_p=widen(sampling.top_p)), widen(u))
     keep = order < n
@@ -100,6 +100,8 @@ def test_bad_arguments_name_the_field():
         accept_stochastic_padded(lg, padded, sampling._replace(top_p=sampling.top_p[:2]), u)
     with pytest.raises(ValueError, match="trees.dists"):
         accept_stochastic_padded(lg, padded._replace(dists=padded.dists[:, :3]), sampling, u)
+    with pytest.raises(ValueError, match="trees.dists is required"):
+        accept_stochastic_padded(lg, padded._replace(dists=None), sampling, u)
     with pytest.raises(ValueError, match="max_trials"):
         accept_stochastic_padded(lg, padded._replace(max_trials=lg.shape[1]), sampling, u)
     with pytest.raises(ValueError, match=r"trees\[0\]"):
