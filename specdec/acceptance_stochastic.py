@@ -34,7 +34,7 @@ _DET, _WOR = MODE_CODE["deterministic"], MODE_CODE["without_replacement"]
 class PaddedTrees(NamedTuple):
     """Draft trees of a batch in the padded verify layout, on one device (``pad_trees`` builds them)."""
 
-    tokens: Tensor  # (B, Q) int64 verify tokens (token 0: the root)
+    tokens: Tensor  # (B, Q) int64 verify tokens (token 0, the root, is not read)
     parents: Tensor  # (B, Q) int64 parent verify index; -1 for the root and padding
     tree_mask: Tensor  # (B, Q) int64 bit j set iff verify token j is the token itself or an ancestor
     dist_index: Tensor  # (B, Q) int64 row of `dists` each token was drawn from; -1: none (root, padding, deterministic)
@@ -68,25 +68,22 @@ def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) ->
 
     Integer arrays come from the trees' host views and reach the device in one copy; draft
     distributions (already on the device) are concatenated, their row indices shifted to match."""
-    b = len(trees)
-    host = torch.zeros(b, 4 * q + 2, dtype=torch.int64)  # per row: tokens, parents, mask, dist_index, n, mode
-    host[:, q:2 * q] = -1
-    host[:, 3 * q:4 * q] = -1
-    dists, rows, trials = [], 0, 0
+    rows_host, dists, offset, trials = [], [], 0, 0  # per row: tokens, parents, mask, dist_index (Q each), n, mode
     for i, t in enumerate(trees):
         h, n = t.host, t.num_nodes + 1
         if n > q:
             raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
         masks, parents = t.verify_rows()
-        host[i, 1:n] = torch.tensor(h.tokens, dtype=torch.int64)
-        host[i, q:q + n] = torch.tensor(parents, dtype=torch.int64)
-        host[i, 2 * q:2 * q + n] = torch.tensor(masks, dtype=torch.int64)
+        pad = [0] * (q - n)
+        dist_index = [-1] * q
         if t.draft_dists is not None and t.child_mode != "deterministic":
-            host[i, 3 * q + 1:3 * q + n] = torch.tensor(h.dist_index, dtype=torch.int64) + rows
+            dist_index[1:n] = [d + offset for d in h.dist_index]
             dists.append(t.draft_dists)
-            rows += t.draft_dists.shape[0]
-        host[i, 4 * q], host[i, 4 * q + 1] = n, MODE_CODE[t.child_mode]
+            offset += t.draft_dists.shape[0]
+        rows_host.append([0, *h.tokens, *pad, *parents, *[-1] * (q - n), *masks, *pad, *dist_index, n,
+                          MODE_CODE[t.child_mode]])
         trials = max(trials, _max_trials(t))
+    host = torch.tensor(rows_host, dtype=torch.int64).reshape(len(trees), 4 * q + 2)
     dev = host.to(device)
     stacked = None
     if dists:
