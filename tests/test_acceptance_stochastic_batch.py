@@ -142,7 +142,9 @@ def test_padded_step_samples_on_the_device(tiny_target, tiny_draft, monkeypatch,
     monkeypatch.setattr(verifier, "verify_stochastic", forbidden)
     eng = make(True, max_batch_size=4)
     assert eng.runner.graphs is not None
-    outs = [o.token_ids for o in eng.generate(PROMPTS, PARAMS)]
+    first = eng.generate(PROMPTS, PARAMS)
+    assert not any(o.error for o in first)  # a host-rule call would fail its request
+    outs = [o.token_ids for o in first]
     assert outs == [o.token_ids for o in eng.generate(PROMPTS, PARAMS)]  # same engine, prefix cached
     assert outs == [o.token_ids for o in make(True, max_batch_size=1).generate(PROMPTS, PARAMS)]
     assert outs == eager
