@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
+from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
 from specdec.fault_isolation import check_finite, check_finite_flags
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
@@ -36,21 +38,22 @@ class Verifier:
             return []
         inputs = [self._row(r, t) for r, t in zip(rows, trees)]
         fwd = self.runner.forward(0, self.target, inputs, self.aux_layers)
-        greedy_rows = None
-        if fwd.accept is not None:  # graphed step: (B, Q+3), the step's one device->host read
-            greedy_rows = fwd.accept.tolist()
-            check_finite_flags(rows, [row[-1] for row in greedy_rows], "target")
+        if fwd.accept is not None:  # padded step: every row's outcome on the device
+            results = self._from_device(rows, trees, draft_computed, fwd)
         else:
-            check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
+            results = self._on_host(rows, trees, draft_computed, fwd)
+        if fwd.features is not None:  # the pending token's and the accepted path's, one gather for the batch
+            feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
+            results = [r._replace(features=f) for r, f in zip(results, feats)]
+        return results
+
+    @staticmethod
+    def _on_host(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
+        """Results of an eager step: each row's logits through the host rules."""
+        check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
         results = []
         for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
-            h = tree.host
-            if p.greedy and greedy_rows is not None:
-                nodes, bonus = unpack_greedy(greedy_rows[i])
-                results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens),
-                                            tree.max_depth, dc))
-                continue
             lg = fwd.logits[i]
             lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
             if p.greedy:
@@ -60,9 +63,25 @@ class Verifier:
                 acc = verify_stochastic(tree, probs, req.generator)
             results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
                                         tree.num_nodes, tree.max_depth, dc))
-        if fwd.features is not None:  # the pending token's and the accepted path's, one gather for the batch
-            feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
-            results = [r._replace(features=f) for r, f in zip(results, feats)]
+        return results
+
+    @staticmethod
+    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
+        """Results of a padded step: the graph's greedy acceptance, sampled rows replaced by
+        ``accept_stochastic_padded``; one device->host read of the (B, Q + 3) outcome."""
+        accept = fwd.accept
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if sampled:
+            accept = accept.clone()
+            accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
+                                                   fwd.logits, sampled, accept.shape[1] - 3)
+        host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
+        check_finite_flags(rows, [row[-1] for row in host], "target")
+        results = []
+        for row, tree, dc in zip(host, trees, draft_computed):
+            nodes, bonus = unpack_greedy(row)
+            h = tree.host
+            results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
         return results
 
     @staticmethod
@@ -74,6 +93,19 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
+
+
+def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: list[int], q: int) -> torch.Tensor:
+    """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step with Q = q."""
+    full = getattr(logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped the rows
+    if isinstance(full, torch.Tensor):
+        picked = full.view(-1, q, full.shape[-1])[torch.tensor(index, dtype=torch.int64).to(full.device)]  # (S, Q, V)
+    else:
+        picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index])  # (S, Q, V)
+    dev = picked.device
+    uniforms = draw_uniforms([r.generator for r in rows], trees, q, dev)
+    return accept_stochastic_padded(picked, pad_trees(trees, q, dev), sampling_rows([r.params for r in rows], dev),
+                                    uniforms)
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:

@@ -90,15 +90,16 @@ def chisquare_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue)
 
 
-def sample(pair, tree, temperature, top_k, top_p, n, seed0):
+def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None):
     """Joint counts (V, V) of the first two tokens of n seeded requests, and the engine's statistics."""
     _, target, draft = pair
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, num_blocks=16384, block_size=2, max_batch_size=512,
-                                               max_num_tokens=8192, policy="max_utilization"))
+                                               max_num_tokens=8192, policy="max_utilization",
+                                               cuda_graphs=cuda_graphs))
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
                              ignore_eos=True) for s in range(n)]
     outs = eng.generate([PROMPT] * n, params)
-    assert eng.all_blocks_free()
+    assert eng.all_blocks_free() and not any(o.error for o in outs)
     pairs = torch.tensor([o.token_ids[:2] for o in outs])  # (n, 2)
     joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
     joint.index_add_(0, pairs[:, 0] * VOCAB + pairs[:, 1], torch.ones(n, dtype=torch.float64))
@@ -123,6 +124,25 @@ def test_first_two_tokens_follow_the_target(sampled, target_logits, config):
     assert stats.mean_accepted_length >= 1.8, stats.as_dict()
     assert stats.depth_accepted[1] > 0.05 * stats.target_forwards, stats.as_dict()
     assert stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=[IDS[1], IDS[2]])
+def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, monkeypatch):
+    """cuda_graphs=True (on the CPU: the padded step, run eagerly): sampled rows are accepted by the device rule
+    (accept_stochastic_padded; the host rule is forbidden), and the first two tokens still follow the target."""
+    import specdec.verifier
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host stochastic rule used on the padded path")
+
+    monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    joint, stats = sample(pair, *config, SAMPLES, 500_000, cuda_graphs=True)
+    p1, exact = exact_dists(target_logits, *config[1:])
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\npadded step {config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"mean accepted length={stats.mean_accepted_length:.2f}")
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
+    assert stats.depth_accepted[1] > 0.05 * stats.target_forwards, stats.as_dict()
 
 
 def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):
