@@ -41,10 +41,12 @@ case "$stage" in
     install
     nvidia-smi > "$D/nvidia-smi.txt" 2>&1
     timeout 240 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_step_graphs.py tests/test_eagle.py \
-       tests/test_kernels_kv_movement.py tests/test_engine_triton.py ${GPU_TESTS:-} > "$D/tests.log" 2>&1
+       tests/test_kernels_kv_movement.py tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py \
+       ${GPU_TESTS:-} > "$D/tests.log" 2>&1
     echo "tests exit $?" >> "$D/tests.log"
     tail -3 "$D/tests.log"
     cd /tmp
+    timeout 60 python3 -P "$root/bench/gpu_accept.py" "$D" > "$D/accept.log" 2>&1
     timeout 130 python3 -P "$root/bench/gpu_fastpath.py" micro "$D" > "$D/micro.log" 2>&1
     timeout 200 python3 -P "$root/bench/gpu_fastpath.py" quick "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
       ${QUICK_ARGS:-} > "$D/quick.log" 2>&1
