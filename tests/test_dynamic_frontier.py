@@ -1,9 +1,11 @@
-"""Dynamic-tree expansion on the device equals the host rule, node for node, with one read per level.
+"""Tree expansion batched over rows equals the former per-row host rules, with one read per level.
 
-The reference below is the drafter's former host implementation, written out in Python: per frontier
-node the DYNAMIC_CANDIDATES most probable tokens (equal probabilities: lower token id first), scored
-by the parent's cumulative score times the probability; the best min(beam, budget left) by score
-(stable: frontier position, then rank) become the level, ordered by (parent, -score).
+Dynamic trees: the reference is the drafter's former host implementation, written out in Python: per
+frontier node the DYNAMIC_CANDIDATES most probable tokens (equal probabilities: lower token id first),
+scored by the parent's cumulative score times the probability; the best min(beam, budget left) by
+score (stable: frontier position, then rank) become the level, ordered by (parent, -score).
+Static trees: the reference expands one frontier node at a time (greedy: top tokens; sampled: i.i.d.
+or Gumbel-top-k draws from the node's shaped distribution with the request's generator).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from specdec.drafters.frontier import top_candidates
 from specdec.drafters.model_drafter import DYNAMIC_CANDIDATES, ModelDrafter, _Growth
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
-from specdec.tree import TreeSpec
+from specdec.tree import TreeSpec, template_from_spec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -44,12 +46,35 @@ def host_rule(g: _Growth, beam: int, max_nodes: int) -> list[int]:
     return [g.add(t, parent, s, -1) for s, parent, t in chosen]
 
 
-def _drafter(budget: int) -> ModelDrafter:
-    return ModelDrafter(None, SimpleNamespace(device=torch.device("cpu")), TreeSpec("dynamic", budget=budget))
+def per_node_rule(g: _Growth, child_count: dict[int, int], iid: bool) -> list[int]:
+    """The former host implementation of one static level (reference)."""
+    p, new = g.req.params, []
+    for parent, lg in g.frontier:
+        want = child_count.get(parent, 0)
+        if not want:
+            continue
+        if p.greedy:
+            q = torch.softmax(lg.float(), -1).tolist()
+            toks, row = sorted(range(len(q)), key=lambda t: (-q[t], t))[:want], -1
+        else:
+            q = shape_probs(lg, p.temperature, p.top_k, p.top_p)
+            row = len(g.dist_rows)
+            g.dist_rows.append(q)
+            if iid:
+                toks = torch.multinomial(q, want, replacement=True, generator=g.req.generator).tolist()
+            else:
+                u = torch.rand(q.shape, generator=g.req.generator, dtype=torch.float64).clamp_min(1e-300)
+                toks = (q.double().log() - (-u.log()).log()).topk(want).indices.tolist()
+        new += [g.add(t, parent, 0.0, row) for t in toks]
+    return new
 
 
-def _row(params: SamplingParams, prefilled: int) -> _Growth:
-    g = _Growth(SimpleNamespace(params=params), L=10)
+def _drafter(spec: TreeSpec) -> ModelDrafter:
+    return ModelDrafter(None, SimpleNamespace(device=torch.device("cpu")), spec)
+
+
+def _row(params: SamplingParams, prefilled: int, seed: int = 0) -> _Growth:
+    g = _Growth(SimpleNamespace(params=params, generator=torch.Generator().manual_seed(seed)), L=10)
     for t in range(prefilled):  # nodes from elsewhere: a smaller budget left
         g.add(t, -1, 1.0, -1)
     return g
@@ -65,7 +90,7 @@ def _logits(gen: torch.Generator, n: int, vocab: int, kind: str) -> torch.Tensor
 def _grow_both(budget: int, vocab: int, kind: str, rows: int, seed: int) -> list[tuple[_Growth, _Growth]]:
     """Grow the same rows with the drafter's device rule and with host_rule, checking every level."""
     gen = torch.Generator().manual_seed(seed)
-    drafter = _drafter(budget)
+    drafter = _drafter(TreeSpec("dynamic", budget=budget))
     pairs = []
     for r in range(rows):
         params, prefilled = SHAPES[r % len(SHAPES)], int(torch.randint(0, budget, (1,), generator=gen))
@@ -120,23 +145,43 @@ def count_reads(monkeypatch):
     return reads
 
 
+@pytest.mark.parametrize("tree", ["chain:4", "topk:3x3"])
+def test_static_levels_equal_per_node_rule(tree):
+    """Sampled rows draw all their nodes' children at once; on CPU the request's generator then gives
+    the same stream as per-node draws, so trees and draft distributions equal the reference exactly."""
+    spec = template_from_spec(tree)
+    drafter, gen = _drafter(spec), torch.Generator().manual_seed(5)
+    pairs = [(_row(SHAPES[r % len(SHAPES)], 0, seed=r), _row(SHAPES[r % len(SHAPES)], 0, seed=r)) for r in range(7)]
+    for g, ref in pairs:
+        g.frontier = ref.frontier = [(-1, torch.randn(64, generator=gen) * 2)]
+    for _ in range(drafter._max_depth):
+        new = drafter._expand_level([g for g, _ in pairs])
+        for (g, ref), nodes in zip(pairs, new, strict=True):
+            assert nodes == per_node_rule(ref, drafter._child_count, spec.kind == "chain")
+            assert (g.tokens, g.parents, g.dist_index) == (ref.tokens, ref.parents, ref.dist_index)
+            assert len(g.dist_rows) == len(ref.dist_rows)
+            assert all(torch.equal(a, b) for a, b in zip(g.dist_rows, ref.dist_rows))
+            lg = torch.randn(len(nodes), 64, generator=gen) * 2
+            g.frontier = ref.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
+    assert all(len(g.tokens) == spec.budget for g, _ in pairs)
+
+
+@pytest.mark.parametrize("tree", ["dynamic:63", "topk:3x3", "chain:4"])
 @pytest.mark.parametrize("rows", [1, 5, 24])
-def test_one_device_read_per_dynamic_level(rows, count_reads):
+def test_one_device_read_per_level(tree, rows, count_reads):
     gen = torch.Generator().manual_seed(rows)
-    drafter = _drafter(63)
-    grows = [_row(SHAPES[r % len(SHAPES)], 0) for r in range(rows)]
+    drafter = _drafter(template_from_spec(tree))
+    grows = [_row(SHAPES[r % len(SHAPES)], 0, seed=r) for r in range(rows)]
     for g in grows:
         g.frontier = [(-1, torch.randn(128, generator=gen))]
-    sizes = set()
     for level in range(drafter._max_depth):
         room = any(len(g.tokens) < drafter.max_nodes for g in grows)
         del count_reads[:]
-        new = drafter._expand_dynamic(grows)
+        new = drafter._expand_level(grows)
         assert count_reads == (["tolist"] if room else []), f"level {level}"
-        sizes.update(len(n) for n in new)
         for g, nodes in zip(grows, new):
             g.frontier = [(i, torch.randn(128, generator=gen)) for i in nodes]
-    assert max(sizes) == drafter._beam  # frontiers of up to beam nodes were expanded
+    assert all(len(g.tokens) == drafter.max_nodes for g in grows)  # every level really expanded
 
 
 def test_engine_dynamic_trees_equal_host_rule(tiny_target, tiny_draft):

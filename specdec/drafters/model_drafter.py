@@ -109,62 +109,43 @@ class ModelDrafter(Drafter):
 
     def _expand_level(self, grows: list[_Growth]) -> list[list[int]]:
         """Add every row's next level; return each row's new node indices."""
-        if self._template is None:
-            return self._expand_dynamic(grows)
-        greedy_top = self._greedy_topk(grows)
-        return [self._expand(g, greedy_top.get(i, {})) for i, g in enumerate(grows)]
+        return (self._expand_dynamic if self._template is None else self._expand_static)(grows)
 
-    def _children_wanted(self, g: _Growth, parent: int) -> int:
-        if self.max_nodes - len(g.tokens) <= 0:
-            return 0
-        return self._child_count.get(parent, 0)
-
-    def _greedy_topk(self, grows: list[_Growth]) -> dict[int, dict[int, tuple[list[int], list[float]]]]:
-        """Top draft tokens (and their draft probabilities) of every greedy row's frontier nodes, with one
-        top-k over the stacked frontier logits and one device->host read for the whole batch:
-        {row: {frontier position: (tokens, probabilities)}}."""
-        where, logits, ks = [], [], []
-        for gi, g in enumerate(grows):
-            if not g.req.params.greedy:
-                continue
-            for fi, (parent, lg) in enumerate(g.frontier):
-                k = self._children_wanted(g, parent)
-                if k:
-                    where.append((gi, fi))
-                    logits.append(lg)
-                    ks.append(k)
-        if not logits:
-            return {}
-        kmax = max(ks)
-        probs = torch.softmax(torch.stack(logits).float(), dim=-1)  # (F, V)
-        top = probs.topk(min(kmax, probs.shape[-1]))
-        host = torch.cat([top.indices.double(), top.values.double()], dim=1).tolist()  # (F, 2k): one read
-        out: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
-        for (gi, fi), k, h in zip(where, ks, host):
-            out.setdefault(gi, {})[fi] = ([int(t) for t in h[:k]], h[kmax:kmax + k])
-        return out
-
-    def _expand(self, g: _Growth, greedy_top: dict[int, tuple[list[int], list[float]]]) -> list[int]:
-        """Add the next level's children of the frontier; return the new node indices. ``greedy_top``
-        holds a greedy row's precomputed top tokens per frontier position."""
-        p = g.req.params
-        budget = self.max_nodes - len(g.tokens)
-        if budget <= 0 or not g.frontier:
-            return []
-        new = []
-        for fi, (parent, lg) in enumerate(g.frontier):
-            want = self._child_count.get(parent, 0)
-            if want == 0:
-                continue
+    def _expand_static(self, grows: list[_Growth]) -> list[list[int]]:
+        """Add the template's children of every frontier node: a greedy row's most probable draft
+        tokens (equal probabilities: lower id first), a sampled row's draws from its shaped draft
+        distribution (i.i.d. for chains, without replacement for trees). One device->host read."""
+        new: list[list[int]] = [[] for _ in grows]
+        todo = [(gi, nodes) for gi, g in enumerate(grows) if (nodes := self._static_nodes(g))]
+        if not todo:
+            return new
+        k = min(max(self._child_count[parent] for _, nodes in todo for parent, _ in nodes),
+                todo[0][1][0][1].shape[-1])  # children drawn per node (<= vocabulary)
+        greedy, sampled = [], []  # (row, parent, dist row) per expanded node, in token-row order
+        greedy_logits, tokens = [], []
+        for gi, nodes in todo:
+            g, p = grows[gi], grows[gi].req.params
             if p.greedy:
-                toks, row = greedy_top[fi][0], -1
-            else:
-                q = shape_probs(lg, p.temperature, p.top_k, p.top_p)
-                row = len(g.dist_rows)
-                g.dist_rows.append(q)
-                toks = _sample_children(q, want, self.spec.kind == "chain", g.req.generator)
-            new += [g.add(t, parent, 0.0, row) for t in toks]
+                greedy += [(gi, parent, -1) for parent, _ in nodes]
+                greedy_logits += [lg for _, lg in nodes]
+                continue
+            q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p)  # (n, V)
+            sampled += [(gi, parent, len(g.dist_rows) + j) for j, (parent, _) in enumerate(nodes)]
+            g.dist_rows.extend(q.unbind(0))
+            tokens.append(_sample_children(q, k, self.spec.kind == "chain", g.req.generator))  # (n, k)
+        if greedy_logits:
+            probs = torch.softmax(torch.stack(greedy_logits).float(), dim=-1)  # (Fg, V)
+            tokens.insert(0, top_candidates(probs, k)[0])  # (Fg, k)
+        host = torch.cat(tokens).tolist()  # (F, k): the level's one device->host read
+        for (gi, parent, row), toks in zip(greedy + sampled, host, strict=True):
+            new[gi] += [grows[gi].add(t, parent, 0.0, row) for t in toks[:self._child_count[parent]]]
         return new
+
+    def _static_nodes(self, g: _Growth) -> list[tuple[int, torch.Tensor]]:
+        """g's frontier nodes (node, logits) that get children this level."""
+        if len(g.tokens) >= self.max_nodes:
+            return []
+        return [(parent, lg) for parent, lg in g.frontier if self._child_count.get(parent, 0)]
 
     def _expand_dynamic(self, grows: list[_Growth]) -> list[list[int]]:
         """Add each row's next dynamic-tree level: its best min(beam, budget left) candidates over
@@ -220,10 +201,10 @@ def _shape_key(g: _Growth) -> tuple:
     return (0,) if shape is None else (1, *shape)
 
 
-def _sample_children(q: torch.Tensor, k: int, iid: bool, gen: torch.Generator) -> list[int]:
-    """k tokens from q: i.i.d. draws, or without replacement (Gumbel top-k)."""
+def _sample_children(q: torch.Tensor, k: int, iid: bool, gen: torch.Generator) -> torch.Tensor:
+    """(n, k) tokens from each row of (n, V) q: i.i.d. draws, or without replacement (Gumbel top-k)."""
     if iid:
-        return torch.multinomial(q, k, replacement=True, generator=gen).tolist()
-    u = torch.rand(q.shape, generator=gen, device=q.device, dtype=torch.float64).clamp_min(1e-300)
-    keys = q.double().log() - (-u.log()).log()
-    return keys.topk(k).indices.tolist()
+        return torch.multinomial(q, k, replacement=True, generator=gen)
+    u = torch.rand(q.shape, generator=gen, device=q.device, dtype=torch.float64).clamp_min(1e-300)  # (n, V)
+    keys = q.double().log() - (-u.log()).log()  # (n, V)
+    return keys.topk(k, dim=-1).indices
