@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specdec.acceptance import shape_probs
-from specdec.drafters.frontier import top_candidates
+from specdec.drafters.frontier import FrontierLayout, pick_children, top_candidates
 from specdec.drafters.model_drafter import DYNAMIC_CANDIDATES, ModelDrafter, _Growth
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
@@ -128,6 +128,37 @@ def test_top_candidates_break_ties_by_token_id(dtype):
         assert vals == [row[t] for t in toks]
     with pytest.raises(ValueError, match=r"k must be in \[1, 40\]"):
         top_candidates(probs, 41)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pick_children_follows_the_tie_rule(device):
+    """Rows of tied candidates (equal bases, integer logits): the chosen children are those of the
+    stated rule, computed here in Python, on the CPU and on the GPU alike."""
+    gen = torch.Generator().manual_seed(2)
+    counts, takes, c, beam = [1, 5, 3, 4, 2], [7, 7, 2, 0, 5], 4, 7
+    probs = torch.softmax(torch.randint(0, 3, (sum(counts), 12), generator=gen).float(), -1)  # (F, 12)
+    probs[0, 5:] = 0.0  # zero-probability candidates are never chosen
+    base = torch.tensor([0.5, 0.25], dtype=torch.float64)[torch.randint(0, 2, (sum(counts),), generator=gen)]
+    f_max = max(counts)
+    slots = [r * f_max + j for r, n in enumerate(counts) for j in range(n)]
+    layout = FrontierLayout(torch.tensor(slots, device=device), torch.tensor(takes, device=device),
+                            len(counts), f_max)
+    tokens, cand = top_candidates(probs.to(device), c)
+    got = pick_children(tokens, cand, base.to(device), layout, beam).cpu().tolist()
+    node = 0
+    for r, n in enumerate(counts):
+        cands = []  # (score, position, rank, token)
+        for pos in range(n):
+            q, b = probs[node].tolist(), base[node].item()
+            top = sorted(range(12), key=lambda t: (-q[t], t))[:c]
+            cands += [(b * q[t], pos, rank, t) for rank, t in enumerate(top) if q[t] > 0]
+            node += 1
+        best = sorted(sorted(cands, key=lambda x: (-x[0], x[1], x[2]))[:takes[r]], key=lambda x: (x[1], x[2]))
+        want = [[float(pos), float(t), s] for s, pos, _, t in best]
+        assert got[r] == want + [[-1.0, 0.0, float("-inf")]] * (beam - len(want)), f"row {r}"
 
 
 @pytest.fixture

@@ -119,8 +119,8 @@ class ModelDrafter(Drafter):
         todo = [(gi, nodes) for gi, g in enumerate(grows) if (nodes := self._static_nodes(g))]
         if not todo:
             return new
-        k = min(max(self._child_count[parent] for _, nodes in todo for parent, _ in nodes),
-                todo[0][1][0][1].shape[-1])  # children drawn per node (<= vocabulary)
+        vocab = todo[0][1][0][1].shape[-1]  # the first node's logits (V,)
+        k = min(max(self._child_count[parent] for _, nodes in todo for parent, _ in nodes), vocab)  # per node
         greedy, sampled = [], []  # (row, parent, dist row) per expanded node, in token-row order
         greedy_logits, tokens = [], []
         for gi, nodes in todo:
