@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import groupby
 
 import torch
 
 from specdec.acceptance import shape_probs
 from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.frontier import FrontierLayout, Shape, pick_children, shaped_probs, top_candidates
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree, TreeSpec
@@ -39,6 +41,7 @@ class _Growth:
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node or -1, logits (V,))
     computed: set[int] = field(default_factory=set)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node (-1: root) -> draft state (EAGLE)
+    front_score: torch.Tensor | None = None  # (len(frontier),) float64 scores of the frontier nodes; None: root
 
     def add(self, token: int, parent: int, score: float, dist_row: int) -> int:
         i = len(self.tokens)
@@ -62,6 +65,7 @@ class ModelDrafter(Drafter):
         self._template = spec.template() if spec.is_static else None
         self._child_count = Counter(self._template.parents) if self._template is not None else {}
         self._max_depth = spec.depth if spec.is_static else min(DYNAMIC_MAX_DEPTH, spec.budget)
+        self._beam = max(1, min(DYNAMIC_BEAM_MAX, spec.budget // 6))  # dynamic: children per level
 
     def prefill(self, chunks, features=None) -> None:
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
@@ -77,8 +81,7 @@ class ModelDrafter(Drafter):
         grows = [_Growth(r, len(r.tokens)) for r in rows]
         self._catch_up(grows)
         for level in range(self._max_depth):
-            greedy_top = self._greedy_topk(grows)
-            new = [self._expand(g, greedy_top.get(i, {})) for i, g in enumerate(grows)]
+            new = self._expand_level(grows)
             if level + 1 == self._max_depth:
                 break
             live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.max_nodes]
@@ -104,82 +107,76 @@ class ModelDrafter(Drafter):
             g.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
             g.computed.update(nodes)
 
-    def _children_wanted(self, g: _Growth, parent: int) -> int:
-        if self.max_nodes - len(g.tokens) <= 0:
-            return 0
-        if self._template is None:
-            return DYNAMIC_CANDIDATES
-        return self._child_count.get(parent, 0)
+    def _expand_level(self, grows: list[_Growth]) -> list[list[int]]:
+        """Add every row's next level; return each row's new node indices."""
+        return (self._expand_dynamic if self._template is None else self._expand_static)(grows)
 
-    def _greedy_topk(self, grows: list[_Growth]) -> dict[int, dict[int, tuple[list[int], list[float]]]]:
-        """Top draft tokens (and their draft probabilities) of every greedy row's frontier nodes, with one
-        top-k over the stacked frontier logits and one device->host read for the whole batch:
-        {row: {frontier position: (tokens, probabilities)}}."""
-        where, logits, ks = [], [], []
-        for gi, g in enumerate(grows):
-            if not g.req.params.greedy:
-                continue
-            for fi, (parent, lg) in enumerate(g.frontier):
-                k = self._children_wanted(g, parent)
-                if k:
-                    where.append((gi, fi))
-                    logits.append(lg)
-                    ks.append(k)
-        if not logits:
-            return {}
-        kmax = max(ks)
-        probs = torch.softmax(torch.stack(logits).float(), dim=-1)  # (F, V)
-        top = probs.topk(min(kmax, probs.shape[-1]))
-        host = torch.cat([top.indices.double(), top.values.double()], dim=1).tolist()  # (F, 2k): one read
-        out: dict[int, dict[int, tuple[list[int], list[float]]]] = {}
-        for (gi, fi), k, h in zip(where, ks, host):
-            out.setdefault(gi, {})[fi] = ([int(t) for t in h[:k]], h[kmax:kmax + k])
-        return out
-
-    def _expand(self, g: _Growth, greedy_top: dict[int, tuple[list[int], list[float]]]) -> list[int]:
-        """Add the next level's children of the frontier; return the new node indices. ``greedy_top``
-        holds a greedy row's precomputed top tokens per frontier position."""
-        p = g.req.params
-        budget = self.max_nodes - len(g.tokens)
-        if budget <= 0 or not g.frontier:
-            return []
-        if self._template is None:
-            return self._expand_dynamic(g, budget, greedy_top)
-        new = []
-        for fi, (parent, lg) in enumerate(g.frontier):
-            want = self._child_count.get(parent, 0)
-            if want == 0:
-                continue
+    def _expand_static(self, grows: list[_Growth]) -> list[list[int]]:
+        """Add the template's children of every frontier node: a greedy row's most probable draft
+        tokens (equal probabilities: lower id first), a sampled row's draws from its shaped draft
+        distribution (i.i.d. for chains, without replacement for trees). One device->host read."""
+        new: list[list[int]] = [[] for _ in grows]
+        todo = [(gi, nodes) for gi, g in enumerate(grows) if (nodes := self._static_nodes(g))]
+        if not todo:
+            return new
+        vocab = todo[0][1][0][1].shape[-1]  # the first node's logits (V,)
+        k = min(max(self._child_count[parent] for _, nodes in todo for parent, _ in nodes), vocab)  # per node
+        greedy, sampled = [], []  # (row, parent, dist row) per expanded node, in token-row order
+        greedy_logits, tokens = [], []
+        for gi, nodes in todo:
+            g, p = grows[gi], grows[gi].req.params
             if p.greedy:
-                toks, row = greedy_top[fi][0], -1
-            else:
-                q = shape_probs(lg, p.temperature, p.top_k, p.top_p)
-                row = len(g.dist_rows)
-                g.dist_rows.append(q)
-                toks = _sample_children(q, want, self.spec.kind == "chain", g.req.generator)
-            new += [g.add(t, parent, 0.0, row) for t in toks]
+                greedy += [(gi, parent, -1) for parent, _ in nodes]
+                greedy_logits += [lg for _, lg in nodes]
+                continue
+            q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p)  # (n, V)
+            sampled += [(gi, parent, len(g.dist_rows) + j) for j, (parent, _) in enumerate(nodes)]
+            g.dist_rows.extend(q.unbind(0))
+            tokens.append(_sample_children(q, k, self.spec.kind == "chain", g.req.generator))  # (n, k)
+        if greedy_logits:
+            probs = torch.softmax(torch.stack(greedy_logits).float(), dim=-1)  # (Fg, V)
+            tokens.insert(0, top_candidates(probs, k)[0])  # (Fg, k)
+        host = torch.cat(tokens).tolist()  # (F, k): the level's one device->host read
+        for (gi, parent, row), toks in zip(greedy + sampled, host, strict=True):
+            new[gi] += [grows[gi].add(t, parent, 0.0, row) for t in toks[:self._child_count[parent]]]
         return new
 
-    def _expand_dynamic(self, g: _Growth, budget: int, greedy_top) -> list[int]:
-        p = g.req.params
-        if p.greedy:
-            cands = []  # (score, parent, token)
-            for fi, (parent, _) in enumerate(g.frontier):
-                toks, probs = greedy_top[fi]
-                base = g.score[parent] if parent >= 0 else 1.0
-                cands += [(base * pr, parent, t) for pr, t in zip(probs, toks) if pr > 0]
-        else:
-            parents = [parent for parent, _ in g.frontier]
-            lg = torch.stack([logits for _, logits in g.frontier])  # (F, V)
-            top = shape_probs(lg, p.temperature, p.top_k, p.top_p).topk(min(DYNAMIC_CANDIDATES, lg.shape[-1]))
-            base = [g.score[parent] if parent >= 0 else 1.0 for parent in parents]
-            cands = [(b * pr, parent, t) for parent, b, prs, ts in zip(parents, base, top.values.tolist(),
-                                                                       top.indices.tolist())
-                     for pr, t in zip(prs, ts) if pr > 0]  # (score, parent, token)
-        cands.sort(key=lambda c: -c[0])
-        beam = max(1, min(DYNAMIC_BEAM_MAX, self.max_nodes // 6))
-        chosen = sorted(cands[:min(beam, budget)], key=lambda c: (c[1], -c[0]))
-        return [g.add(t, parent, s, -1) for s, parent, t in chosen]
+    def _static_nodes(self, g: _Growth) -> list[tuple[int, torch.Tensor]]:
+        """g's frontier nodes (node, logits) that get children this level."""
+        if len(g.tokens) >= self.max_nodes:
+            return []
+        return [(parent, lg) for parent, lg in g.frontier if self._child_count.get(parent, 0)]
+
+    def _expand_dynamic(self, grows: list[_Growth]) -> list[list[int]]:
+        """Add each row's next dynamic-tree level: its best min(beam, budget left) candidates over
+        (frontier nodes x DYNAMIC_CANDIDATES) by cumulative draft probability (``frontier`` says the
+        order and the tie rule). All rows are selected on the device and read with one copy."""
+        todo = [i for i, g in enumerate(grows) if g.frontier and len(g.tokens) < self.max_nodes]
+        new: list[list[int]] = [[] for _ in grows]
+        if not todo:
+            return new
+        todo.sort(key=lambda i: _shape_key(grows[i]))  # rows of one sampling shape are consecutive
+        groups = [(shape, sum(len(grows[i].frontier) for i in run))
+                  for shape, run in groupby(todo, key=lambda i: _shape(grows[i]))]
+        fronts = [grows[i].frontier for i in todo]
+        logits = torch.stack([lg for front in fronts for _, lg in front])  # (F, V)
+        dev = logits.device
+        one = torch.ones(1, dtype=torch.float64, device=dev)
+        base = torch.cat([one if grows[i].front_score is None else grows[i].front_score for i in todo])  # (F,)
+        f_max = max(len(front) for front in fronts)
+        slots = [r * f_max + j for r, front in enumerate(fronts) for j in range(len(front))]
+        takes = [min(self._beam, self.max_nodes - len(grows[i].tokens)) for i in todo]
+        meta = torch.tensor(slots + takes, dtype=torch.int64).to(dev, non_blocking=True)
+        layout = FrontierLayout(meta[:len(slots)], meta[len(slots):], len(todo), f_max)
+        probs = shaped_probs(logits, groups)  # (F, V)
+        cand_tokens, cand_probs = top_candidates(probs, min(DYNAMIC_CANDIDATES, probs.shape[-1]))  # (F, C)
+        picked = pick_children(cand_tokens, cand_probs, base, layout, self._beam)  # (R, w, 3)
+        for r, (i, rows) in enumerate(zip(todo, picked.tolist())):  # the level's one device->host read
+            g = grows[i]
+            chosen = [(int(pos), int(tok), score) for pos, tok, score in rows if pos >= 0]
+            new[i] = [g.add(tok, g.frontier[pos][0], score, -1) for pos, tok, score in chosen]
+            g.front_score = picked[r, :len(chosen), 2]
+        return new
 
     def _tree(self, g: _Growth) -> DraftTree:
         dev = self.runner.device
@@ -194,10 +191,20 @@ class ModelDrafter(Drafter):
             g.dist_index if sampled else None, mode, device=dev)
 
 
-def _sample_children(q: torch.Tensor, k: int, iid: bool, gen: torch.Generator) -> list[int]:
-    """k tokens from q: i.i.d. draws, or without replacement (Gumbel top-k)."""
+def _shape(g: _Growth) -> Shape:
+    p = g.req.params
+    return None if p.greedy else (p.temperature, p.top_k, p.top_p)
+
+
+def _shape_key(g: _Growth) -> tuple:
+    shape = _shape(g)
+    return (0,) if shape is None else (1, *shape)
+
+
+def _sample_children(q: torch.Tensor, k: int, iid: bool, gen: torch.Generator) -> torch.Tensor:
+    """(n, k) tokens from each row of (n, V) q: i.i.d. draws, or without replacement (Gumbel top-k)."""
     if iid:
-        return torch.multinomial(q, k, replacement=True, generator=gen).tolist()
-    u = torch.rand(q.shape, generator=gen, device=q.device, dtype=torch.float64).clamp_min(1e-300)
-    keys = q.double().log() - (-u.log()).log()
-    return keys.topk(k).indices.tolist()
+        return torch.multinomial(q, k, replacement=True, generator=gen)
+    u = torch.rand(q.shape, generator=gen, device=q.device, dtype=torch.float64).clamp_min(1e-300)  # (n, V)
+    keys = q.double().log() - (-u.log()).log()  # (n, V)
+    return keys.topk(k, dim=-1).indices
