@@ -8,7 +8,8 @@ real tokenizer, so incremental detokenisation costs what it costs in a real run)
 ``SpecEngine.stream`` (every request owned by an output queue). Measured in steady state: every
 prompt prefilled, no request finishing.
 
-Two passes per (mode, batch):
+Times are this thread's CPU time on the CPU (the cores are shared; a wall clock there measures the
+neighbours too) and wall time on CUDA (``--clock``). Two passes per (mode, batch):
 * plain: only the forward is wrapped; host = step wall time - forward time (the headline figure);
 * sections: the hot functions are wrapped with perf_counter sections (exclusive times; the wrappers
   add about a microsecond per call, so the sections sum to a little more than the plain figure).
@@ -40,7 +41,8 @@ MODES = {"decode": (None, "chain:8"), "ngram": ("ngram", "chain:8")}
 class Sections:
     """Nested perf_counter sections: exclusive seconds and calls per name."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
+        self.clock = clock
         self.self_s: dict[str, float] = collections.defaultdict(float)
         self.calls: dict[str, int] = collections.defaultdict(int)
         self._stack: list[list] = []  # [name, start, child seconds]
@@ -51,7 +53,7 @@ class Sections:
         def timed(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
-            frame = [name, time.perf_counter(), 0.0]
+            frame = [name, self.clock(), 0.0]
             self._stack.append(frame)
             try:
                 out = fn(*args, **kwargs)
@@ -59,7 +61,7 @@ class Sections:
                     after()
                 return out
             finally:
-                total = time.perf_counter() - frame[1]
+                total = self.clock() - frame[1]
                 self._stack.pop()
                 self.self_s[name] += total - frame[2]
                 self.calls[name] += 1
@@ -247,10 +249,10 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
     host, forward, per_section = [], [], collections.defaultdict(list)
     for _ in range(args.steps):
         sections.reset()
-        t0 = time.perf_counter()
+        t0 = sections.clock()
         with prof or contextlib.nullcontext():
             engine.step()
-        wall = time.perf_counter() - t0
+        wall = sections.clock() - t0
         queue.pending.clear()
         fwd = sections.self_s.get("FORWARD", 0.0) + sections.self_s.get("FORWARD (eager fallback)", 0.0)
         host.append(wall - fwd)
@@ -266,6 +268,7 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
     med = statistics.median(host)
     out = {"mode": mode, "batch": batch, "steps": args.steps, "host_us_per_step": 1e6 * med,
            "host_us_per_row": 1e6 * med / batch, "host_us_per_step_mean": 1e6 * statistics.fmean(host),
+           "host_us_per_step_p10": 1e6 * statistics.quantiles(host, n=10)[0],
            "forward_us_per_step": 1e6 * statistics.median(forward),
            "tokens_per_row_step": committed / args.steps / batch}
     if detailed:  # medians over the steps (a step in which a section did not run counts as 0)
@@ -277,13 +280,14 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| mode | batch | host us/step | host us/row | forward us/step | tokens/row/step |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | batch | host us/step | host us/row | p10 us/step | forward us/step | tokens/row/step |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "sections_us_per_step" in r:
             continue
         lines.append(f"| {r['mode']} | {r['batch']} | {r['host_us_per_step']:.0f} | {r['host_us_per_row']:.1f} | "
-                     f"{r['forward_us_per_step']:.0f} | {r['tokens_per_row_step']:.2f} |")
+                     f"{r['host_us_per_step_p10']:.0f} | {r['forward_us_per_step']:.0f} | "
+                     f"{r['tokens_per_row_step']:.2f} |")
     return "\n".join(lines)
 
 
@@ -314,6 +318,9 @@ def main() -> None:
     ap.add_argument("--alphabet", type=int, default=128, help="rule: tokens it emits (most frequent in prompts)")
     ap.add_argument("--follow", type=float, default=0.6, help="rule: chance a copied continuation is right")
     ap.add_argument("--num-blocks", type=int, default=8192)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
+                    help="wall: perf_counter (default on CUDA); cpu: this thread's CPU time (default on the CPU, "
+                         "where other processes share the cores)")
     ap.add_argument("--no-sections", action="store_true", help="only the plain pass")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N functions by own time (plain pass)")
     ap.add_argument("--top", type=int, default=20, help="sections shown per case")
@@ -326,7 +333,9 @@ def main() -> None:
     from specdec.loading.registry import resolve_dtype
 
     target = tiny_target(device, args, resolve_dtype(args.dtype))
-    plain, detailed = Sections(), Sections()
+    clock = {"wall": time.perf_counter, "cpu": time.thread_time}[args.clock or ("wall" if device.type == "cuda"
+                                                                                 else "cpu")]
+    plain, detailed = Sections(clock), Sections(clock)
     results = []
     install(plain, device, detailed=False)
     for mode in args.modes:
