@@ -23,3 +23,17 @@ def test_running_text_matches_full_decode_token_by_token(smollm2):
             assert tok.decode(ids[:i + 1], skip_special_tokens=True).startswith(cur)
             seen = cur
         assert seen == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_matches_the_tokenizer(smollm2):
+    """The checker may call the Rust tokenizer directly (SmolLM2's decode adds nothing to it); the
+    text is the tokenizer's own, special tokens skipped."""
+    import random
+
+    tok = smollm2.tokenizer
+    checker = StopChecker(tok)
+    assert checker._backend is not None  # the fast path is the one under test
+    rng = random.Random(0)
+    for n in range(1, 40):
+        ids = [rng.randrange(len(tok)) for _ in range(n)] + [0, 1, 2]
+        assert checker.decode(ids) == tok.decode(ids, skip_special_tokens=True)
