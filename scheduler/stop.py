@@ -56,6 +56,28 @@ class StopChecker:
             return "length"
         return None
 
+    def extend(self, req: Request, tokens: list[int]) -> tuple[str | None, int]:
+        """``append`` each token in order until one ends the request: (finish reason or None, tokens
+        appended). Without stop strings the stop and length rules are found without a call per token."""
+        p = req.params
+        if p.stop:
+            for i, tok in enumerate(tokens):
+                reason = self.append(req, tok)
+                if reason:
+                    return reason, i + 1
+            return None, len(tokens)
+        eos = () if p.ignore_eos else req.eos_token_ids
+        stop_at = next((i for i, tok in enumerate(tokens) if tok in eos or tok in p.stop_token_ids), None)
+        length_at = max(p.max_new_tokens - req.num_output, 1) - 1  # index of the token reaching max_new_tokens
+        if stop_at is not None and stop_at <= length_at:
+            reason, n = "stop", stop_at + 1
+        elif length_at < len(tokens):
+            reason, n = "length", length_at + 1
+        else:
+            reason, n = None, len(tokens)
+        req.tokens += tokens[:n]
+        return reason, n
+
     def finalize_text(self, req: Request, reason: str | None) -> None:
         """Refresh ``req.text`` unless a stop string already fixed it."""
         if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids),
