@@ -197,7 +197,8 @@ def tiny_target(device: torch.device, args, dtype: torch.dtype):
     from specdec.models.llama import LlamaForCausalLM
 
     hf = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-                                  num_hidden_layers=args.layers, num_attention_heads=2, num_key_value_heads=1,
+                                  num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
+                                  num_key_value_heads=1,
                                   max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=2)
     cfg = ModelConfig.from_hf(hf)
     tokenizer = load_gguf_tokenizer(smollm2_gguf_path())
@@ -311,7 +312,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=4096,
                     help="model vocabulary (prompt ids are taken modulo it); small keeps CPU logits cheap")
-    ap.add_argument("--hidden", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=128, help="head_dim 64 like SmolLM2 (Triton on CUDA)")
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--target", default="rule", choices=("rule", "random"),
                     help="rule: next token by a fixed rule (n-gram drafts accepted ~--follow of the time)")
