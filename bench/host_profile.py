@@ -14,6 +14,9 @@ neighbours too) and wall time on CUDA (``--clock``). Two passes per (mode, batch
 * sections: the hot functions are wrapped with perf_counter sections (exclusive times; the wrappers
   add about a microsecond per call, so the sections sum to a little more than the plain figure).
 
+host/calibration divides the median host time by a fixed pure-Python workload timed after every step,
+so runs on a machine whose speed drifts (shared cores) can be compared.
+
 Run (CPU):  OMP_NUM_THREADS=1 python bench/host_profile.py --out bench/results/host_profile_cpu.json
 Run (H200): python bench/host_profile.py --device cuda --out $OUT/host_profile_cuda.json
 cProfile of one case: python bench/host_profile.py --batches 16 --modes ngram --cprofile 25
@@ -224,6 +227,17 @@ def prompts_for(tokenizer, n: int, vocab: int) -> list[list[int]]:
     return [[t % vocab for t in to_prompt_ids(chats[i % len(chats)], tokenizer)] for i in range(n)]
 
 
+def calibration(clock) -> float:
+    """Seconds of a fixed pure-Python workload (lists, dicts, attribute reads, like the host step). Dividing
+    host times by it compares runs on a shared machine whose speed drifts."""
+    t0 = clock()
+    table: dict[tuple[int, int], int] = {}
+    for i in range(2000):
+        row = [i, i + 1, i + 2]
+        table[(i, row[-1])] = len(row) + row[0] % 7
+    return clock() - t0
+
+
 def measure(target, mode: str, batch: int, args, sections: Sections, detailed: bool) -> dict:
     """Steady-state host seconds per step of one (mode, batch) engine."""
     from specdec.engine import SpecConfig, SpecEngine
@@ -247,7 +261,7 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
     committed0 = sum(r.num_output for r in queue.requests)
     prof = cProfile.Profile() if args.cprofile else None
     sections.active = True
-    host, forward, per_section = [], [], collections.defaultdict(list)
+    host, forward, calib, per_section = [], [], [], collections.defaultdict(list)
     for _ in range(args.steps):
         sections.reset()
         t0 = sections.clock()
@@ -255,6 +269,7 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
             engine.step()
         wall = sections.clock() - t0
         queue.pending.clear()
+        calib.append(calibration(sections.clock))
         fwd = sections.self_s.get("FORWARD", 0.0) + sections.self_s.get("FORWARD (eager fallback)", 0.0)
         host.append(wall - fwd)
         forward.append(fwd)
@@ -271,6 +286,7 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
            "host_us_per_row": 1e6 * med / batch, "host_us_per_step_mean": 1e6 * statistics.fmean(host),
            "host_us_per_step_p10": 1e6 * statistics.quantiles(host, n=10)[0],
            "forward_us_per_step": 1e6 * statistics.median(forward),
+           "calibration_us": 1e6 * statistics.median(calib), "host_per_calibration": med / statistics.median(calib),
            "tokens_per_row_step": committed / args.steps / batch}
     if detailed:  # medians over the steps (a step in which a section did not run counts as 0)
         us = {k: 1e6 * statistics.median([s for s, _ in v] + [0.0] * (args.steps - len(v)))
@@ -281,13 +297,14 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| mode | batch | host us/step | host us/row | p10 us/step | forward us/step | tokens/row/step |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| mode | batch | host us/step | host us/row | p10 us/step | host/calibration | forward us/step | "
+             "tokens/row/step |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         if "sections_us_per_step" in r:
             continue
         lines.append(f"| {r['mode']} | {r['batch']} | {r['host_us_per_step']:.0f} | {r['host_us_per_row']:.1f} | "
-                     f"{r['host_us_per_step_p10']:.0f} | {r['forward_us_per_step']:.0f} | "
+                     f"{r['host_us_per_step_p10']:.0f} | {r['host_per_calibration']:.2f} | "
+                     f"{r['forward_us_per_step']:.0f} | "
                      f"{r['tokens_per_row_step']:.2f} |")
     return "\n".join(lines)
 
