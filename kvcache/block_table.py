@@ -42,9 +42,15 @@ class BlockTables:
         old = self._written[row]
         if old == blocks:
             return
-        same = len(old) if blocks[:len(old)] == old else 0
-        self._np[row, same:len(blocks)] = blocks[same:]
-        self._written[row] = list(blocks)
+        k, n = len(old), len(blocks)
+        if n > k and blocks[:k] == old:  # grew: write the new tail
+            self._np[row, k:n] = blocks[k:]
+            old += blocks[k:]
+        elif n < k and old[:n] == blocks:  # shrank: the row already starts with blocks
+            del old[n:]
+        else:
+            self._np[row, :n] = blocks
+            self._written[row] = list(blocks)
 
     def host_rows(self, rows: list[int]):
         """numpy copy (len(rows), max_blocks_per_row) int32 of the given host rows, in order."""

@@ -297,19 +297,14 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
     for req, res in zip(rows, results):
         base = len(req.tokens)
         m = len(res.accepted_nodes)
-        done = res.draft_computed or ()
-        n_draft = next((j for j, node in enumerate(res.accepted_nodes) if node not in done), m)
         req.num_computed = base + m
         if res.draft_computed is None:  # model-free drafter: nothing of the draft to track
             req.num_computed_draft = base + m
         else:
-            req.num_computed_draft = base + n_draft
-        reason, appended = None, 0
-        for tok in [*res.accepted_tokens, res.bonus_token]:
-            reason = stopper.append(req, tok)
-            appended += 1
-            if reason:
-                break
+            done = res.draft_computed
+            req.num_computed_draft = base + next((j for j, node in enumerate(res.accepted_nodes) if node not in done),
+                                                 m)
+        reason, appended = stopper.extend(req, [*res.accepted_tokens, res.bonus_token])
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed
             stopper.finalize_text(req, reason)

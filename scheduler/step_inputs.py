@@ -105,7 +105,9 @@ class StepInputs:
         for name in ("prefix_lens", "seq_lens", "num_tokens"):
             a[name][nrows:] = 0
         a["block_tables"][nrows * self.width:] = 0  # the torch reference gathers every row's table
-        for i, r in enumerate(rows):
+        if q == 1:  # decode: one token per row, so each section is written in one assignment
+            self._fill_single(a, rows, slots)
+        for i, r in enumerate(rows if q > 1 else ()):
             n, s = len(r.token_ids), i * q
             a["ids"][s:s + n] = r.token_ids
             a["positions"][s:s + n] = r.positions
@@ -121,6 +123,17 @@ class StepInputs:
         a["seq_lens"][:nrows] = [r.seq_len for r in rows]
         a["block_tables"].reshape(b, self.width)[:nrows] = bt_rows
         self._send(b, q)
+
+    @staticmethod
+    def _fill_single(a: dict[str, np.ndarray], rows, slots: list[list[int]]) -> None:
+        nrows = len(rows)
+        a["ids"][:nrows] = [r.token_ids[0] for r in rows]
+        a["positions"][:nrows] = [r.positions[0] for r in rows]
+        a["slots"][:nrows] = [s[0] for s in slots]
+        if any(r.tree_mask is not None for r in rows):
+            a["tree_mask"][:nrows] = [0 if r.tree_mask is None else r.tree_mask[0] for r in rows]
+        a["parents"][:nrows] = [-1 if r.parents is None else r.parents[0] for r in rows]
+        a["num_tokens"][:nrows] = 1
 
     def _send(self, b: int, q: int) -> None:
         n = _total(b, q, self.width)

@@ -349,12 +349,12 @@ class _NoDraft(Drafter):
 
 
 def _output(req: Request, stopper: StopChecker) -> RequestOutput:
-    out_ids = req.output_ids
-    new_ids = out_ids[req.emitted_tokens:]
+    out_ids = req.output_ids  # a fresh list
+    new_ids = req.tokens[req.num_prompt + req.emitted_tokens:]
     text = req.text if req.finished else _stable_text(stopper.running_text(req), req.params.stop)
     new_text = text[req.emitted_chars:]
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
-    return RequestOutput(req.request_id, list(req.prompt_ids), list(out_ids), text, req.finish_reason,
+    return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,
                          req.stats, req.error, new_ids, new_text)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -232,9 +233,14 @@ class _PaddedLogits:
 
 
 def _with_causal_mask(r: RowInput) -> RowInput:
-    from dataclasses import replace
+    return RowInput(r.req, r.token_ids, r.positions, r.prefix_len, r.seq_len,
+                    _causal_signed(r.seq_len - r.prefix_len, len(r.token_ids)), r.want_logits, r.parents)
 
-    return replace(r, tree_mask=_as_signed(causal_bits(r.seq_len - r.prefix_len, len(r.token_ids))))
+
+@functools.lru_cache(maxsize=1024)
+def _causal_signed(region_len: int, n_query: int) -> tuple[int, ...]:
+    """``causal_bits`` as signed int64 values; shared (a tuple: read-only)."""
+    return tuple(_as_signed(causal_bits(region_len, n_query)))
 
 
 def _as_signed(masks: list[int]) -> list[int]:

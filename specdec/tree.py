@@ -7,6 +7,7 @@ every per-node array can be filled in one forward sweep. See docs/design.md, "Tr
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,33 +162,33 @@ class DraftTree:
         """A tree with no nodes: verification then samples only the bonus token (plain decoding).
 
         Trees are immutable, so one instance per device is shared."""
-        key = str(torch.device(device))
-        if key not in _EMPTY:
-            z = torch.zeros(0, dtype=torch.int64, device=device)
-            _EMPTY[key] = cls(z, z.clone(), z.clone(), z.clone())
-        return _EMPTY[key]
+        tree = _EMPTY.get(device)  # keyed by the argument as given, then by the normalised device
+        if tree is None:
+            key = str(torch.device(device))
+            if key not in _EMPTY:
+                z = torch.zeros(0, dtype=torch.int64, device=device)
+                _EMPTY[key] = cls(z, z.clone(), z.clone(), z.clone())
+            tree = _EMPTY[device] = _EMPTY[key]
+        return tree
 
     @classmethod
     def chain(cls, tokens: list[int]) -> DraftTree:
         """A deterministic chain of host token ids below the root, on the CPU.
 
         The hot path of model-free drafters: its arrays are right by construction, so it skips the
-        validation that ``from_parents`` runs (about 10x cheaper)."""
+        validation that ``from_parents`` runs, every other array (tensors and host lists, read-only like
+        every tree's) is shared by all chains of the same length, and the ``tokens`` tensor is made on
+        first use (the graphed greedy step reads only the host view)."""
         n = len(tokens)
         if n > MAX_TREE_NODES:
             raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
         if n == 0:
             return cls.empty()
-        parents, depth = list(range(-1, n - 1)), list(range(n))
-        masks, dist = [(1 << (i + 1)) - 1 for i in range(n)], [-1] * n
-        arrays = torch.tensor([tokens, parents, depth, masks, dist], dtype=torch.int64)  # (5, N)
+        parents, depth, masks, dist, children, arrays, rows = _chain_parts(n)
         tree = object.__new__(cls)
-        for name, row in zip(("tokens", "parents", "depth", "ancestor_mask", "dist_index"), arrays):
-            object.__setattr__(tree, name, row)
-        object.__setattr__(tree, "draft_dists", None)
-        object.__setattr__(tree, "child_mode", "deterministic")
-        children = {ROOT: [0], **{i: [i + 1] for i in range(n - 1)}, n - 1: []}
-        object.__setattr__(tree, "_host", HostView(list(tokens), parents, depth, masks, dist, children))
+        tree.__dict__.update(draft_dists=None,
+                             child_mode="deterministic", _verify_rows=rows,
+                             _host=HostView(list(tokens), parents, depth, masks, dist, children), **arrays)
         return tree
 
     @classmethod
@@ -224,9 +225,17 @@ class DraftTree:
         di = None if dist_index is None else as_i64(dist_index)
         return cls(as_i64(tokens), as_i64(plist), as_i64(depth), as_i64(mask), dists, di, child_mode)
 
+    def __getattr__(self, name: str):
+        """Only for attributes not set: the ``tokens`` tensor of a ``chain`` tree, made on first use."""
+        host = self.__dict__.get("_host")
+        if name != "tokens" or host is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        tokens = self.__dict__["tokens"] = torch.tensor(host.tokens, dtype=torch.int64)  # (N,)
+        return tokens
+
     @property
     def num_nodes(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.host.tokens)
 
     @property
     def max_depth(self) -> int:
@@ -257,9 +266,10 @@ class DraftTree:
     def verify_rows(self) -> tuple[list[int], list[int]]:
         """Host twins of the verify token arrays: the values of ``verify_tree_mask`` as Python ints (bit 63
         as the int64 sign), and each verify token's parent verify index (-1 for the root)."""
-        h = self.host
-        masks = [1] + [1 | (m << 1) for m in h.ancestor_mask]
-        return [m - (1 << 64) if m >= 1 << 63 else m for m in masks], [-1] + [p + 1 for p in h.parents]
+        rows = self.__dict__.get("_verify_rows")
+        if rows is None:  # a tree never changes: computed once
+            rows = self.__dict__["_verify_rows"] = _verify_rows(self.host.ancestor_mask, self.host.parents)
+        return rows
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree on another device."""
@@ -268,7 +278,23 @@ class DraftTree:
                          self.ancestor_mask.to(device), dists, self.dist_index.to(device), self.child_mode)
 
 
-_EMPTY: dict[str, DraftTree] = {}
+_EMPTY: dict = {}  # device (as given, and as str) -> the shared empty tree
+
+
+def _verify_rows(ancestor_mask: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+    masks = [1] + [1 | (m << 1) for m in ancestor_mask]
+    return [m - (1 << 64) if m >= 1 << 63 else m for m in masks], [-1] + [p + 1 for p in parents]
+
+
+@functools.cache
+def _chain_parts(n: int):
+    """The arrays every n-node chain shares: host lists, children, tensors by field name, verify rows."""
+    parents, depth = list(range(-1, n - 1)), list(range(n))
+    masks, dist = [(1 << (i + 1)) - 1 for i in range(n)], [-1] * n
+    children = {ROOT: [0], **{i: [i + 1] for i in range(n - 1)}, n - 1: []}
+    arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
+                      torch.tensor([parents, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
+    return parents, depth, masks, dist, children, arrays, _verify_rows(masks, parents)
 
 # ---------------------------------------------------------------- static templates (networkx)
 

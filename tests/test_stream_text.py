@@ -23,3 +23,41 @@ def test_running_text_matches_full_decode_token_by_token(smollm2):
             assert tok.decode(ids[:i + 1], skip_special_tokens=True).startswith(cur)
             seen = cur
         assert seen == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_matches_the_tokenizer(smollm2):
+    """The checker may call the Rust tokenizer directly (SmolLM2's decode adds nothing to it); the
+    text is the tokenizer's own, special tokens skipped."""
+    import random
+
+    tok = smollm2.tokenizer
+    checker = StopChecker(tok)
+    assert checker._backend is not None  # the fast path is the one under test
+    rng = random.Random(0)
+    for n in range(1, 40):
+        ids = [rng.randrange(len(tok)) for _ in range(n)] + [0, 1, 2]
+        assert checker.decode(ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_extend_equals_appending_one_by_one():
+    """``StopChecker.extend`` stops where appending token by token stops (EOS, stop tokens, length)."""
+    import random
+
+    checker = StopChecker(None)
+    rng = random.Random(0)
+    for _ in range(500):
+        params = SamplingParams(max_new_tokens=rng.randrange(1, 8), ignore_eos=rng.random() < 0.3,
+                                stop_token_ids=rng.sample(range(6), rng.randrange(0, 2)))
+        prompt = [9] * rng.randrange(1, 4)
+        done = rng.randrange(0, params.max_new_tokens)
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
+        one, many = (Request("r", prompt, params, eos_token_ids=(5,)) for _ in range(2))
+        for req in (one, many):
+            req.tokens += [7] * done
+        reason, n = None, 0
+        for tok in tokens:
+            reason, n = checker.append(one, tok), n + 1
+            if reason:
+                break
+        assert checker.extend(many, tokens) == (reason, n)
+        assert many.tokens == one.tokens

@@ -27,18 +27,21 @@ class NgramIndex:
 
     def __init__(self, max_n: int, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
-        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
-        self.next_start = dict.fromkeys(self.latest, 0)
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
+        self.indexed = 0  # n-grams ending before this position are in ``latest``
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         """Same result as ``ngram_lookup(tokens, k, max_n, min_n)``."""
-        L = len(tokens)
-        for n, table in self.latest.items():  # index every n-gram ending before the last token
-            for start in range(self.next_start[n], L - n):
-                table[tuple(tokens[start:start + n])] = start
-            self.next_start[n] = max(self.next_start[n], L - n)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            start = self.latest[n].get(tuple(tokens[L - n:]))
+        L, lo, hi, latest = len(tokens), self.min_n, self.max_n, self.latest
+        for end in range(self.indexed, L):  # every n-gram ending at ``end`` is followed by tokens[end]
+            tail = tuple(tokens[max(0, end - hi):end])
+            for n in range(lo, len(tail) + 1):
+                latest[tail[len(tail) - n:]] = end - n
+        self.indexed = max(self.indexed, L)
+        top = min(hi, L - 1)
+        suffix = tuple(tokens[L - top:]) if top > 0 else ()
+        for n in range(top, lo - 1, -1):
+            start = latest.get(suffix[top - n:])
             if start is not None:
                 return tokens[start + n:start + n + k]
         return []
