@@ -40,7 +40,7 @@ case "$stage" in
     cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
     install
     nvidia-smi > "$D/nvidia-smi.txt" 2>&1
-    timeout 240 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_step_graphs.py tests/test_eagle.py \
+    timeout 200 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_step_graphs.py tests/test_eagle.py \
        tests/test_kernels_kv_movement.py tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py \
        ${GPU_TESTS:-} > "$D/tests.log" 2>&1
     echo "tests exit $?" >> "$D/tests.log"
@@ -58,7 +58,8 @@ case "$stage" in
     cd /tmp
     timeout 380 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
       > "$D/eagle.log" 2>&1
-    timeout 170 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 20000 \
+    timeout 40 python3 -P "$root/bench/gpu_tree_levels.py" "$D" > "$D/tree_levels.log" 2>&1
+    timeout 150 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 20000 \
       > "$D/chisq.log" 2>&1
     grep -h -e "^eagle" "$D/eagle.log" | tail -20
     tail -3 "$D/chisq.log" | cut -c1-300
