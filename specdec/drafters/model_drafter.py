@@ -81,7 +81,7 @@ class ModelDrafter(Drafter):
             new = [self._expand(g, greedy_top.get(i, {})) for i, g in enumerate(grows)]
             if level + 1 == self._max_depth:
                 break
-            live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.max_nodes]
+            live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.node_budget]
             if not live:
                 break
             self._forward_level(live)
@@ -105,7 +105,7 @@ class ModelDrafter(Drafter):
             g.computed.update(nodes)
 
     def _children_wanted(self, g: _Growth, parent: int) -> int:
-        if self.max_nodes - len(g.tokens) <= 0:
+        if self.node_budget - len(g.tokens) <= 0:
             return 0
         if self._template is None:
             return DYNAMIC_CANDIDATES
@@ -140,7 +140,7 @@ class ModelDrafter(Drafter):
         """Add the next level's children of the frontier; return the new node indices. ``greedy_top``
         holds a greedy row's precomputed top tokens per frontier position."""
         p = g.req.params
-        budget = self.max_nodes - len(g.tokens)
+        budget = self.node_budget - len(g.tokens)
         if budget <= 0 or not g.frontier:
             return []
         if self._template is None:

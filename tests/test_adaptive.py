@@ -1,0 +1,169 @@
+"""Adaptive speculation: the budget controller on synthetic costs and acceptance, and the engine with it on.
+
+Controller tests drive ``BudgetController`` with cost tables and accepted lengths made up here (no
+model). Engine tests (tiny random pair of conftest, float32) check that greedy output equals
+target-only output whatever budgets are chosen, and that injected cost tables move the budgets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.adaptive import (
+    AdaptiveConfig,
+    BudgetController,
+    BudgetOption,
+    DepthAcceptance,
+    StepCosts,
+    batch_key,
+    budget_options,
+    query_key,
+)
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.errors import FieldError
+from specdec.sampling_params import SamplingParams
+from specdec.scheduler.cuda_graphs import QUERY_BUCKETS
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CHAIN8 = budget_options(NgramDrafter(8))  # n-gram chain:8: budgets 0..8, one lookup each
+
+
+def flat_table(batches=(1, 16, 64), base=1e-3):
+    """Verify costs that do not grow with the query bucket (a cheap tree verify)."""
+    return {(b, q): base for b in batches for q in QUERY_BUCKETS}
+
+
+def steep_table(batches=(1, 16, 64), base=1e-3):
+    """Verify costs proportional to the tokens of the step (a compute-bound large batch)."""
+    return {(b, q): base * q for b in batches for q in QUERY_BUCKETS}
+
+
+def run(ctrl: BudgetController, rows: int, accepted_of, steps: int) -> list[int]:
+    """``steps`` choose/observe rounds; accepted_of(budget) -> accepted tokens per row; each verify takes
+    what the controller's table says. Returns the budgets."""
+    out = []
+    for _ in range(steps):
+        n = ctrl.choose(rows)
+        seconds = ctrl.costs.table[(batch_key(rows), query_key(n + 1))]
+        ctrl.observe(rows, n + 1, [accepted_of(n)] * rows, 0.0, seconds)
+        out.append(n)
+    return out
+
+
+def test_options_per_drafter_kind():
+    assert [o.nodes for o in CHAIN8] == list(range(9)) and CHAIN8[0] == BudgetOption(0, 0, 0)
+    ctrl = BudgetController(CHAIN8)  # equal cost within a query bucket: only the deepest of each is kept
+    assert [o.nodes for o in ctrl.options] == [0, 1, 3, 7, 8]
+
+
+def test_cheap_verify_and_high_acceptance_choose_the_largest_budget():
+    ctrl = BudgetController(CHAIN8, cost_table=flat_table())
+    budgets = run(ctrl, 16, lambda n: n, 40)  # every drafted token accepted
+    assert budgets[-10:] == [8] * 10
+
+
+def test_steep_verify_cost_at_large_batch_chooses_plain_decoding():
+    ctrl = BudgetController(CHAIN8, cost_table=steep_table())
+    budgets = run(ctrl, 64, lambda n: min(n, 1), 64)  # ~1 token accepted: never worth a 2x-16x verify
+    cfg = ctrl.config
+    plain = [n for i, n in enumerate(budgets, 1) if i % cfg.probe_interval]
+    assert plain[-20:] == [0] * 20
+    # the same acceptance at batch 1 with a flat cost still speculates
+    assert run(BudgetController(CHAIN8, cost_table=flat_table()), 1, lambda n: min(n, 1), 20)[-1] > 0
+
+
+def test_falling_acceptance_lowers_the_budget():
+    table = {(16, q): 1e-3 * (1 + 0.05 * q) for q in QUERY_BUCKETS}  # mildly growing verify cost
+    ctrl = BudgetController(CHAIN8, cost_table=table)
+    high = run(ctrl, 16, lambda n: n, 30)
+    low = run(ctrl, 16, lambda n: 0, 60)  # acceptance collapses: nothing is accepted any more
+    assert high[-1] == 7  # 8 tokens for a 1.4 ms verify (Q=8) beat 9 for 1.8 ms (Q=16)
+    assert max(low[-10:]) < high[-1] and low[-1] == 0
+
+
+def test_reprobing_after_plain_decoding_finds_acceptance_again():
+    table = {(16, q): 1e-3 * (1 + 0.05 * q) for q in QUERY_BUCKETS}
+    ctrl = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=4), cost_table=table)
+    run(ctrl, 16, lambda n: 0, 40)
+    assert ctrl.choose(16) in (0, 1)  # settled on (almost) plain decoding
+    budgets = run(ctrl, 16, lambda n: n, 80)  # acceptance comes back: only probes can see it
+    assert budgets[-1] == 7
+
+
+def test_online_costs_explore_unseen_buckets_then_interpolate():
+    costs = StepCosts(alpha=0.5)
+    assert costs.verify(16, 4) is None
+    costs.observe_verify(16, 1, 1.0)
+    costs.observe_verify(16, 8, 2.4)
+    assert costs.verify(16, 4) == pytest.approx(1.0 + 1.4 * 3 / 7)  # linear between the seen buckets
+    assert costs.verify(16, 16) == pytest.approx(2.4 + 0.2 * 8)  # past them: the last segment's slope
+    costs.observe_verify(16, 8, 3.4)
+    assert costs.verify(16, 8) == pytest.approx(2.9)  # EMA
+    # without a table the controller first tries every query bucket its options use, largest first
+    ctrl = BudgetController(CHAIN8)
+    firsts = []
+    for _ in range(5):
+        firsts.append(ctrl.choose(16))
+        ctrl.observe(16, firsts[-1] + 1, [0] * 16, 0.0, 1e-3)
+    assert firsts == [8, 7, 3, 1, 0]
+
+
+def test_depth_acceptance_counts_short_trees_as_misses():
+    acc = DepthAcceptance(4, prior=0.8, weight=1e-6, memory=100.0)
+    acc.observe(4, [0, 1, 4, 4])  # rows reaching depth 0: 4 (3 hit), depth 1: 3 (2 hit), depth 2, 3: 2 (2 hit)
+    assert acc.rates == pytest.approx([0.75, 2 / 3, 1.0, 1.0], abs=1e-5)
+    assert acc.expected()[2] == pytest.approx(1 + 0.75 + 0.5, abs=1e-5)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(FieldError, match="probe_interval"):
+        AdaptiveConfig(probe_interval=0)
+    with pytest.raises(FieldError, match="adaptive"):
+        SpecConfig(adaptive="yes")
+
+
+# ---------------------------------------------------------------- engine
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 23, 14, 31)]
+    return [p + p[:6] for p in base]  # a repeated span gives the n-gram drafter matches
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    eng = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8))
+    return [o.token_ids for o in eng.generate(_prompts(), SamplingParams(max_new_tokens=20, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("draft,tree,graphs", [("ngram", "chain:8", False), ("model", "chain:4", True),
+                                               ("model", "dynamic:16", False), ("model", "topk:2x3", False)])
+def test_adaptive_greedy_equals_target_only(tiny_target, tiny_draft, reference, draft, tree, graphs):
+    d = {"ngram": "ngram", "model": tiny_draft}[draft]
+    eng = SpecEngine(d, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=8, adaptive=True,
+                                                cuda_graphs=graphs))
+    assert eng.adaptive is not None
+    outs = eng.generate(_prompts(), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    assert eng.all_blocks_free()
+    assert sum(eng.adaptive.chosen.values()) > 0 and eng.stats.drafted > 0
+
+
+def test_injected_cost_tables_move_the_budget(tiny_target, reference):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    got = {}
+    for name, table in (("flat", flat_table((1, 2, 4), 1.0)), ("steep", steep_table((1, 2, 4), 1.0))):
+        eng = SpecEngine(tiny_target, tiny_target, SpecConfig(tree="chain:8", num_blocks=256, block_size=8,
+                                                              adaptive=True))
+        ctrl = eng.adaptive = BudgetController(budget_options(eng.drafter), AdaptiveConfig(probe_interval=64), table)
+        for learn in ("observe_verify", "observe_draft", "observe_other"):  # costs = the table, not wall times
+            setattr(ctrl.costs, learn, lambda *a: None)
+        assert [o.token_ids for o in eng.generate(_prompts(), params)] == reference
+        got[name] = (ctrl.mean_budget(), eng.stats.drafted, eng.stats.target_forwards)
+    # the draft is the target itself (everything accepted): equal verify costs take full chains, steep ones none
+    assert got["flat"][0] == 8 and got["flat"][1] == 8 * got["flat"][2], got
+    assert got["steep"][0] == 0 and got["steep"][1] == 0, got
