@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from specdec.scheduler.cuda_graphs import QUERY_BUCKETS
 
 from specdec.adaptive import (
     AdaptiveConfig,
@@ -24,7 +25,6 @@ from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import FieldError
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler.cuda_graphs import QUERY_BUCKETS
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -167,3 +167,14 @@ def test_injected_cost_tables_move_the_budget(tiny_target, reference):
     # the draft is the target itself (everything accepted): equal verify costs take full chains, steep ones none
     assert got["flat"][0] == 8 and got["flat"][1] == 8 * got["flat"][2], got
     assert got["steep"][0] == 0 and got["steep"][1] == 0, got
+
+
+def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
+    eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=64, block_size=8, max_batch_size=4,
+                                                      cuda_graphs=True))
+    eng.pool.storage.normal_()
+    before = eng.pool.storage.clone()
+    costs = eng.runner.graphs.measure_costs(context=20, repeats=1)
+    assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 8)}  # q bucket of 4 + 1 tokens: 8
+    assert all(c > 0 for c in costs.values())
+    assert torch.equal(eng.pool.storage, before)  # every slot was padding: nothing stored
