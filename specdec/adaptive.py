@@ -9,10 +9,11 @@ bucket of n + 1) + draft forwards * their measured cost + the step's other host 
 plain decoding (E = 1); a budget is used only when it beats plain decoding by a margin, so
 speculation does not make a step slower than target-only decoding by more than the estimates err.
 
-Verify costs come from a measured table (``GraphRunner.measure_costs`` on CUDA: one figure per
-captured graph, calibrated online by an additive offset per batch bucket) or, without one, are
-learned online from step wall times (an EMA per bucket; an unseen bucket is tried a few times, then
-interpolated linearly in the query bucket from the seen ones of its batch bucket). Every
+Verify costs are learned online from step wall times (an EMA per (batch bucket, query bucket), host
+work included). A bucket not measured yet takes the figure of a measured table
+(``GraphRunner.measure_costs`` on CUDA: each captured graph's replay time) plus its batch bucket's
+mean offset between online and table figures; without a table it is tried a few times, then
+interpolated linearly in the query bucket from the measured ones of its batch bucket. Every
 ``probe_interval`` steps the next larger budget than the best is used, so that rates of depths the
 controller stopped asking for (or acceptance after choosing 0) are measured again. Greedy output
 never depends on the budget: every tree verifies to the target's own tokens.
@@ -146,8 +147,10 @@ class DepthAcceptance:
 
 
 class StepCosts:
-    """Seconds of a step's parts per batch bucket: verify forwards per query bucket (a measured
-    table calibrated online, or learned online), a draft forward, and the rest of the step."""
+    """Seconds of a step's parts per batch bucket: verify forwards per query bucket, a draft forward
+    (or lookup), and the rest of the step. A verify bucket measured online is its EMA (host work
+    included); one not yet measured is the table's figure plus the batch bucket's mean offset
+    between measured and table figures, or else interpolated from the measured buckets."""
 
     def __init__(self, alpha: float, table: dict[tuple[int, int], float] | None = None) -> None:
         self.alpha = alpha
@@ -166,10 +169,10 @@ class StepCosts:
 
     def verify(self, b: int, q: int) -> float | None:
         """Estimated seconds of a verify forward at (b, q); None when nothing at batch bucket b is known."""
-        if (b, q) in self.table:
-            return max(self.table[(b, q)] + self.offset.get(b, 0.0), 1e-9)
         if (b, q) in self.seen:
             return self.seen[(b, q)]
+        if (b, q) in self.table:
+            return max(self.table[(b, q)] + self.offset.get(b, 0.0), 1e-9)
         pts = sorted((qq, c) for (bb, qq), c in self.seen.items() if bb == b)
         if not pts:
             return None
@@ -186,10 +189,9 @@ class StepCosts:
         return v + self.draft.get(b, 0.0) * option.draft_forwards + self.other.get(b, 0.0)
 
     def observe_verify(self, b: int, q: int, seconds: float) -> None:
+        self._ema(self.seen, (b, q), seconds)
         if (b, q) in self.table:
             self._ema(self.offset, b, seconds - self.table[(b, q)])
-        else:
-            self._ema(self.seen, (b, q), seconds)
 
     def observe_draft(self, b: int, forwards: int, seconds: float) -> None:
         if forwards:
