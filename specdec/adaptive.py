@@ -56,7 +56,7 @@ class AdaptiveConfig:
     cost_alpha: float = 0.25
     probe_interval: int = 16
     margin: float = 0.03
-    explore_tries: int = 2
+    explore_tries: int = 1
 
     def __post_init__(self) -> None:
         for name, lo, hi in (("prior_rate", 0.0, 1.0), ("cost_alpha", 0.0, 1.0), ("margin", 0.0, 1.0)):

@@ -169,6 +169,45 @@ def test_injected_cost_tables_move_the_budget(tiny_target, reference):
     assert got["steep"][0] == 0 and got["steep"][1] == 0, got
 
 
+class Scripted(BudgetController):
+    """Cycles through every option (0 included) and records (budget, largest tree) per step."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.turn, self.sizes = 0, []
+
+    def choose(self, rows: int) -> int:
+        self.last = self.options[self.turn % len(self.options)]
+        self.turn += 1
+        return self.last.nodes
+
+    def observe(self, rows, query, accepted, propose_s, verify_s) -> None:
+        self.sizes.append((self.last.nodes, query - 1))
+
+
+def _eagle(tiny_target):
+    from specdec.loading.registry import LoadedModel
+    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+
+    shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
+    model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 200, 2), seed=2).eval().requires_grad_(False)
+    return LoadedModel("eagle", model, None, model.config)
+
+
+@pytest.mark.parametrize("draft,tree", [("eagle", "chain:3"), ("eagle", "dynamic:12"), ("eagle", "topk:2x2"),
+                                        ("model", "dynamic:16"), ("ngram", "chain:6")])
+def test_every_budget_bounds_the_trees_and_output_stays_exact(tiny_target, tiny_draft, reference, draft, tree):
+    d = {"eagle": _eagle(tiny_target) if draft == "eagle" else None, "model": tiny_draft, "ngram": "ngram"}[draft]
+    eng = SpecEngine(d, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=8, adaptive=True))
+    eng.adaptive = ctrl = Scripted(budget_options(eng.drafter))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(_prompts(), params)] == reference
+    assert eng.all_blocks_free()
+    assert all(size <= n for n, size in ctrl.sizes)  # no tree outgrows its budget
+    if draft != "ngram":  # a draft model grows every budget (0 too) in full
+        assert {n for n, size in ctrl.sizes if size == n} == {o.nodes for o in ctrl.options}
+
+
 def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
     eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=64, block_size=8, max_batch_size=4,
                                                       cuda_graphs=True))
