@@ -213,6 +213,7 @@ class BudgetController:
         self.costs = StepCosts(cfg.cost_alpha, cost_table)
         self.chosen: Counter = Counter()  # (rows, nodes) -> steps
         self.last = self.options[-1]
+        self.timing_valid = True  # False: this step's wall times are not the step's own (the engine ran a prefill)
         self._steps = 0
 
     def choose(self, rows: int) -> int:
@@ -224,6 +225,8 @@ class BudgetController:
         return self.last.nodes
 
     def _explore(self, b: int) -> BudgetOption | None:
+        if not self.timing_valid:  # the step would not measure the bucket
+            return None
         for o in reversed(self.options):
             key = (b, query_key(o.nodes + 1))
             if not self.costs.known(*key) and self.costs.tries[key] < self.config.explore_tries:
@@ -261,8 +264,9 @@ class BudgetController:
         """Learn from the step ``choose`` was last asked for: ``query`` = tokens of the longest verify row,
         ``accepted[i]`` = draft tokens accepted in row i, and the seconds drafting and verifying took."""
         b = batch_key(rows)
-        self.costs.observe_verify(b, query_key(query), verify_s)
-        self.costs.observe_draft(b, self.last.draft_forwards, propose_s)
+        if self.timing_valid:
+            self.costs.observe_verify(b, query_key(query), verify_s)
+            self.costs.observe_draft(b, self.last.draft_forwards, propose_s)
         if self.last.depth:
             self.acceptance.observe(self.last.depth, accepted)
 

@@ -219,11 +219,13 @@ class SpecEngine:
             self._fail_stuck()
         t1 = time.perf_counter()
         prefilled = self._prefill(batch)
+        if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
+            self.adaptive.timing_valid = not prefilled
         rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)
         t2 = time.perf_counter()
         commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
         self.drafter.accepted(rows, results)
-        if self.adaptive is not None and rows:
+        if self.adaptive is not None and rows and not prefilled:
             self.adaptive.observe_other(len(rows), t1 - t0 + time.perf_counter() - t2)
         for req in rows:
             if req.finished:

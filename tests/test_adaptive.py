@@ -217,3 +217,12 @@ def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
     assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 8)}  # q bucket of 4 + 1 tokens: 8
     assert all(c > 0 for c in costs.values())
     assert torch.equal(eng.pool.storage, before)  # every slot was padding: nothing stored
+
+
+def test_steps_with_a_prefill_teach_acceptance_but_no_costs():
+    ctrl = BudgetController(CHAIN8)
+    ctrl.timing_valid = False
+    n = ctrl.choose(16)
+    ctrl.observe(16, n + 1, [n] * 16, 0.5, 9.0)
+    assert ctrl.costs.seen == {} and ctrl.costs.draft == {} and ctrl.costs.tries == {}
+    assert ctrl.acceptance.rates[0] > AdaptiveConfig().prior_rate  # all accepted: the rate rose
