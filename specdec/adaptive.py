@@ -105,12 +105,18 @@ def budget_options(drafter) -> list[BudgetOption]:
     return out
 
 
+_BATCH_KEY = [bucket(n, BATCH_BUCKETS) for n in range(max(BATCH_BUCKETS) + 1)]
+_QUERY_KEY = [bucket(n, QUERY_BUCKETS) for n in range(max(QUERY_BUCKETS) + 1)]
+
+
 def batch_key(rows: int) -> int:
-    return bucket(rows, BATCH_BUCKETS) or rows
+    """The cost-table batch bucket of ``rows`` rows (the rows themselves past the largest bucket)."""
+    return _BATCH_KEY[rows] if rows < len(_BATCH_KEY) else rows
 
 
 def query_key(tokens: int) -> int:
-    return bucket(tokens, QUERY_BUCKETS) or tokens
+    """The cost-table query bucket of a verify row of ``tokens`` tokens."""
+    return _QUERY_KEY[tokens] if tokens < len(_QUERY_KEY) else tokens
 
 
 class DepthAcceptance:
@@ -125,9 +131,9 @@ class DepthAcceptance:
         """One step: ``accepted[i]`` draft tokens of row i were accepted, trees at most ``offered_depth`` deep."""
         D = min(offered_depth, len(self.rates))
         reach, hit = [0] * (D + 1), [0] * (D + 1)
-        for m in accepted:
-            reach[min(m + 1, D)] += 1
-            hit[min(m, D)] += 1
+        for m, rows in Counter(accepted).items():
+            reach[min(m + 1, D)] += rows
+            hit[min(m, D)] += rows
         attempts = hits = 0
         for d in range(D - 1, -1, -1):  # rows that reached depth d: reach index > d (suffix sums)
             attempts += reach[d + 1]
@@ -182,11 +188,12 @@ class StepCosts:
         (q0, c0), (q1, c1) = pts[i - 1], pts[i]
         return c0 + max((c1 - c0) / (q1 - q0), 0.0) * (q - q0)  # linear; past the last point, its slope
 
-    def step(self, b: int, option: BudgetOption) -> float | None:
-        v = self.verify(b, query_key(option.nodes + 1))
+    def step(self, b: int, q: int, draft_forwards: int) -> float | None:
+        """Estimated seconds of a whole step at (b, q) with ``draft_forwards`` draft forwards; None if unknown."""
+        v = self.verify(b, q)
         if v is None:
             return None
-        return v + self.draft.get(b, 0.0) * option.draft_forwards + self.other.get(b, 0.0)
+        return v + self.draft.get(b, 0.0) * draft_forwards + self.other.get(b, 0.0)
 
     def observe_verify(self, b: int, q: int, seconds: float) -> None:
         self._ema(self.seen, (b, q), seconds)
@@ -208,6 +215,8 @@ class BudgetController:
                  cost_table: dict[tuple[int, int], float] | None = None) -> None:
         self.config = cfg = config or AdaptiveConfig()
         self.options = _undominated(options)
+        self._query = [query_key(o.nodes + 1) for o in self.options]
+        self._explored: set[int] = set()  # batch buckets whose every option bucket is known or was tried
         self.acceptance = DepthAcceptance(max(o.depth for o in self.options), cfg.prior_rate, cfg.prior_weight,
                                           cfg.memory)
         self.costs = StepCosts(cfg.cost_alpha, cost_table)
@@ -225,20 +234,20 @@ class BudgetController:
         return self.last.nodes
 
     def _explore(self, b: int) -> BudgetOption | None:
-        if not self.timing_valid:  # the step would not measure the bucket
+        if not self.timing_valid or b in self._explored:  # (a step with a prefill would not measure it)
             return None
-        for o in reversed(self.options):
-            key = (b, query_key(o.nodes + 1))
-            if not self.costs.known(*key) and self.costs.tries[key] < self.config.explore_tries:
-                self.costs.tries[key] += 1
+        for o, q in zip(reversed(self.options), reversed(self._query)):
+            if not self.costs.known(b, q) and self.costs.tries[(b, q)] < self.config.explore_tries:
+                self.costs.tries[(b, q)] += 1
                 return o
+        self._explored.add(b)
         return None
 
     def _best(self, b: int) -> BudgetOption:
         expected = self.acceptance.expected()
         values = []
-        for o in self.options:
-            c = self.costs.step(b, o)
+        for o, q in zip(self.options, self._query):
+            c = self.costs.step(b, q, o.draft_forwards)
             values.append(-1.0 if c is None else expected[o.depth] / c)
         best = max(range(1, len(values)), key=values.__getitem__, default=0)
         if values[0] >= 0 and values[best] <= values[0] * (1 + self.config.margin):
