@@ -155,8 +155,11 @@ class GraphRunner:
 
     def _timed(self, key: tuple[int, int, int]) -> float:
         if key not in self.graphs:
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *_: None)
+            sync(self.device)
             start = time.perf_counter()
             self._forward(key)
+            sync(self.device)
             return time.perf_counter() - start
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
