@@ -226,3 +226,18 @@ def test_steps_with_a_prefill_teach_acceptance_but_no_costs():
     ctrl.observe(16, n + 1, [n] * 16, 0.5, 9.0)
     assert ctrl.costs.seen == {} and ctrl.costs.draft == {} and ctrl.costs.tries == {}
     assert ctrl.acceptance.rates[0] > AdaptiveConfig().prior_rate  # all accepted: the rate rose
+
+
+def test_bench_reports_the_mean_budget_per_batch_size():
+    from specdec.benchmark.report import budget_line
+
+    report = {"sweep": [{"batch_size": 1, "mean_budget": 7.5}, {"batch_size": 16, "mean_budget": 0.25},
+                        {"batch_size": 64, "mean_budget": None}]}
+    assert budget_line(report) == "adaptive tree budget (mean nodes per step): batch 1: 7.50, batch 16: 0.25\n"
+    assert budget_line({"sweep": [{"batch_size": 1}]}) == ""  # adaptive off: no line
+    ctrl = BudgetController(CHAIN8)
+    for rows, n in ((16, 8), (16, 0), (4, 3)):
+        ctrl.chosen[(rows, n)] += 1
+    mark = ctrl.chosen.copy()
+    ctrl.chosen[(16, 1)] += 3
+    assert ctrl.mean_budget(16) == pytest.approx(11 / 5) and ctrl.mean_budget(since=mark) == 1.0
