@@ -206,6 +206,9 @@ def test_every_budget_bounds_the_trees_and_output_stays_exact(tiny_target, tiny_
     assert all(size <= n for n, size in ctrl.sizes)  # no tree outgrows its budget
     if draft != "ngram":  # a draft model grows every budget (0 too) in full
         assert {n for n, size in ctrl.sizes if size == n} == {o.nodes for o in ctrl.options}
+    sampled = eng.generate(_prompts(), SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in sampled) and eng.all_blocks_free()  # sampled trees obey budgets too
+    assert all(size <= n for n, size in ctrl.sizes)
 
 
 def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
