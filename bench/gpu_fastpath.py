@@ -3,6 +3,7 @@ over MT-bench, float32 equality with graphs on. Writes JSON + logs to OUT; print
 
     python -P bench/gpu_fastpath.py micro OUT_DIR              # random SmolLM2-shaped weights (no model file)
     python -P bench/gpu_fastpath.py real OUT_DIR MODEL PROMPTS  # the real GGUF + pre-tokenised MT-bench prompts
+    python -P bench/gpu_fastpath.py eagle OUT_DIR MODEL PROMPTS # the shipped EAGLE draft, graphed, vs target-only
     python -P bench/gpu_fastpath.py adaptive OUT_DIR MODEL PROMPTS [N]  # n-gram chain:8, adaptive on/off vs
                                                                         # target-only at batch 1, 16, 64
     python -P bench/gpu_fastpath.py prompts PROMPTS            # (CPU) write the tokenised prompt file
@@ -289,8 +290,7 @@ def real(out: Path, model_path: str, prompt_file: str) -> None:
 
 
 def quick(out: Path, model_path: str, prompt_file: str) -> None:
-    """n-gram vs target-only at batch 1 and 16 (80 MT-bench prompts), and the shipped eagle draft (eager
-    draft steps) against graphed target-only decoding at batch 1 on the first 20 prompts."""
+    """n-gram vs target-only at batch 1 and 16 (80 MT-bench prompts); the EAGLE draft is the ``eagle`` mode's."""
     prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
     new = 128 if CUDA else 8
     res = RESULTS.setdefault("quick", {})
@@ -310,17 +310,55 @@ def quick(out: Path, model_path: str, prompt_file: str) -> None:
         res[f"ngram_speedup_b{b}"] = spec["tok_per_s"] / plain["tok_per_s"]
         log(f"n-gram speed-up batch {b}: {res[f'ngram_speedup_b{b}']:.2f}x")
     (out / "quick.json").write_text(json.dumps(RESULTS, indent=1))
-    try:
-        draft = load_model("smollm2-135m-draft", dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV,
-                           target=target)
-        tree = "dynamic:63"
-        r = res[f"eagle_{tree}_b1_n10"] = measured_run(draft, target, tree, 1, prompts[:10 if CUDA else 1], params,
-                                                       dt)
-        log(f"quick eagle {tree} batch 1: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}")
-    except Exception as exc:  # noqa: BLE001 - reported, the round's other figures stand
-        res["eagle_error"] = repr(exc)
-        log("eagle failed:", repr(exc))
-    (out / "quick.json").write_text(json.dumps(RESULTS, indent=1))
+
+
+def eagle(out: Path, model_path: str, prompt_file: str) -> None:
+    """The shipped EAGLE draft with graphed draft and verify steps against graphed target-only decoding, in
+    one process: batch 1 and 64, several tree shapes; the GPU cost of one draft tree level against a target
+    verify step (graph replays); per-phase host times of a speculative step."""
+    prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
+    new = 128 if CUDA else 6
+    res = RESULTS.setdefault("eagle", {})
+    dt = "bfloat16" if CUDA else "float32"
+    target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
+    draft = load_model("smollm2-135m-draft", dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV,
+                       target=target)
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    sizes = {1: 20 if CUDA else 1, 64: 64 if CUDA else 2}
+    trees = ("chain:4", "dynamic:15", "dynamic:31", "dynamic:63", "topk:2x3") if CUDA else ("chain:3", "dynamic:7")
+    for b, count in sizes.items():
+        ps = prompts[:count]
+        base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt)
+        log(f"eagle round: target-only batch {b}: {base['tok_per_s']:.1f} tok/s")
+        for tree in trees if b == 1 else trees[:3]:
+            try:
+                r = measured_run(draft, target, tree, b, ps, params, dt)
+            except Exception as exc:  # noqa: BLE001 - reported, the other shapes still run
+                res[f"eagle_{tree}_b{b}"] = {"error": repr(exc)}
+                log(f"eagle {tree} batch {b} failed: {exc!r}")
+                continue
+            r["speedup"] = r["tok_per_s"] / base["tok_per_s"]
+            res[f"eagle_{tree}_b{b}"] = r
+            log(f"eagle {tree} batch {b}: {r['tok_per_s']:.1f} tok/s, {r['speedup']:.2f}x, "
+                f"mal {r['mean_accepted_length']:.2f}")
+        (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
+    eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="dynamic:31", max_batch_size=64,
+                                               prefix_cache=False, cuda_graphs=True if not CUDA else None))
+    res["capture"] = str(eng.graph_report)
+    for b in (1, 64):
+        verify = replay_ms(eng, (0, b, 32))  # dynamic:31 verifies 32 tokens per row
+        for q in (1, 4, 8):
+            level = replay_ms(eng, (1, b, q))
+            res[f"replay_ms_draft_b{b}_q{q}"] = level
+            if verify and level:
+                res[f"draft_level_over_verify_b{b}_q{q}"] = level / verify
+        res[f"replay_ms_verify_b{b}_q32"] = verify
+        ph = phase_times(eng, prompts[:b] if CUDA else prompts[:1], params)
+        res[f"phases_ms_b{b}"] = ph
+        log(f"eagle dynamic:31 batch {b}: verify replay {verify}, draft level replays "
+            f"{[res.get(f'replay_ms_draft_b{b}_q{q}') for q in (1, 4, 8)]}, phases " +
+            ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
+    (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
 
 
 def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = None) -> None:
@@ -401,6 +439,8 @@ def main() -> None:
         real(out, sys.argv[3], sys.argv[4])
     elif cmd == "quick":
         quick(out, sys.argv[3], sys.argv[4])
+    elif cmd == "eagle":
+        eagle(out, sys.argv[3], sys.argv[4])
     elif cmd == "adaptive":
         adaptive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else None)
     log(json.dumps(RESULTS, indent=1, default=str)[-6000:])

@@ -48,8 +48,10 @@ class _TimingRow(NamedTuple):
 
 
 class GraphOutput(NamedTuple):
-    logits: torch.Tensor  # (B*Q, V) float32, padded layout
+    logits: torch.Tensor  # (B*Q, V) float32, padded layout (a feature-reading draft: its own vocabulary)
     accept: torch.Tensor | None  # (B, Q + 3) int64: greedy acceptance, then 1 if the row's logits are finite
+    features: torch.Tensor | None = None  # target: (B*Q, k * hidden) outputs of its aux layers, if any
+    hidden: torch.Tensor | None = None  # feature-reading draft: (B*Q, hidden) states, its children's input
 
 
 @dataclass
@@ -66,11 +68,17 @@ class CaptureReport:
 
 
 class GraphRunner:
-    """Replays captured forwards of the models in ``models`` (pool model index -> model)."""
+    """Replays captured forwards of the models in ``models`` (pool model index -> model).
+
+    ``aux_layers``: the target (model 0) also returns the outputs of these decoder layers (the
+    features an EAGLE draft reads). A model with ``reads_features`` (an EAGLE draft) takes, besides
+    ids and positions, one feature row per token, written into its graph input by ``run``.
+    """
 
     def __init__(self, models: dict, pool, backend, max_batch: int, max_query: dict[int, int],
-                 bt_width: int, device: torch.device) -> None:
+                 bt_width: int, device: torch.device, aux_layers: tuple[int, ...] = ()) -> None:
         self.models, self.pool, self.backend = models, pool, backend
+        self.aux_layers = tuple(aux_layers)
         self.device = torch.device(device)
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (bucket(max_batch, BATCH_BUCKETS)
                                                                               or max_batch,)
@@ -82,7 +90,12 @@ class GraphRunner:
         self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
+        self.programs: list = []  # more device programs captured with these graphs (``capture(pool) -> (n, s)``)
         self.report = CaptureReport()
+        top_t = max(self.batch_buckets) * top_q
+        self.feature_inputs = {m: torch.zeros(top_t, model.config.hidden_size, device=self.device,
+                                              dtype=next(model.parameters()).dtype)
+                               for m, model in models.items() if getattr(model, "reads_features", False)}
 
     def key_for(self, model_idx: int, rows) -> tuple[int, int, int] | None:
         """(model, B bucket, Q bucket) for these rows, or None when they must run eagerly."""
@@ -95,10 +108,15 @@ class GraphRunner:
             return None
         return model_idx, b, q
 
-    def run(self, key: tuple[int, int, int], rows, slots, bt_rows) -> GraphOutput:
-        """Fill the inputs of ``key`` with ``rows`` and run its forward (replayed when captured)."""
-        _, b, q = key
+    def run(self, key: tuple[int, int, int], rows, slots, bt_rows, features=None) -> GraphOutput:
+        """Fill the inputs of ``key`` with ``rows`` and run its forward (replayed when captured).
+        ``features``: a feature-reading model's (index (T,) of each packed token in the padded layout,
+        feature rows (T, hidden))."""
+        m, b, q = key
         self.inputs.fill(b, q, rows, slots, bt_rows)
+        if m in self.feature_inputs:
+            where, g = features
+            self.feature_inputs[m][:b * q].index_copy_(0, where, g.to(self.feature_inputs[m].dtype))
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()
@@ -122,8 +140,9 @@ class GraphRunner:
             with torch.cuda.graph(graph, pool=mempool):
                 out = self._forward(key)
             self.graphs[key] = (graph, out)
+        extra = sum(program.capture(mempool)[0] for program in self.programs)
         torch.cuda.synchronize(self.device)
-        self.report = CaptureReport(len(self.graphs), time.perf_counter() - start,
+        self.report = CaptureReport(len(self.graphs) + extra, time.perf_counter() - start,
                                     torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))
         log.info("%s", self.report)
         return self.report
@@ -177,7 +196,15 @@ class GraphRunner:
             slot_mapping=v.slots, block_size=self.pool.block_size, tree_mask=None if q == 1 else v.tree_mask,
             max_query_len=q, max_seq_len=self.max_seq_len)
         model = self.models[m]
-        hidden = model(v.ids, v.positions, ForwardContext(self.backend, meta, self.pool.model_kv(m)))  # (B*Q, H)
+        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(m))
+        if m in self.feature_inputs:  # an EAGLE draft: hidden states and its own-vocabulary logits
+            hidden = model(v.ids, v.positions, ctx, self.feature_inputs[m][:b * q])  # (B*Q, H)
+            return GraphOutput(model.compute_logits(hidden), None, None, hidden)
+        aux = None
+        if m == 0 and self.aux_layers:
+            hidden, aux = model.forward_features(v.ids, v.positions, ctx, self.aux_layers)  # (B*Q, H), (B*Q, kH)
+        else:
+            hidden = model(v.ids, v.positions, ctx)  # (B*Q, H)
         logits = model.compute_logits(hidden)  # (B*Q, V)
         if m != 0:
             return GraphOutput(logits, None)
@@ -189,4 +216,4 @@ class GraphRunner:
         else:
             accept = accept_greedy_padded(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax,
                                           v.num_tokens)
-        return GraphOutput(logits, torch.cat([accept, finite], 1))
+        return GraphOutput(logits, torch.cat([accept, finite], 1), aux)

@@ -22,6 +22,7 @@ never depends on the budget: every tree verifies to the target's own tokens.
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -107,6 +108,23 @@ def budget_options(drafter) -> list[BudgetOption]:
 
 _BATCH_KEY = [bucket(n, BATCH_BUCKETS) for n in range(max(BATCH_BUCKETS) + 1)]
 _QUERY_KEY = [bucket(n, QUERY_BUCKETS) for n in range(max(QUERY_BUCKETS) + 1)]
+
+
+def template_tree(tokens: list[int], template, n: int):
+    """The deterministic tree of ``template`` holding ``tokens``, cut to its first ``n`` nodes in level
+    order (the adaptive budget of a drafter that grows whole templates at once; ``n`` >= size: all)."""
+    from specdec.tree import DraftTree
+
+    if n >= template.num_nodes:
+        return DraftTree.of_template(tokens, template)
+    return DraftTree.of_template(tokens[:n], _template_prefix(template.parents, n)) if n else DraftTree.empty()
+
+
+@functools.lru_cache(maxsize=256)
+def _template_prefix(parents: tuple[int, ...], n: int):
+    from specdec.tree import TreeTemplate
+
+    return TreeTemplate(parents[:n])
 
 
 def batch_key(rows: int) -> int:

@@ -142,19 +142,21 @@ class SpecEngine:
                 m.model.fuse()
         want = self.config.cuda_graphs
         triton = self.runner.backend.name == "triton"
-        if want is None:  # a feature-reading (eagle) draft needs target features, which graphs do not return yet
-            want = self.device.type == "cuda" and triton and not self.drafter.target_features
+        if want is None:
+            want = self.device.type == "cuda" and triton
         if not want:
             return None
         if self.device.type == "cuda" and not triton:
             raise ValueError("SpecConfig.cuda_graphs=True on CUDA needs the Triton attention backend "
                              f"(attention_backend='auto' or 'triton'), got {self.config.attention_backend!r}")
         models, max_query = {0: self.target.model}, {0: self.drafter.max_nodes + 1}
-        if self.draft is not None and isinstance(self.draft.model, LlamaForCausalLM):
+        if self.draft is not None:  # a Llama draft or a feature-reading (EAGLE) one, both on pool model 1
             models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
         graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
-                             bt_width, self.device)
+                             bt_width, self.device, aux_layers=self.drafter.target_features)
         self.runner.graphs = graphs
+        if hasattr(self.drafter, "enable_device_loop"):
+            self.drafter.enable_device_loop(graphs)
         return graphs.capture()
 
     def _make_prefix_cache(self):

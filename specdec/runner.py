@@ -42,7 +42,31 @@ class ForwardResult(NamedTuple):
 
     logits: Sequence[torch.Tensor | None]
     accept: torch.Tensor | None
-    features: list[torch.Tensor] | None = None  # per row (n, k * hidden) outputs of the asked decoder layers
+    features: RowSlices | None = None  # per row (n, k * hidden) outputs of the asked decoder layers
+
+
+class RowSlices:
+    """Per-row slices of one table whose row i starts at ``starts[i]`` and has ``lengths[i]`` entries
+    (packed rows of an eager forward or padded rows of a graphed one). ``gather`` reads chosen
+    entries of every row with one indexing op instead of one per row."""
+
+    def __init__(self, table: torch.Tensor, starts: list[int], lengths: list[int]) -> None:
+        self.table, self.starts, self.lengths = table, starts, lengths
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.table[self.starts[i]:self.starts[i] + self.lengths[i]]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def gather(self, picks: list[list[int]]) -> list[torch.Tensor]:
+        """For each row i, its entries ``picks[i]`` (row-relative indices), as one tensor per row."""
+        flat = [s + j for s, p in zip(self.starts, picks) for j in p]
+        out = self.table[torch.tensor(flat, dtype=torch.int64, device=self.table.device)]
+        return list(out.split([len(p) for p in picks]))
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:
@@ -126,20 +150,46 @@ class ModelRunner:
                 aux_layers: tuple[int, ...] = ()) -> ForwardResult:
         """``run`` plus the device-side greedy acceptance when the step was graphed (target only) and the
         features of ``aux_layers`` (those forwards run eagerly)."""
-        key = self.graphs.key_for(model_idx, rows) if self.graphs is not None and not aux_layers else None
+        key = self._graph_key(model_idx, rows, aux_layers)
         if key is not None:
             return self._forward_graphed(key, rows)
         return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
 
-    def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
+    def _graph_key(self, model_idx: int, rows: list[RowInput], aux_layers: tuple[int, ...] = ()):
+        g = self.graphs
+        if g is None or tuple(aux_layers) != (g.aux_layers if model_idx == 0 else ()):
+            return None
+        return g.key_for(model_idx, rows)
+
+    def run_with_features(self, model_idx: int, model, rows: list[RowInput], g: torch.Tensor):
+        """Forward a feature-reading (EAGLE) draft over packed rows with one feature row per token
+        ``g`` (T, hidden): its hidden states (T, hidden) and, when the step was graphed, its logits
+        over its own vocabulary (T, N), else None."""
+        key = self._graph_key(model_idx, rows)
+        if key is None:
+            ctx, ids, pos = self.prepare(model_idx, rows)
+            with torch.inference_mode():
+                return model(ids, pos, ctx, g), None
+        q = key[2]
+        where = torch.tensor([i * q + j for i, r in enumerate(rows) for j in range(len(r.token_ids))],
+                             dtype=torch.int64, device=self.device)
+        out = self._replay(key, rows, (where, g))
+        return out.hidden.index_select(0, where), out.logits.index_select(0, where)
+
+    def _replay(self, key, rows: list[RowInput], features=None):
         self._sync_tables(rows)
-        _, _, q = key
-        if q > 1:
+        if key[2] > 1:
             rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
         slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
         bt = self.tables.host_rows([r.req.bt_row for r in rows])
-        out = self.graphs.run(key, rows, slots, bt)
-        return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept)
+        return self.graphs.run(key, rows, slots, bt, features)
+
+    def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
+        q = key[2]
+        out = self._replay(key, rows)
+        feats = None if out.features is None else RowSlices(out.features, [i * q for i in range(len(rows))],
+                                                             [len(r.token_ids) for r in rows])
+        return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept, feats)
 
     def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput], aux_layers=()):
         ctx, ids, pos = self.prepare(model_idx, rows)
@@ -159,7 +209,7 @@ class ModelRunner:
         out = []
         for a, b, kind in spans:
             out.append(None if kind == "none" else (logits[a] if kind == "last" else logits[a:b]))
-        return out, None, None if aux is None else [aux[qsl[i]:qsl[i + 1]] for i in range(len(rows))]
+        return out, None, None if aux is None else RowSlices(aux, qsl[:-1], [len(r.token_ids) for r in rows])
 
 
 class _PaddedLogits:

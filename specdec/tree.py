@@ -191,6 +191,25 @@ class DraftTree:
         return tree
 
     @classmethod
+    def of_template(cls, tokens: list[int], template: TreeTemplate) -> DraftTree:
+        """A deterministic tree of ``template``'s shape holding host token ids (one per node), on the CPU.
+
+        Like ``chain``: the shape's arrays come from the (validated) template, so only the tokens are new."""
+        shape = _template_arrays(template)
+        if len(tokens) != template.num_nodes:
+            raise ValueError(f"tokens: the template has {template.num_nodes} nodes, got {len(tokens)} tokens")
+        tree = object.__new__(cls)
+        object.__setattr__(tree, "tokens", torch.tensor(tokens, dtype=torch.int64))
+        for name, row in zip(("parents", "depth", "ancestor_mask", "dist_index"), shape.arrays):
+            object.__setattr__(tree, name, row)
+        object.__setattr__(tree, "draft_dists", None)
+        object.__setattr__(tree, "child_mode", "deterministic")
+        h = shape.host
+        object.__setattr__(tree, "_host", HostView(list(tokens), h.parents, h.depth, h.ancestor_mask, h.dist_index,
+                                                   h.children))
+        return tree
+
+    @classmethod
     def from_parents(cls, tokens: Sequence[int] | Tensor, parents: Sequence[int] | Tensor,
                      draft_dists: Tensor | None = None, dist_index: Sequence[int] | Tensor | None = None,
                      child_mode: str = "deterministic", device: torch.device | str | None = None,
@@ -439,3 +458,27 @@ def draw_tree(tree: DraftTree | TreeTemplate, path: str | Path, accepted: Sequen
     out = Path(path)
     fig.savefig(out, bbox_inches="tight")
     return out
+
+
+class _TemplateArrays(NamedTuple):
+    arrays: Tensor  # (4, N) int64: parents, depth, ancestor_mask, dist_index (all -1)
+    host: HostView
+
+
+_TEMPLATE_ARRAYS: dict[tuple[int, ...], _TemplateArrays] = {}
+
+
+def _template_arrays(template: TreeTemplate) -> _TemplateArrays:
+    """The shape arrays of a template's trees, built once per template."""
+    key = template.parents
+    if key not in _TEMPLATE_ARRAYS:
+        parents = list(key)
+        depth, mask = _depths_and_masks(parents)  # at most 63 nodes: every mask fits a signed int64
+        dist = [-1] * len(parents)
+        arrays = torch.tensor([parents, depth, mask, dist], dtype=torch.int64)
+        children: dict[int, list[int]] = {ROOT: []}
+        for i, p in enumerate(parents):
+            children.setdefault(i, [])
+            children.setdefault(p, []).append(i)
+        _TEMPLATE_ARRAYS[key] = _TemplateArrays(arrays, HostView([], parents, depth, mask, dist, children))
+    return _TEMPLATE_ARRAYS[key]

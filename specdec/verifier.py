@@ -42,7 +42,6 @@ class Verifier:
             check_finite_flags(rows, [row[-1] for row in greedy_rows], "target")
         else:
             check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
-        aux = fwd.features
         results = []
         for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
             p = req.params
@@ -59,10 +58,11 @@ class Verifier:
             else:
                 probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)
                 acc = verify_stochastic(tree, probs, req.generator)
-            nodes = list(acc.accepted_nodes)
-            feats = None if aux is None else aux[i][[0] + [1 + a for a in nodes]]  # (m + 1, k * hidden)
-            results.append(VerifyResult(nodes, list(acc.accepted_tokens), int(acc.bonus_token),
-                                        tree.num_nodes, tree.max_depth, dc, feats))
+            results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
+                                        tree.num_nodes, tree.max_depth, dc))
+        if fwd.features is not None:  # the pending token's and the accepted path's, one gather for the batch
+            feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
+            results = [r._replace(features=f) for r, f in zip(results, feats)]
         return results
 
     @staticmethod

@@ -244,3 +244,15 @@ def test_bench_reports_the_mean_budget_per_batch_size():
     mark = ctrl.chosen.copy()
     ctrl.chosen[(16, 1)] += 3
     assert ctrl.mean_budget(16) == pytest.approx(11 / 5) and ctrl.mean_budget(since=mark) == 1.0
+
+
+def test_template_tree_cuts_a_whole_template_to_the_budget():
+    from specdec.adaptive import template_tree
+    from specdec.tree import topk_template
+
+    tpl = topk_template(2, 2)  # 2 + 4 nodes, level order
+    tokens = [10, 11, 12, 13, 14, 15]
+    assert template_tree(tokens, tpl, 0).num_nodes == 0
+    two = template_tree(tokens, tpl, 2)
+    assert two.host.tokens == [10, 11] and two.host.parents == [-1, -1]
+    assert template_tree(tokens, tpl, 6).host.parents == list(tpl.parents)

@@ -175,6 +175,74 @@ def test_greedy_output_equals_target_only(setup, tree):
     assert sum(o.stats.accepted for o in spec) > 0
 
 
+@pytest.mark.parametrize("tree", ["chain:4", "topk:2x3", "dynamic:16"])
+def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
+    """With the graph path's padded buffers (on the CPU: eager replay), the verify step returns the target
+    features and every draft forward (catch-up and tree levels) goes through the padded buffers; greedy
+    output still equals target-only."""
+    from specdec.scheduler.cuda_graphs import GraphRunner
+
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    cfg = dict(max_batch_size=8, num_blocks=128, block_size=8)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(PROMPTS, params)
+    calls = {0: 0, 1: 0}
+    run = GraphRunner.run
+
+    def counting(self, key, *args, **kwargs):
+        calls[key[0]] += 1
+        out = run(self, key, *args, **kwargs)
+        assert (out.features is not None) == (key[0] == 0) and (out.hidden is not None) == (key[0] == 1)
+        return out
+
+    monkeypatch.setattr(GraphRunner, "run", counting)
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, **cfg))
+    eng.drafter.device_loop = None  # static trees: the level-by-level path (the device program is tested below)
+    spec = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert calls[0] > 0 and calls[1] > calls[0]  # draft: a catch-up and at least one level per verify
+    assert sum(o.stats.accepted for o in spec) > 0
+    assert eng.all_blocks_free()
+
+
+@pytest.mark.parametrize("tree", ["chain:4", "topk:2x3"])
+def test_device_tree_loop_proposes_the_host_paths_trees(setup, tree):
+    """Static trees of greedy batches are drafted by one device program (catch-up and every level, no host
+    read between them); its trees equal the level-by-level host path's, step for step, and the output
+    equals target-only."""
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    cfg = dict(tree=tree, max_batch_size=8, num_blocks=128, block_size=8, cuda_graphs=True)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **{k: cfg[k] for k in ("num_blocks",
+                                                                                       "block_size")}))
+    want = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    seen = {}
+    for device_loop in (True, False):
+        eng = SpecEngine(draft, target, SpecConfig(**cfg))
+        assert eng.drafter.device_loop is not None
+        if not device_loop:
+            eng.drafter.device_loop = None
+        trees, propose = [], eng.drafter.propose
+
+        def spy(rows, propose=propose, trees=trees):
+            prop = propose(rows)
+            trees.append([t.host.tokens for t in prop.trees])
+            return prop
+
+        eng.drafter.propose = spy
+        if device_loop:
+            calls = []
+            run = eng.drafter.device_loop.run
+            eng.drafter.device_loop.run = lambda *a, run=run, calls=calls: calls.append(1) or run(*a)
+        assert [o.token_ids for o in eng.generate(PROMPTS, params)] == want
+        assert eng.all_blocks_free()
+        seen[device_loop] = trees
+    assert len(calls) == len(seen[True]) > 0  # every step took the device program
+    assert seen[True] == seen[False]
+
+
 def test_untrained_draft_over_a_partial_vocabulary_is_lossless(tiny_target):
     shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
     vocab = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:100].sort().values
@@ -258,3 +326,23 @@ def test_unrolled_training_step_equals_the_tree_node_it_stands_for(tiny_target):
                     out = m(ids[0, :p + 1], torch.arange(p + 1), dense, g)
                     g = torch.cat([g[:p - k + 1], out[p - k:p]])
                 torch.testing.assert_close(steps[k][p], out[p], rtol=0, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tree", ["chain:4", "topk:2x3", "dynamic:16"])
+def test_gpu_graphed_eagle_equals_target_only(setup, tree):
+    """float32 on the GPU with graphs captured: the verify graphs hand the draft its features, static trees
+    replay the device program, and greedy output equals eager target-only decoding."""
+    root, _, _ = setup
+    target = load_model(root / "target", device="cuda")
+    draft = load_model(root / "full", target=target, device="cuda")
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    cfg = dict(max_batch_size=8, num_blocks=256, block_size=16, device="cuda")
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(PROMPTS, params)
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, **cfg))
+    assert eng.graph_report is not None and eng.graph_report.graphs > 0
+    if tree != "dynamic:16":
+        assert eng.drafter.device_loop is not None and len(eng.drafter.device_loop.graphs) > 0
+    spec = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert eng.all_blocks_free()

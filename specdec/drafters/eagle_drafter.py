@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.adaptive import template_tree
+from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.runner import RowInput
+from specdec.runner import RowInput, _with_causal_mask
 from specdec.scheduler.request import Request
 from specdec.training.eagle import EagleDraft
 from specdec.tree import TreeSpec
@@ -30,7 +32,7 @@ class _Features:
     rows: torch.Tensor  # (n, k * hidden)
 
     def put(self, start: int, rows: torch.Tensor) -> None:
-        if start == self.start + len(self.rows):
+        if start == self.start + len(self.rows) and len(self.rows):
             self.rows = torch.cat([self.rows, rows])
         else:
             self.start, self.rows = start, rows
@@ -38,6 +40,8 @@ class _Features:
     def before(self, begin: int, end: int) -> torch.Tensor:
         """Features of positions [begin - 1, end - 1) (the inputs of draft positions [begin, end));
         zeros where none is known (a prefix-cache hit or a preempted request's restart)."""
+        if self.start == begin - 1 and len(self.rows) >= end - begin:  # the usual case: all known, no copy
+            return self.rows[:end - begin]
         out = self.rows.new_zeros(end - begin, self.rows.shape[1])  # (end - begin, k * hidden)
         lo, hi = max(begin - 1, self.start), min(end - 1, self.start + len(self.rows))
         if lo < hi:
@@ -57,6 +61,49 @@ class EagleDrafter(ModelDrafter):
         self.vocab_size = vocab_size
         self.target_features = model.aux_layers
         self._feats: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
+        self.device_loop = None  # a DeviceTreeLoop once the graph path is on (static trees only)
+
+    def enable_device_loop(self, graphs) -> None:
+        """Draft greedy batches of a static tree with one device program per batch bucket (captured with
+        ``graphs``, the engine's GraphRunner)."""
+        if self._template is None:
+            return
+        from specdec.drafters.eagle_device import DeviceTreeLoop
+        from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket
+
+        catch_up = bucket(self.spec.depth + 1, QUERY_BUCKETS) or self.spec.depth + 1  # accepted path + bonus
+        self.device_loop = DeviceTreeLoop(self.model, self.runner.pool, self.runner.backend, self._template,
+                                          graphs.batch_buckets, catch_up, graphs.inputs.width, self.runner.device)
+        graphs.programs.append(self.device_loop)
+
+    def propose(self, rows: list[Request]) -> Proposal:
+        loop = self.device_loop
+        if loop is not None and rows and all(r.params.greedy for r in rows):
+            spans = [(r.num_computed_draft, len(r.tokens)) for r in rows]
+            sizes = [e - b for b, e in spans]
+            b = loop.bucket(len(rows), max(sizes))
+            if b is not None and min(sizes) > 0:
+                return self._propose_on_device(rows, spans, b)
+        return super().propose(rows)
+
+    def _propose_on_device(self, reqs: list[Request], spans: list[tuple[int, int]], b: int) -> Proposal:
+        loop, runner = self.device_loop, self.runner
+        rows = [RowInput(r, r.tokens[s:e], list(range(s, e)), s, e, want_logits="none") for r, (s, e) in
+                zip(reqs, spans)]
+        aux = torch.cat([self._state(r).before(s, e) for r, (s, e) in zip(reqs, spans)])  # (T, k * hidden)
+        where = torch.tensor([i * loop.q + j for i, (s, e) in enumerate(spans) for j in range(e - s)],
+                             dtype=torch.int64, device=runner.device)
+        runner._sync_tables(rows)
+        slots = [runner.slots(r, range(s, e)) for r, (s, e) in zip(reqs, spans)]
+        bt = runner.tables.host_rows([r.bt_row for r in reqs])
+        if loop.q > 1:
+            rows = [_with_causal_mask(r) for r in rows]
+        tokens = loop.run(b, rows, slots, bt, where, aux).tolist()  # (b, N): the step's one read
+        for r, (_, e) in zip(reqs, spans):
+            r.num_computed_draft = e
+            self._state(r).drop_before(e - 1)
+        trees = [template_tree(tokens[i], self._template, self.node_budget) for i in range(len(reqs))]
+        return Proposal(trees, [frozenset()] * len(reqs))
 
     def _state(self, req: Request) -> _Features:
         if req not in self._feats:
@@ -65,28 +112,34 @@ class EagleDrafter(ModelDrafter):
                                                          device=self.runner.device))
         return self._feats[req]
 
-    def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden)."""
-        ctx, ids, pos = self.runner.prepare(DRAFT_MODEL_INDEX, rows)
-        with torch.inference_mode():
-            return self.model(ids, pos, ctx, g), ctx.meta.host_query_start_loc
+    def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
+        draft-vocabulary logits (T, N) when the forward was graphed (else None: ``_logits`` computes them)."""
+        return self.runner.run_with_features(DRAFT_MODEL_INDEX, self.model, rows, g)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, draft_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """Target-vocabulary logits (n, V) of draft states ``hidden`` (or of their draft logits, when known)."""
         with torch.inference_mode():
-            return self.model.full_logits(self.model.compute_logits(hidden), self.vocab_size)  # (n, V)
+            if draft_logits is None:
+                draft_logits = self.model.compute_logits(hidden)
+            return self.model.full_logits(draft_logits, self.vocab_size)  # (n, V)
 
-    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
-        """Draft KV of positions [b, e) of each request from its stored target features."""
+    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]):
+        """Draft KV of positions [b, e) of each request from its stored target features: hidden states
+        (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
         rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
                 zip(reqs, spans)]
         aux = torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
-        hidden, qsl = self._hidden(rows, g)
+        hidden, logits = self._hidden(rows, g)
         for r, (_, e) in zip(reqs, spans):
             r.num_computed_draft = e
             self._state(r).drop_before(e - 1)
-        return hidden, qsl
+        qsl = [0]
+        for b, e in spans:
+            qsl.append(qsl[-1] + e - b)
+        return hidden, logits, qsl
 
     def prefill(self, chunks, features=None) -> None:
         if not chunks:
@@ -104,9 +157,10 @@ class EagleDrafter(ModelDrafter):
 
     def _catch_up(self, grows: list[_Growth]) -> None:
         reqs = [g.req for g in grows]
-        hidden, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
-        last = hidden[[e - 1 for e in qsl[1:]]]  # (rows, hidden)
-        for g, h, lg in zip(grows, last, self._logits(last)):
+        hidden, logits, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
+        ends = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
+        last = hidden.index_select(0, ends)  # (rows, hidden)
+        for g, h, lg in zip(grows, last, self._logits(last, None if logits is None else logits.index_select(0, ends))):
             g.hidden[-1] = h
             g.frontier = [(-1, lg)]
 
@@ -115,8 +169,8 @@ class EagleDrafter(ModelDrafter):
                          g.L + len(g.tokens), [g.masks[i] for i in nodes], want_logits="none")
                 for g, nodes in live]
         feats = torch.stack([g.hidden[g.parents[i]] for g, nodes in live for i in nodes])  # (T, hidden)
-        hidden, _ = self._hidden(rows, feats)
-        logits = self._logits(hidden)  # (T, V)
+        hidden, draft_logits = self._hidden(rows, feats)
+        logits = self._logits(hidden, draft_logits)  # (T, V)
         j = 0
         for g, nodes in live:
             g.frontier = [(i, logits[j + n]) for n, i in enumerate(nodes)]

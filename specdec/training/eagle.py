@@ -53,6 +53,8 @@ class EagleDraft(nn.Module):
     """The draft module. ``forward`` gives its hidden states (T, hidden), which are both the input
     of ``compute_logits`` and the feature ``g`` of its children."""
 
+    reads_features = True  # forward takes a feature row per token (graph capture gives it an input buffer)
+
     def __init__(self, target_cfg: ModelConfig, shape: EagleShape) -> None:
         super().__init__()
         shape.check(target_cfg)

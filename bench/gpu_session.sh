@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One session's GPU round on the H200, in consecutive runs of the device tool (the machine keeps /tmp
+# between runs while it is up, about 30 s). Prepare here, from the repository root:
+#   split -b 35000000 -d <SmolLM2 gguf> piece.   into .stage3/p_00 .. p_02 (one piece each, git-ignored)
+#   rm -rf build .whl && pip wheel --no-deps . -w .whl   (+ the blake3 and gguf wheels from stage-model)
+#   python -P bench/gpu_fastpath.py prompts .gpu/mtbench_ids.json; bash bench/gpu_honest.sh prep (mtbench.jsonl)
+# Runs (carry what is named):
+#   1 (.stage3/p_00)                 bash bench/gpu_session.sh piece 00
+#   2 (.stage3/p_01)                 bash bench/gpu_session.sh piece 01
+#   3 (.stage3/p_02 .whl .gpu)       bash bench/gpu_session.sh piece 02 && bash bench/gpu_session.sh core
+#   4 (.whl .gpu)                    bash bench/gpu_session.sh eagle
+#   5 (.stage-serve)                 bash bench/gpu_session.sh serve
+#   6 (.whl)                         bash bench/gpu_session.sh sweep
+# Each stage packs its logs and JSON into $OUT/<stage>.tgz (the device tool returns at most 8 files) and
+# prints a short summary last.
+set -uo pipefail
+stage=${1:?usage: gpu_session.sh piece NN | core | eagle | serve | sweep}
+OUT=${OUT:-/tmp/out}
+MODEL=/tmp/model.gguf
+root=$(pwd)
+mkdir -p "$OUT/$stage"
+D="$OUT/$stage"
+
+install() {
+  python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site "$root"/.whl/*.whl > "$D/pip.log" 2>&1
+  export PYTHONPATH=/tmp/site
+  [ -f "$root/.whl/commit.txt" ] && SPECDEC_GIT_COMMIT=$(cat "$root/.whl/commit.txt") && export SPECDEC_GIT_COMMIT
+}
+
+pack() {
+  tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "${OUT:?}/$stage"
+}
+
+case "$stage" in
+  piece)
+    mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
+    rm -rf "${OUT:?}/$stage"
+    ;;
+  core)
+    cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
+    install
+    nvidia-smi > "$D/nvidia-smi.txt" 2>&1
+    timeout 240 python3 -P -m pytest -q -x -p no:cacheprovider tests/test_step_graphs.py tests/test_eagle.py \
+       tests/test_kernels_kv_movement.py tests/test_engine_triton.py ${GPU_TESTS:-} > "$D/tests.log" 2>&1
+    echo "tests exit $?" >> "$D/tests.log"
+    tail -3 "$D/tests.log"
+    cd /tmp
+    timeout 130 python3 -P "$root/bench/gpu_fastpath.py" micro "$D" > "$D/micro.log" 2>&1
+    timeout 200 python3 -P "$root/bench/gpu_fastpath.py" quick "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+      ${QUICK_ARGS:-} > "$D/quick.log" 2>&1
+    grep -h -e "ms/step" -e "host ms" -e "speed-up" -e "quick " "$D/micro.log" "$D/quick.log" | tail -16
+    pack
+    ;;
+  eagle)
+    install
+    cd /tmp
+    timeout 420 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+      > "$D/eagle.log" 2>&1
+    grep -h -e "^eagle" "$D/eagle.log" | tail -20
+    pack
+    ;;
+  serve)
+    cd "$root" && OUT="$D" BUDGET_S=${BUDGET_S:-420} NUM_PROMPTS=${NUM_PROMPTS:-100} bash bench/serve_gpu.sh > "$D/run.log" 2>&1
+    tail -20 "$D/run.log"
+    pack
+    ;;
+  sweep)
+    install
+    cd "$root" && OUT="$D" bash bench/gpu_honest.sh sweep1 > "$D/sweep1.out" 2>&1
+    cd "$root" && OUT="$D" bash bench/gpu_honest.sh sweepN > "$D/sweepN.out" 2>&1
+    tail -14 "$D/sweep1.out"; tail -10 "$D/sweepN.out"
+    pack
+    ;;
+  *)
+    echo "unknown stage $stage" >&2; exit 2
+    ;;
+esac

@@ -1,0 +1,155 @@
+"""Greedy static-tree drafting with an EAGLE draft as one device program per batch bucket.
+
+When every row of a step is greedy and the tree is a static template (``chain:K``, ``topk:WxD``), the
+whole proposal runs on the device with no host read in between: the catch-up forward over each row's
+newly committed tokens (their target features come from the verify step), then level by level the
+top-k of each parent's draft logits and the draft forward of the new nodes (each node reads its
+parent's draft state). On CUDA the program is captured as one CUDA graph per batch bucket; on the
+CPU it runs eagerly over the same buffers. The host fills the catch-up inputs (one copy), runs the
+program and reads the batch's tree tokens (one copy).
+
+The trees equal those of the level-by-level host path (``EagleDrafter``'s ``ModelDrafter.propose``)
+up to ties in the draft logits: both take each parent's most probable draft tokens in rank order.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from specdec.attention.base import AttnMetadata
+from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
+from specdec.models.llama import ForwardContext
+from specdec.scheduler.step_inputs import StepInputs
+from specdec.tree import TreeTemplate, _depths_and_masks
+
+
+class _Level(NamedTuple):
+    """The nodes of one tree level (level order: [start, end)) and where their tokens come from."""
+
+    start: int
+    end: int
+    depth: int
+    parent_local: torch.Tensor  # (n,) index of each node's parent within the previous level (0: the root)
+    rank: torch.Tensor  # (n,) the node's rank among its siblings: which of the parent's top tokens it takes
+    children: int  # most children of one parent in this level (the top-k width)
+    nodes: torch.Tensor  # (n,) region index of each node (its slot is at position L + index)
+    masks: torch.Tensor  # (n,) ancestor bitmask over the region (self included)
+
+
+def levels_of(template: TreeTemplate, device) -> list[_Level]:
+    """The template's levels; raises ValueError unless it is level ordered (every level after the last)."""
+    depth, ranks, parents = template.depth, template.ranks, template.parents
+    if list(depth) != sorted(depth):
+        raise ValueError(f"template parents {parents} are not in level order")
+    _, masks = _depths_and_masks(list(parents))
+    out, start = [], 0
+    while start < len(parents):
+        d = depth[start]
+        end = start
+        while end < len(parents) and depth[end] == d:
+            end += 1
+        prev = out[-1] if out else None
+        local = [0 if parents[i] < 0 else parents[i] - prev.start for i in range(start, end)]
+        dev = dict(dtype=torch.int64, device=device)
+        out.append(_Level(start, end, d, torch.tensor(local, **dev), torch.tensor(ranks[start:end], **dev),
+                          max(ranks[start:end]) + 1, torch.arange(start, end, **dev),
+                          torch.tensor(masks[start:end], **dev)))
+        start = end
+    return out
+
+
+class DeviceTreeLoop:
+    """The device program of ``model`` (an ``EagleDraft`` on pool model 1) for tree ``template``.
+
+    ``catch_up``: most committed tokens a row's catch-up may hold (longer rows take the host path).
+    """
+
+    def __init__(self, model, pool, backend, template: TreeTemplate, batch_buckets: tuple[int, ...],
+                 catch_up: int, bt_width: int, device) -> None:
+        self.model, self.pool, self.backend, self.template = model, pool, backend, template
+        self.device = torch.device(device)
+        self.levels = levels_of(template, self.device)
+        self.batch_buckets, self.q = batch_buckets, catch_up
+        self._batch_of = [next((b for b in batch_buckets if b >= n), None) for n in range(max(batch_buckets) + 1)]
+        self.inputs = StepInputs(max(batch_buckets), catch_up, bt_width, self.device)
+        width = len(model.aux_layers) * model.config.hidden_size
+        self.features = torch.zeros(max(batch_buckets) * catch_up, width, device=self.device,
+                                    dtype=next(model.parameters()).dtype)
+        self.max_seq_len = bt_width * pool.block_size
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._qsl = {(b, lv.end - lv.start): torch.arange(b + 1, device=self.device) * (lv.end - lv.start)
+                     for b in batch_buckets for lv in self.levels}
+
+    def bucket(self, rows: int, longest: int) -> int | None:
+        """The batch bucket of a step with ``rows`` rows whose longest catch-up is ``longest``, or None."""
+        if rows >= len(self._batch_of) or longest > self.q:
+            return None
+        return self._batch_of[rows]
+
+    def run(self, b: int, rows, slots, bt_rows, where: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        """Fill bucket ``b``'s inputs (catch-up rows, their slots and block tables; ``aux`` (T, k * hidden)
+        target features written at padded positions ``where`` (T,)) and run the program: the tree tokens
+        (b, N) of every row (padded rows: garbage)."""
+        self.inputs.fill(b, self.q, rows, slots, bt_rows)
+        self.features[:b * self.q].index_copy_(0, where, aux.to(self.features.dtype))
+        if b in self.graphs:
+            graph, out = self.graphs[b]
+            graph.replay()
+            return out
+        return self._program(b)
+
+    def capture(self, pool_handle=None) -> tuple[int, float]:
+        """Capture every batch bucket (CUDA only): (graphs, seconds)."""
+        if self.device.type != "cuda":
+            return 0, 0.0
+        start = time.perf_counter()
+        for b in sorted(self.batch_buckets, reverse=True):
+            self.inputs.clear(b, self.q)
+            self._program(b)  # warm-up: compiles the kernels of these shapes
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool_handle):
+                out = self._program(b)
+            self.graphs[b] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs), time.perf_counter() - start
+
+    @torch.inference_mode()
+    def _program(self, b: int) -> torch.Tensor:
+        m, q, bs = self.model, self.q, self.pool.block_size
+        v = self.inputs.views(b, q)
+        kv = self.pool.model_kv(DRAFT_MODEL_INDEX)
+        meta = AttnMetadata(query_start_loc=v.qsl, prefix_lens=v.prefix_lens, seq_lens=v.seq_lens,
+                            block_tables=v.block_tables, slot_mapping=v.slots, block_size=bs,
+                            tree_mask=None if q == 1 else v.tree_mask, max_query_len=q, max_seq_len=self.max_seq_len)
+        g = m.fuse(self.features[:b * q])  # (b*q, hidden)
+        hidden = m(v.ids, v.positions, ForwardContext(self.backend, meta, kv), g)  # (b*q, hidden)
+        last = torch.arange(b, device=self.device) * q + (v.num_tokens - 1).clamp(min=0)  # (b,)
+        state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
+        logits = m.compute_logits(state.flatten(0, 1)).unsqueeze(1)  # (b, 1, N)
+        length = v.seq_lens.view(-1, 1)  # (b, 1): len(tokens), the tree's region starts there
+        live = (v.num_tokens > 0).view(-1, 1)  # (b, 1): padded rows store nothing
+        tokens = []
+        for i, lv in enumerate(self.levels):
+            top = logits.topk(lv.children, dim=-1).indices  # (b, n_prev, c)
+            toks = m.vocab_ids[top[:, lv.parent_local, lv.rank]]  # (b, n): target ids
+            tokens.append(toks)
+            if i + 1 == len(self.levels):
+                break
+            n = lv.end - lv.start
+            logical = length + lv.nodes.view(1, -1)  # (b, n)
+            blocks = v.block_tables.long().gather(1, logical // bs)
+            slots = torch.where(live, blocks * bs + logical % bs, -1).flatten()
+            meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens,
+                                seq_lens=v.seq_lens + lv.end, block_tables=v.block_tables, slot_mapping=slots,
+                                block_size=bs, tree_mask=lv.masks.repeat(b), max_query_len=n,
+                                max_seq_len=self.max_seq_len)
+            feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
+            pos = (length + lv.depth).expand(b, n).flatten()
+            h = m(toks.flatten(), pos, ForwardContext(self.backend, meta, kv), feats)  # (b*n, hidden)
+            state = h.view(b, n, -1)
+            logits = m.compute_logits(h).view(b, n, -1)
+        return torch.cat(tokens, 1)  # (b, N)
