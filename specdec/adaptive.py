@@ -80,21 +80,22 @@ def budget_options(drafter) -> list[BudgetOption]:
     n-gram: chains of 1..K tokens, one lookup. Draft model (the catch-up forward runs even at budget
     0, keeping the draft's KV current): chains of 1..K; a static top-k tree cut after whole levels
     (a prefix of the template in level order: a partly grown level would be valued like a full one);
-    a dynamic tree grown level by level, each level as wide as with the full budget."""
+    a dynamic tree grown level by level, each level as wide as with the full budget. A drafter whose
+    device program drafts a whole static template at once (the graphed eagle path) costs one draft
+    step whatever the budget: its trees are cut to the budget afterwards."""
     top = drafter.max_nodes
     spec = getattr(drafter, "spec", None)
     if top == 0:
         return [BudgetOption(0, 0, 0)]
     if not drafter.uses_kv or spec is None:
         return [BudgetOption(0, 0, 0)] + [BudgetOption(k, k, 1) for k in range(1, top + 1)]
-    if spec.kind == "chain":
-        return [BudgetOption(0, 0, 1)] + [BudgetOption(k, k, k) for k in range(1, top + 1)]
-    if spec.kind == "topk":
+    if spec.is_static:
         depth: list[int] = []
         for p in spec.template().parents:
             depth.append(0 if p < 0 else depth[p] + 1)
         levels = [sum(1 for d in depth if d < level) for level in range(1, max(depth) + 2)]
-        return [BudgetOption(0, 0, 1)] + [BudgetOption(n, d, d) for d, n in enumerate(levels, 1)]
+        whole = getattr(drafter, "device_loop", None) is not None  # one device program drafts every level
+        return [BudgetOption(0, 0, 1)] + [BudgetOption(n, d, 1 if whole else d) for d, n in enumerate(levels, 1)]
     from specdec.drafters.model_drafter import DYNAMIC_BEAM_MAX
 
     width = max(1, min(DYNAMIC_BEAM_MAX, top // DYNAMIC_LEVEL_WIDTH_DIVISOR))

@@ -256,3 +256,19 @@ def test_template_tree_cuts_a_whole_template_to_the_budget():
     two = template_tree(tokens, tpl, 2)
     assert two.host.tokens == [10, 11] and two.host.parents == [-1, -1]
     assert template_tree(tokens, tpl, 6).host.parents == list(tpl.parents)
+
+
+def test_options_of_draft_models_per_tree_kind():
+    from types import SimpleNamespace
+
+    from specdec.tree import template_from_spec
+
+    def opts(tree, loop=None):
+        spec = template_from_spec(tree)
+        return budget_options(SimpleNamespace(max_nodes=spec.budget, uses_kv=True, spec=spec, device_loop=loop,
+                                              _max_depth=min(10, spec.budget)))
+
+    assert opts("chain:3") == [(0, 0, 1), (1, 1, 1), (2, 2, 2), (3, 3, 3)]  # (nodes, depth, draft forwards)
+    assert opts("topk:2x2") == [(0, 0, 1), (2, 1, 1), (6, 2, 2)]  # whole levels of the template
+    assert opts("topk:2x2", loop=object()) == [(0, 0, 1), (2, 1, 1), (6, 2, 1)]  # one device program
+    assert opts("dynamic:16") == [(0, 0, 1)] + [(2 * d, d, d) for d in range(1, 9)]  # 2 nodes per level
