@@ -4,6 +4,8 @@ over MT-bench, float32 equality with graphs on. Writes JSON + logs to OUT; print
     python -P bench/gpu_fastpath.py micro OUT_DIR              # random SmolLM2-shaped weights (no model file)
     python -P bench/gpu_fastpath.py real OUT_DIR MODEL PROMPTS  # the real GGUF + pre-tokenised MT-bench prompts
     python -P bench/gpu_fastpath.py eagle OUT_DIR MODEL PROMPTS # the shipped EAGLE draft, graphed, vs target-only
+    python -P bench/gpu_fastpath.py adaptive OUT_DIR MODEL PROMPTS [N]  # n-gram chain:8, adaptive on/off vs
+                                                                        # target-only at batch 1, 16, 64
     python -P bench/gpu_fastpath.py prompts PROMPTS            # (CPU) write the tokenised prompt file
 
 On a CPU (for trying the script) everything runs with a tiny model and few tokens.
@@ -124,14 +126,17 @@ def user_generate(engine, prompts, params, batch: int) -> dict:
             "target_forwards": engine.stats.target_forwards}
 
 
-def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str) -> dict:
-    """``user_generate`` of a fresh engine (warmed up on two short requests, statistics reset after)."""
+def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str, engine_out=None, **cfg) -> dict:
+    """``user_generate`` of a fresh engine (warmed up on two short requests, statistics reset after);
+    ``cfg``: more SpecConfig fields; the engine is appended to ``engine_out`` when given."""
     eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dtype, tree=tree, max_batch_size=batch,
-                                               prefix_cache=False))
+                                               prefix_cache=False, **cfg))
     eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
     eng.stats = type(eng.stats)()
     r = user_generate(eng, prompts, params, batch=batch)
     r["mean_accepted_length"] = eng.stats.mean_accepted_length
+    if engine_out is not None:
+        engine_out.append(eng)
     return r
 
 
@@ -358,6 +363,41 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
     (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
 
 
+def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = None) -> None:
+    """n-gram chain:8 with adaptive budgets on and off against target-only, batch 1, 16 and 64, over the
+    first ``count`` MT-bench prompts (all 80 on CUDA by default), in one process; the controller's
+    chosen budgets, measured cost table and learned acceptance go into adaptive.json."""
+    prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
+    prompts = prompts[:count or (len(prompts) if CUDA else 4)]
+    params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True)
+    dt = "bfloat16" if CUDA else "float32"
+    target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
+    res = RESULTS.setdefault("adaptive", {"prompts": len(prompts), "new_tokens": params.max_new_tokens})
+    for b in (1, 16, 64):
+        for name, draft, on in (("target_only", None, False), ("ngram_fixed", "ngram", False),
+                                ("ngram_adaptive", "ngram", True)):
+            engines: list = []
+            r = res[f"{name}_b{b}"] = measured_run(draft, target, "chain:8", b, prompts, params, dt, engines,
+                                                  adaptive=on)
+            ctrl = engines[0].adaptive
+            if ctrl is not None:
+                r["mean_budget"] = ctrl.mean_budget()
+                r["budget_steps"] = {f"{rows}x{n}": c for (rows, n), c in sorted(ctrl.chosen.items())}
+                r["depth_rates"] = ctrl.acceptance.rates
+                r["verify_cost_table_ms"] = {f"{bb}x{q}": 1e3 * c for (bb, q), c in sorted(ctrl.costs.table.items())
+                                             if bb in (1, 16, 64)}
+                r["learned_ms"] = {k: {str(kk): 1e3 * v for kk, v in getattr(ctrl.costs, k).items()}
+                                   for k in ("offset", "seen", "draft", "other")}
+            log(f"adaptive {name} batch {b}: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}, "
+                f"mean budget {r.get('mean_budget')}")
+        base = res[f"target_only_b{b}"]["tok_per_s"]
+        for name in ("ngram_fixed", "ngram_adaptive"):
+            res[f"{name}_speedup_b{b}"] = res[f"{name}_b{b}"]["tok_per_s"] / base
+        log(f"batch {b}: fixed {res[f'ngram_fixed_speedup_b{b}']:.2f}x, adaptive "
+            f"{res[f'ngram_adaptive_speedup_b{b}']:.2f}x target-only")
+        (out / "adaptive.json").write_text(json.dumps(RESULTS, indent=1))
+
+
 def float32_equality(out: Path, model_path: str, prompts) -> None:
     """float32, graphs on: speculative == target-only for n-gram, chain, top-k and dynamic trees."""
     target = load_model(model_path, dtype=torch.float32, device=DEV)
@@ -403,6 +443,8 @@ def main() -> None:
         quick(out, sys.argv[3], sys.argv[4])
     elif cmd == "eagle":
         eagle(out, sys.argv[3], sys.argv[4])
+    elif cmd == "adaptive":
+        adaptive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else None)
     log(json.dumps(RESULTS, indent=1, default=str)[-6000:])
 
 

@@ -11,10 +11,11 @@
 #   4 (.whl .gpu)                    bash bench/gpu_session.sh eagle
 #   5 (.stage-serve)                 bash bench/gpu_session.sh serve
 #   6 (.whl)                         bash bench/gpu_session.sh sweep
+#   7 (.whl .gpu, after core)        bash bench/gpu_session.sh adaptive   (n-gram chain:8, adaptive on/off)
 # Each stage packs its logs and JSON into $OUT/<stage>.tgz (the device tool returns at most 8 files) and
 # prints a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh piece NN | core | eagle | serve | sweep}
+stage=${1:?usage: gpu_session.sh piece NN | core | eagle | serve | sweep | adaptive}
 OUT=${OUT:-/tmp/out}
 MODEL=/tmp/model.gguf
 root=$(pwd)
@@ -51,6 +52,14 @@ case "$stage" in
     timeout 200 python3 -P "$root/bench/gpu_fastpath.py" quick "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
       ${QUICK_ARGS:-} > "$D/quick.log" 2>&1
     grep -h -e "ms/step" -e "host ms" -e "speed-up" -e "quick " "$D/micro.log" "$D/quick.log" | tail -16
+    pack
+    ;;
+  adaptive)
+    install
+    cd /tmp
+    timeout 540 python3 -P "$root/bench/gpu_fastpath.py" adaptive "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+      > "$D/adaptive.log" 2>&1
+    grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
     pack
     ;;
   eagle)

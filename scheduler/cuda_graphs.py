@@ -11,10 +11,12 @@ everything but the capture itself is exercised on the CPU.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from specdec.scheduler.step_inputs import StepInputs
 
@@ -32,6 +34,17 @@ MAX_TREE_REGION = 64  # one int64 bitmask per query
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     """Smallest bucket >= n, or None when n exceeds them all."""
     return next((x for x in buckets if x >= n), None)
+
+
+class _TimingRow(NamedTuple):
+    """A synthetic verify row (the fields ``StepInputs.fill`` reads) for ``GraphRunner.measure_costs``."""
+
+    token_ids: list[int]
+    positions: list[int]
+    prefix_len: int
+    seq_len: int
+    tree_mask: list[int] | None
+    parents: list[int]
 
 
 class GraphOutput(NamedTuple):
@@ -133,6 +146,46 @@ class GraphRunner:
                                     torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))
         log.info("%s", self.report)
         return self.report
+
+    def measure_costs(self, model_idx: int = 0, context: int = 256, repeats: int = 5) -> dict[tuple[int, int], float]:
+        """Seconds of one forward of pool model ``model_idx`` per (batch bucket, query bucket): the median of
+        ``repeats`` timed runs over full rows of ``context`` cached tokens (the KV is read, never written:
+        every slot is padding). Captured graphs are replayed and timed with CUDA events; other buckets
+        run eagerly, timed on the host."""
+        costs = {}
+        for b in self.batch_buckets:
+            for q in self.query_buckets.get(model_idx, ()):
+                self._fill_timing_rows(b, q, max(1, min(context, self.max_seq_len - q)))
+                key = (model_idx, b, q)
+                self._timed(key)  # warm-up
+                costs[(b, q)] = statistics.median(self._timed(key) for _ in range(repeats))
+        return costs
+
+    def _fill_timing_rows(self, b: int, q: int, context: int) -> None:
+        from specdec.runner import _as_signed, causal_bits
+
+        bs, width = self.pool.block_size, self.inputs.width
+        nblk = min(-(-(context + q) // bs), width)
+        row = _TimingRow([1] * q, list(range(context, context + q)), context, context + q,
+                         _as_signed(causal_bits(q, q)) if q > 1 else None, [-1] + list(range(q - 1)))
+        bt = np.zeros((b, width), dtype=np.int32)
+        bt[:, :nblk] = np.arange(nblk) % self.pool.num_blocks
+        self.inputs.fill(b, q, [row] * b, [[-1] * q] * b, bt)
+
+    def _timed(self, key: tuple[int, int, int]) -> float:
+        if key not in self.graphs:
+            sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *_: None)
+            sync(self.device)
+            start = time.perf_counter()
+            self._forward(key)
+            sync(self.device)
+            return time.perf_counter() - start
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.graphs[key][0].replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     @torch.inference_mode()
     def _forward(self, key: tuple[int, int, int]) -> GraphOutput:

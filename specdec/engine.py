@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specdec.adaptive import make_controller
 from specdec.config import ModelConfig
 from specdec.config_checks import check_spec_config
 from specdec.drafters.base import Drafter, Proposal
@@ -52,6 +54,7 @@ class SpecConfig:
     ngram_max_n: int = 4
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
+    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA, off on the CPU
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -89,6 +92,7 @@ class SpecEngine:
         self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
+        self.adaptive = make_controller(cfg.adaptive, self.device, self.drafter, self.runner.graphs)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
             self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
@@ -211,13 +215,20 @@ class SpecEngine:
         logits, no KV block left for them) fails just those (finish_reason "error", the cause in
         ``error``); the step goes on for the others. Outputs go to the stream that owns a request.
         """
+        t0 = time.perf_counter()
         batch: StepBatch = self.scheduler.schedule()
         if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
             self._fail_stuck()
+        t1 = time.perf_counter()
         prefilled = self._prefill(batch)
+        if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
+            self.adaptive.timing_valid = not prefilled
         rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)
+        t2 = time.perf_counter()
         commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
         self.drafter.accepted(rows, results)
+        if self.adaptive is not None and rows and not prefilled:
+            self.adaptive.observe_other(len(rows), t1 - t0 + time.perf_counter() - t2)
         for req in rows:
             if req.finished:
                 self.stats.merge(req.stats)
@@ -228,6 +239,8 @@ class SpecEngine:
     def _speculate(self, rows: list[Request]) -> list:
         if not rows:
             return []
+        if self.adaptive is not None:
+            return self.adaptive.speculate(rows, self.drafter, self.verifier)
         proposal: Proposal = self.drafter.propose(rows)
         return self.verifier.verify(rows, proposal.trees, proposal.draft_computed)
 

@@ -270,6 +270,13 @@ def format_table(report: dict) -> str:
                      + ["", legend] + divergence_lines(report["records"])) + "\n"
 
 
+def budget_line(report: dict) -> str:
+    """One line with the adaptive engine's mean tree budget (nodes per step) per batch size ("" without one)."""
+    parts = [f"batch {e['batch_size']}: {e['mean_budget']:.2f}" for e in report.get("sweep", [])
+             if e.get("mean_budget") is not None]
+    return f"adaptive tree budget (mean nodes per step): {', '.join(parts)}\n" if parts else ""
+
+
 def render_table(t: list[tuple[str, ...]]) -> list[str]:
     """Rows of strings as aligned lines (first column left-aligned), a rule under the header."""
     widths = [max(len(r[i]) for r in t) for i in range(len(t[0]))]

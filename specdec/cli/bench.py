@@ -10,6 +10,7 @@ import torch
 from specdec.benchmark.hf import HF_PARTS
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
+ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
 
 
 def add_bench_parser(sub, add_model_args) -> None:
@@ -29,6 +30,8 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="with --baseline hf: which transformers configurations to run (comma list)")
     b.add_argument("--no-hf-compile", action="store_true",
                    help="run the static-cache transformers baseline without torch.compile (quick checks)")
+    b.add_argument("--adaptive", default="auto", choices=list(ADAPTIVE_CHOICES),
+                   help="per-step tree budget from measured costs (auto: on for CUDA); reports the mean budget")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", dest="json_out", default=None)
     b.add_argument("--plot", default=None)
@@ -77,6 +80,7 @@ def cmd_bench(args) -> int:
     from specdec.benchmark.data import DATASET_NAMES, load_dataset
     from specdec.benchmark.plot import plot_report
     from specdec.benchmark.report import (
+        budget_line,
         build_report,
         environment_info,
         format_table,
@@ -98,7 +102,7 @@ def cmd_bench(args) -> int:
     draft_name = args.draft or default_draft(args.target, device)
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
-                max_batch_size=max(64, *batch_sizes))
+                max_batch_size=max(64, *batch_sizes), adaptive=ADAPTIVE_CHOICES[args.adaptive])
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    max_new_tokens=args.max_new_tokens)
     check_model("--target", args.target)
@@ -114,13 +118,17 @@ def cmd_bench(args) -> int:
         from specdec.tree import template_from_spec
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
-    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs))
+    budgets: dict[int, float | None] = {}
+    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets))
              for b in batch_sizes]
     config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
               "dtype": dtype}
     config.pop("func", None)
     report = build_report(sweep[0][1], environment_info(), config, sweep=sweep)
+    for entry in report["sweep"]:
+        entry["mean_budget"] = budgets.get(entry["batch_size"])
     print(format_table(report))
+    print(budget_line(report), end="")
     print(format_sweep(report), end="")
     if args.json_out:
         write_json(report, args.json_out)
@@ -134,15 +142,21 @@ def cmd_bench(args) -> int:
 
 
 def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str,
-                   hf_configs=HF_PARTS) -> list[dict]:
+                   hf_configs=HF_PARTS, budgets: dict | None = None) -> list[dict]:
     """Per-prompt records of one batch size: engine runs, the transformers configurations ``hf_configs``
-    (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part."""
+    (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part.
+    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose."""
+    from collections import Counter
+
     from specdec.benchmark.divergence import classify_divergences, float32_reference
 
     spec, plain = engines
     _warm_up(spec, plain, ids[:batch_size], params)
     device = target.device
+    mark = Counter(spec.adaptive.chosen) if spec.adaptive is not None else None
     spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device)
+    if mark is not None and budgets is not None:
+        budgets[batch_size] = spec.adaptive.mean_budget(since=mark)
     plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device)
     hf_runs = {part: hf.run(part, ids, batch_size) if hf and part in hf_configs else [None] * len(ids)
                for part in HF_PARTS}

@@ -21,8 +21,14 @@ class Drafter(ABC):
 
     max_nodes: int = 0
     uses_kv: bool = False  # True when the drafter keeps a model's KV in the shared pool
+    budget: int | None = None  # nodes allowed in this step's trees (set by the adaptive controller); None: max_nodes
 
     target_features: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE-style)
+
+    @property
+    def node_budget(self) -> int:
+        """Most nodes a tree of this step may have: ``budget`` when set, never more than ``max_nodes``."""
+        return self.max_nodes if self.budget is None else min(self.budget, self.max_nodes)
 
     def prefill(self, chunks, features=None) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
         """Write the draft model's KV for prompt chunks (list of PrefillChunk); ``features`` holds per

@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.adaptive import template_tree
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
 from specdec.runner import RowInput, _with_causal_mask
 from specdec.scheduler.request import Request
 from specdec.training.eagle import EagleDraft
-from specdec.tree import DraftTree, TreeSpec
+from specdec.tree import TreeSpec
 
 
 @dataclass
@@ -101,7 +102,7 @@ class EagleDrafter(ModelDrafter):
         for r, (_, e) in zip(reqs, spans):
             r.num_computed_draft = e
             self._state(r).drop_before(e - 1)
-        trees = [DraftTree.of_template(tokens[i], self._template) for i in range(len(reqs))]
+        trees = [template_tree(tokens[i], self._template, self.node_budget) for i in range(len(reqs))]
         return Proposal(trees, [frozenset()] * len(reqs))
 
     def _state(self, req: Request) -> _Features:

@@ -84,7 +84,7 @@ class ModelDrafter(Drafter):
             new = self._expand_level(grows)
             if level + 1 == self._max_depth:
                 break
-            live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.max_nodes]
+            live = [(g, n) for g, n in zip(grows, new) if n and len(g.tokens) < self.node_budget]
             if not live:
                 break
             self._forward_level(live)
@@ -143,7 +143,7 @@ class ModelDrafter(Drafter):
 
     def _static_nodes(self, g: _Growth) -> list[tuple[int, torch.Tensor]]:
         """g's frontier nodes (node, logits) that get children this level."""
-        if len(g.tokens) >= self.max_nodes:
+        if len(g.tokens) >= self.node_budget:
             return []
         return [(parent, lg) for parent, lg in g.frontier if self._child_count.get(parent, 0)]
 
@@ -151,7 +151,7 @@ class ModelDrafter(Drafter):
         """Add each row's next dynamic-tree level: its best min(beam, budget left) candidates over
         (frontier nodes x DYNAMIC_CANDIDATES) by cumulative draft probability (``frontier`` says the
         order and the tie rule). All rows are selected on the device and read with one copy."""
-        todo = [i for i, g in enumerate(grows) if g.frontier and len(g.tokens) < self.max_nodes]
+        todo = [i for i, g in enumerate(grows) if g.frontier and len(g.tokens) < self.node_budget]
         new: list[list[int]] = [[] for _ in grows]
         if not todo:
             return new
@@ -165,7 +165,7 @@ class ModelDrafter(Drafter):
         base = torch.cat([one if grows[i].front_score is None else grows[i].front_score for i in todo])  # (F,)
         f_max = max(len(front) for front in fronts)
         slots = [r * f_max + j for r, front in enumerate(fronts) for j in range(len(front))]
-        takes = [min(self._beam, self.max_nodes - len(grows[i].tokens)) for i in todo]
+        takes = [min(self._beam, self.node_budget - len(grows[i].tokens)) for i in todo]
         meta = torch.tensor(slots + takes, dtype=torch.int64).to(dev, non_blocking=True)
         layout = FrontierLayout(meta[:len(slots)], meta[len(slots):], len(todo), f_max)
         probs = shaped_probs(logits, groups)  # (F, V)

@@ -62,12 +62,16 @@ class NgramDrafter(Drafter):
         self._index: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
 
     def propose(self, rows: list[Request]) -> Proposal:
+        """A chain of at most ``node_budget`` tokens per row (empty chains without a lookup when it is 0)."""
+        k = self.node_budget
+        if k == 0:
+            return Proposal([DraftTree.chain([]) for _ in rows], [None] * len(rows))
         trees = []
         for req in rows:
             room = req.params.max_new_tokens - req.num_output - 1
             index = self._index.get(req)
             if index is None:
                 index = self._index[req] = NgramIndex(self.max_n, self.min_n)
-            cand = index.lookup(req.tokens, min(self.k, max(room, 0)))
+            cand = index.lookup(req.tokens, min(k, max(room, 0)))
             trees.append(DraftTree.chain(cand))  # host trees: verification reads tokens from the host view
         return Proposal(trees, [None] * len(rows))

@@ -1,0 +1,274 @@
+"""Adaptive speculation: the budget controller on synthetic costs and acceptance, and the engine with it on.
+
+Controller tests drive ``BudgetController`` with cost tables and accepted lengths made up here (no
+model). Engine tests (tiny random pair of conftest, float32) check that greedy output equals
+target-only output whatever budgets are chosen, and that injected cost tables move the budgets.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specdec.scheduler.cuda_graphs import QUERY_BUCKETS
+
+from specdec.adaptive import (
+    AdaptiveConfig,
+    BudgetController,
+    BudgetOption,
+    DepthAcceptance,
+    StepCosts,
+    batch_key,
+    budget_options,
+    query_key,
+)
+from specdec.drafters.ngram import NgramDrafter
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.errors import FieldError
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CHAIN8 = budget_options(NgramDrafter(8))  # n-gram chain:8: budgets 0..8, one lookup each
+
+
+def flat_table(batches=(1, 16, 64), base=1e-3):
+    """Verify costs that do not grow with the query bucket (a cheap tree verify)."""
+    return {(b, q): base for b in batches for q in QUERY_BUCKETS}
+
+
+def steep_table(batches=(1, 16, 64), base=1e-3):
+    """Verify costs proportional to the tokens of the step (a compute-bound large batch)."""
+    return {(b, q): base * q for b in batches for q in QUERY_BUCKETS}
+
+
+def run(ctrl: BudgetController, rows: int, accepted_of, steps: int) -> list[int]:
+    """``steps`` choose/observe rounds; accepted_of(budget) -> accepted tokens per row; each verify takes
+    what the controller's table says. Returns the budgets."""
+    out = []
+    for _ in range(steps):
+        n = ctrl.choose(rows)
+        seconds = ctrl.costs.table[(batch_key(rows), query_key(n + 1))]
+        ctrl.observe(rows, n + 1, [accepted_of(n)] * rows, 0.0, seconds)
+        out.append(n)
+    return out
+
+
+def test_options_per_drafter_kind():
+    assert [o.nodes for o in CHAIN8] == list(range(9)) and CHAIN8[0] == BudgetOption(0, 0, 0)
+    ctrl = BudgetController(CHAIN8)  # equal cost within a query bucket: only the deepest of each is kept
+    assert [o.nodes for o in ctrl.options] == [0, 1, 3, 7, 8]
+
+
+def test_cheap_verify_and_high_acceptance_choose_the_largest_budget():
+    ctrl = BudgetController(CHAIN8, cost_table=flat_table())
+    budgets = run(ctrl, 16, lambda n: n, 40)  # every drafted token accepted
+    assert budgets[-10:] == [8] * 10
+
+
+def test_steep_verify_cost_at_large_batch_chooses_plain_decoding():
+    ctrl = BudgetController(CHAIN8, cost_table=steep_table())
+    budgets = run(ctrl, 64, lambda n: min(n, 1), 64)  # ~1 token accepted: never worth a 2x-16x verify
+    cfg = ctrl.config
+    plain = [n for i, n in enumerate(budgets, 1) if i % cfg.probe_interval]
+    assert plain[-20:] == [0] * 20
+    # the same acceptance at batch 1 with a flat cost still speculates
+    assert run(BudgetController(CHAIN8, cost_table=flat_table()), 1, lambda n: min(n, 1), 20)[-1] > 0
+
+
+def test_falling_acceptance_lowers_the_budget():
+    table = {(16, q): 1e-3 * (1 + 0.05 * q) for q in QUERY_BUCKETS}  # mildly growing verify cost
+    ctrl = BudgetController(CHAIN8, cost_table=table)
+    high = run(ctrl, 16, lambda n: n, 30)
+    low = run(ctrl, 16, lambda n: 0, 60)  # acceptance collapses: nothing is accepted any more
+    assert high[-1] == 7  # 8 tokens for a 1.4 ms verify (Q=8) beat 9 for 1.8 ms (Q=16)
+    assert max(low[-10:]) < high[-1] and low[-1] == 0
+
+
+def test_reprobing_after_plain_decoding_finds_acceptance_again():
+    table = {(16, q): 1e-3 * (1 + 0.05 * q) for q in QUERY_BUCKETS}
+    ctrl = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=4), cost_table=table)
+    run(ctrl, 16, lambda n: 0, 40)
+    assert ctrl.choose(16) in (0, 1)  # settled on (almost) plain decoding
+    budgets = run(ctrl, 16, lambda n: n, 80)  # acceptance comes back: only probes can see it
+    assert budgets[-1] == 7
+
+
+def test_online_costs_explore_unseen_buckets_then_interpolate():
+    costs = StepCosts(alpha=0.5)
+    assert costs.verify(16, 4) is None
+    costs.observe_verify(16, 1, 1.0)
+    costs.observe_verify(16, 8, 2.4)
+    assert costs.verify(16, 4) == pytest.approx(1.0 + 1.4 * 3 / 7)  # linear between the seen buckets
+    assert costs.verify(16, 16) == pytest.approx(2.4 + 0.2 * 8)  # past them: the last segment's slope
+    costs.observe_verify(16, 8, 3.4)
+    assert costs.verify(16, 8) == pytest.approx(2.9)  # EMA
+    # without a table the controller first tries every query bucket its options use, largest first
+    ctrl = BudgetController(CHAIN8)
+    firsts = []
+    for _ in range(5):
+        firsts.append(ctrl.choose(16))
+        ctrl.observe(16, firsts[-1] + 1, [0] * 16, 0.0, 1e-3)
+    assert firsts == [8, 7, 3, 1, 0]
+
+
+def test_depth_acceptance_counts_short_trees_as_misses():
+    acc = DepthAcceptance(4, prior=0.8, weight=1e-6, memory=100.0)
+    acc.observe(4, [0, 1, 4, 4])  # rows reaching depth 0: 4 (3 hit), depth 1: 3 (2 hit), depth 2, 3: 2 (2 hit)
+    assert acc.rates == pytest.approx([0.75, 2 / 3, 1.0, 1.0], abs=1e-5)
+    assert acc.expected()[2] == pytest.approx(1 + 0.75 + 0.5, abs=1e-5)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(FieldError, match="probe_interval"):
+        AdaptiveConfig(probe_interval=0)
+    with pytest.raises(FieldError, match="adaptive"):
+        SpecConfig(adaptive="yes")
+
+
+# ---------------------------------------------------------------- engine
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    base = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 23, 14, 31)]
+    return [p + p[:6] for p in base]  # a repeated span gives the n-gram drafter matches
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    eng = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8))
+    return [o.token_ids for o in eng.generate(_prompts(), SamplingParams(max_new_tokens=20, ignore_eos=True))]
+
+
+@pytest.mark.parametrize("draft,tree,graphs", [("ngram", "chain:8", False), ("model", "chain:4", True),
+                                               ("model", "dynamic:16", False), ("model", "topk:2x3", False)])
+def test_adaptive_greedy_equals_target_only(tiny_target, tiny_draft, reference, draft, tree, graphs):
+    d = {"ngram": "ngram", "model": tiny_draft}[draft]
+    eng = SpecEngine(d, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=8, adaptive=True,
+                                                cuda_graphs=graphs))
+    assert eng.adaptive is not None
+    outs = eng.generate(_prompts(), SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert [o.token_ids for o in outs] == reference
+    assert eng.all_blocks_free()
+    assert sum(eng.adaptive.chosen.values()) > 0 and eng.stats.drafted > 0
+
+
+def test_injected_cost_tables_move_the_budget(tiny_target, reference):
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    got = {}
+    for name, table in (("flat", flat_table((1, 2, 4), 1.0)), ("steep", steep_table((1, 2, 4), 1.0))):
+        eng = SpecEngine(tiny_target, tiny_target, SpecConfig(tree="chain:8", num_blocks=256, block_size=8,
+                                                              adaptive=True))
+        ctrl = eng.adaptive = BudgetController(budget_options(eng.drafter), AdaptiveConfig(probe_interval=64), table)
+        for learn in ("observe_verify", "observe_draft", "observe_other"):  # costs = the table, not wall times
+            setattr(ctrl.costs, learn, lambda *a: None)
+        assert [o.token_ids for o in eng.generate(_prompts(), params)] == reference
+        got[name] = (ctrl.mean_budget(), eng.stats.drafted, eng.stats.target_forwards)
+    # the draft is the target itself (everything accepted): equal verify costs take full chains, steep ones none
+    assert got["flat"][0] == 8 and got["flat"][1] == 8 * got["flat"][2], got
+    assert got["steep"][0] == 0 and got["steep"][1] == 0, got
+
+
+class Scripted(BudgetController):
+    """Cycles through every option (0 included) and records (budget, largest tree) per step."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.turn, self.sizes = 0, []
+
+    def choose(self, rows: int) -> int:
+        self.last = self.options[self.turn % len(self.options)]
+        self.turn += 1
+        return self.last.nodes
+
+    def observe(self, rows, query, accepted, propose_s, verify_s) -> None:
+        self.sizes.append((self.last.nodes, query - 1))
+
+
+def _eagle(tiny_target):
+    from specdec.loading.registry import LoadedModel
+    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+
+    shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
+    model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 200, 2), seed=2).eval().requires_grad_(False)
+    return LoadedModel("eagle", model, None, model.config)
+
+
+@pytest.mark.parametrize("draft,tree", [("eagle", "chain:3"), ("eagle", "dynamic:12"), ("eagle", "topk:2x2"),
+                                        ("model", "dynamic:16"), ("ngram", "chain:6")])
+def test_every_budget_bounds_the_trees_and_output_stays_exact(tiny_target, tiny_draft, reference, draft, tree):
+    d = {"eagle": _eagle(tiny_target) if draft == "eagle" else None, "model": tiny_draft, "ngram": "ngram"}[draft]
+    eng = SpecEngine(d, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=8, adaptive=True))
+    eng.adaptive = ctrl = Scripted(budget_options(eng.drafter))
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    assert [o.token_ids for o in eng.generate(_prompts(), params)] == reference
+    assert eng.all_blocks_free()
+    assert all(size <= n for n, size in ctrl.sizes)  # no tree outgrows its budget
+    if draft != "ngram":  # a draft model grows every budget (0 too) in full
+        assert {n for n, size in ctrl.sizes if size == n} == {o.nodes for o in ctrl.options}
+    sampled = eng.generate(_prompts(), SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, ignore_eos=True))
+    assert all(len(o.token_ids) == 12 for o in sampled) and eng.all_blocks_free()  # sampled trees obey budgets too
+    assert all(size <= n for n, size in ctrl.sizes)
+
+
+def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
+    eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=64, block_size=8, max_batch_size=4,
+                                                      cuda_graphs=True))
+    eng.pool.storage.normal_()
+    before = eng.pool.storage.clone()
+    costs = eng.runner.graphs.measure_costs(context=20, repeats=1)
+    assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 8)}  # q bucket of 4 + 1 tokens: 8
+    assert all(c > 0 for c in costs.values())
+    assert torch.equal(eng.pool.storage, before)  # every slot was padding: nothing stored
+
+
+def test_steps_with_a_prefill_teach_acceptance_but_no_costs():
+    ctrl = BudgetController(CHAIN8)
+    ctrl.timing_valid = False
+    n = ctrl.choose(16)
+    ctrl.observe(16, n + 1, [n] * 16, 0.5, 9.0)
+    assert ctrl.costs.seen == {} and ctrl.costs.draft == {} and ctrl.costs.tries == {}
+    assert ctrl.acceptance.rates[0] > AdaptiveConfig().prior_rate  # all accepted: the rate rose
+
+
+def test_bench_reports_the_mean_budget_per_batch_size():
+    from specdec.benchmark.report import budget_line
+
+    report = {"sweep": [{"batch_size": 1, "mean_budget": 7.5}, {"batch_size": 16, "mean_budget": 0.25},
+                        {"batch_size": 64, "mean_budget": None}]}
+    assert budget_line(report) == "adaptive tree budget (mean nodes per step): batch 1: 7.50, batch 16: 0.25\n"
+    assert budget_line({"sweep": [{"batch_size": 1}]}) == ""  # adaptive off: no line
+    ctrl = BudgetController(CHAIN8)
+    for rows, n in ((16, 8), (16, 0), (4, 3)):
+        ctrl.chosen[(rows, n)] += 1
+    mark = ctrl.chosen.copy()
+    ctrl.chosen[(16, 1)] += 3
+    assert ctrl.mean_budget(16) == pytest.approx(11 / 5) and ctrl.mean_budget(since=mark) == 1.0
+
+
+def test_template_tree_cuts_a_whole_template_to_the_budget():
+    from specdec.adaptive import template_tree
+    from specdec.tree import topk_template
+
+    tpl = topk_template(2, 2)  # 2 + 4 nodes, level order
+    tokens = [10, 11, 12, 13, 14, 15]
+    assert template_tree(tokens, tpl, 0).num_nodes == 0
+    two = template_tree(tokens, tpl, 2)
+    assert two.host.tokens == [10, 11] and two.host.parents == [-1, -1]
+    assert template_tree(tokens, tpl, 6).host.parents == list(tpl.parents)
+
+
+def test_options_of_draft_models_per_tree_kind():
+    from types import SimpleNamespace
+
+    from specdec.tree import template_from_spec
+
+    def opts(tree, loop=None):
+        spec = template_from_spec(tree)
+        return budget_options(SimpleNamespace(max_nodes=spec.budget, uses_kv=True, spec=spec, device_loop=loop,
+                                              _max_depth=min(10, spec.budget)))
+
+    assert opts("chain:3") == [(0, 0, 1), (1, 1, 1), (2, 2, 2), (3, 3, 3)]  # (nodes, depth, draft forwards)
+    assert opts("topk:2x2") == [(0, 0, 1), (2, 1, 1), (6, 2, 2)]  # whole levels of the template
+    assert opts("topk:2x2", loop=object()) == [(0, 0, 1), (2, 1, 1), (6, 2, 1)]  # one device program
+    assert opts("dynamic:16") == [(0, 0, 1)] + [(2 * d, d, d) for d in range(1, 9)]  # 2 nodes per level
