@@ -325,27 +325,31 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
                        target=target)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     sizes = {1: 20 if CUDA else 1, 64: 64 if CUDA else 2}
-    trees = {1: ("chain:3", "chain:5", "chain:7", "topk:2x3", "topk:2x4", "dynamic:15", "dynamic:31", "dynamic:63"),
-             64: ("chain:3", "chain:5", "topk:2x3", "dynamic:15")} if CUDA else {1: ("chain:3", "dynamic:7"),
-                                                                                 64: ("chain:3",)}
+    # (tree, adaptive budget): fixed shapes first, then the adaptive controller on two of them
+    trees = {1: [(t, False) for t in ("chain:3", "chain:5", "topk:2x3", "topk:2x4", "dynamic:15", "dynamic:31",
+                                      "dynamic:63")] + [("topk:2x4", True), ("dynamic:31", True)],
+             64: [(t, False) for t in ("chain:3", "chain:5", "topk:2x3", "dynamic:15")] + [("topk:2x3", True)]}
+    if not CUDA:
+        trees = {1: [("chain:3", False), ("dynamic:7", False), ("chain:3", True)], 64: [("chain:3", False)]}
     for b, count in sizes.items():
         ps = prompts[:count]
         base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt)
         log(f"eagle round: target-only batch {b}: {base['tok_per_s']:.1f} tok/s")
-        for tree in trees[b]:
+        for tree, adaptive in trees[b]:
+            name = f"eagle_{tree}{'_adaptive' if adaptive else ''}_b{b}"
             try:
-                r = measured_run(draft, target, tree, b, ps, params, dt)
+                r = measured_run(draft, target, tree, b, ps, params, dt, adaptive=adaptive)
             except Exception as exc:  # noqa: BLE001 - reported, the other shapes still run
-                res[f"eagle_{tree}_b{b}"] = {"error": repr(exc)}
-                log(f"eagle {tree} batch {b} failed: {exc!r}")
+                res[name] = {"error": repr(exc)}
+                log(f"{name} failed: {exc!r}")
                 continue
             r["speedup"] = r["tok_per_s"] / base["tok_per_s"]
-            res[f"eagle_{tree}_b{b}"] = r
-            log(f"eagle {tree} batch {b}: {r['tok_per_s']:.1f} tok/s, {r['speedup']:.2f}x, "
-                f"mal {r['mean_accepted_length']:.2f}")
+            res[name] = r
+            log(f"{name}: {r['tok_per_s']:.1f} tok/s, {r['speedup']:.2f}x, mal {r['mean_accepted_length']:.2f}")
         (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
     eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="dynamic:31", max_batch_size=64,
-                                               prefix_cache=False, cuda_graphs=True if not CUDA else None))
+                                               prefix_cache=False, cuda_graphs=True if not CUDA else None,
+                                               adaptive=False))
     res["capture"] = str(eng.graph_report)
     for b in (1, 64):
         verify = replay_ms(eng, (0, b, 32))  # dynamic:31 verifies 32 tokens per row
