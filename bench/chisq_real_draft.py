@@ -71,7 +71,7 @@ def main() -> None:
                 outs = eng.generate([prompt] * samples, params)
                 first = torch.tensor([o.token_ids[0] for o in outs])
                 counts = torch.bincount(first, minlength=ref_logits.numel())
-                probs = shape_probs(ref_logits, t, k, top_p)
+                probs = shape_probs(ref_logits, t, k, top_p).cpu()
                 stat, p, dof = chisquare(counts, probs)
                 r = {"prompt": pi, "tree": tree, "temperature": t, "top_k": k, "top_p": top_p, "samples": samples,
                      "chi2": stat, "dof": dof, "p_value": p, "passes_at_1e-3": dof >= 1 and p > 1e-3,

@@ -160,7 +160,7 @@ def _check_args(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_he
     dev = qkv.device
     check_launchable(_rope_cache_kernel, dev)
     t = qkv.shape[0]
-    check_tensor("positions", positions, shape=(t,), dtypes=INDEX_DTYPES, device=dev)
+    check_tensor("positions", positions, shape=(t,), dtypes=INDEX_DTYPES, device=dev, last_dim_contiguous=True)
     check_tensor("cos", cos, shape=(None, head_dim // 2), dtypes=FLOAT_DTYPES, device=dev,
                  last_dim_contiguous=True)
     check_tensor("sin", sin, shape=tuple(cos.shape), dtypes=FLOAT_DTYPES, device=dev,
@@ -169,4 +169,5 @@ def _check_args(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, num_he
                  device=dev, last_dim_contiguous=True)
     check_tensor("v_cache", v_cache, shape=tuple(k_cache.shape), dtypes=FLOAT_DTYPES, device=dev,
                  last_dim_contiguous=True)
-    check_tensor("slot_mapping", slot_mapping, shape=(t,), dtypes=(torch.int64,), device=dev)
+    check_tensor("slot_mapping", slot_mapping, shape=(t,), dtypes=(torch.int64,), device=dev,
+                 last_dim_contiguous=True)  # the kernel reads both densely (an expanded view would overrun)

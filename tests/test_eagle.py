@@ -243,6 +243,20 @@ def test_device_tree_loop_proposes_the_host_paths_trees(setup, tree):
     assert seen[True] == seen[False]
 
 
+def test_device_tree_loop_on_the_triton_backend(setup):
+    """The device program with the Triton kernels (interpreted on the CPU): a batch-1 tree level's queries
+    are laid out densely (an expanded positions view once made the RoPE kernel read past its end)."""
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    cfg = dict(num_blocks=128, block_size=16)
+    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(**cfg)).generate(PROMPTS[:1], params)]
+    eng = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", max_batch_size=1, cuda_graphs=True,
+                                               attention_backend="triton", **cfg))
+    assert eng.runner.backend.name == "triton" and eng.drafter.device_loop is not None
+    assert [o.token_ids for o in eng.generate(PROMPTS[:1], params)] == want
+
+
 def test_untrained_draft_over_a_partial_vocabulary_is_lossless(tiny_target):
     shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
     vocab = torch.randperm(256, generator=torch.Generator().manual_seed(0))[:100].sort().values

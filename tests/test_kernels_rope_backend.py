@@ -133,3 +133,15 @@ def test_gpu_rope_and_backend_bf16():
     ref, ref_storage = _backend_run(TorchAttentionBackend(), batch, None)
     assert torch.equal(got_storage, ref_storage)
     assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
+
+
+def test_rope_cache_write_refuses_strided_positions():
+    """An expanded (stride-0) positions view would make the kernel read past its one element."""
+    from specdec.kernels.rope_cache import fused_rope_cache_write
+
+    qkv = torch.zeros(3, (2 + 2 * 1) * 8)
+    cos = sin = torch.zeros(16, 4)
+    cache = torch.zeros(4, 4, 1, 8)
+    pos = torch.tensor([5]).expand(3)
+    with pytest.raises(ValueError, match="positions"):
+        fused_rope_cache_write(qkv, pos, cos, sin, cache, cache.clone(), torch.full((3,), -1), 2, 1, 8)

@@ -148,7 +148,7 @@ class DeviceTreeLoop:
                                 block_size=bs, tree_mask=lv.masks.repeat(b), max_query_len=n,
                                 max_seq_len=self.max_seq_len)
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
-            pos = (length + lv.depth).expand(b, n).flatten()
+            pos = (length + lv.depth).expand(b, n).contiguous().view(-1)  # kernels read it densely
             h = m(toks.flatten(), pos, ForwardContext(self.backend, meta, kv), feats)  # (b*n, hidden)
             state = h.view(b, n, -1)
             logits = m.compute_logits(h).view(b, n, -1)
