@@ -55,6 +55,23 @@ case "$stage" in
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -14
     pack
     ;;
+  round2)  # after a crash in core: the GPU tests from test_eagle on, then the eagle stage
+    cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
+    install
+    timeout 120 python3 -P -m pytest -q -p no:cacheprovider tests/test_eagle.py tests/test_kernels_kv_movement.py \
+       tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py tests/test_dynamic_frontier.py \
+       > "$D/tests.log" 2>&1
+    echo "tests exit $?" >> "$D/tests.log"
+    tail -3 "$D/tests.log"
+    cd /tmp
+    timeout 300 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+      > "$D/eagle.log" 2>&1
+    timeout 150 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 20000 \
+      > "$D/chisq.log" 2>&1
+    grep -h -e "^eagle" "$D/eagle.log" | tail -20
+    tail -3 "$D/chisq.log" | cut -c1-300
+    pack
+    ;;
   adaptive)
     install
     cd /tmp
