@@ -326,9 +326,9 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     sizes = {1: 20 if CUDA else 1, 64: 64 if CUDA else 2}
     # (tree, adaptive budget): fixed shapes first, then the adaptive controller on two of them
-    trees = {1: [(t, False) for t in ("chain:3", "chain:5", "topk:2x3", "topk:2x4", "dynamic:15", "dynamic:31",
-                                      "dynamic:63")] + [("topk:2x4", True), ("dynamic:31", True)],
-             64: [(t, False) for t in ("chain:3", "chain:5", "topk:2x3", "dynamic:15")] + [("topk:2x3", True)]}
+    trees = {1: [(t, False) for t in ("topk:2x3", "topk:2x4", "dynamic:15", "dynamic:31", "chain:3",
+                                      "dynamic:63")] + [("topk:2x4", True)],
+             64: [(t, False) for t in ("topk:2x3", "chain:3", "dynamic:15")] + [("topk:2x3", True)]}
     if not CUDA:
         trees = {1: [("chain:3", False), ("dynamic:7", False), ("chain:3", True)], 64: [("chain:3", False)]}
     for b, count in sizes.items():
