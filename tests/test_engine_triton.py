@@ -31,7 +31,7 @@ def test_triton_backend_spec_equals_target_only(tiny, tree, draft, graphs):
     base = SpecConfig(prefix_cache=False, num_blocks=128, block_size=4, device=device, attention_backend="torch")
     ref = SpecEngine(None, tiny, base).generate(prompts, params)
     cfg = SpecConfig(tree=tree, prefix_cache=False, num_blocks=128, block_size=4, attention_backend="triton",
-                     device=device, cuda_graphs=graphs, max_batch_size=4)
+                     device=device, cuda_graphs=graphs, max_batch_size=4, adaptive=False)  # full trees: MAL below
     engine = SpecEngine(tiny if draft == "self" else draft, tiny, cfg)
     assert engine.runner.backend.name == "triton"
     assert (engine.runner.graphs is not None) == graphs
