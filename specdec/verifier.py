@@ -26,6 +26,12 @@ class VerifyResult(NamedTuple):
     features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
 
 
+# Fewer sampled rows than this take the host rule after a padded step: on the H200 the eager device rule costs
+# ~3 ms per step whatever the batch, the host rule ~0.65 ms per sampled row (bench/gpu_accept.py, 2026-11-30).
+# Both draw the same uniforms from each request's generator, so a seeded request's tokens do not depend on it.
+DEVICE_SAMPLED_MIN_ROWS = 8
+
+
 class Verifier:
     """Verifies draft trees with the target model (pool model 0)."""
 
@@ -71,6 +77,8 @@ class Verifier:
         ``accept_stochastic_padded``; one device->host read of the (B, Q + 3) outcome."""
         accept = fwd.accept
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        if 0 < len(sampled) < DEVICE_SAMPLED_MIN_ROWS:
+            return Verifier._sampled_on_host(rows, trees, draft_computed, fwd, sampled)
         if sampled:
             accept = accept.clone()
             accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
@@ -81,6 +89,27 @@ class Verifier:
         for row, tree, dc in zip(host, trees, draft_computed):
             nodes, bonus = unpack_greedy(row)
             h = tree.host
+            results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
+        return results
+
+    @staticmethod
+    def _sampled_on_host(rows, trees, draft_computed, fwd, sampled: list[int]) -> list[VerifyResult]:
+        """A padded step with few sampled rows: greedy rows from the device outcome, sampled rows through
+        the host rule on their logits (one read of the outcome, then each sampled row's own reads)."""
+        host = fwd.accept.tolist()
+        check_finite_flags(rows, [row[-1] for row in host], "target")
+        results = []
+        picked = set(sampled)
+        for i, (req, row, tree, dc) in enumerate(zip(rows, host, trees, draft_computed)):
+            h = tree.host
+            if i in picked:
+                p = req.params
+                lg = fwd.logits[i]
+                probs = shape_probs(lg.view(-1, lg.shape[-1]), p.temperature, p.top_k, p.top_p)
+                acc = verify_stochastic(tree, probs, req.generator)
+                nodes, bonus = list(acc.accepted_nodes), int(acc.bonus_token)
+            else:
+                nodes, bonus = unpack_greedy(row)
             results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
         return results
 

@@ -141,6 +141,7 @@ def test_padded_step_samples_on_the_device(tiny_target, tiny_draft, monkeypatch,
         raise AssertionError("host stochastic rule used on the padded path")
 
     monkeypatch.setattr(verifier, "verify_stochastic", forbidden)
+    monkeypatch.setattr(verifier, "DEVICE_SAMPLED_MIN_ROWS", 1)  # every sampled row on the device
     eng = make(True, max_batch_size=4)
     assert eng.runner.graphs is not None
     first = eng.generate(PROMPTS, PARAMS)
@@ -152,6 +153,24 @@ def test_padded_step_samples_on_the_device(tiny_target, tiny_draft, monkeypatch,
     assert eng.all_blocks_free() and (eng.stats.drafted > 0) == (draft is not None)
     if draft == "model":  # the noisy-copy draft is accepted (random n-gram proposals are only tried)
         assert eng.stats.accepted > 0
+
+
+def test_few_sampled_rows_take_the_host_rule_with_the_same_tokens(tiny_target, tiny_draft, monkeypatch):
+    """Below DEVICE_SAMPLED_MIN_ROWS sampled rows a padded step runs the host rule on them; the device rule
+    draws the same uniforms, so seeded output is the same either way."""
+    import specdec.verifier as verifier
+
+    make = lambda: SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="topk:2x2", num_blocks=256, block_size=8,
+                                                                  cuda_graphs=True, max_batch_size=4))
+    calls = []
+    host_rule = verifier.verify_stochastic
+    monkeypatch.setattr(verifier, "verify_stochastic", lambda *a: calls.append(1) or host_rule(*a))
+    few = [o.token_ids for o in make().generate(PROMPTS, PARAMS)]
+    assert calls  # fewer than 8 sampled rows: the host rule ran
+    monkeypatch.setattr(verifier, "DEVICE_SAMPLED_MIN_ROWS", 1)
+    calls.clear()
+    assert [o.token_ids for o in make().generate(PROMPTS, PARAMS)] == few
+    assert not calls
 
 
 # ---------------------------------------------------------------- CUDA: GPU == CPU, graph replay == eager

@@ -136,6 +136,7 @@ def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, 
         raise AssertionError("host stochastic rule used on the padded path")
 
     monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    monkeypatch.setattr(specdec.verifier, "DEVICE_SAMPLED_MIN_ROWS", 1)  # every sampled row on the device
     joint, stats = sample(pair, *config, SAMPLES, 500_000, cuda_graphs=True)
     p1, exact = exact_dists(target_logits, *config[1:])
     p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
