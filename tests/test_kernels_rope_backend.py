@@ -1,5 +1,7 @@
 """Fused RoPE + cache write, the Triton attention backend and select_backend."""
 
+import os
+
 import pytest
 import torch
 from specdec.kernels.backend import TritonAttentionBackend, select_backend
@@ -104,6 +106,8 @@ def test_select_backend(monkeypatch):
     assert isinstance(select_backend("cpu", "torch"), TorchAttentionBackend)
     with pytest.raises(ValueError, match="'auto', 'torch', 'triton'"):
         select_backend("cpu", "flash")
+    import specdec.kernels.paged_attention  # noqa: F401 - imported now: under the env below it would be interpreted
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_backend("cpu", "triton").name == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -135,13 +139,16 @@ def test_gpu_rope_and_backend_bf16():
     assert ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < 1e-2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the kernels launch on CUDA, or on the CPU under TRITON_INTERPRET=1")
 def test_rope_cache_write_refuses_strided_positions():
     """An expanded (stride-0) positions view would make the kernel read past its one element."""
     from specdec.kernels.rope_cache import fused_rope_cache_write
 
-    qkv = torch.zeros(3, (2 + 2 * 1) * 8)
-    cos = sin = torch.zeros(16, 4)
-    cache = torch.zeros(4, 4, 1, 8)
-    pos = torch.tensor([5]).expand(3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the argument checks run before any launch
+    qkv = torch.zeros(3, (2 + 2 * 1) * 8, device=dev)
+    cos = sin = torch.zeros(16, 4, device=dev)
+    cache = torch.zeros(4, 4, 1, 8, device=dev)
+    pos = torch.tensor([5], device=dev).expand(3)
     with pytest.raises(ValueError, match="positions"):
-        fused_rope_cache_write(qkv, pos, cos, sin, cache, cache.clone(), torch.full((3,), -1), 2, 1, 8)
+        fused_rope_cache_write(qkv, pos, cos, sin, cache, cache.clone(), torch.full((3,), -1, device=dev), 2, 1, 8)
