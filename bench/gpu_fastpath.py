@@ -112,28 +112,30 @@ def fill_synthetic(engine, key, context: int = 200) -> None:
     graphs.inputs.fill(b, q, rows, slots, bts)
 
 
-def user_generate(engine, prompts, params, batch: int) -> dict:
+def user_generate(engine, prompts, params, batch: int, continuous: bool = False) -> dict:
     """tok/s of ``engine.generate`` (what a user runs: detokenisation and streaming included), ``batch``
-    prompts at a time."""
+    prompts at a time (waves: a wave's early finishers leave its tail under-filled), or with ``continuous``
+    all prompts in one call, the engine's ``max_batch_size`` (= batch) refilling freed rows at once."""
     if CUDA:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     n_tok = 0
-    for i in range(0, len(prompts), batch):
+    for i in range(0, len(prompts), len(prompts) if continuous else batch):
         n_tok += sum(len(o.token_ids) for o in engine.generate(prompts[i:i + batch], params))
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall,
             "target_forwards": engine.stats.target_forwards}
 
 
-def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str, engine_out=None, **cfg) -> dict:
+def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str, engine_out=None,
+                 continuous: bool = False, **cfg) -> dict:
     """``user_generate`` of a fresh engine (warmed up on two short requests, statistics reset after);
     ``cfg``: more SpecConfig fields; the engine is appended to ``engine_out`` when given."""
     eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dtype, tree=tree, max_batch_size=batch,
                                                prefix_cache=False, **cfg))
     eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
     eng.stats = type(eng.stats)()
-    r = user_generate(eng, prompts, params, batch=batch)
+    r = user_generate(eng, prompts, params, batch=batch, continuous=continuous)
     r["mean_accepted_length"] = eng.stats.mean_accepted_length
     if engine_out is not None:
         engine_out.append(eng)
@@ -377,12 +379,15 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
     dt = "bfloat16" if CUDA else "float32"
     target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
     res = RESULTS.setdefault("adaptive", {"prompts": len(prompts), "new_tokens": params.max_new_tokens})
+    runs = [("target_only", None, False, False), ("ngram_fixed", "ngram", False, False),
+            ("ngram_adaptive", "ngram", True, False)]
+    # continuous batching (all prompts submitted, freed rows refilled) besides waves of `batch` prompts
+    runs_cont = [(f"{n}_continuous", d, on, True) for n, d, on, _ in runs]
     for b in (1, 16, 64):
-        for name, draft, on in (("target_only", None, False), ("ngram_fixed", "ngram", False),
-                                ("ngram_adaptive", "ngram", True)):
+        for name, draft, on, cont in runs + (runs_cont if b > 1 else []):
             engines: list = []
             r = res[f"{name}_b{b}"] = measured_run(draft, target, "chain:8", b, prompts, params, dt, engines,
-                                                  adaptive=on)
+                                                  continuous=cont, adaptive=on)
             ctrl = engines[0].adaptive
             if ctrl is not None:
                 r["mean_budget"] = ctrl.mean_budget()
@@ -394,11 +399,12 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
                                    for k in ("offset", "seen", "draft", "other")}
             log(f"adaptive {name} batch {b}: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}, "
                 f"mean budget {r.get('mean_budget')}")
-        base = res[f"target_only_b{b}"]["tok_per_s"]
-        for name in ("ngram_fixed", "ngram_adaptive"):
-            res[f"{name}_speedup_b{b}"] = res[f"{name}_b{b}"]["tok_per_s"] / base
-        log(f"batch {b}: fixed {res[f'ngram_fixed_speedup_b{b}']:.2f}x, adaptive "
-            f"{res[f'ngram_adaptive_speedup_b{b}']:.2f}x target-only")
+        for suffix in ("", "_continuous") if b > 1 else ("",):
+            base = res[f"target_only{suffix}_b{b}"]["tok_per_s"]
+            for name in ("ngram_fixed", "ngram_adaptive"):
+                res[f"{name}{suffix}_speedup_b{b}"] = res[f"{name}{suffix}_b{b}"]["tok_per_s"] / base
+            log(f"batch {b}{suffix}: fixed {res[f'ngram_fixed{suffix}_speedup_b{b}']:.2f}x, adaptive "
+                f"{res[f'ngram_adaptive{suffix}_speedup_b{b}']:.2f}x target-only")
         (out / "adaptive.json").write_text(json.dumps(RESULTS, indent=1))
 
 
