@@ -151,11 +151,7 @@ class DraftTree:
     def _read_host(self) -> HostView:
         rows = torch.stack([self.tokens, self.parents, self.depth, self.ancestor_mask, self.dist_index])
         tokens, parents, depth, mask, dist_index = rows.tolist()  # one device->host copy, (5, N)
-        children: dict[int, list[int]] = {ROOT: []}
-        for i, p in enumerate(parents):
-            children.setdefault(i, [])
-            children.setdefault(p, []).append(i)
-        return HostView(tokens, parents, depth, mask, dist_index, children)
+        return HostView(tokens, parents, depth, mask, dist_index, _children(parents))
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
@@ -184,30 +180,26 @@ class DraftTree:
             raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
         if n == 0:
             return cls.empty()
-        parents, depth, masks, dist, children, arrays, rows = _chain_parts(n)
-        tree = object.__new__(cls)
-        tree.__dict__.update(draft_dists=None,
-                             child_mode="deterministic", _verify_rows=rows,
-                             _host=HostView(list(tokens), parents, depth, masks, dist, children), **arrays)
-        return tree
+        return cls._of_shape(tokens, _chain_parts(n))
 
     @classmethod
     def of_template(cls, tokens: list[int], template: TreeTemplate) -> DraftTree:
         """A deterministic tree of ``template``'s shape holding host token ids (one per node), on the CPU.
 
-        Like ``chain``: the shape's arrays come from the (validated) template, so only the tokens are new."""
-        shape = _template_arrays(template)
+        Like ``chain``: the shape's arrays come from the (validated) template and are shared by all its
+        trees, so only the tokens are new."""
         if len(tokens) != template.num_nodes:
             raise ValueError(f"tokens: the template has {template.num_nodes} nodes, got {len(tokens)} tokens")
+        return cls._of_shape(tokens, _shape_parts(template.parents))
+
+    @classmethod
+    def _of_shape(cls, tokens: list[int], parts) -> DraftTree:
+        """A deterministic tree of host ``tokens`` over shared shape arrays ``parts`` (``_shape_parts``)."""
+        parents, depth, masks, dist, children, arrays, rows = parts
         tree = object.__new__(cls)
-        object.__setattr__(tree, "tokens", torch.tensor(tokens, dtype=torch.int64))
-        for name, row in zip(("parents", "depth", "ancestor_mask", "dist_index"), shape.arrays):
-            object.__setattr__(tree, name, row)
-        object.__setattr__(tree, "draft_dists", None)
-        object.__setattr__(tree, "child_mode", "deterministic")
-        h = shape.host
-        object.__setattr__(tree, "_host", HostView(list(tokens), h.parents, h.depth, h.ancestor_mask, h.dist_index,
-                                                   h.children))
+        tree.__dict__.update(draft_dists=None,
+                             child_mode="deterministic", _verify_rows=rows,
+                             _host=HostView(list(tokens), parents, depth, masks, dist, children), **arrays)
         return tree
 
     @classmethod
@@ -226,7 +218,8 @@ class DraftTree:
         return cls(as_i64(tokens), as_i64(plist), as_i64(depth), as_i64(mask), dists, di, child_mode)
 
     def __getattr__(self, name: str):
-        """Only for attributes not set: the ``tokens`` tensor of a ``chain`` tree, made on first use."""
+        """Only for attributes not set: the ``tokens`` tensor of a shared-shape tree (``chain``,
+        ``of_template``), made on first use."""
         host = self.__dict__.get("_host")
         if name != "tokens" or host is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -286,15 +279,31 @@ def _verify_rows(ancestor_mask: list[int], parents: list[int]) -> tuple[list[int
     return [m - (1 << 64) if m >= 1 << 63 else m for m in masks], [-1] + [p + 1 for p in parents]
 
 
+def _children(parents: list[int]) -> dict[int, list[int]]:
+    """ROOT and every node -> its children in index order."""
+    children: dict[int, list[int]] = {ROOT: []}
+    for i, p in enumerate(parents):
+        children.setdefault(i, [])
+        children.setdefault(p, []).append(i)
+    return children
+
+
+@functools.cache
+def _shape_parts(parents: tuple[int, ...]):
+    """The arrays every deterministic tree of this (validated) shape shares: host lists, children, tensors
+    by field name, verify rows. At most 63 nodes, so every mask fits a signed int64."""
+    plist = list(parents)
+    depth, masks = _depths_and_masks(plist)
+    dist = [-1] * len(plist)
+    arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
+                      torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
+    return plist, depth, masks, dist, _children(plist), arrays, _verify_rows(masks, plist)
+
+
 @functools.cache
 def _chain_parts(n: int):
-    """The arrays every n-node chain shares: host lists, children, tensors by field name, verify rows."""
-    parents, depth = list(range(-1, n - 1)), list(range(n))
-    masks, dist = [(1 << (i + 1)) - 1 for i in range(n)], [-1] * n
-    children = {ROOT: [0], **{i: [i + 1] for i in range(n - 1)}, n - 1: []}
-    arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
-                      torch.tensor([parents, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
-    return parents, depth, masks, dist, children, arrays, _verify_rows(masks, parents)
+    """The arrays every n-node chain shares (``_shape_parts``, looked up by length)."""
+    return _shape_parts(tuple(range(-1, n - 1)))
 
 # ---------------------------------------------------------------- static templates (networkx)
 
@@ -484,27 +493,3 @@ def draw_tree(tree: DraftTree | TreeTemplate, path: str | Path, accepted: Sequen
     out = Path(path)
     fig.savefig(out, bbox_inches="tight")
     return out
-
-
-class _TemplateArrays(NamedTuple):
-    arrays: Tensor  # (4, N) int64: parents, depth, ancestor_mask, dist_index (all -1)
-    host: HostView
-
-
-_TEMPLATE_ARRAYS: dict[tuple[int, ...], _TemplateArrays] = {}
-
-
-def _template_arrays(template: TreeTemplate) -> _TemplateArrays:
-    """The shape arrays of a template's trees, built once per template."""
-    key = template.parents
-    if key not in _TEMPLATE_ARRAYS:
-        parents = list(key)
-        depth, mask = _depths_and_masks(parents)  # at most 63 nodes: every mask fits a signed int64
-        dist = [-1] * len(parents)
-        arrays = torch.tensor([parents, depth, mask, dist], dtype=torch.int64)
-        children: dict[int, list[int]] = {ROOT: []}
-        for i, p in enumerate(parents):
-            children.setdefault(i, [])
-            children.setdefault(p, []).append(i)
-        _TEMPLATE_ARRAYS[key] = _TemplateArrays(arrays, HostView([], parents, depth, mask, dist, children))
-    return _TEMPLATE_ARRAYS[key]
