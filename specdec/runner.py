@@ -171,19 +171,26 @@ class ModelRunner:
             ctx, ids, pos = self.prepare(model_idx, rows)
             with torch.inference_mode():
                 return model(ids, pos, ctx, g), None
-        q = key[2]
-        where = torch.tensor([i * q + j for i, r in enumerate(rows) for j in range(len(r.token_ids))],
-                             dtype=torch.int64, device=self.device)
+        where = self.padded_index(rows, key[2])
         out = self._replay(key, rows, (where, g))
         return out.hidden.index_select(0, where), out.logits.index_select(0, where)
 
-    def _replay(self, key, rows: list[RowInput], features=None):
+    def padded_index(self, rows: list[RowInput], q: int) -> torch.Tensor:
+        """(T,) position of each packed query of ``rows`` in a padded layout of ``q`` queries per row."""
+        return torch.tensor([i * q + j for i, r in enumerate(rows) for j in range(len(r.token_ids))],
+                            dtype=torch.int64, device=self.device)
+
+    def padded_inputs(self, rows: list[RowInput], q: int):
+        """Stage ``rows`` for a padded step of ``q`` queries per row: their block tables synced; the rows
+        (causal ones with explicit masks when q > 1), each row's query slots and its block-table row."""
         self._sync_tables(rows)
-        if key[2] > 1:
+        if q > 1:
             rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
         slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
-        bt = self.tables.host_rows([r.req.bt_row for r in rows])
-        return self.graphs.run(key, rows, slots, bt, features)
+        return rows, slots, self.tables.host_rows([r.req.bt_row for r in rows])
+
+    def _replay(self, key, rows: list[RowInput], features=None):
+        return self.graphs.run(key, *self.padded_inputs(rows, key[2]), features)
 
     def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
         q = key[2]

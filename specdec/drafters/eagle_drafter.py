@@ -18,7 +18,7 @@ import torch
 from specdec.adaptive import template_tree
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.runner import RowInput, _with_causal_mask
+from specdec.runner import RowInput
 from specdec.scheduler.request import Request
 from specdec.training.eagle import EagleDraft
 from specdec.tree import TreeSpec
@@ -88,20 +88,10 @@ class EagleDrafter(ModelDrafter):
 
     def _propose_on_device(self, reqs: list[Request], spans: list[tuple[int, int]], b: int) -> Proposal:
         loop, runner = self.device_loop, self.runner
-        rows = [RowInput(r, r.tokens[s:e], list(range(s, e)), s, e, want_logits="none") for r, (s, e) in
-                zip(reqs, spans)]
-        aux = torch.cat([self._state(r).before(s, e) for r, (s, e) in zip(reqs, spans)])  # (T, k * hidden)
-        where = torch.tensor([i * loop.q + j for i, (s, e) in enumerate(spans) for j in range(e - s)],
-                             dtype=torch.int64, device=runner.device)
-        runner._sync_tables(rows)
-        slots = [runner.slots(r, range(s, e)) for r, (s, e) in zip(reqs, spans)]
-        bt = runner.tables.host_rows([r.bt_row for r in reqs])
-        if loop.q > 1:
-            rows = [_with_causal_mask(r) for r in rows]
-        tokens = loop.run(b, rows, slots, bt, where, aux).tolist()  # (b, N): the step's one read
-        for r, (_, e) in zip(reqs, spans):
-            r.num_computed_draft = e
-            self._state(r).drop_before(e - 1)
+        rows, aux = self._catch_up_inputs(reqs, spans)
+        where = runner.padded_index(rows, loop.q)
+        tokens = loop.run(b, *runner.padded_inputs(rows, loop.q), where, aux).tolist()  # (b, N): the one read
+        self._caught_up(reqs, spans)
         trees = [template_tree(tokens[i], self._template, self.node_budget) for i in range(len(reqs))]
         return Proposal(trees, [frozenset()] * len(reqs))
 
@@ -127,19 +117,27 @@ class EagleDrafter(ModelDrafter):
     def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]):
         """Draft KV of positions [b, e) of each request from its stored target features: hidden states
         (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
-        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
-                zip(reqs, spans)]
-        aux = torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
+        rows, aux = self._catch_up_inputs(reqs, spans)
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
         hidden, logits = self._hidden(rows, g)
-        for r, (_, e) in zip(reqs, spans):
-            r.num_computed_draft = e
-            self._state(r).drop_before(e - 1)
+        self._caught_up(reqs, spans)
         qsl = [0]
         for b, e in spans:
             qsl.append(qsl[-1] + e - b)
         return hidden, logits, qsl
+
+    def _catch_up_inputs(self, reqs: list[Request], spans: list[tuple[int, int]]):
+        """Rows of draft positions [b, e) of each request and their stored target features (T, k * hidden)."""
+        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
+                zip(reqs, spans)]
+        return rows, torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
+
+    def _caught_up(self, reqs: list[Request], spans: list[tuple[int, int]]) -> None:
+        """The draft's KV now reaches each span's end; features before its last position are spent."""
+        for r, (_, e) in zip(reqs, spans):
+            r.num_computed_draft = e
+            self._state(r).drop_before(e - 1)
 
     def prefill(self, chunks, features=None) -> None:
         if not chunks:
