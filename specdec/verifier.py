@@ -59,57 +59,33 @@ class Verifier:
         check_finite(rows, fwd.logits, "target")  # names the rows with NaN/inf logits; the engine fails them
         results = []
         for i, (req, tree, dc) in enumerate(zip(rows, trees, draft_computed)):
-            p = req.params
-            lg = fwd.logits[i]
-            lg = lg.view(-1, lg.shape[-1])  # (N+1, V)
-            if p.greedy:
-                acc = verify_greedy(tree, lg.argmax(-1))
-            else:
-                probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)
-                acc = verify_stochastic(tree, probs, req.generator)
+            acc = _host_rule(req, tree, fwd.logits[i])
             results.append(VerifyResult(list(acc.accepted_nodes), list(acc.accepted_tokens), int(acc.bonus_token),
                                         tree.num_nodes, tree.max_depth, dc))
         return results
 
     @staticmethod
     def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
-        """Results of a padded step: the graph's greedy acceptance, sampled rows replaced by
-        ``accept_stochastic_padded``; one device->host read of the (B, Q + 3) outcome."""
+        """Results of a padded step: the graph's greedy acceptance; sampled rows replaced by
+        ``accept_stochastic_padded`` (one device->host read of the (B, Q + 3) outcome), or, when there are
+        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits."""
         accept = fwd.accept
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if 0 < len(sampled) < DEVICE_SAMPLED_MIN_ROWS:
-            return Verifier._sampled_on_host(rows, trees, draft_computed, fwd, sampled)
-        if sampled:
+        on_host = set(sampled) if len(sampled) < DEVICE_SAMPLED_MIN_ROWS else set()
+        if sampled and not on_host:
             accept = accept.clone()
             accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
                                                    fwd.logits, sampled, accept.shape[1] - 3)
         host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         check_finite_flags(rows, [row[-1] for row in host], "target")
         results = []
-        for row, tree, dc in zip(host, trees, draft_computed):
-            nodes, bonus = unpack_greedy(row)
-            h = tree.host
-            results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
-        return results
-
-    @staticmethod
-    def _sampled_on_host(rows, trees, draft_computed, fwd, sampled: list[int]) -> list[VerifyResult]:
-        """A padded step with few sampled rows: greedy rows from the device outcome, sampled rows through
-        the host rule on their logits (one read of the outcome, then each sampled row's own reads)."""
-        host = fwd.accept.tolist()
-        check_finite_flags(rows, [row[-1] for row in host], "target")
-        results = []
-        picked = set(sampled)
         for i, (req, row, tree, dc) in enumerate(zip(rows, host, trees, draft_computed)):
-            h = tree.host
-            if i in picked:
-                p = req.params
-                lg = fwd.logits[i]
-                probs = shape_probs(lg.view(-1, lg.shape[-1]), p.temperature, p.top_k, p.top_p)
-                acc = verify_stochastic(tree, probs, req.generator)
+            if i in on_host:
+                acc = _host_rule(req, tree, fwd.logits[i])
                 nodes, bonus = list(acc.accepted_nodes), int(acc.bonus_token)
             else:
                 nodes, bonus = unpack_greedy(row)
+            h = tree.host
             results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
         return results
 
@@ -135,6 +111,16 @@ def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: 
     uniforms = draw_uniforms([r.generator for r in rows], trees, q, dev)
     return accept_stochastic_padded(picked, pad_trees(trees, q, dev), sampling_rows([r.params for r in rows], dev),
                                     uniforms)
+
+
+def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
+    """The host acceptance rule of one row over its verify logits ((N+1) x V): greedy or the request's
+    sampling rule with its generator."""
+    p = req.params
+    lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
+    if p.greedy:
+        return verify_greedy(tree, lg.argmax(-1))
+    return verify_stochastic(tree, shape_probs(lg, p.temperature, p.top_k, p.top_p), req.generator)
 
 
 def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
