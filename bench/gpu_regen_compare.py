@@ -36,9 +36,9 @@ def log(msg: str) -> None:
 
 
 def prepare(args) -> int:
-    from specdec.benchmark.data import load_mtbench, load_sharegpt
+    from gpu_train_draft import eval_prompts
+
     from specdec.loading.registry import load_model
-    from specdec.prompts import to_prompt_ids
     from specdec.training.eagle_data import build_token_file, load_token_file, save_token_file
 
     data = Path(args.data_dir)
@@ -57,13 +57,7 @@ def prepare(args) -> int:
     if args.eval_prompts:
         shutil.copy(args.eval_prompts, data / "eval_prompts.json")
     else:
-        out = []
-        for name, prompts in (("mtbench", load_mtbench()),
-                              ("sharegpt", load_sharegpt("eval", args.sharegpt_prompts, path=args.sharegpt))):
-            for p in prompts:
-                ids = to_prompt_ids(p.messages if p.messages is not None else p.prompt, tok)
-                if len(ids) <= args.max_prompt_tokens:
-                    out.append({"set": name, "id": p.id, "category": p.category, "ids": ids})
+        out = eval_prompts(tok, args.sharegpt_prompts, args.max_prompt_tokens, args.sharegpt)
         (data / "eval_prompts.json").write_text(json.dumps(out))
     log(f"eval_prompts.json: {len(json.loads((data / 'eval_prompts.json').read_text()))} prompts")
     return 0

@@ -34,22 +34,30 @@ def log(msg: str) -> None:
 
 
 def prepare(args) -> int:
-    from specdec.benchmark.data import load_mtbench, load_sharegpt
     from specdec.loading.registry import load_model
-    from specdec.prompts import to_prompt_ids
 
-    tok = load_model("smollm2-135m").tokenizer
-    out = []
-    for name, prompts in (("mtbench", load_mtbench()), ("sharegpt", load_sharegpt("eval", args.sharegpt_prompts))):
-        for p in prompts:
-            ids = to_prompt_ids(p.messages if p.messages is not None else p.prompt, tok)
-            if len(ids) <= args.max_prompt_tokens:  # longer prompts are left out (counted in the log)
-                out.append({"set": name, "id": p.id, "category": p.category, "ids": ids})
+    out = eval_prompts(load_model("smollm2-135m").tokenizer, args.sharegpt_prompts, args.max_prompt_tokens)
     path = Path(args.data_dir) / "eval_prompts.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
     log(f"wrote {len(out)} prompts to {path}")
     return 0
+
+
+def eval_prompts(tokenizer, sharegpt_prompts: int, max_prompt_tokens: int, sharegpt_path=None) -> list[dict]:
+    """MT-bench first turns and the first ``sharegpt_prompts`` ShareGPT evaluation-split first user turns,
+    chat-rendered token ids; prompts longer than ``max_prompt_tokens`` are left out."""
+    from specdec.benchmark.data import load_mtbench, load_sharegpt
+    from specdec.prompts import to_prompt_ids
+
+    out = []
+    for name, prompts in (("mtbench", load_mtbench()),
+                          ("sharegpt", load_sharegpt("eval", sharegpt_prompts, path=sharegpt_path))):
+        for p in prompts:
+            ids = to_prompt_ids(p.messages if p.messages is not None else p.prompt, tokenizer)
+            if len(ids) <= max_prompt_tokens:
+                out.append({"set": name, "id": p.id, "category": p.category, "ids": ids})
+    return out
 
 
 def evaluate(draft, target, prompts: list[dict], tree: str, temperature: float, args) -> dict:
