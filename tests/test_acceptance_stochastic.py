@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+from test_acceptance import _draft_batch
 
 from specdec import acceptance
 from specdec.acceptance import shape_probs, verify_stochastic
@@ -59,17 +60,7 @@ def _batch(roots, shape, setting, g):
     sampling = _sampling(len(roots), *setting)
     q_table = shape_probs(dl, *setting)  # (V, V) draft distribution after each token
     b, n = len(roots), len(parents)
-    toks = torch.zeros(b, n, dtype=torch.int64)
-    for par in range(-1, n):
-        kids = [i for i, pp in enumerate(parents) if pp == par]
-        if not kids:
-            continue
-        q = q_table[roots if par < 0 else toks[:, par]]  # (B, V)
-        if mode == "iid":
-            toks[:, kids] = torch.multinomial(q, len(kids), replacement=True, generator=g)
-        else:  # exponential race = ordered draw without replacement; deterministic: the draft's top-k
-            keys = q if mode == "deterministic" else q / torch.empty_like(q).exponential_(generator=g)
-            toks[:, kids] = torch.sort(keys, dim=-1, descending=True, stable=True)[1][:, :len(kids)]
+    toks = _draft_batch(roots, parents, mode, q_table, g)  # (B, N); deterministic: the draft's top-k
     ctx = torch.cat([roots[:, None], toks], 1)  # (B, N+1): the token each verify position follows
     template = DraftTree.from_parents([0] * n, list(parents))
     masks, vparents = template.verify_rows()
