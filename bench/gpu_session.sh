@@ -32,64 +32,67 @@ pack() {
   tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "${OUT:?}/$stage"
 }
 
+assemble() {  # the model from the pieces of runs 1-3
+  cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
+}
+
+gpu_tests() {  # gpu_tests SECONDS FILE...: the GPU test files into $D/tests.log
+  local limit=$1; shift
+  timeout "$limit" python3 -P -m pytest -q -p no:cacheprovider "$@" ${GPU_TESTS:-} > "$D/tests.log" 2>&1
+  echo "tests exit $?" >> "$D/tests.log"
+  tail -3 "$D/tests.log"
+}
+
+fastpath() {  # fastpath SECONDS MODE [ARGS...]: bench/gpu_fastpath.py MODE into $D/MODE.log (from /tmp)
+  local limit=$1 mode=$2; shift 2
+  (cd /tmp && timeout "$limit" python3 -P "$root/bench/gpu_fastpath.py" "$mode" "$D" "$@" > "$D/$mode.log" 2>&1)
+}
+
+eagle_round() {  # eagle_round SECONDS [tree-levels]: the eagle mode, optionally the tree-level timing, chi-square
+  fastpath "$1" eagle "$MODEL" "$root/.gpu/mtbench_ids.json"
+  [ "${2:-}" = tree-levels ] && (cd /tmp && timeout 40 python3 -P "$root/bench/gpu_tree_levels.py" "$D" \
+    > "$D/tree_levels.log" 2>&1)
+  (cd /tmp && timeout 150 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+    20000 > "$D/chisq.log" 2>&1)
+  grep -h -e "^eagle" "$D/eagle.log" | tail -20
+  tail -3 "$D/chisq.log" | cut -c1-300
+}
+
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
     rm -rf "${OUT:?}/$stage"
     ;;
   core)
-    cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
+    assemble
     install
     nvidia-smi > "$D/nvidia-smi.txt" 2>&1
-    timeout 180 python3 -P -m pytest -q -p no:cacheprovider tests/test_step_graphs.py tests/test_eagle.py \
-       tests/test_kernels_kv_movement.py tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py \
-       ${GPU_TESTS:-} > "$D/tests.log" 2>&1
-    echo "tests exit $?" >> "$D/tests.log"
-    tail -3 "$D/tests.log"
-    cd /tmp
-    timeout 60 python3 -P "$root/bench/gpu_accept.py" "$D" > "$D/accept.log" 2>&1
-    timeout 130 python3 -P "$root/bench/gpu_fastpath.py" micro "$D" > "$D/micro.log" 2>&1
-    timeout 230 python3 -P "$root/bench/gpu_fastpath.py" adaptive "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
-      > "$D/adaptive.log" 2>&1
+    gpu_tests 180 tests/test_step_graphs.py tests/test_eagle.py tests/test_kernels_kv_movement.py \
+      tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py
+    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_accept.py" "$D" > "$D/accept.log" 2>&1)
+    fastpath 130 micro
+    fastpath 230 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -14
     pack
     ;;
   round2)  # after a crash in core: the GPU tests from test_eagle on, then the eagle stage
-    cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
+    assemble
     install
-    timeout 120 python3 -P -m pytest -q -p no:cacheprovider tests/test_eagle.py tests/test_kernels_kv_movement.py \
-       tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py tests/test_dynamic_frontier.py \
-       > "$D/tests.log" 2>&1
-    echo "tests exit $?" >> "$D/tests.log"
-    tail -3 "$D/tests.log"
-    cd /tmp
-    timeout 300 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
-      > "$D/eagle.log" 2>&1
-    timeout 150 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 20000 \
-      > "$D/chisq.log" 2>&1
-    grep -h -e "^eagle" "$D/eagle.log" | tail -20
-    tail -3 "$D/chisq.log" | cut -c1-300
+    gpu_tests 120 tests/test_eagle.py tests/test_kernels_kv_movement.py tests/test_engine_triton.py \
+      tests/test_acceptance_stochastic_batch.py tests/test_dynamic_frontier.py
+    eagle_round 300
     pack
     ;;
   adaptive)
     install
-    cd /tmp
-    timeout 540 python3 -P "$root/bench/gpu_fastpath.py" adaptive "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
-      > "$D/adaptive.log" 2>&1
+    fastpath 540 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
     pack
     ;;
   eagle)
     install
-    cd /tmp
-    timeout 380 python3 -P "$root/bench/gpu_fastpath.py" eagle "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
-      > "$D/eagle.log" 2>&1
-    timeout 40 python3 -P "$root/bench/gpu_tree_levels.py" "$D" > "$D/tree_levels.log" 2>&1
-    timeout 150 python3 -P "$root/bench/chisq_real_draft.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 20000 \
-      > "$D/chisq.log" 2>&1
-    grep -h -e "^eagle" "$D/eagle.log" | tail -20
-    tail -3 "$D/chisq.log" | cut -c1-300
+    eagle_round 380 tree-levels
     pack
     ;;
   serve)
