@@ -21,7 +21,7 @@ import torch
 
 from specdec.loading.base import DTYPES, LoadedModel
 from specdec.training.distill_data import DataSpec, DistillData
-from specdec.training.schedule import check_optimizer_fields
+from specdec.training.schedule import check_counts, check_optimizer_fields
 from specdec.training.training import TrainState
 
 TRAINING_FILES = ("data.pt", "ckpt.pt")  # in OUT next to the draft, but not part of it
@@ -58,12 +58,8 @@ class DistillConfig:
     save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for name in ("layers", "num_prompts", "response_tokens", "max_prompt_tokens", "gen_batch_size",
-                     "steps", "batch_size", "ckpt_every"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
-        if self.warmup_steps is None:
-            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
+        check_counts(self, _require, ("layers", "num_prompts", "response_tokens", "max_prompt_tokens",
+                                      "gen_batch_size", "steps", "batch_size", "ckpt_every"))
         if self.init_layers is not None:
             object.__setattr__(self, "init_layers", tuple(self.init_layers))
         _require(self.init_layers is None or len(self.init_layers) == self.layers, "init_layers",

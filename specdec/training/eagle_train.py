@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from specdec.training.eagle_data import TokenFile
-from specdec.training.schedule import check_optimizer_fields, report_losses, warmup_cosine
+from specdec.training.schedule import check_counts, check_optimizer_fields, report_losses, warmup_cosine
 
 PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
 LOG_EVERY = 10
@@ -58,11 +58,7 @@ class EagleTrainConfig:
     save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        for name in ("draft_vocab", "unroll", "max_len", "batch_tokens", "steps", "ckpt_every"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
-        if self.warmup_steps is None:
-            object.__setattr__(self, "warmup_steps", min(100, self.steps // 10))
+        check_counts(self, _require, ("draft_vocab", "unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
         if self.aux_layers is not None:
             object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
         _require(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}", self.batch_tokens)

@@ -1,5 +1,5 @@
-"""What both draft trainers (layer drafts and eagle drafts) share: the optimiser fields' checks, the
-learning-rate schedule and the periodic loss report."""
+"""What both draft trainers (layer drafts and eagle drafts) share: the config checks (counts, warm-up
+default, optimiser fields), the learning-rate schedule and the periodic loss report."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ import math
 from collections.abc import Callable
 
 import torch
+
+
+def check_counts(cfg, require: Callable[[bool, str, str, object], None], names: tuple[str, ...]) -> None:
+    """Check that the int fields ``names`` of a training config are >= 1, then default ``warmup_steps``
+    (None) to a tenth of ``steps``, at most 100."""
+    for name in names:
+        value = getattr(cfg, name)
+        require(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+    if cfg.warmup_steps is None:
+        object.__setattr__(cfg, "warmup_steps", min(100, cfg.steps // 10))
 
 
 def check_optimizer_fields(cfg, require: Callable[[bool, str, str, object], None]) -> None:
