@@ -81,8 +81,9 @@ def budget_options(drafter) -> list[BudgetOption]:
     0, keeping the draft's KV current): chains of 1..K; a static top-k tree cut after whole levels
     (a prefix of the template in level order: a partly grown level would be valued like a full one);
     a dynamic tree grown level by level, each level as wide as with the full budget. A drafter whose
-    device program drafts a whole static template at once (the graphed eagle path) costs one draft
-    step whatever the budget: its trees are cut to the budget afterwards."""
+    device program drafts a whole static template or dynamic tree at once (the graphed eagle path)
+    costs one draft step whatever the budget: its trees are cut to the budget afterwards (a dynamic
+    tree to its best nodes, valued as d levels of its width)."""
     top = drafter.max_nodes
     spec = getattr(drafter, "spec", None)
     if top == 0:
@@ -98,10 +99,13 @@ def budget_options(drafter) -> list[BudgetOption]:
         return [BudgetOption(0, 0, 1)] + [BudgetOption(n, d, 1 if whole else d) for d, n in enumerate(levels, 1)]
     from specdec.drafters.model_drafter import DYNAMIC_BEAM_MAX
 
-    width = max(1, min(DYNAMIC_BEAM_MAX, top // DYNAMIC_LEVEL_WIDTH_DIVISOR))
+    width = spec.width or max(1, min(DYNAMIC_BEAM_MAX, top // DYNAMIC_LEVEL_WIDTH_DIVISOR))
+    shape = getattr(getattr(drafter, "device_loop", None), "shape", None)  # a device dynamic tree: one program
+    if shape is not None:
+        width, top = shape.width, min(top, shape.nodes)
     out = [BudgetOption(0, 0, 1)]
-    for d in range(1, drafter._max_depth + 1):
-        out.append(BudgetOption(min(d * width, top), d, d))
+    for d in range(1, (shape.depth if shape else drafter._max_depth) + 1):
+        out.append(BudgetOption(min(d * width, top), d, 1 if shape else d))
         if d * width >= top:
             break
     return out

@@ -96,10 +96,10 @@ class SpecEngine:
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
             self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
-            self.drafter.max_nodes)
+            self.drafter.lookahead)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
-            self.allocator, self.tables, cfg.block_size, self.drafter.max_nodes, prefix_cache, window)
+            self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
@@ -198,9 +198,9 @@ class SpecEngine:
         if len(ids) >= limit:
             raise PromptError(f"prompt has {len(ids)} tokens; the model's max length is {limit} (prompt must "
                               f"be < {limit} tokens)")
-        if len(ids) + params.max_new_tokens + self.drafter.max_nodes > limit:
+        if len(ids) + params.max_new_tokens + self.drafter.lookahead > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
-                             f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.max_nodes}")
+                             f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.lookahead}")
         need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "

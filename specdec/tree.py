@@ -193,6 +193,16 @@ class DraftTree:
         return cls._of_shape(tokens, _shape_parts(template.parents))
 
     @classmethod
+    def of_parents(cls, tokens: list[int], parents: list[int]) -> DraftTree:
+        """A deterministic tree of host token ids under host ``parents`` (-1: the root; topologically
+        ordered, else ValueError), on the CPU: ``of_template`` for shapes that seldom repeat (no networkx
+        check, nothing cached)."""
+        if len(tokens) != len(parents) or len(tokens) > MAX_TREE_NODES:
+            raise ValueError(f"tokens and parents must have one length <= {MAX_TREE_NODES}, got "
+                             f"{len(tokens)} and {len(parents)}")
+        return cls._of_shape(tokens, _parts(tuple(parents))) if tokens else cls.empty()
+
+    @classmethod
     def _of_shape(cls, tokens: list[int], parts) -> DraftTree:
         """A deterministic tree of host ``tokens`` over shared shape arrays ``parts`` (``_shape_parts``)."""
         parents, depth, masks, dist, children, arrays, rows = parts
@@ -288,16 +298,18 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
     return children
 
 
-@functools.cache
-def _shape_parts(parents: tuple[int, ...]):
-    """The arrays every deterministic tree of this (validated) shape shares: host lists, children, tensors
-    by field name, verify rows. At most 63 nodes, so every mask fits a signed int64."""
+def _parts(parents: tuple[int, ...]):
+    """The arrays of a deterministic tree of this shape: host lists, children, tensors by field name, verify
+    rows. At most 63 nodes, so every mask fits a signed int64; ValueError unless topologically ordered."""
     plist = list(parents)
     depth, masks = _depths_and_masks(plist)
     dist = [-1] * len(plist)
     arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
                       torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
     return plist, depth, masks, dist, _children(plist), arrays, _verify_rows(masks, plist)
+
+
+_shape_parts = functools.cache(_parts)  # the arrays every tree of a (validated, template) shape shares
 
 
 @functools.cache
@@ -383,14 +395,20 @@ def topk_template(width: int, depth: int) -> TreeTemplate:
 
 
 TREE_SPEC_KINDS = ("chain", "topk", "dynamic")
-_SPEC_FORMS = "'chain:K', 'topk:WxD' or 'dynamic:B' (1 <= nodes <= 63), e.g. 'topk:2x3'"
+_SPEC_FORMS = ("'chain:K', 'topk:WxD', 'dynamic:B' or 'dynamic:B:KxD' (1 <= nodes <= 63), e.g. 'topk:2x3', "
+               "'dynamic:32:8x6'")
+DYNAMIC_MAX_WIDTH = 16  # most nodes of one level of a dynamic tree with an explicit shape
 
 
 @dataclass(frozen=True)
 class TreeSpec:
     """A drafter's tree shape. chain: width 1, `depth` nodes; topk: `width` children per node,
-    `depth` levels; dynamic: up to `budget` nodes grown by cumulative draft probability
-    (width = depth = 0: unconstrained). `budget` is the node count (filled in for static kinds)."""
+    `depth` levels; dynamic: up to `budget` nodes grown by cumulative draft probability, either
+    unconstrained (width = depth = 0: the drafter's default levels) or `depth` levels of `width`
+    nodes each (a frontier of `width` nodes, each with its `width` best children as candidates),
+    then the best `budget` nodes. The draft KV of the first depth - 1 levels must fit the 63-slot
+    tree region (width * (depth - 1) <= 63) and budget <= width * depth. `budget` is the node count
+    (filled in for static kinds)."""
 
     kind: str
     width: int = 0
@@ -407,12 +425,25 @@ class TreeSpec:
         if self.kind == "dynamic":
             if not 1 <= self.budget <= MAX_TREE_NODES:
                 raise ValueError(f"budget must be in [1, {MAX_TREE_NODES}], got {self.budget}")
+            self._check_dynamic_shape()
             return
         n = self.template().num_nodes
         if self.budget not in (0, n):
             raise ValueError(f"budget of {self.kind} {self.width}x{self.depth} must be {n}, "
                              f"got {self.budget}")
         object.__setattr__(self, "budget", n)
+
+    def _check_dynamic_shape(self) -> None:
+        w, d = self.width, self.depth
+        if (w, d) == (0, 0):
+            return
+        if not 1 <= w <= DYNAMIC_MAX_WIDTH:
+            raise ValueError(f"width of a dynamic tree must be in [1, {DYNAMIC_MAX_WIDTH}], got {w}")
+        if not 1 <= d or w * (d - 1) > MAX_TREE_NODES:
+            raise ValueError(f"depth of a dynamic tree of width {w} must be in [1, {MAX_TREE_NODES // w + 1}] "
+                             f"(width * (depth - 1) <= {MAX_TREE_NODES}), got {d}")
+        if self.budget > w * d:
+            raise ValueError(f"budget of dynamic {w}x{d} must be in [1, {w * d}] (width * depth), got {self.budget}")
 
     @property
     def k(self) -> int:
@@ -433,18 +464,18 @@ class TreeSpec:
 
     def __str__(self) -> str:
         return {"chain": f"chain:{self.depth}", "topk": f"topk:{self.width}x{self.depth}",
-                "dynamic": f"dynamic:{self.budget}"}[self.kind]
+                "dynamic": f"dynamic:{self.budget}" + (f":{self.width}x{self.depth}" if self.width else "")}[self.kind]
 
 
 def template_from_spec(spec: str) -> TreeSpec:
-    """Parse 'chain:K', 'topk:WxD' or 'dynamic:B' into a validated TreeSpec."""
+    """Parse 'chain:K', 'topk:WxD', 'dynamic:B' or 'dynamic:B:KxD' into a validated TreeSpec."""
     s = spec.strip().lower() if isinstance(spec, str) else ""
     if m := re.fullmatch(r"chain:(\d+)", s):
         return TreeSpec("chain", width=1, depth=int(m[1]))
     if m := re.fullmatch(r"topk:(\d+)x(\d+)", s):
         return TreeSpec("topk", width=int(m[1]), depth=int(m[2]))
-    if m := re.fullmatch(r"dynamic:(\d+)", s):
-        return TreeSpec("dynamic", budget=int(m[1]))
+    if m := re.fullmatch(r"dynamic:(\d+)(?::(\d+)x(\d+))?", s):
+        return TreeSpec("dynamic", width=int(m[2] or 0), depth=int(m[3] or 0), budget=int(m[1]))
     raise ValueError(f"tree spec {spec!r} not understood; allowed forms: {_SPEC_FORMS}")
 
 

@@ -199,7 +199,7 @@ def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
 
     monkeypatch.setattr(GraphRunner, "run", counting)
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, **cfg))
-    eng.drafter.device_loop = None  # static trees: the level-by-level path (the device program is tested below)
+    eng.drafter.device_loop = None  # the level-by-level path (the device programs are tested below)
     spec = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert calls[0] > 0 and calls[1] > calls[0]  # draft: a catch-up and at least one level per verify
@@ -244,17 +244,51 @@ def test_device_tree_loop_proposes_the_host_paths_trees(setup, tree):
     assert seen[True] == seen[False]
 
 
+@pytest.mark.parametrize("tree, shape", [("dynamic:16", (8, 6, 16)), ("dynamic:12:3x5", (3, 5, 12)),
+                                         ("dynamic:24:6x4", (6, 4, 24))])
+def test_device_dynamic_tree_equals_target_only(setup, tree, shape):
+    """Dynamic trees of greedy batches are grown inside the device program (fixed-shape EAGLE-2 levels, then
+    the best nodes): every step takes it, every tree has the shape's node count, parents before children,
+    and the output equals target-only; the draft KV region may pass the kept nodes (lookahead)."""
+    from specdec.drafters.eagle_dynamic import DeviceDynamicTree
+
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    cfg = dict(num_blocks=160, block_size=8)
+    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(**cfg)).generate(PROMPTS, params)]
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, max_batch_size=8, cuda_graphs=True, adaptive=False, **cfg))
+    loop = eng.drafter.device_loop
+    assert isinstance(loop, DeviceDynamicTree) and tuple(loop.shape) == shape
+    assert eng.scheduler.lookahead == max(shape[2], shape[0] * (shape[1] - 1))
+    sizes, calls, propose, run = [], [], eng.drafter.propose, loop.run
+
+    def spy(rows):
+        prop = propose(rows)
+        sizes.extend((t.num_nodes, all(p < i for i, p in enumerate(t.host.parents))) for t in prop.trees)
+        return prop
+
+    eng.drafter.propose = spy
+    loop.run = lambda *a: calls.append(1) or run(*a)
+    spec = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == want
+    assert len(calls) > 0 and set(sizes) == {(shape[2], True)}
+    assert sum(o.stats.accepted for o in spec) > 0 and eng.all_blocks_free()
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter runs Triton on the CPU; "
                     "on CUDA test_gpu_graphed_eagle_equals_target_only covers the compiled kernels")
-def test_device_tree_loop_on_the_triton_backend(setup):
+@pytest.mark.parametrize("tree", ["topk:2x3", "dynamic:12:3x5"])
+def test_device_tree_loop_on_the_triton_backend(setup, tree):
     """The device program with the Triton kernels (interpreted on the CPU): a batch-1 tree level's queries
-    are laid out densely (an expanded positions view once made the RoPE kernel read past its end)."""
+    are laid out densely (an expanded positions view once made the RoPE kernel read past its end); a
+    dynamic tree's levels attend through per-row masks built on the device."""
     root, _, target = setup
     draft = load_model(root / "full", target=target)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     cfg = dict(num_blocks=128, block_size=16)
     want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(**cfg)).generate(PROMPTS[:1], params)]
-    eng = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", max_batch_size=1, cuda_graphs=True,
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, max_batch_size=1, cuda_graphs=True,
                                                attention_backend="triton", **cfg))
     assert eng.runner.backend.name == "triton" and eng.drafter.device_loop is not None
     assert [o.token_ids for o in eng.generate(PROMPTS[:1], params)] == want
@@ -348,8 +382,8 @@ def test_unrolled_training_step_equals_the_tree_node_it_stands_for(tiny_target):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tree", ["chain:4", "topk:2x3", "dynamic:16"])
 def test_gpu_graphed_eagle_equals_target_only(setup, tree):
-    """float32 on the GPU with graphs captured: the verify graphs hand the draft its features, static trees
-    replay the device program, and greedy output equals eager target-only decoding."""
+    """float32 on the GPU with graphs captured: the verify graphs hand the draft its features, static and
+    dynamic trees replay the device program, and greedy output equals eager target-only decoding."""
     root, _, _ = setup
     target = load_model(root / "target", device="cuda")
     draft = load_model(root / "full", target=target, device="cuda")
@@ -358,8 +392,7 @@ def test_gpu_graphed_eagle_equals_target_only(setup, tree):
     plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(PROMPTS, params)
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, **cfg))
     assert eng.graph_report is not None and eng.graph_report.graphs > 0
-    if tree != "dynamic:16":
-        assert eng.drafter.device_loop is not None and len(eng.drafter.device_loop.graphs) > 0
+    assert eng.drafter.device_loop is not None and len(eng.drafter.device_loop.graphs) > 0
     spec = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert eng.all_blocks_free()

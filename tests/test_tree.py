@@ -168,6 +168,7 @@ def test_templates_checked_with_networkx():
     ("topk:2x3", TreeSpec("topk", width=2, depth=3, budget=14)),
     (" TOPK:1x1 ", TreeSpec("topk", width=1, depth=1, budget=1)),
     ("dynamic:32", TreeSpec("dynamic", budget=32)),
+    ("dynamic:32:8x6", TreeSpec("dynamic", width=8, depth=6, budget=32)),
 ])
 def test_spec_parser(text, spec):
     parsed = template_from_spec(text)
@@ -182,15 +183,19 @@ def test_spec_parser(text, spec):
 
 
 @pytest.mark.parametrize("text", ["chain", "chain:x", "topk:2", "topk:2x", "tree:4", "", "chain:-1",
-                                  "topk:2x3x4"])
+                                  "topk:2x3x4", "dynamic:8:4", "dynamic:8x4"])
 def test_spec_parser_rejects_malformed(text):
-    with pytest.raises(ValueError, match=r"allowed forms: 'chain:K', 'topk:WxD' or 'dynamic:B'"):
+    with pytest.raises(ValueError, match=r"allowed forms: 'chain:K', 'topk:WxD', 'dynamic:B' or 'dynamic:B:KxD'"):
         template_from_spec(text)
 
 
 @pytest.mark.parametrize("text, field", [("chain:0", "chain length k"), ("chain:64", "chain length k"),
                                          ("dynamic:0", "budget"), ("dynamic:64", "budget"),
-                                         ("topk:2x6", "at most 63"), ("topk:0x3", "width and depth")])
+                                         ("topk:2x6", "at most 63"), ("topk:0x3", "width and depth"),
+                                         ("dynamic:8:0x3", "width of a dynamic"),
+                                         ("dynamic:8:17x2", "width of a dynamic"),
+                                         ("dynamic:8:8x10", r"depth of a dynamic tree of width 8 must be in \[1, 8\]"),
+                                         ("dynamic:40:8x4", r"budget of dynamic 8x4 must be in \[1, 32\]")])
 def test_spec_parser_rejects_out_of_range(text, field):
     with pytest.raises(ValueError, match=field):
         template_from_spec(text)

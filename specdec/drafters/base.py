@@ -30,6 +30,12 @@ class Drafter(ABC):
         """Most nodes a tree of this step may have: ``budget`` when set, never more than ``max_nodes``."""
         return self.max_nodes if self.budget is None else min(self.budget, self.max_nodes)
 
+    @property
+    def lookahead(self) -> int:
+        """Positions past a row's last token whose KV slots a step may write (the draft tree region): the
+        scheduler keeps them allocated. ``max_nodes`` unless a drafter drafts more nodes than it proposes."""
+        return self.max_nodes
+
     def prefill(self, chunks, features=None) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
         """Write the draft model's KV for prompt chunks (list of PrefillChunk); ``features`` holds per
         chunk the target's ``target_features`` outputs at its tokens (None when none are asked)."""

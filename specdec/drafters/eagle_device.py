@@ -1,12 +1,13 @@
-"""Greedy static-tree drafting with an EAGLE draft as one device program per batch bucket.
+"""Greedy tree drafting with an EAGLE draft as one device program per batch bucket.
 
-When every row of a step is greedy and the tree is a static template (``chain:K``, ``topk:WxD``), the
-whole proposal runs on the device with no host read in between: the catch-up forward over each row's
-newly committed tokens (their target features come from the verify step), then level by level the
-top-k of each parent's draft logits and the draft forward of the new nodes (each node reads its
-parent's draft state). On CUDA the program is captured as one CUDA graph per batch bucket; on the
-CPU it runs eagerly over the same buffers. The host fills the catch-up inputs (one copy), runs the
-program and reads the batch's tree tokens (one copy).
+When every row of a step is greedy, the whole proposal runs on the device with no host read in
+between: the catch-up forward over each row's newly committed tokens (their target features come
+from the verify step), then the tree levels. For a static template (``chain:K``, ``topk:WxD``,
+``DeviceTreeLoop`` here) each level takes the top-k of each parent's draft logits and runs the draft
+forward of the new nodes (each node reads its parent's draft state); dynamic trees grow inside the
+same program (``eagle_dynamic.DeviceDynamicTree``). On CUDA the program is captured as one CUDA
+graph per batch bucket; on the CPU it runs eagerly over the same buffers. The host fills the
+catch-up inputs (one copy), runs the program and reads the batch's trees (one copy).
 
 The trees equal those of the level-by-level host path (``EagleDrafter``'s ``ModelDrafter.propose``)
 up to ties in the draft logits: both take each parent's most probable draft tokens in rank order.
@@ -61,17 +62,29 @@ def levels_of(template: TreeTemplate, device) -> list[_Level]:
     return out
 
 
-class DeviceTreeLoop:
-    """The device program of ``model`` (an ``EagleDraft`` on pool model 1) for tree ``template``.
+class _Catch(NamedTuple):
+    """What the catch-up forward leaves for the tree levels of bucket ``b``."""
+
+    b: int
+    views: object  # StepViews of the catch-up
+    kv: list
+    state: torch.Tensor  # (b, 1, hidden) the root's draft state
+    logits: torch.Tensor  # (b, 1, N) the root's draft-vocabulary logits
+    length: torch.Tensor  # (b, 1) len(tokens): the tree region starts there
+    live: torch.Tensor  # (b, 1) bool: padded rows store nothing
+
+
+class DeviceDraftProgram:
+    """A greedy drafting program of ``model`` (an ``EagleDraft`` on pool model 1) per batch bucket: the
+    catch-up forward, then the tree levels of a subclass's ``_grow`` (its level sizes: ``widths``).
 
     ``catch_up``: most committed tokens a row's catch-up may hold (longer rows take the host path).
     """
 
-    def __init__(self, model, pool, backend, template: TreeTemplate, batch_buckets: tuple[int, ...],
-                 catch_up: int, bt_width: int, device) -> None:
-        self.model, self.pool, self.backend, self.template = model, pool, backend, template
+    def __init__(self, model, pool, backend, batch_buckets: tuple[int, ...], catch_up: int, bt_width: int,
+                 device, widths: set[int]) -> None:
+        self.model, self.pool, self.backend = model, pool, backend
         self.device = torch.device(device)
-        self.levels = levels_of(template, self.device)
         self.batch_buckets, self.q = batch_buckets, catch_up
         self._batch_of = [next((b for b in batch_buckets if b >= n), None) for n in range(max(batch_buckets) + 1)]
         self.inputs = StepInputs(max(batch_buckets), catch_up, bt_width, self.device)
@@ -80,8 +93,7 @@ class DeviceTreeLoop:
                                     dtype=next(model.parameters()).dtype)
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._qsl = {(b, lv.end - lv.start): torch.arange(b + 1, device=self.device) * (lv.end - lv.start)
-                     for b in batch_buckets for lv in self.levels}
+        self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
 
     def bucket(self, rows: int, longest: int) -> int | None:
         """The batch bucket of a step with ``rows`` rows whose longest catch-up is ``longest``, or None."""
@@ -91,8 +103,8 @@ class DeviceTreeLoop:
 
     def run(self, b: int, rows, slots, bt_rows, where: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         """Fill bucket ``b``'s inputs (catch-up rows, their slots and block tables; ``aux`` (T, k * hidden)
-        target features written at padded positions ``where`` (T,)) and run the program: the tree tokens
-        (b, N) of every row (padded rows: garbage)."""
+        target features written at padded positions ``where`` (T,)) and run the program: its output for
+        every row (padded rows: garbage)."""
         self.inputs.fill(b, self.q, rows, slots, bt_rows)
         self.features[:b * self.q].index_copy_(0, where, aux.to(self.features.dtype))
         if b in self.graphs:
@@ -130,8 +142,40 @@ class DeviceTreeLoop:
         last = torch.arange(b, device=self.device) * q + (v.num_tokens - 1).clamp(min=0)  # (b,)
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
         logits = m.compute_logits(state.flatten(0, 1)).unsqueeze(1)  # (b, 1, N)
-        length = v.seq_lens.view(-1, 1)  # (b, 1): len(tokens), the tree's region starts there
-        live = (v.num_tokens > 0).view(-1, 1)  # (b, 1): padded rows store nothing
+        return self._grow(_Catch(b, v, kv, state, logits, v.seq_lens.view(-1, 1), (v.num_tokens > 0).view(-1, 1)))
+
+    def _grow(self, c: _Catch) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _forward(self, c: _Catch, toks: torch.Tensor, nodes: torch.Tensor, depth: int, end: int,
+                 masks: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Draft forward of n nodes per row: target ids ``toks`` (b, n) at region indices ``nodes`` (n,) (slot
+        of position len(tokens) + index), all at ``depth``, attending the region [0, end) through ``masks``
+        (b * n,) and reading draft states ``feats`` (b * n, hidden). Returns their states (b * n, hidden)."""
+        b, n, bs, v = c.b, toks.shape[1], self.pool.block_size, c.views
+        logical = c.length + nodes.view(1, -1)  # (b, n)
+        blocks = v.block_tables.long().gather(1, logical // bs)
+        slots = torch.where(c.live, blocks * bs + logical % bs, -1).flatten()
+        meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens, seq_lens=v.seq_lens + end,
+                            block_tables=v.block_tables, slot_mapping=slots, block_size=bs, tree_mask=masks,
+                            max_query_len=n, max_seq_len=self.max_seq_len)
+        pos = (c.length + depth).expand(b, n).contiguous().view(-1)  # kernels read it densely
+        return self.model(toks.flatten(), pos, ForwardContext(self.backend, meta, c.kv), feats)  # (b*n, hidden)
+
+
+class DeviceTreeLoop(DeviceDraftProgram):
+    """The device program of static tree ``template``: every level takes each parent's most probable
+    draft tokens by the template's ranks. Output: the tree tokens (b, N) of every row."""
+
+    def __init__(self, model, pool, backend, template: TreeTemplate, batch_buckets: tuple[int, ...],
+                 catch_up: int, bt_width: int, device) -> None:
+        self.template = template
+        self.levels = levels_of(template, torch.device(device))
+        super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
+                         {lv.end - lv.start for lv in self.levels})
+
+    def _grow(self, c: _Catch) -> torch.Tensor:
+        m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
         for i, lv in enumerate(self.levels):
             top = logits.topk(lv.children, dim=-1).indices  # (b, n_prev, c)
@@ -139,17 +183,8 @@ class DeviceTreeLoop:
             tokens.append(toks)
             if i + 1 == len(self.levels):
                 break
-            n = lv.end - lv.start
-            logical = length + lv.nodes.view(1, -1)  # (b, n)
-            blocks = v.block_tables.long().gather(1, logical // bs)
-            slots = torch.where(live, blocks * bs + logical % bs, -1).flatten()
-            meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens,
-                                seq_lens=v.seq_lens + lv.end, block_tables=v.block_tables, slot_mapping=slots,
-                                block_size=bs, tree_mask=lv.masks.repeat(b), max_query_len=n,
-                                max_seq_len=self.max_seq_len)
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
-            pos = (length + lv.depth).expand(b, n).contiguous().view(-1)  # kernels read it densely
-            h = m(toks.flatten(), pos, ForwardContext(self.backend, meta, kv), feats)  # (b*n, hidden)
-            state = h.view(b, n, -1)
-            logits = m.compute_logits(h).view(b, n, -1)
+            h = self._forward(c, toks, lv.nodes, lv.depth, lv.end, lv.masks.repeat(b), feats)  # (b*n, hidden)
+            state = h.view(b, lv.end - lv.start, -1)
+            logits = m.compute_logits(h).view(b, lv.end - lv.start, -1)
         return torch.cat(tokens, 1)  # (b, N)

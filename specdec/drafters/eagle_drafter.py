@@ -21,7 +21,7 @@ from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Gro
 from specdec.runner import RowInput
 from specdec.scheduler.request import Request
 from specdec.training.eagle import EagleDraft
-from specdec.tree import TreeSpec
+from specdec.tree import DraftTree, TreeSpec
 
 
 @dataclass
@@ -61,19 +61,31 @@ class EagleDrafter(ModelDrafter):
         self.vocab_size = vocab_size
         self.target_features = model.aux_layers
         self._feats: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
-        self.device_loop = None  # a DeviceTreeLoop once the graph path is on (static trees only)
+        self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
+
+    @property
+    def lookahead(self) -> int:
+        """The device dynamic tree writes the draft KV of width * (depth - 1) nodes, possibly more than it keeps."""
+        shape = getattr(self.device_loop, "shape", None)
+        return self.max_nodes if shape is None else max(self.max_nodes, shape.region)
 
     def enable_device_loop(self, graphs) -> None:
-        """Draft greedy batches of a static tree with one device program per batch bucket (captured with
-        ``graphs``, the engine's GraphRunner)."""
-        if self._template is None:
-            return
+        """Draft greedy batches with one device program per batch bucket (captured with ``graphs``, the engine's
+        GraphRunner): the static template's levels, or a dynamic tree of ``device_shape(spec)``."""
         from specdec.drafters.eagle_device import DeviceTreeLoop
+        from specdec.drafters.eagle_dynamic import DeviceDynamicTree, device_shape
         from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket
 
-        catch_up = bucket(self.spec.depth + 1, QUERY_BUCKETS) or self.spec.depth + 1  # accepted path + bonus
-        self.device_loop = DeviceTreeLoop(self.model, self.runner.pool, self.runner.backend, self._template,
-                                          graphs.batch_buckets, catch_up, graphs.inputs.width, self.runner.device)
+        dev, pool, backend = self.runner.device, self.runner.pool, self.runner.backend
+        if self._template is None:
+            shape = device_shape(self.spec)
+            catch_up = bucket(shape.depth + 1, QUERY_BUCKETS) or shape.depth + 1  # accepted path + bonus
+            self.device_loop = DeviceDynamicTree(self.model, pool, backend, shape, graphs.batch_buckets, catch_up,
+                                                 graphs.inputs.width, dev)
+        else:
+            catch_up = bucket(self.spec.depth + 1, QUERY_BUCKETS) or self.spec.depth + 1
+            self.device_loop = DeviceTreeLoop(self.model, pool, backend, self._template, graphs.batch_buckets,
+                                              catch_up, graphs.inputs.width, dev)
         graphs.programs.append(self.device_loop)
 
     def propose(self, rows: list[Request]) -> Proposal:
@@ -90,9 +102,13 @@ class EagleDrafter(ModelDrafter):
         loop, runner = self.device_loop, self.runner
         rows, aux = self._catch_up_inputs(reqs, spans)
         where = runner.padded_index(rows, loop.q)
-        tokens = loop.run(b, *runner.padded_inputs(rows, loop.q), where, aux).tolist()  # (b, N): the one read
+        out = loop.run(b, *runner.padded_inputs(rows, loop.q), where, aux)[:len(reqs)].tolist()  # the one read
         self._caught_up(reqs, spans)
-        trees = [template_tree(tokens[i], self._template, self.node_budget) for i in range(len(reqs))]
+        n = self.node_budget
+        if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
+            trees = [best_nodes(*row, n) for row in out]
+        else:  # (rows, N) tokens
+            trees = [template_tree(row, self._template, n) for row in out]
         return Proposal(trees, [frozenset()] * len(reqs))
 
     def _state(self, req: Request) -> _Features:
@@ -174,3 +190,13 @@ class EagleDrafter(ModelDrafter):
             g.frontier = [(i, logits[j + n]) for n, i in enumerate(nodes)]
             g.hidden.update((i, hidden[j + n]) for n, i in enumerate(nodes))
             j += len(nodes)
+
+
+def best_nodes(tokens: list[int], parents: list[int], ranks: list[int], n: int) -> DraftTree:
+    """The tree of a device dynamic tree's nodes (level order; ``parents`` among them, -1 the root) whose
+    score ``ranks`` are below ``n`` (the adaptive budget; the best n nodes of a tree form a tree)."""
+    if n >= len(tokens):
+        return DraftTree.of_parents(tokens, parents)
+    keep = [i for i, r in enumerate(ranks) if r < n]
+    index = {j: i for i, j in enumerate(keep)}
+    return DraftTree.of_parents([tokens[j] for j in keep], [index.get(parents[j], -1) for j in keep])

@@ -64,8 +64,10 @@ class ModelDrafter(Drafter):
         self.max_nodes = spec.budget
         self._template = spec.template() if spec.is_static else None
         self._child_count = Counter(self._template.parents) if self._template is not None else {}
-        self._max_depth = spec.depth if spec.is_static else min(DYNAMIC_MAX_DEPTH, spec.budget)
+        self._max_depth = spec.depth or min(DYNAMIC_MAX_DEPTH, spec.budget)  # dynamic: the spec's levels or all
         self._beam = max(1, min(DYNAMIC_BEAM_MAX, spec.budget // 6))  # dynamic: children per level
+        if not spec.is_static and spec.width:  # dynamic:B:KxD: levels of K nodes
+            self._beam = spec.width
 
     def prefill(self, chunks, features=None) -> None:
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,

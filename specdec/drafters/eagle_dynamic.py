@@ -1,0 +1,141 @@
+"""Greedy dynamic trees grown inside the EAGLE device program (EAGLE-2 style, fixed shapes).
+
+A dynamic tree of shape (K, D, N) = (width, depth, nodes) grows D levels of K nodes per row:
+level 0 holds the root's K most probable draft tokens; each later level forwards the previous
+level's K nodes (the frontier: each reads its parent's draft state, its KV goes to the row's tree
+region at index level * K + position, its attention mask is its ancestor bitmask over that region),
+takes each frontier node's K most probable tokens as candidates scored parent score + draft log
+probability, and keeps the row's best K candidates, best first, as the next level. The tree is the
+row's best N of the K * D nodes by score (the sum of draft log probabilities along the path).
+
+Tie rule: a node never scores above its parent; equal scores keep the earlier level, then the
+earlier position in the level (a stable sort over level order), so every chosen node's ancestors
+are chosen and the chosen set is a tree. Everything is tensor ops of fixed shapes over the batch:
+the program is captured as one CUDA graph per batch bucket like the static loop, and the host reads
+each row's (tokens, parents, ranks) once.
+
+``dynamic:B`` drafts with the default frontier ``DEVICE_WIDTH`` x ``DEVICE_DEPTH`` levels and keeps
+min(B, K * D) nodes; ``dynamic:B:KxD`` names the shape (see ``device_shape``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
+from specdec.tree import MAX_TREE_NODES, TreeSpec
+
+DEVICE_WIDTH = 8  # frontier nodes per level of ``dynamic:B`` on the device
+DEVICE_DEPTH = 6  # levels of ``dynamic:B`` on the device (draft forwards: DEVICE_DEPTH - 1 after the catch-up)
+
+# expand(level, tokens (b, K) draft ids, parent_pos (b, K), masks (b, K)) -> (b, K, V) children's log probs
+Expand = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class DynamicShape(NamedTuple):
+    """K frontier nodes per level, D levels, N nodes kept."""
+
+    width: int
+    depth: int
+    nodes: int
+
+    @property
+    def region(self) -> int:
+        """Tree-region slots whose draft KV the program writes (every level but the last)."""
+        return self.width * (self.depth - 1)
+
+
+def device_shape(spec: TreeSpec) -> DynamicShape:
+    """The device shape of a dynamic spec: its own ``width`` x ``depth``, or DEVICE_WIDTH (at most the
+    budget) x DEVICE_DEPTH (fewer when the region would pass 63 slots); nodes = min(budget, K * D)."""
+    if spec.is_static:
+        raise ValueError(f"spec must be a dynamic tree, got {spec}")
+    if spec.width:
+        return DynamicShape(spec.width, spec.depth, spec.budget)
+    k = min(DEVICE_WIDTH, spec.budget)
+    d = min(DEVICE_DEPTH, MAX_TREE_NODES // k + 1)
+    return DynamicShape(k, d, min(spec.budget, k * d))
+
+
+def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape) -> Tensor:
+    """The trees of b rows from their roots' draft log probabilities ``root_logp`` (b, V).
+
+    ``expand(level, tokens, parent_pos, masks)`` runs the draft on the K nodes of ``level`` (< D - 1) of
+    every row: their draft ids (b, K), their parents' positions in the level before (b, K; level 0: 0,
+    the root) and their ancestor bitmasks over the region (b, K; bit level * K + position is the node);
+    it returns their children's log probabilities (b, K, V). Returns (b, 3, N) int64: per row the chosen
+    nodes in level order as draft ids, parent index among them (-1: the root) and rank by score (0: best).
+    """
+    k, d, n = shape
+    b, dev = root_logp.shape[0], root_logp.device
+    if not 1 <= k <= root_logp.shape[1] or not 1 <= n <= k * d:
+        raise ValueError(f"shape {tuple(shape)}: width must be in [1, {root_logp.shape[1]}] (the draft "
+                         f"vocabulary) and nodes in [1, width * depth]")
+    one = torch.ones(k, dtype=torch.int64, device=dev)
+    top = root_logp.topk(k, dim=-1)
+    score, toks = top.values, top.indices  # (b, K) each
+    ppos = torch.zeros_like(toks)  # (b, K)
+    masks = (one << torch.arange(k, device=dev)).expand(b, k)  # (b, K)
+    scores, tokens, parents = [score], [toks], [torch.full_like(toks, -1)]
+    for level in range(1, d):
+        top = expand(level - 1, toks, ppos, masks).topk(k, dim=-1)  # (b, K, K): each node's best children
+        best = (score.unsqueeze(-1) + top.values).view(b, k * k).topk(k, dim=-1)  # (b, K) the row's best
+        ppos, score = best.indices // k, best.values
+        toks = top.indices.view(b, k * k).gather(1, best.indices)  # (b, K)
+        if level + 1 < d:  # the last level is never forwarded
+            masks = masks.gather(1, ppos) | (one << torch.arange(level * k, level * k + k, device=dev))
+        scores.append(score)
+        tokens.append(toks)
+        parents.append(ppos + (level - 1) * k)  # region index of the parent
+    return choose(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), n)
+
+
+def choose(scores: Tensor, tokens: Tensor, parents: Tensor, n: int) -> Tensor:
+    """Each row's best ``n`` nodes of (b, M) ``scores`` (nodes in level order, ``parents``: region index of
+    the parent, -1 the root; ties: the earlier node) as (b, 3, n): tokens, parent index among the chosen
+    (-1: the root; also for a chosen node whose parent was not chosen, which the tie rule rules out
+    for finite scores), rank by score; chosen nodes in level order."""
+    b, m = scores.shape
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]  # (b, n) best first
+    chosen = order.sort(dim=1).values  # (b, n) level order
+    ar = torch.arange(n, device=scores.device).expand(b, n)
+    rank = torch.full_like(scores, m, dtype=torch.int64).scatter_(1, order, ar).gather(1, chosen)  # (b, n)
+    where = torch.full_like(scores, -1, dtype=torch.int64).scatter_(1, chosen, ar)  # (b, M): index among chosen
+    par = parents.gather(1, chosen)  # (b, n) region index
+    par = torch.where(par >= 0, where.gather(1, par.clamp(min=0)), -1)
+    return torch.stack([tokens.gather(1, chosen), par, rank], 1)  # (b, 3, n)
+
+
+class DeviceDynamicTree(DeviceDraftProgram):
+    """The device program of dynamic trees of ``shape``: output (b, 3, N) int64 per row, the chosen nodes'
+    target ids, parents among the chosen (-1: the root) and score ranks (``grow``)."""
+
+    def __init__(self, model, pool, backend, shape: DynamicShape, batch_buckets: tuple[int, ...],
+                 catch_up: int, bt_width: int, device) -> None:
+        if shape.region > MAX_TREE_NODES or shape.width > len(model.vocab_ids):
+            raise ValueError(f"shape {tuple(shape)}: width * (depth - 1) must be <= {MAX_TREE_NODES} and width "
+                             f"<= {len(model.vocab_ids)} (the draft vocabulary)")
+        self.shape = shape
+        dev = torch.device(device)
+        k = shape.width
+        self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
+        super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device, {k})
+
+    def _grow(self, c: _Catch) -> Tensor:
+        m, k = self.model, self.shape.width
+        state = c.state  # (b, K or 1, hidden): the draft states of the level before (first: the root)
+
+        def expand(level: int, toks: Tensor, ppos: Tensor, masks: Tensor) -> Tensor:
+            nonlocal state
+            feats = state.gather(1, ppos.unsqueeze(-1).expand(-1, -1, state.shape[-1])).flatten(0, 1)  # (b*K, h)
+            h = self._forward(c, m.vocab_ids[toks], self._nodes[level], level, (level + 1) * k,
+                              masks.flatten(), feats)  # (b*K, hidden)
+            state = h.view(c.b, k, -1)
+            return torch.log_softmax(m.compute_logits(h).float(), dim=-1).view(c.b, k, -1)  # (b, K, V)
+
+        out = grow(torch.log_softmax(c.logits.flatten(0, 1).float(), dim=-1), expand, self.shape)  # (b, 3, N)
+        return torch.cat([m.vocab_ids[out[:, :1]], out[:, 1:]], 1)
