@@ -12,10 +12,11 @@
 #   5 (.stage-serve)                 bash bench/gpu_session.sh serve
 #   6 (.whl)                         bash bench/gpu_session.sh sweep
 #   7 (.whl .gpu, after core)        bash bench/gpu_session.sh adaptive   (n-gram chain:8, adaptive on/off)
+#   8 (.whl .gpu, after core)        bash bench/gpu_session.sh dyntree    (device dynamic EAGLE trees, batch 1/64)
 # Each stage packs its logs and JSON into $OUT/<stage>.tgz (the device tool returns at most 8 files) and
 # prints a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh piece NN | core | eagle | serve | sweep | adaptive}
+stage=${1:?usage: gpu_session.sh piece NN | core | eagle | serve | sweep | adaptive | dyntree}
 OUT=${OUT:-/tmp/out}
 MODEL=/tmp/model.gguf
 root=$(pwd)
@@ -88,6 +89,14 @@ case "$stage" in
     install
     fastpath 540 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
+    pack
+    ;;
+  dyntree)  # the device program's dynamic trees: GPU tests, then tok/s + MAL at batch 1 and 64 vs target-only
+    install
+    gpu_tests 90 tests/test_eagle.py -k "gpu_graphed or device_dynamic" tests/test_eagle_dynamic.py
+    (cd /tmp && timeout 420 python3 -P "$root/bench/gpu_eagle_dynamic.py" speed "$D" "$MODEL" \
+      "$root/.gpu/mtbench_ids.json" ${DYN_TREES:-} > "$D/speed.log" 2>&1)
+    grep -h -e "^batch" -e "^eagle" "$D/speed.log" | tail -14
     pack
     ;;
   eagle)

@@ -261,6 +261,7 @@ def test_template_tree_cuts_a_whole_template_to_the_budget():
 def test_options_of_draft_models_per_tree_kind():
     from types import SimpleNamespace
 
+    from specdec.drafters.eagle_dynamic import DynamicShape
     from specdec.tree import template_from_spec
 
     def opts(tree, loop=None):
@@ -272,3 +273,6 @@ def test_options_of_draft_models_per_tree_kind():
     assert opts("topk:2x2") == [(0, 0, 1), (2, 1, 1), (6, 2, 2)]  # whole levels of the template
     assert opts("topk:2x2", loop=object()) == [(0, 0, 1), (2, 1, 1), (6, 2, 1)]  # one device program
     assert opts("dynamic:16") == [(0, 0, 1)] + [(2 * d, d, d) for d in range(1, 9)]  # 2 nodes per level
+    assert opts("dynamic:12:3x5") == [(0, 0, 1)] + [(3 * d, d, d) for d in range(1, 5)]  # the spec's width
+    device = SimpleNamespace(shape=DynamicShape(8, 6, 28))  # one program; its best n nodes (n: d levels' worth)
+    assert opts("dynamic:28:8x6", loop=device) == [(0, 0, 1), (8, 1, 1), (16, 2, 1), (24, 3, 1), (28, 4, 1)]

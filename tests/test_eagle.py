@@ -274,6 +274,10 @@ def test_device_dynamic_tree_equals_target_only(setup, tree, shape):
     assert [o.token_ids for o in spec] == want
     assert len(calls) > 0 and set(sizes) == {(shape[2], True)}
     assert sum(o.stats.accepted for o in spec) > 0 and eng.all_blocks_free()
+    sizes.clear()
+    eng.drafter.budget = 5  # an adaptive budget: each tree is cut to its best 5 nodes
+    assert [o.token_ids for o in eng.generate(PROMPTS[:3], params)] == want[:3]
+    assert set(sizes) == {(5, True)} and eng.all_blocks_free()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the interpreter runs Triton on the CPU; "
