@@ -197,10 +197,17 @@ class DraftTree:
         """A deterministic tree of host token ids under host ``parents`` (-1: the root; topologically
         ordered, else ValueError), on the CPU: ``of_template`` for shapes that seldom repeat (no networkx
         check, nothing cached)."""
-        if len(tokens) != len(parents) or len(tokens) > MAX_TREE_NODES:
-            raise ValueError(f"tokens and parents must have one length <= {MAX_TREE_NODES}, got "
-                             f"{len(tokens)} and {len(parents)}")
-        return cls._of_shape(tokens, _parts(tuple(parents))) if tokens else cls.empty()
+        n = len(tokens)
+        if n != len(parents) or n > MAX_TREE_NODES:
+            raise ValueError(f"tokens and parents must have one length <= {MAX_TREE_NODES}, got {n} and {len(parents)}")
+        if not n:
+            return cls.empty()
+        plist = list(parents)
+        depth, masks = _depths_and_masks(plist)
+        tree = object.__new__(cls)  # every other tensor is made on first use (``__getattr__``)
+        tree.__dict__.update(draft_dists=None, child_mode="deterministic", dist_index=torch.full((n,), -1),
+                             _host=HostView(list(tokens), plist, depth, masks, [-1] * n, _children(plist)))
+        return tree
 
     @classmethod
     def _of_shape(cls, tokens: list[int], parts) -> DraftTree:
@@ -228,13 +235,13 @@ class DraftTree:
         return cls(as_i64(tokens), as_i64(plist), as_i64(depth), as_i64(mask), dists, di, child_mode)
 
     def __getattr__(self, name: str):
-        """Only for attributes not set: the ``tokens`` tensor of a shared-shape tree (``chain``,
-        ``of_template``), made on first use."""
+        """Only for attributes not set: an integer array of a tree built from host lists (the ``tokens`` of
+        ``chain`` and ``of_template``, the arrays of ``of_parents``), made from the host view on first use."""
         host = self.__dict__.get("_host")
-        if name != "tokens" or host is None:
+        if name not in _LAZY_ARRAYS or host is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        tokens = self.__dict__["tokens"] = torch.tensor(host.tokens, dtype=torch.int64)  # (N,)
-        return tokens
+        array = self.__dict__[name] = torch.tensor(getattr(host, name), dtype=torch.int64)  # (N,)
+        return array
 
     @property
     def num_nodes(self) -> int:
@@ -282,6 +289,7 @@ class DraftTree:
 
 
 _EMPTY: dict = {}  # device (as given, and as str) -> the shared empty tree
+_LAZY_ARRAYS = ("tokens", "parents", "depth", "ancestor_mask")  # tensors a host-list tree makes on first use
 
 
 def _verify_rows(ancestor_mask: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
@@ -298,18 +306,16 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
     return children
 
 
-def _parts(parents: tuple[int, ...]):
-    """The arrays of a deterministic tree of this shape: host lists, children, tensors by field name, verify
-    rows. At most 63 nodes, so every mask fits a signed int64; ValueError unless topologically ordered."""
+@functools.cache
+def _shape_parts(parents: tuple[int, ...]):
+    """The arrays every deterministic tree of this (validated) shape shares: host lists, children, tensors
+    by field name, verify rows. At most 63 nodes, so every mask fits a signed int64."""
     plist = list(parents)
     depth, masks = _depths_and_masks(plist)
     dist = [-1] * len(plist)
     arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
                       torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
     return plist, depth, masks, dist, _children(plist), arrays, _verify_rows(masks, plist)
-
-
-_shape_parts = functools.cache(_parts)  # the arrays every tree of a (validated, template) shape shares
 
 
 @functools.cache

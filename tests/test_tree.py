@@ -71,6 +71,24 @@ def test_topk_tree():
     assert tree.children(-1) == [0, 1] and tree.children(1) == [4, 5] and tree.children(13) == []
 
 
+def test_of_parents_equals_from_parents():
+    """The host-list tree of a device-drafted dynamic tree: the same arrays as ``from_parents`` (tensors made
+    on first use), and a parent that does not precede its child is refused."""
+    rng = random.Random(3)
+    parents = [-1, -1] + [rng.randrange(i) for i in range(2, MAX_TREE_NODES)]  # 63 nodes: bit 62 at most
+    tokens = [rng.randrange(1000) for _ in parents]
+    tree, ref = DraftTree.of_parents(tokens, parents), DraftTree.from_parents(tokens, parents)
+    assert "parents" not in tree.__dict__ and tree.host == ref.host
+    _check_tree(tree, parents)
+    for name in ("tokens", "parents", "depth", "ancestor_mask", "dist_index"):
+        assert torch.equal(getattr(tree, name), getattr(ref, name)), name
+    assert DraftTree.of_parents([], []).num_nodes == 0
+    with pytest.raises(ValueError, match=r"parents\[1\] must be in \[-1, 0\]"):
+        DraftTree.of_parents([1, 2], [-1, 1])
+    with pytest.raises(ValueError, match="one length"):
+        DraftTree.of_parents([1, 2], [-1])
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_random_trees(seed):
     rng = random.Random(seed)
