@@ -32,10 +32,9 @@ from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
 from specdec.loading.registry import load_model  # noqa: E402
 
 HOST_TREES = ("topk:2x4", "dynamic:15", "dynamic:31", "dynamic:63")  # host path (no graphs): the reference
-DEVICE_TREES = ("dynamic:63", "dynamic:32:8x6", "dynamic:48:8x6", "dynamic:24:6x5", "dynamic:30:6x5",
-                "dynamic:32:8x5", "dynamic:40:8x5", "dynamic:32:10x5", "dynamic:48:10x6", "dynamic:32:8x4",
-                "dynamic:48:8x7", "dynamic:63:8x8", "dynamic:24:4x6", "dynamic:32:6x7")
-SPEED_TREES = ("dynamic:63", "dynamic:32:8x6", "dynamic:32:8x5", "topk:2x4")  # the first also with adaptive budgets
+DEVICE_TREES = ("dynamic:63", "dynamic:32:10x5", "dynamic:40:10x5", "dynamic:32:8x5", "dynamic:40:8x5",
+                "dynamic:48:8x6", "dynamic:32:12x5", "dynamic:32:12x4", "dynamic:32:10x4", "dynamic:32:16x4")
+SPEED_TREES = ("dynamic:63", "dynamic:32:10x5", "dynamic:40:10x5", "topk:2x4")  # the first also with adaptive budgets
 
 
 def _models(model_path: str, dtype: torch.dtype):

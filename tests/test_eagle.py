@@ -244,7 +244,7 @@ def test_device_tree_loop_proposes_the_host_paths_trees(setup, tree):
     assert seen[True] == seen[False]
 
 
-@pytest.mark.parametrize("tree, shape", [("dynamic:16", (8, 6, 16)), ("dynamic:12:3x5", (3, 5, 12)),
+@pytest.mark.parametrize("tree, shape", [("dynamic:16", (10, 5, 16)), ("dynamic:12:3x5", (3, 5, 12)),
                                          ("dynamic:24:6x4", (6, 4, 24))])
 def test_device_dynamic_tree_equals_target_only(setup, tree, shape):
     """Dynamic trees of greedy batches are grown inside the device program (fixed-shape EAGLE-2 levels, then

@@ -29,8 +29,11 @@ from torch import Tensor
 from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
 from specdec.tree import MAX_TREE_NODES, TreeSpec
 
-DEVICE_WIDTH = 8  # frontier nodes per level of ``dynamic:B`` on the device
-DEVICE_DEPTH = 6  # levels of ``dynamic:B`` on the device (draft forwards: DEVICE_DEPTH - 1 after the catch-up)
+# ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Measured
+# (bench/RESULTS.md, CPU float32, 8 MT-bench prompts): 10x5 keeping 32 nodes accepts 2.74 tokens per target
+# forward, 40 nodes 2.76, the host path's dynamic:63 (8 levels of 8) 2.78; 8x5 2.67-2.69, 12x4 2.69, 16x4 2.61.
+DEVICE_WIDTH = 10
+DEVICE_DEPTH = 5
 
 # expand(level, tokens (b, K) draft ids, parent_pos (b, K), masks (b, K)) -> (b, K, V) children's log probs
 Expand = Callable[[int, Tensor, Tensor, Tensor], Tensor]
