@@ -14,6 +14,7 @@ On a CPU (for trying the script) everything runs with a tiny model and few token
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -383,7 +384,8 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
             ("ngram_adaptive", "ngram", True, False)]
     # continuous batching (all prompts submitted, freed rows refilled) besides waves of `batch` prompts
     runs_cont = [(f"{n}_continuous", d, on, True) for n, d, on, _ in runs]
-    for b in (1, 16, 64):
+    batches = [int(x) for x in os.environ.get("ADAPTIVE_BATCHES", "1,16,64").split(",")]
+    for b in batches:
         for name, draft, on, cont in runs + (runs_cont if b > 1 else []):
             engines: list = []
             r = res[f"{name}_b{b}"] = measured_run(draft, target, "chain:8", b, prompts, params, dt, engines,
