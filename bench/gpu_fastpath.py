@@ -14,6 +14,7 @@ On a CPU (for trying the script) everything runs with a tiny model and few token
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -112,19 +113,27 @@ def fill_synthetic(engine, key, context: int = 200) -> None:
     graphs.inputs.fill(b, q, rows, slots, bts)
 
 
-def user_generate(engine, prompts, params, batch: int, continuous: bool = False) -> dict:
+def user_generate(engine, prompts, params, batch: int, continuous: bool = False, repeats: int = 1) -> dict:
     """tok/s of ``engine.generate`` (what a user runs: detokenisation and streaming included), ``batch``
     prompts at a time (waves: a wave's early finishers leave its tail under-filled), or with ``continuous``
-    all prompts in one call, the engine's ``max_batch_size`` (= batch) refilling freed rows at once."""
-    if CUDA:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    n_tok = 0
-    for i in range(0, len(prompts), len(prompts) if continuous else batch):
-        n_tok += sum(len(o.token_ids) for o in engine.generate(prompts[i:i + batch], params))
-    wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall,
+    all prompts in one call, the engine's ``max_batch_size`` (= batch) refilling freed rows at once.
+    With ``repeats`` > 1 the whole run is repeated and the median wall time is reported."""
+    per_call = len(prompts) if continuous else batch
+    walls, n_tok = [], 0
+    for _ in range(repeats):
+        if CUDA:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        n_tok = 0
+        for i in range(0, len(prompts), per_call):
+            n_tok += sum(len(o.token_ids) for o in engine.generate(prompts[i:i + per_call], params))
+        walls.append(time.perf_counter() - t0)
+    wall = statistics.median(walls)
+    return {"wall_s": wall, "walls": walls, "tokens": n_tok, "tok_per_s": n_tok / wall,
             "target_forwards": engine.stats.target_forwards}
+
+
+REPEATS = int(os.environ.get("REPEATS", "3" if CUDA else "1"))  # user_generate runs per measured figure
 
 
 def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str, engine_out=None,
@@ -135,7 +144,7 @@ def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: s
                                                prefix_cache=False, **cfg))
     eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
     eng.stats = type(eng.stats)()
-    r = user_generate(eng, prompts, params, batch=batch, continuous=continuous)
+    r = user_generate(eng, prompts, params, batch=batch, continuous=continuous, repeats=REPEATS)
     r["mean_accepted_length"] = eng.stats.mean_accepted_length
     if engine_out is not None:
         engine_out.append(eng)
@@ -383,7 +392,8 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
             ("ngram_adaptive", "ngram", True, False)]
     # continuous batching (all prompts submitted, freed rows refilled) besides waves of `batch` prompts
     runs_cont = [(f"{n}_continuous", d, on, True) for n, d, on, _ in runs]
-    for b in (1, 16, 64):
+    batches = [int(x) for x in os.environ.get("ADAPTIVE_BATCHES", "1,16,64").split(",")]
+    for b in batches:
         for name, draft, on, cont in runs + (runs_cont if b > 1 else []):
             engines: list = []
             r = res[f"{name}_b{b}"] = measured_run(draft, target, "chain:8", b, prompts, params, dt, engines,

@@ -13,6 +13,7 @@
 #   6 (.whl)                         bash bench/gpu_session.sh sweep
 #   7 (.whl .gpu, after core)        bash bench/gpu_session.sh adaptive   (n-gram chain:8, adaptive on/off)
 #   8 (.whl .gpu, after core)        bash bench/gpu_session.sh dyntree    (device dynamic EAGLE trees, batch 1/64)
+#   or run 3 as (.stage3/p_02 .whl .gpu) piece 02 && round1: GPU tests + adaptive at batch 16/64 (ADAPTIVE_BATCHES)
 # Each stage packs its logs and JSON into $OUT/<stage>.tgz (the device tool returns at most 8 files) and
 # prints a short summary last.
 set -uo pipefail
@@ -85,13 +86,24 @@ case "$stage" in
     eagle_round 300
     pack
     ;;
+  round1)  # session 4: the model from runs 1-3, the GPU tests after the last refactors, then the adaptive stage
+    assemble
+    install
+    gpu_tests 200 tests/test_step_graphs.py tests/test_eagle.py tests/test_engine_triton.py \
+      tests/test_acceptance_stochastic_batch.py tests/test_kernels_rope_backend.py tests/test_dynamic_frontier.py \
+      tests/test_kernels_kv_movement.py
+    ADAPTIVE_BATCHES=${ADAPTIVE_BATCHES:-16,64} fastpath 330 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
+    pack
+    ;;
   adaptive)
     install
-    fastpath 540 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
+    fastpath "${ADAPTIVE_LIMIT:-540}" adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
     pack
     ;;
   dyntree)  # the device program's dynamic trees: GPU tests, then tok/s + MAL at batch 1 and 64 vs target-only
+    [ -f "$MODEL" ] || assemble
     install
     gpu_tests 90 tests/test_eagle.py -k "gpu_graphed or device_dynamic" tests/test_eagle_dynamic.py
     (cd /tmp && timeout 420 python3 -P "$root/bench/gpu_eagle_dynamic.py" speed "$D" "$MODEL" \
