@@ -9,7 +9,8 @@ shipped draft and the real target: mean accepted length of tree shapes, and the 
         # TREE: device shapes, or host:TREE for the host path (default: both lists below)
     python -P bench/gpu_eagle_dynamic.py speed OUT_DIR MODEL PROMPTS [TREE ...]
         # bf16 on the GPU: tok/s and mean accepted length at batch 1 (20 prompts) and 64 (64 prompts),
-        # 128 new tokens, against graphed target-only in the same process; per-phase host ms per step
+        # 128 new tokens, against graphed target-only in the same process (TREE: fixed budgets, default
+        # SPEED_TREES; then ADAPTIVE_TREE with the adaptive budget); per-phase host ms per step
         # (propose = the device program + its one read; verify incl. the GPU wait)
 
 MODEL: a GGUF path or a model name (smollm2-135m); PROMPTS: the tokenised prompt file of
@@ -34,7 +35,9 @@ from specdec.loading.registry import load_model  # noqa: E402
 HOST_TREES = ("topk:2x4", "dynamic:15", "dynamic:31", "dynamic:63")  # host path (no graphs): the reference
 DEVICE_TREES = ("dynamic:63", "dynamic:32:10x5", "dynamic:40:10x5", "dynamic:32:8x5", "dynamic:40:8x5",
                 "dynamic:48:8x6", "dynamic:32:12x5", "dynamic:32:12x4", "dynamic:32:10x4", "dynamic:32:16x4")
-SPEED_TREES = ("dynamic:63", "dynamic:32:10x5", "dynamic:40:10x5", "topk:2x4")  # the first also with adaptive budgets
+# a verify of N + 1 tokens fills query bucket 16 / 32 / 64 for N = 15 / 31 / 63 (dynamic:63: N = 50 on the device)
+SPEED_TREES = ("dynamic:31", "dynamic:15", "dynamic:63", "dynamic:31:8x4", "topk:2x4")
+ADAPTIVE_TREE = "dynamic:63"  # also run with the adaptive budget (its best 1, 3, 7, 15, 31 or 50 nodes)
 
 
 def _models(model_path: str, dtype: torch.dtype):
@@ -90,8 +93,8 @@ def speed(out: Path, model_path: str, prompt_file: str, trees: list[str]) -> Non
         ps = prompts[:count]
         base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt)
         log(f"batch {b} target-only: {base['tok_per_s']:.1f} tok/s")
-        trees = list(trees or SPEED_TREES)
-        for tree, adaptive in [(t, False) for t in trees] + [(trees[0], True)]:
+        runs = [(t, False) for t in trees or SPEED_TREES] + [(ADAPTIVE_TREE, True)]
+        for tree, adaptive in runs:
             name = f"eagle_{tree}{'_adaptive' if adaptive else ''}_b{b}"
             engines: list = []
             try:

@@ -83,7 +83,7 @@ def budget_options(drafter) -> list[BudgetOption]:
     a dynamic tree grown level by level, each level as wide as with the full budget. A drafter whose
     device program drafts a whole static template or dynamic tree at once (the graphed eagle path)
     costs one draft step whatever the budget: its trees are cut to the budget afterwards (a dynamic
-    tree to its best nodes, valued as d levels of its width)."""
+    tree to its best nodes, ``_best_node_options``)."""
     top = drafter.max_nodes
     spec = getattr(drafter, "spec", None)
     if top == 0:
@@ -99,16 +99,27 @@ def budget_options(drafter) -> list[BudgetOption]:
         return [BudgetOption(0, 0, 1)] + [BudgetOption(n, d, 1 if whole else d) for d, n in enumerate(levels, 1)]
     from specdec.drafters.model_drafter import DYNAMIC_BEAM_MAX
 
-    width = spec.width or max(1, min(DYNAMIC_BEAM_MAX, top // DYNAMIC_LEVEL_WIDTH_DIVISOR))
     shape = getattr(getattr(drafter, "device_loop", None), "shape", None)  # a device dynamic tree: one program
     if shape is not None:
-        width, top = shape.width, min(top, shape.nodes)
+        return _best_node_options(shape)
+    width = spec.width or max(1, min(DYNAMIC_BEAM_MAX, top // DYNAMIC_LEVEL_WIDTH_DIVISOR))
     out = [BudgetOption(0, 0, 1)]
-    for d in range(1, (shape.depth if shape else drafter._max_depth) + 1):
-        out.append(BudgetOption(min(d * width, top), d, 1 if shape else d))
+    for d in range(1, drafter._max_depth + 1):
+        out.append(BudgetOption(min(d * width, top), d, d))
         if d * width >= top:
             break
     return out
+
+
+def _best_node_options(shape) -> list[BudgetOption]:
+    """Budgets of a device dynamic tree (one program whatever the budget, ``shape`` = (K, D, N)): its best
+    2^d - 1 nodes for d = 1, 2, ... (a verify of 2^d tokens fills its query bucket), valued as depth
+    min(d, D), and all N nodes."""
+    out, d = [BudgetOption(0, 0, 1)], 1
+    while (1 << d) - 1 < shape.nodes:
+        out.append(BudgetOption((1 << d) - 1, min(d, shape.depth), 1))
+        d += 1
+    return out + [BudgetOption(shape.nodes, min(d, shape.depth), 1)]
 
 
 _BATCH_KEY = [bucket(n, BATCH_BUCKETS) for n in range(max(BATCH_BUCKETS) + 1)]

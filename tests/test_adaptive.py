@@ -274,5 +274,7 @@ def test_options_of_draft_models_per_tree_kind():
     assert opts("topk:2x2", loop=object()) == [(0, 0, 1), (2, 1, 1), (6, 2, 1)]  # one device program
     assert opts("dynamic:16") == [(0, 0, 1)] + [(2 * d, d, d) for d in range(1, 9)]  # 2 nodes per level
     assert opts("dynamic:12:3x5") == [(0, 0, 1)] + [(3 * d, d, d) for d in range(1, 5)]  # the spec's width
-    device = SimpleNamespace(shape=DynamicShape(8, 6, 28))  # one program; its best n nodes (n: d levels' worth)
-    assert opts("dynamic:28:8x6", loop=device) == [(0, 0, 1), (8, 1, 1), (16, 2, 1), (24, 3, 1), (28, 4, 1)]
+    device = SimpleNamespace(shape=DynamicShape(8, 4, 28))  # one program; its best 2^d - 1 nodes, then all
+    assert opts("dynamic:28:8x4", loop=device) == [(0, 0, 1), (1, 1, 1), (3, 2, 1), (7, 3, 1), (15, 4, 1), (28, 4, 1)]
+    device = SimpleNamespace(shape=DynamicShape(10, 5, 31))
+    assert opts("dynamic:31:10x5", loop=device)[-2:] == [(15, 4, 1), (31, 5, 1)]
