@@ -105,7 +105,7 @@ case "$stage" in
   dyntree)  # the device program's dynamic trees: GPU tests, then tok/s + MAL at batch 1 and 64 vs target-only
     [ -f "$MODEL" ] || assemble
     install
-    gpu_tests 90 tests/test_eagle.py -k "gpu_graphed or device_dynamic" tests/test_eagle_dynamic.py
+    gpu_tests 90 tests/test_eagle.py -k "gpu_graphed or device_dynamic"
     (cd /tmp && timeout 420 python3 -P "$root/bench/gpu_eagle_dynamic.py" speed "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" ${DYN_TREES:-} > "$D/speed.log" 2>&1)
     grep -h -e "^batch" -e "^eagle" "$D/speed.log" | tail -14
