@@ -131,3 +131,25 @@ def test_device_shapes_of_specs():
         device_shape(template_from_spec("topk:2x2"))
     with pytest.raises(ValueError, match="width must be in"):
         grow(torch.zeros(1, 3), None, DynamicShape(4, 2, 4))
+
+
+@pytest.mark.slow
+def test_shipped_draft_device_dynamic_tree_equals_target_only(smollm2, smollm2_target_only, chat_prompt_ids,
+                                                             smollm2_new_tokens, tree="dynamic:31"):
+    """The shipped EAGLE draft on the real SmolLM2 target (float32, the graph path's padded step run eagerly on
+    the CPU): every step's dynamic tree comes from the device program and greedy output equals target-only."""
+    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.loading.registry import load_model
+    from specdec.sampling_params import SamplingParams
+
+    draft = load_model("smollm2-135m-draft", target=smollm2)
+    eng = SpecEngine(draft, smollm2, SpecConfig(tree=tree, num_blocks=256, max_batch_size=8, cuda_graphs=True,
+                                                adaptive=False))
+    loop, calls = eng.drafter.device_loop, []
+    run = loop.run
+    loop.run = lambda *a: calls.append(1) or run(*a)
+    outs = eng.generate(chat_prompt_ids, SamplingParams(max_new_tokens=smollm2_new_tokens))
+    for i, (out, ref) in enumerate(zip(outs, smollm2_target_only, strict=True)):
+        assert out.token_ids == ref.token_ids, f"prompt {i}"
+        assert out.finish_reason == ref.finish_reason
+    assert len(calls) > 0 and eng.stats.accepted > 0 and eng.all_blocks_free()
