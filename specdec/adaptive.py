@@ -5,7 +5,10 @@ B * E[n] / C(B, n). E[n] = 1 + sum over k = 1..depth(n) of a_0 * ... * a_(k-1), 
 running rate at which a row that reached depth d of its tree commits a draft token there (a row
 whose tree is too short to reach d counts as a miss, so an n-gram drafter that often proposes
 less than asked is valued for what it proposes). C(B, n) = verify forward at (batch bucket, query
-bucket of n + 1) + draft forwards * their measured cost + the step's other host work. Budget 0 is
+bucket of n + 1) + draft forwards * their measured cost + the rest of the step: everything else
+``SpecEngine.step`` spends (scheduling, commit, stop checks, routing outputs), measured as the step's
+wall time minus drafting and verifying, learned apart for speculative and plain (decode-shaped) steps
+because its per-row work differs between them. Budget 0 is
 plain decoding (E = 1); a budget is used only when it beats plain decoding by a margin, so
 speculation does not make a step slower than target-only decoding by more than the estimates err.
 
@@ -183,7 +186,7 @@ class StepCosts:
         self.seen: dict[tuple[int, int], float] = {}
         self.offset: dict[int, float] = {}  # measured - table, per batch bucket
         self.draft: dict[int, float] = {}  # one draft forward or lookup
-        self.other: dict[int, float] = {}  # schedule + commit
+        self.other: dict[tuple[int, bool], float] = {}  # (batch bucket, speculative) -> rest of the step
         self.tries: Counter = Counter()
 
     def _ema(self, store: dict, key, value: float) -> None:
@@ -212,7 +215,8 @@ class StepCosts:
         v = self.verify(b, q)
         if v is None:
             return None
-        return v + self.draft.get(b, 0.0) * draft_forwards + self.other.get(b, 0.0)
+        other = self.other.get((b, q > 1), 0.0)  # a kind not measured yet looks cheap: it is tried, then known
+        return v + self.draft.get(b, 0.0) * draft_forwards + other
 
     def observe_verify(self, b: int, q: int, seconds: float) -> None:
         self._ema(self.seen, (b, q), seconds)
@@ -223,8 +227,8 @@ class StepCosts:
         if forwards:
             self._ema(self.draft, b, seconds / forwards)
 
-    def observe_other(self, b: int, seconds: float) -> None:
-        self._ema(self.other, b, seconds)
+    def observe_other(self, b: int, seconds: float, speculative: bool) -> None:
+        self._ema(self.other, (b, speculative), seconds)
 
 
 class BudgetController:
@@ -243,6 +247,7 @@ class BudgetController:
         self.last = self.options[-1]
         self.timing_valid = True  # False: this step's wall times are not the step's own (the engine ran a prefill)
         self._steps = 0
+        self._timed: tuple[int, bool, float] | None = None  # last speculate: batch bucket, speculative, seconds
 
     def choose(self, rows: int) -> int:
         """The node budget of a step over ``rows`` speculating rows."""
@@ -284,8 +289,10 @@ class BudgetController:
         proposal = drafter.propose(rows)
         t1 = time.perf_counter()
         results = verifier.verify(rows, proposal.trees, proposal.draft_computed)
-        self.observe(len(rows), 1 + max(t.num_nodes for t in proposal.trees),
-                     [len(r.accepted_nodes) for r in results], t1 - t0, time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        query = 1 + max(t.num_nodes for t in proposal.trees)
+        self.observe(len(rows), query, [len(r.accepted_nodes) for r in results], t1 - t0, t2 - t1)
+        self._timed = (batch_key(len(rows)), query > 1, t2 - t0)
         return results
 
     def observe(self, rows: int, query: int, accepted: list[int], propose_s: float, verify_s: float) -> None:
@@ -298,9 +305,14 @@ class BudgetController:
         if self.last.depth:
             self.acceptance.observe(self.last.depth, accepted)
 
-    def observe_other(self, rows: int, seconds: float) -> None:
-        """Seconds the step spent outside drafting and verifying (scheduling, commit)."""
-        self.costs.observe_other(batch_key(rows), seconds)
+    def observe_step(self, seconds: float) -> None:
+        """Wall seconds of the whole engine step whose rows ``speculate`` ran last (scheduling to routed
+        outputs): what it spent outside drafting and verifying is learned for its batch bucket and kind
+        (speculative: some tree had nodes; else decode-shaped)."""
+        timed, self._timed = self._timed, None
+        if timed is not None and self.timing_valid:
+            b, speculative, inner = timed
+            self.costs.observe_other(b, max(seconds - inner, 0.0), speculative)
 
     def mean_budget(self, rows: int | None = None, since: Counter | None = None) -> float | None:
         """Mean chosen budget over steps of ``rows`` rows (all steps when None), counted after the
