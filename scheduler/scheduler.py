@@ -286,8 +286,11 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
 
     src, dst = [], []
     for req, res in zip(rows, results):
+        nodes = res.accepted_nodes  # a path: increasing indices, node j >= j; all in place when the last is
+        if not nodes or nodes[-1] == len(nodes) - 1:
+            continue
         base = len(req.tokens)
-        for j, node in enumerate(res.accepted_nodes):
+        for j, node in enumerate(nodes):
             if node != j:
                 src.append(_slot(req, base + node, sched.block_size))
                 dst.append(_slot(req, base + j, sched.block_size))
