@@ -31,6 +31,13 @@ QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_TREE_REGION = 64  # one int64 bitmask per query
 
 
+def query_buckets_for(max_query: int) -> tuple[int, ...]:
+    """Query buckets of a model whose steps have at most ``max_query`` tokens per row: the ``QUERY_BUCKETS``
+    below it, then ``max_query`` itself (a chain:8 verify of 9 tokens per row pads to 9, not to 16)."""
+    top = max(1, max_query)
+    return tuple(q for q in QUERY_BUCKETS if q < top) + (top,)
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     """Smallest bucket >= n, or None when n exceeds them all."""
     return next((x for x in buckets if x >= n), None)
@@ -82,8 +89,7 @@ class GraphRunner:
         self.device = torch.device(device)
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (bucket(max_batch, BATCH_BUCKETS)
                                                                               or max_batch,)
-        self.query_buckets = {m: tuple(q for q in QUERY_BUCKETS if q <= bucket(max(1, mq), QUERY_BUCKETS))
-                              for m, mq in max_query.items()}
+        self.query_buckets = {m: query_buckets_for(mq) for m, mq in max_query.items()}
         self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
         self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
         top_q = max(max(qs) for qs in self.query_buckets.values())

@@ -235,10 +235,12 @@ class BudgetController:
     """Chooses each step's tree budget (``choose``) and learns from the step (``observe``)."""
 
     def __init__(self, options: list[BudgetOption], config: AdaptiveConfig | None = None,
-                 cost_table: dict[tuple[int, int], float] | None = None) -> None:
+                 cost_table: dict[tuple[int, int], float] | None = None,
+                 query_buckets: tuple[int, ...] = QUERY_BUCKETS) -> None:
         self.config = cfg = config or AdaptiveConfig()
-        self.options = _undominated(options)
-        self._query = [query_key(o.nodes + 1) for o in self.options]
+        self._query_of = [bucket(n, query_buckets) for n in range(max(query_buckets) + 1)]
+        self.options = _undominated(options, self.query_key)
+        self._query = [self.query_key(o.nodes + 1) for o in self.options]
         self._explored: set[int] = set()  # batch buckets whose every option bucket is known or was tried
         self.acceptance = DepthAcceptance(max(o.depth for o in self.options), cfg.prior_rate, cfg.prior_weight,
                                           cfg.memory)
@@ -248,6 +250,10 @@ class BudgetController:
         self.timing_valid = True  # False: this step's wall times are not the step's own (the engine ran a prefill)
         self._steps = 0
         self._timed: tuple[int, bool, float] | None = None  # last speculate: batch bucket, speculative, seconds
+
+    def query_key(self, tokens: int) -> int:
+        """The cost-table query bucket of a verify row of ``tokens`` tokens (the graphs' buckets when graphed)."""
+        return self._query_of[tokens] if tokens < len(self._query_of) else tokens
 
     def choose(self, rows: int) -> int:
         """The node budget of a step over ``rows`` speculating rows."""
@@ -300,7 +306,7 @@ class BudgetController:
         ``accepted[i]`` = draft tokens accepted in row i, and the seconds drafting and verifying took."""
         b = batch_key(rows)
         if self.timing_valid:
-            self.costs.observe_verify(b, query_key(query), verify_s)
+            self.costs.observe_verify(b, self.query_key(query), verify_s)
             self.costs.observe_draft(b, self.last.draft_forwards, propose_s)
         if self.last.depth:
             self.acceptance.observe(self.last.depth, accepted)
@@ -333,12 +339,13 @@ def make_controller(enabled: bool | None, device, drafter, graphs) -> BudgetCont
     if not want or drafter.max_nodes == 0:
         return None
     table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
-    return BudgetController(budget_options(drafter), cost_table=table)
+    buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
+    return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)
 
 
-def _undominated(options: list[BudgetOption]) -> list[BudgetOption]:
-    """Options sorted by nodes, keeping the deepest of those that share a query bucket and a draft
-    cost (they cost the same, and a deeper tree commits at least as much)."""
+def _undominated(options: list[BudgetOption], query_key=query_key) -> list[BudgetOption]:
+    """Options sorted by nodes, keeping the deepest of those that share a query bucket (``query_key``)
+    and a draft cost (they cost the same, and a deeper tree commits at least as much)."""
     best: dict[tuple[int, int], BudgetOption] = {}
     for o in options:
         key = (query_key(o.nodes + 1), o.draft_forwards)

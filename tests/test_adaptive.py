@@ -220,7 +220,7 @@ def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
     eng.pool.storage.normal_()
     before = eng.pool.storage.clone()
     costs = eng.runner.graphs.measure_costs(context=20, repeats=1)
-    assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 8)}  # q bucket of 4 + 1 tokens: 8
+    assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 5)}  # the top query bucket: 4 + 1 tokens
     assert all(c > 0 for c in costs.values())
     assert torch.equal(eng.pool.storage, before)  # every slot was padding: nothing stored
 
