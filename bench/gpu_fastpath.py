@@ -6,6 +6,7 @@ over MT-bench, float32 equality with graphs on. Writes JSON + logs to OUT; print
     python -P bench/gpu_fastpath.py eagle OUT_DIR MODEL PROMPTS # the shipped EAGLE draft, graphed, vs target-only
     python -P bench/gpu_fastpath.py adaptive OUT_DIR MODEL PROMPTS [N]  # n-gram chain:8, adaptive on/off vs
                                                                         # target-only at batch 1, 16, 64
+                                                                        # (ADAPTIVE_BATCHES=16,64: those only)
     python -P bench/gpu_fastpath.py prompts PROMPTS            # (CPU) write the tokenised prompt file
 
 On a CPU (for trying the script) everything runs with a tiny model and few tokens.
@@ -144,8 +145,18 @@ def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: s
                                                prefix_cache=False, **cfg))
     eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
     eng.stats = type(eng.stats)()
+    steps, step = [0], eng.step
+
+    def counted():
+        steps[0] += 1
+        return step()
+
+    eng.step = counted  # engine steps of the timed run (waves: the tail of a wave runs under-filled)
     r = user_generate(eng, prompts, params, batch=batch, continuous=continuous, repeats=REPEATS)
     r["mean_accepted_length"] = eng.stats.mean_accepted_length
+    r["steps"] = steps[0] / REPEATS  # per run; target_forwards counts all runs
+    r["ms_per_step"] = 1e3 * r["wall_s"] / r["steps"]
+    r["rows_per_step"] = r["target_forwards"] / steps[0]
     if engine_out is not None:
         engine_out.append(eng)
     return r
@@ -378,10 +389,13 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
     (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
 
 
-def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = None) -> None:
-    """n-gram chain:8 with adaptive budgets on and off against target-only, batch 1, 16 and 64, over the
-    first ``count`` MT-bench prompts (all 80 on CUDA by default), in one process; the controller's
-    chosen budgets, measured cost table and learned acceptance go into adaptive.json."""
+def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = None,
+             batches: tuple[int, ...] | None = None) -> None:
+    """n-gram chain:8 with adaptive budgets on and off against target-only, at ``batches`` (default 1, 16 and
+    64; waves of ``batch`` prompts and, above 1, continuous batching), over the first ``count`` MT-bench
+    prompts (all 80 on CUDA by default), in one process; per run tok/s, engine steps, ms per step and rows
+    per step; the controller's chosen budgets, measured cost table, learned costs and acceptance go into
+    adaptive.json."""
     prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
     prompts = prompts[:count or (len(prompts) if CUDA else 4)]
     params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True)
@@ -392,8 +406,7 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
             ("ngram_adaptive", "ngram", True, False)]
     # continuous batching (all prompts submitted, freed rows refilled) besides waves of `batch` prompts
     runs_cont = [(f"{n}_continuous", d, on, True) for n, d, on, _ in runs]
-    batches = [int(x) for x in os.environ.get("ADAPTIVE_BATCHES", "1,16,64").split(",")]
-    for b in batches:
+    for b in batches or (1, 16, 64):
         for name, draft, on, cont in runs + (runs_cont if b > 1 else []):
             engines: list = []
             r = res[f"{name}_b{b}"] = measured_run(draft, target, "chain:8", b, prompts, params, dt, engines,
@@ -408,7 +421,8 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
                 r["learned_ms"] = {k: {str(kk): 1e3 * v for kk, v in getattr(ctrl.costs, k).items()}
                                    for k in ("offset", "seen", "draft", "other")}
             log(f"adaptive {name} batch {b}: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}, "
-                f"mean budget {r.get('mean_budget')}")
+                f"mean budget {r.get('mean_budget')}, {r['steps']} steps, {r['ms_per_step']:.3f} ms/step, "
+                f"{r['rows_per_step']:.1f} rows/step")
         for suffix in ("", "_continuous") if b > 1 else ("",):
             base = res[f"target_only{suffix}_b{b}"]["tok_per_s"]
             for name in ("ngram_fixed", "ngram_adaptive"):
@@ -464,7 +478,9 @@ def main() -> None:
     elif cmd == "eagle":
         eagle(out, sys.argv[3], sys.argv[4])
     elif cmd == "adaptive":
-        adaptive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else None)
+        batches = os.environ.get("ADAPTIVE_BATCHES")  # e.g. "16,64"; default 1, 16, 64
+        adaptive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else None,
+                 tuple(int(b) for b in batches.split(",")) if batches else None)
     log(json.dumps(RESULTS, indent=1, default=str)[-6000:])
 
 
