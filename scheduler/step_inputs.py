@@ -15,6 +15,20 @@ import numpy as np
 import torch
 
 
+class PaddedRows(NamedTuple):
+    """The rows of a padded step as numpy arrays: packed queries (T,) and per-row values (R,)."""
+
+    where: np.ndarray  # (T,) each query's index in the padded layout (row * Q + its index in the row)
+    ids: np.ndarray  # (T,)
+    positions: np.ndarray  # (T,)
+    slots: np.ndarray  # (T,)
+    tree_mask: np.ndarray  # (T,) bitmask over the row's region
+    num_tokens: np.ndarray  # (R,)
+    prefix_lens: np.ndarray  # (R,)
+    seq_lens: np.ndarray  # (R,)
+    block_tables: np.ndarray  # (R, W)
+
+
 class StepViews(NamedTuple):
     """Device views of one bucket's inputs (all int64)."""
 
@@ -92,19 +106,8 @@ class StepInputs:
         """Write the rows (``RowInput``-like: token_ids, positions, prefix_len, seq_len, tree_mask, parents)
         into bucket (b, q) and copy it to the device. ``slots[i]`` are row i's query slots and
         ``bt_rows`` its block-table rows (len(rows), W)."""
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous copy has read the host buffer
-        a = self._host_arrays(b, q)
         nrows = len(rows)
-        # Padding: token 0 at position 0, no slot (nothing stored), no parent, zero-length rows. (Buckets
-        # lay their sections out differently in one buffer, so nothing stale may be left in them.)
-        for name in ("ids", "positions", "tree_mask"):
-            a[name][:] = 0
-        a["slots"][:] = -1
-        a["parents"][:] = -1
-        for name in ("prefix_lens", "seq_lens", "num_tokens"):
-            a[name][nrows:] = 0
-        a["block_tables"][nrows * self.width:] = 0  # the torch reference gathers every row's table
+        a = self._padding(b, q, nrows)
         if q == 1:  # decode: one token per row, so each section is written in one assignment
             self._fill_single(a, rows, slots)
         for i, r in enumerate(rows if q > 1 else ()):
@@ -117,10 +120,40 @@ class StepInputs:
             if r.parents is not None:
                 a["parents"][s:s + n] = r.parents
             a["num_tokens"][i] = n
-        a["qsl"][:nrows + 1] = np.arange(nrows + 1) * q
-        a["qsl"][nrows + 1:] = nrows * q
         a["prefix_lens"][:nrows] = [r.prefix_len for r in rows]
         a["seq_lens"][:nrows] = [r.seq_len for r in rows]
+        self._finish(a, b, q, nrows, bt_rows)
+
+    def fill_padded(self, b: int, q: int, rows: PaddedRows) -> None:
+        """``fill`` from arrays (no parents: every query's is -1): one numpy assignment per section."""
+        nrows = len(rows.num_tokens)
+        a = self._padding(b, q, nrows)
+        for name in ("ids", "positions", "slots", "tree_mask"):
+            a[name][rows.where] = getattr(rows, name)
+        for name in ("num_tokens", "prefix_lens", "seq_lens"):
+            a[name][:nrows] = getattr(rows, name)
+        self._finish(a, b, q, nrows, rows.block_tables)
+
+    def _padding(self, b: int, q: int, nrows: int) -> dict[str, np.ndarray]:
+        """Bucket (b, q)'s host sections, all padding past ``nrows`` rows and in every query: token 0 at
+        position 0, no slot (nothing stored), no parent, zero-length rows. (Buckets lay their sections out
+        differently in one buffer, so nothing stale may be left in them.)"""
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous copy has read the host buffer
+        a = self._host_arrays(b, q)
+        for name in ("ids", "positions", "tree_mask"):
+            a[name][:] = 0
+        a["slots"][:] = -1
+        a["parents"][:] = -1
+        for name in ("prefix_lens", "seq_lens", "num_tokens"):
+            a[name][nrows:] = 0
+        a["block_tables"][nrows * self.width:] = 0  # the torch reference gathers every row's table
+        return a
+
+    def _finish(self, a: dict[str, np.ndarray], b: int, q: int, nrows: int, bt_rows: np.ndarray) -> None:
+        """Write the query offsets and block tables of ``nrows`` rows and copy bucket (b, q) to the device."""
+        a["qsl"][:nrows + 1] = np.arange(nrows + 1) * q
+        a["qsl"][nrows + 1:] = nrows * q
         a["block_tables"].reshape(b, self.width)[:nrows] = bt_rows
         self._send(b, q)
 

@@ -2,7 +2,8 @@
 
 Position p of the draft needs the target features of position p - 1. The verify forward returns
 them for the pending token and the accepted path; prefill returns them for the prompt. A request's
-features wait in this drafter (keyed weakly by the request) until the next catch-up consumes them.
+features wait in this drafter (``FeatureTable``, one device table for the batch) until the next
+catch-up consumes them.
 Tree nodes get their parent's draft hidden state instead (the root: the last catch-up position).
 Tree-node KV is written with those self-features, so it is never adopted: after acceptance the
 catch-up recomputes the accepted tokens with the target's features (``draft_computed`` is empty).
@@ -10,47 +11,79 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
-from specdec.adaptive import template_tree
+from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.runner import RowInput
+from specdec.runner import RowInput, _as_signed
 from specdec.scheduler.request import Request
+from specdec.scheduler.step_inputs import PaddedRows
 from specdec.training.eagle import EagleDraft
 from specdec.tree import TreeSpec
 
+_CAUSAL = np.array(_as_signed([(1 << (j + 1)) - 1 for j in range(64)]), dtype=np.int64)  # query j of a causal run
 
-@dataclass
-class _Features:
-    """Target features of positions [start, start + len(rows)) of one request."""
 
-    start: int
-    rows: torch.Tensor  # (n, k * hidden)
+def packed_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of ``lengths`` (R,) entries packed back to back: each entry's row and its index in the row (T,)."""
+    row = np.repeat(np.arange(len(lengths)), lengths)  # (T,)
+    return row, np.arange(len(row)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
 
-    def put(self, start: int, rows: torch.Tensor) -> None:
-        if start == self.start + len(self.rows) and len(self.rows):
-            self.rows = torch.cat([self.rows, rows])
-        else:
-            self.start, self.rows = start, rows
 
-    def before(self, begin: int, end: int) -> torch.Tensor:
-        """Features of positions [begin - 1, end - 1) (the inputs of draft positions [begin, end));
-        zeros where none is known (a prefix-cache hit or a preempted request's restart)."""
-        if self.start == begin - 1 and len(self.rows) >= end - begin:  # the usual case: all known, no copy
-            return self.rows[:end - begin]
-        out = self.rows.new_zeros(end - begin, self.rows.shape[1])  # (end - begin, k * hidden)
-        lo, hi = max(begin - 1, self.start), min(end - 1, self.start + len(self.rows))
-        if lo < hi:
-            out[lo - begin + 1:hi - begin + 1] = self.rows[lo - self.start:hi - self.start]
-        return out
+class FeatureTable:
+    """The target features that running requests' drafts have not read yet, for all of them at once.
 
-    def drop_before(self, pos: int) -> None:
-        cut = min(max(0, pos - self.start), len(self.rows))
-        self.start, self.rows = self.start + cut, self.rows[cut:]
+    Draft position p reads the target features of position p - 1. Every catch-up reads all a request
+    holds but the last position's, so a request holds one run of at most ``cap`` rows: the verify step's
+    (pending token + accepted path) or a prefill chunk's last position. The runs live in one device table,
+    ``cap`` rows per block-table row (a running request's ``bt_row``), plus one zero row that stands for
+    features nobody computed (a prefix-cache hit, a preempted request's restart); host arrays say which
+    positions each slot holds and for which request.
+    """
+
+    def __init__(self, rows: int, cap: int, width: int, dtype: torch.dtype, device) -> None:
+        self.cap, self.zero = cap, rows * cap
+        self.data = torch.zeros(rows * cap + 1, width, dtype=dtype, device=device)  # (rows * cap + 1, k * hidden)
+        self.start = np.zeros(rows, dtype=np.int64)  # position of each slot's first row
+        self.count = np.zeros(rows, dtype=np.int64)  # rows each slot holds
+        self.owner: list[Request | None] = [None] * rows
+
+    def sources(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray):
+        """Table rows (T,) holding the features of positions [b - 1, e - 1) of each request (the inputs of
+        its draft positions [b, e)), packed, the zero row where unknown; and each entry's row and index."""
+        slots = [r.bt_row for r in reqs]
+        mine = np.array([self.owner[i] is r for i, r in zip(slots, reqs)])  # (R,)
+        bt = np.array(slots, dtype=np.int64)
+        row, j = packed_index(ends - begins)
+        k = (begins - 1 - self.start[bt])[row] + j  # (T,) index of the position in its slot's run
+        ok = mine[row] & (k >= 0) & (k < self.count[bt][row])
+        return np.where(ok, bt[row] * self.cap + k, self.zero), row, j
+
+    def gather(self, index: np.ndarray) -> torch.Tensor:
+        """Rows ``index`` of the table (one indexing op)."""
+        return self.data[torch.from_numpy(index).to(self.data.device)]
+
+    def consumed(self, reqs: list[Request], ends: np.ndarray) -> None:
+        """The drafts have read everything before each request's position ``end - 1``."""
+        bt = np.array([r.bt_row for r in reqs], dtype=np.int64)
+        self.start[bt], self.count[bt] = ends - 1, 0
+
+    def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
+        """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
+        starts[i] + n_i) (whatever it held before is dropped); n_i <= cap."""
+        lengths = np.array([f.shape[0] for f in feats], dtype=np.int64)
+        if lengths.max(initial=0) > self.cap:
+            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {lengths.max()}")
+        slots = [r.bt_row for r in reqs]
+        bt = np.array(slots, dtype=np.int64)
+        row, j = packed_index(lengths)
+        dst = torch.from_numpy(bt[row] * self.cap + j).to(self.data.device)
+        self.data.index_copy_(0, dst, torch.cat(feats).to(self.data.dtype))
+        self.start[bt], self.count[bt] = starts, lengths
+        for i, r in zip(slots, reqs):
+            self.owner[i] = r
 
 
 class EagleDrafter(ModelDrafter):
@@ -60,7 +93,10 @@ class EagleDrafter(ModelDrafter):
         super().__init__(model, runner, spec)
         self.vocab_size = vocab_size
         self.target_features = model.aux_layers
-        self._feats: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
+        width = len(model.aux_layers) * model.config.hidden_size
+        # a run is a verify step's pending token + accepted path (<= max_nodes + 1 rows) or one prefill row
+        self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width, model.fc.weight.dtype,
+                                     runner.device)
         self.device_loop = None  # a DeviceTreeLoop once the graph path is on (static trees only)
 
     def enable_device_loop(self, graphs) -> None:
@@ -79,28 +115,37 @@ class EagleDrafter(ModelDrafter):
     def propose(self, rows: list[Request]) -> Proposal:
         loop = self.device_loop
         if loop is not None and rows and all(r.params.greedy for r in rows):
-            spans = [(r.num_computed_draft, len(r.tokens)) for r in rows]
-            sizes = [e - b for b, e in spans]
-            b = loop.bucket(len(rows), max(sizes))
-            if b is not None and min(sizes) > 0:
-                return self._propose_on_device(rows, spans, b)
+            begins, ends = _spans(rows)
+            sizes = ends - begins
+            b = loop.bucket(len(rows), int(sizes.max()))
+            if b is not None and sizes.min() > 0:
+                return self._propose_on_device(rows, begins, ends, b)
         return super().propose(rows)
 
-    def _propose_on_device(self, reqs: list[Request], spans: list[tuple[int, int]], b: int) -> Proposal:
-        loop, runner = self.device_loop, self.runner
-        rows, aux = self._catch_up_inputs(reqs, spans)
-        where = runner.padded_index(rows, loop.q)
-        tokens = loop.run(b, *runner.padded_inputs(rows, loop.q), where, aux).tolist()  # (b, N): the one read
-        self._caught_up(reqs, spans)
-        trees = [template_tree(tokens[i], self._template, self.node_budget) for i in range(len(reqs))]
-        return Proposal(trees, [frozenset()] * len(reqs))
+    def _propose_on_device(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray, b: int) -> Proposal:
+        loop = self.device_loop
+        rows, src = self._catch_up_rows(reqs, begins, ends, loop.q)
+        padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
+        padded[rows.where] = src
+        out = loop.run(b, rows, self.features.data, torch.from_numpy(padded).to(self.runner.device))
+        tokens = out[:len(reqs)].tolist()  # (rows, N): the one read
+        self._consumed(reqs, ends)
+        return Proposal(template_trees(tokens, self._template, self.node_budget), [frozenset()] * len(reqs))
 
-    def _state(self, req: Request) -> _Features:
-        if req not in self._feats:
-            width = len(self.model.aux_layers) * self.model.config.hidden_size
-            self._feats[req] = _Features(0, torch.zeros(0, width, dtype=self.model.fc.weight.dtype,
-                                                         device=self.runner.device))
-        return self._feats[req]
+    def _catch_up_rows(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray,
+                       q: int) -> tuple[PaddedRows, np.ndarray]:
+        """Catch-up rows of draft positions [b, e) of each request in a padded layout of ``q`` queries per
+        row (causal masks), and the feature-table rows (T,) of their inputs."""
+        tables, bs = self.runner.tables, self.runner.pool.block_size
+        for r in reqs:
+            tables.set_row(r.bt_row, r.blocks)
+        src, row, j = self.features.sources(reqs, begins, ends)
+        pos = begins[row] + j  # (T,)
+        ids = np.array([t for r, b, e in zip(reqs, begins.tolist(), ends.tolist()) for t in r.tokens[b:e]],
+                       dtype=np.int64)  # (T,)
+        bt = tables.host_rows([r.bt_row for r in reqs])  # (R, W)
+        slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs  # (T,)
+        return PaddedRows(row * q + j, ids, pos, slots, _CAUSAL[j], ends - begins, begins, ends, bt), src
 
     def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
@@ -114,51 +159,52 @@ class EagleDrafter(ModelDrafter):
                 draft_logits = self.model.compute_logits(hidden)
             return self.model.full_logits(draft_logits, self.vocab_size)  # (n, V)
 
-    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]):
-        """Draft KV of positions [b, e) of each request from its stored target features: hidden states
-        (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
-        rows, aux = self._catch_up_inputs(reqs, spans)
+    def _run_positions(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray, aux: torch.Tensor):
+        """Draft KV of positions [b, e) of each request with target features ``aux`` (T, k * hidden): hidden
+        states (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
+        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none")
+                for r, b, e in zip(reqs, begins.tolist(), ends.tolist())]
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
         hidden, logits = self._hidden(rows, g)
-        self._caught_up(reqs, spans)
-        qsl = [0]
-        for b, e in spans:
-            qsl.append(qsl[-1] + e - b)
-        return hidden, logits, qsl
+        self._consumed(reqs, ends)
+        return hidden, logits, [0] + np.cumsum(ends - begins).tolist()
 
-    def _catch_up_inputs(self, reqs: list[Request], spans: list[tuple[int, int]]):
-        """Rows of draft positions [b, e) of each request and their stored target features (T, k * hidden)."""
-        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
-                zip(reqs, spans)]
-        return rows, torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
-
-    def _caught_up(self, reqs: list[Request], spans: list[tuple[int, int]]) -> None:
-        """The draft's KV now reaches each span's end; features before its last position are spent."""
-        for r, (_, e) in zip(reqs, spans):
+    def _consumed(self, reqs: list[Request], ends: np.ndarray) -> None:
+        """The draft's KV now reaches each request's ``end``; its features before ``end - 1`` are spent."""
+        self.features.consumed(reqs, ends)
+        for r, e in zip(reqs, ends.tolist()):
             r.num_computed_draft = e
-            self._state(r).drop_before(e - 1)
 
     def prefill(self, chunks, features=None) -> None:
         if not chunks:
             return
         if features is None:
             raise ValueError("an eagle draft needs the target features of the prefill (features=None)")
-        for c, f in zip(chunks, features):
-            self._state(c.req).put(c.start, f)
-        self._run_positions([c.req for c in chunks], [(c.start, c.end) for c in chunks])
+        reqs = [c.req for c in chunks]
+        begins = np.array([c.start for c in chunks], dtype=np.int64)
+        ends = np.array([c.end for c in chunks], dtype=np.int64)
+        dtype = self.features.data.dtype
+        carry = self.features.gather(self.features.sources(reqs, begins, begins + 1)[0])  # (R, k*H): at start - 1
+        aux = torch.cat([x for h, f in zip(carry.split(1), features) for x in (h, f[:-1].to(dtype))])  # (T, k*H)
+        self._run_positions(reqs, begins, ends, aux)
+        self.features.store(reqs, (ends - 1).tolist(), [f[-1:] for f in features])
 
     def accepted(self, rows: list[Request], results) -> None:
-        for req, res in zip(rows, results):
-            if not req.finished:
-                self._state(req).put(req.num_computed_draft - 1, res.features)
+        live = [(req, res) for req, res in zip(rows, results) if not req.finished]
+        if live:  # the pending token's and the accepted path's features: the next catch-up's inputs
+            self.features.store([req for req, _ in live], [req.num_computed_draft - 1 for req, _ in live],
+                                [res.features for _, res in live])
 
     def _catch_up(self, grows: list[_Growth]) -> None:
         reqs = [g.req for g in grows]
-        hidden, logits, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
-        ends = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
-        last = hidden.index_select(0, ends)  # (rows, hidden)
-        for g, h, lg in zip(grows, last, self._logits(last, None if logits is None else logits.index_select(0, ends))):
+        begins, ends = _spans(reqs)
+        aux = self.features.gather(self.features.sources(reqs, begins, ends)[0])  # (T, k * hidden)
+        hidden, logits, qsl = self._run_positions(reqs, begins, ends, aux)
+        last = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
+        last_hidden = hidden.index_select(0, last)  # (rows, hidden)
+        for g, h, lg in zip(grows, last_hidden, self._logits(last_hidden, None if logits is None else
+                                                            logits.index_select(0, last))):
             g.hidden[-1] = h
             g.frontier = [(-1, lg)]
 
@@ -174,3 +220,9 @@ class EagleDrafter(ModelDrafter):
             g.frontier = [(i, logits[j + n]) for n, i in enumerate(nodes)]
             g.hidden.update((i, hidden[j + n]) for n, i in enumerate(nodes))
             j += len(nodes)
+
+
+def _spans(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    """Each request's draft positions still to compute: [num_computed_draft, len(tokens)) as (R,) arrays."""
+    return (np.array([r.num_computed_draft for r in reqs], dtype=np.int64),
+            np.array([len(r.tokens) for r in reqs], dtype=np.int64))
