@@ -173,7 +173,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (eagle_mod.FeatureTable, "sources", "eagle: FeatureTable.sources", "function"),
         (eagle_mod.FeatureTable, "store", "eagle: FeatureTable.store", "function"),
         (eagle_mod, "template_trees", "eagle: template_trees", "function"),
-        (StepInputs, "fill_padded", "StepInputs.fill_padded", "function"),
+        (StepInputs, "fill_packed", "StepInputs.fill_packed", "function"),
         (eagle_mod.EagleDrafter, "accepted", "drafter.accepted", "function"),
         (DeviceTreeLoop, "run", "eagle: DeviceTreeLoop.run (rest)", "function"),
         (runner_mod.ModelRunner, "padded_index", "runner.padded_index", "function"),

@@ -22,7 +22,7 @@ import torch
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.models.llama import ForwardContext
-from specdec.scheduler.step_inputs import PaddedRows, StepInputs
+from specdec.scheduler.step_inputs import PackedRows, StepInputs
 from specdec.tree import TreeTemplate, _depths_and_masks
 
 
@@ -89,11 +89,11 @@ class DeviceTreeLoop:
             return None
         return self._batch_of[rows]
 
-    def run(self, b: int, rows: PaddedRows, table: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Fill bucket ``b``'s inputs with the catch-up ``rows`` and its target features with rows ``src``
-        (b * q,) of ``table`` (padded positions included) and run the program: the tree tokens (b, N) of
-        every row (padded rows: garbage)."""
-        self.inputs.fill_padded(b, self.q, rows)
+    def run(self, b: int, rows: PackedRows, bt_rows, table: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Fill bucket ``b``'s inputs with the catch-up ``rows`` (laid out for ``q`` queries per row) and their
+        block-table rows (R, W), its target features with rows ``src`` (b * q,) of ``table`` (padded positions
+        included), and run the program: the tree tokens (b, N) of every row (padded rows: garbage)."""
+        self.inputs.fill_packed(b, self.q, rows, bt_rows)
         torch.index_select(table, 0, src, out=self.features[:b * self.q])
         if b in self.graphs:
             graph, out = self.graphs[b]

@@ -19,7 +19,7 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
 from specdec.runner import RowInput, _as_signed
 from specdec.scheduler.request import Request
-from specdec.scheduler.step_inputs import PaddedRows
+from specdec.scheduler.step_inputs import PackedRows
 from specdec.training.eagle import EagleDraft
 from specdec.tree import TreeSpec
 
@@ -124,18 +124,18 @@ class EagleDrafter(ModelDrafter):
 
     def _propose_on_device(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray, b: int) -> Proposal:
         loop = self.device_loop
-        rows, src = self._catch_up_rows(reqs, begins, ends, loop.q)
+        rows, bt, src = self._catch_up_rows(reqs, begins, ends, loop.q)
         padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
-        padded[rows.where] = src
-        out = loop.run(b, rows, self.features.data, torch.from_numpy(padded).to(self.runner.device))
+        padded[rows.index] = src
+        out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))
         tokens = out[:len(reqs)].tolist()  # (rows, N): the one read
         self._consumed(reqs, ends)
         return Proposal(template_trees(tokens, self._template, self.node_budget), [frozenset()] * len(reqs))
 
     def _catch_up_rows(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray,
-                       q: int) -> tuple[PaddedRows, np.ndarray]:
-        """Catch-up rows of draft positions [b, e) of each request in a padded layout of ``q`` queries per
-        row (causal masks), and the feature-table rows (T,) of their inputs."""
+                       q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
+        """Catch-up rows of draft positions [b, e) of each request laid out for ``q`` queries per row (causal
+        masks), their block-table rows (R, W) and the feature-table rows (T,) of their inputs."""
         tables, bs = self.runner.tables, self.runner.pool.block_size
         for r in reqs:
             tables.set_row(r.bt_row, r.blocks)
@@ -145,7 +145,8 @@ class EagleDrafter(ModelDrafter):
                        dtype=np.int64)  # (T,)
         bt = tables.host_rows([r.bt_row for r in reqs])  # (R, W)
         slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs  # (T,)
-        return PaddedRows(row * q + j, ids, pos, slots, _CAUSAL[j], ends - begins, begins, ends, bt), src
+        tokens = np.stack([ids, pos, slots, _CAUSAL[j], np.full_like(ids, -1)])  # (5, T); parents: unused
+        return PackedRows(row * q + j, tokens, np.stack([begins, ends, ends - begins])), bt, src
 
     def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
