@@ -11,6 +11,8 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import torch
 
@@ -98,6 +100,7 @@ class EagleDrafter(ModelDrafter):
         self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width, model.fc.weight.dtype,
                                      runner.device)
         self.device_loop = None  # a DeviceTreeLoop once the graph path is on (static trees only)
+        self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels)
 
     def enable_device_loop(self, graphs) -> None:
         """Draft greedy batches of a static tree with one device program per batch bucket (captured with
@@ -119,7 +122,9 @@ class EagleDrafter(ModelDrafter):
             sizes = ends - begins
             b = loop.bucket(len(rows), int(sizes.max()))
             if b is not None and sizes.min() > 0:
+                self.paths["device"] += 1
                 return self._propose_on_device(rows, begins, ends, b)
+        self.paths["host"] += 1
         return super().propose(rows)
 
     def _propose_on_device(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray, b: int) -> Proposal:
