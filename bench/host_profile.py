@@ -170,8 +170,8 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (eagle_mod.EagleDrafter, "_propose_on_device", "eagle: _propose_on_device (rest)", "function"),
         (eagle_mod.EagleDrafter, "_catch_up_rows", "eagle: _catch_up_rows", "function"),
         (eagle_mod.EagleDrafter, "_consumed", "eagle: _consumed", "function"),
-        (eagle_mod.FeatureTable, "sources", "eagle: FeatureTable.sources", "function"),
-        (eagle_mod.FeatureTable, "store", "eagle: FeatureTable.store", "function"),
+        (getattr(eagle_mod, "FeatureTable", object), "sources", "eagle: FeatureTable.sources", "function"),
+        (getattr(eagle_mod, "FeatureTable", object), "store", "eagle: FeatureTable.store", "function"),
         (eagle_mod, "template_trees", "eagle: template_trees", "function"),
         (StepInputs, "fill_packed", "StepInputs.fill_packed", "function"),
         (eagle_mod.EagleDrafter, "accepted", "drafter.accepted", "function"),
@@ -184,7 +184,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (engine_mod, "_stable_text", "route: _stable_text", "function"),
         (StopChecker, "running_text", "route: StopChecker.running_text", "function"),
     ]:
-        if attr in vars(obj) or not isinstance(obj, type):
+        if attr in vars(obj) or not isinstance(obj, type) and hasattr(obj, attr):
             _patch(obj, attr, sections, name, kind)
 
 

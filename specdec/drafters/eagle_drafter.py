@@ -12,6 +12,7 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 from __future__ import annotations
 
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,12 +29,6 @@ from specdec.tree import TreeSpec
 _CAUSAL = np.array(_as_signed([(1 << (j + 1)) - 1 for j in range(64)]), dtype=np.int64)  # query j of a causal run
 
 
-def packed_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of ``lengths`` (R,) entries packed back to back: each entry's row and its index in the row (T,)."""
-    row = np.repeat(np.arange(len(lengths)), lengths)  # (T,)
-    return row, np.arange(len(row)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-
-
 class FeatureTable:
     """The target features that running requests' drafts have not read yet, for all of them at once.
 
@@ -42,7 +37,7 @@ class FeatureTable:
     (pending token + accepted path) or a prefill chunk's last position. The runs live in one device table,
     ``cap`` rows per block-table row (a running request's ``bt_row``), plus one zero row that stands for
     features nobody computed (a prefix-cache hit, a preempted request's restart); host arrays say which
-    positions each slot holds and for which request.
+    positions each slot holds and for which request. Batches are (R, w) grids: row i, column j.
     """
 
     def __init__(self, rows: int, cap: int, width: int, dtype: torch.dtype, device) -> None:
@@ -51,41 +46,58 @@ class FeatureTable:
         self.start = np.zeros(rows, dtype=np.int64)  # position of each slot's first row
         self.count = np.zeros(rows, dtype=np.int64)  # rows each slot holds
         self.owner: list[Request | None] = [None] * rows
+        self._cols = np.arange(cap)
 
-    def sources(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray):
-        """Table rows (T,) holding the features of positions [b - 1, e - 1) of each request (the inputs of
-        its draft positions [b, e)), packed, the zero row where unknown; and each entry's row and index."""
-        slots = [r.bt_row for r in reqs]
-        mine = np.array([self.owner[i] is r for i, r in zip(slots, reqs)])  # (R,)
-        bt = np.array(slots, dtype=np.int64)
-        row, j = packed_index(ends - begins)
-        k = (begins - 1 - self.start[bt])[row] + j  # (T,) index of the position in its slot's run
-        ok = mine[row] & (k >= 0) & (k < self.count[bt][row])
-        return np.where(ok, bt[row] * self.cap + k, self.zero), row, j
+    def sources(self, reqs: list[Request], bt: np.ndarray, begins: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """(R, w) table rows holding the features of positions begins[i] - 1 + j (the input of draft position
+        begins[i] + j) of each request ``reqs[i]`` (block-table row ``bt[i]``): the zero row where unknown or
+        not ``valid`` (R, w)."""
+        mine = np.fromiter((self.owner[i] is r for i, r in zip(bt.tolist(), reqs)), bool, len(reqs))  # (R,)
+        k = (begins - 1 - self.start[bt])[:, None] + np.arange(valid.shape[1])  # (R, w) index in the slot's run
+        ok = valid & mine[:, None] & (k >= 0) & (k < self.count[bt][:, None])
+        return np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
 
     def gather(self, index: np.ndarray) -> torch.Tensor:
         """Rows ``index`` of the table (one indexing op)."""
         return self.data[torch.from_numpy(index).to(self.data.device)]
 
-    def consumed(self, reqs: list[Request], ends: np.ndarray) -> None:
-        """The drafts have read everything before each request's position ``end - 1``."""
-        bt = np.array([r.bt_row for r in reqs], dtype=np.int64)
+    def consumed(self, bt: np.ndarray, ends: np.ndarray) -> None:
+        """The drafts of block-table rows ``bt`` have read everything before position ``end - 1``."""
         self.start[bt], self.count[bt] = ends - 1, 0
 
     def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
         """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
         starts[i] + n_i) (whatever it held before is dropped); n_i <= cap."""
-        lengths = np.array([f.shape[0] for f in feats], dtype=np.int64)
+        lengths = np.fromiter((f.shape[0] for f in feats), np.int64, len(feats))  # (R,)
         if lengths.max(initial=0) > self.cap:
             raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {lengths.max()}")
         slots = [r.bt_row for r in reqs]
         bt = np.array(slots, dtype=np.int64)
-        row, j = packed_index(lengths)
-        dst = torch.from_numpy(bt[row] * self.cap + j).to(self.data.device)
-        self.data.index_copy_(0, dst, torch.cat(feats).to(self.data.dtype))
+        dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
+        self.data.index_copy_(0, torch.from_numpy(dst).to(self.data.device), torch.cat(feats).to(self.data.dtype))
         self.start[bt], self.count[bt] = starts, lengths
         for i, r in zip(slots, reqs):
             self.owner[i] = r
+
+
+class _Spans(NamedTuple):
+    """Each request's draft positions still to compute, [begins, ends), as a grid of ``width`` columns."""
+
+    bt: np.ndarray  # (R,) block-table rows
+    begins: np.ndarray  # (R,)
+    ends: np.ndarray  # (R,)
+    valid: np.ndarray  # (R, width) bool: column j < ends - begins
+
+    @classmethod
+    def of(cls, reqs: list[Request], width: int | None = None) -> _Spans:
+        """The spans [num_computed_draft, len(tokens)) of ``reqs``; ``width`` None: the longest."""
+        n = len(reqs)
+        bt = np.fromiter((r.bt_row for r in reqs), np.int64, n)
+        begins = np.fromiter((r.num_computed_draft for r in reqs), np.int64, n)
+        ends = np.fromiter((len(r.tokens) for r in reqs), np.int64, n)
+        sizes = ends - begins
+        width = int(sizes.max(initial=0)) if width is None else width
+        return cls(bt, begins, ends, np.arange(width) < sizes[:, None])
 
 
 class EagleDrafter(ModelDrafter):
@@ -118,40 +130,42 @@ class EagleDrafter(ModelDrafter):
     def propose(self, rows: list[Request]) -> Proposal:
         loop = self.device_loop
         if loop is not None and rows and all(r.params.greedy for r in rows):
-            begins, ends = _spans(rows)
-            sizes = ends - begins
+            spans = _Spans.of(rows, loop.q)
+            sizes = spans.ends - spans.begins
             b = loop.bucket(len(rows), int(sizes.max()))
             if b is not None and sizes.min() > 0:
                 self.paths["device"] += 1
-                return self._propose_on_device(rows, begins, ends, b)
+                return self._propose_on_device(rows, spans, b)
         self.paths["host"] += 1
         return super().propose(rows)
 
-    def _propose_on_device(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray, b: int) -> Proposal:
+    def _propose_on_device(self, reqs: list[Request], spans: _Spans, b: int) -> Proposal:
         loop = self.device_loop
-        rows, bt, src = self._catch_up_rows(reqs, begins, ends, loop.q)
+        rows, bt, src = self._catch_up_rows(reqs, spans, loop.q)
         padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
-        padded[rows.index] = src
+        padded[:src.size] = src.ravel()
         out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))
         tokens = out[:len(reqs)].tolist()  # (rows, N): the one read
-        self._consumed(reqs, ends)
+        self._consumed(reqs, spans)
         return Proposal(template_trees(tokens, self._template, self.node_budget), [frozenset()] * len(reqs))
 
-    def _catch_up_rows(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray,
-                       q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
-        """Catch-up rows of draft positions [b, e) of each request laid out for ``q`` queries per row (causal
-        masks), their block-table rows (R, W) and the feature-table rows (T,) of their inputs."""
+    def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
+        """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
+        q columns wide), their block-table rows (R, W) and the (R, q) feature-table rows of their inputs."""
         tables, bs = self.runner.tables, self.runner.pool.block_size
         for r in reqs:
             tables.set_row(r.bt_row, r.blocks)
-        src, row, j = self.features.sources(reqs, begins, ends)
+        begins, ends, valid = spans.begins, spans.ends, spans.valid
+        index = np.flatnonzero(valid)  # (T,) padded position of each query: row * q + j
+        row, j = np.divmod(index, q)
         pos = begins[row] + j  # (T,)
         ids = np.array([t for r, b, e in zip(reqs, begins.tolist(), ends.tolist()) for t in r.tokens[b:e]],
                        dtype=np.int64)  # (T,)
-        bt = tables.host_rows([r.bt_row for r in reqs])  # (R, W)
+        bt = tables.host_rows(spans.bt)  # (R, W) the rows' block tables
         slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs  # (T,)
         tokens = np.stack([ids, pos, slots, _CAUSAL[j], np.full_like(ids, -1)])  # (5, T); parents: unused
-        return PackedRows(row * q + j, tokens, np.stack([begins, ends, ends - begins])), bt, src
+        rows = PackedRows(index, tokens, np.stack([begins, ends, ends - begins]))
+        return rows, bt, self.features.sources(reqs, spans.bt, begins, valid)
 
     def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
@@ -165,21 +179,21 @@ class EagleDrafter(ModelDrafter):
                 draft_logits = self.model.compute_logits(hidden)
             return self.model.full_logits(draft_logits, self.vocab_size)  # (n, V)
 
-    def _run_positions(self, reqs: list[Request], begins: np.ndarray, ends: np.ndarray, aux: torch.Tensor):
-        """Draft KV of positions [b, e) of each request with target features ``aux`` (T, k * hidden): hidden
-        states (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
+    def _run_positions(self, reqs: list[Request], spans: _Spans, aux: torch.Tensor):
+        """Draft KV of each request's span with target features ``aux`` (T, k * hidden): hidden states
+        (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
         rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none")
-                for r, b, e in zip(reqs, begins.tolist(), ends.tolist())]
+                for r, b, e in zip(reqs, spans.begins.tolist(), spans.ends.tolist())]
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
         hidden, logits = self._hidden(rows, g)
-        self._consumed(reqs, ends)
-        return hidden, logits, [0] + np.cumsum(ends - begins).tolist()
+        self._consumed(reqs, spans)
+        return hidden, logits, [0] + np.cumsum(spans.ends - spans.begins).tolist()
 
-    def _consumed(self, reqs: list[Request], ends: np.ndarray) -> None:
-        """The draft's KV now reaches each request's ``end``; its features before ``end - 1`` are spent."""
-        self.features.consumed(reqs, ends)
-        for r, e in zip(reqs, ends.tolist()):
+    def _consumed(self, reqs: list[Request], spans: _Spans) -> None:
+        """The draft's KV now reaches each span's end; the features before its last position are spent."""
+        self.features.consumed(spans.bt, spans.ends)
+        for r, e in zip(reqs, spans.ends.tolist()):
             r.num_computed_draft = e
 
     def prefill(self, chunks, features=None) -> None:
@@ -188,12 +202,16 @@ class EagleDrafter(ModelDrafter):
         if features is None:
             raise ValueError("an eagle draft needs the target features of the prefill (features=None)")
         reqs = [c.req for c in chunks]
-        begins = np.array([c.start for c in chunks], dtype=np.int64)
-        ends = np.array([c.end for c in chunks], dtype=np.int64)
+        n = len(chunks)
+        bt = np.fromiter((r.bt_row for r in reqs), np.int64, n)
+        begins = np.fromiter((c.start for c in chunks), np.int64, n)
+        ends = np.fromiter((c.end for c in chunks), np.int64, n)
+        spans = _Spans(bt, begins, ends, np.arange(int((ends - begins).max())) < (ends - begins)[:, None])
+        one = np.ones((n, 1), dtype=bool)
+        carry = self.features.gather(self.features.sources(reqs, bt, begins, one)[:, 0])  # (R, k*H): at start - 1
         dtype = self.features.data.dtype
-        carry = self.features.gather(self.features.sources(reqs, begins, begins + 1)[0])  # (R, k*H): at start - 1
         aux = torch.cat([x for h, f in zip(carry.split(1), features) for x in (h, f[:-1].to(dtype))])  # (T, k*H)
-        self._run_positions(reqs, begins, ends, aux)
+        self._run_positions(reqs, spans, aux)
         self.features.store(reqs, (ends - 1).tolist(), [f[-1:] for f in features])
 
     def accepted(self, rows: list[Request], results) -> None:
@@ -204,9 +222,9 @@ class EagleDrafter(ModelDrafter):
 
     def _catch_up(self, grows: list[_Growth]) -> None:
         reqs = [g.req for g in grows]
-        begins, ends = _spans(reqs)
-        aux = self.features.gather(self.features.sources(reqs, begins, ends)[0])  # (T, k * hidden)
-        hidden, logits, qsl = self._run_positions(reqs, begins, ends, aux)
+        spans = _Spans.of(reqs)
+        aux = self.features.gather(self.features.sources(reqs, spans.bt, spans.begins, spans.valid)[spans.valid])
+        hidden, logits, qsl = self._run_positions(reqs, spans, aux)  # aux: (T, k * hidden)
         last = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
         last_hidden = hidden.index_select(0, last)  # (rows, hidden)
         for g, h, lg in zip(grows, last_hidden, self._logits(last_hidden, None if logits is None else
@@ -227,8 +245,3 @@ class EagleDrafter(ModelDrafter):
             g.hidden.update((i, hidden[j + n]) for n, i in enumerate(nodes))
             j += len(nodes)
 
-
-def _spans(reqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-    """Each request's draft positions still to compute: [num_computed_draft, len(tokens)) as (R,) arrays."""
-    return (np.array([r.num_computed_draft for r in reqs], dtype=np.int64),
-            np.array([len(r.tokens) for r in reqs], dtype=np.int64))
