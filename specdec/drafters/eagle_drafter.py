@@ -52,9 +52,9 @@ class FeatureTable:
         """(R, w) table rows holding the features of positions begins[i] - 1 + j (the input of draft position
         begins[i] + j) of each request ``reqs[i]`` (block-table row ``bt[i]``): the zero row where unknown or
         not ``valid`` (R, w)."""
-        mine = np.fromiter((self.owner[i] is r for i, r in zip(bt.tolist(), reqs)), bool, len(reqs))  # (R,)
+        held = np.where([self.owner[i] is r for i, r in zip(bt.tolist(), reqs)], self.count[bt], 0)  # (R,)
         k = (begins - 1 - self.start[bt])[:, None] + np.arange(valid.shape[1])  # (R, w) index in the slot's run
-        ok = valid & mine[:, None] & (k >= 0) & (k < self.count[bt][:, None])
+        ok = valid & (k >= 0) & (k < held[:, None])
         return np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
 
     def gather(self, index: np.ndarray) -> torch.Tensor:
@@ -68,13 +68,14 @@ class FeatureTable:
     def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
         """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
         starts[i] + n_i) (whatever it held before is dropped); n_i <= cap."""
-        lengths = np.fromiter((f.shape[0] for f in feats), np.int64, len(feats))  # (R,)
-        if lengths.max(initial=0) > self.cap:
-            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {lengths.max()}")
+        sizes = [f.shape[0] for f in feats]
+        if max(sizes, default=0) > self.cap:
+            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {max(sizes)}")
         slots = [r.bt_row for r in reqs]
-        bt = np.array(slots, dtype=np.int64)
+        bt, lengths = np.array(slots, dtype=np.int64), np.array(sizes, dtype=np.int64)  # (R,)
         dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
-        self.data.index_copy_(0, torch.from_numpy(dst).to(self.data.device), torch.cat(feats).to(self.data.dtype))
+        rows = feats[0] if len(feats) == 1 else torch.cat(feats)  # (T, k * hidden)
+        self.data.index_copy_(0, torch.from_numpy(dst).to(self.data.device), rows.to(self.data.dtype))
         self.start[bt], self.count[bt] = starts, lengths
         for i, r in zip(slots, reqs):
             self.owner[i] = r
@@ -92,9 +93,8 @@ class _Spans(NamedTuple):
     def of(cls, reqs: list[Request], width: int | None = None) -> _Spans:
         """The spans [num_computed_draft, len(tokens)) of ``reqs``; ``width`` None: the longest."""
         n = len(reqs)
-        bt = np.fromiter((r.bt_row for r in reqs), np.int64, n)
-        begins = np.fromiter((r.num_computed_draft for r in reqs), np.int64, n)
-        ends = np.fromiter((len(r.tokens) for r in reqs), np.int64, n)
+        bt, begins, ends = np.fromiter((x for r in reqs for x in (r.bt_row, r.num_computed_draft, len(r.tokens))),
+                                       np.int64, 3 * n).reshape(n, 3).T  # (R,) each
         sizes = ends - begins
         width = int(sizes.max(initial=0)) if width is None else width
         return cls(bt, begins, ends, np.arange(width) < sizes[:, None])
@@ -163,8 +163,11 @@ class EagleDrafter(ModelDrafter):
                        dtype=np.int64)  # (T,)
         bt = tables.host_rows(spans.bt)  # (R, W) the rows' block tables
         slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs  # (T,)
-        tokens = np.stack([ids, pos, slots, _CAUSAL[j], np.full_like(ids, -1)])  # (5, T); parents: unused
-        rows = PackedRows(index, tokens, np.stack([begins, ends, ends - begins]))
+        tokens = np.empty((5, len(ids)), dtype=np.int64)  # ids, positions, slots, masks, parents (unused: -1)
+        tokens[0], tokens[1], tokens[2], tokens[3], tokens[4] = ids, pos, slots, _CAUSAL[j], -1
+        per_row = np.empty((3, len(reqs)), dtype=np.int64)  # prefix_lens, seq_lens, num_tokens
+        per_row[0], per_row[1], per_row[2] = begins, ends, ends - begins
+        rows = PackedRows(index, tokens, per_row)
         return rows, bt, self.features.sources(reqs, spans.bt, begins, valid)
 
     def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
