@@ -109,8 +109,8 @@ class EagleDrafter(ModelDrafter):
         self.target_features = model.aux_layers
         width = len(model.aux_layers) * model.config.hidden_size
         # a run is a verify step's pending token + accepted path (<= max_nodes + 1 rows) or one prefill row
-        self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width, model.fc.weight.dtype,
-                                     runner.device)
+        self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width,
+                                     next(model.parameters()).dtype, runner.device)  # the device program's dtype
         self.device_loop = None  # a DeviceTreeLoop once the graph path is on (static trees only)
         self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels)
 
