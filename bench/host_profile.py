@@ -278,10 +278,11 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
     from specdec.routing import OutputQueue
     from specdec.sampling_params import SamplingParams
 
-    draft, tree = MODES[mode]
-    draft = eagle_draft(target) if draft == "eagle" else draft
+    kind, tree = MODES[mode]
+    draft = eagle_draft(target) if kind == "eagle" else kind
     cfg = SpecConfig(tree=tree, device=args.device, dtype=args.dtype, max_batch_size=64, cuda_graphs=True,
-                     num_blocks=args.num_blocks)
+                     num_blocks=args.num_blocks,
+                     adaptive=False if kind == "eagle" else None)  # a random draft: the whole tree every step
     engine = SpecEngine(draft, target, cfg)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     queue = OutputQueue()
