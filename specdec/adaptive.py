@@ -132,11 +132,18 @@ _QUERY_KEY = [bucket(n, QUERY_BUCKETS) for n in range(max(QUERY_BUCKETS) + 1)]
 def template_tree(tokens: list[int], template, n: int):
     """The deterministic tree of ``template`` holding ``tokens``, cut to its first ``n`` nodes in level
     order (the adaptive budget of a drafter that grows whole templates at once; ``n`` >= size: all)."""
+    return template_trees([tokens], template, n)[0]
+
+
+def template_trees(rows: list[list[int]], template, n: int) -> list:
+    """``template_tree`` of every token list in ``rows`` (a batch's trees), the cut shape looked up once."""
     from specdec.tree import DraftTree
 
     if n >= template.num_nodes:
-        return DraftTree.of_template(tokens, template)
-    return DraftTree.of_template(tokens[:n], _template_prefix(template.parents, n)) if n else DraftTree.empty()
+        return DraftTree.of_template_rows(rows, template)
+    if not n:
+        return [DraftTree.empty()] * len(rows)
+    return DraftTree.of_template_rows([tokens[:n] for tokens in rows], _template_prefix(template.parents, n))
 
 
 @functools.lru_cache(maxsize=256)

@@ -210,6 +210,16 @@ class DraftTree:
         return tree
 
     @classmethod
+    def of_template_rows(cls, rows: list[list[int]], template: TreeTemplate) -> list[DraftTree]:
+        """``of_template`` for each token list in ``rows`` (a batch's trees of one shape), the shape looked up once."""
+        n = template.num_nodes
+        if any(len(tokens) != n for tokens in rows):
+            bad = next(len(tokens) for tokens in rows if len(tokens) != n)
+            raise ValueError(f"rows: the template has {n} nodes, got a row of {bad} tokens")
+        parts = _shape_parts(template.parents)
+        return [cls._of_shape(tokens, parts) for tokens in rows]
+
+    @classmethod
     def _of_shape(cls, tokens: list[int], parts) -> DraftTree:
         """A deterministic tree of host ``tokens`` over shared shape arrays ``parts`` (``_shape_parts``)."""
         parents, depth, masks, dist, children, fields = parts
