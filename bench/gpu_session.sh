@@ -97,6 +97,15 @@ case "$stage" in
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
     pack
     ;;
+  round2s4)  # session 4 run 3 (with piece 02): GPU tests after the helpers' merges, n-gram batch 16/64 (waves + continuous)
+    assemble
+    install
+    gpu_tests 150 tests/test_step_graphs.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_eagle_features.py \
+      tests/test_engine_triton.py tests/test_adaptive.py
+    ADAPTIVE_BATCHES=${ADAPTIVE_BATCHES:-16,64} fastpath 200 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
+    pack
+    ;;
   adaptive)  # ADAPTIVE_BATCHES=16,64 limits the batch sizes (default 1, 16, 64)
     [ -f "$MODEL" ] || assemble  # a fresh machine: the pieces of runs 1-3 must be in /tmp/stage
     install
