@@ -6,6 +6,7 @@ over MT-bench, float32 equality with graphs on. Writes JSON + logs to OUT; print
     python -P bench/gpu_fastpath.py eagle OUT_DIR MODEL PROMPTS # the shipped EAGLE draft, graphed, vs target-only
     python -P bench/gpu_fastpath.py adaptive OUT_DIR MODEL PROMPTS [N]  # n-gram chain:8, adaptive on/off vs
                                                                         # target-only at batch 1, 16, 64
+                                                                        # (ADAPTIVE_BATCHES=16,64: those only)
     python -P bench/gpu_fastpath.py prompts PROMPTS            # (CPU) write the tokenised prompt file
 
 On a CPU (for trying the script) everything runs with a tiny model and few tokens.
@@ -13,6 +14,7 @@ On a CPU (for trying the script) everything runs with a tiny model and few token
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -137,15 +139,38 @@ REPEATS = int(os.environ.get("REPEATS", "3" if CUDA else "1"))  # user_generate 
 
 
 def measured_run(draft, target, tree: str, batch: int, prompts, params, dtype: str, engine_out=None,
-                 continuous: bool = False, **cfg) -> dict:
-    """``user_generate`` of a fresh engine (warmed up on two short requests, statistics reset after);
-    ``cfg``: more SpecConfig fields; the engine is appended to ``engine_out`` when given."""
+                 continuous: bool = False, warm: int = 2, repeats: int = REPEATS, **cfg) -> dict:
+    """``user_generate`` of a fresh engine (warmed up on ``warm`` short requests at once, statistics reset
+    after), ``repeats`` times: the median run's figures (by tok/s), every run's tok/s, engine steps and, for an EAGLE
+    drafter, how many proposals took the device program or the level-by-level path. ``cfg``: more
+    SpecConfig fields; the engine is appended to ``engine_out`` when given."""
     eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dtype, tree=tree, max_batch_size=batch,
                                                prefix_cache=False, **cfg))
-    eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
-    eng.stats = type(eng.stats)()
-    r = user_generate(eng, prompts, params, batch=batch, continuous=continuous, repeats=REPEATS)
-    r["mean_accepted_length"] = eng.stats.mean_accepted_length
+    eng.generate(prompts[:warm], SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up
+    steps, step = [0], eng.step
+
+    def counted_step():
+        steps[0] += 1
+        return step()
+
+    eng.step = counted_step
+    runs = []
+    for _ in range(repeats):
+        eng.stats = type(eng.stats)()
+        steps[0], paths = 0, dict(getattr(eng.drafter, "paths", {}))
+        chosen = copy.copy(eng.adaptive.chosen) if eng.adaptive is not None else None
+        r = user_generate(eng, prompts, params, batch=batch, continuous=continuous)
+        r["mean_accepted_length"] = eng.stats.mean_accepted_length
+        r["steps"], r["ms_per_step"] = steps[0], 1e3 * r["wall_s"] / max(steps[0], 1)
+        r["rows_per_step"] = r["target_forwards"] / max(steps[0], 1)
+        if hasattr(eng.drafter, "paths"):
+            r["propose_paths"] = {k: v - paths.get(k, 0) for k, v in eng.drafter.paths.items()}
+        if eng.adaptive is not None:
+            r["mean_budget"] = eng.adaptive.mean_budget(since=chosen)
+        runs.append(r)
+    r = dict(sorted(runs, key=lambda x: x["tok_per_s"])[len(runs) // 2])  # the median run
+    if repeats > 1:
+        r["tok_per_s_runs"] = [x["tok_per_s"] for x in runs]
     if engine_out is not None:
         engine_out.append(eng)
     return r
@@ -336,27 +361,34 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
                        target=target)
     params = SamplingParams(max_new_tokens=new, ignore_eos=True)
     sizes = {1: 20 if CUDA else 1, 64: 64 if CUDA else 2}
-    # (tree, adaptive budget): fixed shapes first, then the adaptive controller on two of them
-    trees = {1: [(t, False) for t in ("topk:2x3", "topk:2x4", "dynamic:15", "dynamic:31", "chain:3",
-                                      "dynamic:63")] + [("topk:2x4", True)],
-             64: [(t, False) for t in ("topk:2x3", "chain:3", "dynamic:15")] + [("topk:2x3", True)]}
+    # (tree, adaptive budget): static shapes fixed and adaptive; at batch 64 a dynamic one for reference and the
+    # first shape again last (a first-run penalty of the process would show as a difference between the two)
+    static = ("topk:2x3", "topk:2x4", "chain:3")
+    trees = {1: [(t, False) for t in static] + [(t, True) for t in static],
+             64: [(t, False) for t in static] + [(t, True) for t in static] + [("dynamic:15", False),
+                                                                               ("topk:2x3", False)]}
     if not CUDA:
         trees = {1: [("chain:3", False), ("dynamic:7", False), ("chain:3", True)], 64: [("chain:3", False)]}
     for b, count in sizes.items():
         ps = prompts[:count]
-        base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt)
-        log(f"eagle round: target-only batch {b}: {base['tok_per_s']:.1f} tok/s")
+        # every engine is warmed up on a whole batch and timed twice: nothing used for the first time is timed
+        run = dict(warm=max(2, b), repeats=2 if CUDA else 1)
+        base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt, **run)
+        log(f"eagle round: target-only batch {b}: {base['tok_per_s']:.1f} tok/s, {base['ms_per_step']:.2f} ms/step")
         for tree, adaptive in trees[b]:
             name = f"eagle_{tree}{'_adaptive' if adaptive else ''}_b{b}"
+            name += "_again" if name in res else ""
             try:
-                r = measured_run(draft, target, tree, b, ps, params, dt, adaptive=adaptive)
+                r = measured_run(draft, target, tree, b, ps, params, dt, adaptive=adaptive, **run)
             except Exception as exc:  # noqa: BLE001 - reported, the other shapes still run
                 res[name] = {"error": repr(exc)}
                 log(f"{name} failed: {exc!r}")
                 continue
             r["speedup"] = r["tok_per_s"] / base["tok_per_s"]
             res[name] = r
-            log(f"{name}: {r['tok_per_s']:.1f} tok/s, {r['speedup']:.2f}x, mal {r['mean_accepted_length']:.2f}")
+            log(f"{name}: {r['tok_per_s']:.1f} tok/s (runs {r.get('tok_per_s_runs')}), {r['speedup']:.2f}x, "
+                f"mal {r['mean_accepted_length']:.2f}, {r['ms_per_step']:.2f} ms/step, paths {r.get('propose_paths')}, "
+                f"mean budget {r.get('mean_budget')}")
         (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
     eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="dynamic:31", max_batch_size=64,
                                                prefix_cache=False, cuda_graphs=True if not CUDA else None,
@@ -375,13 +407,22 @@ def eagle(out: Path, model_path: str, prompt_file: str) -> None:
         log(f"eagle dynamic:31 batch {b}: verify replay {verify}, draft level replays "
             f"{[res.get(f'replay_ms_draft_b{b}_q{q}') for q in (1, 4, 8)]}, phases " +
             ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
+    static_eng = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="topk:2x3", max_batch_size=64,
+                                                      prefix_cache=False, cuda_graphs=True if not CUDA else None,
+                                                      adaptive=False))
+    for b in (1, 64):  # the device tree loop's step: propose = catch-up + every level in one program + one read
+        ph = res[f"phases_ms_topk2x3_b{b}"] = phase_times(static_eng, prompts[:b] if CUDA else prompts[:1], params)
+        log(f"eagle topk:2x3 batch {b}: phases " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
     (out / "eagle.json").write_text(json.dumps(RESULTS, indent=1))
 
 
-def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = None) -> None:
-    """n-gram chain:8 with adaptive budgets on and off against target-only, batch 1, 16 and 64, over the
-    first ``count`` MT-bench prompts (all 80 on CUDA by default), in one process; the controller's
-    chosen budgets, measured cost table and learned acceptance go into adaptive.json."""
+def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = None,
+             batches: tuple[int, ...] | None = None) -> None:
+    """n-gram chain:8 with adaptive budgets on and off against target-only, at ``batches`` (default 1, 16 and
+    64; waves of ``batch`` prompts and, above 1, continuous batching), over the first ``count`` MT-bench
+    prompts (all 80 on CUDA by default), in one process; per run tok/s, engine steps, ms per step and rows
+    per step; the controller's chosen budgets, measured cost table, learned costs and acceptance go into
+    adaptive.json."""
     prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
     prompts = prompts[:count or (len(prompts) if CUDA else 4)]
     params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True)
@@ -392,8 +433,7 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
             ("ngram_adaptive", "ngram", True, False)]
     # continuous batching (all prompts submitted, freed rows refilled) besides waves of `batch` prompts
     runs_cont = [(f"{n}_continuous", d, on, True) for n, d, on, _ in runs]
-    batches = [int(x) for x in os.environ.get("ADAPTIVE_BATCHES", "1,16,64").split(",")]
-    for b in batches:
+    for b in batches or (1, 16, 64):
         for name, draft, on, cont in runs + (runs_cont if b > 1 else []):
             engines: list = []
             r = res[f"{name}_b{b}"] = measured_run(draft, target, "chain:8", b, prompts, params, dt, engines,
@@ -408,7 +448,8 @@ def adaptive(out: Path, model_path: str, prompt_file: str, count: int | None = N
                 r["learned_ms"] = {k: {str(kk): 1e3 * v for kk, v in getattr(ctrl.costs, k).items()}
                                    for k in ("offset", "seen", "draft", "other")}
             log(f"adaptive {name} batch {b}: {r['tok_per_s']:.1f} tok/s, mal {r['mean_accepted_length']:.2f}, "
-                f"mean budget {r.get('mean_budget')}")
+                f"mean budget {r.get('mean_budget')}, {r['steps']} steps, {r['ms_per_step']:.3f} ms/step, "
+                f"{r['rows_per_step']:.1f} rows/step")
         for suffix in ("", "_continuous") if b > 1 else ("",):
             base = res[f"target_only{suffix}_b{b}"]["tok_per_s"]
             for name in ("ngram_fixed", "ngram_adaptive"):
@@ -464,7 +505,9 @@ def main() -> None:
     elif cmd == "eagle":
         eagle(out, sys.argv[3], sys.argv[4])
     elif cmd == "adaptive":
-        adaptive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else None)
+        batches = os.environ.get("ADAPTIVE_BATCHES")  # e.g. "16,64"; default 1, 16, 64
+        adaptive(out, sys.argv[3], sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[5] else None,
+                 tuple(int(b) for b in batches.split(",")) if batches else None)
     log(json.dumps(RESULTS, indent=1, default=str)[-6000:])
 
 

@@ -11,7 +11,8 @@
 #   4 (.whl .gpu)                    bash bench/gpu_session.sh eagle
 #   5 (.stage-serve)                 bash bench/gpu_session.sh serve
 #   6 (.whl)                         bash bench/gpu_session.sh sweep
-#   7 (.whl .gpu, after core)        bash bench/gpu_session.sh adaptive   (n-gram chain:8, adaptive on/off)
+#   7 (.whl .gpu, after core)        bash bench/gpu_session.sh adaptive   (n-gram chain:8, adaptive on/off; waves
+#                                    and continuous batching; ADAPTIVE_BATCHES=16,64 for those batch sizes only)
 #   8 (.whl .gpu, after core)        bash bench/gpu_session.sh dyntree    (device dynamic EAGLE trees, batch 1/64)
 #   or run 3 as (.stage3/p_02 .whl .gpu) piece 02 && round1: GPU tests + adaptive at batch 16/64 (ADAPTIVE_BATCHES)
 # Each stage packs its logs and JSON into $OUT/<stage>.tgz (the device tool returns at most 8 files) and
@@ -96,7 +97,17 @@ case "$stage" in
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
     pack
     ;;
-  adaptive)
+  round2s4)  # session 4 run 3 (with piece 02): GPU tests after the helpers' merges, n-gram batch 16/64 (waves + continuous)
+    assemble
+    install
+    gpu_tests 150 tests/test_step_graphs.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_eagle_features.py \
+      tests/test_engine_triton.py tests/test_adaptive.py
+    ADAPTIVE_BATCHES=${ADAPTIVE_BATCHES:-16,64} fastpath 200 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
+    pack
+    ;;
+  adaptive)  # ADAPTIVE_BATCHES=16,64 limits the batch sizes (default 1, 16, 64)
+    [ -f "$MODEL" ] || assemble  # a fresh machine: the pieces of runs 1-3 must be in /tmp/stage
     install
     fastpath "${ADAPTIVE_LIMIT:-540}" adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20

@@ -39,7 +39,20 @@ from pathlib import Path
 
 import torch
 
-MODES = {"decode": (None, "chain:8"), "ngram": ("ngram", "chain:8")}
+MODES = {"decode": (None, "chain:8"), "ngram": ("ngram", "chain:8"),
+         "eagle": ("eagle", "topk:2x3"), "eagle-chain": ("eagle", "chain:3")}  # eagle: a random draft, static tree
+
+
+def eagle_draft(target):
+    """An untrained EAGLE draft on ``target`` (default feature layers, its whole vocabulary): its
+    acceptance is meaningless, the host work of a step is what it costs."""
+    from specdec.loading.registry import LoadedModel
+    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+
+    cfg = target.config
+    shape = EagleShape(default_aux_layers(cfg.num_layers), cfg.vocab_size)
+    model = eagle_from_target(target.model, shape, torch.arange(cfg.vocab_size), seed=1)
+    return LoadedModel("eagle-random", model.eval().requires_grad_(False), None, model.config)
 
 
 class Sections:
@@ -96,7 +109,10 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
     import specdec.engine as engine_mod
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    from specdec.drafters.eagle_device import DeviceTreeLoop
+
     _patch(graphs_mod.GraphRunner, "_forward", sections, "FORWARD")  # CPU: the padded step, eager
+    _patch(DeviceTreeLoop, "_program", sections, "FORWARD")  # the EAGLE draft program (CPU: eager)
     if device.type == "cuda":
         _patch(torch.cuda.CUDAGraph, "replay", sections, "FORWARD", after=sync)  # replay + its GPU time
     _patch(engine_mod.SpecEngine, "step", sections, "step (rest)")
@@ -108,6 +124,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
     from specdec.scheduler.step_inputs import StepInputs
     from specdec.scheduler.stop import StopChecker
 
+    import specdec.drafters.eagle_drafter as eagle_mod
     import specdec.drafters.ngram as ngram_mod
     import specdec.fault_isolation as fi_mod
     import specdec.runner as runner_mod
@@ -129,6 +146,10 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (DraftTree, "empty", "propose: DraftTree.empty", "class"),
         (verifier_mod.Verifier, "verify", "verify (rest: loop, read)", "function"),
         (verifier_mod.Verifier, "_row", "verify: _row", "static"),
+        (verifier_mod, "_packed", "verify: _packed", "function"),
+        (runner_mod.ModelRunner, "forward_packed", "runner.forward_packed (rest)", "function"),
+        (graphs_mod.GraphRunner, "run_packed", "graphs.run_packed (rest)", "function"),
+        (StepInputs, "fill_packed", "StepInputs.fill_packed", "function"),
         (DraftTree, "verify_rows", "verify: tree.verify_rows", "function"),
         (verifier_mod, "unpack_greedy", "verify: unpack_greedy", "function"),
         (verifier_mod, "check_finite_flags", "verify: check_finite_flags", "function"),
@@ -149,12 +170,25 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (sched_mod.Scheduler, "finish", "commit: Scheduler.finish", "function"),
         (AcceptanceStats, "record", "commit: stats.record", "function"),
         (ngram_mod.NgramDrafter, "accepted", "drafter.accepted", "function"),
+        (eagle_mod.EagleDrafter, "propose", "propose (rest)", "function"),
+        (eagle_mod.EagleDrafter, "_propose_on_device", "eagle: _propose_on_device (rest)", "function"),
+        (eagle_mod.EagleDrafter, "_catch_up_rows", "eagle: _catch_up_rows", "function"),
+        (eagle_mod.EagleDrafter, "_consumed", "eagle: _consumed", "function"),
+        (getattr(eagle_mod, "FeatureTable", object), "sources", "eagle: FeatureTable.sources", "function"),
+        (getattr(eagle_mod, "FeatureTable", object), "store", "eagle: FeatureTable.store", "function"),
+        (eagle_mod, "template_trees", "eagle: template_trees", "function"),
+        (StepInputs, "fill_packed", "StepInputs.fill_packed", "function"),
+        (eagle_mod.EagleDrafter, "accepted", "drafter.accepted", "function"),
+        (DeviceTreeLoop, "run", "eagle: DeviceTreeLoop.run (rest)", "function"),
+        (runner_mod.ModelRunner, "padded_index", "runner.padded_index", "function"),
+        (runner_mod.ModelRunner, "padded_inputs", "runner.padded_inputs (rest)", "function"),
+        (runner_mod.RowSlices, "gather", "verify: RowSlices.gather", "function"),
         (engine_mod.SpecEngine, "_route", "route (rest)", "function"),
         (engine_mod, "_output", "route: _output", "function"),
         (engine_mod, "_stable_text", "route: _stable_text", "function"),
         (StopChecker, "running_text", "route: StopChecker.running_text", "function"),
     ]:
-        if attr in vars(obj) or not isinstance(obj, type):
+        if attr in vars(obj) or not isinstance(obj, type) and hasattr(obj, attr):
             _patch(obj, attr, sections, name, kind)
 
 
@@ -248,9 +282,11 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
     from specdec.routing import OutputQueue
     from specdec.sampling_params import SamplingParams
 
-    draft, tree = MODES[mode]
+    kind, tree = MODES[mode]
+    draft = eagle_draft(target) if kind == "eagle" else kind
     cfg = SpecConfig(tree=tree, device=args.device, dtype=args.dtype, max_batch_size=64, cuda_graphs=True,
-                     num_blocks=args.num_blocks)
+                     num_blocks=args.num_blocks,
+                     adaptive=False if kind == "eagle" else None)  # a random draft: the whole tree every step
     engine = SpecEngine(draft, target, cfg)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     queue = OutputQueue()

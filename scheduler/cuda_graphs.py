@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from specdec.scheduler.step_inputs import StepInputs
+from specdec.scheduler.step_inputs import PackedRows, StepInputs, pack_rows
 
 from specdec.acceptance_batched import accept_greedy_padded
 from specdec.attention.base import AttnMetadata
@@ -29,6 +29,13 @@ log = logging.getLogger(__name__)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_TREE_REGION = 64  # one int64 bitmask per query
+
+
+def query_buckets_for(max_query: int) -> tuple[int, ...]:
+    """Query buckets of a model whose steps have at most ``max_query`` tokens per row: the ``QUERY_BUCKETS``
+    below it, then ``max_query`` itself (a chain:8 verify of 9 tokens per row pads to 9, not to 16)."""
+    top = max(1, max_query)
+    return tuple(q for q in QUERY_BUCKETS if q < top) + (top,)
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
@@ -82,8 +89,7 @@ class GraphRunner:
         self.device = torch.device(device)
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (bucket(max_batch, BATCH_BUCKETS)
                                                                               or max_batch,)
-        self.query_buckets = {m: tuple(q for q in QUERY_BUCKETS if q <= bucket(max(1, mq), QUERY_BUCKETS))
-                              for m, mq in max_query.items()}
+        self.query_buckets = {m: query_buckets_for(mq) for m, mq in max_query.items()}
         self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
         self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
         top_q = max(max(qs) for qs in self.query_buckets.values())
@@ -99,21 +105,29 @@ class GraphRunner:
 
     def key_for(self, model_idx: int, rows) -> tuple[int, int, int] | None:
         """(model, B bucket, Q bucket) for these rows, or None when they must run eagerly."""
+        longest = max(len(r.token_ids) for r in rows)
+        if longest > 1 and any(r.seq_len - r.prefix_len > MAX_TREE_REGION for r in rows):
+            return None
+        return self.key_of(model_idx, len(rows), longest)
+
+    def key_of(self, model_idx: int, n_rows: int, longest: int) -> tuple[int, int, int] | None:
+        """``key_for`` of ``n_rows`` rows of at most ``longest`` queries whose masked regions are at most
+        ``MAX_TREE_REGION`` tokens long (verify rows always are)."""
         query_of = self._query_of.get(model_idx)
-        n, longest = len(rows), max(len(r.token_ids) for r in rows)
-        if query_of is None or n >= len(self._batch_of) or longest >= len(query_of):
+        if query_of is None or n_rows >= len(self._batch_of) or longest >= len(query_of):
             return None
-        b, q = self._batch_of[n], query_of[longest]
-        if q > 1 and any(r.seq_len - r.prefix_len > MAX_TREE_REGION for r in rows):
-            return None
-        return model_idx, b, q
+        return model_idx, self._batch_of[n_rows], query_of[longest]
 
     def run(self, key: tuple[int, int, int], rows, slots, bt_rows, features=None) -> GraphOutput:
         """Fill the inputs of ``key`` with ``rows`` and run its forward (replayed when captured).
         ``features``: a feature-reading model's (index (T,) of each packed token in the padded layout,
         feature rows (T, hidden))."""
+        return self.run_packed(key, pack_rows(rows, slots, key[2]), bt_rows, features)
+
+    def run_packed(self, key: tuple[int, int, int], packed: PackedRows, bt_rows, features=None) -> GraphOutput:
+        """``run`` for rows already flattened into ``packed`` (laid out for ``key``'s query bucket)."""
         m, b, q = key
-        self.inputs.fill(b, q, rows, slots, bt_rows)
+        self.inputs.fill_packed(b, q, packed, bt_rows)
         if m in self.feature_inputs:
             where, g = features
             self.feature_inputs[m][:b * q].index_copy_(0, where, g.to(self.feature_inputs[m].dtype))

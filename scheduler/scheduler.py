@@ -228,8 +228,11 @@ class Scheduler:
         self.waiting.insert(0, req)
 
     def shrink(self, req: Request) -> None:
-        """Free blocks past the request's current tokens (rejected tree slots)."""
-        keep = self.blocks_for(len(req.tokens))
+        """Free blocks past what the request's next step reserves (its tokens and ``lookahead`` tree slots):
+        blocks of rejected tree slots inside that reach stay, so a speculating row does not free a block
+        after every step only to allocate it again at the next (their slots are never read before a later
+        verify forward writes them)."""
+        keep = self.blocks_for(len(req.tokens) + self.lookahead)
         if len(req.blocks) > keep:
             self.allocator.free(req.blocks[keep:])
             del req.blocks[keep:]
@@ -286,8 +289,11 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
 
     src, dst = [], []
     for req, res in zip(rows, results):
+        nodes = res.accepted_nodes  # a path: increasing indices, node j >= j; all in place when the last is
+        if not nodes or nodes[-1] == len(nodes) - 1:
+            continue
         base = len(req.tokens)
-        for j, node in enumerate(res.accepted_nodes):
+        for j, node in enumerate(nodes):
             if node != j:
                 src.append(_slot(req, base + node, sched.block_size))
                 dst.append(_slot(req, base + j, sched.block_size))

@@ -36,10 +36,6 @@ def _sizes(b: int, q: int, width: int) -> dict[str, int]:
             "prefix_lens": b, "seq_lens": b, "num_tokens": b, "block_tables": b * width}
 
 
-def _total(b: int, q: int, width: int) -> int:
-    return sum(_sizes(b, q, width).values())
-
-
 def _offsets(b: int, q: int, width: int) -> tuple[dict[str, tuple[int, int]], int]:
     out, off = {}, 0
     for name, n in _sizes(b, q, width).items():
@@ -62,6 +58,7 @@ class StepInputs:
         self._copied = torch.cuda.Event() if pin else None
         self._views: dict[tuple[int, int], StepViews] = {}
         self._arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._groups: dict[tuple[int, int], tuple] = {}
 
     def _host_arrays(self, b: int, q: int) -> dict[str, np.ndarray]:
         """numpy views of bucket (b, q)'s sections in the host buffer (cached per bucket)."""
@@ -69,6 +66,18 @@ class StepInputs:
             offs, _ = _offsets(b, q, self.width)
             self._arrays[(b, q)] = {n: self._np[o:o + size] for n, (o, size) in offs.items()}
         return self._arrays[(b, q)]
+
+    def _grouped(self, b: int, q: int):
+        """Host views of bucket (b, q): the five per-token sections (5, B*Q), qsl (B+1,), the three per-row
+        sections (3, B), the block tables (B, W), and the bucket's length in the buffer (cached)."""
+        if (b, q) not in self._groups:
+            offs, total = _offsets(b, q, self.width)
+            (t0, t), (r0, _) = offs["ids"], offs["prefix_lens"]
+            q0, bt0 = offs["qsl"][0], offs["block_tables"][0]
+            self._groups[(b, q)] = (self._np[t0:t0 + 5 * t].reshape(5, t), self._np[q0:q0 + b + 1],
+                                    self._np[r0:r0 + 3 * b].reshape(3, b),
+                                    self._np[bt0:bt0 + b * self.width].reshape(b, self.width), total)
+        return self._groups[(b, q)]
 
     def views(self, b: int, q: int) -> StepViews:
         """Device views of bucket (b, q); the same tensors every call (graphs capture them)."""
@@ -92,51 +101,54 @@ class StepInputs:
         """Write the rows (``RowInput``-like: token_ids, positions, prefix_len, seq_len, tree_mask, parents)
         into bucket (b, q) and copy it to the device. ``slots[i]`` are row i's query slots and
         ``bt_rows`` its block-table rows (len(rows), W)."""
+        self.fill_packed(b, q, pack_rows(rows, slots, q), bt_rows)
+
+    def fill_packed(self, b: int, q: int, p: PackedRows, bt_rows: np.ndarray) -> None:
+        """``fill`` for rows already flattened into ``p``: one vectorised write per group of sections (the
+        five per-token sections are contiguous, and so are the three per-row ones after ``qsl``)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous copy has read the host buffer
-        a = self._host_arrays(b, q)
-        nrows = len(rows)
+        tokens, qsl, per_row, bt, total = self._grouped(b, q)
+        nrows = p.per_row.shape[1]
         # Padding: token 0 at position 0, no slot (nothing stored), no parent, zero-length rows. (Buckets
         # lay their sections out differently in one buffer, so nothing stale may be left in them.)
-        for name in ("ids", "positions", "tree_mask"):
-            a[name][:] = 0
-        a["slots"][:] = -1
-        a["parents"][:] = -1
-        for name in ("prefix_lens", "seq_lens", "num_tokens"):
-            a[name][nrows:] = 0
-        a["block_tables"][nrows * self.width:] = 0  # the torch reference gathers every row's table
-        if q == 1:  # decode: one token per row, so each section is written in one assignment
-            self._fill_single(a, rows, slots)
-        for i, r in enumerate(rows if q > 1 else ()):
-            n, s = len(r.token_ids), i * q
-            a["ids"][s:s + n] = r.token_ids
-            a["positions"][s:s + n] = r.positions
-            a["slots"][s:s + n] = slots[i]
-            if r.tree_mask is not None:
-                a["tree_mask"][s:s + n] = r.tree_mask
-            if r.parents is not None:
-                a["parents"][s:s + n] = r.parents
-            a["num_tokens"][i] = n
-        a["qsl"][:nrows + 1] = np.arange(nrows + 1) * q
-        a["qsl"][nrows + 1:] = nrows * q
-        a["prefix_lens"][:nrows] = [r.prefix_len for r in rows]
-        a["seq_lens"][:nrows] = [r.seq_len for r in rows]
-        a["block_tables"].reshape(b, self.width)[:nrows] = bt_rows
+        self._np[:total] = 0
+        tokens[2::2] = -1  # slots and parents
+        tokens[:, p.index] = p.tokens
+        qsl[:] = np.minimum(np.arange(b + 1), nrows) * q
+        per_row[:, :nrows] = p.per_row
+        bt[:nrows] = bt_rows
         self._send(b, q)
 
-    @staticmethod
-    def _fill_single(a: dict[str, np.ndarray], rows, slots: list[list[int]]) -> None:
-        nrows = len(rows)
-        a["ids"][:nrows] = [r.token_ids[0] for r in rows]
-        a["positions"][:nrows] = [r.positions[0] for r in rows]
-        a["slots"][:nrows] = [s[0] for s in slots]
-        if any(r.tree_mask is not None for r in rows):
-            a["tree_mask"][:nrows] = [0 if r.tree_mask is None else r.tree_mask[0] for r in rows]
-        a["parents"][:nrows] = [-1 if r.parents is None else r.parents[0] for r in rows]
-        a["num_tokens"][:nrows] = 1
-
     def _send(self, b: int, q: int) -> None:
-        n = _total(b, q, self.width)
+        n = self._grouped(b, q)[-1]
         self.dev[:n].copy_(self.host[:n], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+
+class PackedRows(NamedTuple):
+    """The queries of R rows of a padded step with Q queries per row, flattened row after row: token t
+    sits at ``index[t]`` (= row * Q + its rank in the row) of the padded layout. int64 numpy arrays."""
+
+    index: np.ndarray  # (T,)
+    tokens: np.ndarray  # (5, T): ids, RoPE positions, KV slots (-1 = store nothing), tree masks (bitmask over
+    #                     the row's region, 0 for a causal single query), parents (verify index, -1 = root)
+    per_row: np.ndarray  # (3, R): prefix_lens, seq_lens, num_tokens
+
+
+def pack_rows(rows, slots: list[list[int]], q: int) -> PackedRows:
+    """``PackedRows`` of ``RowInput``-like rows with their query slots (a missing tree mask is 0, a
+    missing parent list all -1)."""
+    ids, pos, flat_slots, masks, parents, index = [], [], [], [], [], []
+    for i, (r, s) in enumerate(zip(rows, slots)):
+        n = len(r.token_ids)
+        ids += r.token_ids
+        pos += r.positions
+        flat_slots += s
+        masks += r.tree_mask if r.tree_mask is not None else (0,) * n
+        parents += r.parents if r.parents is not None else (-1,) * n
+        index += range(i * q, i * q + n)
+    per_row = [[r.prefix_len for r in rows], [r.seq_len for r in rows], [len(r.token_ids) for r in rows]]
+    return PackedRows(np.array(index, dtype=np.int64), np.array([ids, pos, flat_slots, masks, parents], dtype=np.int64),
+                      np.array(per_row, dtype=np.int64).reshape(3, len(rows)))

@@ -5,7 +5,10 @@ B * E[n] / C(B, n). E[n] = 1 + sum over k = 1..depth(n) of a_0 * ... * a_(k-1), 
 running rate at which a row that reached depth d of its tree commits a draft token there (a row
 whose tree is too short to reach d counts as a miss, so an n-gram drafter that often proposes
 less than asked is valued for what it proposes). C(B, n) = verify forward at (batch bucket, query
-bucket of n + 1) + draft forwards * their measured cost + the step's other host work. Budget 0 is
+bucket of n + 1) + draft forwards * their measured cost + the rest of the step: everything else
+``SpecEngine.step`` spends (scheduling, commit, stop checks, routing outputs), measured as the step's
+wall time minus drafting and verifying, learned apart for speculative and plain (decode-shaped) steps
+because its per-row work differs between them. Budget 0 is
 plain decoding (E = 1); a budget is used only when it beats plain decoding by a margin, so
 speculation does not make a step slower than target-only decoding by more than the estimates err.
 
@@ -129,11 +132,18 @@ _QUERY_KEY = [bucket(n, QUERY_BUCKETS) for n in range(max(QUERY_BUCKETS) + 1)]
 def template_tree(tokens: list[int], template, n: int):
     """The deterministic tree of ``template`` holding ``tokens``, cut to its first ``n`` nodes in level
     order (the adaptive budget of a drafter that grows whole templates at once; ``n`` >= size: all)."""
+    return template_trees([tokens], template, n)[0]
+
+
+def template_trees(rows: list[list[int]], template, n: int) -> list:
+    """``template_tree`` of every token list in ``rows`` (a batch's trees), the cut shape looked up once."""
     from specdec.tree import DraftTree
 
     if n >= template.num_nodes:
-        return DraftTree.of_template(tokens, template)
-    return DraftTree.of_template(tokens[:n], _template_prefix(template.parents, n)) if n else DraftTree.empty()
+        return DraftTree.of_template_rows(rows, template)
+    if not n:
+        return [DraftTree.empty()] * len(rows)
+    return DraftTree.of_template_rows([tokens[:n] for tokens in rows], _template_prefix(template.parents, n))
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,7 +208,7 @@ class StepCosts:
         self.seen: dict[tuple[int, int], float] = {}
         self.offset: dict[int, float] = {}  # measured - table, per batch bucket
         self.draft: dict[int, float] = {}  # one draft forward or lookup
-        self.other: dict[int, float] = {}  # schedule + commit
+        self.other: dict[tuple[int, bool], float] = {}  # (batch bucket, speculative) -> rest of the step
         self.tries: Counter = Counter()
 
     def _ema(self, store: dict, key, value: float) -> None:
@@ -227,7 +237,8 @@ class StepCosts:
         v = self.verify(b, q)
         if v is None:
             return None
-        return v + self.draft.get(b, 0.0) * draft_forwards + self.other.get(b, 0.0)
+        other = self.other.get((b, q > 1), 0.0)  # a kind not measured yet looks cheap: it is tried, then known
+        return v + self.draft.get(b, 0.0) * draft_forwards + other
 
     def observe_verify(self, b: int, q: int, seconds: float) -> None:
         self._ema(self.seen, (b, q), seconds)
@@ -238,18 +249,20 @@ class StepCosts:
         if forwards:
             self._ema(self.draft, b, seconds / forwards)
 
-    def observe_other(self, b: int, seconds: float) -> None:
-        self._ema(self.other, b, seconds)
+    def observe_other(self, b: int, seconds: float, speculative: bool) -> None:
+        self._ema(self.other, (b, speculative), seconds)
 
 
 class BudgetController:
     """Chooses each step's tree budget (``choose``) and learns from the step (``observe``)."""
 
     def __init__(self, options: list[BudgetOption], config: AdaptiveConfig | None = None,
-                 cost_table: dict[tuple[int, int], float] | None = None) -> None:
+                 cost_table: dict[tuple[int, int], float] | None = None,
+                 query_buckets: tuple[int, ...] = QUERY_BUCKETS) -> None:
         self.config = cfg = config or AdaptiveConfig()
-        self.options = _undominated(options)
-        self._query = [query_key(o.nodes + 1) for o in self.options]
+        self._query_of = [bucket(n, query_buckets) for n in range(max(query_buckets) + 1)]
+        self.options = _undominated(options, self.query_key)
+        self._query = [self.query_key(o.nodes + 1) for o in self.options]
         self._explored: set[int] = set()  # batch buckets whose every option bucket is known or was tried
         self.acceptance = DepthAcceptance(max(o.depth for o in self.options), cfg.prior_rate, cfg.prior_weight,
                                           cfg.memory)
@@ -258,6 +271,11 @@ class BudgetController:
         self.last = self.options[-1]
         self.timing_valid = True  # False: this step's wall times are not the step's own (the engine ran a prefill)
         self._steps = 0
+        self._timed: tuple[int, bool, float] | None = None  # last speculate: batch bucket, speculative, seconds
+
+    def query_key(self, tokens: int) -> int:
+        """The cost-table query bucket of a verify row of ``tokens`` tokens (the graphs' buckets when graphed)."""
+        return self._query_of[tokens] if tokens < len(self._query_of) else tokens
 
     def choose(self, rows: int) -> int:
         """The node budget of a step over ``rows`` speculating rows."""
@@ -299,8 +317,10 @@ class BudgetController:
         proposal = drafter.propose(rows)
         t1 = time.perf_counter()
         results = verifier.verify(rows, proposal.trees, proposal.draft_computed)
-        self.observe(len(rows), 1 + max(t.num_nodes for t in proposal.trees),
-                     [len(r.accepted_nodes) for r in results], t1 - t0, time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        query = 1 + max(t.num_nodes for t in proposal.trees)
+        self.observe(len(rows), query, [len(r.accepted_nodes) for r in results], t1 - t0, t2 - t1)
+        self._timed = (batch_key(len(rows)), query > 1, t2 - t0)
         return results
 
     def observe(self, rows: int, query: int, accepted: list[int], propose_s: float, verify_s: float) -> None:
@@ -308,14 +328,19 @@ class BudgetController:
         ``accepted[i]`` = draft tokens accepted in row i, and the seconds drafting and verifying took."""
         b = batch_key(rows)
         if self.timing_valid:
-            self.costs.observe_verify(b, query_key(query), verify_s)
+            self.costs.observe_verify(b, self.query_key(query), verify_s)
             self.costs.observe_draft(b, self.last.draft_forwards, propose_s)
         if self.last.depth:
             self.acceptance.observe(self.last.depth, accepted)
 
-    def observe_other(self, rows: int, seconds: float) -> None:
-        """Seconds the step spent outside drafting and verifying (scheduling, commit)."""
-        self.costs.observe_other(batch_key(rows), seconds)
+    def observe_step(self, seconds: float) -> None:
+        """Wall seconds of the whole engine step whose rows ``speculate`` ran last (scheduling to routed
+        outputs): what it spent outside drafting and verifying is learned for its batch bucket and kind
+        (speculative: some tree had nodes; else decode-shaped)."""
+        timed, self._timed = self._timed, None
+        if timed is not None and self.timing_valid:
+            b, speculative, inner = timed
+            self.costs.observe_other(b, max(seconds - inner, 0.0), speculative)
 
     def mean_budget(self, rows: int | None = None, since: Counter | None = None) -> float | None:
         """Mean chosen budget over steps of ``rows`` rows (all steps when None), counted after the
@@ -336,12 +361,13 @@ def make_controller(enabled: bool | None, device, drafter, graphs) -> BudgetCont
     if not want or drafter.max_nodes == 0:
         return None
     table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
-    return BudgetController(budget_options(drafter), cost_table=table)
+    buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
+    return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)
 
 
-def _undominated(options: list[BudgetOption]) -> list[BudgetOption]:
-    """Options sorted by nodes, keeping the deepest of those that share a query bucket and a draft
-    cost (they cost the same, and a deeper tree commits at least as much)."""
+def _undominated(options: list[BudgetOption], query_key=query_key) -> list[BudgetOption]:
+    """Options sorted by nodes, keeping the deepest of those that share a query bucket (``query_key``)
+    and a draft cost (they cost the same, and a deeper tree commits at least as much)."""
     best: dict[tuple[int, int], BudgetOption] = {}
     for o in options:
         key = (query_key(o.nodes + 1), o.draft_forwards)

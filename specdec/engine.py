@@ -219,21 +219,19 @@ class SpecEngine:
         batch: StepBatch = self.scheduler.schedule()
         if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
             self._fail_stuck()
-        t1 = time.perf_counter()
         prefilled = self._prefill(batch)
         if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
             self.adaptive.timing_valid = not prefilled
         rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)
-        t2 = time.perf_counter()
         commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
         self.drafter.accepted(rows, results)
-        if self.adaptive is not None and rows and not prefilled:
-            self.adaptive.observe_other(len(rows), t1 - t0 + time.perf_counter() - t2)
         for req in rows:
             if req.finished:
                 self.stats.merge(req.stats)
         progressed = list(dict.fromkeys(prefilled + rows + self.scheduler.take_failed()))
         self._route(progressed)
+        if self.adaptive is not None and rows:  # the whole step, routing included, is what a budget costs
+            self.adaptive.observe_step(time.perf_counter() - t0)
         return progressed
 
     def _speculate(self, rows: list[Request]) -> list:

@@ -14,6 +14,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
 from specdec.scheduler.request import Request
+from specdec.scheduler.step_inputs import PackedRows
 
 MAX_TREE_REGION = 64
 
@@ -122,13 +123,13 @@ class ModelRunner:
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
-    def _sync_tables(self, rows: list[RowInput]) -> None:
-        for r in rows:
-            self.tables.set_row(r.req.bt_row, r.req.blocks)
+    def _sync_tables(self, reqs) -> None:
+        for req in reqs:
+            self.tables.set_row(req.bt_row, req.blocks)
 
     def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
         """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
-        self._sync_tables(rows)
+        self._sync_tables(r.req for r in rows)
         meta, ids, pos = self.build(rows)
         return ForwardContext(self.backend, meta, self.pool.model_kv(model_idx)), ids, pos
 
@@ -183,7 +184,7 @@ class ModelRunner:
     def padded_inputs(self, rows: list[RowInput], q: int):
         """Stage ``rows`` for a padded step of ``q`` queries per row: their block tables synced; the rows
         (causal ones with explicit masks when q > 1), each row's query slots and its block-table row."""
-        self._sync_tables(rows)
+        self._sync_tables(r.req for r in rows)
         if q > 1:
             rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
         slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
@@ -193,11 +194,38 @@ class ModelRunner:
         return self.graphs.run(key, *self.padded_inputs(rows, key[2]), features)
 
     def _forward_graphed(self, key, rows: list[RowInput]) -> ForwardResult:
-        q = key[2]
         out = self._replay(key, rows)
-        feats = None if out.features is None else RowSlices(out.features, [i * q for i in range(len(rows))],
-                                                             [len(r.token_ids) for r in rows])
-        return ForwardResult(_PaddedLogits(out.logits, q, rows), out.accept, feats)
+        return self._graphed_result(out, key[2], [len(r.token_ids) for r in rows], [r.want_logits for r in rows])
+
+    def packed_key(self, model_idx: int, n_rows: int, longest: int, aux_layers: tuple[int, ...] = ()):
+        """The graph bucket of ``n_rows`` rows of at most ``longest`` queries over masked regions of at most
+        ``MAX_TREE_REGION`` tokens (verify rows), for ``forward_packed``; None when they must run eagerly."""
+        g = self.graphs
+        if g is None or tuple(aux_layers) != (g.aux_layers if model_idx == 0 else ()):
+            return None
+        return g.key_of(model_idx, n_rows, longest)
+
+    def query_slots(self, req: Request, start: int, n: int) -> range | list[int]:
+        """KV slots of logical positions [start, start + n) of ``req`` (a range when one block holds them)."""
+        bs = self.pool.block_size
+        block, off = divmod(start, bs)
+        if off + n <= bs:
+            first = req.blocks[block] * bs + off
+            return range(first, first + n)
+        return self.slots(req, range(start, start + n))
+
+    def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int]) -> ForwardResult:
+        """``forward`` of the rows of ``reqs`` flattened into ``packed`` for graph bucket ``key``
+        (``packed_key``), without a ``RowInput`` per row; row i has ``lengths[i]`` queries, all with logits."""
+        self._sync_tables(reqs)
+        out = self.graphs.run_packed(key, packed, self.tables.host_rows([r.bt_row for r in reqs]))
+        return self._graphed_result(out, key[2], lengths, ["all"] * len(reqs))
+
+    @staticmethod
+    def _graphed_result(out, q: int, lengths: list[int], wants: list[str]) -> ForwardResult:
+        feats = None if out.features is None else RowSlices(out.features, [i * q for i in range(len(lengths))],
+                                                             lengths)
+        return ForwardResult(_PaddedLogits(out.logits, q, lengths, wants), out.accept, feats)
 
     def _forward_eager(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput], aux_layers=()):
         ctx, ids, pos = self.prepare(model_idx, rows)
@@ -223,20 +251,18 @@ class ModelRunner:
 class _PaddedLogits:
     """Per-row logits of a padded step, sliced only when a row is read (greedy verify reads none)."""
 
-    def __init__(self, logits: torch.Tensor, q: int, rows: list[RowInput]) -> None:
-        self.logits, self.q, self.rows = logits, q, rows
+    def __init__(self, logits: torch.Tensor, q: int, lengths: list[int], wants: list[str]) -> None:
+        self.logits, self.q, self.lengths, self.wants = logits, q, lengths, wants
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.lengths)
 
     def __getitem__(self, i: int) -> torch.Tensor | None:
-        r = self.rows[i]
-        s, e = i * self.q, i * self.q + len(r.token_ids)
-        return None if r.want_logits == "none" else self.logits[e - 1] if r.want_logits == "last" else \
-            self.logits[s:e]
+        s, e, want = i * self.q, i * self.q + self.lengths[i], self.wants[i]
+        return None if want == "none" else self.logits[e - 1] if want == "last" else self.logits[s:e]
 
     def __iter__(self):
-        return (self[i] for i in range(len(self.rows)))
+        return (self[i] for i in range(len(self.lengths)))
 
 
 def _with_causal_mask(r: RowInput) -> RowInput:

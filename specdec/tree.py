@@ -210,13 +210,23 @@ class DraftTree:
         return tree
 
     @classmethod
+    def of_template_rows(cls, rows: list[list[int]], template: TreeTemplate) -> list[DraftTree]:
+        """``of_template`` for each token list in ``rows`` (a batch's trees of one shape), the shape looked up once."""
+        n = template.num_nodes
+        if any(len(tokens) != n for tokens in rows):
+            bad = next(len(tokens) for tokens in rows if len(tokens) != n)
+            raise ValueError(f"rows: the template has {n} nodes, got a row of {bad} tokens")
+        parts = _shape_parts(template.parents)
+        return [cls._of_shape(tokens, parts) for tokens in rows]
+
+    @classmethod
     def _of_shape(cls, tokens: list[int], parts) -> DraftTree:
         """A deterministic tree of host ``tokens`` over shared shape arrays ``parts`` (``_shape_parts``)."""
-        parents, depth, masks, dist, children, arrays, rows = parts
+        parents, depth, masks, dist, children, fields = parts
         tree = object.__new__(cls)
-        tree.__dict__.update(draft_dists=None,
-                             child_mode="deterministic", _verify_rows=rows,
-                             _host=HostView(list(tokens), parents, depth, masks, dist, children), **arrays)
+        state = tree.__dict__
+        state.update(fields)
+        state["_host"] = HostView(list(tokens), parents, depth, masks, dist, children)
         return tree
 
     @classmethod
@@ -308,14 +318,15 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
 
 @functools.cache
 def _shape_parts(parents: tuple[int, ...]):
-    """The arrays every deterministic tree of this (validated) shape shares: host lists, children, tensors
-    by field name, verify rows. At most 63 nodes, so every mask fits a signed int64."""
+    """The arrays every deterministic tree of this (validated) shape shares: host lists, children, and the
+    instance fields (tensors by field name, verify rows). At most 63 nodes, so every mask fits a signed int64."""
     plist = list(parents)
     depth, masks = _depths_and_masks(plist)
     dist = [-1] * len(plist)
     arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
                       torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
-    return plist, depth, masks, dist, _children(plist), arrays, _verify_rows(masks, plist)
+    fields = dict(draft_dists=None, child_mode="deterministic", _verify_rows=_verify_rows(masks, plist), **arrays)
+    return plist, depth, masks, dist, _children(plist), fields
 
 
 @functools.cache

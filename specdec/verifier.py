@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -13,6 +14,7 @@ from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniform
 from specdec.fault_isolation import check_finite, check_finite_flags
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
+from specdec.scheduler.step_inputs import PackedRows
 from specdec.tree import DraftTree
 
 
@@ -42,8 +44,10 @@ class Verifier:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
         if not rows:
             return []
-        inputs = [self._row(r, t) for r, t in zip(rows, trees)]
-        fwd = self.runner.forward(0, self.target, inputs, self.aux_layers)
+        fwd = self._graphed(rows, trees)
+        if fwd is None:  # no graph bucket holds the step: packed rows, eagerly
+            fwd = self.runner.forward(0, self.target, [self._row(r, t) for r, t in zip(rows, trees)],
+                                      self.aux_layers)
         if fwd.accept is not None:  # padded step: every row's outcome on the device
             results = self._from_device(rows, trees, draft_computed, fwd)
         else:
@@ -52,6 +56,15 @@ class Verifier:
             feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
             results = [r._replace(features=f) for r, f in zip(results, feats)]
         return results
+
+    def _graphed(self, rows: list[Request], trees: list[DraftTree]):
+        """The target forward of a graphed step built straight from the trees; None when no graph holds it."""
+        lengths = [len(t.host.tokens) + 1 for t in trees]
+        key = self.runner.packed_key(0, len(rows), max(lengths), self.aux_layers)
+        if key is None:
+            return None
+        packed = _packed(rows, trees, lengths, key[2], self.runner.query_slots)
+        return self.runner.forward_packed(key, rows, packed, lengths)
 
     @staticmethod
     def _on_host(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
@@ -98,6 +111,28 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
+
+
+def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, slots) -> PackedRows:
+    """The verify rows (pending token + tree) of ``rows`` flattened for a padded step of ``q`` queries per
+    row; ``slots(req, start, n)`` gives a row's KV slots."""
+    ids, depth, kv, masks, parents, index = [], [], [], [], [], []
+    for i, (req, tree, n) in enumerate(zip(rows, trees, lengths)):
+        h = tree.host
+        m, p = tree.verify_rows()
+        L = len(req.tokens)
+        ids.append(req.tokens[-1])
+        ids += h.tokens
+        depth.append(-1)
+        depth += h.depth
+        kv += slots(req, L - 1, n)
+        masks += m
+        parents += p
+        index += range(i * q, i * q + n)
+    seq = np.fromiter((len(r.tokens) for r in rows), np.int64, len(rows))  # (R,) the pending token is at seq - 1
+    tokens = np.array([ids, depth, kv, masks, parents], dtype=np.int64)  # (5, T)
+    tokens[1] += np.repeat(seq, lengths)  # RoPE positions: the root at seq - 1, depth d at seq + d
+    return PackedRows(np.array(index, dtype=np.int64), tokens, np.stack([seq - 1, seq - 1 + lengths, lengths]))
 
 
 def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: list[int], q: int) -> torch.Tensor:

@@ -7,6 +7,9 @@ target-only output whatever budgets are chosen, and that injected cost tables mo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from unittest.mock import patch
+
 import pytest
 import torch
 from specdec.scheduler.cuda_graphs import QUERY_BUCKETS
@@ -217,7 +220,7 @@ def test_measure_costs_times_every_bucket_without_writing_kv(tiny_target):
     eng.pool.storage.normal_()
     before = eng.pool.storage.clone()
     costs = eng.runner.graphs.measure_costs(context=20, repeats=1)
-    assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 8)}  # q bucket of 4 + 1 tokens: 8
+    assert set(costs) == {(b, q) for b in (1, 2, 4) for q in (1, 2, 4, 5)}  # the top query bucket: 4 + 1 tokens
     assert all(c > 0 for c in costs.values())
     assert torch.equal(eng.pool.storage, before)  # every slot was padding: nothing stored
 
@@ -278,3 +281,50 @@ def test_options_of_draft_models_per_tree_kind():
     assert opts("dynamic:28:8x4", loop=device) == [(0, 0, 1), (1, 1, 1), (3, 2, 1), (7, 3, 1), (15, 4, 1), (28, 4, 1)]
     device = SimpleNamespace(shape=DynamicShape(10, 5, 31))
     assert opts("dynamic:31:10x5", loop=device)[-2:] == [(15, 4, 1), (31, 5, 1)]
+
+
+def run_timed(ctrl: BudgetController, rows: int, steps: int, host_per_row: dict[bool, float],
+              verify: float = 1e-3) -> list[int]:
+    """``steps`` rounds of ``speculate`` + ``observe_step`` on a test-controlled clock: a verify costs
+    ``verify`` seconds at every query bucket (a cheap GPU tree verify), the rest of the step
+    ``host_per_row[speculative]`` seconds per row, and every even row accepts one draft token of a
+    non-empty tree, odd rows none (1.5 tokens per row and step at batch 16, 2 at batch 1). Returns the budgets."""
+    now = [0.0]
+
+    class Drafter:
+        budget = None
+
+        def propose(self, reqs):
+            return SimpleNamespace(trees=[SimpleNamespace(num_nodes=self.budget)] * len(reqs), draft_computed=None)
+
+    class Verifier:
+        def verify(self, reqs, trees, draft_computed):
+            now[0] += verify
+            return [SimpleNamespace(accepted_nodes=[0] if t.num_nodes and i % 2 == 0 else [])
+                    for i, t in enumerate(trees)]
+
+    out = []
+    with patch("specdec.adaptive.time.perf_counter", lambda: now[0]):
+        for _ in range(steps):
+            start = now[0]
+            drafter = Drafter()
+            ctrl.speculate([None] * rows, drafter, Verifier())
+            now[0] += rows * host_per_row[drafter.budget > 0]
+            ctrl.observe_step(now[0] - start)
+            out.append(drafter.budget)
+    return out
+
+
+def test_measured_host_cost_of_speculative_steps_decides_the_budget():
+    """Same verify cost at every tree size: with 60 us of host work per row in a speculative step against
+    10 us in a plain one, speculation loses at batch 16 (1.5 tokens per 1.96 ms against 1 per 1.16 ms) and
+    pays at batch 1 (2 tokens per 1.06 ms against 1 per 1.01 ms)."""
+    host = {True: 60e-6, False: 10e-6}
+    ctrl = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=1000), cost_table=flat_table(base=1e-3))
+    assert run_timed(ctrl, 16, 60, host)[-20:] == [0] * 20
+    assert ctrl.costs.other[(16, True)] == pytest.approx(16 * 60e-6)
+    assert ctrl.costs.other[(16, False)] == pytest.approx(16 * 10e-6)
+    assert min(run_timed(ctrl, 1, 30, host)[-10:]) > 0
+    # host work that does not depend on the kind of step: batch 16 speculates
+    even = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=1000), cost_table=flat_table(base=1e-3))
+    assert min(run_timed(even, 16, 40, {True: 10e-6, False: 10e-6})[-10:]) > 0

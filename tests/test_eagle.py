@@ -189,7 +189,7 @@ def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
     cfg = dict(max_batch_size=8, num_blocks=128, block_size=8)
     plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(PROMPTS, params)
     calls = {0: 0, 1: 0}
-    run = GraphRunner.run
+    run = GraphRunner.run_packed  # every padded forward (``run`` too) goes through it
 
     def counting(self, key, *args, **kwargs):
         calls[key[0]] += 1
@@ -197,7 +197,7 @@ def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
         assert (out.features is not None) == (key[0] == 0) and (out.hidden is not None) == (key[0] == 1)
         return out
 
-    monkeypatch.setattr(GraphRunner, "run", counting)
+    monkeypatch.setattr(GraphRunner, "run_packed", counting)
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, **cfg))
     eng.drafter.device_loop = None  # the level-by-level path (the device programs are tested below)
     spec = eng.generate(PROMPTS, params)

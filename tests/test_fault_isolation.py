@@ -40,7 +40,7 @@ def _is_victim(req) -> bool:
 
 def inject(eng: SpecEngine, fault: str, monkeypatch) -> type[Exception]:
     """Install ``fault`` for the victim request; returns the type of the error it must report."""
-    forward = eng.runner.forward  # run() and the verifier both go through forward()
+    forward = eng.runner.forward  # run() and the eager verifier go through forward()
 
     def faulty_forward(model_idx, model, rows, *rest):  # rest: the verifier's aux_layers
         victim = [r for r in rows if _is_victim(r.req)]
@@ -62,6 +62,14 @@ def inject(eng: SpecEngine, fault: str, monkeypatch) -> type[Exception]:
         return out._replace(logits=logits)
 
     monkeypatch.setattr(eng.runner, "forward", faulty_forward)
+    forward_packed = eng.runner.forward_packed  # the padded verify step (graphs on)
+
+    def faulty_packed(key, reqs, *rest):
+        if fault == "target_forward" and any(_is_victim(r) and r.num_output >= 3 for r in reqs):
+            raise RuntimeError("injected: target forward failed")
+        return forward_packed(key, reqs, *rest)
+
+    monkeypatch.setattr(eng.runner, "forward_packed", faulty_packed)
     if fault == "drafter":
         propose = eng.drafter.propose
 

@@ -12,7 +12,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from specdec.scheduler.cuda_graphs import bucket
+from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket, query_buckets_for
 from specdec.scheduler.step_inputs import StepInputs
 
 from specdec.acceptance import verify_greedy
@@ -94,6 +94,18 @@ def test_step_inputs_pad_rows_and_tokens():
 
 def test_buckets():
     assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 8, 9)] == [1, 2, 4, 8, None]
+    # the top query bucket is the most tokens a row can have, not the next power of two
+    assert [query_buckets_for(n) for n in (1, 5, 9, 64)] == [(1,), (1, 2, 4, 5), (1, 2, 4, 8, 9), QUERY_BUCKETS]
+
+
+def test_ngram_chain8_verifies_in_a_9_token_bucket(tiny_target):
+    from specdec.adaptive import BudgetController, budget_options
+
+    eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:8", num_blocks=64, block_size=8, max_batch_size=4,
+                                                      cuda_graphs=True))
+    assert eng.runner.graphs.query_buckets[0] == (1, 2, 4, 8, 9)
+    ctrl = BudgetController(budget_options(eng.drafter), query_buckets=eng.runner.graphs.query_buckets[0])
+    assert [(o.nodes, ctrl.query_key(o.nodes + 1)) for o in ctrl.options] == [(0, 1), (1, 2), (3, 4), (7, 8), (8, 9)]
 
 
 NEW = 16

@@ -23,7 +23,7 @@ import torch
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.models.llama import ForwardContext
-from specdec.scheduler.step_inputs import StepInputs
+from specdec.scheduler.step_inputs import PackedRows, StepInputs
 from specdec.tree import TreeTemplate, _depths_and_masks
 
 
@@ -101,12 +101,12 @@ class DeviceDraftProgram:
             return None
         return self._batch_of[rows]
 
-    def run(self, b: int, rows, slots, bt_rows, where: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        """Fill bucket ``b``'s inputs (catch-up rows, their slots and block tables; ``aux`` (T, k * hidden)
-        target features written at padded positions ``where`` (T,)) and run the program: its output for
-        every row (padded rows: garbage)."""
-        self.inputs.fill(b, self.q, rows, slots, bt_rows)
-        self.features[:b * self.q].index_copy_(0, where, aux.to(self.features.dtype))
+    def run(self, b: int, rows: PackedRows, bt_rows, table: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Fill bucket ``b``'s inputs with the catch-up ``rows`` (laid out for ``q`` queries per row) and their
+        block-table rows (R, W), its target features with rows ``src`` (b * q,) of ``table`` (padded positions
+        included), and run the program: its output for every row (padded rows: garbage)."""
+        self.inputs.fill_packed(b, self.q, rows, bt_rows)
+        torch.index_select(table, 0, src, out=self.features[:b * self.q])
         if b in self.graphs:
             graph, out = self.graphs[b]
             graph.replay()

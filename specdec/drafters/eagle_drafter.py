@@ -2,7 +2,8 @@
 
 Position p of the draft needs the target features of position p - 1. The verify forward returns
 them for the pending token and the accepted path; prefill returns them for the prompt. A request's
-features wait in this drafter (keyed weakly by the request) until the next catch-up consumes them.
+features wait in this drafter (``FeatureTable``, one device table for the batch) until the next
+catch-up consumes them.
 Tree nodes get their parent's draft hidden state instead (the root: the last catch-up position).
 Tree-node KV is written with those self-features, so it is never adopted: after acceptance the
 catch-up recomputes the accepted tokens with the target's features (``draft_computed`` is empty).
@@ -10,47 +11,93 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import dataclass
+from collections import Counter
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from specdec.adaptive import template_tree
+from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.runner import RowInput
+from specdec.runner import RowInput, _as_signed
 from specdec.scheduler.request import Request
+from specdec.scheduler.step_inputs import PackedRows
 from specdec.training.eagle import EagleDraft
 from specdec.tree import DraftTree, TreeSpec
 
+_CAUSAL = np.array(_as_signed([(1 << (j + 1)) - 1 for j in range(64)]), dtype=np.int64)  # query j of a causal run
 
-@dataclass
-class _Features:
-    """Target features of positions [start, start + len(rows)) of one request."""
 
-    start: int
-    rows: torch.Tensor  # (n, k * hidden)
+class FeatureTable:
+    """The target features that running requests' drafts have not read yet, for all of them at once.
 
-    def put(self, start: int, rows: torch.Tensor) -> None:
-        if start == self.start + len(self.rows) and len(self.rows):
-            self.rows = torch.cat([self.rows, rows])
-        else:
-            self.start, self.rows = start, rows
+    Draft position p reads the target features of position p - 1. Every catch-up reads all a request
+    holds but the last position's, so a request holds one run of at most ``cap`` rows: the verify step's
+    (pending token + accepted path) or a prefill chunk's last position. The runs live in one device table,
+    ``cap`` rows per block-table row (a running request's ``bt_row``), plus one zero row that stands for
+    features nobody computed (a prefix-cache hit, a preempted request's restart); host arrays say which
+    positions each slot holds and for which request. Batches are (R, w) grids: row i, column j.
+    """
 
-    def before(self, begin: int, end: int) -> torch.Tensor:
-        """Features of positions [begin - 1, end - 1) (the inputs of draft positions [begin, end));
-        zeros where none is known (a prefix-cache hit or a preempted request's restart)."""
-        if self.start == begin - 1 and len(self.rows) >= end - begin:  # the usual case: all known, no copy
-            return self.rows[:end - begin]
-        out = self.rows.new_zeros(end - begin, self.rows.shape[1])  # (end - begin, k * hidden)
-        lo, hi = max(begin - 1, self.start), min(end - 1, self.start + len(self.rows))
-        if lo < hi:
-            out[lo - begin + 1:hi - begin + 1] = self.rows[lo - self.start:hi - self.start]
-        return out
+    def __init__(self, rows: int, cap: int, width: int, dtype: torch.dtype, device) -> None:
+        self.cap, self.zero = cap, rows * cap
+        self.data = torch.zeros(rows * cap + 1, width, dtype=dtype, device=device)  # (rows * cap + 1, k * hidden)
+        self.start = np.zeros(rows, dtype=np.int64)  # position of each slot's first row
+        self.count = np.zeros(rows, dtype=np.int64)  # rows each slot holds
+        self.owner: list[Request | None] = [None] * rows
+        self._cols = np.arange(cap)
 
-    def drop_before(self, pos: int) -> None:
-        cut = min(max(0, pos - self.start), len(self.rows))
-        self.start, self.rows = self.start + cut, self.rows[cut:]
+    def sources(self, reqs: list[Request], bt: np.ndarray, begins: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """(R, w) table rows holding the features of positions begins[i] - 1 + j (the input of draft position
+        begins[i] + j) of each request ``reqs[i]`` (block-table row ``bt[i]``): the zero row where unknown or
+        not ``valid`` (R, w)."""
+        held = np.where([self.owner[i] is r for i, r in zip(bt.tolist(), reqs)], self.count[bt], 0)  # (R,)
+        k = (begins - 1 - self.start[bt])[:, None] + np.arange(valid.shape[1])  # (R, w) index in the slot's run
+        ok = valid & (k >= 0) & (k < held[:, None])
+        return np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
+
+    def gather(self, index: np.ndarray) -> torch.Tensor:
+        """Rows ``index`` of the table (one indexing op)."""
+        return self.data[torch.from_numpy(index).to(self.data.device)]
+
+    def consumed(self, bt: np.ndarray, ends: np.ndarray) -> None:
+        """The drafts of block-table rows ``bt`` have read everything before position ``end - 1``."""
+        self.start[bt], self.count[bt] = ends - 1, 0
+
+    def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
+        """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
+        starts[i] + n_i) (whatever it held before is dropped); n_i <= cap."""
+        sizes = [f.shape[0] for f in feats]
+        if max(sizes, default=0) > self.cap:
+            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {max(sizes)}")
+        slots = [r.bt_row for r in reqs]
+        bt, lengths = np.array(slots, dtype=np.int64), np.array(sizes, dtype=np.int64)  # (R,)
+        dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
+        rows = feats[0] if len(feats) == 1 else torch.cat(feats)  # (T, k * hidden)
+        self.data.index_copy_(0, torch.from_numpy(dst).to(self.data.device), rows.to(self.data.dtype))
+        self.start[bt], self.count[bt] = starts, lengths
+        for i, r in zip(slots, reqs):
+            self.owner[i] = r
+
+
+class _Spans(NamedTuple):
+    """Each request's draft positions still to compute, [begins, ends), as a grid of ``width`` columns."""
+
+    bt: np.ndarray  # (R,) block-table rows
+    begins: np.ndarray  # (R,)
+    ends: np.ndarray  # (R,)
+    valid: np.ndarray  # (R, width) bool: column j < ends - begins
+
+    @classmethod
+    def of(cls, reqs: list[Request], width: int | None = None) -> _Spans:
+        """The spans [num_computed_draft, len(tokens)) of ``reqs``; ``width`` None: the longest."""
+        n = len(reqs)
+        bt, begins, ends = np.fromiter((x for r in reqs for x in (r.bt_row, r.num_computed_draft, len(r.tokens))),
+                                       np.int64, 3 * n).reshape(n, 3).T  # (R,) each
+        sizes = ends - begins
+        width = int(sizes.max(initial=0)) if width is None else width
+        return cls(bt, begins, ends, np.arange(width) < sizes[:, None])
 
 
 class EagleDrafter(ModelDrafter):
@@ -60,8 +107,12 @@ class EagleDrafter(ModelDrafter):
         super().__init__(model, runner, spec)
         self.vocab_size = vocab_size
         self.target_features = model.aux_layers
-        self._feats: weakref.WeakKeyDictionary[Request, _Features] = weakref.WeakKeyDictionary()
+        width = len(model.aux_layers) * model.config.hidden_size
+        # a run is a verify step's pending token + accepted path (<= max_nodes + 1 rows) or one prefill row
+        self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width,
+                                     next(model.parameters()).dtype, runner.device)  # the device program's dtype
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
+        self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels)
 
     @property
     def lookahead(self) -> int:
@@ -91,32 +142,50 @@ class EagleDrafter(ModelDrafter):
     def propose(self, rows: list[Request]) -> Proposal:
         loop = self.device_loop
         if loop is not None and rows and all(r.params.greedy for r in rows):
-            spans = [(r.num_computed_draft, len(r.tokens)) for r in rows]
-            sizes = [e - b for b, e in spans]
-            b = loop.bucket(len(rows), max(sizes))
-            if b is not None and min(sizes) > 0:
+            spans = _Spans.of(rows, loop.q)
+            sizes = spans.ends - spans.begins
+            b = loop.bucket(len(rows), int(sizes.max()))
+            if b is not None and sizes.min() > 0:
+                self.paths["device"] += 1
                 return self._propose_on_device(rows, spans, b)
+        self.paths["host"] += 1
         return super().propose(rows)
 
-    def _propose_on_device(self, reqs: list[Request], spans: list[tuple[int, int]], b: int) -> Proposal:
-        loop, runner = self.device_loop, self.runner
-        rows, aux = self._catch_up_inputs(reqs, spans)
-        where = runner.padded_index(rows, loop.q)
-        out = loop.run(b, *runner.padded_inputs(rows, loop.q), where, aux)[:len(reqs)].tolist()  # the one read
-        self._caught_up(reqs, spans)
+    def _propose_on_device(self, reqs: list[Request], spans: _Spans, b: int) -> Proposal:
+        loop = self.device_loop
+        rows, bt, src = self._catch_up_rows(reqs, spans, loop.q)
+        padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
+        padded[:src.size] = src.ravel()
+        out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))
+        out = out[:len(reqs)].tolist()  # the one read
+        self._consumed(reqs, spans)
         n = self.node_budget
         if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
             trees = [best_nodes(*row, n) for row in out]
         else:  # (rows, N) tokens
-            trees = [template_tree(row, self._template, n) for row in out]
+            trees = template_trees(out, self._template, n)
         return Proposal(trees, [frozenset()] * len(reqs))
 
-    def _state(self, req: Request) -> _Features:
-        if req not in self._feats:
-            width = len(self.model.aux_layers) * self.model.config.hidden_size
-            self._feats[req] = _Features(0, torch.zeros(0, width, dtype=self.model.fc.weight.dtype,
-                                                         device=self.runner.device))
-        return self._feats[req]
+    def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
+        """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
+        q columns wide), their block-table rows (R, W) and the (R, q) feature-table rows of their inputs."""
+        tables, bs = self.runner.tables, self.runner.pool.block_size
+        for r in reqs:
+            tables.set_row(r.bt_row, r.blocks)
+        begins, ends, valid = spans.begins, spans.ends, spans.valid
+        index = np.flatnonzero(valid)  # (T,) padded position of each query: row * q + j
+        row, j = np.divmod(index, q)
+        pos = begins[row] + j  # (T,)
+        ids = np.array([t for r, b, e in zip(reqs, begins.tolist(), ends.tolist()) for t in r.tokens[b:e]],
+                       dtype=np.int64)  # (T,)
+        bt = tables.host_rows(spans.bt)  # (R, W) the rows' block tables
+        slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs  # (T,)
+        tokens = np.empty((5, len(ids)), dtype=np.int64)  # ids, positions, slots, masks, parents (unused: -1)
+        tokens[0], tokens[1], tokens[2], tokens[3], tokens[4] = ids, pos, slots, _CAUSAL[j], -1
+        per_row = np.empty((3, len(reqs)), dtype=np.int64)  # prefix_lens, seq_lens, num_tokens
+        per_row[0], per_row[1], per_row[2] = begins, ends, ends - begins
+        rows = PackedRows(index, tokens, per_row)
+        return rows, bt, self.features.sources(reqs, spans.bt, begins, valid)
 
     def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
@@ -130,51 +199,56 @@ class EagleDrafter(ModelDrafter):
                 draft_logits = self.model.compute_logits(hidden)
             return self.model.full_logits(draft_logits, self.vocab_size)  # (n, V)
 
-    def _run_positions(self, reqs: list[Request], spans: list[tuple[int, int]]):
-        """Draft KV of positions [b, e) of each request from its stored target features: hidden states
+    def _run_positions(self, reqs: list[Request], spans: _Spans, aux: torch.Tensor):
+        """Draft KV of each request's span with target features ``aux`` (T, k * hidden): hidden states
         (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
-        rows, aux = self._catch_up_inputs(reqs, spans)
+        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none")
+                for r, b, e in zip(reqs, spans.begins.tolist(), spans.ends.tolist())]
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
         hidden, logits = self._hidden(rows, g)
-        self._caught_up(reqs, spans)
-        qsl = [0]
-        for b, e in spans:
-            qsl.append(qsl[-1] + e - b)
-        return hidden, logits, qsl
+        self._consumed(reqs, spans)
+        return hidden, logits, [0] + np.cumsum(spans.ends - spans.begins).tolist()
 
-    def _catch_up_inputs(self, reqs: list[Request], spans: list[tuple[int, int]]):
-        """Rows of draft positions [b, e) of each request and their stored target features (T, k * hidden)."""
-        rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none") for r, (b, e) in
-                zip(reqs, spans)]
-        return rows, torch.cat([self._state(r).before(b, e) for r, (b, e) in zip(reqs, spans)])
-
-    def _caught_up(self, reqs: list[Request], spans: list[tuple[int, int]]) -> None:
-        """The draft's KV now reaches each span's end; features before its last position are spent."""
-        for r, (_, e) in zip(reqs, spans):
+    def _consumed(self, reqs: list[Request], spans: _Spans) -> None:
+        """The draft's KV now reaches each span's end; the features before its last position are spent."""
+        self.features.consumed(spans.bt, spans.ends)
+        for r, e in zip(reqs, spans.ends.tolist()):
             r.num_computed_draft = e
-            self._state(r).drop_before(e - 1)
 
     def prefill(self, chunks, features=None) -> None:
         if not chunks:
             return
         if features is None:
             raise ValueError("an eagle draft needs the target features of the prefill (features=None)")
-        for c, f in zip(chunks, features):
-            self._state(c.req).put(c.start, f)
-        self._run_positions([c.req for c in chunks], [(c.start, c.end) for c in chunks])
+        reqs = [c.req for c in chunks]
+        n = len(chunks)
+        bt = np.fromiter((r.bt_row for r in reqs), np.int64, n)
+        begins = np.fromiter((c.start for c in chunks), np.int64, n)
+        ends = np.fromiter((c.end for c in chunks), np.int64, n)
+        spans = _Spans(bt, begins, ends, np.arange(int((ends - begins).max())) < (ends - begins)[:, None])
+        one = np.ones((n, 1), dtype=bool)
+        carry = self.features.gather(self.features.sources(reqs, bt, begins, one)[:, 0])  # (R, k*H): at start - 1
+        dtype = self.features.data.dtype
+        aux = torch.cat([x for h, f in zip(carry.split(1), features) for x in (h, f[:-1].to(dtype))])  # (T, k*H)
+        self._run_positions(reqs, spans, aux)
+        self.features.store(reqs, (ends - 1).tolist(), [f[-1:] for f in features])
 
     def accepted(self, rows: list[Request], results) -> None:
-        for req, res in zip(rows, results):
-            if not req.finished:
-                self._state(req).put(req.num_computed_draft - 1, res.features)
+        live = [(req, res) for req, res in zip(rows, results) if not req.finished]
+        if live:  # the pending token's and the accepted path's features: the next catch-up's inputs
+            self.features.store([req for req, _ in live], [req.num_computed_draft - 1 for req, _ in live],
+                                [res.features for _, res in live])
 
     def _catch_up(self, grows: list[_Growth]) -> None:
         reqs = [g.req for g in grows]
-        hidden, logits, qsl = self._run_positions(reqs, [(r.num_computed_draft, len(r.tokens)) for r in reqs])
-        ends = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
-        last = hidden.index_select(0, ends)  # (rows, hidden)
-        for g, h, lg in zip(grows, last, self._logits(last, None if logits is None else logits.index_select(0, ends))):
+        spans = _Spans.of(reqs)
+        aux = self.features.gather(self.features.sources(reqs, spans.bt, spans.begins, spans.valid)[spans.valid])
+        hidden, logits, qsl = self._run_positions(reqs, spans, aux)  # aux: (T, k * hidden)
+        last = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
+        last_hidden = hidden.index_select(0, last)  # (rows, hidden)
+        for g, h, lg in zip(grows, last_hidden, self._logits(last_hidden, None if logits is None else
+                                                            logits.index_select(0, last))):
             g.hidden[-1] = h
             g.frontier = [(-1, lg)]
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
-
 from specdec.drafters.base import Drafter, Proposal
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
@@ -34,12 +32,15 @@ class NgramIndex:
         """Same result as ``ngram_lookup(tokens, k, max_n, min_n)``."""
         L, lo, hi, latest = len(tokens), self.min_n, self.max_n, self.latest
         for end in range(self.indexed, L):  # every n-gram ending at ``end`` is followed by tokens[end]
-            tail = tuple(tokens[max(0, end - hi):end])
+            tail = tuple(tokens[end - hi if end > hi else 0:end])
             for n in range(lo, len(tail) + 1):
-                latest[tail[len(tail) - n:]] = end - n
-        self.indexed = max(self.indexed, L)
-        top = min(hi, L - 1)
-        suffix = tuple(tokens[L - top:]) if top > 0 else ()
+                latest[tail[-n:]] = end - n
+        if L > self.indexed:
+            self.indexed = L
+        top = hi if hi < L - 1 else L - 1
+        if top < lo or (lo == 1 and (tokens[-1],) not in latest):  # no earlier occurrence of the last token
+            return []
+        suffix = tuple(tokens[L - top:])
         for n in range(top, lo - 1, -1):
             start = latest.get(suffix[top - n:])
             if start is not None:
@@ -59,19 +60,20 @@ class NgramDrafter(Drafter):
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.k, self.max_n, self.min_n, self.device = k, max_n, min_n, device
         self.max_nodes = k
-        self._index: weakref.WeakKeyDictionary[Request, NgramIndex] = weakref.WeakKeyDictionary()
+        self._index: dict[Request, NgramIndex] = {}  # live requests (identity-hashed) -> their index
 
     def propose(self, rows: list[Request]) -> Proposal:
         """A chain of at most ``node_budget`` tokens per row (empty chains without a lookup when it is 0)."""
-        k = self.node_budget
+        k, n = self.node_budget, len(rows)
         if k == 0:
-            return Proposal([DraftTree.chain([]) for _ in rows], [None] * len(rows))
-        trees = []
+            return Proposal([DraftTree.empty()] * n, [None] * n)
+        indexes, chain, trees = self._index, DraftTree.chain, []
+        if len(indexes) > 2 * n + 64:  # forget requests that ended (finished, aborted or failed)
+            self._index = indexes = {r: i for r, i in indexes.items() if not r.finished}
         for req in rows:
-            room = req.params.max_new_tokens - req.num_output - 1
-            index = self._index.get(req)
+            index = indexes.get(req)
             if index is None:
-                index = self._index[req] = NgramIndex(self.max_n, self.min_n)
-            cand = index.lookup(req.tokens, min(k, max(room, 0)))
-            trees.append(DraftTree.chain(cand))  # host trees: verification reads tokens from the host view
-        return Proposal(trees, [None] * len(rows))
+                index = indexes[req] = NgramIndex(self.max_n, self.min_n)
+            room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1  # tokens still to come
+            trees.append(chain(index.lookup(req.tokens, k if room >= k else max(room, 0))))
+        return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view
