@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from specdec.scheduler.step_inputs import PackedRows, StepInputs, pack_rows
+from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
 
 from specdec.acceptance_batched import accept_greedy_padded
 from specdec.attention.base import AttnMetadata
@@ -55,7 +55,8 @@ class _TimingRow(NamedTuple):
 
 
 class GraphOutput(NamedTuple):
-    logits: torch.Tensor  # (B*Q, V) float32, padded layout (a feature-reading draft: its own vocabulary)
+    logits: torch.Tensor | None  # (B*Q, V) float32, padded layout (a feature-reading draft: its own vocabulary;
+    # a prefill: None)
     accept: torch.Tensor | None  # (B, Q + 3) int64: greedy acceptance, then 1 if the row's logits are finite
     features: torch.Tensor | None = None  # target: (B*Q, k * hidden) outputs of its aux layers, if any
     hidden: torch.Tensor | None = None  # feature-reading draft: (B*Q, hidden) states, its children's input
@@ -90,6 +91,8 @@ class GraphRunner:
         self.batch_buckets = tuple(b for b in BATCH_BUCKETS if b < max_batch) + (bucket(max_batch, BATCH_BUCKETS)
                                                                               or max_batch,)
         self.query_buckets = {m: query_buckets_for(mq) for m, mq in max_query.items()}
+        if 0 in models:  # prompts are prefilled in pieces of PREFILL_QUERY tokens, as rows of one replay
+            self.query_buckets[PREFILL] = (PREFILL_QUERY,)
         self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
         self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
         top_q = max(max(qs) for qs in self.query_buckets.values())
@@ -209,8 +212,13 @@ class GraphRunner:
             query_start_loc=v.qsl, prefix_lens=v.prefix_lens, seq_lens=v.seq_lens, block_tables=v.block_tables,
             slot_mapping=v.slots, block_size=self.pool.block_size, tree_mask=None if q == 1 else v.tree_mask,
             max_query_len=q, max_seq_len=self.max_seq_len)
-        model = self.models[m]
-        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(m))
+        model = self.models[max(m, 0)]
+        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(max(m, 0)))
+        if m == PREFILL:  # the KV (and the features an EAGLE draft reads); nothing reads logits
+            if self.aux_layers:
+                return GraphOutput(None, None, model.forward_features(v.ids, v.positions, ctx, self.aux_layers)[1])
+            model(v.ids, v.positions, ctx)
+            return GraphOutput(None, None)
         if m in self.feature_inputs:  # an EAGLE draft: hidden states and its own-vocabulary logits
             hidden = model(v.ids, v.positions, ctx, self.feature_inputs[m][:b * q])  # (B*Q, H)
             return GraphOutput(model.compute_logits(hidden), None, None, hidden)

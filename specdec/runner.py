@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -14,7 +15,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
 from specdec.scheduler.request import Request
-from specdec.scheduler.step_inputs import PackedRows
+from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY, PackedRows
 
 MAX_TREE_REGION = 64
 
@@ -155,7 +156,35 @@ class ModelRunner:
         key = self._graph_key(model_idx, rows, aux_layers)
         if key is not None:
             return self._forward_graphed(key, rows)
+        if model_idx == 0 and self._prefill_graphed(rows, aux_layers):
+            return self._forward_prefill(rows)
         return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
+
+    def _prefill_graphed(self, rows: list[RowInput], aux_layers: tuple[int, ...]) -> bool:
+        g = self.graphs
+        return (g is not None and PREFILL in g.query_buckets and tuple(aux_layers) == g.aux_layers
+                and all(r.want_logits == "none" for r in rows))
+
+    def _forward_prefill(self, rows: list[RowInput]) -> ForwardResult:
+        """Target rows that want no logits (prefill chunks) as causal pieces of ``PREFILL_QUERY`` queries, the
+        rows of graphed prefill replays (as many pieces per replay as the largest batch bucket). Pieces of
+        one row may share a replay: every layer stores all pieces' KV before any piece attends."""
+        g, q = self.graphs, PREFILL_QUERY
+        pieces = []
+        for r in rows:
+            n, first = len(r.token_ids), r.seq_len - len(r.token_ids)
+            pieces += [RowInput(r.req, r.token_ids[s:s + q], r.positions[s:s + q], first + s,
+                                first + min(n, s + q), None, "none") for s in range(0, n, q)]
+        top, feats = g.batch_buckets[-1], []
+        for i in range(0, len(pieces), top):
+            group = pieces[i:i + top]
+            out = self._replay(g.key_of(PREFILL, len(group), q), group)
+            if out.features is not None:  # the packed queries' features, in row order
+                feats.append(out.features.index_select(0, self.padded_index(group, q)))
+        lengths = [len(r.token_ids) for r in rows]
+        features = None if not feats else RowSlices(torch.cat(feats), [0, *itertools.accumulate(lengths[:-1])],
+                                                    lengths)
+        return ForwardResult([None] * len(rows), None, features)
 
     def _graph_key(self, model_idx: int, rows: list[RowInput], aux_layers: tuple[int, ...] = ()):
         g = self.graphs

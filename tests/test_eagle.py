@@ -182,19 +182,20 @@ def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
     features and every draft forward (catch-up and tree levels) goes through the padded buffers; greedy
     output still equals target-only."""
     from specdec.scheduler.cuda_graphs import GraphRunner
+    from specdec.scheduler.step_inputs import PREFILL
 
     root, _, target = setup
     draft = load_model(root / "full", target=target)
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     cfg = dict(max_batch_size=8, num_blocks=128, block_size=8)
     plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(PROMPTS, params)
-    calls = {0: 0, 1: 0}
+    calls = {PREFILL: 0, 0: 0, 1: 0}
     run = GraphRunner.run_packed  # every padded forward (``run`` too) goes through it
 
     def counting(self, key, *args, **kwargs):
         calls[key[0]] += 1
-        out = run(self, key, *args, **kwargs)
-        assert (out.features is not None) == (key[0] == 0) and (out.hidden is not None) == (key[0] == 1)
+        out = run(self, key, *args, **kwargs)  # the target's verify and prefill steps return features
+        assert (out.features is not None) == (key[0] != 1) and (out.hidden is not None) == (key[0] == 1)
         return out
 
     monkeypatch.setattr(GraphRunner, "run_packed", counting)

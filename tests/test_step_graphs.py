@@ -222,3 +222,38 @@ def test_fused_projections_stand_in_only_while_valid(tiny_target):
         assert not _fused_valid(attn.q_proj, attn.qkv_weight)
     with torch.no_grad():
         assert _fused_valid(attn.q_proj, attn.qkv_weight)
+
+
+@pytest.mark.parametrize("draft,tree,max_num_tokens", [(None, "chain:4", 2048), ("ngram", "chain:6", 2048),
+                                                       ("ngram", "chain:6", 100)])
+def test_long_prompts_prefill_as_graphed_pieces(tiny_target, monkeypatch, draft, tree, max_num_tokens):
+    """Prompts longer than a verify bucket are prefilled as 64-token causal pieces, the rows of padded prefill
+    steps (several pieces of one prompt in one step), never eagerly; chunked (max_num_tokens 100) or not, the
+    output equals eager target-only decoding."""
+    from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY
+
+    from specdec.runner import ModelRunner
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 64, 65, 200)]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8, prefix_cache=False,
+                                                   cuda_graphs=False)).generate(prompts, params)
+    eng = SpecEngine(None if draft is None else "ngram", tiny_target, SpecConfig(
+        tree=tree, num_blocks=256, block_size=8, prefix_cache=False, cuda_graphs=True, max_batch_size=4,
+        max_num_tokens=max_num_tokens))
+    assert eng.runner.graphs.query_buckets[PREFILL] == (PREFILL_QUERY,)
+    keys, eager = [], []
+    run_packed, forward_eager = eng.runner.graphs.run_packed, ModelRunner._forward_eager
+    monkeypatch.setattr(eng.runner.graphs, "run_packed",
+                        lambda key, *a, **k: keys.append(key) or run_packed(key, *a, **k))
+    monkeypatch.setattr(ModelRunner, "_forward_eager",
+                        lambda self, m, *a, **k: eager.append(m) or forward_eager(self, m, *a, **k))
+    outs = eng.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert eager == []
+    prefill = [k for k in keys if k[0] == PREFILL]
+    assert prefill and all(k[2] == PREFILL_QUERY for k in prefill)
+    if max_num_tokens == 2048:  # the 200-token prompt's 4 pieces go in one step (a batch bucket of >= 4 rows)
+        assert max(k[1] for k in prefill) == 4
+    assert eng.all_blocks_free()
