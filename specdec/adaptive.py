@@ -34,6 +34,7 @@ from typing import NamedTuple
 from specdec.errors import FieldError
 from specdec.scheduler.cuda_graphs import BATCH_BUCKETS, QUERY_BUCKETS, bucket
 
+OTHER_SPIKE = 3.0  # a step's "other" seconds count at most this many times their running estimate
 DYNAMIC_LEVEL_WIDTH_DIVISOR = 6  # ModelDrafter adds max(1, min(DYNAMIC_BEAM_MAX, max_nodes // 6)) nodes per level
 
 
@@ -250,7 +251,12 @@ class StepCosts:
             self._ema(self.draft, b, seconds / forwards)
 
     def observe_other(self, b: int, seconds: float, speculative: bool) -> None:
-        self._ema(self.other, (b, speculative), seconds)
+        """A step's seconds outside drafting and verifying, clipped at ``OTHER_SPIKE`` x the estimate: a step
+        in which requests finish pays their final detokenisation, whatever its budget."""
+        key = (b, speculative)
+        if key in self.other:
+            seconds = min(seconds, OTHER_SPIKE * self.other[key])
+        self._ema(self.other, key, seconds)
 
 
 class BudgetController:

@@ -328,3 +328,6 @@ def test_measured_host_cost_of_speculative_steps_decides_the_budget():
     # host work that does not depend on the kind of step: batch 16 speculates
     even = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=1000), cost_table=flat_table(base=1e-3))
     assert min(run_timed(even, 16, 40, {True: 10e-6, False: 10e-6})[-10:]) > 0
+    # a step that also finishes requests (their final detokenisation) moves the estimate by a clipped amount
+    even.costs.observe_other(16, 1.0, True)
+    assert even.costs.other[(16, True)] < 2 * 16 * 10e-6
