@@ -275,6 +275,7 @@ class BudgetController:
         self.costs = StepCosts(cfg.cost_alpha, cost_table)
         self.chosen: Counter = Counter()  # (rows, nodes) -> steps
         self.last = self.options[-1]
+        self._after_plain = False  # the step before the last chosen one had budget 0
         self.timing_valid = True  # False: this step's wall times are not the step's own (the engine ran a prefill)
         self._steps = 0
         self._timed: tuple[int, bool, float] | None = None  # last speculate: batch bucket, speculative, seconds
@@ -287,6 +288,7 @@ class BudgetController:
         """The node budget of a step over ``rows`` speculating rows."""
         b = batch_key(rows)
         self._steps += 1
+        self._after_plain = self.last.nodes == 0
         self.last = self._explore(b) or self._best(b)
         self.chosen[(rows, self.last.nodes)] += 1
         return self.last.nodes
@@ -335,7 +337,8 @@ class BudgetController:
         b = batch_key(rows)
         if self.timing_valid:
             self.costs.observe_verify(b, self.query_key(query), verify_s)
-            self.costs.observe_draft(b, self.last.draft_forwards, propose_s)
+            if not self._after_plain:  # the first proposal after plain steps catches up on their tokens
+                self.costs.observe_draft(b, self.last.draft_forwards, propose_s)
         if self.last.depth:
             self.acceptance.observe(self.last.depth, accepted)
 

@@ -331,3 +331,17 @@ def test_measured_host_cost_of_speculative_steps_decides_the_budget():
     # a step that also finishes requests (their final detokenisation) moves the estimate by a clipped amount
     even.costs.observe_other(16, 1.0, True)
     assert even.costs.other[(16, True)] < 2 * 16 * 10e-6
+
+
+def test_a_proposal_right_after_plain_steps_does_not_set_the_draft_cost():
+    """An n-gram drafter indexes the tokens of budget-0 steps at its next proposal: that one is not the
+    lookup's steady cost, so it is not learned; the proposals after it are."""
+    ctrl = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=1000), cost_table=flat_table())
+    ctrl.last = ctrl.options[0]  # the previous step decoded plainly
+    n = ctrl.choose(16)
+    assert n > 0
+    ctrl.observe(16, n + 1, [0] * 16, 5e-3, 1e-3)
+    assert 16 not in ctrl.costs.draft
+    n = ctrl.choose(16)
+    ctrl.observe(16, n + 1, [0] * 16, 1e-4, 1e-3)
+    assert ctrl.costs.draft[16] == pytest.approx(1e-4)

@@ -257,3 +257,25 @@ def test_long_prompts_prefill_as_graphed_pieces(tiny_target, monkeypatch, draft,
     if max_num_tokens == 2048:  # the 200-token prompt's 4 pieces go in one step (a batch bucket of >= 4 rows)
         assert max(k[1] for k in prefill) == 4
     assert eng.all_blocks_free()
+
+
+def test_ngram_drafter_indexes_prompts_at_prefill_and_forgets_ended_requests():
+    """The prompt is indexed chunk by chunk as it is prefilled (not by a request's first, timed proposal);
+    indexes of finished requests are dropped once the table has grown."""
+    from specdec.scheduler.request import Request, RequestStatus
+    from specdec.scheduler.scheduler import PrefillChunk
+
+    from specdec.drafters.ngram import NgramDrafter, ngram_lookup
+
+    drafter = NgramDrafter(4)
+    reqs = [Request(str(i), [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_new_tokens=8)) for i in range(65)]
+    drafter.prefill([PrefillChunk(reqs[0], 0, 3)])
+    assert drafter._index[reqs[0]].indexed == 4  # n-grams followed by a known token: up to position 4
+    drafter.prefill([PrefillChunk(reqs[0], 3, 6)])
+    assert drafter._index[reqs[0]].indexed == 7
+    assert drafter.propose(reqs[:1]).trees[0].host.tokens == ngram_lookup(reqs[0].tokens, 4) == [6, 7, 5]
+    drafter.prefill([PrefillChunk(r, 0, 6) for r in reqs[1:64]])
+    for r in reqs[:64]:
+        r.status = RequestStatus.FINISHED
+    drafter.prefill([PrefillChunk(reqs[64], 0, 6)])
+    assert list(drafter._index) == [reqs[64]]
