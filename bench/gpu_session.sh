@@ -106,6 +106,17 @@ case "$stage" in
     grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -20
     pack
     ;;
+  final4)  # session 4 run 3 (with piece 02): GPU tests after the prefill graphs, n-gram batch 1/16/64, eagle b1/b64
+    assemble
+    install
+    gpu_tests 120 tests/test_step_graphs.py tests/test_eagle.py tests/test_engine_triton.py tests/test_adaptive.py
+    ADAPTIVE_BATCHES=${ADAPTIVE_BATCHES:-1,16,64} fastpath 280 adaptive "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^adaptive" -e "^batch" "$D/adaptive.log" | tail -22
+    (cd /tmp && timeout 150 python3 -P "$root/bench/gpu_eagle_dynamic.py" speed "$D" "$MODEL" \
+      "$root/.gpu/mtbench_ids.json" ${DYN_TREES:-dynamic:31 topk:2x3} > "$D/speed.log" 2>&1)
+    grep -h -e "^batch" -e "^eagle" "$D/speed.log" | tail -8
+    pack
+    ;;
   adaptive)  # ADAPTIVE_BATCHES=16,64 limits the batch sizes (default 1, 16, 64)
     [ -f "$MODEL" ] || assemble  # a fresh machine: the pieces of runs 1-3 must be in /tmp/stage
     install
