@@ -10,6 +10,7 @@ everything but the capture itself is exercised on the CPU.
 
 from __future__ import annotations
 
+import gc
 import logging
 import statistics
 import time
@@ -148,16 +149,26 @@ class GraphRunner:
         before = torch.cuda.memory_reserved(self.device)
         mempool = torch.cuda.graph_pool_handle()
         keys = [(m, b, q) for m, qs in self.query_buckets.items() for b in self.batch_buckets for q in qs]
-        for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
-            _, b, q = key
-            self.inputs.clear(b, q)
-            self._forward(key)  # warm-up: compiles the Triton kernels of this shape
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mempool):
-                out = self._forward(key)
-            self.graphs[key] = (graph, out)
-        extra = sum(program.capture(mempool)[0] for program in self.programs)
+        # A dead engine in a reference cycle, collected by the garbage collector in the middle of a capture,
+        # would free its graphs and pinned buffers there and invalidate the capture (seen once on the H200:
+        # cudaErrorStreamCaptureInvalidated on the fifth engine of one process): collect first, then hold it.
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
+                _, b, q = key
+                self.inputs.clear(b, q)
+                self._forward(key)  # warm-up: compiles the Triton kernels of this shape
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool):
+                    out = self._forward(key)
+                self.graphs[key] = (graph, out)
+            extra = sum(program.capture(mempool)[0] for program in self.programs)
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize(self.device)
         self.report = CaptureReport(len(self.graphs) + extra, time.perf_counter() - start,
                                     torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))
