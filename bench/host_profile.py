@@ -177,7 +177,6 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (getattr(eagle_mod, "FeatureTable", object), "sources", "eagle: FeatureTable.sources", "function"),
         (getattr(eagle_mod, "FeatureTable", object), "store", "eagle: FeatureTable.store", "function"),
         (eagle_mod, "template_trees", "eagle: template_trees", "function"),
-        (StepInputs, "fill_packed", "StepInputs.fill_packed", "function"),
         (eagle_mod.EagleDrafter, "accepted", "drafter.accepted", "function"),
         (DeviceTreeLoop, "run", "eagle: DeviceTreeLoop.run (rest)", "function"),
         (runner_mod.ModelRunner, "padded_index", "runner.padded_index", "function"),
