@@ -1,0 +1,82 @@
+"""n-gram speculation against target-only with the runs interleaved (issue 9's batch-16 item).
+
+    python -P bench/gpu_interleaved.py OUT_DIR MODEL PROMPTS [BATCH ...]     (default batch 16)
+
+``gpu_fastpath.py adaptive`` builds one engine per configuration and times its runs back to back, so a
+machine whose speed drifts over a minute (seen on the H200: the same target-only engine ran 7,851-9,823
+tok/s) biases the ratios. Here the three engines of one batch size and schedule (target-only, n-gram chain:8
+with a fixed budget, with the adaptive budget) are built first, then timed in rounds, one run of each per
+round in rotating order; a speed-up is the median over rounds of that round's ratio. Schedules: waves of
+``batch`` prompts (the ``specdec bench`` method) and continuous batching (all prompts submitted, ``batch``
+rows). 80 MT-bench prompts x 128 tokens on CUDA (4 x 16 on the CPU), ``REPEATS`` rounds (default 7 on
+CUDA). Writes OUT_DIR/interleaved.json.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_fastpath import CUDA, DEV, log, user_generate  # noqa: E402
+
+from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
+from specdec.loading.registry import load_model  # noqa: E402
+
+CONFIGS = (("target_only", None, False), ("ngram_fixed", "ngram", False), ("ngram_adaptive", "ngram", True))
+
+
+def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int) -> dict[str, list[float]]:
+    """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines)."""
+    names, out = list(engines), {name: [] for name in engines}
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(user_generate(engines[name], prompts, params, batch, continuous)["tok_per_s"])
+    return out
+
+
+def main() -> None:
+    out, model_path, prompt_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    batches = [int(b) for b in sys.argv[4:]] or [16]
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = json.loads(Path(prompt_file).read_text())["mtbench"][:None if CUDA else 4]
+    params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True)
+    repeats = int(os.environ.get("REPEATS", "7" if CUDA else "2"))
+    dt = "bfloat16" if CUDA else "float32"
+    target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
+    res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats}
+    for b in batches:
+        for continuous in (False, True):
+            engines = {name: SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="chain:8",
+                                                                  max_batch_size=b, prefix_cache=False,
+                                                                  adaptive=on))
+                       for name, draft, on in CONFIGS}
+            for eng in engines.values():  # warm-up: a whole batch, so every bucket has run once
+                eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
+            runs = rounds(engines, prompts, params, b, continuous, repeats)
+            key = f"b{b}_{'continuous' if continuous else 'waves'}"
+            entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v)} for name, v in runs.items()}
+            for name in ("ngram_fixed", "ngram_adaptive"):
+                ratios = [s / t for s, t in zip(runs[name], runs["target_only"])]
+                entry[name]["ratio_runs"] = ratios
+                entry[name]["speedup"] = statistics.median(ratios)
+                entry[name]["rounds_at_or_above_1"] = sum(x >= 1.0 for x in ratios)
+            log(f"interleaved {key}: target-only {entry['target_only']['median']:.0f} tok/s; fixed "
+                f"{entry['ngram_fixed']['speedup']:.3f}x ({entry['ngram_fixed']['rounds_at_or_above_1']}/{repeats} "
+                f"rounds >= 1), adaptive {entry['ngram_adaptive']['speedup']:.3f}x "
+                f"({entry['ngram_adaptive']['rounds_at_or_above_1']}/{repeats})")
+            (out / "interleaved.json").write_text(json.dumps(res, indent=1))
+            del engines
+            gc.collect()
+            if CUDA:
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
