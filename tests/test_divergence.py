@@ -132,3 +132,26 @@ def test_run_batch_size_records_every_prompt(tiny_target, tiny_draft):
         assert r["spec"]["token_ids"] == r["target_only"]["token_ids"]  # float32 greedy is lossless
         assert r["divergence"] is None and r["hf"] is None and r["hf_static"] is None
         assert r["spec"]["target_forwards"] >= 1 and len(r["spec"]["per_depth_drafted"]) == 4
+
+
+def test_run_batch_size_continuous_schedule(tiny_target, tiny_draft):
+    """``--schedule continuous``: each engine gets every prompt in one generate call and never runs more than
+    the batch size at once (6 prompts, batch 2: rows refilled as others finish); greedy float32 outputs equal
+    target-only's and the waves schedule's; the engines' own batch limit is restored afterwards."""
+    cfg = SpecConfig(tree="chain:4", prefix_cache=False, max_batch_size=8)
+    engines = (SpecEngine(tiny_draft, tiny_target, cfg), SpecEngine(None, tiny_target, cfg))
+    ids = [p + [i + 3] * (i + 1) for i in range(3) for p in PROMPTS]  # 6 distinct prompts
+    prompts = [BenchPrompt(id=str(i), category="c", prompt="x") for i in range(len(ids))]
+    params = SamplingParams(max_new_tokens=4 + len(ids), ignore_eos=True)
+    seen, calls = [], []
+    for eng in engines:
+        step, generate = eng.step, eng.generate
+        eng.step = lambda s=step, e=eng: seen.append(len(e.scheduler.running)) or s()
+        eng.generate = lambda group, p, g=generate: calls.append(len(group)) or g(group, p)
+    recs = run_batch_size(engines, None, prompts, ids, params, 2, tiny_target, "float32", schedule="continuous")
+    assert calls == [2, 2, 6, 6]  # the two warm-ups (one batch), then one call per engine with every prompt
+    assert max(seen) == 2 and all(e.scheduler.cfg.max_batch_size == 8 for e in engines)
+    waves = run_batch_size(engines, None, prompts, ids, params, 2, tiny_target, "float32")
+    assert calls[4:] == [2, 2] + [2] * 6  # waves: warm-ups, then three calls of two prompts per engine
+    for r, w in zip(recs, waves):
+        assert r["spec"]["token_ids"] == r["target_only"]["token_ids"] == w["spec"]["token_ids"]

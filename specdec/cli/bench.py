@@ -30,6 +30,9 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="with --baseline hf: which transformers configurations to run (comma list)")
     b.add_argument("--no-hf-compile", action="store_true",
                    help="run the static-cache transformers baseline without torch.compile (quick checks)")
+    b.add_argument("--schedule", default="waves", choices=["waves", "continuous"],
+                   help="waves: --batch-size prompts per generate call (a wave lasts as long as its slowest row); "
+                        "continuous: every prompt submitted at once, --batch-size rows running, freed rows refilled")
     b.add_argument("--adaptive", default="auto", choices=list(ADAPTIVE_CHOICES),
                    help="per-step tree budget from measured costs (auto: on for CUDA); reports the mean budget")
     b.add_argument("--seed", type=int, default=0)
@@ -119,8 +122,8 @@ def cmd_bench(args) -> int:
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
     budgets: dict[int, float | None] = {}
-    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets))
-             for b in batch_sizes]
+    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets,
+                                schedule=args.schedule)) for b in batch_sizes]
     config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
               "dtype": dtype}
     config.pop("func", None)
@@ -142,10 +145,11 @@ def cmd_bench(args) -> int:
 
 
 def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str,
-                   hf_configs=HF_PARTS, budgets: dict | None = None) -> list[dict]:
+                   hf_configs=HF_PARTS, budgets: dict | None = None, schedule: str = "waves") -> list[dict]:
     """Per-prompt records of one batch size: engine runs, the transformers configurations ``hf_configs``
     (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part.
-    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose."""
+    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose.
+    ``schedule``: how the engines get the prompts (``_run_engine``); transformers always runs waves."""
     from collections import Counter
 
     from specdec.benchmark.divergence import classify_divergences, float32_reference
@@ -154,10 +158,11 @@ def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, d
     _warm_up(spec, plain, ids[:batch_size], params)
     device = target.device
     mark = Counter(spec.adaptive.chosen) if spec.adaptive is not None else None
-    spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device)
+    continuous = schedule == "continuous"
+    spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device, continuous)
     if mark is not None and budgets is not None:
         budgets[batch_size] = spec.adaptive.mean_budget(since=mark)
-    plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device)
+    plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device, continuous)
     hf_runs = {part: hf.run(part, ids, batch_size) if hf and part in hf_configs else [None] * len(ids)
                for part in HF_PARTS}
     records = [_record(p, i, s, t, {part: runs[k] for part, runs in hf_runs.items()}, params.greedy)
@@ -192,23 +197,34 @@ def _warm_up(spec, plain, group, params) -> None:
     plain.generate(group, short)
 
 
-def _run_engine(engine, ids, params, batch_size, label, device) -> list[dict]:
-    """Per prompt: output ids, stats and time (a batch's time is split by output tokens)."""
+def _run_engine(engine, ids, params, batch_size, label, device, continuous: bool = False) -> list[dict]:
+    """Per prompt: output ids, stats and time (a generate call's time is split by output tokens). Waves:
+    ``batch_size`` prompts per generate call; ``continuous``: one call with every prompt, at most
+    ``batch_size`` of them running at once (the engine refills a finished row's place at the next step)."""
+    from dataclasses import replace
+
     from tqdm.auto import tqdm
 
+    groups = [ids] if continuous else [ids[s:s + batch_size] for s in range(0, len(ids), batch_size)]
+    sched = engine.scheduler
+    limit = sched.cfg
+    if continuous:
+        sched.cfg = replace(limit, max_batch_size=min(batch_size, limit.max_batch_size))
     runs = []
-    for start in tqdm(range(0, len(ids), batch_size), desc=label, unit="batch"):
-        group = ids[start:start + batch_size]
-        _sync(device)
-        t0 = time.perf_counter()
-        outs = engine.generate(group, params)
-        _sync(device)
-        elapsed = time.perf_counter() - t0
-        total = sum(len(o.token_ids) for o in outs) or 1
-        for o in outs:
-            if o.error is not None:
-                raise o.error
-            runs.append({"token_ids": o.token_ids, "stats": o.stats, "time_s": elapsed * len(o.token_ids) / total})
+    try:
+        for group in tqdm(groups, desc=label, unit="call" if continuous else "batch"):
+            _sync(device)
+            t0 = time.perf_counter()
+            outs = engine.generate(group, params)
+            _sync(device)
+            elapsed = time.perf_counter() - t0
+            total = sum(len(o.token_ids) for o in outs) or 1
+            for o in outs:
+                if o.error is not None:
+                    raise o.error
+                runs.append({"token_ids": o.token_ids, "stats": o.stats, "time_s": elapsed * len(o.token_ids) / total})
+    finally:
+        sched.cfg = limit
     return runs
 
 
