@@ -155,7 +155,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (verifier_mod, "check_finite_flags", "verify: check_finite_flags", "function"),
         (runner_mod.ModelRunner, "forward", "runner.forward (rest)", "function"),
         (runner_mod.ModelRunner, "_forward_graphed", "runner._forward_graphed (rest)", "function"),
-        (runner_mod.ModelRunner, "_sync_tables", "runner._sync_tables", "function"),
+        (runner_mod.ModelRunner, "sync_tables", "runner.sync_tables", "function"),
         (BlockTables, "set_row", "BlockTables.set_row", "function"),
         (BlockTables, "host_rows", "BlockTables.host_rows", "function"),
         (runner_mod.ModelRunner, "slots", "runner.slots", "function"),

@@ -17,6 +17,7 @@ import torch
 PREFILL = -1  # graph key model index of the target's prefill: model 0 over causal pieces, no logits
 PREFILL_QUERY = 64  # tokens per prefill piece (a piece's region is one bitmask wide)
 
+
 class StepViews(NamedTuple):
     """Device views of one bucket's inputs (all int64)."""
 

@@ -124,13 +124,14 @@ class ModelRunner:
         ids = torch.tensor(toks, dtype=torch.int64, device=dev)
         return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
 
-    def _sync_tables(self, reqs) -> None:
+    def sync_tables(self, reqs) -> None:
+        """Write each request's block list into its block-table row (host side; staged with the step)."""
         for req in reqs:
             self.tables.set_row(req.bt_row, req.blocks)
 
     def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
         """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
-        self._sync_tables(r.req for r in rows)
+        self.sync_tables(r.req for r in rows)
         meta, ids, pos = self.build(rows)
         return ForwardContext(self.backend, meta, self.pool.model_kv(model_idx)), ids, pos
 
@@ -161,9 +162,8 @@ class ModelRunner:
         return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
 
     def _prefill_graphed(self, rows: list[RowInput], aux_layers: tuple[int, ...]) -> bool:
-        g = self.graphs
-        return (g is not None and PREFILL in g.query_buckets and tuple(aux_layers) == g.aux_layers
-                and all(r.want_logits == "none" for r in rows))
+        g = self._graphs_for(0, aux_layers)
+        return g is not None and PREFILL in g.query_buckets and all(r.want_logits == "none" for r in rows)
 
     def _forward_prefill(self, rows: list[RowInput]) -> ForwardResult:
         """Target rows that want no logits (prefill chunks) as causal pieces of ``PREFILL_QUERY`` queries, the
@@ -186,11 +186,17 @@ class ModelRunner:
                                                     lengths)
         return ForwardResult([None] * len(rows), None, features)
 
-    def _graph_key(self, model_idx: int, rows: list[RowInput], aux_layers: tuple[int, ...] = ()):
+    def _graphs_for(self, model_idx: int, aux_layers: tuple[int, ...] = ()):
+        """The GraphRunner when a forward of pool model ``model_idx`` asking for ``aux_layers`` can be graphed
+        (the target's graphs return exactly their aux layers, the draft's none), else None."""
         g = self.graphs
         if g is None or tuple(aux_layers) != (g.aux_layers if model_idx == 0 else ()):
             return None
-        return g.key_for(model_idx, rows)
+        return g
+
+    def _graph_key(self, model_idx: int, rows: list[RowInput], aux_layers: tuple[int, ...] = ()):
+        g = self._graphs_for(model_idx, aux_layers)
+        return None if g is None else g.key_for(model_idx, rows)
 
     def run_with_features(self, model_idx: int, model, rows: list[RowInput], g: torch.Tensor):
         """Forward a feature-reading (EAGLE) draft over packed rows with one feature row per token
@@ -213,7 +219,7 @@ class ModelRunner:
     def padded_inputs(self, rows: list[RowInput], q: int):
         """Stage ``rows`` for a padded step of ``q`` queries per row: their block tables synced; the rows
         (causal ones with explicit masks when q > 1), each row's query slots and its block-table row."""
-        self._sync_tables(r.req for r in rows)
+        self.sync_tables(r.req for r in rows)
         if q > 1:
             rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
         slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
@@ -229,10 +235,8 @@ class ModelRunner:
     def packed_key(self, model_idx: int, n_rows: int, longest: int, aux_layers: tuple[int, ...] = ()):
         """The graph bucket of ``n_rows`` rows of at most ``longest`` queries over masked regions of at most
         ``MAX_TREE_REGION`` tokens (verify rows), for ``forward_packed``; None when they must run eagerly."""
-        g = self.graphs
-        if g is None or tuple(aux_layers) != (g.aux_layers if model_idx == 0 else ()):
-            return None
-        return g.key_of(model_idx, n_rows, longest)
+        g = self._graphs_for(model_idx, aux_layers)
+        return None if g is None else g.key_of(model_idx, n_rows, longest)
 
     def query_slots(self, req: Request, start: int, n: int) -> range | list[int]:
         """KV slots of logical positions [start, start + n) of ``req`` (a range when one block holds them)."""
@@ -246,7 +250,7 @@ class ModelRunner:
     def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int]) -> ForwardResult:
         """``forward`` of the rows of ``reqs`` flattened into ``packed`` for graph bucket ``key``
         (``packed_key``), without a ``RowInput`` per row; row i has ``lengths[i]`` queries, all with logits."""
-        self._sync_tables(reqs)
+        self.sync_tables(reqs)
         out = self.graphs.run_packed(key, packed, self.tables.host_rows([r.bt_row for r in reqs]))
         return self._graphed_result(out, key[2], lengths, ["all"] * len(reqs))
 

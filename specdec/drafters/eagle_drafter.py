@@ -128,13 +128,13 @@ class EagleDrafter(ModelDrafter):
         from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket
 
         dev, pool, backend = self.runner.device, self.runner.pool, self.runner.backend
-        if self._template is None:
-            shape = device_shape(self.spec)
-            catch_up = bucket(shape.depth + 1, QUERY_BUCKETS) or shape.depth + 1  # accepted path + bonus
+        shape = device_shape(self.spec) if self._template is None else None
+        depth = self.spec.depth if shape is None else shape.depth
+        catch_up = bucket(depth + 1, QUERY_BUCKETS) or depth + 1  # accepted path + bonus
+        if shape is not None:
             self.device_loop = DeviceDynamicTree(self.model, pool, backend, shape, graphs.batch_buckets, catch_up,
                                                  graphs.inputs.width, dev)
         else:
-            catch_up = bucket(self.spec.depth + 1, QUERY_BUCKETS) or self.spec.depth + 1
             self.device_loop = DeviceTreeLoop(self.model, pool, backend, self._template, graphs.batch_buckets,
                                               catch_up, graphs.inputs.width, dev)
         graphs.programs.append(self.device_loop)
@@ -170,8 +170,7 @@ class EagleDrafter(ModelDrafter):
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
         q columns wide), their block-table rows (R, W) and the (R, q) feature-table rows of their inputs."""
         tables, bs = self.runner.tables, self.runner.pool.block_size
-        for r in reqs:
-            tables.set_row(r.bt_row, r.blocks)
+        self.runner.sync_tables(reqs)
         begins, ends, valid = spans.begins, spans.ends, spans.valid
         index = np.flatnonzero(valid)  # (T,) padded position of each query: row * q + j
         row, j = np.divmod(index, q)
