@@ -10,6 +10,7 @@ everything but the capture itself is exercised on the CPU.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import statistics
@@ -42,6 +43,17 @@ def query_buckets_for(max_query: int) -> tuple[int, ...]:
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     """Smallest bucket >= n, or None when n exceeds them all."""
     return next((x for x in buckets if x >= n), None)
+
+
+def capture_graph(forward, pool, device) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``forward()`` run once (it compiles the kernels of its shapes), then captured into a CUDA graph on
+    memory pool ``pool``: (the graph, the output its replays rewrite)."""
+    forward()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
 
 
 class _TimingRow(NamedTuple):
@@ -157,14 +169,8 @@ class GraphRunner:
         gc.disable()
         try:
             for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
-                _, b, q = key
-                self.inputs.clear(b, q)
-                self._forward(key)  # warm-up: compiles the Triton kernels of this shape
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool):
-                    out = self._forward(key)
-                self.graphs[key] = (graph, out)
+                self.inputs.clear(key[1], key[2])
+                self.graphs[key] = capture_graph(functools.partial(self._forward, key), mempool, self.device)
             extra = sum(program.capture(mempool)[0] for program in self.programs)
         finally:
             if was_enabled:

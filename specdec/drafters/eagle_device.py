@@ -15,6 +15,7 @@ up to ties in the draft logits: both take each parent's most probable draft toke
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import NamedTuple
 
@@ -23,6 +24,7 @@ import torch
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.models.llama import ForwardContext
+from specdec.scheduler.cuda_graphs import bucket, capture_graph
 from specdec.scheduler.step_inputs import PackedRows, StepInputs
 from specdec.tree import TreeTemplate, _depths_and_masks
 
@@ -86,7 +88,7 @@ class DeviceDraftProgram:
         self.model, self.pool, self.backend = model, pool, backend
         self.device = torch.device(device)
         self.batch_buckets, self.q = batch_buckets, catch_up
-        self._batch_of = [next((b for b in batch_buckets if b >= n), None) for n in range(max(batch_buckets) + 1)]
+        self._batch_of = [bucket(n, batch_buckets) for n in range(max(batch_buckets) + 1)]
         self.inputs = StepInputs(max(batch_buckets), catch_up, bt_width, self.device)
         width = len(model.aux_layers) * model.config.hidden_size
         self.features = torch.zeros(max(batch_buckets) * catch_up, width, device=self.device,
@@ -120,12 +122,7 @@ class DeviceDraftProgram:
         start = time.perf_counter()
         for b in sorted(self.batch_buckets, reverse=True):
             self.inputs.clear(b, self.q)
-            self._program(b)  # warm-up: compiles the kernels of these shapes
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool_handle):
-                out = self._program(b)
-            self.graphs[b] = (graph, out)
+            self.graphs[b] = capture_graph(functools.partial(self._program, b), pool_handle, self.device)
         torch.cuda.synchronize(self.device)
         return len(self.graphs), time.perf_counter() - start
 
