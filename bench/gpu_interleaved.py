@@ -4,12 +4,13 @@
 
 ``gpu_fastpath.py adaptive`` builds one engine per configuration and times its runs back to back, so a
 machine whose speed drifts over a minute (seen on the H200: the same target-only engine ran 7,851-9,823
-tok/s) biases the ratios. Here the three engines of one batch size and schedule (target-only, n-gram chain:8
-with a fixed budget, with the adaptive budget) are built first, then timed in rounds, one run of each per
-round in rotating order; a speed-up is the median over rounds of that round's ratio. Schedules: waves of
-``batch`` prompts (the ``specdec bench`` method) and continuous batching (all prompts submitted, ``batch``
-rows). 80 MT-bench prompts x 128 tokens on CUDA (4 x 16 on the CPU), ``REPEATS`` rounds (default 7 on
-CUDA). Writes OUT_DIR/interleaved.json.
+tok/s) biases the ratios. Here the engines of one batch size and schedule (``CONFIGS``: target-only, n-gram
+chain:8 with a fixed budget, with the adaptive budget, and with a fixed budget but no n-gram table shared
+across requests) are built first, then timed in rounds, one run of each per round in rotating order; a
+speed-up is the median over rounds of that round's ratio. Schedules: waves of ``batch`` prompts (the
+``specdec bench`` method) and continuous batching (all prompts submitted, ``batch`` rows; not at batch 1).
+80 MT-bench prompts x 128 tokens on CUDA (4 x 16 on the CPU), ``REPEATS`` rounds (default 7 on CUDA;
+``REPEATS_B1``, default 3, at batch 1). Writes OUT_DIR/interleaved.json.
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ from gpu_fastpath import CUDA, DEV, log, user_generate  # noqa: E402
 from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
 from specdec.loading.registry import load_model  # noqa: E402
 
-CONFIGS = (("target_only", None, False), ("ngram_fixed", "ngram", False), ("ngram_adaptive", "ngram", True))
+# name, draft, adaptive budget, n-gram table shared across requests
+CONFIGS = (("target_only", None, False, True), ("ngram_fixed", "ngram", False, True),
+           ("ngram_adaptive", "ngram", True, True), ("ngram_unshared", "ngram", False, False))
+
+
+REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x longer
 
 
 def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int) -> dict[str, list[float]]:
@@ -52,25 +58,24 @@ def main() -> None:
     target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
     res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats}
     for b in batches:
-        for continuous in (False, True):
+        for continuous in (False, True) if b > 1 else (False,):  # one row: both schedules are the same
             engines = {name: SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="chain:8",
                                                                   max_batch_size=b, prefix_cache=False,
-                                                                  adaptive=on))
-                       for name, draft, on in CONFIGS}
+                                                                  adaptive=on, ngram_shared=shared))
+                       for name, draft, on, shared in CONFIGS}
             for eng in engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
-            runs = rounds(engines, prompts, params, b, continuous, repeats)
+            runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1))
             key = f"b{b}_{'continuous' if continuous else 'waves'}"
             entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v)} for name, v in runs.items()}
-            for name in ("ngram_fixed", "ngram_adaptive"):
+            for name in [n for n in entry if n != "target_only"]:
                 ratios = [s / t for s, t in zip(runs[name], runs["target_only"])]
                 entry[name]["ratio_runs"] = ratios
                 entry[name]["speedup"] = statistics.median(ratios)
                 entry[name]["rounds_at_or_above_1"] = sum(x >= 1.0 for x in ratios)
-            log(f"interleaved {key}: target-only {entry['target_only']['median']:.0f} tok/s; fixed "
-                f"{entry['ngram_fixed']['speedup']:.3f}x ({entry['ngram_fixed']['rounds_at_or_above_1']}/{repeats} "
-                f"rounds >= 1), adaptive {entry['ngram_adaptive']['speedup']:.3f}x "
-                f"({entry['ngram_adaptive']['rounds_at_or_above_1']}/{repeats})")
+            log(f"interleaved {key}: target-only {entry['target_only']['median']:.0f} tok/s; " + ", ".join(
+                f"{n} {e['speedup']:.3f}x ({e['rounds_at_or_above_1']}/{len(e['ratio_runs'])} rounds >= 1)"
+                for n, e in entry.items() if n != "target_only"))
             (out / "interleaved.json").write_text(json.dumps(res, indent=1))
             del engines
             gc.collect()

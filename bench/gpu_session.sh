@@ -61,6 +61,15 @@ eagle_round() {  # eagle_round SECONDS [tree-levels]: the eagle mode, optionally
   tail -3 "$D/chisq.log" | cut -c1-300
 }
 
+interleaved() {  # interleaved SECONDS BATCH...: bench/gpu_interleaved.py into $D/interleaved.log
+  local limit=$1; shift
+  [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+  (cd /tmp && timeout "$limit" python3 -P "$root/bench/gpu_interleaved.py" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" \
+    "$@" > "$D/interleaved.log" 2>&1)
+  echo "interleaved exit $?"
+  grep -h "^interleaved" "$D/interleaved.log"
+}
+
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
@@ -115,6 +124,19 @@ case "$stage" in
     (cd /tmp && timeout 150 python3 -P "$root/bench/gpu_eagle_dynamic.py" speed "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" ${DYN_TREES:-dynamic:31 topk:2x3} > "$D/speed.log" 2>&1)
     grep -h -e "^batch" -e "^eagle" "$D/speed.log" | tail -8
+    pack
+    ;;
+  s5a)  # session 5 run 3 (with piece 02): GPU tests (the shared capture helper, the shared n-gram table), then
+        # n-gram at batch 16 interleaved (waves + continuous; shared table on/off, adaptive)
+    assemble
+    install
+    gpu_tests 180 tests/test_step_graphs.py tests/test_eagle.py tests/test_engine_triton.py tests/test_adaptive.py \
+      tests/test_ngram_shared.py
+    interleaved 330 16
+    pack
+    ;;
+  s5b)  # session 5 run 4 (after s5a): n-gram at batch 1 and 64 interleaved
+    interleaved 450 1 64
     pack
     ;;
   adaptive)  # ADAPTIVE_BATCHES=16,64 limits the batch sizes (default 1, 16, 64)

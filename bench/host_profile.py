@@ -109,10 +109,10 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
     import specdec.engine as engine_mod
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    from specdec.drafters.eagle_device import DeviceTreeLoop
+    from specdec.drafters.eagle_device import DeviceDraftProgram
 
     _patch(graphs_mod.GraphRunner, "_forward", sections, "FORWARD")  # CPU: the padded step, eager
-    _patch(DeviceTreeLoop, "_program", sections, "FORWARD")  # the EAGLE draft program (CPU: eager)
+    _patch(DeviceDraftProgram, "_program", sections, "FORWARD")  # the EAGLE draft program (CPU: eager)
     if device.type == "cuda":
         _patch(torch.cuda.CUDAGraph, "replay", sections, "FORWARD", after=sync)  # replay + its GPU time
     _patch(engine_mod.SpecEngine, "step", sections, "step (rest)")
@@ -178,7 +178,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (getattr(eagle_mod, "FeatureTable", object), "store", "eagle: FeatureTable.store", "function"),
         (eagle_mod, "template_trees", "eagle: template_trees", "function"),
         (eagle_mod.EagleDrafter, "accepted", "drafter.accepted", "function"),
-        (DeviceTreeLoop, "run", "eagle: DeviceTreeLoop.run (rest)", "function"),
+        (DeviceDraftProgram, "run", "eagle: DeviceDraftProgram.run (rest)", "function"),
         (runner_mod.ModelRunner, "padded_index", "runner.padded_index", "function"),
         (runner_mod.ModelRunner, "padded_inputs", "runner.padded_inputs (rest)", "function"),
         (runner_mod.RowSlices, "gather", "verify: RowSlices.gather", "function"),

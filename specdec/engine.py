@@ -52,6 +52,7 @@ class SpecConfig:
     device: str = "cpu"
     dtype: str = "float32"
     ngram_max_n: int = 4
+    ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA, off on the CPU
@@ -121,7 +122,7 @@ class SpecEngine:
 
             if spec.kind != "chain":
                 raise ValueError(f"the n-gram drafter proposes chains: use tree='chain:K', got {spec}")
-            return NgramDrafter(spec.k, self.config.ngram_max_n, device=self.device)
+            return NgramDrafter(spec.k, self.config.ngram_max_n, device=self.device, shared=self.config.ngram_shared)
         if self.draft is None:
             return _NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter

@@ -1,4 +1,10 @@
-"""Model-free drafting by prompt lookup: continue the latest earlier occurrence of the suffix."""
+"""Model-free drafting by prompt lookup: continue the latest earlier occurrence of the suffix.
+
+A request looks first in its own text (prompt and output). With a ``SharedNgrams`` table a greedy request
+also looks in the text of every request the drafter has seen (running or finished): a longer match there
+wins over a shorter own match, so phrases another reply already produced can be proposed (measured on the 80 MT-bench
+replies of SmolLM2, greedy: mean accepted length 1.50 -> 1.62, bench/RESULTS.md).
+"""
 
 from __future__ import annotations
 
@@ -18,53 +24,97 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
     return []
 
 
+class SharedNgrams:
+    """The latest occurrence of every n-gram (``min_n`` <= n tokens) in the text of all requests that
+    indexed into it: n-gram -> (that request's token list, start). Token lists only grow, so an entry stays
+    valid. Bounded: when ``capacity`` n-grams have been written since the last turn-over, the newest
+    generation becomes the old one and the generation before is dropped (with its token lists)."""
+
+    def __init__(self, min_n: int = 2, capacity: int = 1 << 19) -> None:
+        if min_n < 1 or capacity < 1:
+            raise ValueError(f"need min_n >= 1 and capacity >= 1, got min_n={min_n}, capacity={capacity}")
+        self.min_n, self.capacity = min_n, capacity
+        self.new: dict[tuple[int, ...], tuple[list[int], int]] = {}
+        self.old: dict[tuple[int, ...], tuple[list[int], int]] = {}
+
+    def get(self, gram: tuple[int, ...]) -> tuple[list[int], int] | None:
+        found = self.new.get(gram)
+        return self.old.get(gram) if found is None else found
+
+    def turn_over(self) -> None:
+        """Start a new generation once the newest holds ``capacity`` n-grams."""
+        if len(self.new) >= self.capacity:
+            self.old, self.new = self.new, {}
+
+
 class NgramIndex:
     """``ngram_lookup`` for one growing token list in O(max_n) per call: for every n it remembers the
     latest start of each n-gram that is followed by at least one token, updated as tokens arrive
-    (tokens are only ever appended)."""
+    (tokens are only ever appended). With ``shared``, its n-grams of at least ``shared.min_n`` tokens go
+    there too, and a lookup takes a longer match from there over a shorter one of its own."""
 
-    def __init__(self, max_n: int, min_n: int = 1) -> None:
-        self.max_n, self.min_n = max_n, min_n
+    def __init__(self, max_n: int, min_n: int = 1, shared: SharedNgrams | None = None) -> None:
+        self.max_n, self.min_n, self.shared = max_n, min_n, shared
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
         self.indexed = 0  # n-grams ending before this position are in ``latest``
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
         lo, hi, latest = self.min_n, self.max_n, self.latest
+        new, s_lo = (None, 0) if self.shared is None else (self.shared.new, self.shared.min_n)
         for end in range(self.indexed, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
             tail = tuple(tokens[end - hi if end > hi else 0:end])
             for n in range(lo, len(tail) + 1):
-                latest[tail[-n:]] = end - n
+                gram = tail[-n:]
+                latest[gram] = end - n
+                if new is not None and n >= s_lo:
+                    new[gram] = (tokens, end - n)
+        if new is not None:
+            self.shared.turn_over()
         if upto > self.indexed:
             self.indexed = upto
 
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Same result as ``ngram_lookup(tokens, k, max_n, min_n)``."""
+    def lookup(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
+        """Same result as ``ngram_lookup(tokens, k, max_n, min_n)`` without ``shared`` (or ``use_shared``
+        False); with it, the continuation of a longer suffix match in the shared table when there is one."""
         L, lo, hi, latest = len(tokens), self.min_n, self.max_n, self.latest
         if L > self.indexed:
             self.update(tokens, L)
         top = hi if hi < L - 1 else L - 1
-        if top < lo or (lo == 1 and (tokens[-1],) not in latest):  # no earlier occurrence of the last token
+        if top < lo:
             return []
         suffix = tuple(tokens[L - top:])
-        for n in range(top, lo - 1, -1):
-            start = latest.get(suffix[top - n:])
-            if start is not None:
-                return tokens[start + n:start + n + k]
-        return []
+        found, out = lo - 1, []
+        if lo > 1 or (tokens[-1],) in latest:  # else no earlier occurrence of the last token
+            for n in range(top, lo - 1, -1):
+                start = latest.get(suffix[top - n:])
+                if start is not None:
+                    found, out = n, tokens[start + n:start + n + k]
+                    break
+        shared = self.shared
+        if shared is not None and use_shared:
+            for n in range(top, max(found, shared.min_n - 1), -1):  # longer than the own match only
+                hit = shared.get(suffix[top - n:])
+                if hit is not None:
+                    src, start = hit
+                    return src[start + n:start + n + k]
+        return out
 
 
 class NgramDrafter(Drafter):
-    """Chains of up to ``k`` tokens drawn from the prompt and the generated text (point-mass drafts)."""
+    """Chains of up to ``k`` tokens drawn from the prompt and the generated text (point-mass drafts);
+    ``shared``: greedy rows also draw from every other request's text (``SharedNgrams``)."""
 
     uses_kv = False
 
-    def __init__(self, k: int = 8, max_n: int = 4, min_n: int = 1, device="cpu") -> None:
+    def __init__(self, k: int = 8, max_n: int = 4, min_n: int = 1, device="cpu", shared: bool = True) -> None:
         if not 1 <= k <= 63:
             raise ValueError(f"ngram k must be in [1, 63], got {k}")
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.k, self.max_n, self.min_n, self.device = k, max_n, min_n, device
+        # n-grams of 2+ tokens across requests (1-token matches elsewhere are mostly noise)
+        self.shared = SharedNgrams(min_n=max(2, min_n)) if shared and max_n >= 2 else None
         self.max_nodes = k
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
@@ -85,7 +135,7 @@ class NgramDrafter(Drafter):
                 for old in [r for r in self._index if r.finished]:
                     del self._index[old]
                 self._prune_at = 2 * len(self._index) + 64
-            index = self._index[req] = NgramIndex(self.max_n, self.min_n)
+            index = self._index[req] = NgramIndex(self.max_n, self.min_n, self.shared)
         return index
 
     def propose(self, rows: list[Request]) -> Proposal:
@@ -97,5 +147,7 @@ class NgramDrafter(Drafter):
         for req in rows:
             index = indexes.get(req) or self._index_of(req)
             room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1  # tokens still to come
-            trees.append(chain(index.lookup(req.tokens, k if room >= k else max(room, 0))))
+            # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
+            # seeded output does not depend on what else the engine has served
+            trees.append(chain(index.lookup(req.tokens, k if room >= k else max(room, 0), req.params.greedy)))
         return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view

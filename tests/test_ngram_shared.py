@@ -1,0 +1,94 @@
+"""The n-gram drafter's table of n-grams shared across requests (``SharedNgrams``)."""
+
+import random
+
+import pytest
+
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.drafters.ngram import NgramIndex, SharedNgrams, ngram_lookup
+
+
+def test_a_request_continues_text_another_request_wrote():
+    """A suffix found only in another request's text is continued from there; without the table, nothing."""
+    shared = SharedNgrams()
+    first = [1, 2, 3, 4, 5, 6, 7]
+    NgramIndex(4, 1, shared).update(first, len(first))
+    second = [9, 3, 4]
+    assert NgramIndex(4, 1, shared).lookup(second, 3) == [5, 6, 7]
+    assert NgramIndex(4, 1).lookup(second, 3) == []
+    assert NgramIndex(4, 1, shared).lookup(second, 3, use_shared=False) == []  # how sampled rows look up
+    assert NgramIndex(4, 1, shared).lookup([9, 8, 4], 3) == []  # 1-token matches stay within a request
+
+
+def _with_other(other: list[int]) -> SharedNgrams:
+    shared = SharedNgrams()
+    NgramIndex(4, 1, shared).update(other, len(other))
+    return shared
+
+
+def test_own_match_wins_unless_the_shared_one_is_longer():
+    other = [1, 2, 3, 50, 51, 52, 60]
+    own = [2, 3, 70, 71, 9, 2, 3]  # own match (2, 3) -> 70; the other request has (2, 3) -> 50 as well
+    assert NgramIndex(4, 1, _with_other(other)).lookup(own, 2) == [70, 71]
+    same = [1, 2, 3, 70, 8, 1, 2, 3]  # own (1, 2, 3) -> 70 is as long as the other's: own wins
+    assert NgramIndex(4, 1, _with_other(other)).lookup(same, 1) == [70]
+    shorter = [2, 3, 70, 9, 1, 2, 3]  # own match only (2, 3); the other request has (1, 2, 3)
+    assert NgramIndex(4, 1, _with_other(other)).lookup(shorter, 3) == [50, 51, 52]
+
+
+@pytest.mark.parametrize("vocab,max_n", [(4, 4), (30, 3)])
+def test_a_lone_request_proposes_what_the_plain_lookup_does(vocab, max_n):
+    """With only its own text in the table, a request's proposals are exactly ``ngram_lookup``'s."""
+    rng = random.Random(vocab)
+    tokens = [rng.randrange(vocab) for _ in range(5)]
+    index = NgramIndex(max_n, 1, SharedNgrams())
+    hits = 0
+    for _ in range(200):
+        k = rng.randrange(1, 9)
+        want = ngram_lookup(tokens, k, max_n)
+        assert index.lookup(tokens, k) == want
+        hits += bool(want)
+        tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+    assert hits > 50
+
+
+def test_the_table_keeps_two_generations():
+    """Past ``capacity`` n-grams the newest generation becomes the old one; the one before is dropped."""
+    shared = SharedNgrams(min_n=2, capacity=4)
+    a = [1, 2, 3]  # n-grams followed by a token: (1, 2) only
+    NgramIndex(2, 2, shared).update(a, 3)
+    b = [10, 11, 12, 13, 14, 15]  # (10, 11) ... (13, 14): 4 more, the table turns over
+    NgramIndex(2, 2, shared).update(b, 6)
+    assert shared.get((1, 2)) == (a, 0) and shared.get((13, 14)) == (b, 3)
+    c = [20, 21, 22, 23, 24, 25]  # 4 more: a's and b's generation is dropped
+    NgramIndex(2, 2, shared).update(c, 6)
+    assert shared.get((1, 2)) is None and shared.get((13, 14)) is None
+    d = [30, 31, 32]
+    NgramIndex(2, 2, shared).update(d, 3)
+    assert shared.get((23, 24)) == (c, 3) and shared.get((30, 31)) == (d, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        SharedNgrams(capacity=0)
+
+
+def test_repeated_prompt_accepts_from_the_first_reply_and_stays_lossless(tiny_target):
+    """The second of two identical requests drafts from the first one's reply: far more tokens per target
+    forward than without the shared table, and the output is still target-only's."""
+    prompt = [5, 17, 99, 23, 4, 42, 8, 77]
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=64, block_size=8)).generate([prompt], params)[0]
+    second = {}
+    for shared in (True, False):
+        eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=64, block_size=8,
+                                                          ngram_shared=shared, prefix_cache=False))
+        assert eng.generate([prompt], params)[0].token_ids == ref.token_ids
+        out = eng.generate([prompt], params)[0]
+        assert out.token_ids == ref.token_ids
+        second[shared] = out.stats.mean_accepted_length
+    assert second[True] >= 4.0 > second[False]
+
+
+def test_ngram_shared_must_be_a_bool():
+    from specdec.errors import FieldError
+
+    with pytest.raises(FieldError, match="ngram_shared"):
+        SpecConfig(ngram_shared="yes")
