@@ -123,6 +123,7 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False,
     per_call = len(prompts) if continuous else batch
     walls, n_tok = [], 0
     for _ in range(repeats):
+        engine.forget_drafts()  # no drafting from the warm-up's or an earlier repeat's replies to these prompts
         if CUDA:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -343,6 +343,11 @@ class SpecEngine:
             if bar is not None:
                 bar.close()
 
+    def forget_drafts(self) -> None:
+        """Make the drafter forget earlier requests' text (the n-gram table shared across requests): a
+        benchmark that runs the same prompts again calls it, so replies are not drafted from themselves."""
+        self.drafter.forget()
+
     def all_blocks_free(self) -> bool:
         """True when no request holds a block (cached prefix blocks are evicted first)."""
         if self.scheduler.prefix_cache is not None:

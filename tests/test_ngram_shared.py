@@ -1,11 +1,9 @@
 """The n-gram drafter's table of n-grams shared across requests (``SharedNgrams``)."""
 
-import random
-
 import pytest
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.drafters.ngram import NgramIndex, SharedNgrams, ngram_lookup
+from specdec.drafters.ngram import NgramIndex, SharedNgrams
 
 
 def test_a_request_continues_text_another_request_wrote():
@@ -36,22 +34,6 @@ def test_own_match_wins_unless_the_shared_one_is_longer():
     assert NgramIndex(4, 1, _with_other(other)).lookup(shorter, 3) == [50, 51, 52]
 
 
-@pytest.mark.parametrize("vocab,max_n", [(4, 4), (30, 3)])
-def test_a_lone_request_proposes_what_the_plain_lookup_does(vocab, max_n):
-    """With only its own text in the table, a request's proposals are exactly ``ngram_lookup``'s."""
-    rng = random.Random(vocab)
-    tokens = [rng.randrange(vocab) for _ in range(5)]
-    index = NgramIndex(max_n, 1, SharedNgrams())
-    hits = 0
-    for _ in range(200):
-        k = rng.randrange(1, 9)
-        want = ngram_lookup(tokens, k, max_n)
-        assert index.lookup(tokens, k) == want
-        hits += bool(want)
-        tokens += [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
-    assert hits > 50
-
-
 def test_the_table_keeps_two_generations():
     """Past ``capacity`` n-grams the newest generation becomes the old one; the one before is dropped."""
     shared = SharedNgrams(min_n=2, capacity=4)
@@ -76,7 +58,7 @@ def test_repeated_prompt_accepts_from_the_first_reply_and_stays_lossless(tiny_ta
     prompt = [5, 17, 99, 23, 4, 42, 8, 77]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=64, block_size=8)).generate([prompt], params)[0]
-    second = {}
+    second, forgot = {}, {}
     for shared in (True, False):
         eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=64, block_size=8,
                                                           ngram_shared=shared, prefix_cache=False))
@@ -84,7 +66,12 @@ def test_repeated_prompt_accepts_from_the_first_reply_and_stays_lossless(tiny_ta
         out = eng.generate([prompt], params)[0]
         assert out.token_ids == ref.token_ids
         second[shared] = out.stats.mean_accepted_length
+        eng.forget_drafts()  # what benchmarks do before a timed run: the first reply is no longer drafted from
+        out = eng.generate([prompt], params)[0]
+        assert out.token_ids == ref.token_ids
+        forgot[shared] = out.stats.mean_accepted_length
     assert second[True] >= 4.0 > second[False]
+    assert forgot[True] == forgot[False] == second[False]
 
 
 def test_ngram_shared_must_be_a_bool():

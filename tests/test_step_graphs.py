@@ -187,14 +187,16 @@ def test_gpu_graph_replay_equals_eager(tiny_dirs, draft, tree, n_rows):
 
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("vocab,max_n", [(3, 4), (6, 2), (50, 3)])
-def test_ngram_index_equals_lookup_as_tokens_grow(vocab, max_n):
-    """The incremental n-gram index proposes exactly what the scanning lookup proposes, at every length."""
-    from specdec.drafters.ngram import NgramIndex, ngram_lookup
+def test_ngram_index_equals_lookup_as_tokens_grow(vocab, max_n, shared):
+    """The incremental n-gram index proposes exactly what the scanning lookup proposes, at every length;
+    also with a shared table that holds only this request's text."""
+    from specdec.drafters.ngram import NgramIndex, SharedNgrams, ngram_lookup
 
     rng = random.Random(vocab)
     tokens = [rng.randrange(vocab) for _ in range(5)]
-    index = NgramIndex(max_n)
+    index = NgramIndex(max_n, 1, SharedNgrams() if shared else None)
     hits = 0
     for _ in range(300):
         k = rng.randrange(0, 9)

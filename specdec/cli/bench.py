@@ -195,6 +195,8 @@ def _warm_up(spec, plain, group, params) -> None:
     short = replace(params, max_new_tokens=min(8, params.max_new_tokens))
     spec.generate(group, short)
     plain.generate(group, short)
+    for engine in (spec, plain):  # the timed run must not draft from the warm-up's (or a past run's) replies
+        engine.forget_drafts()
 
 
 def _run_engine(engine, ids, params, batch_size, label, device, continuous: bool = False) -> list[dict]:

@@ -44,6 +44,10 @@ class Drafter(ABC):
         """Called after the verify results of ``rows`` were committed (``VerifyResult.features`` set
         when ``target_features`` is not empty)."""
 
+    def forget(self) -> None:  # noqa: B027 - optional hook, most drafters keep nothing across requests
+        """Drop what was learned from earlier requests' text (benchmarks call it before each timed run, so a
+        repeated prompt is not drafted from its own earlier reply)."""
+
     @abstractmethod
     def propose(self, rows: list[Request]) -> Proposal:
         """One tree per row, nodes in level order, at most ``max_nodes`` each."""

@@ -119,6 +119,11 @@ class NgramDrafter(Drafter):
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
 
+    def forget(self) -> None:
+        """Empty the shared table (requests' own indexes stay: they only hold their own text)."""
+        if self.shared is not None:
+            self.shared.new, self.shared.old = {}, {}
+
     def prefill(self, chunks, features=None) -> None:
         """Index the prompt as it is prefilled, so a request's first proposal (a timed step the adaptive
         controller learns the lookup cost from) does not index the whole prompt."""
