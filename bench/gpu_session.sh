@@ -135,7 +135,14 @@ case "$stage" in
     interleaved 330 16
     pack
     ;;
-  s5b)  # session 5 run 4 (after s5a): n-gram at batch 1 and 64 interleaved
+  s5c)  # session 5, a fresh machine's run 3 (with piece 02) after s5a's tests: n-gram at batch 16 interleaved
+    assemble
+    install
+    interleaved 330 16
+    pack
+    ;;
+  s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
+    install
     interleaved 450 1 64
     pack
     ;;
