@@ -67,14 +67,17 @@ def main() -> None:
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1))
             key = f"b{b}_{'continuous' if continuous else 'waves'}"
-            entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v)} for name, v in runs.items()}
+            entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v),
+                                       "mean_accepted_length": engines[name].stats.mean_accepted_length}
+                                for name, v in runs.items()}
             for name in [n for n in entry if n != "target_only"]:
                 ratios = [s / t for s, t in zip(runs[name], runs["target_only"])]
                 entry[name]["ratio_runs"] = ratios
                 entry[name]["speedup"] = statistics.median(ratios)
                 entry[name]["rounds_at_or_above_1"] = sum(x >= 1.0 for x in ratios)
             log(f"interleaved {key}: target-only {entry['target_only']['median']:.0f} tok/s; " + ", ".join(
-                f"{n} {e['speedup']:.3f}x ({e['rounds_at_or_above_1']}/{len(e['ratio_runs'])} rounds >= 1)"
+                f"{n} {e['speedup']:.3f}x ({e['rounds_at_or_above_1']}/{len(e['ratio_runs'])} rounds >= 1, "
+                f"MAL {e['mean_accepted_length']:.2f})"
                 for n, e in entry.items() if n != "target_only"))
             (out / "interleaved.json").write_text(json.dumps(res, indent=1))
             del engines
