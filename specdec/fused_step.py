@@ -16,6 +16,7 @@ queries per row before the draft runs, and the kept nodes are gathered on the de
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from specdec.runner import ForwardResult
 from specdec.scheduler.step_inputs import PackedRows, StepViews
+from specdec.tree import _depths_and_masks, _verify_rows
 
 
 class FusedOutcome(NamedTuple):
@@ -70,25 +72,28 @@ class FusedVerify:
         """The graph bucket of the verify of ``rows`` trees of ``nodes`` nodes, or None (then: unfused)."""
         return self.runner.packed_key(0, rows, nodes + 1, self.verifier.aux_layers)
 
-    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor) -> ForwardResult:
+    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...]) -> ForwardResult:
         """Run the verify forward of bucket ``key`` over ``reqs`` whose trees are ``tokens`` (R, n) target ids
-        and ``parents`` (R, n) (index among the row's nodes, -1: the root; topological order) on the device.
-        Nothing is read back: the result's ``accept`` and ``features`` are device tensors."""
+        and ``parents`` (index among the row's nodes, -1: the root; topological order): (R, n) on the device,
+        or one host tuple of n shared by every row (a static template: then only the tokens are written on
+        the device). Nothing is read back: the result's ``accept`` and ``features`` are device tensors."""
         n = tokens.shape[1]
-        packed = verify_skeleton(reqs, n, key[2], self.runner.query_slots)
+        shared = parents if isinstance(parents, tuple) else None
+        packed = verify_skeleton(reqs, n, key[2], self.runner.query_slots, shared)
 
         def write(views: StepViews) -> None:
-            write_trees(views, key[1], key[2], tokens, parents, self.levels)
+            write_trees(views, key[1], key[2], tokens, None if shared else parents, self.levels)
 
         self.steps += 1
         return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
 
 
-def verify_skeleton(reqs: list, n: int, q: int, slots) -> PackedRows:
+def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] | None = None) -> PackedRows:
     """The verify rows of ``reqs`` with trees of ``n`` nodes each, laid out for ``q`` queries per row, with
-    everything that does not depend on the trees: the pending token at position L - 1 (root mask 1), every
-    query's KV slot (logical positions L - 1 .. L - 1 + n; ``slots(req, start, count)``), the row lengths.
-    Node tokens, positions and masks are 0 and parents -1 until ``write_trees`` fills them."""
+    everything that does not depend on the trees' tokens: the pending token at position L - 1 (root mask 1),
+    every query's KV slot (logical positions L - 1 .. L - 1 + n; ``slots(req, start, count)``), the row
+    lengths, and, when every row has the tree shape ``parents``, the nodes' positions, masks and parents.
+    The rest (node tokens 0; positions and masks 0, parents -1) waits for ``write_trees``."""
     r, w = len(reqs), n + 1
     seq = np.fromiter((len(req.tokens) for req in reqs), np.int64, r)  # (R,) L: the pending token at L - 1
     tokens = np.zeros((5, r, w), dtype=np.int64)  # ids, positions, slots, masks, parents
@@ -97,22 +102,36 @@ def verify_skeleton(reqs: list, n: int, q: int, slots) -> PackedRows:
     tokens[2] = [slots(req, length - 1, w) for req, length in zip(reqs, seq.tolist())]
     tokens[3, :, 0] = 1
     tokens[4] = -1
+    if parents is not None and n:
+        depth, tokens[3], tokens[4] = _shape_rows(parents)
+        tokens[1, :, 1:] = seq[:, None] + depth
     index = (np.arange(r)[:, None] * q + np.arange(w)).ravel()  # (R * w,)
     per_row = np.stack([seq - 1, seq - 1 + w, np.full(r, w, dtype=np.int64)])  # prefix, seq lens, tokens
     return PackedRows(index, tokens.reshape(5, r * w), per_row)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_rows(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Node depths (n,), and the verify masks and parents of the root + nodes (n + 1,) of a tree shape."""
+    depth, masks = _depths_and_masks(parents)
+    verify_masks, verify_parents = _verify_rows(masks, list(parents))
+    return np.array(depth, dtype=np.int64), np.array(verify_masks, dtype=np.int64), np.array(verify_parents)
+
+
 @torch.inference_mode()
-def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor, levels: int) -> None:
+def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor | None, levels: int) -> None:
     """Write the trees ``tokens``/``parents`` (R, n) into the first R rows of bucket (b, q)'s device inputs
     filled by ``verify_skeleton``: node j of row i is verify query 1 + j, at position L + depth, with mask
-    bit 0 (the root) and its ancestors' bits shifted by one (``DraftTree.verify_rows``), parent j + 1."""
+    bit 0 (the root) and its ancestors' bits shifted by one (``DraftTree.verify_rows``), parent j + 1.
+    ``parents`` None: the skeleton holds the shape, only the tokens are written."""
     r, n = tokens.shape
     if not n:
         return
-    depth, ancestors = ancestry(parents, levels)  # (R, n) each
     nodes = slice(1, n + 1)
     v.ids.view(b, q)[:r, nodes] = tokens
+    if parents is None:
+        return
+    depth, ancestors = ancestry(parents, levels)  # (R, n) each
     positions = v.positions.view(b, q)
     positions[:r, nodes] = positions[:r, :1] + 1 + depth
     v.tree_mask.view(b, q)[:r, nodes] = (ancestors << 1) | 1  # bit 63 lands on the int64 sign, as on the host
@@ -123,14 +142,17 @@ def ancestry(parents: Tensor, levels: int) -> tuple[Tensor, Tensor]:
     """Depth (0 under the root) and ancestor bitmask (self included) of each node of topologically ordered
     trees ``parents`` (R, n) (-1: the root) at most ``levels`` deep (``tree._depths_and_masks`` per row)."""
     r, n = parents.shape
-    own = torch.ones(n, dtype=torch.int64, device=parents.device) << torch.arange(n, device=parents.device)  # (n,)
-    has = parents >= 0
-    up = parents.clamp(min=0)
-    ancestors, depth = own.expand(r, n), torch.zeros_like(parents)
+    dev = parents.device
+    own = torch.ones(n, dtype=torch.int64, device=dev) << torch.arange(n, device=dev)  # (n,)
+    # (2, R, n): ancestor masks and depths. A parent's mask never holds the child's bit, so adding the child's
+    # own bit is or-ing it: one gather, one add and one select per round for both
+    base = torch.stack([own.expand(r, n), torch.zeros_like(parents)])
+    step = torch.stack([own, torch.ones_like(own)]).view(2, 1, n)
+    has, up = parents >= 0, parents.clamp(min=0).expand(2, r, n)
+    state = base
     for _ in range(levels - 1):  # after k rounds every node less than k + 1 deep is right
-        ancestors = torch.where(has, own | ancestors.gather(1, up), own)
-        depth = torch.where(has, depth.gather(1, up) + 1, 0)
-    return depth, ancestors
+        state = torch.where(has, state.gather(2, up) + step, base)
+    return state[1], state[0]
 
 
 def best_nodes_on_device(out: Tensor, n: int) -> tuple[Tensor, Tensor]:

@@ -195,14 +195,14 @@ class EagleDrafter(ModelDrafter):
             trees = template_trees(host, self._template, n)
         return Proposal(trees, [frozenset()] * len(reqs), outcome)
 
-    def _device_trees(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The trees ``propose`` keeps of the device program's output ``out`` (rows first) under budget ``n``,
-        on the device: tokens and parents (R, min(n, N))."""
+    def _device_trees(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | tuple[int, ...]]:
+        """The trees ``propose`` keeps of the device program's output ``out`` (rows first) under budget ``n``:
+        tokens (R, n') on the device, n' = min(n, N), and parents, (R, n') on the device for dynamic trees,
+        the template's first n' (a host tuple, the same for every row) for static ones."""
         if self._template is None:
             return best_nodes_on_device(out, n)
         n = min(n, out.shape[1])
-        parents = torch.tensor(self._template.parents[:n], dtype=torch.int64, device=out.device)
-        return out[:, :n], parents.expand(out.shape[0], n)
+        return out[:, :n], self._template.parents[:n]
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
