@@ -185,3 +185,28 @@ def test_shipped_draft_fused_equals_target_only(smollm2):
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
     assert eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0 and eng.stats.accepted > 0
     assert eng.all_blocks_free()
+
+
+def test_the_verify_may_overwrite_the_draft_programs_output(tiny, monkeypatch):
+    """On CUDA the program's output and the verify graph's intermediates share one memory pool: a fused step
+    must not read the program's output buffer after the verify ran (here the verify clobbers it)."""
+    draft, target, want = tiny
+    last, run, forward = [], DeviceDraftProgram.run, GraphRunner._forward
+
+    def program(self, *args):
+        last[:] = [run(self, *args)]
+        return last[0]
+
+    def clobbering(self, key):
+        if key[0] == 0 and last:
+            with torch.inference_mode():
+                last[0].fill_(-7)
+        return forward(self, key)
+
+    monkeypatch.setattr(DeviceDraftProgram, "run", program)
+    monkeypatch.setattr(GraphRunner, "_forward", clobbering)
+    for tree in ("dynamic:16", "topk:2x3"):
+        eng = _engine(draft, target, tree)
+        eng.drafter.budget = 5
+        assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS)] == want[:3]
+        assert eng.drafter.paths["fused"] > 0 and eng.all_blocks_free()

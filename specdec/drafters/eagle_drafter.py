@@ -181,6 +181,9 @@ class EagleDrafter(ModelDrafter):
             host = out.tolist()  # the one read
         else:  # the verify right behind the program, then one read of the trees and the acceptance
             self.paths["fused"] += 1
+            # the program's output lives in the graphs' shared memory pool, where the verify graph's own
+            # intermediates may reuse it: copy it out before the verify replays
+            out = out.clone()
             drafted = fused.clock.mark()
             fwd = fused.launch(key, reqs, *self._device_trees(out, n))
             both = torch.cat([out.reshape(len(reqs), -1), fwd.accept[:len(reqs)]], 1).tolist()  # the one read
