@@ -176,27 +176,33 @@ class EagleDrafter(ModelDrafter):
         start = None if key is None else fused.clock.mark()
         out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))[:len(reqs)]
         self._consumed(reqs, spans)
-        outcome = None
         if key is None:
-            host = out.tolist()  # the one read
-        else:  # the verify right behind the program, then one read of the trees and the acceptance
-            self.paths["fused"] += 1
-            # the program's output lives in the graphs' shared memory pool, where the verify graph's own
-            # intermediates may reuse it: copy it out before the verify replays
-            out = out.clone()
-            drafted = fused.clock.mark()
-            fwd = fused.launch(key, reqs, *self._device_trees(out, n))
-            both = torch.cat([out.reshape(len(reqs), -1), fwd.accept[:len(reqs)]], 1).tolist()  # the one read
-            width = out[0].numel()
-            host = [row[:width] for row in both]
-            if self._template is None:
-                host = [[row[i:i + fused.nodes] for i in range(0, width, fused.nodes)] for row in host]
-            outcome = FusedOutcome([row[width:] for row in both], fwd, fused.clock.seconds(start, drafted))
+            host, outcome = out.tolist(), None  # the one read
+        else:
+            host, outcome = self._verify_fused(key, reqs, out, n, start)
         if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
             trees = [best_nodes(*row, n) for row in host]
         else:  # (rows, N) tokens
             trees = template_trees(host, self._template, n)
         return Proposal(trees, [frozenset()] * len(reqs), outcome)
+
+    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start):
+        """Launch the verify (bucket ``key``) of the program's trees ``out`` (rows first) under budget ``n`` right
+        behind the program (started at clock mark ``start``), then read the trees and the acceptance with one
+        copy: the trees' host rows (as ``out.tolist()``) and the ``FusedOutcome``."""
+        fused = self.fused
+        self.paths["fused"] += 1
+        # the program's output lives in the graphs' shared memory pool, where the verify graph's own
+        # intermediates may reuse it: copy it out before the verify replays
+        out = out.clone()
+        drafted = fused.clock.mark()
+        fwd = fused.launch(key, reqs, *self._device_trees(out, n))
+        both = torch.cat([out.reshape(len(reqs), -1), fwd.accept[:len(reqs)]], 1).tolist()  # the one read
+        width = out[0].numel()
+        host = [row[:width] for row in both]
+        if self._template is None:  # (3 * N,) -> tokens, parents, ranks
+            host = [[row[i:i + fused.nodes] for i in range(0, width, fused.nodes)] for row in host]
+        return host, FusedOutcome([row[width:] for row in both], fwd, fused.clock.seconds(start, drafted))
 
     def _device_trees(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | tuple[int, ...]]:
         """The trees ``propose`` keeps of the device program's output ``out`` (rows first) under budget ``n``:
