@@ -210,3 +210,36 @@ def test_the_verify_may_overwrite_the_draft_programs_output(tiny, monkeypatch):
         eng.drafter.budget = 5
         assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS)] == want[:3]
         assert eng.drafter.paths["fused"] > 0 and eng.all_blocks_free()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the fixture imported above
+    """float32 on the GPU, draft program and verify captured: fused steps (budgets N and 5, batch 1 and 3 rows
+    in a bucket of 4) give target-only's output and the unfused path's trees."""
+    root, _, _ = setup
+    target = load_model(root / "target", device="cuda")
+    draft = load_model(root / "full", target=target, device="cuda")
+    cfg = dict(CFG, device="cuda")
+    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(
+        PROMPTS, PARAMS)]
+    trees = {}
+    for fused in (True, False):
+        eng = _engine(draft, target, tree, fused_verify=fused, **cfg)
+        assert len(eng.drafter.device_loop.graphs) > 0 and eng.graph_report.graphs > 0
+        seen, propose = trees.setdefault(fused, []), eng.drafter.propose
+
+        def spy(rows, propose=propose, seen=seen):
+            prop = propose(rows)
+            seen.append([t.host.tokens for t in prop.trees])
+            return prop
+
+        eng.drafter.propose = spy
+        for budget in (None, 5):
+            eng.drafter.budget = budget
+            for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
+                got = eng.generate(prompts, PARAMS)
+                assert [o.token_ids for o in got] == [want[PROMPTS.index(p)] for p in prompts]
+        assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
+        assert eng.all_blocks_free()
+    assert trees[True] == trees[False]
