@@ -11,9 +11,9 @@ shipped draft and the real target: mean accepted length of tree shapes, and the 
         # bf16 on the GPU: tok/s and mean accepted length at batch 1 (20 prompts) and 64 (64 prompts),
         # 128 new tokens, against graphed target-only in the same process (TREE: fixed budgets, default
         # SPEED_TREES; then ADAPTIVE_TREE with the adaptive budget), each with the fused step (the verify
-        # launched right behind the device program, specdec/fused_step.py; the default) and, for
-        # UNFUSED_TREES and the adaptive run, also without it (SpecConfig(fused_verify=False), name suffix
-        # "_unfused"); per-phase host ms per step (propose = the device program + its one read; with the
+        # launched right behind the device program, specdec/fused_step.py; the default) and, for the
+        # trees in env UNFUSED (default "dynamic:31 adaptive"), also without it (SpecConfig(fused_verify=False),
+        # name suffix "_unfused"); per-phase host ms per step (propose = the device program + its one read; with the
         # fused step also the verify and its GPU wait; verify = the rest)
 
 MODEL: a GGUF path or a model name (smollm2-135m); PROMPTS: the tokenised prompt file of
@@ -23,6 +23,7 @@ MODEL: a GGUF path or a model name (smollm2-135m); PROMPTS: the tokenised prompt
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -41,7 +42,9 @@ DEVICE_TREES = ("dynamic:63", "dynamic:32:10x5", "dynamic:40:10x5", "dynamic:32:
 # a verify of N + 1 tokens fills query bucket 16 / 32 / 64 for N = 15 / 31 / 63 (dynamic:63: N = 50 on the device)
 SPEED_TREES = ("dynamic:31", "dynamic:15", "dynamic:63", "dynamic:31:8x4", "topk:2x4")
 ADAPTIVE_TREE = "dynamic:63"  # also run with the adaptive budget (its best 1, 3, 7, 15, 31 or 50 nodes)
-UNFUSED_TREES = ("dynamic:31",)  # also run with SpecConfig(fused_verify=False): fused against unfused
+# also run with SpecConfig(fused_verify=False), fused against unfused: env UNFUSED, fixed-budget trees and/or
+# "adaptive" (the adaptive run), space separated; "" for none
+UNFUSED_TREES = tuple(os.environ.get("UNFUSED", "dynamic:31 adaptive").split())
 
 
 def _models(model_path: str, dtype: torch.dtype):
@@ -99,7 +102,7 @@ def speed(out: Path, model_path: str, prompt_file: str, trees: list[str]) -> Non
         log(f"batch {b} target-only: {base['tok_per_s']:.1f} tok/s")
         fixed = list(trees or SPEED_TREES)
         runs = [(t, False, True) for t in fixed] + [(t, False, False) for t in UNFUSED_TREES if t in fixed]
-        runs += [(ADAPTIVE_TREE, True, True), (ADAPTIVE_TREE, True, False)]
+        runs += [(ADAPTIVE_TREE, True, True)] + [(ADAPTIVE_TREE, True, False)] * ("adaptive" in UNFUSED_TREES)
         for tree, adaptive, fused in runs:
             name = f"eagle_{tree}{'_adaptive' if adaptive else ''}{'' if fused else '_unfused'}_b{b}"
             engines: list = []
