@@ -142,17 +142,23 @@ def ancestry(parents: Tensor, levels: int) -> tuple[Tensor, Tensor]:
     """Depth (0 under the root) and ancestor bitmask (self included) of each node of topologically ordered
     trees ``parents`` (R, n) (-1: the root) at most ``levels`` deep (``tree._depths_and_masks`` per row)."""
     r, n = parents.shape
-    dev = parents.device
-    own = torch.ones(n, dtype=torch.int64, device=dev) << torch.arange(n, device=dev)  # (n,)
     # (2, R, n): ancestor masks and depths. A parent's mask never holds the child's bit, so adding the child's
     # own bit is or-ing it: one gather, one add and one select per round for both
-    base = torch.stack([own.expand(r, n), torch.zeros_like(parents)])
-    step = torch.stack([own, torch.ones_like(own)]).view(2, 1, n)
+    base, step = _ancestry_start(r, n, parents.device)
     has, up = parents >= 0, parents.clamp(min=0).expand(2, r, n)
     state = base
     for _ in range(levels - 1):  # after k rounds every node less than k + 1 deep is right
         state = torch.where(has, state.gather(2, up) + step, base)
     return state[1], state[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _ancestry_start(r: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(2, R, n) masks and depths of nodes under the root (own bit, depth 0), and (2, 1, n) what a parent adds
+    (own bit, one level); made once per shape (read-only)."""
+    own = torch.ones(n, dtype=torch.int64, device=device) << torch.arange(n, device=device)  # (n,)
+    base = torch.stack([own.expand(r, n), torch.zeros(r, n, dtype=torch.int64, device=device)])
+    return base, torch.stack([own, torch.ones_like(own)]).view(2, 1, n)
 
 
 def best_nodes_on_device(out: Tensor, n: int) -> tuple[Tensor, Tensor]:
