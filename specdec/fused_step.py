@@ -82,7 +82,7 @@ class FusedVerify:
         packed = verify_skeleton(reqs, n, key[2], self.runner.query_slots, shared)
 
         def write(views: StepViews) -> None:
-            write_trees(views, key[1], key[2], tokens, None if shared else parents, self.levels)
+            write_trees(views, key[1], key[2], tokens, parents if shared is None else None, self.levels)
 
         self.steps += 1
         return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
