@@ -10,8 +10,11 @@ shipped draft and the real target: mean accepted length of tree shapes, and the 
     python -P bench/gpu_eagle_dynamic.py speed OUT_DIR MODEL PROMPTS [TREE ...]
         # bf16 on the GPU: tok/s and mean accepted length at batch 1 (20 prompts) and 64 (64 prompts),
         # 128 new tokens, against graphed target-only in the same process (TREE: fixed budgets, default
-        # SPEED_TREES; then ADAPTIVE_TREE with the adaptive budget); per-phase host ms per step
-        # (propose = the device program + its one read; verify incl. the GPU wait)
+        # SPEED_TREES; then ADAPTIVE_TREE with the adaptive budget), each with the fused step (the verify
+        # launched right behind the device program, specdec/fused_step.py; the default) and, for the
+        # trees in env UNFUSED (default "dynamic:31 adaptive"), also without it (SpecConfig(fused_verify=False),
+        # name suffix "_unfused"); per-phase host ms per step (propose = the device program + its one read; with the
+        # fused step also the verify and its GPU wait; verify = the rest)
 
 MODEL: a GGUF path or a model name (smollm2-135m); PROMPTS: the tokenised prompt file of
 ``python -P bench/gpu_fastpath.py prompts PROMPTS``. Writes OUT_DIR/eagle_dynamic_<mode>.json.
@@ -20,6 +23,7 @@ MODEL: a GGUF path or a model name (smollm2-135m); PROMPTS: the tokenised prompt
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +42,9 @@ DEVICE_TREES = ("dynamic:63", "dynamic:32:10x5", "dynamic:40:10x5", "dynamic:32:
 # a verify of N + 1 tokens fills query bucket 16 / 32 / 64 for N = 15 / 31 / 63 (dynamic:63: N = 50 on the device)
 SPEED_TREES = ("dynamic:31", "dynamic:15", "dynamic:63", "dynamic:31:8x4", "topk:2x4")
 ADAPTIVE_TREE = "dynamic:63"  # also run with the adaptive budget (its best 1, 3, 7, 15, 31 or 50 nodes)
+# also run with SpecConfig(fused_verify=False), fused against unfused: env UNFUSED, fixed-budget trees and/or
+# "adaptive" (the adaptive run), space separated; "" for none
+UNFUSED_TREES = tuple(os.environ.get("UNFUSED", "dynamic:31 adaptive").split())
 
 
 def _models(model_path: str, dtype: torch.dtype):
@@ -93,12 +100,15 @@ def speed(out: Path, model_path: str, prompt_file: str, trees: list[str]) -> Non
         ps = prompts[:count]
         base = res[f"target_only_b{b}"] = measured_run(None, target, "chain:4", b, ps, params, dt)
         log(f"batch {b} target-only: {base['tok_per_s']:.1f} tok/s")
-        runs = [(t, False) for t in trees or SPEED_TREES] + [(ADAPTIVE_TREE, True)]
-        for tree, adaptive in runs:
-            name = f"eagle_{tree}{'_adaptive' if adaptive else ''}_b{b}"
+        fixed = list(trees or SPEED_TREES)
+        runs = [(t, False, True) for t in fixed] + [(t, False, False) for t in UNFUSED_TREES if t in fixed]
+        runs += [(ADAPTIVE_TREE, True, True)] + [(ADAPTIVE_TREE, True, False)] * ("adaptive" in UNFUSED_TREES)
+        for tree, adaptive, fused in runs:
+            name = f"eagle_{tree}{'_adaptive' if adaptive else ''}{'' if fused else '_unfused'}_b{b}"
             engines: list = []
             try:
-                r = measured_run(draft, target, tree, b, ps, params, dt, engine_out=engines, adaptive=adaptive)
+                r = measured_run(draft, target, tree, b, ps, params, dt, engine_out=engines, adaptive=adaptive,
+                                 fused_verify=fused)
                 r["phases_ms"] = phase_times(engines[0], ps, params)
             except Exception as exc:  # noqa: BLE001 - reported, the other shapes still run
                 res[name] = {"error": repr(exc)}
@@ -107,11 +117,13 @@ def speed(out: Path, model_path: str, prompt_file: str, trees: list[str]) -> Non
             loop = engines[0].drafter.device_loop
             r["device_program"] = type(loop).__name__ if loop is not None else None
             r["program_graphs"] = len(loop.graphs) if loop is not None else 0
+            r["fused_verify"] = fused
             r["speedup"] = r["tok_per_s"] / base["tok_per_s"]
             res[name] = r
             ph = r["phases_ms"]
             log(f"{name}: {r['tok_per_s']:.1f} tok/s, {r['speedup']:.2f}x, mal {r['mean_accepted_length']:.2f}, "
-                f"propose {ph['propose']:.3f} ms, verify {ph['verify']:.3f} ms, step {ph['total']:.3f} ms")
+                f"propose {ph['propose']:.3f} ms, verify {ph['verify']:.3f} ms, step {ph['total']:.3f} ms, "
+                f"paths {r.get('propose_paths')}")
             (out / "eagle_dynamic_speed.json").write_text(json.dumps(res, indent=1))
 
 

@@ -213,7 +213,7 @@ def phase_times(engine, prompts, params) -> dict:
         engine._prefill(batch)
         prop = engine.drafter.propose(batch.decode)
         t2 = time.perf_counter()
-        res = engine.verifier.verify(batch.decode, prop.trees, prop.draft_computed)
+        res = engine.verifier.verify_proposal(batch.decode, prop)
         t3 = time.perf_counter()
         commit_accepted(engine.scheduler, engine.stopper, engine.pool, batch.decode, res)
         t4 = time.perf_counter()

@@ -140,10 +140,14 @@ class GraphRunner:
         feature rows (T, hidden))."""
         return self.run_packed(key, pack_rows(rows, slots, key[2]), bt_rows, features)
 
-    def run_packed(self, key: tuple[int, int, int], packed: PackedRows, bt_rows, features=None) -> GraphOutput:
-        """``run`` for rows already flattened into ``packed`` (laid out for ``key``'s query bucket)."""
+    def run_packed(self, key: tuple[int, int, int], packed: PackedRows, bt_rows, features=None,
+                   on_device=None) -> GraphOutput:
+        """``run`` for rows already flattened into ``packed`` (laid out for ``key``'s query bucket);
+        ``on_device(views)`` may write more of the inputs on the device (after the host copy) first."""
         m, b, q = key
         self.inputs.fill_packed(b, q, packed, bt_rows)
+        if on_device is not None:
+            on_device(self.inputs.views(b, q))
         if m in self.feature_inputs:
             where, g = features
             self.feature_inputs[m][:b * q].index_copy_(0, where, g.to(self.feature_inputs[m].dtype))

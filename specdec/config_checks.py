@@ -39,6 +39,7 @@ def check_spec_config(cfg) -> None:
     object.__setattr__(cfg, "device", check_device(cfg.device))
     _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
     _require(isinstance(cfg.ngram_shared, bool), "ngram_shared", "must be True or False", cfg.ngram_shared)
+    _require(isinstance(cfg.fused_verify, bool), "fused_verify", "must be True or False", cfg.fused_verify)
     _require(cfg.adaptive is None or isinstance(cfg.adaptive, bool), "adaptive", "must be None (auto), True or False",
              cfg.adaptive)
     _require(cfg.cuda_graphs is None or isinstance(cfg.cuda_graphs, bool), "cuda_graphs",

@@ -56,6 +56,7 @@ class SpecConfig:
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA, off on the CPU
+    fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -102,6 +103,8 @@ class SpecEngine:
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
             self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
+        if cfg.fused_verify and hasattr(self.drafter, "fuse_verify"):
+            self.drafter.fuse_verify(self.verifier)
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
         self.router = Router()
@@ -241,7 +244,7 @@ class SpecEngine:
         if self.adaptive is not None:
             return self.adaptive.speculate(rows, self.drafter, self.verifier)
         proposal: Proposal = self.drafter.propose(rows)
-        return self.verifier.verify(rows, proposal.trees, proposal.draft_computed)
+        return self.verifier.verify_proposal(rows, proposal)
 
     def _prefill(self, batch: StepBatch) -> list[Request]:
         chunks, _ = run_isolated(batch.prefill, _chunk_request, self._prefill_chunks, self._fail)

@@ -247,11 +247,14 @@ class ModelRunner:
             return range(first, first + n)
         return self.slots(req, range(start, start + n))
 
-    def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int]) -> ForwardResult:
+    def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int],
+                       on_device=None) -> ForwardResult:
         """``forward`` of the rows of ``reqs`` flattened into ``packed`` for graph bucket ``key``
-        (``packed_key``), without a ``RowInput`` per row; row i has ``lengths[i]`` queries, all with logits."""
+        (``packed_key``), without a ``RowInput`` per row; row i has ``lengths[i]`` queries, all with logits.
+        ``on_device``: see ``GraphRunner.run_packed``."""
         self.sync_tables(reqs)
-        out = self.graphs.run_packed(key, packed, self.tables.host_rows([r.bt_row for r in reqs]))
+        out = self.graphs.run_packed(key, packed, self.tables.host_rows([r.bt_row for r in reqs]),
+                                     on_device=on_device)
         return self._graphed_result(out, key[2], lengths, ["all"] * len(reqs))
 
     @staticmethod

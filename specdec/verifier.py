@@ -52,6 +52,19 @@ class Verifier:
             results = self._from_device(rows, trees, draft_computed, fwd)
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
+        return self._with_features(results, fwd)
+
+    def verify_proposal(self, rows: list[Request], proposal) -> list[VerifyResult]:
+        """``verify`` of a drafter's ``Proposal``; a fused one (``specdec.fused_step``: greedy rows whose verify
+        already ran with the draft) is finished from its acceptance rows, with the same results."""
+        fused = proposal.fused
+        if fused is None:
+            return self.verify(rows, proposal.trees, proposal.draft_computed)
+        results = self._from_device(rows, proposal.trees, proposal.draft_computed, fused.forward, fused.accept)
+        return self._with_features(results, fused.forward)
+
+    @staticmethod
+    def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
         if fwd.features is not None:  # the pending token's and the accepted path's, one gather for the batch
             feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
             results = [r._replace(features=f) for r, f in zip(results, feats)]
@@ -78,18 +91,23 @@ class Verifier:
         return results
 
     @staticmethod
-    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
+    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd,
+                     host: list[list[int]] | None = None) -> list[VerifyResult]:
         """Results of a padded step: the graph's greedy acceptance; sampled rows replaced by
         ``accept_stochastic_padded`` (one device->host read of the (B, Q + 3) outcome), or, when there are
-        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits."""
-        accept = fwd.accept
+        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits. ``host``: the
+        greedy rows' outcome already read (a fused step)."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         on_host = set(sampled) if len(sampled) < DEVICE_SAMPLED_MIN_ROWS else set()
-        if sampled and not on_host:
-            accept = accept.clone()
-            accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
-                                                   fwd.logits, sampled, accept.shape[1] - 3)
-        host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
+        if host is None:
+            accept = fwd.accept
+            if sampled and not on_host:
+                accept = accept.clone()
+                accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
+                                                       fwd.logits, sampled, accept.shape[1] - 3)
+            host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
+        elif sampled:
+            raise ValueError(f"host: a fused step's rows are greedy, rows {sampled} are sampled")
         check_finite_flags(rows, [row[-1] for row in host], "target")
         results = []
         for i, (req, row, tree, dc) in enumerate(zip(rows, host, trees, draft_computed)):

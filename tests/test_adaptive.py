@@ -295,13 +295,14 @@ def run_timed(ctrl: BudgetController, rows: int, steps: int, host_per_row: dict[
         budget = None
 
         def propose(self, reqs):
-            return SimpleNamespace(trees=[SimpleNamespace(num_nodes=self.budget)] * len(reqs), draft_computed=None)
+            return SimpleNamespace(trees=[SimpleNamespace(num_nodes=self.budget)] * len(reqs), draft_computed=None,
+                                   fused=None)
 
     class Verifier:
-        def verify(self, reqs, trees, draft_computed):
+        def verify_proposal(self, reqs, proposal):
             now[0] += verify
             return [SimpleNamespace(accepted_nodes=[0] if t.num_nodes and i % 2 == 0 else [])
-                    for i, t in enumerate(trees)]
+                    for i, t in enumerate(proposal.trees)]
 
     out = []
     with patch("specdec.adaptive.time.perf_counter", lambda: now[0]):
@@ -345,3 +346,27 @@ def test_a_proposal_right_after_plain_steps_does_not_set_the_draft_cost():
     n = ctrl.choose(16)
     ctrl.observe(16, n + 1, [0] * 16, 1e-4, 1e-3)
     assert ctrl.costs.draft[16] == pytest.approx(1e-4)
+
+
+def test_fused_step_is_timed_as_its_draft_share_then_the_verify():
+    """A fused proposal (its verify ran inside ``propose``) counts its draft program's share as drafting and
+    the rest of ``propose`` plus ``verify_proposal`` as the verify."""
+    now = [0.0]
+
+    class Drafter:
+        budget = None
+
+        def propose(self, reqs):
+            now[0] += 1.5e-3
+            return SimpleNamespace(trees=[SimpleNamespace(num_nodes=self.budget)] * len(reqs), draft_computed=None,
+                                   fused=SimpleNamespace(draft_seconds=0.5e-3))
+
+    class Verifier:
+        def verify_proposal(self, reqs, proposal):
+            now[0] += 0.1e-3
+            return [SimpleNamespace(accepted_nodes=[]) for _ in reqs]
+
+    ctrl = BudgetController(CHAIN8, AdaptiveConfig(probe_interval=1000), cost_table=flat_table(base=1e-3))
+    with patch("specdec.adaptive.time.perf_counter", lambda: now[0]):
+        ctrl.speculate([None], Drafter(), Verifier())
+    assert list(ctrl.costs.seen.values()) == [pytest.approx(1.1e-3)]

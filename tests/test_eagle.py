@@ -400,4 +400,5 @@ def test_gpu_graphed_eagle_equals_target_only(setup, tree):
     assert eng.drafter.device_loop is not None and len(eng.drafter.device_loop.graphs) > 0
     spec = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0  # the verify launched with the draft
     assert eng.all_blocks_free()

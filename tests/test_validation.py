@@ -86,6 +86,7 @@ def test_top_k_keeps_the_largest_logits_at_any_temperature():
     ({"device": "gpu"}, "device", ["cpu"]),
     ({"device": 3.5}, "device", ["torch device"]),
     ({"ngram_max_n": 0}, "ngram_max_n", [">= 1"]),
+    ({"fused_verify": 1}, "fused_verify", ["True or False"]),
 ])
 def test_spec_config_type_errors_name_the_field(kwargs, field, words):
     assert_field_error(SpecConfig, kwargs, field, words)

@@ -10,10 +10,12 @@ from specdec.tree import DraftTree
 
 
 class Proposal(NamedTuple):
-    """Trees for the rows, and per row the nodes whose draft KV was written (None: no draft KV)."""
+    """Trees for the rows, and per row the nodes whose draft KV was written (None: no draft KV); ``fused``:
+    the verify already ran with the draft (``specdec.fused_step.FusedOutcome``; ``Verifier.verify_proposal``)."""
 
     trees: list[DraftTree]
     draft_computed: list[frozenset[int] | None]
+    fused: object | None = None
 
 
 class Drafter(ABC):

@@ -20,6 +20,7 @@ import torch
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
+from specdec.fused_step import FusedOutcome, best_nodes_on_device
 from specdec.runner import RowInput, _as_signed
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
@@ -112,7 +113,9 @@ class EagleDrafter(ModelDrafter):
         self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width,
                                      next(model.parameters()).dtype, runner.device)  # the device program's dtype
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
-        self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels)
+        self.fused = None  # a FusedVerify once ``fuse_verify``: device-program steps launch the verify too
+        self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels);
+        #                                  "fused": device proposals whose verify ran with them
 
     @property
     def lookahead(self) -> int:
@@ -139,6 +142,18 @@ class EagleDrafter(ModelDrafter):
                                               catch_up, graphs.inputs.width, dev)
         graphs.programs.append(self.device_loop)
 
+    def fuse_verify(self, verifier) -> None:
+        """Verify the device program's greedy batches in the same launch (``specdec.fused_step``) with
+        ``verifier``, when a graph bucket holds the verify; needs ``enable_device_loop`` first."""
+        from specdec.fused_step import FusedVerify
+
+        loop = self.device_loop
+        if loop is not None:
+            if self._template is None:
+                self.fused = FusedVerify(verifier, loop.shape.nodes, loop.shape.depth)
+            else:
+                self.fused = FusedVerify(verifier, self._template.num_nodes, len(loop.levels))
+
     def propose(self, rows: list[Request]) -> Proposal:
         loop = self.device_loop
         if loop is not None and rows and all(r.params.greedy for r in rows):
@@ -156,15 +171,47 @@ class EagleDrafter(ModelDrafter):
         rows, bt, src = self._catch_up_rows(reqs, spans, loop.q)
         padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
         padded[:src.size] = src.ravel()
-        out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))
-        out = out[:len(reqs)].tolist()  # the one read
+        n, fused = self.node_budget, self.fused
+        key = None if fused is None else fused.key(len(reqs), min(n, fused.nodes))
+        start = None if key is None else fused.clock.mark()
+        out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))[:len(reqs)]
         self._consumed(reqs, spans)
-        n = self.node_budget
+        if key is None:
+            host, outcome = out.tolist(), None  # the one read
+        else:
+            host, outcome = self._verify_fused(key, reqs, out, n, start)
         if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
-            trees = [best_nodes(*row, n) for row in out]
+            trees = [best_nodes(*row, n) for row in host]
         else:  # (rows, N) tokens
-            trees = template_trees(out, self._template, n)
-        return Proposal(trees, [frozenset()] * len(reqs))
+            trees = template_trees(host, self._template, n)
+        return Proposal(trees, [frozenset()] * len(reqs), outcome)
+
+    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start):
+        """Launch the verify (bucket ``key``) of the program's trees ``out`` (rows first) under budget ``n`` right
+        behind the program (started at clock mark ``start``), then read the trees and the acceptance with one
+        copy: the trees' host rows (as ``out.tolist()``) and the ``FusedOutcome``."""
+        fused = self.fused
+        self.paths["fused"] += 1
+        # the program's output lives in the graphs' shared memory pool, where the verify graph's own
+        # intermediates may reuse it: copy it out before the verify replays
+        out = out.clone()
+        drafted = fused.clock.mark()
+        fwd = fused.launch(key, reqs, *self._device_trees(out, n))
+        both = torch.cat([out.reshape(len(reqs), -1), fwd.accept[:len(reqs)]], 1).tolist()  # the one read
+        width = out[0].numel()
+        host = [row[:width] for row in both]
+        if self._template is None:  # (3 * N,) -> tokens, parents, ranks
+            host = [[row[i:i + fused.nodes] for i in range(0, width, fused.nodes)] for row in host]
+        return host, FusedOutcome([row[width:] for row in both], fwd, fused.clock.seconds(start, drafted))
+
+    def _device_trees(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | tuple[int, ...]]:
+        """The trees ``propose`` keeps of the device program's output ``out`` (rows first) under budget ``n``:
+        tokens (R, n') on the device, n' = min(n, N), and parents, (R, n') on the device for dynamic trees,
+        the template's first n' (a host tuple, the same for every row) for static ones."""
+        if self._template is None:
+            return best_nodes_on_device(out, n)
+        n = min(n, out.shape[1])
+        return out[:, :n], self._template.parents[:n]
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is

@@ -1,0 +1,179 @@
+"""A greedy EAGLE step whose verify forward runs right behind the draft program, with no host read between.
+
+The device draft program (``drafters/eagle_device.py``) leaves each row's tree on the device. Instead of
+reading the trees, packing the verify rows on the host and only then launching the verify, the host
+writes what it knows before the trees exist (per row: the pending token, its position and every query's
+KV slot, the row lengths and block table, laid out for the verify bucket of ``n`` nodes per row) and a
+few tensor ops write the tree-dependent parts (node tokens, positions, ancestor masks, parents) into the
+verify bucket's device inputs; the verify forward (a graph replay on CUDA) follows at once. The host then
+reads the trees and the batch's greedy acceptance in one copy and builds the ``DraftTree`` objects and
+``VerifyResult`` rows from them as the unfused path does.
+
+Every tree of such a step has exactly ``n`` nodes (the adaptive budget ``n`` keeps each row's best n
+nodes of the program's N, a static template its first n), so the verify bucket is chosen for n + 1
+queries per row before the draft runs, and the kept nodes are gathered on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specdec.runner import ForwardResult
+from specdec.scheduler.step_inputs import PackedRows, StepViews
+from specdec.tree import _depths_and_masks, _verify_rows
+
+
+class FusedOutcome(NamedTuple):
+    """What a fused step leaves for ``Verifier.verify_proposal``."""
+
+    accept: list[list[int]]  # (R, Q + 3) host rows of the verify's greedy acceptance
+    forward: ForwardResult  # the verify forward (its features are gathered after the results)
+    draft_seconds: float  # the draft program's share of the step (the adaptive budget's timing)
+
+
+class StepClock:
+    """Marks on the device timeline (CUDA events) or the host clock (CPU, where every op is synchronous);
+    ``seconds`` is read after the step's one host read, so it never waits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class FusedVerify:
+    """Launches a verify forward over trees that are still device tensors (see the module docstring).
+
+    ``nodes``: the draft program's nodes per row (N); ``levels``: its trees have at most this many levels
+    below the root. ``steps`` counts the verify forwards launched.
+    """
+
+    def __init__(self, verifier, nodes: int, levels: int) -> None:
+        self.verifier, self.runner = verifier, verifier.runner
+        self.nodes, self.levels = nodes, levels
+        self.clock = StepClock(self.runner.device)
+        self.steps = 0
+
+    def key(self, rows: int, nodes: int):
+        """The graph bucket of the verify of ``rows`` trees of ``nodes`` nodes, or None (then: unfused)."""
+        return self.runner.packed_key(0, rows, nodes + 1, self.verifier.aux_layers)
+
+    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...]) -> ForwardResult:
+        """Run the verify forward of bucket ``key`` over ``reqs`` whose trees are ``tokens`` (R, n) target ids
+        and ``parents`` (index among the row's nodes, -1: the root; topological order): (R, n) on the device,
+        or one host tuple of n shared by every row (a static template: then only the tokens are written on
+        the device). Nothing is read back: the result's ``accept`` and ``features`` are device tensors."""
+        n = tokens.shape[1]
+        shared = parents if isinstance(parents, tuple) else None
+        packed = verify_skeleton(reqs, n, key[2], self.runner.query_slots, shared)
+
+        def write(views: StepViews) -> None:
+            write_trees(views, key[1], key[2], tokens, parents if shared is None else None, self.levels)
+
+        self.steps += 1
+        return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
+
+
+def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] | None = None) -> PackedRows:
+    """The verify rows of ``reqs`` with trees of ``n`` nodes each, laid out for ``q`` queries per row, with
+    everything that does not depend on the trees' tokens: the pending token at position L - 1 (root mask 1),
+    every query's KV slot (logical positions L - 1 .. L - 1 + n; ``slots(req, start, count)``), the row
+    lengths, and, when every row has the tree shape ``parents``, the nodes' positions, masks and parents.
+    The rest (node tokens 0; positions and masks 0, parents -1) waits for ``write_trees``."""
+    r, w = len(reqs), n + 1
+    seq = np.fromiter((len(req.tokens) for req in reqs), np.int64, r)  # (R,) L: the pending token at L - 1
+    tokens = np.zeros((5, r, w), dtype=np.int64)  # ids, positions, slots, masks, parents
+    tokens[0, :, 0] = [req.tokens[-1] for req in reqs]
+    tokens[1, :, 0] = seq - 1
+    tokens[2] = [slots(req, length - 1, w) for req, length in zip(reqs, seq.tolist())]
+    tokens[3, :, 0] = 1
+    tokens[4] = -1
+    if parents is not None and n:
+        depth, tokens[3], tokens[4] = _shape_rows(parents)
+        tokens[1, :, 1:] = seq[:, None] + depth
+    index = (np.arange(r)[:, None] * q + np.arange(w)).ravel()  # (R * w,)
+    per_row = np.stack([seq - 1, seq - 1 + w, np.full(r, w, dtype=np.int64)])  # prefix, seq lens, tokens
+    return PackedRows(index, tokens.reshape(5, r * w), per_row)
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_rows(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Node depths (n,), and the verify masks and parents of the root + nodes (n + 1,) of a tree shape."""
+    depth, masks = _depths_and_masks(parents)
+    verify_masks, verify_parents = _verify_rows(masks, list(parents))
+    return np.array(depth, dtype=np.int64), np.array(verify_masks, dtype=np.int64), np.array(verify_parents)
+
+
+@torch.inference_mode()
+def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor | None, levels: int) -> None:
+    """Write the trees ``tokens``/``parents`` (R, n) into the first R rows of bucket (b, q)'s device inputs
+    filled by ``verify_skeleton``: node j of row i is verify query 1 + j, at position L + depth, with mask
+    bit 0 (the root) and its ancestors' bits shifted by one (``DraftTree.verify_rows``), parent j + 1.
+    ``parents`` None: the skeleton holds the shape, only the tokens are written."""
+    r, n = tokens.shape
+    if not n:
+        return
+    nodes = slice(1, n + 1)
+    v.ids.view(b, q)[:r, nodes] = tokens
+    if parents is None:
+        return
+    depth, ancestors = ancestry(parents, levels)  # (R, n) each
+    positions = v.positions.view(b, q)
+    positions[:r, nodes] = positions[:r, :1] + 1 + depth
+    v.tree_mask.view(b, q)[:r, nodes] = (ancestors << 1) | 1  # bit 63 lands on the int64 sign, as on the host
+    v.parents.view(b, q)[:r, nodes] = parents + 1
+
+
+def ancestry(parents: Tensor, levels: int) -> tuple[Tensor, Tensor]:
+    """Depth (0 under the root) and ancestor bitmask (self included) of each node of topologically ordered
+    trees ``parents`` (R, n) (-1: the root) at most ``levels`` deep (``tree._depths_and_masks`` per row)."""
+    r, n = parents.shape
+    # (2, R, n): ancestor masks and depths. A parent's mask never holds the child's bit, so adding the child's
+    # own bit is or-ing it: one gather, one add and one select per round for both
+    base, step = _ancestry_start(r, n, parents.device)
+    has, up = parents >= 0, parents.clamp(min=0).expand(2, r, n)
+    state = base
+    for _ in range(levels - 1):  # after k rounds every node less than k + 1 deep is right
+        state = torch.where(has, state.gather(2, up) + step, base)
+    return state[1], state[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _ancestry_start(r: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(2, R, n) masks and depths of nodes under the root (own bit, depth 0), and (2, 1, n) what a parent adds
+    (own bit, one level); made once per shape (read-only)."""
+    own = torch.ones(n, dtype=torch.int64, device=device) << torch.arange(n, device=device)  # (n,)
+    base = torch.stack([own.expand(r, n), torch.zeros(r, n, dtype=torch.int64, device=device)])
+    return base, torch.stack([own, torch.ones_like(own)]).view(2, 1, n)
+
+
+def best_nodes_on_device(out: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """``eagle_drafter.best_nodes`` of every row of a dynamic tree program's output (R, 3, N) on the device:
+    tokens and parents (R, min(n, N)) of the nodes of score rank < n, in level order, parents re-indexed
+    among them (-1: the root, also for a node whose parent was not kept)."""
+    tokens, parents, ranks = out.unbind(1)  # (R, N) each
+    m = tokens.shape[1]
+    if n >= m:
+        return tokens, parents
+    ar = torch.arange(m, device=out.device)
+    keep = ranks < n  # (R, N): exactly n per row (ranks are a permutation)
+    cols = torch.where(keep, ar, ar + m).sort(dim=1).values[:, :n]  # (R, n) kept nodes in level order
+    new = keep.long().cumsum(1) - 1  # (R, N) index among the kept
+    up = parents.gather(1, cols)  # (R, n)
+    safe = up.clamp(min=0)
+    kept_parent = (up >= 0) & keep.gather(1, safe)
+    return tokens.gather(1, cols), torch.where(kept_parent, new.gather(1, safe), -1)

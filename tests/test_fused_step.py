@@ -1,0 +1,245 @@
+"""Fused greedy EAGLE steps (``specdec/fused_step.py``): the verify forward is launched right behind the
+device draft program, its inputs built on the device from the program's output.
+
+The target is the 4-layer random Llama of ``test_eagle`` with a briefly trained EAGLE draft; on the CPU the
+padded graph steps run eagerly over the same buffers (``cuda_graphs=True``). One test uses the shipped
+``smollm2-135m-draft`` with SmolLM2-135M.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specdec.scheduler.cuda_graphs import GraphRunner
+from specdec.scheduler.step_inputs import StepInputs, _offsets
+from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+
+from specdec.drafters.eagle_device import DeviceDraftProgram
+from specdec.drafters.eagle_drafter import best_nodes
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.fused_step import ancestry, best_nodes_on_device
+from specdec.loading.registry import load_model
+from specdec.sampling_params import SamplingParams
+from specdec.tree import _depths_and_masks
+from specdec.verifier import _packed
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)
+CFG = dict(num_blocks=160, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def tiny(setup):  # noqa: F811 - the fixture imported above
+    root, _, target = setup
+    draft = load_model(root / "full", target=target)
+    plain = SpecEngine(None, target, SpecConfig(**CFG)).generate(PROMPTS, PARAMS)
+    return draft, target, [o.token_ids for o in plain]
+
+
+def _engine(draft, target, tree: str, **cfg) -> SpecEngine:
+    return SpecEngine(draft, target, SpecConfig(tree=tree, max_batch_size=4, cuda_graphs=True,
+                                                **{"adaptive": False, **CFG, **cfg}))
+
+
+def _host_inputs(eng: SpecEngine, rows, trees) -> tuple[tuple, torch.Tensor]:
+    """The verify bucket and its device inputs as the unfused path fills them for ``trees``."""
+    graphs, runner = eng.runner.graphs, eng.runner
+    lengths = [t.num_nodes + 1 for t in trees]
+    key = runner.packed_key(0, len(rows), max(lengths), graphs.aux_layers)
+    ref = StepInputs(key[1], key[2], graphs.inputs.width, runner.device)
+    ref.fill_packed(key[1], key[2], _packed(rows, trees, lengths, key[2], runner.query_slots),
+                    runner.tables.host_rows([r.bt_row for r in rows]))
+    return key, ref.dev[:_offsets(key[1], key[2], graphs.inputs.width)[1]]
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "dynamic:12:3x5", "topk:2x3", "chain:4"])
+def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monkeypatch):
+    """Every greedy step takes the fused path, at batch 1 and 3 rows padded to a bucket of 4, with the full
+    tree and adaptive budgets below N (5 or N - 2, and 0); the verify inputs it builds on the device equal, element by
+    element, those the host path packs for the same trees; the output equals target-only."""
+    draft, target, want = tiny
+    seen, forward = {}, GraphRunner._forward
+
+    def snapshot(self, key):
+        if key[0] == 0:
+            seen["verify"] = (key, self.inputs.dev.clone())
+        return forward(self, key)
+
+    monkeypatch.setattr(GraphRunner, "_forward", snapshot)
+    eng = _engine(draft, target, tree)
+    checked, propose = [], eng.drafter.propose
+
+    def compare(rows):
+        prop = propose(rows)
+        assert prop.fused is not None
+        key, ref = _host_inputs(eng, rows, prop.trees)
+        got_key, got = seen.pop("verify")
+        assert got_key == key and torch.equal(got[:ref.numel()], ref)
+        checked.append(len(rows))
+        return prop
+
+    eng.drafter.propose = compare
+    nodes = eng.drafter.fused.nodes
+    for budget in (None, min(5, nodes - 2), 0):  # the program's N, then budgets below it
+        eng.drafter.budget = budget
+        for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
+            got = eng.generate(prompts, PARAMS)
+            assert [o.token_ids for o in got] == [want[PROMPTS.index(p)] for p in prompts]
+            assert eng.all_blocks_free()
+    paths = eng.drafter.paths
+    assert paths["fused"] == paths["device"] == len(checked) == eng.drafter.fused.steps and paths["host"] == 0
+    assert {1, 3} <= set(checked)
+    assert eng.stats.accepted > 0
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_adaptive_budget_takes_the_fused_path(tiny, tree):
+    """With the adaptive controller choosing budgets, greedy steps are fused and output equals target-only."""
+    draft, target, want = tiny
+    eng = _engine(draft, target, tree, adaptive=True)
+    assert eng.adaptive is not None
+    assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS)] == want[:3]
+    assert eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0 and eng.all_blocks_free()
+
+
+READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_no_host_read_between_the_draft_program_and_the_verify(tiny, fused, monkeypatch):
+    """Between the end of the draft program and the start of the verify forward a fused step reads nothing
+    from a tensor (the unfused path reads the trees there: the count is not blind); the trees and the
+    acceptance come back in one read."""
+    draft, target, want = tiny
+    events = []
+    for name in READS:
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _m=method, _n=name: events.append(_n) or _m(self, *a))
+    run, forward = DeviceDraftProgram.run, GraphRunner._forward
+
+    def program(self, *args):
+        out = run(self, *args)
+        events.append("draft")
+        return out
+
+    def verify(self, key):
+        if key[0] == 0:
+            events.append("verify")
+        return forward(self, key)
+
+    monkeypatch.setattr(DeviceDraftProgram, "run", program)
+    monkeypatch.setattr(GraphRunner, "_forward", verify)
+    eng = _engine(draft, target, "dynamic:16", fused_verify=fused)
+    eng.drafter.budget = 7
+    assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS)] == want[:3]
+    between, steps, i = [], 0, 0
+    while "draft" in events[i:]:
+        i = events.index("draft", i) + 1
+        steps += 1
+        between.append(events[i:events.index("verify", i)])
+    assert steps == eng.drafter.paths["device"] > 0
+    if fused:
+        assert all(b == [] for b in between) and eng.drafter.paths["fused"] == steps
+    else:
+        assert all(len(b) > 0 for b in between) and eng.drafter.fused is None
+
+
+def test_device_best_nodes_and_ancestry_equal_the_host_trees():
+    """``best_nodes_on_device`` + ``ancestry`` equal ``best_nodes`` and the host depths/masks, including nodes
+    whose parent falls outside the budget (re-rooted) and deep chains (bit 62 of the masks)."""
+    g = torch.Generator().manual_seed(0)
+    rows, m = 6, 63
+    parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) if i % 7 else -1 for i in range(1, m)]
+               for _ in range(rows - 1)] + [[-1] + list(range(m - 1))]  # the last row: one chain of 63
+    ranks = [torch.randperm(m, generator=g).tolist() for _ in range(rows)]
+    tokens = torch.randint(0, 1000, (rows, m), generator=g)
+    out = torch.stack([tokens, torch.tensor(parents), torch.tensor(ranks)], 1)  # (R, 3, N)
+    for n in (0, 1, 17, m):
+        tok, par = best_nodes_on_device(out, n)
+        depth, anc = ancestry(par, m)
+        for i in range(rows):
+            tree = best_nodes(tokens[i].tolist(), parents[i], ranks[i], n)
+            assert tok[i].tolist() == tree.host.tokens and par[i].tolist() == tree.host.parents
+            d, masks = _depths_and_masks(tree.host.parents)
+            assert depth[i].tolist() == d and anc[i].tolist() == masks
+    assert int(ancestry(torch.tensor([parents[-1]]), m)[1][0, -1]) == (1 << 63) - 1  # bits 0..62
+
+
+def test_shipped_draft_fused_equals_target_only(smollm2):
+    """The shipped ``smollm2-135m-draft`` over SmolLM2-135M, float32: a dynamic tree cut to an adaptive budget
+    below N, at batch 1 and 3 rows in a bucket of 4, fused every step, equal to target-only."""
+    from specdec.training import default_draft_available
+
+    if not default_draft_available():
+        pytest.skip("the shipped draft is not installed")
+    draft = load_model("smollm2-135m-draft", target=smollm2)
+    prompts = [[{"role": "user", "content": q}] for q in ("Name a color.", "What is 2 + 2?", "Say hi.")]
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    cfg = dict(num_blocks=96, block_size=16)
+    want = [o.token_ids for o in SpecEngine(None, smollm2, SpecConfig(**cfg)).generate(prompts, params)]
+    eng = _engine(draft, smollm2, "dynamic:31", **cfg)
+    eng.drafter.budget = 7
+    assert eng.drafter.fused.nodes == 31
+    assert [o.token_ids for o in eng.generate(prompts[:1], params)] == want[:1]
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0 and eng.stats.accepted > 0
+    assert eng.all_blocks_free()
+
+
+def test_the_verify_may_overwrite_the_draft_programs_output(tiny, monkeypatch):
+    """On CUDA the program's output and the verify graph's intermediates share one memory pool: a fused step
+    must not read the program's output buffer after the verify ran (here the verify clobbers it)."""
+    draft, target, want = tiny
+    last, run, forward = [], DeviceDraftProgram.run, GraphRunner._forward
+
+    def program(self, *args):
+        last[:] = [run(self, *args)]
+        return last[0]
+
+    def clobbering(self, key):
+        if key[0] == 0 and last:
+            with torch.inference_mode():
+                last[0].fill_(-7)
+        return forward(self, key)
+
+    monkeypatch.setattr(DeviceDraftProgram, "run", program)
+    monkeypatch.setattr(GraphRunner, "_forward", clobbering)
+    for tree in ("dynamic:16", "topk:2x3"):
+        eng = _engine(draft, target, tree)
+        eng.drafter.budget = 5
+        assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS)] == want[:3]
+        assert eng.drafter.paths["fused"] > 0 and eng.all_blocks_free()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the fixture imported above
+    """float32 on the GPU, draft program and verify captured: fused steps (budgets N and 5, batch 1 and 3 rows
+    in a bucket of 4) give target-only's output and the unfused path's trees."""
+    root, _, _ = setup
+    target = load_model(root / "target", device="cuda")
+    draft = load_model(root / "full", target=target, device="cuda")
+    cfg = dict(CFG, device="cuda")
+    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(
+        PROMPTS, PARAMS)]
+    trees = {}
+    for fused in (True, False):
+        eng = _engine(draft, target, tree, fused_verify=fused, **cfg)
+        assert len(eng.drafter.device_loop.graphs) > 0 and eng.graph_report.graphs > 0
+        seen, propose = trees.setdefault(fused, []), eng.drafter.propose
+
+        def spy(rows, propose=propose, seen=seen):
+            prop = propose(rows)
+            seen.append([t.host.tokens for t in prop.trees])
+            return prop
+
+        eng.drafter.propose = spy
+        for budget in (None, 5):
+            eng.drafter.budget = budget
+            for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
+                got = eng.generate(prompts, PARAMS)
+                assert [o.token_ids for o in got] == [want[PROMPTS.index(p)] for p in prompts]
+        assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
+        assert eng.all_blocks_free()
+    assert trees[True] == trees[False]
