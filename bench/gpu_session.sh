@@ -141,6 +141,22 @@ case "$stage" in
     interleaved 330 16
     pack
     ;;
+  s5d)  # session 5 round 2, run 3 (with piece 02): GPU tests incl. the fused EAGLE step, then EAGLE speed fused/unfused
+    assemble
+    install
+    gpu_tests 150 tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_adaptive.py \
+      tests/test_step_graphs.py tests/test_ngram_shared.py
+    (cd /tmp && UNFUSED=${UNFUSED:-dynamic:31 adaptive} timeout 360 python3 -P "$root/bench/gpu_eagle_dynamic.py" speed \
+      "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" ${DYN_TREES:-dynamic:31 topk:2x3} > "$D/speed.log" 2>&1)
+    echo "speed exit $?"
+    grep -h -e "^batch" -e "^eagle" "$D/speed.log" | tail -14
+    pack
+    ;;
+  s5e)  # session 5 round 2, run 4: n-gram at batch 16 and 1 interleaved (after s5d)
+    install
+    interleaved 500 16 1
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
