@@ -6,7 +6,8 @@
 machine whose speed drifts over a minute (seen on the H200: the same target-only engine ran 7,851-9,823
 tok/s) biases the ratios. Here the engines of one batch size and schedule (``CONFIGS``: target-only, n-gram
 chain:8 with a fixed budget, with the adaptive budget, and with a fixed budget but no n-gram table shared
-across requests) are built first, then timed in rounds, one run of each per round in rotating order; a
+across requests; with ``ENGINES=eagle``: target-only and the shipped EAGLE draft with topk:2x3 fused and
+unfused and dynamic:31) are built first, then timed in rounds, one run of each per round in rotating order; a
 speed-up is the median over rounds of that round's ratio. Schedules: waves of ``batch`` prompts (the
 ``specdec bench`` method) and continuous batching (all prompts submitted, ``batch`` rows; not at batch 1).
 80 MT-bench prompts x 128 tokens on CUDA (4 x 16 on the CPU), ``REPEATS`` rounds (default 7 on CUDA;
@@ -30,9 +31,17 @@ from gpu_fastpath import CUDA, DEV, log, user_generate  # noqa: E402
 from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
 from specdec.loading.registry import load_model  # noqa: E402
 
-# name, draft, adaptive budget, n-gram table shared across requests
-CONFIGS = (("target_only", None, False, True), ("ngram_fixed", "ngram", False, True),
-           ("ngram_adaptive", "ngram", True, True), ("ngram_unshared", "ngram", False, False))
+# name -> SpecConfig fields ("draft": "ngram", "eagle" for the shipped EAGLE draft, or None); ENGINES picks a set
+ENGINE_SETS = {
+    "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
+              "ngram_adaptive": {"draft": "ngram", "adaptive": True},
+              "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
+    "eagle": {"target_only": {"draft": None},
+              "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
+              "eagle_topk2x3_unfused": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False, "fused_verify": False},
+              "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
+}
+ENGINES = os.environ.get("ENGINES", "ngram")
 
 
 REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x longer
@@ -56,13 +65,19 @@ def main() -> None:
     repeats = int(os.environ.get("REPEATS", "7" if CUDA else "2"))
     dt = "bfloat16" if CUDA else "float32"
     target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
-    res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats}
+    res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats, "engines": ENGINES}
+    eagle = None
     for b in batches:
         for continuous in (False, True) if b > 1 else (False,):  # one row: both schedules are the same
-            engines = {name: SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, tree="chain:8",
-                                                                  max_batch_size=b, prefix_cache=False,
-                                                                  adaptive=on, ngram_shared=shared))
-                       for name, draft, on, shared in CONFIGS}
+            engines = {}
+            for name, fields in ENGINE_SETS[ENGINES].items():
+                fields = {"tree": "chain:8", **fields}
+                draft = fields.pop("draft")
+                if draft == "eagle":
+                    draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV,
+                                                        target=target)
+                engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
+                                                                     prefix_cache=False, **fields))
             for eng in engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1))

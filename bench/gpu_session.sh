@@ -157,6 +157,12 @@ case "$stage" in
     interleaved 500 16 1
     pack
     ;;
+  s5f)  # session 5 round 3, run 3 (with piece 02): EAGLE at batch 64 interleaved (topk:2x3 fused/unfused, dynamic:31)
+    assemble
+    install
+    ENGINES=eagle interleaved 480 64
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
