@@ -248,7 +248,8 @@ def micro(out: Path) -> None:
     res["capture_q64_s"] = time.perf_counter() - t0
     res["capture_q64"] = str(wide.graph_report)
     log("capture (verify up to 64 tokens):", wide.graph_report)
-    for key in ((0, 1, 1), (0, 1, 16), (0, 1, 64), (0, 8, 1), (0, 32, 1), (0, 64, 1), (0, 64, 16)):
+    for key in ((0, 1, 1), (0, 1, 16), (0, 1, 64), (0, 8, 1), (0, 32, 1), (0, 64, 1), (0, 64, 16),
+                (0, 16, 1), (0, 16, 4), (0, 16, 8), (0, 16, 16)):  # batch 16: what a chain:8 verify (Q 9) costs
         ms = replay_ms(wide, key)
         res[f"replay_ms_{key[1]}x{key[2]}"] = ms
         log(f"graph replay B={key[1]} Q={key[2]}: {ms}")

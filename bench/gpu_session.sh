@@ -163,6 +163,13 @@ case "$stage" in
     ENGINES=eagle interleaved 480 64
     pack
     ;;
+  s5m)  # session 5: bench/gpu_fastpath.py micro alone (random weights, no model staging): issue 9's step, verify
+        # and host figures on the current code, graph replays at batch 16 by query length
+    install
+    fastpath 200 micro
+    grep -h -e "ms/step" -e "host ms" -e "replay" "$D/micro.log" | tail -24
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
