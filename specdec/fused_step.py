@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -26,15 +27,59 @@ from torch import Tensor
 
 from specdec.runner import ForwardResult
 from specdec.scheduler.step_inputs import PackedRows, StepViews
-from specdec.tree import _depths_and_masks, _verify_rows
+from specdec.tree import DraftTree, _depths_and_masks, _verify_rows
 
 
 class FusedOutcome(NamedTuple):
-    """What a fused step leaves for ``Verifier.verify_proposal``."""
+    """What a fused step leaves for ``Verifier.verify_proposal``: the kept trees' tokens and depths and the
+    verify's greedy acceptance, read in one copy (numpy), so results are built without ``DraftTree`` objects."""
 
-    accept: list[list[int]]  # (R, Q + 3) host rows of the verify's greedy acceptance
+    accept: np.ndarray  # (R, Q + 3) the verify's greedy acceptance: [m, bonus, path..., finite] per row
+    tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
+    max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
     forward: ForwardResult  # the verify forward (its features are gathered after the results)
     draft_seconds: float  # the draft program's share of the step (the adaptive budget's timing)
+
+
+class FusedTrees(Sequence):
+    """The ``DraftTree`` of each row of a fused step, built only when asked for (the results need none):
+    ``tokens`` (R, n) and ``parents`` (R, n) host arrays (-1: the root; topological order), or one shape
+    ``parents`` (a tuple of n) shared by every row."""
+
+    def __init__(self, tokens: np.ndarray, parents: np.ndarray | tuple[int, ...]) -> None:
+        self.tokens, self.parents = tokens, parents
+        self._trees: dict[int, DraftTree] = {}
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of every tree (``adaptive.max_nodes`` reads it)."""
+        return self.tokens.shape[1]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # IndexError past the end, negative indices from the end
+        tree = self._trees.get(i)
+        if tree is None:
+            parents = self.parents if isinstance(self.parents, tuple) else self.parents[i].tolist()
+            tree = self._trees[i] = DraftTree.of_parents(self.tokens[i].tolist(), list(parents))
+        return tree
+
+
+def tree_depths(parents: np.ndarray, levels: int) -> np.ndarray:
+    """(R,) ``DraftTree.max_depth`` of each topologically ordered tree ``parents`` (R, n) (-1: the root) at
+    most ``levels`` deep: max node depth + 1, 0 for trees without nodes."""
+    r, n = parents.shape
+    if not n:
+        return np.zeros(r, dtype=np.int64)
+    has, up = parents >= 0, np.maximum(parents, 0)
+    depth = np.zeros((r, n), dtype=np.int64)
+    for _ in range(levels - 1):  # after k rounds every node less than k + 1 deep is right
+        depth = np.where(has, np.take_along_axis(depth, up, 1) + 1, 0)
+    return depth.max(1) + 1
 
 
 class StepClock:
@@ -108,6 +153,11 @@ def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] 
     index = (np.arange(r)[:, None] * q + np.arange(w)).ravel()  # (R * w,)
     per_row = np.stack([seq - 1, seq - 1 + w, np.full(r, w, dtype=np.int64)])  # prefix, seq lens, tokens
     return PackedRows(index, tokens.reshape(5, r * w), per_row)
+
+
+def shape_depth(parents: tuple[int, ...]) -> int:
+    """``DraftTree.max_depth`` of the tree shape ``parents``."""
+    return int(_shape_rows(parents)[0].max()) + 1 if parents else 0
 
 
 @functools.lru_cache(maxsize=256)

@@ -8,6 +8,7 @@ padded graph steps run eagerly over the same buffers (``cuda_graphs=True``). One
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from specdec.scheduler.cuda_graphs import GraphRunner
@@ -243,3 +244,61 @@ def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the f
         assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
         assert eng.all_blocks_free()
     assert trees[True] == trees[False]
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
+    """The fused step builds its results from the read arrays, without trees: step by step they equal the
+    unfused path's (accepted nodes and tokens, bonus, nodes drafted, tree depth, features), and so do the
+    engine's acceptance statistics (depth counts included) and the trees ``propose`` returns, at batch 1 and 3
+    rows padded to a bucket of 4, with the program's N and budgets below it (5 and 0)."""
+    draft, target, want = tiny
+    runs = {}
+    for fused in (True, False):
+        eng = _engine(draft, target, tree, fused_verify=fused)
+        steps, trees = runs.setdefault(fused, ([], []))
+        propose, verify = eng.drafter.propose, eng.verifier.verify_proposal
+
+        def spy_propose(rows, propose=propose, trees=trees):
+            prop = propose(rows)
+            trees.append([(t.host.tokens, t.host.parents, t.num_nodes, t.max_depth) for t in prop.trees])
+            return prop
+
+        def spy_verify(rows, proposal, verify=verify, steps=steps):
+            results = verify(rows, proposal)
+            steps.append([(r[:-1], r.features.tolist()) for r in results])
+            return results
+
+        eng.drafter.propose, eng.verifier.verify_proposal = spy_propose, spy_verify
+        outputs = []
+        for budget in (None, 5, 0):
+            eng.drafter.budget = budget
+            for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
+                outputs.append([o.token_ids for o in eng.generate(prompts, PARAMS)])
+        assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
+        steps.append(eng.stats)
+        trees.append(outputs)
+    assert runs[True][0][-1].accepted > 0 and runs[True][0][-1].depth_accepted
+    assert runs[True] == runs[False]
+    assert runs[True][1][-1][:2] == [[want[0]], want[1:4]]
+
+
+def test_fused_tree_depths_and_lazy_trees():
+    """``tree_depths`` equals ``DraftTree.max_depth`` of random topologically ordered trees (and 0 for trees
+    without nodes); ``FusedTrees`` builds the same trees as ``DraftTree.of_parents``, on demand."""
+    from specdec.fused_step import FusedTrees, shape_depth, tree_depths
+    from specdec.tree import DraftTree
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 5, 31):
+        parents = np.array([[rng.integers(-1, j) for j in range(n)] for _ in range(6)], dtype=np.int64).reshape(6, n)
+        tokens = rng.integers(0, 100, (6, n))
+        want = [DraftTree.of_parents(t.tolist(), p.tolist()) for t, p in zip(tokens, parents)]
+        assert tree_depths(parents, 32).tolist() == [t.max_depth for t in want]
+        lazy = FusedTrees(tokens, parents)
+        assert len(lazy) == 6 and lazy.num_nodes == n and not lazy._trees
+        assert [(t.host.tokens, t.host.parents) for t in lazy] == [(t.host.tokens, t.host.parents) for t in want]
+        assert lazy[-1] is lazy[5]
+        if n:
+            assert shape_depth(tuple(parents[0].tolist())) == want[0].max_depth
+    assert shape_depth(()) == 0
