@@ -111,6 +111,7 @@ class FusedVerify:
         self.verifier, self.runner = verifier, verifier.runner
         self.nodes, self.levels = nodes, levels
         self.clock = StepClock(self.runner.device)
+        self.writer = TreeWriter(levels, self.runner.device)  # dynamic trees' verify inputs (``launch_program``)
         self.steps = 0
 
     def key(self, rows: int, nodes: int):
@@ -131,6 +132,57 @@ class FusedVerify:
 
         self.steps += 1
         return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
+
+    def launch_program(self, key, reqs: list, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor]:
+        """``launch`` of the trees a dynamic program's output ``out`` (R, 3, N) keeps under budget ``n``
+        (``best_nodes_on_device``), built on the device by ``self.writer``; also returns the kept trees' tokens
+        and parents (R, min(n, N)), device tensors the verify does not overwrite."""
+        k = min(n, out.shape[2])
+        packed = verify_skeleton(reqs, k, key[2], self.runner.query_slots)
+        built = []
+
+        def write(views: StepViews) -> None:
+            built.append(self.writer(views, key[1], key[2], out, n))
+
+        self.steps += 1
+        fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write)
+        return fwd, *built[0]
+
+
+class TreeWriter:
+    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA one replay of a graph
+    captured (on first use) per (batch bucket, query bucket, rows, budget) instead of 20-45 small launches;
+    eagerly elsewhere, or with ``capture`` False. Either way the kept trees are returned in buffers of their
+    own (the program's output may be overwritten by the verify)."""
+
+    def __init__(self, levels: int, device: torch.device, capture: bool | None = None) -> None:
+        self.levels, self.device = levels, device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.graphs: dict[tuple[int, int, int, int], tuple] = {}
+
+    def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
+        and parents (R, min(n, N))."""
+        if not self.capture:
+            return self._build(views, b, q, out.clone(), n)
+        key = (b, q, out.shape[0], n)
+        entry = self.graphs.get(key)
+        if entry is None:  # the bucket's input views are fixed buffers, so the graph may write them
+            from specdec.scheduler.cuda_graphs import capture_graph
+
+            src = out.clone()
+            graph, kept = capture_graph(functools.partial(self._build, views, b, q, src, n), None, self.device)
+            entry = self.graphs[key] = (graph, src, kept)
+        graph, src, kept = entry
+        src.copy_(out)
+        graph.replay()
+        return kept
+
+    @torch.inference_mode()
+    def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        tokens, parents = best_nodes_on_device(src, n)
+        write_trees(views, b, q, tokens, parents, self.levels)
+        return tokens, parents
 
 
 def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] | None = None) -> PackedRows:

@@ -60,6 +60,16 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
     tree and adaptive budgets below N (5 or N - 2, and 0); the verify inputs it builds on the device equal, element by
     element, those the host path packs for the same trees; the output equals target-only."""
     draft, target, want = tiny
+    eng = _engine(draft, target, tree)
+    checked = _check_fused_inputs(eng, want, monkeypatch, (None, min(5, eng.drafter.fused.nodes - 2), 0))
+    assert {1, 3} <= set(checked)
+    assert eng.stats.accepted > 0
+
+
+def _check_fused_inputs(eng: SpecEngine, want, monkeypatch, budgets) -> list[int]:
+    """Generate at batch 1 and 3 (padded to 4) under each budget, every greedy step fused: its verify inputs
+    equal those the host path packs for the proposal's trees and the output equals target-only (``want``).
+    Returns the rows of each checked step."""
     seen, forward = {}, GraphRunner._forward
 
     def snapshot(self, key):
@@ -68,7 +78,8 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
         return forward(self, key)
 
     monkeypatch.setattr(GraphRunner, "_forward", snapshot)
-    eng = _engine(draft, target, tree)
+    if eng.runner.graphs.graphs:  # captured verify graphs replay without calling _forward
+        monkeypatch.setattr(eng.runner.graphs, "graphs", {})
     checked, propose = [], eng.drafter.propose
 
     def compare(rows):
@@ -80,9 +91,8 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
         checked.append(len(rows))
         return prop
 
-    eng.drafter.propose = compare
-    nodes = eng.drafter.fused.nodes
-    for budget in (None, min(5, nodes - 2), 0):  # the program's N, then budgets below it
+    monkeypatch.setattr(eng.drafter, "propose", compare)
+    for budget in budgets:
         eng.drafter.budget = budget
         for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
             got = eng.generate(prompts, PARAMS)
@@ -90,8 +100,60 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
             assert eng.all_blocks_free()
     paths = eng.drafter.paths
     assert paths["fused"] == paths["device"] == len(checked) == eng.drafter.fused.steps and paths["host"] == 0
-    assert {1, 3} <= set(checked)
-    assert eng.stats.accepted > 0
+    return checked
+
+
+def _captured_vs_eager(draft, target, want, monkeypatch, **cfg) -> dict:
+    """Dynamic trees with ``TreeWriter`` capturing graphs, then building eagerly: in both, every step's verify
+    inputs equal the host-packed ones and the output equals target-only; the proposals' trees are the same
+    (a stale graph input would still give target-only's output: its trees are what the verify checked).
+    Returns the capturing run's writer and its fused steps."""
+    trees, writers, steps = {}, {}, {}
+    for capture in (True, False):
+        eng = _engine(draft, target, "dynamic:16", **cfg)
+        writer = writers[capture] = eng.drafter.fused.writer
+        writer.capture = capture
+        seen, propose = trees.setdefault(capture, []), eng.drafter.propose
+
+        def spy(rows, propose=propose, seen=seen):
+            prop = propose(rows)
+            seen.append([(t.host.tokens, t.host.parents) for t in prop.trees])
+            return prop
+
+        eng.drafter.propose = spy
+        with monkeypatch.context() as m:
+            steps[capture] = len(_check_fused_inputs(eng, want, m, (None, 5, 0)))
+        assert bool(writer.graphs) == capture
+    assert trees[True] == trees[False] and len(trees[True]) == steps[True] > 0
+    return writers[True], steps[True]
+
+
+def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
+    """``TreeWriter``'s CUDA path (a graph per bucket, rows and budget, replayed over a copy of the program's
+    output) run with a stand-in graph that re-runs the captured building into the captured outputs gives the
+    eager building's trees and verify inputs (``_captured_vs_eager``); one graph per key, one replay a step."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    class Replay:
+        def __init__(self, build, outs):
+            self.build, self.outs, self.replays = build, outs, 0
+
+        def replay(self):
+            self.replays += 1
+            for dst, src in zip(self.outs, self.build()):
+                dst.copy_(src)
+
+    def stand_in(build, pool, device):
+        outs = tuple(t.clone() for t in build())  # a graph's outputs are buffers of its own
+        return Replay(build, outs), outs
+
+    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    draft, target, want = tiny
+    assert not _engine(draft, target, "dynamic:16").drafter.fused.writer.capture  # on the CPU: eager
+    writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
+    assert {(b, r, n) for b, _, r, n in writer.graphs} >= {(1, 1, 5), (4, 3, 5), (1, 1, 0), (4, 3, 0),
+                                                          (1, 1, 16), (4, 3, 16)}
+    assert sum(g.replays for g, _, _ in writer.graphs.values()) == steps
 
 
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
@@ -211,6 +273,22 @@ def test_the_verify_may_overwrite_the_draft_programs_output(tiny, monkeypatch):
         eng.drafter.budget = 5
         assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS)] == want[:3]
         assert eng.drafter.paths["fused"] > 0 and eng.all_blocks_free()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  # noqa: F811 - the fixture
+    """float32 on the GPU, dynamic trees: the verify inputs built by ``TreeWriter``'s captured graphs (one per
+    bucket, rows and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
+    ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
+    root, _, _ = setup
+    target = load_model(root / "target", device="cuda")
+    draft = load_model(root / "full", target=target, device="cuda")
+    cfg = dict(CFG, device="cuda")
+    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(
+        PROMPTS, PARAMS)]
+    assert _engine(draft, target, "dynamic:16", **cfg).drafter.fused.writer.capture
+    writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
+    assert len(writer.graphs) >= 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

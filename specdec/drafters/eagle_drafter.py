@@ -20,7 +20,7 @@ import torch
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.fused_step import FusedOutcome, FusedTrees, best_nodes_on_device, shape_depth, tree_depths
+from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth, tree_depths
 from specdec.runner import RowInput, _as_signed
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
@@ -192,11 +192,14 @@ class EagleDrafter(ModelDrafter):
         fused = self.fused
         self.paths["fused"] += 1
         # the program's output lives in the graphs' shared memory pool, where the verify graph's own
-        # intermediates may reuse it: copy it out before the verify replays
-        out = out.clone()
+        # intermediates may reuse it: the kept trees are copied out before the verify replays
         drafted = fused.clock.mark()
-        tokens, parents = self._device_trees(out, n)  # (R, k) on the device; parents (R, k) or a host tuple
-        fwd = fused.launch(key, reqs, tokens, parents)
+        if self._template is None:  # tokens, parents (R, k) on the device
+            fwd, tokens, parents = fused.launch_program(key, reqs, out, n)
+        else:  # tokens (R, k) on the device, parents the template's first k (a host tuple)
+            k = min(n, out.shape[1])
+            tokens, parents = out[:, :k].clone(), self._template.parents[:k]
+            fwd = fused.launch(key, reqs, tokens, parents)
         r, k = tokens.shape
         shared = isinstance(parents, tuple)
         both = torch.cat([tokens] + ([] if shared else [parents]) + [fwd.accept[:r]], 1).cpu().numpy()  # the one read
@@ -209,15 +212,6 @@ class EagleDrafter(ModelDrafter):
         outcome = FusedOutcome(both[:, (1 if shared else 2) * k:], host_tokens, depth, fwd,
                                fused.clock.seconds(start, drafted))
         return Proposal(FusedTrees(host_tokens, host_parents), [frozenset()] * r, outcome)
-
-    def _device_trees(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | tuple[int, ...]]:
-        """The trees ``propose`` keeps of the device program's output ``out`` (rows first) under budget ``n``:
-        tokens (R, n') on the device, n' = min(n, N), and parents, (R, n') on the device for dynamic trees,
-        the template's first n' (a host tuple, the same for every row) for static ones."""
-        if self._template is None:
-            return best_nodes_on_device(out, n)
-        n = min(n, out.shape[1])
-        return out[:, :n], self._template.parents[:n]
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
