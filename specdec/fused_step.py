@@ -150,9 +150,10 @@ class FusedVerify:
 
 
 class TreeWriter:
-    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA one replay of a graph
-    captured (on first use) per (batch bucket, query bucket, rows, budget) instead of 20-45 small launches;
-    eagerly elsewhere, or with ``capture`` False. Either way the kept trees are returned in buffers of their
+    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA, when the rows fill
+    their batch bucket (always at batch 1), one replay of a graph captured (on first use) per (batch bucket,
+    query bucket, rows, budget) instead of 20-45 small launches; eagerly otherwise, elsewhere, or with
+    ``capture`` False. Either way the kept trees are returned in buffers of their
     own (the program's output may be overwritten by the verify)."""
 
     def __init__(self, levels: int, device: torch.device, capture: bool | None = None) -> None:
@@ -163,9 +164,9 @@ class TreeWriter:
     def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor]:
         """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
         and parents (R, min(n, N))."""
-        if not self.capture:
+        if not self.capture or out.shape[0] != b:  # graphs only for full buckets: few keys, none mid-run
             return self._build(views, b, q, out.clone(), n)
-        key = (b, q, out.shape[0], n)
+        key = (b, q, b, n)
         entry = self.graphs.get(key)
         if entry is None:  # the bucket's input views are fixed buffers, so the graph may write them
             from specdec.scheduler.cuda_graphs import capture_graph

@@ -129,9 +129,9 @@ def _captured_vs_eager(draft, target, want, monkeypatch, **cfg) -> dict:
 
 
 def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
-    """``TreeWriter``'s CUDA path (a graph per bucket, rows and budget, replayed over a copy of the program's
+    """``TreeWriter``'s CUDA path (a graph per full bucket and budget, replayed over a copy of the program's
     output) run with a stand-in graph that re-runs the captured building into the captured outputs gives the
-    eager building's trees and verify inputs (``_captured_vs_eager``); one graph per key, one replay a step."""
+    eager building's trees and verify inputs (``_captured_vs_eager``); rows short of their bucket stay eager."""
     import specdec.scheduler.cuda_graphs as cg
 
     class Replay:
@@ -151,9 +151,9 @@ def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
     draft, target, want = tiny
     assert not _engine(draft, target, "dynamic:16").drafter.fused.writer.capture  # on the CPU: eager
     writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
-    assert {(b, r, n) for b, _, r, n in writer.graphs} >= {(1, 1, 5), (4, 3, 5), (1, 1, 0), (4, 3, 0),
-                                                          (1, 1, 16), (4, 3, 16)}
-    assert sum(g.replays for g, _, _ in writer.graphs.values()) == steps
+    keys = {(b, r, n) for b, _, r, n in writer.graphs}
+    assert keys >= {(1, 1, 5), (1, 1, 0), (1, 1, 16)} and all(b == r for b, r, _ in keys)  # 3 rows of 4: eager
+    assert 0 < sum(g.replays for g, _, _ in writer.graphs.values()) < steps
 
 
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
@@ -288,7 +288,7 @@ def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  #
         PROMPTS, PARAMS)]
     assert _engine(draft, target, "dynamic:16", **cfg).drafter.fused.writer.capture
     writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
-    assert len(writer.graphs) >= 4
+    assert len(writer.graphs) >= 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
