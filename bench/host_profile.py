@@ -208,12 +208,13 @@ def rule_llama_class():
             self.register_buffer("alt", pick(), persistent=False)
             self.follow = int(follow * 2**32)
 
-        def forward(self, input_ids, positions, ctx):
-            super().forward(input_ids, positions, ctx)  # the layers' work and KV writes
+        def forward_features(self, input_ids, positions, ctx, aux_layers=()):
+            # the layers' work and KV writes (and the EAGLE features); every forward path comes through here
+            _, aux = super().forward_features(input_ids, positions, ctx, aux_layers)
             follows = (positions * 2654435761) % 2**32 < self.follow  # (T,)
             nxt = torch.where(follows, self.succ[input_ids], self.alt[input_ids])  # (T,)
             dtype = self.lm_head.weight.dtype
-            return torch.stack([(nxt // 256).to(dtype), (nxt % 256).to(dtype)], 1)  # (T, 2): exact in bf16
+            return torch.stack([(nxt // 256).to(dtype), (nxt % 256).to(dtype)], 1), aux  # (T, 2): exact in bf16
 
         def compute_logits(self, hidden):
             nxt = (hidden[:, 0].float() * 256 + hidden[:, 1].float()).long()  # (T,)

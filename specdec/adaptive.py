@@ -147,6 +147,13 @@ def template_trees(rows: list[list[int]], template, n: int) -> list:
     return DraftTree.of_template_rows([tokens[:n] for tokens in rows], _template_prefix(template.parents, n))
 
 
+def max_nodes(trees) -> int:
+    """Nodes of the largest of ``trees`` (``trees.num_nodes`` when the batch knows it: ``FusedTrees``, whose
+    trees are then not built)."""
+    known = getattr(trees, "num_nodes", None)
+    return known if known is not None else max((t.num_nodes for t in trees), default=0)
+
+
 @functools.lru_cache(maxsize=256)
 def _template_prefix(parents: tuple[int, ...], n: int):
     from specdec.tree import TreeTemplate
@@ -328,7 +335,7 @@ class BudgetController:
         t2 = time.perf_counter()
         if proposal.fused is not None:  # the verify ran inside ``propose``: split the step at the draft's share
             t1 = t0 + min(proposal.fused.draft_seconds, t2 - t0)
-        query = 1 + max(t.num_nodes for t in proposal.trees)
+        query = 1 + max_nodes(proposal.trees)
         self.observe(len(rows), query, [len(r.accepted_nodes) for r in results], t1 - t0, t2 - t1)
         self._timed = (batch_key(len(rows)), query > 1, t2 - t0)
         return results

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -26,15 +27,59 @@ from torch import Tensor
 
 from specdec.runner import ForwardResult
 from specdec.scheduler.step_inputs import PackedRows, StepViews
-from specdec.tree import _depths_and_masks, _verify_rows
+from specdec.tree import DraftTree, _depths_and_masks, _verify_rows
 
 
 class FusedOutcome(NamedTuple):
-    """What a fused step leaves for ``Verifier.verify_proposal``."""
+    """What a fused step leaves for ``Verifier.verify_proposal``: the kept trees' tokens and depths and the
+    verify's greedy acceptance, read in one copy (numpy), so results are built without ``DraftTree`` objects."""
 
-    accept: list[list[int]]  # (R, Q + 3) host rows of the verify's greedy acceptance
+    accept: np.ndarray  # (R, Q + 3) the verify's greedy acceptance: [m, bonus, path..., finite] per row
+    tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
+    max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
     forward: ForwardResult  # the verify forward (its features are gathered after the results)
     draft_seconds: float  # the draft program's share of the step (the adaptive budget's timing)
+
+
+class FusedTrees(Sequence):
+    """The ``DraftTree`` of each row of a fused step, built only when asked for (the results need none):
+    ``tokens`` (R, n) and ``parents`` (R, n) host arrays (-1: the root; topological order), or one shape
+    ``parents`` (a tuple of n) shared by every row."""
+
+    def __init__(self, tokens: np.ndarray, parents: np.ndarray | tuple[int, ...]) -> None:
+        self.tokens, self.parents = tokens, parents
+        self._trees: dict[int, DraftTree] = {}
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of every tree (``adaptive.max_nodes`` reads it)."""
+        return self.tokens.shape[1]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = range(len(self))[i]  # IndexError past the end, negative indices from the end
+        tree = self._trees.get(i)
+        if tree is None:
+            parents = self.parents if isinstance(self.parents, tuple) else self.parents[i].tolist()
+            tree = self._trees[i] = DraftTree.of_parents(self.tokens[i].tolist(), list(parents))
+        return tree
+
+
+def tree_depths(parents: np.ndarray, levels: int) -> np.ndarray:
+    """(R,) ``DraftTree.max_depth`` of each topologically ordered tree ``parents`` (R, n) (-1: the root) at
+    most ``levels`` deep: max node depth + 1, 0 for trees without nodes."""
+    r, n = parents.shape
+    if not n:
+        return np.zeros(r, dtype=np.int64)
+    has, up = parents >= 0, np.maximum(parents, 0)
+    depth = np.zeros((r, n), dtype=np.int64)
+    for _ in range(levels - 1):  # after k rounds every node less than k + 1 deep is right
+        depth = np.where(has, np.take_along_axis(depth, up, 1) + 1, 0)
+    return depth.max(1) + 1
 
 
 class StepClock:
@@ -66,6 +111,7 @@ class FusedVerify:
         self.verifier, self.runner = verifier, verifier.runner
         self.nodes, self.levels = nodes, levels
         self.clock = StepClock(self.runner.device)
+        self.writer = TreeWriter(levels, self.runner.device)  # dynamic trees' verify inputs (``launch_program``)
         self.steps = 0
 
     def key(self, rows: int, nodes: int):
@@ -86,6 +132,58 @@ class FusedVerify:
 
         self.steps += 1
         return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
+
+    def launch_program(self, key, reqs: list, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor]:
+        """``launch`` of the trees a dynamic program's output ``out`` (R, 3, N) keeps under budget ``n``
+        (``best_nodes_on_device``), built on the device by ``self.writer``; also returns the kept trees' tokens
+        and parents (R, min(n, N)), device tensors the verify does not overwrite."""
+        k = min(n, out.shape[2])
+        packed = verify_skeleton(reqs, k, key[2], self.runner.query_slots)
+        built = []
+
+        def write(views: StepViews) -> None:
+            built.append(self.writer(views, key[1], key[2], out, n))
+
+        self.steps += 1
+        fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write)
+        return fwd, *built[0]
+
+
+class TreeWriter:
+    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA, when the rows fill
+    their batch bucket (always at batch 1), one replay of a graph captured (on first use) per (batch bucket,
+    query bucket, rows, budget) instead of 20-45 small launches; eagerly otherwise, elsewhere, or with
+    ``capture`` False. Either way the kept trees are returned in buffers of their
+    own (the program's output may be overwritten by the verify)."""
+
+    def __init__(self, levels: int, device: torch.device, capture: bool | None = None) -> None:
+        self.levels, self.device = levels, device
+        self.capture = device.type == "cuda" if capture is None else capture
+        self.graphs: dict[tuple[int, int, int, int], tuple] = {}
+
+    def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
+        and parents (R, min(n, N))."""
+        if not self.capture or out.shape[0] != b:  # graphs only for full buckets: few keys, none mid-run
+            return self._build(views, b, q, out.clone(), n)
+        key = (b, q, b, n)
+        entry = self.graphs.get(key)
+        if entry is None:  # the bucket's input views are fixed buffers, so the graph may write them
+            from specdec.scheduler.cuda_graphs import capture_graph
+
+            src = out.clone()
+            graph, kept = capture_graph(functools.partial(self._build, views, b, q, src, n), None, self.device)
+            entry = self.graphs[key] = (graph, src, kept)
+        graph, src, kept = entry
+        src.copy_(out)
+        graph.replay()
+        return kept
+
+    @torch.inference_mode()
+    def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int) -> tuple[Tensor, Tensor]:
+        tokens, parents = best_nodes_on_device(src, n)
+        write_trees(views, b, q, tokens, parents, self.levels)
+        return tokens, parents
 
 
 def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] | None = None) -> PackedRows:
@@ -108,6 +206,11 @@ def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] 
     index = (np.arange(r)[:, None] * q + np.arange(w)).ravel()  # (R * w,)
     per_row = np.stack([seq - 1, seq - 1 + w, np.full(r, w, dtype=np.int64)])  # prefix, seq lens, tokens
     return PackedRows(index, tokens.reshape(5, r * w), per_row)
+
+
+def shape_depth(parents: tuple[int, ...]) -> int:
+    """``DraftTree.max_depth`` of the tree shape ``parents``."""
+    return int(_shape_rows(parents)[0].max()) + 1 if parents else 0
 
 
 @functools.lru_cache(maxsize=256)

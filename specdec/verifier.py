@@ -60,8 +60,7 @@ class Verifier:
         fused = proposal.fused
         if fused is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
-        results = self._from_device(rows, proposal.trees, proposal.draft_computed, fused.forward, fused.accept)
-        return self._with_features(results, fused.forward)
+        return self._with_features(_from_fused(rows, proposal.draft_computed, fused), fused.forward)
 
     @staticmethod
     def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
@@ -91,23 +90,18 @@ class Verifier:
         return results
 
     @staticmethod
-    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd,
-                     host: list[list[int]] | None = None) -> list[VerifyResult]:
+    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
         """Results of a padded step: the graph's greedy acceptance; sampled rows replaced by
         ``accept_stochastic_padded`` (one device->host read of the (B, Q + 3) outcome), or, when there are
-        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits. ``host``: the
-        greedy rows' outcome already read (a fused step)."""
+        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         on_host = set(sampled) if len(sampled) < DEVICE_SAMPLED_MIN_ROWS else set()
-        if host is None:
-            accept = fwd.accept
-            if sampled and not on_host:
-                accept = accept.clone()
-                accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
-                                                       fwd.logits, sampled, accept.shape[1] - 3)
-            host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
-        elif sampled:
-            raise ValueError(f"host: a fused step's rows are greedy, rows {sampled} are sampled")
+        accept = fwd.accept
+        if sampled and not on_host:
+            accept = accept.clone()
+            accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
+                                                   fwd.logits, sampled, accept.shape[1] - 3)
+        host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         check_finite_flags(rows, [row[-1] for row in host], "target")
         results = []
         for i, (req, row, tree, dc) in enumerate(zip(rows, host, trees, draft_computed)):
@@ -129,6 +123,24 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
+
+
+def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult]:
+    """Results of a fused step (``specdec.fused_step.FusedOutcome``: greedy rows, their trees' tokens and
+    depths and the acceptance already on the host), as ``Verifier._from_device`` gives for the same trees."""
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if sampled:
+        raise ValueError(f"rows: a fused step's rows are greedy, rows {sampled} are sampled")
+    accept, tokens = fused.accept, fused.tokens  # (R, Q + 3), (R, n)
+    check_finite_flags(rows, accept[:, -1].tolist(), "target")
+    counts = accept[:, 0]  # (R,) accepted nodes
+    width = int(counts.max(initial=0))
+    nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
+    picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
+    n = tokens.shape[1]
+    return [VerifyResult(path[:m], toks[:m], bonus, n, depth, dc) for path, toks, m, bonus, depth, dc in
+            zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
+                fused.max_depth.tolist(), draft_computed)]
 
 
 def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, slots) -> PackedRows:

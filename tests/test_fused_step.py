@@ -8,6 +8,7 @@ padded graph steps run eagerly over the same buffers (``cuda_graphs=True``). One
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from specdec.scheduler.cuda_graphs import GraphRunner
@@ -59,6 +60,16 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
     tree and adaptive budgets below N (5 or N - 2, and 0); the verify inputs it builds on the device equal, element by
     element, those the host path packs for the same trees; the output equals target-only."""
     draft, target, want = tiny
+    eng = _engine(draft, target, tree)
+    checked = _check_fused_inputs(eng, want, monkeypatch, (None, min(5, eng.drafter.fused.nodes - 2), 0))
+    assert {1, 3} <= set(checked)
+    assert eng.stats.accepted > 0
+
+
+def _check_fused_inputs(eng: SpecEngine, want, monkeypatch, budgets) -> list[int]:
+    """Generate at batch 1 and 3 (padded to 4) under each budget, every greedy step fused: its verify inputs
+    equal those the host path packs for the proposal's trees and the output equals target-only (``want``).
+    Returns the rows of each checked step."""
     seen, forward = {}, GraphRunner._forward
 
     def snapshot(self, key):
@@ -67,7 +78,8 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
         return forward(self, key)
 
     monkeypatch.setattr(GraphRunner, "_forward", snapshot)
-    eng = _engine(draft, target, tree)
+    if eng.runner.graphs.graphs:  # captured verify graphs replay without calling _forward
+        monkeypatch.setattr(eng.runner.graphs, "graphs", {})
     checked, propose = [], eng.drafter.propose
 
     def compare(rows):
@@ -79,9 +91,8 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
         checked.append(len(rows))
         return prop
 
-    eng.drafter.propose = compare
-    nodes = eng.drafter.fused.nodes
-    for budget in (None, min(5, nodes - 2), 0):  # the program's N, then budgets below it
+    monkeypatch.setattr(eng.drafter, "propose", compare)
+    for budget in budgets:
         eng.drafter.budget = budget
         for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
             got = eng.generate(prompts, PARAMS)
@@ -89,8 +100,60 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
             assert eng.all_blocks_free()
     paths = eng.drafter.paths
     assert paths["fused"] == paths["device"] == len(checked) == eng.drafter.fused.steps and paths["host"] == 0
-    assert {1, 3} <= set(checked)
-    assert eng.stats.accepted > 0
+    return checked
+
+
+def _captured_vs_eager(draft, target, want, monkeypatch, **cfg) -> dict:
+    """Dynamic trees with ``TreeWriter`` capturing graphs, then building eagerly: in both, every step's verify
+    inputs equal the host-packed ones and the output equals target-only; the proposals' trees are the same
+    (a stale graph input would still give target-only's output: its trees are what the verify checked).
+    Returns the capturing run's writer and its fused steps."""
+    trees, writers, steps = {}, {}, {}
+    for capture in (True, False):
+        eng = _engine(draft, target, "dynamic:16", **cfg)
+        writer = writers[capture] = eng.drafter.fused.writer
+        writer.capture = capture
+        seen, propose = trees.setdefault(capture, []), eng.drafter.propose
+
+        def spy(rows, propose=propose, seen=seen):
+            prop = propose(rows)
+            seen.append([(t.host.tokens, t.host.parents) for t in prop.trees])
+            return prop
+
+        eng.drafter.propose = spy
+        with monkeypatch.context() as m:
+            steps[capture] = len(_check_fused_inputs(eng, want, m, (None, 5, 0)))
+        assert bool(writer.graphs) == capture
+    assert trees[True] == trees[False] and len(trees[True]) == steps[True] > 0
+    return writers[True], steps[True]
+
+
+def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
+    """``TreeWriter``'s CUDA path (a graph per full bucket and budget, replayed over a copy of the program's
+    output) run with a stand-in graph that re-runs the captured building into the captured outputs gives the
+    eager building's trees and verify inputs (``_captured_vs_eager``); rows short of their bucket stay eager."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    class Replay:
+        def __init__(self, build, outs):
+            self.build, self.outs, self.replays = build, outs, 0
+
+        def replay(self):
+            self.replays += 1
+            for dst, src in zip(self.outs, self.build()):
+                dst.copy_(src)
+
+    def stand_in(build, pool, device):
+        outs = tuple(t.clone() for t in build())  # a graph's outputs are buffers of its own
+        return Replay(build, outs), outs
+
+    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    draft, target, want = tiny
+    assert not _engine(draft, target, "dynamic:16").drafter.fused.writer.capture  # on the CPU: eager
+    writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
+    keys = {(b, r, n) for b, _, r, n in writer.graphs}
+    assert keys >= {(1, 1, 5), (1, 1, 0), (1, 1, 16)} and all(b == r for b, r, _ in keys)  # 3 rows of 4: eager
+    assert 0 < sum(g.replays for g, _, _ in writer.graphs.values()) < steps
 
 
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
@@ -213,6 +276,22 @@ def test_the_verify_may_overwrite_the_draft_programs_output(tiny, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  # noqa: F811 - the fixture
+    """float32 on the GPU, dynamic trees: the verify inputs built by ``TreeWriter``'s captured graphs (one per
+    bucket, rows and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
+    ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
+    root, _, _ = setup
+    target = load_model(root / "target", device="cuda")
+    draft = load_model(root / "full", target=target, device="cuda")
+    cfg = dict(CFG, device="cuda")
+    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(
+        PROMPTS, PARAMS)]
+    assert _engine(draft, target, "dynamic:16", **cfg).drafter.fused.writer.capture
+    writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
+    assert len(writer.graphs) >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
 def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the fixture imported above
     """float32 on the GPU, draft program and verify captured: fused steps (budgets N and 5, batch 1 and 3 rows
@@ -243,3 +322,61 @@ def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the f
         assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
         assert eng.all_blocks_free()
     assert trees[True] == trees[False]
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
+    """The fused step builds its results from the read arrays, without trees: step by step they equal the
+    unfused path's (accepted nodes and tokens, bonus, nodes drafted, tree depth, features), and so do the
+    engine's acceptance statistics (depth counts included) and the trees ``propose`` returns, at batch 1 and 3
+    rows padded to a bucket of 4, with the program's N and budgets below it (5 and 0)."""
+    draft, target, want = tiny
+    runs = {}
+    for fused in (True, False):
+        eng = _engine(draft, target, tree, fused_verify=fused)
+        steps, trees = runs.setdefault(fused, ([], []))
+        propose, verify = eng.drafter.propose, eng.verifier.verify_proposal
+
+        def spy_propose(rows, propose=propose, trees=trees):
+            prop = propose(rows)
+            trees.append([(t.host.tokens, t.host.parents, t.num_nodes, t.max_depth) for t in prop.trees])
+            return prop
+
+        def spy_verify(rows, proposal, verify=verify, steps=steps):
+            results = verify(rows, proposal)
+            steps.append([(r[:-1], r.features.tolist()) for r in results])
+            return results
+
+        eng.drafter.propose, eng.verifier.verify_proposal = spy_propose, spy_verify
+        outputs = []
+        for budget in (None, 5, 0):
+            eng.drafter.budget = budget
+            for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
+                outputs.append([o.token_ids for o in eng.generate(prompts, PARAMS)])
+        assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
+        steps.append(eng.stats)
+        trees.append(outputs)
+    assert runs[True][0][-1].accepted > 0 and runs[True][0][-1].depth_accepted
+    assert runs[True] == runs[False]
+    assert runs[True][1][-1][:2] == [[want[0]], want[1:4]]
+
+
+def test_fused_tree_depths_and_lazy_trees():
+    """``tree_depths`` equals ``DraftTree.max_depth`` of random topologically ordered trees (and 0 for trees
+    without nodes); ``FusedTrees`` builds the same trees as ``DraftTree.of_parents``, on demand."""
+    from specdec.fused_step import FusedTrees, shape_depth, tree_depths
+    from specdec.tree import DraftTree
+
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 5, 31):
+        parents = np.array([[rng.integers(-1, j) for j in range(n)] for _ in range(6)], dtype=np.int64).reshape(6, n)
+        tokens = rng.integers(0, 100, (6, n))
+        want = [DraftTree.of_parents(t.tolist(), p.tolist()) for t, p in zip(tokens, parents)]
+        assert tree_depths(parents, 32).tolist() == [t.max_depth for t in want]
+        lazy = FusedTrees(tokens, parents)
+        assert len(lazy) == 6 and lazy.num_nodes == n and not lazy._trees
+        assert [(t.host.tokens, t.host.parents) for t in lazy] == [(t.host.tokens, t.host.parents) for t in want]
+        assert lazy[-1] is lazy[5]
+        if n:
+            assert shape_depth(tuple(parents[0].tolist())) == want[0].max_depth
+    assert shape_depth(()) == 0

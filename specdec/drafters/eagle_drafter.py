@@ -20,7 +20,7 @@ import torch
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.fused_step import FusedOutcome, best_nodes_on_device
+from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth, tree_depths
 from specdec.runner import RowInput, _as_signed
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
@@ -176,42 +176,42 @@ class EagleDrafter(ModelDrafter):
         start = None if key is None else fused.clock.mark()
         out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))[:len(reqs)]
         self._consumed(reqs, spans)
-        if key is None:
-            host, outcome = out.tolist(), None  # the one read
-        else:
-            host, outcome = self._verify_fused(key, reqs, out, n, start)
+        if key is not None:
+            return self._verify_fused(key, reqs, out, n, start)
+        host = out.tolist()  # the one read
         if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
             trees = [best_nodes(*row, n) for row in host]
         else:  # (rows, N) tokens
             trees = template_trees(host, self._template, n)
-        return Proposal(trees, [frozenset()] * len(reqs), outcome)
+        return Proposal(trees, [frozenset()] * len(reqs))
 
-    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start):
+    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start) -> Proposal:
         """Launch the verify (bucket ``key``) of the program's trees ``out`` (rows first) under budget ``n`` right
-        behind the program (started at clock mark ``start``), then read the trees and the acceptance with one
-        copy: the trees' host rows (as ``out.tolist()``) and the ``FusedOutcome``."""
+        behind the program (started at clock mark ``start``), then read the kept trees and the acceptance with
+        one copy: a proposal of ``FusedTrees`` (built only if asked for) and the ``FusedOutcome``."""
         fused = self.fused
         self.paths["fused"] += 1
         # the program's output lives in the graphs' shared memory pool, where the verify graph's own
-        # intermediates may reuse it: copy it out before the verify replays
-        out = out.clone()
+        # intermediates may reuse it: the kept trees are copied out before the verify replays
         drafted = fused.clock.mark()
-        fwd = fused.launch(key, reqs, *self._device_trees(out, n))
-        both = torch.cat([out.reshape(len(reqs), -1), fwd.accept[:len(reqs)]], 1).tolist()  # the one read
-        width = out[0].numel()
-        host = [row[:width] for row in both]
-        if self._template is None:  # (3 * N,) -> tokens, parents, ranks
-            host = [[row[i:i + fused.nodes] for i in range(0, width, fused.nodes)] for row in host]
-        return host, FusedOutcome([row[width:] for row in both], fwd, fused.clock.seconds(start, drafted))
-
-    def _device_trees(self, out: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor | tuple[int, ...]]:
-        """The trees ``propose`` keeps of the device program's output ``out`` (rows first) under budget ``n``:
-        tokens (R, n') on the device, n' = min(n, N), and parents, (R, n') on the device for dynamic trees,
-        the template's first n' (a host tuple, the same for every row) for static ones."""
-        if self._template is None:
-            return best_nodes_on_device(out, n)
-        n = min(n, out.shape[1])
-        return out[:, :n], self._template.parents[:n]
+        if self._template is None:  # tokens, parents (R, k) on the device
+            fwd, tokens, parents = fused.launch_program(key, reqs, out, n)
+        else:  # tokens (R, k) on the device, parents the template's first k (a host tuple)
+            k = min(n, out.shape[1])
+            tokens, parents = out[:, :k].clone(), self._template.parents[:k]
+            fwd = fused.launch(key, reqs, tokens, parents)
+        r, k = tokens.shape
+        shared = isinstance(parents, tuple)
+        both = torch.cat([tokens] + ([] if shared else [parents]) + [fwd.accept[:r]], 1).cpu().numpy()  # the one read
+        host_tokens = both[:, :k]
+        if shared:
+            host_parents, depth = parents, np.full(r, shape_depth(parents), dtype=np.int64)
+        else:
+            host_parents = both[:, k:2 * k]
+            depth = tree_depths(host_parents, fused.levels)
+        outcome = FusedOutcome(both[:, (1 if shared else 2) * k:], host_tokens, depth, fwd,
+                               fused.clock.seconds(start, drafted))
+        return Proposal(FusedTrees(host_tokens, host_parents), [frozenset()] * r, outcome)
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
