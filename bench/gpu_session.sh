@@ -170,6 +170,18 @@ case "$stage" in
     grep -h -e "ms/step" -e "host ms" -e "replay" "$D/micro.log" | tail -24
     pack
     ;;
+  s5g)  # session 5 last round, run 3 (with piece 02): GPU tests of the fused step (captured tree building), the draft
+        # program's kernels, EAGLE at batch 64 (5 rounds) and 1 (2 rounds) interleaved
+    assemble
+    install
+    gpu_tests 120 tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_step_graphs.py
+    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
+    grep -h -e "replay" "$D/kernels.log"
+    mkdir -p "$D/b64" "$D/b1"
+    (D=$D/b64; export REPEATS=5 ENGINES=eagle; interleaved 170 64)
+    (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle; interleaved 190 1)
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
