@@ -290,7 +290,7 @@ class SpecEngine:
 
     def _route(self, reqs: list[Request]) -> None:
         for req in reqs:
-            if self.router.owns(req):
+            if self.router.wants(req):
                 out = _output(req, self.stopper)
                 if out.new_token_ids or out.finished:
                     self.router.deliver(req, out)
@@ -300,15 +300,18 @@ class SpecEngine:
 
         A prompt that fails validation, or a request that fails while running, yields an output
         with finish_reason "error" and the cause in ``error``; the other prompts run normally.
+        Only final outputs are built (without ``use_tqdm``), so ``new_token_ids``/``new_text`` hold the
+        whole output.
         """
         final: dict[str, RequestOutput] = {}
         order = []
-        for out in self.stream(prompts, params, use_tqdm=use_tqdm, _order=order):
+        for out in self.stream(prompts, params, use_tqdm=use_tqdm, _order=order, _finals_only=not use_tqdm):
             if out.finished:
                 final[out.request_id] = out
         return [final[i] for i in order]
 
-    def stream(self, prompts, params=None, use_tqdm: bool = False, _order=None) -> Iterator[RequestOutput]:
+    def stream(self, prompts, params=None, use_tqdm: bool = False, _order=None,
+               _finals_only: bool = False) -> Iterator[RequestOutput]:
         """Yield incremental outputs (``new_token_ids``/``new_text``) of these prompts' requests.
 
         Only this call's requests are yielded, even when other streams drive the same engine.
@@ -318,7 +321,7 @@ class SpecEngine:
         prompt_list = as_prompt_list(prompts)
         plist = _params_list(params, len(prompt_list))
         order = _order if _order is not None else []
-        queue, bar = OutputQueue(), None
+        queue, bar = OutputQueue(finals_only=_finals_only), None
         try:
             for prompt, p in zip(prompt_list, plist):
                 rid = str(next(self._ids))

@@ -15,11 +15,14 @@ from specdec.scheduler.request import Request
 
 
 class OutputQueue:
-    """The requests one ``stream()`` call submitted and their outputs not yet yielded, in order."""
+    """The requests one ``stream()`` call submitted and their outputs not yet yielded, in order.
+    ``finals_only``: only finished requests' outputs are built and queued (``generate`` without a progress
+    bar keeps nothing else, so the per-step outputs and their incremental detokenisation are skipped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, finals_only: bool = False) -> None:
         self.requests: list[Request] = []
         self.pending: deque[RequestOutput] = deque()
+        self.finals_only = finals_only
 
     @property
     def done(self) -> bool:
@@ -41,6 +44,12 @@ class Router:
 
     def owns(self, req: Request) -> bool:
         return req in self._owner
+
+    def wants(self, req: Request) -> bool:
+        """An output of ``req`` now has a receiver: an owning stream that takes every output, or the
+        request has finished."""
+        queue = self._owner.get(req)
+        return queue is not None and (req.finished or not queue.finals_only)
 
     def deliver(self, req: Request, out: RequestOutput) -> None:
         """Queue ``out`` for the stream owning ``req``; a finished request leaves the router."""

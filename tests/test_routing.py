@@ -139,3 +139,23 @@ def test_stop_string_at_offset_zero_is_cut(letter_target, stream):
     later = SamplingParams(max_new_tokens=10, ignore_eos=True, stop=[free.text[1:3]])  # a match further in
     assert eng.generate([prompt], later)[0].text == free.text[:free.text.index(free.text[1:3])]
     assert eng.all_blocks_free()
+
+
+def test_generate_builds_only_final_outputs_while_a_stream_alongside_gets_every_step(engine, reference,
+                                                                                     monkeypatch):
+    """``generate`` (no progress bar) builds one output per request, at its finish, with the whole output
+    in ``new_token_ids``/``new_text``; a stream sharing the engine still gets an output per step."""
+    import specdec.engine as engine_mod
+
+    built = []
+    output = engine_mod._output
+    monkeypatch.setattr(engine_mod, "_output", lambda req, stopper: built.append(req.request_id) or
+                        output(req, stopper))
+    outs = engine.generate(P1, PARAMS)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in P1]
+    assert sorted(built) == sorted(o.request_id for o in outs)  # once each: at the finish
+    assert all(o.new_token_ids == o.token_ids and o.new_text == o.text and o.finished for o in outs)
+    built.clear()
+    streamed = list(engine.stream(P2[:1], PARAMS))
+    assert len(built) >= len(streamed) > 1  # (an output with no new token is built but not queued)
+    assert sum((o.new_token_ids for o in streamed), []) == reference[tuple(P2[0])]
