@@ -3,9 +3,9 @@
     python -P bench/gpu_program_kernels.py OUT_DIR [TREE ...]     # default: topk:2x3 dynamic:31, batch 1
 
 A random SmolLM2-shaped target and an untrained EAGLE draft of the shipped draft's shape (no model file).
-Per tree: the program's captured-graph replay time (CUDA events, median of 5 x 100 replays), then one eager
-run of the same program under torch.profiler: kernels launched, their summed GPU time, and the kernels
-by name (count, total us). Writes OUT_DIR/program_kernels.json.
+Per tree: the program's captured-graph replay time (CUDA events, median of 5 x 100 replays after 10 warm
+ones), then one eager run of the same program under torch.profiler: kernels launched, their summed GPU
+time, and the kernels by name (count, total us). Writes OUT_DIR/program_kernels.json.
 """
 
 from __future__ import annotations
@@ -13,31 +13,17 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_fastpath import CUDA, DEV, random_model, random_prompts  # noqa: E402
+from gpu_fastpath import CUDA, DEV, graph_replay_ms, random_model, random_prompts  # noqa: E402
 
 from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
 from specdec.loading.registry import LoadedModel  # noqa: E402
 from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target  # noqa: E402
-
-
-def replay_ms(graph, iters: int = 100) -> float:
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            graph.replay()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / iters)
-    return statistics.median(times)
 
 
 def kernels(fn) -> dict:
@@ -83,7 +69,7 @@ def main() -> None:
         loop = eng.drafter.device_loop
         r = {"program": type(loop).__name__}
         if CUDA and 1 in loop.graphs:
-            r["replay_ms"] = replay_ms(loop.graphs[1][0])
+            r["replay_ms"] = graph_replay_ms(loop.graphs[1][0], 100)
         r.update(kernels(functools.partial(loop._program, 1)))
         res[tree] = r
         print(f"{tree}: replay {r.get('replay_ms')} ms, {r['kernels']} kernels, {r['total_us']:.0f} us of kernel time",
