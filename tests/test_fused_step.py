@@ -275,17 +275,23 @@ def test_the_verify_may_overwrite_the_draft_programs_output(tiny, monkeypatch):
         assert eng.drafter.paths["fused"] > 0 and eng.all_blocks_free()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  # noqa: F811 - the fixture
-    """float32 on the GPU, dynamic trees: the verify inputs built by ``TreeWriter``'s captured graphs (one per
-    bucket, rows and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
-    ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
-    root, _, _ = setup
+def _on_gpu(made):
+    """``setup``'s target and full draft on the GPU, the engine config there, and target-only's eager output."""
+    root, _, _ = made
     target = load_model(root / "target", device="cuda")
     draft = load_model(root / "full", target=target, device="cuda")
     cfg = dict(CFG, device="cuda")
     want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(
         PROMPTS, PARAMS)]
+    return target, draft, cfg, want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  # noqa: F811 - the fixture
+    """float32 on the GPU, dynamic trees: the verify inputs built by ``TreeWriter``'s captured graphs (one per
+    bucket, rows and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
+    ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
+    target, draft, cfg, want = _on_gpu(setup)
     assert _engine(draft, target, "dynamic:16", **cfg).drafter.fused.writer.capture
     writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
     assert len(writer.graphs) >= 2
@@ -296,12 +302,7 @@ def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  #
 def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the fixture imported above
     """float32 on the GPU, draft program and verify captured: fused steps (budgets N and 5, batch 1 and 3 rows
     in a bucket of 4) give target-only's output and the unfused path's trees."""
-    root, _, _ = setup
-    target = load_model(root / "target", device="cuda")
-    draft = load_model(root / "full", target=target, device="cuda")
-    cfg = dict(CFG, device="cuda")
-    want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(cuda_graphs=False, **cfg)).generate(
-        PROMPTS, PARAMS)]
+    target, draft, cfg, want = _on_gpu(setup)
     trees = {}
     for fused in (True, False):
         eng = _engine(draft, target, tree, fused_verify=fused, **cfg)
