@@ -83,23 +83,23 @@ class NgramIndex:
 
     def __init__(self, max_n: int, min_n: int = 1, shared: SharedNgrams | None = None) -> None:
         self.max_n, self.min_n, self.shared = max_n, min_n, shared
-        self.owner = 0 if shared is None else shared.owner() << 32
+        self.owner = 0 if shared is None else shared.owner()  # this index's id in the shared table
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
         self.indexed = 0  # n-grams ending before this position are in ``latest``
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
         lo, hi, latest = self.min_n, self.max_n, self.latest
-        new, s_lo, owner = None, 0, self.owner
+        new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start
         if self.shared is not None and upto > self.indexed:
-            new, s_lo = self.shared.writer(owner >> 32, tokens), self.shared.min_n
+            new, s_lo = self.shared.writer(self.owner, tokens), self.shared.min_n
         for end in range(self.indexed, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
             tail = tuple(tokens[end - hi if end > hi else 0:end])
             for n in range(lo, len(tail) + 1):
                 gram = tail[-n:]
                 latest[gram] = end - n
                 if new is not None and n >= s_lo:
-                    new[gram] = owner | (end - n)
+                    new[gram] = tag | (end - n)
         if new is not None:
             self.shared.turn_over()
         if upto > self.indexed:
