@@ -182,6 +182,13 @@ case "$stage" in
     (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle; interleaved 190 1)
     pack
     ;;
+  s5h)  # session 5, no model needed: the draft program's kernels after the fused norms, then the EAGLE GPU tests
+    install
+    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
+    grep -h -e "replay" "$D/kernels.log"
+    GPU_TESTS="-k gpu" gpu_tests 80 tests/test_fused_step.py tests/test_eagle.py
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64

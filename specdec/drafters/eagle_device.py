@@ -138,7 +138,7 @@ class DeviceDraftProgram:
         hidden = m(v.ids, v.positions, ForwardContext(self.backend, meta, kv), g)  # (b*q, hidden)
         last = torch.arange(b, device=self.device) * q + (v.num_tokens - 1).clamp(min=0)  # (b,)
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
-        logits = m.compute_logits(state.flatten(0, 1)).unsqueeze(1)  # (b, 1, N)
+        logits = m.compute_logits(state.flatten(0, 1), self.backend).unsqueeze(1)  # (b, 1, N)
         return self._grow(_Catch(b, v, kv, state, logits, v.seq_lens.view(-1, 1), (v.num_tokens > 0).view(-1, 1)))
 
     def _grow(self, c: _Catch) -> torch.Tensor:
@@ -183,5 +183,5 @@ class DeviceTreeLoop(DeviceDraftProgram):
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
             h = self._forward(c, toks, lv.nodes, lv.depth, lv.end, lv.masks.repeat(b), feats)  # (b*n, hidden)
             state = h.view(b, lv.end - lv.start, -1)
-            logits = m.compute_logits(h).view(b, lv.end - lv.start, -1)
+            logits = m.compute_logits(h, self.backend).view(b, lv.end - lv.start, -1)
         return torch.cat(tokens, 1)  # (b, N)

@@ -138,7 +138,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
             h = self._forward(c, m.vocab_ids[toks], self._nodes[level], level, (level + 1) * k,
                               masks.flatten(), feats)  # (b*K, hidden)
             state = h.view(c.b, k, -1)
-            return torch.log_softmax(m.compute_logits(h).float(), dim=-1).view(c.b, k, -1)  # (b, K, V)
+            return torch.log_softmax(m.compute_logits(h, self.backend).float(), dim=-1).view(c.b, k, -1)  # (b, K, V)
 
         out = grow(torch.log_softmax(c.logits.flatten(0, 1).float(), dim=-1), expand, self.shape)  # (b, 3, N)
         return torch.cat([m.vocab_ids[out[:, :1]], out[:, 1:]], 1)

@@ -86,15 +86,20 @@ class EagleDraft(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 g: torch.Tensor) -> torch.Tensor:
         """Hidden states (T, hidden) for tokens ``input_ids`` (T,) given their features ``g`` (T, hidden)."""
-        e = self.embed_norm(self.embed_tokens(input_ids))  # (T, hidden)
-        x = self.in_proj(torch.cat([e, self.feature_norm(g.to(e.dtype))], -1))  # (T, hidden)
+        b = ctx.backend  # its norm: fused on the Triton backend, the autograd reference in training
+        e = b.add_rmsnorm(self.embed_tokens(input_ids), None, self.embed_norm.weight, self.embed_norm.eps)[0]
+        f = b.add_rmsnorm(g.to(e.dtype), None, self.feature_norm.weight, self.feature_norm.eps)[0]
+        x = self.in_proj(torch.cat([e, f], -1))  # (T, hidden)
         ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
         out, residual = self.layer(x, None, positions, self.rope, ctx)  # the layer's output is out + residual
         return out + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the draft vocabulary (T, N)."""
-        return self.lm_head(self.norm(hidden)).float()
+    def compute_logits(self, hidden: torch.Tensor, backend=None) -> torch.Tensor:
+        """Float32 logits over the draft vocabulary (T, N); ``backend``: whose norm to use (the device
+        programs pass theirs, so the Triton backend's fused norm replaces ~7 small kernels)."""
+        normed = self.norm(hidden) if backend is None else backend.add_rmsnorm(hidden, None, self.norm.weight,
+                                                                               self.norm.eps)[0]
+        return self.lm_head(normed).float()
 
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits (T, N) spread over the target vocabulary (T, V); -inf elsewhere."""
