@@ -189,6 +189,17 @@ case "$stage" in
     GPU_TESTS="-k gpu" gpu_tests 80 tests/test_fused_step.py tests/test_eagle.py
     pack
     ;;
+  s6a)  # session 6, no model needed: GPU tests of the greedy head, graphs, fused step (tree graphs captured at start)
+        # and the draft norms; the verify step's kernels by bucket; the draft program's kernels
+    install
+    gpu_tests 300 tests/test_kernels_greedy_head.py tests/test_kernels_norm_act.py tests/test_step_graphs.py \
+      tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_engine_triton.py
+    (cd /tmp && timeout 150 python3 -P "$root/bench/gpu_verify_kernels.py" "$D" > "$D/verify_kernels.log" 2>&1)
+    grep -h -e "replay" -e "head" "$D/verify_kernels.log"
+    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
+    grep -h -e "replay" "$D/kernels.log"
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64

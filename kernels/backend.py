@@ -24,6 +24,7 @@ class TritonAttentionBackend(AttentionBackend):
     wants_rope_tables = False  # the fused RoPE kernel reads the full cos/sin tables by position
 
     def __init__(self) -> None:
+        from specdec.kernels.greedy_head import greedy_head
         from specdec.kernels.kv_store import store_kv_triton
         from specdec.kernels.norm_act import add_rmsnorm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
@@ -32,7 +33,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
+        self._add_rmsnorm, self._silu_mul, self._greedy_head = add_rmsnorm, silu_mul, greedy_head
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -47,6 +48,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def silu_mul(self, gate_up):
         return self._silu_mul(gate_up)
+
+    def greedy_head(self, logits):
+        return self._greedy_head(logits)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

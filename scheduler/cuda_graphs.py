@@ -1,9 +1,10 @@
 """CUDA-graph capture and replay of model forwards per (model, batch bucket, query bucket).
 
 Every graphed forward reads the persistent inputs of ``StepInputs`` and writes a fixed-size
-output: float32 logits of every padded token and, for the target, the greedy acceptance of the
-whole batch (``accept_greedy_padded``). Capture goes largest bucket first into one shared memory
-pool; replay = fill the inputs (one copy), ``graph.replay()``. A step whose shape fits no bucket
+output: logits of every padded token and, for the target, the greedy acceptance of the whole
+batch (``accept_greedy_padded`` over the argmax of the backend's ``greedy_head``). Capture goes
+largest bucket first into one shared memory pool; replay = fill the inputs (one copy),
+``graph.replay()``. A step whose shape fits no bucket
 runs eagerly. Without CUDA (tests) the same padded step runs eagerly over the same buffers, so
 everything but the capture itself is exercised on the CPU.
 """
@@ -68,8 +69,8 @@ class _TimingRow(NamedTuple):
 
 
 class GraphOutput(NamedTuple):
-    logits: torch.Tensor | None  # (B*Q, V) float32, padded layout (a feature-reading draft: its own vocabulary;
-    # a prefill: None)
+    logits: torch.Tensor | None  # (B*Q, V) padded layout: the target's in its dtype (read rows as float32), a
+    # draft's float32 (a feature-reading draft: its own vocabulary); a prefill: None
     accept: torch.Tensor | None  # (B, Q + 3) int64: greedy acceptance, then 1 if the row's logits are finite
     features: torch.Tensor | None = None  # target: (B*Q, k * hidden) outputs of its aux layers, if any
     hidden: torch.Tensor | None = None  # feature-reading draft: (B*Q, hidden) states, its children's input
@@ -248,12 +249,15 @@ class GraphRunner:
             hidden, aux = model.forward_features(v.ids, v.positions, ctx, self.aux_layers)  # (B*Q, H), (B*Q, kH)
         else:
             hidden = model(v.ids, v.positions, ctx)  # (B*Q, H)
-        logits = model.compute_logits(hidden)  # (B*Q, V)
         if m != 0:
-            return GraphOutput(logits, None)
-        argmax = logits.argmax(-1).view(b, q)
+            return GraphOutput(model.compute_logits(hidden), None)
+        # The target's logits stay in the model's dtype (what its LM head computes): greedy rows need only
+        # the argmax and finite check of one fused pass; rows that sample read float32 copies of theirs.
+        logits = model.lm_head(hidden)  # (B*Q, V)
+        argmax, finite_tok = self.backend.greedy_head(logits)  # (B*Q,), (B*Q,)
+        argmax = argmax.view(b, q)
         real = torch.arange(q, device=argmax.device).view(1, -1) < v.num_tokens.view(-1, 1)  # (B, Q)
-        finite = (torch.isfinite(logits).all(-1).view(b, q) | ~real).all(1, keepdim=True).long()  # (B, 1)
+        finite = (finite_tok.view(b, q) | ~real).all(1, keepdim=True).long()  # (B, 1)
         if q == 1:  # decode: nothing drafted, the bonus token is the argmax
             accept = torch.cat([torch.zeros_like(argmax), argmax, torch.zeros_like(argmax)], 1)
         else:

@@ -104,12 +104,13 @@ class FusedVerify:
     """Launches a verify forward over trees that are still device tensors (see the module docstring).
 
     ``nodes``: the draft program's nodes per row (N); ``levels``: its trees have at most this many levels
-    below the root. ``steps`` counts the verify forwards launched.
+    below the root; ``dynamic``: the program grows dynamic trees (``launch_program``). ``steps`` counts the
+    verify forwards launched.
     """
 
-    def __init__(self, verifier, nodes: int, levels: int) -> None:
+    def __init__(self, verifier, nodes: int, levels: int, dynamic: bool = False) -> None:
         self.verifier, self.runner = verifier, verifier.runner
-        self.nodes, self.levels = nodes, levels
+        self.nodes, self.levels, self.dynamic = nodes, levels, dynamic
         self.clock = StepClock(self.runner.device)
         self.writer = TreeWriter(levels, self.runner.device)  # dynamic trees' verify inputs (``launch_program``)
         self.steps = 0
@@ -117,6 +118,25 @@ class FusedVerify:
     def key(self, rows: int, nodes: int):
         """The graph bucket of the verify of ``rows`` trees of ``nodes`` nodes, or None (then: unfused)."""
         return self.runner.packed_key(0, rows, nodes + 1, self.verifier.aux_layers)
+
+    def prepare(self, budgets: Sequence[int]) -> int:
+        """Capture the tree-building graphs of a dynamic program's full batch buckets under each of ``budgets``
+        now (CUDA), so no step pays a capture in the middle of a run (the first timed batch-64 run paid ~1 s).
+        Returns the graphs captured."""
+        graphs = self.runner.graphs
+        if not (self.dynamic and self.writer.capture) or graphs is None:
+            return 0
+        before = len(self.writer.graphs)
+        for b in graphs.batch_buckets:
+            dummy = torch.zeros(b, 3, self.nodes, dtype=torch.int64, device=self.runner.device)  # (b, 3, N)
+            # a chain: any tree with valid parents and score ranks does
+            dummy[:, 1] = torch.arange(-1, self.nodes - 1, device=dummy.device)
+            dummy[:, 2] = torch.arange(self.nodes, device=dummy.device)
+            for n in sorted(set(budgets)):
+                key = self.key(b, min(n, self.nodes))
+                if key is not None:
+                    self.writer(graphs.inputs.views(b, key[2]), b, key[2], dummy, n)
+        return len(self.writer.graphs) - before
 
     def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...]) -> ForwardResult:
         """Run the verify forward of bucket ``key`` over ``reqs`` whose trees are ``tokens`` (R, n) target ids

@@ -285,7 +285,8 @@ class ModelRunner:
 
 
 class _PaddedLogits:
-    """Per-row logits of a padded step, sliced only when a row is read (greedy verify reads none)."""
+    """Per-row float32 logits of a padded step, sliced (and converted from the target's dtype) only when a row
+    is read (greedy verify reads none)."""
 
     def __init__(self, logits: torch.Tensor, q: int, lengths: list[int], wants: list[str]) -> None:
         self.logits, self.q, self.lengths, self.wants = logits, q, lengths, wants
@@ -295,7 +296,7 @@ class _PaddedLogits:
 
     def __getitem__(self, i: int) -> torch.Tensor | None:
         s, e, want = i * self.q, i * self.q + self.lengths[i], self.wants[i]
-        return None if want == "none" else self.logits[e - 1] if want == "last" else self.logits[s:e]
+        return None if want == "none" else (self.logits[e - 1] if want == "last" else self.logits[s:e]).float()
 
     def __iter__(self):
         return (self[i] for i in range(len(self.lengths)))

@@ -156,6 +156,43 @@ def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
     assert 0 < sum(g.replays for g, _, _ in writer.graphs.values()) < steps
 
 
+def test_tree_writer_graphs_are_captured_at_start(tiny, monkeypatch):
+    """``FusedVerify.prepare`` (the engine calls it at start on CUDA) captures one tree-building graph per full
+    batch bucket and budget, so the steps that follow replay them and capture none; run here with the stand-in
+    graph of ``test_tree_writer_replay_path_with_a_stand_in_graph``."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    class Replay:
+        def __init__(self, build, outs):
+            self.build, self.outs = build, outs
+
+        def replay(self):
+            for dst, src in zip(self.outs, self.build()):
+                dst.copy_(src)
+
+    captured = []
+
+    def stand_in(build, pool, device):
+        outs = tuple(t.clone() for t in build())
+        captured.append(outs)
+        return Replay(build, outs), outs
+
+    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    draft, target, want = tiny
+    eng = _engine(draft, target, "dynamic:16")
+    fused = eng.drafter.fused
+    assert fused.prepare([16]) == 0  # the CPU writer builds eagerly: nothing to capture
+    fused.writer.capture = True
+    buckets = eng.runner.graphs.batch_buckets
+    assert fused.prepare([0, 5, 16, 16]) == 3 * len(buckets)
+    assert set(fused.writer.graphs) == {(b, fused.key(b, min(n, 16))[2], b, n) for b in buckets for n in (0, 5, 16)}
+    assert fused.prepare([5]) == 0  # already there
+    eng.drafter.budget = 5
+    done = len(captured)
+    assert [o.token_ids for o in eng.generate([PROMPTS[0]], PARAMS)] == want[:1]
+    assert len(captured) == done and eng.drafter.paths["fused"] > 0
+
+
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
 def test_adaptive_budget_takes_the_fused_path(tiny, tree):
     """With the adaptive controller choosing budgets, greedy steps are fused and output equals target-only."""
@@ -292,7 +329,10 @@ def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  #
     bucket, rows and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
     ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
     target, draft, cfg, want = _on_gpu(setup)
-    assert _engine(draft, target, "dynamic:16", **cfg).drafter.fused.writer.capture
+    started = _engine(draft, target, "dynamic:16", **cfg)
+    writer = started.drafter.fused.writer
+    assert writer.capture and {(b, n) for b, _, _, n in writer.graphs} >= {
+        (b, 16) for b in started.runner.graphs.batch_buckets}  # captured at start (``FusedVerify.prepare``)
     writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
     assert len(writer.graphs) >= 2
 

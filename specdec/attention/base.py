@@ -116,3 +116,9 @@ class AttentionBackend(ABC):
         from specdec.models.layer_ops import silu_mul_reference
 
         return silu_mul_reference(gate_up)
+
+    def greedy_head(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, V) logits -> each row's argmax (T,) int64 (first maximum) and whether the row is finite (T,) bool."""
+        from specdec.models.layer_ops import greedy_head_reference
+
+        return greedy_head_reference(logits)

@@ -150,7 +150,7 @@ class EagleDrafter(ModelDrafter):
         loop = self.device_loop
         if loop is not None:
             if self._template is None:
-                self.fused = FusedVerify(verifier, loop.shape.nodes, loop.shape.depth)
+                self.fused = FusedVerify(verifier, loop.shape.nodes, loop.shape.depth, dynamic=True)
             else:
                 self.fused = FusedVerify(verifier, self._template.num_nodes, len(loop.levels))
 

@@ -24,3 +24,9 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T,
     """silu(gate) * up for gate | up side by side in the last dimension."""
     g, u = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(g) * u
+
+
+def greedy_head_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # (T, V) -> (T,), (T,)
+    """Each row's argmax (int64; the first maximum on ties) and whether all of the row is finite (bool).
+    A row with NaN or inf has an unspecified argmax: callers fail such rows."""
+    return logits.argmax(-1), torch.isfinite(logits).all(-1)
