@@ -24,6 +24,7 @@ class TritonAttentionBackend(AttentionBackend):
     wants_rope_tables = False  # the fused RoPE kernel reads the full cos/sin tables by position
 
     def __init__(self) -> None:
+        from specdec.kernels.greedy_accept import greedy_accept
         from specdec.kernels.greedy_head import greedy_head
         from specdec.kernels.kv_store import store_kv_triton
         from specdec.kernels.norm_act import add_rmsnorm, silu_mul
@@ -33,7 +34,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._add_rmsnorm, self._silu_mul, self._greedy_head = add_rmsnorm, silu_mul, greedy_head
+        self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
+        self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -51,6 +53,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     def greedy_head(self, logits):
         return self._greedy_head(logits)
+
+    def greedy_accept(self, tokens, parents, tree_mask, target_argmax, finite, num_tokens):
+        return self._greedy_accept(tokens, parents, tree_mask, target_argmax, finite, num_tokens)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

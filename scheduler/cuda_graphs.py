@@ -2,7 +2,7 @@
 
 Every graphed forward reads the persistent inputs of ``StepInputs`` and writes a fixed-size
 output: logits of every padded token and, for the target, the greedy acceptance of the whole
-batch (``accept_greedy_padded`` over the argmax of the backend's ``greedy_head``). Capture goes
+batch (the backend's ``greedy_head`` and ``greedy_accept``: ``greedy_step_outcome``). Capture goes
 largest bucket first into one shared memory pool; replay = fill the inputs (one copy),
 ``graph.replay()``. A step whose shape fits no bucket
 runs eagerly. Without CUDA (tests) the same padded step runs eagerly over the same buffers, so
@@ -23,7 +23,6 @@ import numpy as np
 import torch
 from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
 
-from specdec.acceptance_batched import accept_greedy_padded
 from specdec.attention.base import AttnMetadata
 from specdec.models.llama import ForwardContext
 
@@ -254,13 +253,7 @@ class GraphRunner:
         # The target's logits stay in the model's dtype (what its LM head computes): greedy rows need only
         # the argmax and finite check of one fused pass; rows that sample read float32 copies of theirs.
         logits = model.lm_head(hidden)  # (B*Q, V)
-        argmax, finite_tok = self.backend.greedy_head(logits)  # (B*Q,), (B*Q,)
-        argmax = argmax.view(b, q)
-        real = torch.arange(q, device=argmax.device).view(1, -1) < v.num_tokens.view(-1, 1)  # (B, Q)
-        finite = (finite_tok.view(b, q) | ~real).all(1, keepdim=True).long()  # (B, 1)
-        if q == 1:  # decode: nothing drafted, the bonus token is the argmax
-            accept = torch.cat([torch.zeros_like(argmax), argmax, torch.zeros_like(argmax)], 1)
-        else:
-            accept = accept_greedy_padded(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax,
-                                          v.num_tokens)
-        return GraphOutput(logits, torch.cat([accept, finite], 1), aux)
+        argmax, finite = self.backend.greedy_head(logits)  # (B*Q,), (B*Q,)
+        accept = self.backend.greedy_accept(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q),
+                                            argmax.view(b, q), finite.view(b, q), v.num_tokens)  # (B, Q + 3)
+        return GraphOutput(logits, accept, aux)

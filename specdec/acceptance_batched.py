@@ -42,3 +42,23 @@ def unpack_greedy(row: list[int]) -> tuple[list[int], int]:
     """(accepted tree node indices, bonus token) of one host row of ``accept_greedy_padded``."""
     m = row[0]
     return [i - 1 for i in row[2:2 + m]], row[1]
+
+
+def greedy_step_outcome(
+    tokens: Tensor,  # (B, Q) int64 verify tokens
+    parents: Tensor,  # (B, Q) int64 (-1: the root and padding)
+    tree_mask: Tensor,  # (B, Q) int64 ancestor bitmasks
+    target_argmax: Tensor,  # (B, Q) int64
+    finite: Tensor,  # (B, Q) bool: the token's logits are all finite
+    num_tokens: Tensor,  # (B,) int64 real verify tokens per row
+) -> Tensor:  # (B, Q + 3) int64
+    """What a graphed target step hands the host: ``accept_greedy_padded``'s (B, Q + 2), then 1 when every real
+    token of the row has finite logits (0: the row is failed). A decode step (Q = 1) accepts nothing: its
+    bonus token is the argmax."""
+    b, q = tokens.shape
+    real = torch.arange(q, device=tokens.device).view(1, -1) < num_tokens.view(-1, 1)  # (B, Q)
+    ok = (finite | ~real).all(1, keepdim=True).long()  # (B, 1)
+    if q == 1:
+        zeros = torch.zeros_like(target_argmax)
+        return torch.cat([zeros, target_argmax, zeros, ok], 1)
+    return torch.cat([accept_greedy_padded(tokens, parents, tree_mask, target_argmax, num_tokens), ok], 1)

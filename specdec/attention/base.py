@@ -122,3 +122,9 @@ class AttentionBackend(ABC):
         from specdec.models.layer_ops import greedy_head_reference
 
         return greedy_head_reference(logits)
+
+    def greedy_accept(self, tokens, parents, tree_mask, target_argmax, finite, num_tokens) -> torch.Tensor:
+        """A graphed step's greedy outcome (B, Q + 3): ``acceptance_batched.greedy_step_outcome``."""
+        from specdec.acceptance_batched import greedy_step_outcome
+
+        return greedy_step_outcome(tokens, parents, tree_mask, target_argmax, finite, num_tokens)
