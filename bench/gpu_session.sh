@@ -200,6 +200,22 @@ case "$stage" in
     grep -h -e "replay" "$D/kernels.log"
     pack
     ;;
+  s6b)  # session 6 round 2, run 3 (with piece 02): GPU tests of the fused verify head and acceptance, graphs, fused
+        # step, Triton engine, stochastic batch; n-gram at batch 16 interleaved (waves and continuous, 7 rounds)
+    assemble
+    install
+    gpu_tests 170 tests/test_kernels_greedy_head.py tests/test_kernels_greedy_accept.py tests/test_step_graphs.py \
+      tests/test_fused_step.py tests/test_engine_triton.py tests/test_acceptance_stochastic_batch.py
+    interleaved 400 16
+    pack
+    ;;
+  s6c)  # session 6 round 2, run 4: n-gram at batch 1 interleaved (3 rounds), then issue 9's step figures (micro)
+    install
+    interleaved 280 1
+    fastpath 200 micro
+    grep -h -e "ms/step" -e "host ms" -e "replay" "$D/micro.log" | tail -24
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64

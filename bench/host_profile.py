@@ -216,7 +216,7 @@ def rule_llama_class():
             dtype = self.lm_head.weight.dtype
             return torch.stack([(nxt // 256).to(dtype), (nxt % 256).to(dtype)], 1), aux  # (T, 2): exact in bf16
 
-        def compute_logits(self, hidden):
+        def compute_logits(self, hidden, dtype=torch.float32):  # float32 whatever ``dtype`` asks: exact either way
             nxt = (hidden[:, 0].float() * 256 + hidden[:, 1].float()).long()  # (T,)
             logits = torch.zeros(hidden.shape[0], self.config.vocab_size, device=hidden.device)  # (T, V)
             return logits.scatter_(1, nxt.view(-1, 1), 1.0)
@@ -317,7 +317,8 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
             per_section[name].append((sec, sections.calls[name]))
     sections.active = False
     if any(r.finished for r in queue.requests):
-        raise RuntimeError("a request finished while timing: raise --new-tokens")
+        done = [(r.finish_reason, r.num_output) for r in queue.requests if r.finished]
+        raise RuntimeError(f"a request finished while timing: raise --new-tokens ({done})")
     if prof is not None:
         pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.cprofile)
     committed = sum(r.num_output for r in queue.requests) - committed0

@@ -252,7 +252,7 @@ class GraphRunner:
             return GraphOutput(model.compute_logits(hidden), None)
         # The target's logits stay in the model's dtype (what its LM head computes): greedy rows need only
         # the argmax and finite check of one fused pass; rows that sample read float32 copies of theirs.
-        logits = model.lm_head(hidden)  # (B*Q, V)
+        logits = model.compute_logits(hidden, dtype=None)  # (B*Q, V)
         argmax, finite = self.backend.greedy_head(logits)  # (B*Q,), (B*Q,)
         accept = self.backend.greedy_accept(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q),
                                             argmax.view(b, q), finite.view(b, q), v.num_tokens)  # (B, Q + 3)

@@ -160,8 +160,10 @@ class LlamaForCausalLM(nn.Module):
         hidden = ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
         return hidden, torch.cat([aux[i] for i in aux_layers], -1) if aux_layers else None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (T, V)
+    def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """(T, V) logits of ``hidden`` (T, hidden) in ``dtype`` (None: the model's own, as the LM head computes)."""
+        logits = self.lm_head(hidden)
+        return logits if dtype is None else logits.to(dtype)
 
 
 def _fused_valid(first: nn.Linear, fused: torch.Tensor | None, for_grad: bool = True) -> bool:
