@@ -116,3 +116,8 @@ class AttentionBackend(ABC):
         from specdec.models.layer_ops import silu_mul_reference
 
         return silu_mul_reference(gate_up)
+
+    def topk(self, x: torch.Tensor, k: int):  # (..., N) -> values, indices (..., k)
+        """The k largest entries of each row of ``x`` over its last dimension, best first (``torch.topk``:
+        no promised order among equal values)."""
+        return torch.topk(x, k, dim=-1)
