@@ -13,6 +13,7 @@ from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
 from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from specdec.kernels.random_inputs import parents_topk, random_paged_batch
 from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
+from specdec.kernels.topk import topk_small
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="Triton kernels are benchmarked on CUDA only")
@@ -112,3 +113,13 @@ def test_stage_block_tables(benchmark, impl):
     out = torch.empty(b, cols, dtype=torch.int32, device=device)
     fn = stage_block_tables if impl == "triton" else stage_block_tables_reference
     _run(benchmark, lambda: fn(host, rows, out), sync)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("k", [2, 8])
+def test_topk_draft_vocabulary(benchmark, impl, k):
+    """4 rows of a 24,576-token draft vocabulary (CPU: 2,048 columns, torch.topk)."""
+    device, dtype, big, sync = _setup(impl)
+    x = torch.randn(4, 24576 if big else 2048, device=device, dtype=dtype)
+    fn = topk_small if impl == "triton" else (lambda x, k: torch.topk(x, k, dim=-1))
+    _run(benchmark, lambda: fn(x, k), sync)

@@ -30,12 +30,14 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.norm_act import add_rmsnorm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
+        from specdec.kernels.topk import takes, topk_small
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
         self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
+        self._topk, self._topk_takes = topk_small, takes
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -56,6 +58,15 @@ class TritonAttentionBackend(AttentionBackend):
 
     def greedy_accept(self, tokens, parents, tree_mask, target_argmax, finite, num_tokens):
         return self._greedy_accept(tokens, parents, tree_mask, target_argmax, finite, num_tokens)
+
+    def topk(self, x, k):
+        """``topk_small`` (two launches at most) over the rows of ``x`` (..., N) when it takes them (``takes``:
+        k <= 16, float): ties go to the lower index, NaN ranks first. ``torch.topk`` otherwise."""
+        if not self._topk_takes(x, k):
+            return torch.topk(x, k, dim=-1)
+        flat = x.reshape(-1, x.shape[-1])  # (R, N)
+        top = self._topk(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
+        return type(top)(top.values.view(*x.shape[:-1], k), top.indices.view(*x.shape[:-1], k))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -128,3 +128,8 @@ class AttentionBackend(ABC):
         from specdec.acceptance_batched import greedy_step_outcome
 
         return greedy_step_outcome(tokens, parents, tree_mask, target_argmax, finite, num_tokens)
+
+    def topk(self, x: torch.Tensor, k: int):  # (..., N) -> values, indices (..., k)
+        """The k largest entries of each row of ``x`` over its last dimension, best first (``torch.topk``:
+        no promised order among equal values)."""
+        return torch.topk(x, k, dim=-1)

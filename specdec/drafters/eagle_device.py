@@ -175,7 +175,7 @@ class DeviceTreeLoop(DeviceDraftProgram):
         m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
         for i, lv in enumerate(self.levels):
-            top = logits.topk(lv.children, dim=-1).indices  # (b, n_prev, c)
+            top = self.backend.topk(logits, lv.children).indices  # (b, n_prev, c)
             toks = m.vocab_ids[top[:, lv.parent_local, lv.rank]]  # (b, n): target ids
             tokens.append(toks)
             if i + 1 == len(self.levels):

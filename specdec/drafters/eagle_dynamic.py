@@ -37,6 +37,13 @@ DEVICE_DEPTH = 5
 
 # expand(level, tokens (b, K) draft ids, parent_pos (b, K), masks (b, K)) -> (b, K, V) children's log probs
 Expand = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+# topk(x (..., V), k) -> (values, indices) (..., k): the k largest over the draft vocabulary, best first
+TopK = Callable[[Tensor, int], tuple[Tensor, Tensor]]
+
+
+def torch_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``torch.topk`` over the last dimension: ``grow``'s default top-k."""
+    return torch.topk(x, k, dim=-1)
 
 
 class DynamicShape(NamedTuple):
@@ -64,7 +71,7 @@ def device_shape(spec: TreeSpec) -> DynamicShape:
     return DynamicShape(k, d, min(spec.budget, k * d))
 
 
-def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape) -> Tensor:
+def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, topk: TopK = torch_topk) -> Tensor:
     """The trees of b rows from their roots' draft log probabilities ``root_logp`` (b, V).
 
     ``expand(level, tokens, parent_pos, masks)`` runs the draft on the K nodes of ``level`` (< D - 1) of
@@ -72,6 +79,8 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape) -> Tensor:
     the root) and their ancestor bitmasks over the region (b, K; bit level * K + position is the node);
     it returns their children's log probabilities (b, K, V). Returns (b, 3, N) int64: per row the chosen
     nodes in level order as draft ids, parent index among them (-1: the root) and rank by score (0: best).
+    ``topk`` takes the K best of each row's last dimension (the root's and each node's children over the
+    draft vocabulary, then the level's best of the K * K candidates).
     """
     k, d, n = shape
     b, dev = root_logp.shape[0], root_logp.device
@@ -79,16 +88,15 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape) -> Tensor:
         raise ValueError(f"shape {tuple(shape)}: width must be in [1, {root_logp.shape[1]}] (the draft "
                          f"vocabulary) and nodes in [1, width * depth]")
     one = torch.ones(k, dtype=torch.int64, device=dev)
-    top = root_logp.topk(k, dim=-1)
-    score, toks = top.values, top.indices  # (b, K) each
+    score, toks = topk(root_logp, k)  # (b, K) each
     ppos = torch.zeros_like(toks)  # (b, K)
     masks = (one << torch.arange(k, device=dev)).expand(b, k)  # (b, K)
     scores, tokens, parents = [score], [toks], [torch.full_like(toks, -1)]
     for level in range(1, d):
-        top = expand(level - 1, toks, ppos, masks).topk(k, dim=-1)  # (b, K, K): each node's best children
-        best = (score.unsqueeze(-1) + top.values).view(b, k * k).topk(k, dim=-1)  # (b, K) the row's best
-        ppos, score = best.indices // k, best.values
-        toks = top.indices.view(b, k * k).gather(1, best.indices)  # (b, K)
+        top_val, top_idx = topk(expand(level - 1, toks, ppos, masks), k)  # (b, K, K): each node's best children
+        score, best = topk((score.unsqueeze(-1) + top_val).view(b, k * k), k)  # (b, K) the row's best
+        ppos = best // k
+        toks = top_idx.view(b, k * k).gather(1, best)  # (b, K)
         if level + 1 < d:  # the last level is never forwarded
             masks = masks.gather(1, ppos) | (one << torch.arange(level * k, level * k + k, device=dev))
         scores.append(score)
@@ -140,5 +148,6 @@ class DeviceDynamicTree(DeviceDraftProgram):
             state = h.view(c.b, k, -1)
             return torch.log_softmax(m.compute_logits(h, self.backend).float(), dim=-1).view(c.b, k, -1)  # (b, K, V)
 
-        out = grow(torch.log_softmax(c.logits.flatten(0, 1).float(), dim=-1), expand, self.shape)  # (b, 3, N)
+        root = torch.log_softmax(c.logits.flatten(0, 1).float(), dim=-1)  # (b, V)
+        out = grow(root, expand, self.shape, self.backend.topk)  # (b, 3, N)
         return torch.cat([m.vocab_ids[out[:, :1]], out[:, 1:]], 1)

@@ -1,0 +1,135 @@
+"""Top-k of small k over long rows (the draft vocabulary) in at most two launches.
+
+``torch.topk`` over a 24k-column row is a multi-block radix select on CUDA: about a dozen launches
+per call, which is most of what a captured draft program spends on it. Here launch 1 splits each
+row into blocks of ``block`` columns and each program keeps its block's best k candidates; launch 2
+merges the candidates of each row (one launch when the row fits in one block).
+
+Order: values descending; equal values by lower column index first; NaN ranks above every number
+(as in ``torch.topk``) and NaNs tie with each other; -0.0 ties with +0.0. ``topk_reference`` (a
+stable descending sort) follows the same rule exactly. ``torch.topk`` itself promises no order
+among equal values, so it may pick different indices on ties; the values agree.
+
+How: each value becomes an int32 key whose integer order is that rule's float order, packed with
+the complement of its column as one int64, so one integer max per round finds the best value and,
+among equals, the lowest column; the value returned is read back from ``x`` at that column.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
+
+MAX_K = 16
+MAX_COLS = 1 << 17  # the merge keeps every row's cdiv(N, block) * k candidates in one program
+DEFAULT_BLOCK = 2048
+_INT64_MIN: tl.constexpr = tl.constexpr(-(1 << 63))  # below every packed entry
+
+
+class TopK(NamedTuple):
+    """Like ``torch.return_types.topk``: values (R, k) in x's dtype, indices (R, k) int64."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+
+
+@triton.jit
+def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, K: tl.constexpr, FINAL: tl.constexpr):
+    """Take the k largest of ``packed`` one by one: as candidates (slot ``slot`` on) or as the output row."""
+    for i in range(K):
+        best = tl.max(packed, axis=0)
+        packed = tl.where(packed == best, _INT64_MIN, packed)  # packed entries are unique (column inside)
+        if FINAL:
+            col = 0x7FFFFFFF - (best & 0x7FFFFFFF)
+            tl.store(idx_ptr + row * K + i, col)
+            tl.store(val_ptr + row * K + i, tl.load(x_row_ptr + col))
+        else:
+            tl.store(cand_ptr + slot + i, best)
+
+
+@triton.jit
+def _block_topk_kernel(
+    x_ptr, cand_ptr, val_ptr, idx_ptr, n_cols, stride_x,
+    K: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    cols = blk * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)  # (BLOCK,)
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order == float order (-0.0 below +0.0, NaN by sign)
+    key = tl.where(x == 0.0, 0, key)  # -0.0 ties with +0.0
+    key = tl.where(x != x, 0x7FFFFFFF, key)  # every NaN above +inf (0x7F800000), all equal
+    packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # ties: the lower column is larger
+    packed = tl.where(ok, packed, _INT64_MIN)  # a short block pads its candidates with it
+    n_blocks = tl.num_programs(1)
+    _emit(packed, row, (row * n_blocks + blk) * K, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, K, FINAL)
+
+
+@triton.jit
+def _merge_topk_kernel(
+    cand_ptr, x_ptr, val_ptr, idx_ptr, n_cand, stride_x,
+    K: tl.constexpr, CAND_P: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CAND_P)
+    packed = tl.load(cand_ptr + row * n_cand + offs, mask=offs < n_cand, other=_INT64_MIN)  # (CAND_P,)
+    _emit(packed, row, 0, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, K, True)
+
+
+def check_topk_args(x: torch.Tensor, k: int) -> None:
+    """Raise ValueError unless ``topk_small`` takes (x, k): x (R, N) float, last dim contiguous,
+    1 <= N <= MAX_COLS, k an int in [1, min(MAX_K, N)]."""
+    check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    n = x.shape[1]
+    if not 1 <= n <= MAX_COLS:
+        raise ValueError(f"x must have 1 to {MAX_COLS} columns, got {n}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(MAX_K, n):
+        raise ValueError(f"k must be an int in [1, {min(MAX_K, n)}] (at most {MAX_K} and the {n} columns), "
+                         f"got {k!r}")
+
+
+def takes(x: torch.Tensor, k: int) -> bool:
+    """Whether ``topk_small`` takes the rows of ``x`` (..., N) (leading dims flattened, last dim made
+    contiguous) with this ``k``; a caller falls back to ``torch.topk`` otherwise."""
+    n = x.shape[-1] if x.dim() else 0
+    return x.dtype in FLOAT_DTYPES and 1 <= n <= MAX_COLS and isinstance(k, int) and 1 <= k <= min(MAX_K, n)
+
+
+def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # (R, N) -> (R, k) x2
+    """Each row's k largest values of ``x`` (R, N), best first, with their columns: the values of
+    ``torch.topk(x, k, dim=-1)``, ties and NaN as the module docstring says (== ``topk_reference``).
+    ``block`` (a power of two >= 16) is the columns one program of launch 1 reads."""
+    check_topk_args(x, k)
+    check_launchable(_block_topk_kernel, x.device)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    r, n = x.shape
+    values = torch.empty((r, k), dtype=x.dtype, device=x.device)
+    indices = torch.empty((r, k), dtype=torch.int64, device=x.device)
+    if r == 0:
+        return TopK(values, indices)
+    block = min(block, max(16, next_pow2(n)))
+    n_blocks = triton.cdiv(n, block)
+    warps = 8 if block >= 4096 else 4
+    if n_blocks == 1:
+        _block_topk_kernel[(r, 1)](x, values, values, indices, n, x.stride(0), K=k, BLOCK=block, FINAL=True,
+                                   num_warps=warps)
+        return TopK(values, indices)
+    cand = torch.empty((r, n_blocks * k), dtype=torch.int64, device=x.device)  # packed (key, column)
+    _block_topk_kernel[(r, n_blocks)](x, cand, values, indices, n, x.stride(0), K=k, BLOCK=block, FINAL=False,
+                                      num_warps=warps)
+    _merge_topk_kernel[(r,)](cand, x, values, indices, n_blocks * k, x.stride(0), K=k,
+                             CAND_P=next_pow2(n_blocks * k), num_warps=4)
+    return TopK(values, indices)
+
+
+def topk_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
+    """``topk_small``'s promise in torch: a stable descending sort (NaN largest, ties by lower index)."""
+    s = torch.sort(x, dim=-1, descending=True, stable=True)
+    return TopK(s.values[..., :k], s.indices[..., :k])
