@@ -38,8 +38,8 @@ ENGINE_SETS = {
               "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
-              "eagle_topk2x3_unfused": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False, "fused_verify": False},
-              "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
+              "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
+              "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
 }
 ENGINES = os.environ.get("ENGINES", "ngram")
 

@@ -216,6 +216,29 @@ case "$stage" in
     grep -h -e "ms/step" -e "host ms" -e "replay" "$D/micro.log" | tail -24
     pack
     ;;
+  s6d)  # session 6 round 3, run 3 (with piece 02): GPU tests (Triton top-k in the draft programs, the verify head and
+        # acceptance kernels, tree graphs at start); the top-k kernel timing; the draft programs' kernels; EAGLE at
+        # batch 64 (5 rounds) and batch 1 (2 rounds) interleaved
+    assemble
+    install
+    gpu_tests 200 tests/test_kernels_topk.py tests/test_kernels_greedy_head.py tests/test_kernels_greedy_accept.py \
+      tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_fused_step.py tests/test_engine_triton.py
+    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_topk.py" "$D" > "$D/topk.log" 2>&1)
+    tail -12 "$D/topk.log"
+    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
+    grep -h -e "replay" "$D/kernels.log"
+    mkdir -p "$D/b64" "$D/b1"
+    (D=$D/b64; export REPEATS=5 ENGINES=eagle; interleaved 120 64)
+    (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle; interleaved 150 1)
+    pack
+    ;;
+  s6e)  # session 6 round 3, run 4: n-gram at batch 16 interleaved (7 rounds), then issue 9's step figures (micro)
+    install
+    interleaved 200 16
+    fastpath 150 micro
+    grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
