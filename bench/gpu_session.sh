@@ -239,6 +239,18 @@ case "$stage" in
     grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
     pack
     ;;
+  s6f)  # session 6, run 3 (with piece 02): bisect the batch-64 EAGLE fault (bench/gpu_debug_fault.py), the first
+        # configuration with CUDA_LAUNCH_BLOCKING=1
+    assemble
+    install
+    for cfg in adaptive adaptive-noprepare adaptive-torchtopk adaptive-unfused fixed topk-adaptive; do
+      blocking=0; [ "$cfg" = adaptive ] && blocking=1
+      (cd /tmp && CUDA_LAUNCH_BLOCKING=$blocking timeout 90 python3 -P "$root/bench/gpu_debug_fault.py" "$D" "$MODEL" \
+        "$root/.gpu/mtbench_ids.json" "$cfg" > "$D/fault_$cfg.log" 2>&1)
+      grep -h -e " ok" -e "FAILED" -e "Error" "$D/fault_$cfg.log" | head -3
+    done
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64

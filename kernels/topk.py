@@ -130,6 +130,7 @@ def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # 
 
 
 def topk_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
-    """``topk_small``'s promise in torch: a stable descending sort (NaN largest, ties by lower index)."""
-    s = torch.sort(x, dim=-1, descending=True, stable=True)
-    return TopK(s.values[..., :k], s.indices[..., :k])
+    """``topk_small``'s promise in torch: a stable descending sort (NaN largest, ties by lower index). The sort
+    runs in float32 (exact for the half types): CUDA's bfloat16 sort does not rank NaN first."""
+    idx = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[..., :k]
+    return TopK(x.gather(-1, idx), idx)
