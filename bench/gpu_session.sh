@@ -243,6 +243,7 @@ case "$stage" in
         # configuration with CUDA_LAUNCH_BLOCKING=1
     assemble
     install
+    gpu_tests 60 tests/test_kernels_topk.py
     for cfg in adaptive adaptive-noprepare adaptive-torchtopk adaptive-unfused fixed topk-adaptive; do
       blocking=0; [ "$cfg" = adaptive ] && blocking=1
       (cd /tmp && CUDA_LAUNCH_BLOCKING=$blocking timeout 90 python3 -P "$root/bench/gpu_debug_fault.py" "$D" "$MODEL" \
