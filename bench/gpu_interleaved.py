@@ -40,6 +40,12 @@ ENGINE_SETS = {
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
               "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
+    "eagle_topk": {"target_only": {"draft": None},
+                   "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
+                   "eagle_topk2x3_adaptive": {"draft": "eagle", "tree": "topk:2x3", "adaptive": True}},
+    "eagle_dynamic": {"target_only": {"draft": None},
+                      "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
+                      "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
 }
 ENGINES = os.environ.get("ENGINES", "ngram")
 

@@ -252,6 +252,25 @@ case "$stage" in
     done
     pack
     ;;
+  s6g)  # session 6 last round, run 3 (with piece 02): GPU tests after helper-18's host cuts; n-gram at batch 16
+        # interleaved; EAGLE at batch 64 interleaved, top-k and dynamic trees in two processes (s6d's one-process
+        # run faulted)
+    assemble
+    install
+    GPU_TESTS="-x" gpu_tests 150 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py \
+      tests/test_step_graphs.py tests/test_engine_triton.py tests/test_eagle_dynamic.py
+    interleaved 150 16
+    mkdir -p "$D/b64t" "$D/b64d"
+    (D=$D/b64t; export REPEATS=5 ENGINES=eagle_topk; interleaved 110 64)
+    (D=$D/b64d; export REPEATS=5 ENGINES=eagle_dynamic; interleaved 110 64)
+    pack
+    ;;
+  s6h)  # session 6 last round, run 4: issue 9's step figures (micro) on the final wheel
+    install
+    fastpath 150 micro
+    grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
