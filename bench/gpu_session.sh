@@ -257,7 +257,7 @@ case "$stage" in
         # run faulted)
     assemble
     install
-    GPU_TESTS="-x" gpu_tests 150 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py \
+    gpu_tests 150 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py \
       tests/test_step_graphs.py tests/test_engine_triton.py tests/test_eagle_dynamic.py
     interleaved 150 16
     mkdir -p "$D/b64t" "$D/b64d"
