@@ -158,6 +158,8 @@ class SpecEngine:
         for m in (self.target, self.draft):
             if m is not None and isinstance(m.model, LlamaForCausalLM):
                 m.model.fuse()
+            elif m is not None and hasattr(m.model, "fuse_projections"):  # an EAGLE draft's decoder layer
+                m.model.fuse_projections()
         want = self.config.cuda_graphs
         triton = self.runner.backend.name == "triton"
         if want is None:

@@ -174,6 +174,9 @@ def test_greedy_output_equals_target_only(setup, tree):
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain + plain[:2]]
         assert eng.all_blocks_free()
     assert sum(o.stats.accepted for o in spec) > 0
+    attn, mlp = draft.model.layer.self_attn, draft.model.layer.mlp  # the engine fused the draft's projections
+    assert attn.q_proj.weight.data_ptr() == attn.qkv_weight.data_ptr()
+    assert mlp.gate_proj.weight.data_ptr() == mlp.gate_up_weight.data_ptr()
 
 
 @pytest.mark.parametrize("tree", ["chain:4", "topk:2x3", "dynamic:16"])

@@ -76,6 +76,14 @@ class EagleDraft(nn.Module):
     def shape(self) -> EagleShape:
         return EagleShape(self.aux_layers, self.lm_head.out_features)
 
+    def fuse_projections(self) -> EagleDraft:
+        """Fuse its decoder layer's q/k/v and gate/up projections for inference, like
+        ``LlamaForCausalLM.fuse``: one GEMM each instead of three and two, and the backend's fused SiLU-mul
+        (the projections stay views, so state_dict and training, which uses them, are unchanged)."""
+        self.layer.self_attn.fuse()
+        self.layer.mlp.fuse()
+        return self
+
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features (T, k * hidden) -> ``g`` (T, hidden); each layer's part is RMS-scaled first."""
         t, h = aux.shape[0], self.fc.out_features
