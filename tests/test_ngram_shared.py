@@ -1,9 +1,11 @@
 """The n-gram drafter's table of n-grams shared across requests (``SharedNgrams``)."""
 
+import random
+
 import pytest
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.drafters.ngram import NgramIndex, SharedNgrams
+from specdec.drafters.ngram import NgramIndex, SharedNgrams, ngram_lookup
 
 
 def test_a_request_continues_text_another_request_wrote():
@@ -79,3 +81,23 @@ def test_ngram_shared_must_be_a_bool():
 
     with pytest.raises(FieldError, match="ngram_shared"):
         SpecConfig(ngram_shared="yes")
+
+
+@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 1), (4, 2), (5, 1)])
+def test_incremental_index_equals_the_scan(max_n, min_n):
+    """``NgramIndex`` fed in random pieces (the default 4/1 shape takes an unrolled path) proposes what
+    ``ngram_lookup``'s scan finds, and its shared-table entries are each n-gram's latest start."""
+    rng = random.Random(max_n * 10 + min_n)
+    tokens = [rng.randrange(5) for _ in range(7)]
+    table = SharedNgrams(min_n=2)
+    index = NgramIndex(max_n, min_n, table)
+    index.update(tokens, len(tokens))
+    while len(tokens) < 400:
+        tokens += [rng.randrange(5) for _ in range(rng.randrange(1, 5))]
+        assert index.lookup(tokens, 6, use_shared=False) == ngram_lookup(tokens, 6, max_n, min_n)
+    latest = {}
+    for end in range(len(tokens)):  # n-grams followed by a token, as the index keeps them
+        for n in range(2, max_n + 1):
+            if end - n >= 0:
+                latest[tuple(tokens[end - n:end])] = end - n
+    assert {g: e & 0xFFFFFFFF for g, e in table.new.items()} == latest

@@ -93,7 +93,23 @@ class NgramIndex:
         new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start
         if self.shared is not None and upto > self.indexed:
             new, s_lo = self.shared.writer(self.owner, tokens), self.shared.min_n
-        for end in range(self.indexed, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
+        first = self.indexed
+        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled: no slices of slices
+            own_only = new is None or s_lo > 4
+            for end in range(first, upto):
+                a, b, c, d = tokens[end - 4:end]
+                g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
+                latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
+                if not own_only:
+                    new[g4] = tag | (end - 4)
+                    if s_lo <= 3:
+                        new[g3] = tag | (end - 3)
+                        if s_lo <= 2:
+                            new[g2] = tag | (end - 2)
+                            if s_lo == 1:
+                                new[(d,)] = tag | (end - 1)
+            first = upto
+        for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
             tail = tuple(tokens[end - hi if end > hi else 0:end])
             for n in range(lo, len(tail) + 1):
                 gram = tail[-n:]
