@@ -44,6 +44,9 @@ def test_the_table_keeps_two_generations():
     b = [10, 11, 12, 13, 14, 15]  # (10, 11) ... (13, 14): 4 more, the table turns over
     NgramIndex(2, 2, shared).update(b, 6)
     assert shared.get((1, 2)) == (a, 0) and shared.get((13, 14)) == (b, 3)
+    # a lookup reads both generations: (1, 2) from the old one, (12, 13) from the new one
+    assert NgramIndex(2, 1, shared).lookup([7, 1, 2], 2) == [3]
+    assert NgramIndex(2, 1, shared).lookup([7, 12, 13], 2) == [14, 15]
     c = [20, 21, 22, 23, 24, 25]  # 4 more: a's and b's generation is dropped
     NgramIndex(2, 2, shared).update(c, 6)
     assert shared.get((1, 2)) is None and shared.get((13, 14)) is None

@@ -140,11 +140,19 @@ class NgramIndex:
                     break
         shared = self.shared
         if shared is not None and use_shared:
+            new, old = shared.new, shared.old  # ``SharedNgrams.get``, inlined (up to max_n lookups per row-step)
             for n in range(top, max(found, shared.min_n - 1), -1):  # longer than the own match only
-                hit = shared.get(suffix[top - n:])
+                gram = suffix[top - n:]
+                hit = new.get(gram)
                 if hit is not None:
-                    src, start = hit
-                    return src[start + n:start + n + k]
+                    owners = shared.new_owners
+                else:
+                    hit = old.get(gram)
+                    if hit is None:
+                        continue
+                    owners = shared.old_owners
+                start = hit & 0xFFFFFFFF
+                return owners[hit >> 32][start + n:start + n + k]
         return out
 
 
