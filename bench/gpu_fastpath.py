@@ -4,6 +4,8 @@ over MT-bench, float32 equality with graphs on. Writes JSON + logs to OUT; print
     python -P bench/gpu_fastpath.py micro OUT_DIR              # random SmolLM2-shaped weights (no model file)
     python -P bench/gpu_fastpath.py real OUT_DIR MODEL PROMPTS  # the real GGUF + pre-tokenised MT-bench prompts
     python -P bench/gpu_fastpath.py eagle OUT_DIR MODEL PROMPTS # the shipped EAGLE draft, graphed, vs target-only
+    python -P bench/gpu_fastpath.py hfcompare OUT_DIR MODEL PROMPTS  # target-only vs transformers' static
+                                                                     # compiled generate, batch 1, 8 prompts
     python -P bench/gpu_fastpath.py adaptive OUT_DIR MODEL PROMPTS [N]  # n-gram chain:8, adaptive on/off vs
                                                                         # target-only at batch 1, 16, 64
                                                                         # (ADAPTIVE_BATCHES=16,64: those only)
@@ -333,6 +335,26 @@ def real(out: Path, model_path: str, prompt_file: str) -> None:
     (out / "real.json").write_text(json.dumps(RESULTS, indent=1))
 
 
+def hfcompare(out: Path, model_path: str, prompt_file: str) -> None:
+    """Issue 9's first item in one run: target-only (and n-gram chain:8) at batch 1 against transformers'
+    static-cache compiled ``generate`` over the same 8 MT-bench prompts, 128 new tokens each."""
+    prompts = json.loads(Path(prompt_file).read_text())["mtbench"][:8]
+    new = 128 if CUDA else 4
+    params = SamplingParams(max_new_tokens=new, ignore_eos=True)
+    target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
+    dt = "bfloat16" if CUDA else "float32"
+    res = RESULTS.setdefault("hfcompare", {})
+    for name, draft in (("target_only", None), ("ngram", "ngram")):
+        r = res[f"{name}_b1"] = measured_run(draft, target, "chain:8", 1, prompts, params, dt)
+        log(f"hfcompare {name} batch 1: {r['tok_per_s']:.1f} tok/s")
+    if CUDA:
+        hf = res["hf_static_compiled_b1"] = hf_static_compiled(model_path, prompts, new)
+        res["target_only_over_hf_static"] = res["target_only_b1"]["tok_per_s"] / hf["tok_per_s"]
+        log(f"hfcompare transformers static compiled: {hf['tok_per_s']:.1f} tok/s; target-only / it = "
+            f"{res['target_only_over_hf_static']:.2f}x")
+    (out / "hfcompare.json").write_text(json.dumps(RESULTS, indent=1))
+
+
 def quick(out: Path, model_path: str, prompt_file: str) -> None:
     """n-gram vs target-only at batch 1 and 16 (80 MT-bench prompts); the EAGLE draft is the ``eagle`` mode's."""
     prompts = json.loads(Path(prompt_file).read_text())["mtbench"]
@@ -508,6 +530,8 @@ def main() -> None:
         micro(out)
     elif cmd == "real":
         real(out, sys.argv[3], sys.argv[4])
+    elif cmd == "hfcompare":
+        hfcompare(out, sys.argv[3], sys.argv[4])
     elif cmd == "quick":
         quick(out, sys.argv[3], sys.argv[4])
     elif cmd == "eagle":

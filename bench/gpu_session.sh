@@ -265,10 +265,10 @@ case "$stage" in
     (D=$D/b64d; export REPEATS=5 ENGINES=eagle_dynamic; interleaved 110 64)
     pack
     ;;
-  s6h)  # session 6 last round, run 4: issue 9's step figures (micro) on the final wheel
+  s6h)  # session 6 last round, run 4: target-only vs transformers' static compiled generate (issue 9's first item)
     install
-    fastpath 150 micro
-    grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
+    fastpath 200 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
     pack
     ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
