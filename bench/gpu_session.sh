@@ -269,6 +269,9 @@ case "$stage" in
     install
     fastpath 200 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
+    (cd /tmp && timeout 150 python3 -P "$root/bench/host_profile.py" --device cuda --batches 1 64 --modes decode eagle \
+      --steps 30 --warmup 10 --new-tokens 1024 --out "$D/host_profile_cuda.json" > "$D/host_profile.log" 2>&1)
+    grep -h -e "^| " "$D/host_profile.log" | tail -6
     pack
     ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
