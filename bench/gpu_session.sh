@@ -258,7 +258,7 @@ case "$stage" in
     assemble
     install
     gpu_tests 150 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py \
-      tests/test_step_graphs.py tests/test_engine_triton.py tests/test_eagle_dynamic.py
+      tests/test_step_graphs.py tests/test_engine_triton.py tests/test_eagle_dynamic.py tests/test_engines_share_models.py
     interleaved 150 16
     mkdir -p "$D/b64t" "$D/b64d"
     (D=$D/b64t; export REPEATS=5 ENGINES=eagle_topk; interleaved 110 64)
