@@ -252,26 +252,24 @@ case "$stage" in
     done
     pack
     ;;
-  s6g)  # session 6 last round, run 3 (with piece 02): GPU tests after helper-18's host cuts; n-gram at batch 16
-        # interleaved; EAGLE at batch 64 interleaved, top-k and dynamic trees in two processes (s6d's one-process
-        # run faulted)
+  s6g)  # session 6 last round, run 3 (with piece 02): GPU tests after the helpers' merges; n-gram at batch 16
+        # interleaved (7 rounds); EAGLE top-k trees at batch 64 interleaved (5 rounds)
     assemble
     install
-    gpu_tests 150 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py \
-      tests/test_step_graphs.py tests/test_engine_triton.py tests/test_eagle_dynamic.py tests/test_engines_share_models.py
+    gpu_tests 100 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py \
+      tests/test_step_graphs.py tests/test_engines_share_models.py
     interleaved 150 16
-    mkdir -p "$D/b64t" "$D/b64d"
+    mkdir -p "$D/b64t"
     (D=$D/b64t; export REPEATS=5 ENGINES=eagle_topk; interleaved 110 64)
-    (D=$D/b64d; export REPEATS=5 ENGINES=eagle_dynamic; interleaved 110 64)
     pack
     ;;
-  s6h)  # session 6 last round, run 4: target-only vs transformers' static compiled generate (issue 9's first item)
+  s6h)  # session 6 last round, run 4: target-only vs transformers' static compiled generate (issue 9's first item);
+        # EAGLE at batch 1 interleaved (2 rounds)
     install
-    fastpath 200 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
+    fastpath 150 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
-    (cd /tmp && timeout 150 python3 -P "$root/bench/host_profile.py" --device cuda --batches 1 64 --modes decode eagle \
-      --steps 30 --warmup 10 --new-tokens 1024 --out "$D/host_profile_cuda.json" > "$D/host_profile.log" 2>&1)
-    grep -h -e "^| " "$D/host_profile.log" | tail -6
+    mkdir -p "$D/b1"
+    (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle_b1; interleaved 150 1)
     pack
     ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
