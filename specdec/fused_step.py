@@ -118,35 +118,45 @@ class FusedVerify:
         """The graph bucket of the verify of ``rows`` trees of ``nodes`` nodes, or None (then: unfused)."""
         return self.runner.packed_key(0, rows, nodes + 1, self.verifier.aux_layers)
 
-    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...]) -> ForwardResult:
+    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...], bt=None) -> ForwardResult:
         """Run the verify forward of bucket ``key`` over ``reqs`` whose trees are ``tokens`` (R, n) target ids
         and ``parents`` (index among the row's nodes, -1: the root; topological order): (R, n) on the device,
         or one host tuple of n shared by every row (a static template: then only the tokens are written on
-        the device). Nothing is read back: the result's ``accept`` and ``features`` are device tensors."""
+        the device). ``bt``: the rows' host block tables (R, W), already synced (None: synced here). Nothing is
+        read back: the result's ``accept`` and ``features`` are device tensors."""
         n = tokens.shape[1]
         shared = parents if isinstance(parents, tuple) else None
-        packed = verify_skeleton(reqs, n, key[2], self.runner.query_slots, shared)
+        bt = self._tables(reqs, bt)
+        packed = verify_skeleton(reqs, n, key[2], bt, self.runner.pool.block_size, shared)
 
         def write(views: StepViews) -> None:
             write_trees(views, key[1], key[2], tokens, parents if shared is None else None, self.levels)
 
         self.steps += 1
-        return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
+        return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write, bt_rows=bt)
 
-    def launch_program(self, key, reqs: list, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor]:
+    def launch_program(self, key, reqs: list, out: Tensor, n: int, bt=None) -> tuple[ForwardResult, Tensor, Tensor]:
         """``launch`` of the trees a dynamic program's output ``out`` (R, 3, N) keeps under budget ``n``
         (``best_nodes_on_device``), built on the device by ``self.writer``; also returns the kept trees' tokens
         and parents (R, min(n, N)), device tensors the verify does not overwrite."""
         k = min(n, out.shape[2])
-        packed = verify_skeleton(reqs, k, key[2], self.runner.query_slots)
+        bt = self._tables(reqs, bt)
+        packed = verify_skeleton(reqs, k, key[2], bt, self.runner.pool.block_size)
         built = []
 
         def write(views: StepViews) -> None:
             built.append(self.writer(views, key[1], key[2], out, n))
 
         self.steps += 1
-        fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write)
+        fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write, bt_rows=bt)
         return fwd, *built[0]
+
+    def _tables(self, reqs: list, bt):
+        """``bt``, or the rows' block tables (R, W) synced now."""
+        if bt is None:
+            self.runner.sync_tables(reqs)
+            bt = self.runner.tables.host_rows([r.bt_row for r in reqs])
+        return bt
 
 
 class TreeWriter:
@@ -186,18 +196,21 @@ class TreeWriter:
         return tokens, parents
 
 
-def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] | None = None) -> PackedRows:
+def verify_skeleton(reqs: list, n: int, q: int, bt: np.ndarray, block_size: int,
+                    parents: tuple[int, ...] | None = None) -> PackedRows:
     """The verify rows of ``reqs`` with trees of ``n`` nodes each, laid out for ``q`` queries per row, with
     everything that does not depend on the trees' tokens: the pending token at position L - 1 (root mask 1),
-    every query's KV slot (logical positions L - 1 .. L - 1 + n; ``slots(req, start, count)``), the row
-    lengths, and, when every row has the tree shape ``parents``, the nodes' positions, masks and parents.
-    The rest (node tokens 0; positions and masks 0, parents -1) waits for ``write_trees``."""
+    every query's KV slot (logical positions L - 1 .. L - 1 + n, through the rows' block tables ``bt`` (R, W)
+    of ``block_size``-token blocks), the row lengths, and, when every row has the tree shape ``parents``, the
+    nodes' positions, masks and parents. The rest (node tokens 0; positions and masks 0, parents -1) waits
+    for ``write_trees``."""
     r, w = len(reqs), n + 1
     seq = np.fromiter((len(req.tokens) for req in reqs), np.int64, r)  # (R,) L: the pending token at L - 1
     tokens = np.zeros((5, r, w), dtype=np.int64)  # ids, positions, slots, masks, parents
     tokens[0, :, 0] = [req.tokens[-1] for req in reqs]
     tokens[1, :, 0] = seq - 1
-    tokens[2] = [slots(req, length - 1, w) for req, length in zip(reqs, seq.tolist())]
+    logical = (seq - 1)[:, None] + np.arange(w)  # (R, w)
+    tokens[2] = np.take_along_axis(bt, logical // block_size, 1).astype(np.int64) * block_size + logical % block_size
     tokens[3, :, 0] = 1
     tokens[4] = -1
     if parents is not None and n:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from specdec.attention.base import AttentionBackend, AttnMetadata
@@ -67,9 +68,13 @@ class RowSlices:
 
     def gather(self, picks: list[list[int]]) -> list[torch.Tensor]:
         """For each row i, its entries ``picks[i]`` (row-relative indices), as one tensor per row."""
-        flat = [s + j for s, p in zip(self.starts, picks) for j in p]
-        out = self.table[torch.tensor(flat, dtype=torch.int64, device=self.table.device)]
-        return list(out.split([len(p) for p in picks]))
+        sizes = [len(p) for p in picks]
+        flat = np.fromiter(itertools.chain.from_iterable(picks), np.int64, sum(sizes))
+        return list(self.take(flat + np.repeat(np.asarray(self.starts, dtype=np.int64), sizes)).split(sizes))
+
+    def take(self, flat: np.ndarray) -> torch.Tensor:
+        """Entries ``flat`` (table indices, int64) of the table, one indexing op."""
+        return self.table[torch.from_numpy(flat).to(self.table.device)]
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:
@@ -248,13 +253,15 @@ class ModelRunner:
         return self.slots(req, range(start, start + n))
 
     def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int],
-                       on_device=None) -> ForwardResult:
+                       on_device=None, bt_rows=None) -> ForwardResult:
         """``forward`` of the rows of ``reqs`` flattened into ``packed`` for graph bucket ``key``
         (``packed_key``), without a ``RowInput`` per row; row i has ``lengths[i]`` queries, all with logits.
-        ``on_device``: see ``GraphRunner.run_packed``."""
-        self.sync_tables(reqs)
-        out = self.graphs.run_packed(key, packed, self.tables.host_rows([r.bt_row for r in reqs]),
-                                     on_device=on_device)
+        ``on_device``: see ``GraphRunner.run_packed``. ``bt_rows``: the rows' host block tables (R, W) when the
+        caller has synced them this step (None: synced here)."""
+        if bt_rows is None:
+            self.sync_tables(reqs)
+            bt_rows = self.tables.host_rows([r.bt_row for r in reqs])
+        out = self.graphs.run_packed(key, packed, bt_rows, on_device=on_device)
         return self._graphed_result(out, key[2], lengths, ["all"] * len(reqs))
 
     @staticmethod

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +27,13 @@ class VerifyResult(NamedTuple):
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
     features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
+
+
+class VerifyResults(list):
+    """The ``VerifyResult`` of each row, in order; ``packed_features``: every row's ``features`` as one tensor
+    (sum of their lengths, k * H), row after row (the rows' features are views of it), None without features."""
+
+    packed_features: torch.Tensor | None = None
 
 
 # Fewer sampled rows than this take the host rule after a padded step: on the H200 the eager device rule costs
@@ -60,14 +68,20 @@ class Verifier:
         fused = proposal.fused
         if fused is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
-        return self._with_features(_from_fused(rows, proposal.draft_computed, fused), fused.forward)
+        return _from_fused(rows, proposal.draft_computed, fused)
 
     @staticmethod
     def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
-        if fwd.features is not None:  # the pending token's and the accepted path's, one gather for the batch
-            feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
-            results = [r._replace(features=f) for r, f in zip(results, feats)]
-        return results
+        if fwd.features is None:
+            return results
+        # the pending token's and the accepted path's, one gather for the batch
+        sizes = [len(r.accepted_nodes) + 1 for r in results]
+        path = np.fromiter(itertools.chain.from_iterable(r.accepted_nodes for r in results), np.int64,
+                           sum(sizes) - len(sizes))
+        first = np.cumsum(sizes) - sizes  # (R,) where each row's pending token lands
+        flat = np.repeat(np.asarray(fwd.features.starts, dtype=np.int64), sizes)  # (T,)
+        flat[np.delete(np.arange(flat.size), first)] += path + 1
+        return _packed_results(results, fwd.features.take(flat), sizes)
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
         """The target forward of a graphed step built straight from the trees; None when no graph holds it."""
@@ -137,10 +151,26 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     width = int(counts.max(initial=0))
     nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
     picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
-    n = tokens.shape[1]
-    return [VerifyResult(path[:m], toks[:m], bonus, n, depth, dc) for path, toks, m, bonus, depth, dc in
-            zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
-                fused.max_depth.tolist(), draft_computed)]
+    n, feats, out = tokens.shape[1], fused.forward.features, VerifyResults()
+    if feats is None:
+        per_row = itertools.repeat(None)
+    else:  # the pending token's and the accepted path's features (verify queries 0 and 1 + node), one gather
+        cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
+        keep = np.arange(width + 1) <= counts[:, None]
+        flat = (np.asarray(feats.starts, dtype=np.int64)[:, None] + cols)[keep]  # (T,) row after row
+        out.packed_features = feats.take(flat)
+        per_row = out.packed_features.split((counts + 1).tolist())
+    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, f) for path, toks, m, bonus, depth, dc, f in
+               zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
+                   fused.max_depth.tolist(), draft_computed, per_row))
+    return out
+
+
+def _packed_results(results: list[VerifyResult], packed: torch.Tensor, sizes: list[int]) -> VerifyResults:
+    """``results`` with row i's ``features`` the i-th run of ``sizes[i]`` rows of ``packed``."""
+    out = VerifyResults(r._replace(features=f) for r, f in zip(results, packed.split(sizes)))
+    out.packed_features = packed
+    return out
 
 
 def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, slots) -> PackedRows:
