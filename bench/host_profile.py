@@ -189,7 +189,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (StopChecker, "extend", "commit: StopChecker.extend", "function"),
         (runner_mod.ModelRunner, "padded_index", "runner.padded_index", "function"),
         (runner_mod.ModelRunner, "padded_inputs", "runner.padded_inputs (rest)", "function"),
-        (runner_mod.RowSlices, "gather", "verify: RowSlices.gather", "function"),
+        (runner_mod.RowSlices, "take", "verify: RowSlices.take", "function"),
         (engine_mod.SpecEngine, "_route", "route (rest)", "function"),
         (engine_mod, "_output", "route: _output", "function"),
         (engine_mod, "_stable_text", "route: _stable_text", "function"),

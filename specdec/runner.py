@@ -51,7 +51,7 @@ class ForwardResult(NamedTuple):
 
 class RowSlices:
     """Per-row slices of one table whose row i starts at ``starts[i]`` and has ``lengths[i]`` entries
-    (packed rows of an eager forward or padded rows of a graphed one). ``gather`` reads chosen
+    (packed rows of an eager forward or padded rows of a graphed one). ``take`` reads chosen
     entries of every row with one indexing op instead of one per row."""
 
     def __init__(self, table: torch.Tensor, starts: list[int], lengths: list[int]) -> None:
@@ -66,14 +66,9 @@ class RowSlices:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def gather(self, picks: list[list[int]]) -> list[torch.Tensor]:
-        """For each row i, its entries ``picks[i]`` (row-relative indices), as one tensor per row."""
-        sizes = [len(p) for p in picks]
-        flat = np.fromiter(itertools.chain.from_iterable(picks), np.int64, sum(sizes))
-        return list(self.take(flat + np.repeat(np.asarray(self.starts, dtype=np.int64), sizes)).split(sizes))
-
     def take(self, flat: np.ndarray) -> torch.Tensor:
-        """Entries ``flat`` (table indices, int64) of the table, one indexing op."""
+        """Entries ``flat`` (table indices, int64: a row's entry j is at ``starts[i] + j``) of the table, one
+        indexing op."""
         return self.table[torch.from_numpy(flat).to(self.table.device)]
 
 

@@ -74,14 +74,14 @@ class Verifier:
     def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
         if fwd.features is None:
             return results
-        # the pending token's and the accepted path's, one gather for the batch
+        # the pending token's and the accepted path's (verify queries 0 and 1 + node), one gather for the batch
         sizes = [len(r.accepted_nodes) + 1 for r in results]
-        path = np.fromiter(itertools.chain.from_iterable(r.accepted_nodes for r in results), np.int64,
-                           sum(sizes) - len(sizes))
-        first = np.cumsum(sizes) - sizes  # (R,) where each row's pending token lands
-        flat = np.repeat(np.asarray(fwd.features.starts, dtype=np.int64), sizes)  # (T,)
-        flat[np.delete(np.arange(flat.size), first)] += path + 1
-        return _packed_results(results, fwd.features.take(flat), sizes)
+        picks = np.fromiter(itertools.chain.from_iterable([-1, *r.accepted_nodes] for r in results), np.int64,
+                            sum(sizes)) + 1  # (T,) row after row
+        packed = fwd.features.take(picks + np.repeat(np.asarray(fwd.features.starts, dtype=np.int64), sizes))
+        out = VerifyResults(r._replace(features=f) for r, f in zip(results, packed.split(sizes)))
+        out.packed_features = packed
+        return out
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
         """The target forward of a graphed step built straight from the trees; None when no graph holds it."""
@@ -163,13 +163,6 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, f) for path, toks, m, bonus, depth, dc, f in
                zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
                    fused.max_depth.tolist(), draft_computed, per_row))
-    return out
-
-
-def _packed_results(results: list[VerifyResult], packed: torch.Tensor, sizes: list[int]) -> VerifyResults:
-    """``results`` with row i's ``features`` the i-th run of ``sizes[i]`` rows of ``packed``."""
-    out = VerifyResults(r._replace(features=f) for r, f in zip(results, packed.split(sizes)))
-    out.packed_features = packed
     return out
 
 
