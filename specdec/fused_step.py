@@ -205,20 +205,49 @@ def verify_skeleton(reqs: list, n: int, q: int, bt: np.ndarray, block_size: int,
     nodes' positions, masks and parents. The rest (node tokens 0; positions and masks 0, parents -1) waits
     for ``write_trees``."""
     r, w = len(reqs), n + 1
-    seq = np.fromiter((len(req.tokens) for req in reqs), np.int64, r)  # (R,) L: the pending token at L - 1
-    tokens = np.zeros((5, r, w), dtype=np.int64)  # ids, positions, slots, masks, parents
+    shape = _skeleton(r, w, q, parents if n else None)
+    last = np.fromiter((len(req.tokens) - 1 for req in reqs), np.int64, r)  # (R,) L - 1: the pending token's position
+    tokens = shape.tokens.copy()  # (5, R, w) ids, positions, slots, masks, parents
     tokens[0, :, 0] = [req.tokens[-1] for req in reqs]
-    tokens[1, :, 0] = seq - 1
-    logical = (seq - 1)[:, None] + np.arange(w)  # (R, w)
-    tokens[2] = np.take_along_axis(bt, logical // block_size, 1).astype(np.int64) * block_size + logical % block_size
+    tokens[1] += last[:, None] * shape.moves  # the root at L - 1; a static shape's nodes at L + depth
+    logical = last[:, None] + shape.cols  # (R, w)
+    np.multiply(bt[shape.rows, logical // block_size], block_size, out=tokens[2], dtype=np.int64)
+    tokens[2] += logical % block_size
+    per_row = shape.per_row.copy()  # (3, R) prefix, seq lens, tokens
+    per_row[0], per_row[1] = last, last + w
+    return PackedRows(shape.index, tokens.reshape(5, r * w), per_row)
+
+
+class _Skeleton(NamedTuple):
+    """What ``verify_skeleton`` writes the same at every step of a shape (read-only arrays)."""
+
+    tokens: np.ndarray  # (5, R, w) ids and slots 0, positions relative to L - 1 (0 where unknown), masks, parents
+    moves: np.ndarray  # (w,) 1 where a position is L - 1 + tokens[1], 0 where it waits for ``write_trees``
+    cols: np.ndarray  # (1, w) query index in the row
+    rows: np.ndarray  # (R, 1) row index
+    index: np.ndarray  # (R * w,) each query's place in the padded layout
+    per_row: np.ndarray  # (3, R) row 2: w queries per row
+
+
+@functools.lru_cache(maxsize=256)
+def _skeleton(r: int, w: int, q: int, parents: tuple[int, ...] | None) -> _Skeleton:
+    """The fixed part of ``verify_skeleton``'s rows: R rows of w queries in a bucket of q, of tree shape
+    ``parents`` (None: the positions, masks and parents of the nodes are written on the device)."""
+    tokens = np.zeros((5, r, w), dtype=np.int64)
     tokens[3, :, 0] = 1
     tokens[4] = -1
-    if parents is not None and n:
+    moves = np.zeros(w, dtype=np.int64)
+    moves[0] = 1
+    if parents is not None:
         depth, tokens[3], tokens[4] = _shape_rows(parents)
-        tokens[1, :, 1:] = seq[:, None] + depth
-    index = (np.arange(r)[:, None] * q + np.arange(w)).ravel()  # (R * w,)
-    per_row = np.stack([seq - 1, seq - 1 + w, np.full(r, w, dtype=np.int64)])  # prefix, seq lens, tokens
-    return PackedRows(index, tokens.reshape(5, r * w), per_row)
+        tokens[1, :, 1:] = 1 + depth
+        moves[:] = 1
+    per_row = np.full((3, r), w, dtype=np.int64)
+    out = _Skeleton(tokens, moves, np.arange(w)[None], np.arange(r)[:, None],
+                    (np.arange(r)[:, None] * q + np.arange(w)).ravel(), per_row)
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 def shape_depth(parents: tuple[int, ...]) -> int:

@@ -146,7 +146,8 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     if sampled:
         raise ValueError(f"rows: a fused step's rows are greedy, rows {sampled} are sampled")
     accept, tokens = fused.accept, fused.tokens  # (R, Q + 3), (R, n)
-    check_finite_flags(rows, accept[:, -1].tolist(), "target")
+    if not accept[:, -1].all():  # some row's logits are not finite: name them
+        check_finite_flags(rows, accept[:, -1].tolist(), "target")
     counts = accept[:, 0]  # (R,) accepted nodes
     width = int(counts.max(initial=0))
     nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
