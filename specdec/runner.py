@@ -238,15 +238,6 @@ class ModelRunner:
         g = self._graphs_for(model_idx, aux_layers)
         return None if g is None else g.key_of(model_idx, n_rows, longest)
 
-    def query_slots(self, req: Request, start: int, n: int) -> range | list[int]:
-        """KV slots of logical positions [start, start + n) of ``req`` (a range when one block holds them)."""
-        bs = self.pool.block_size
-        block, off = divmod(start, bs)
-        if off + n <= bs:
-            first = req.blocks[block] * bs + off
-            return range(first, first + n)
-        return self.slots(req, range(start, start + n))
-
     def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int],
                        on_device=None, bt_rows=None) -> ForwardResult:
         """``forward`` of the rows of ``reqs`` flattened into ``packed`` for graph bucket ``key``

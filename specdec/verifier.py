@@ -89,8 +89,11 @@ class Verifier:
         key = self.runner.packed_key(0, len(rows), max(lengths), self.aux_layers)
         if key is None:
             return None
-        packed = _packed(rows, trees, lengths, key[2], self.runner.query_slots)
-        return self.runner.forward_packed(key, rows, packed, lengths)
+        runner = self.runner
+        runner.sync_tables(rows)
+        bt = runner.tables.host_rows([r.bt_row for r in rows])
+        packed = _packed(rows, trees, lengths, key[2], bt, runner.pool.block_size)
+        return runner.forward_packed(key, rows, packed, lengths, bt_rows=bt)
 
     @staticmethod
     def _on_host(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
@@ -167,26 +170,29 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     return out
 
 
-def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, slots) -> PackedRows:
+def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, bt: np.ndarray,
+            block_size: int) -> PackedRows:
     """The verify rows (pending token + tree) of ``rows`` flattened for a padded step of ``q`` queries per
-    row; ``slots(req, start, n)`` gives a row's KV slots."""
-    ids, depth, kv, masks, parents, index = [], [], [], [], [], []
-    for i, (req, tree, n) in enumerate(zip(rows, trees, lengths)):
+    row; the rows' host block tables ``bt`` (R, W) of ``block_size``-token blocks give their KV slots."""
+    ids, depth, masks, parents = [], [], [], []
+    for req, tree in zip(rows, trees):
         h = tree.host
         m, p = tree.verify_rows()
-        L = len(req.tokens)
         ids.append(req.tokens[-1])
         ids += h.tokens
         depth.append(-1)
         depth += h.depth
-        kv += slots(req, L - 1, n)
         masks += m
         parents += p
-        index += range(i * q, i * q + n)
     seq = np.fromiter((len(r.tokens) for r in rows), np.int64, len(rows))  # (R,) the pending token is at seq - 1
-    tokens = np.array([ids, depth, kv, masks, parents], dtype=np.int64)  # (5, T)
-    tokens[1] += np.repeat(seq, lengths)  # RoPE positions: the root at seq - 1, depth d at seq + d
-    return PackedRows(np.array(index, dtype=np.int64), tokens, np.stack([seq - 1, seq - 1 + lengths, lengths]))
+    n = np.asarray(lengths, dtype=np.int64)  # (R,)
+    row = np.repeat(np.arange(len(rows)), n)  # (T,) each query's row
+    col = np.arange(row.size) - np.repeat(np.cumsum(n) - n, n)  # (T,) its rank in the row
+    kv = seq[row] - 1 + col  # (T,) logical KV positions: L - 1, L, ...
+    slots = bt[row, kv // block_size].astype(np.int64) * block_size + kv % block_size
+    tokens = np.array([ids, depth, slots, masks, parents], dtype=np.int64)  # (5, T)
+    tokens[1] += seq[row]  # RoPE positions: the root at seq - 1, depth d at seq + d
+    return PackedRows(row * q + col, tokens, np.stack([seq - 1, seq - 1 + n, n]))
 
 
 def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: list[int], q: int) -> torch.Tensor:
