@@ -184,7 +184,6 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (fused_mod, "verify_skeleton", "fused: verify_skeleton", "function"),
         (fused_mod.FusedVerify, "launch", "fused: FusedVerify.launch (rest)", "function"),
         (fused_mod.FusedVerify, "launch_program", "fused: FusedVerify.launch (rest)", "function"),
-        (fused_mod, "shape_depth", "fused: shape_depth", "function"),
         (fused_mod, "write_trees", "fused: write_trees", "function"),
         (fused_mod, "tree_depths", "fused: tree_depths", "function"),
         (verifier_mod, "_from_fused", "fused: _from_fused", "function"),
