@@ -127,6 +127,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
     import specdec.drafters.eagle_drafter as eagle_mod
     import specdec.drafters.ngram as ngram_mod
     import specdec.fault_isolation as fi_mod
+    import specdec.fused_step as fused_mod
     import specdec.runner as runner_mod
     import specdec.verifier as verifier_mod
     from specdec.outputs import AcceptanceStats
@@ -179,9 +180,18 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (eagle_mod, "template_trees", "eagle: template_trees", "function"),
         (eagle_mod.EagleDrafter, "accepted", "drafter.accepted", "function"),
         (DeviceDraftProgram, "run", "eagle: DeviceDraftProgram.run (rest)", "function"),
+        (eagle_mod.EagleDrafter, "_verify_fused", "fused: _verify_fused (rest: the read)", "function"),
+        (fused_mod, "verify_skeleton", "fused: verify_skeleton", "function"),
+        (fused_mod.FusedVerify, "launch", "fused: FusedVerify.launch (rest)", "function"),
+        (fused_mod.FusedVerify, "launch_program", "fused: FusedVerify.launch (rest)", "function"),
+        (fused_mod, "write_trees", "fused: write_trees", "function"),
+        (fused_mod, "tree_depths", "fused: tree_depths", "function"),
+        (verifier_mod, "_from_fused", "fused: _from_fused", "function"),
+        (getattr(eagle_mod, "FeatureTable", object), "store_packed", "eagle: FeatureTable.store_packed", "function"),
+        (StopChecker, "extend", "commit: StopChecker.extend", "function"),
         (runner_mod.ModelRunner, "padded_index", "runner.padded_index", "function"),
         (runner_mod.ModelRunner, "padded_inputs", "runner.padded_inputs (rest)", "function"),
-        (runner_mod.RowSlices, "gather", "verify: RowSlices.gather", "function"),
+        (runner_mod.RowSlices, "take", "verify: RowSlices.take", "function"),
         (engine_mod.SpecEngine, "_route", "route (rest)", "function"),
         (engine_mod, "_output", "route: _output", "function"),
         (engine_mod, "_stable_text", "route: _stable_text", "function"),

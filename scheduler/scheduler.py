@@ -108,8 +108,9 @@ class Scheduler:
     def schedule(self) -> StepBatch:
         """Admit what fits, then pick prefill chunks and speculating rows for one step."""
         batch = StepBatch()
-        for req in self.running:
-            self.release_outside_window(req)
+        if self.window is not None:
+            for req in self.running:
+                self.release_outside_window(req)
         self._admit()
         budget = self.cfg.max_num_tokens
         for req in list(self.running):
@@ -124,9 +125,11 @@ class Scheduler:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
         running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
+        bs = self.block_size
         for req in list(self.running):
             if req.prefill_done and req.status is running:
-                if self._reserve(req, len(req.tokens) + self.lookahead, batch):
+                reach = len(req.tokens) + self.lookahead
+                if len(req.blocks) * bs >= reach or self._reserve(req, reach, batch):  # most rows have the blocks
                     batch.decode.append(req)
         if batch.preempted:
             batch.decode = [r for r in batch.decode if r.status is running]
@@ -304,12 +307,7 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
         base = len(req.tokens)
         m = len(res.accepted_nodes)
         req.num_computed = base + m
-        if res.draft_computed is None:  # model-free drafter: nothing of the draft to track
-            req.num_computed_draft = base + m
-        else:
-            done = res.draft_computed
-            req.num_computed_draft = base + next((j for j, node in enumerate(res.accepted_nodes) if node not in done),
-                                                 m)
+        req.num_computed_draft = base + _draft_kept(res.accepted_nodes, res.draft_computed)
         reason, appended = stopper.extend(req, [*res.accepted_tokens, res.bonus_token])
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed
@@ -317,6 +315,16 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
             sched.finish(req, reason)
         else:
             sched.shrink(req)
+
+
+def _draft_kept(nodes: list[int], done: frozenset[int] | None) -> int:
+    """How many accepted ``nodes`` keep their draft KV: the path's longest prefix in ``done`` (the nodes whose
+    draft KV was written; None: a model-free drafter, nothing of the draft to track, so all)."""
+    if done is None:
+        return len(nodes)
+    if not done:
+        return 0
+    return next((j for j, node in enumerate(nodes) if node not in done), len(nodes))
 
 
 def _slot(req: Request, pos: int, block_size: int) -> int:

@@ -66,8 +66,12 @@ class StopChecker:
                 if reason:
                     return reason, i + 1
             return None, len(tokens)
-        eos = () if p.ignore_eos else req.eos_token_ids
-        stop_at = next((i for i, tok in enumerate(tokens) if tok in eos or tok in p.stop_token_ids), None)
+        eos, stop_ids, stop_at = () if p.ignore_eos else req.eos_token_ids, p.stop_token_ids, None
+        if eos or stop_ids:
+            for i, tok in enumerate(tokens):
+                if tok in eos or tok in stop_ids:
+                    stop_at = i
+                    break
         length_at = max(p.max_new_tokens - req.num_output, 1) - 1  # index of the token reaching max_new_tokens
         if stop_at is not None and stop_at <= length_at:
             reason, n = "stop", stop_at + 1

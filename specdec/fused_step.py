@@ -138,35 +138,45 @@ class FusedVerify:
                     self.writer(graphs.inputs.views(b, key[2]), b, key[2], dummy, n)
         return len(self.writer.graphs) - before
 
-    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...]) -> ForwardResult:
+    def launch(self, key, reqs: list, tokens: Tensor, parents: Tensor | tuple[int, ...], bt=None) -> ForwardResult:
         """Run the verify forward of bucket ``key`` over ``reqs`` whose trees are ``tokens`` (R, n) target ids
         and ``parents`` (index among the row's nodes, -1: the root; topological order): (R, n) on the device,
         or one host tuple of n shared by every row (a static template: then only the tokens are written on
-        the device). Nothing is read back: the result's ``accept`` and ``features`` are device tensors."""
+        the device). ``bt``: the rows' host block tables (R, W), already synced (None: synced here). Nothing is
+        read back: the result's ``accept`` and ``features`` are device tensors."""
         n = tokens.shape[1]
         shared = parents if isinstance(parents, tuple) else None
-        packed = verify_skeleton(reqs, n, key[2], self.runner.query_slots, shared)
+        bt = self._tables(reqs, bt)
+        packed = verify_skeleton(reqs, n, key[2], bt, self.runner.pool.block_size, shared)
 
         def write(views: StepViews) -> None:
             write_trees(views, key[1], key[2], tokens, parents if shared is None else None, self.levels)
 
         self.steps += 1
-        return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write)
+        return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write, bt_rows=bt)
 
-    def launch_program(self, key, reqs: list, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor]:
+    def launch_program(self, key, reqs: list, out: Tensor, n: int, bt=None) -> tuple[ForwardResult, Tensor, Tensor]:
         """``launch`` of the trees a dynamic program's output ``out`` (R, 3, N) keeps under budget ``n``
         (``best_nodes_on_device``), built on the device by ``self.writer``; also returns the kept trees' tokens
         and parents (R, min(n, N)), device tensors the verify does not overwrite."""
         k = min(n, out.shape[2])
-        packed = verify_skeleton(reqs, k, key[2], self.runner.query_slots)
+        bt = self._tables(reqs, bt)
+        packed = verify_skeleton(reqs, k, key[2], bt, self.runner.pool.block_size)
         built = []
 
         def write(views: StepViews) -> None:
             built.append(self.writer(views, key[1], key[2], out, n))
 
         self.steps += 1
-        fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write)
+        fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write, bt_rows=bt)
         return fwd, *built[0]
+
+    def _tables(self, reqs: list, bt):
+        """``bt``, or the rows' block tables (R, W) synced now."""
+        if bt is None:
+            self.runner.sync_tables(reqs)
+            bt = self.runner.tables.host_rows([r.bt_row for r in reqs])
+        return bt
 
 
 class TreeWriter:
@@ -206,26 +216,58 @@ class TreeWriter:
         return tokens, parents
 
 
-def verify_skeleton(reqs: list, n: int, q: int, slots, parents: tuple[int, ...] | None = None) -> PackedRows:
+def verify_skeleton(reqs: list, n: int, q: int, bt: np.ndarray, block_size: int,
+                    parents: tuple[int, ...] | None = None) -> PackedRows:
     """The verify rows of ``reqs`` with trees of ``n`` nodes each, laid out for ``q`` queries per row, with
     everything that does not depend on the trees' tokens: the pending token at position L - 1 (root mask 1),
-    every query's KV slot (logical positions L - 1 .. L - 1 + n; ``slots(req, start, count)``), the row
-    lengths, and, when every row has the tree shape ``parents``, the nodes' positions, masks and parents.
-    The rest (node tokens 0; positions and masks 0, parents -1) waits for ``write_trees``."""
+    every query's KV slot (logical positions L - 1 .. L - 1 + n, through the rows' block tables ``bt`` (R, W)
+    of ``block_size``-token blocks), the row lengths, and, when every row has the tree shape ``parents``, the
+    nodes' positions, masks and parents. The rest (node tokens 0; positions and masks 0, parents -1) waits
+    for ``write_trees``."""
     r, w = len(reqs), n + 1
-    seq = np.fromiter((len(req.tokens) for req in reqs), np.int64, r)  # (R,) L: the pending token at L - 1
-    tokens = np.zeros((5, r, w), dtype=np.int64)  # ids, positions, slots, masks, parents
+    shape = _skeleton(r, w, q, parents if n else None)
+    last = np.fromiter((len(req.tokens) - 1 for req in reqs), np.int64, r)  # (R,) L - 1: the pending token's position
+    tokens = shape.tokens.copy()  # (5, R, w) ids, positions, slots, masks, parents
     tokens[0, :, 0] = [req.tokens[-1] for req in reqs]
-    tokens[1, :, 0] = seq - 1
-    tokens[2] = [slots(req, length - 1, w) for req, length in zip(reqs, seq.tolist())]
+    tokens[1] += last[:, None] * shape.moves  # the root at L - 1; a static shape's nodes at L + depth
+    logical = last[:, None] + shape.cols  # (R, w)
+    np.multiply(bt[shape.rows, logical // block_size], block_size, out=tokens[2], dtype=np.int64)
+    tokens[2] += logical % block_size
+    per_row = shape.per_row.copy()  # (3, R) prefix, seq lens, tokens
+    per_row[0], per_row[1] = last, last + w
+    return PackedRows(shape.index, tokens.reshape(5, r * w), per_row)
+
+
+class _Skeleton(NamedTuple):
+    """What ``verify_skeleton`` writes the same at every step of a shape (read-only arrays)."""
+
+    tokens: np.ndarray  # (5, R, w) ids and slots 0, positions relative to L - 1 (0 where unknown), masks, parents
+    moves: np.ndarray  # (w,) 1 where a position is L - 1 + tokens[1], 0 where it waits for ``write_trees``
+    cols: np.ndarray  # (1, w) query index in the row
+    rows: np.ndarray  # (R, 1) row index
+    index: np.ndarray  # (R * w,) each query's place in the padded layout
+    per_row: np.ndarray  # (3, R) row 2: w queries per row
+
+
+@functools.lru_cache(maxsize=256)
+def _skeleton(r: int, w: int, q: int, parents: tuple[int, ...] | None) -> _Skeleton:
+    """The fixed part of ``verify_skeleton``'s rows: R rows of w queries in a bucket of q, of tree shape
+    ``parents`` (None: the positions, masks and parents of the nodes are written on the device)."""
+    tokens = np.zeros((5, r, w), dtype=np.int64)
     tokens[3, :, 0] = 1
     tokens[4] = -1
-    if parents is not None and n:
+    moves = np.zeros(w, dtype=np.int64)
+    moves[0] = 1
+    if parents is not None:
         depth, tokens[3], tokens[4] = _shape_rows(parents)
-        tokens[1, :, 1:] = seq[:, None] + depth
-    index = (np.arange(r)[:, None] * q + np.arange(w)).ravel()  # (R * w,)
-    per_row = np.stack([seq - 1, seq - 1 + w, np.full(r, w, dtype=np.int64)])  # prefix, seq lens, tokens
-    return PackedRows(index, tokens.reshape(5, r * w), per_row)
+        tokens[1, :, 1:] = 1 + depth
+        moves[:] = 1
+    per_row = np.full((3, r), w, dtype=np.int64)
+    out = _Skeleton(tokens, moves, np.arange(w)[None], np.arange(r)[:, None],
+                    (np.arange(r)[:, None] * q + np.arange(w)).ravel(), per_row)
+    for a in out:
+        a.flags.writeable = False
+    return out
 
 
 def shape_depth(parents: tuple[int, ...]) -> int:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from specdec.attention.base import AttentionBackend, AttnMetadata
@@ -50,7 +51,7 @@ class ForwardResult(NamedTuple):
 
 class RowSlices:
     """Per-row slices of one table whose row i starts at ``starts[i]`` and has ``lengths[i]`` entries
-    (packed rows of an eager forward or padded rows of a graphed one). ``gather`` reads chosen
+    (packed rows of an eager forward or padded rows of a graphed one). ``take`` reads chosen
     entries of every row with one indexing op instead of one per row."""
 
     def __init__(self, table: torch.Tensor, starts: list[int], lengths: list[int]) -> None:
@@ -65,11 +66,10 @@ class RowSlices:
     def __iter__(self):
         return (self[i] for i in range(len(self)))
 
-    def gather(self, picks: list[list[int]]) -> list[torch.Tensor]:
-        """For each row i, its entries ``picks[i]`` (row-relative indices), as one tensor per row."""
-        flat = [s + j for s, p in zip(self.starts, picks) for j in p]
-        out = self.table[torch.tensor(flat, dtype=torch.int64, device=self.table.device)]
-        return list(out.split([len(p) for p in picks]))
+    def take(self, flat: np.ndarray) -> torch.Tensor:
+        """Entries ``flat`` (table indices, int64: a row's entry j is at ``starts[i] + j``) of the table, one
+        indexing op."""
+        return self.table[torch.from_numpy(flat).to(self.table.device)]
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:
@@ -238,23 +238,16 @@ class ModelRunner:
         g = self._graphs_for(model_idx, aux_layers)
         return None if g is None else g.key_of(model_idx, n_rows, longest)
 
-    def query_slots(self, req: Request, start: int, n: int) -> range | list[int]:
-        """KV slots of logical positions [start, start + n) of ``req`` (a range when one block holds them)."""
-        bs = self.pool.block_size
-        block, off = divmod(start, bs)
-        if off + n <= bs:
-            first = req.blocks[block] * bs + off
-            return range(first, first + n)
-        return self.slots(req, range(start, start + n))
-
     def forward_packed(self, key, reqs: list[Request], packed: PackedRows, lengths: list[int],
-                       on_device=None) -> ForwardResult:
+                       on_device=None, bt_rows=None) -> ForwardResult:
         """``forward`` of the rows of ``reqs`` flattened into ``packed`` for graph bucket ``key``
         (``packed_key``), without a ``RowInput`` per row; row i has ``lengths[i]`` queries, all with logits.
-        ``on_device``: see ``GraphRunner.run_packed``."""
-        self.sync_tables(reqs)
-        out = self.graphs.run_packed(key, packed, self.tables.host_rows([r.bt_row for r in reqs]),
-                                     on_device=on_device)
+        ``on_device``: see ``GraphRunner.run_packed``. ``bt_rows``: the rows' host block tables (R, W) when the
+        caller has synced them this step (None: synced here)."""
+        if bt_rows is None:
+            self.sync_tables(reqs)
+            bt_rows = self.tables.host_rows([r.bt_row for r in reqs])
+        out = self.graphs.run_packed(key, packed, bt_rows, on_device=on_device)
         return self._graphed_result(out, key[2], lengths, ["all"] * len(reqs))
 
     @staticmethod

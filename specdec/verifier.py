@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +27,13 @@ class VerifyResult(NamedTuple):
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
     features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
+
+
+class VerifyResults(list):
+    """The ``VerifyResult`` of each row, in order; ``packed_features``: every row's ``features`` as one tensor
+    (sum of their lengths, k * H), row after row (the rows' features are views of it), None without features."""
+
+    packed_features: torch.Tensor | None = None
 
 
 # Fewer sampled rows than this take the host rule after a padded step: on the H200 the eager device rule costs
@@ -60,14 +68,20 @@ class Verifier:
         fused = proposal.fused
         if fused is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
-        return self._with_features(_from_fused(rows, proposal.draft_computed, fused), fused.forward)
+        return _from_fused(rows, proposal.draft_computed, fused)
 
     @staticmethod
     def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
-        if fwd.features is not None:  # the pending token's and the accepted path's, one gather for the batch
-            feats = fwd.features.gather([[0] + [1 + a for a in r.accepted_nodes] for r in results])
-            results = [r._replace(features=f) for r, f in zip(results, feats)]
-        return results
+        if fwd.features is None:
+            return results
+        # the pending token's and the accepted path's (verify queries 0 and 1 + node), one gather for the batch
+        sizes = [len(r.accepted_nodes) + 1 for r in results]
+        picks = np.fromiter(itertools.chain.from_iterable([-1, *r.accepted_nodes] for r in results), np.int64,
+                            sum(sizes)) + 1  # (T,) row after row
+        packed = fwd.features.take(picks + np.repeat(np.asarray(fwd.features.starts, dtype=np.int64), sizes))
+        out = VerifyResults(r._replace(features=f) for r, f in zip(results, packed.split(sizes)))
+        out.packed_features = packed
+        return out
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
         """The target forward of a graphed step built straight from the trees; None when no graph holds it."""
@@ -75,8 +89,11 @@ class Verifier:
         key = self.runner.packed_key(0, len(rows), max(lengths), self.aux_layers)
         if key is None:
             return None
-        packed = _packed(rows, trees, lengths, key[2], self.runner.query_slots)
-        return self.runner.forward_packed(key, rows, packed, lengths)
+        runner = self.runner
+        runner.sync_tables(rows)
+        bt = runner.tables.host_rows([r.bt_row for r in rows])
+        packed = _packed(rows, trees, lengths, key[2], bt, runner.pool.block_size)
+        return runner.forward_packed(key, rows, packed, lengths, bt_rows=bt)
 
     @staticmethod
     def _on_host(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
@@ -132,37 +149,50 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     if sampled:
         raise ValueError(f"rows: a fused step's rows are greedy, rows {sampled} are sampled")
     accept, tokens = fused.accept, fused.tokens  # (R, Q + 3), (R, n)
-    check_finite_flags(rows, accept[:, -1].tolist(), "target")
+    if not accept[:, -1].all():  # some row's logits are not finite: name them
+        check_finite_flags(rows, accept[:, -1].tolist(), "target")
     counts = accept[:, 0]  # (R,) accepted nodes
     width = int(counts.max(initial=0))
     nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
     picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
-    n = tokens.shape[1]
-    return [VerifyResult(path[:m], toks[:m], bonus, n, depth, dc) for path, toks, m, bonus, depth, dc in
-            zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
-                fused.max_depth.tolist(), draft_computed)]
+    n, feats, out = tokens.shape[1], fused.forward.features, VerifyResults()
+    if feats is None:
+        per_row = itertools.repeat(None)
+    else:  # the pending token's and the accepted path's features (verify queries 0 and 1 + node), one gather
+        cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
+        keep = np.arange(width + 1) <= counts[:, None]
+        flat = (np.asarray(feats.starts, dtype=np.int64)[:, None] + cols)[keep]  # (T,) row after row
+        out.packed_features = feats.take(flat)
+        per_row = out.packed_features.split((counts + 1).tolist())
+    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, f) for path, toks, m, bonus, depth, dc, f in
+               zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
+                   fused.max_depth.tolist(), draft_computed, per_row))
+    return out
 
 
-def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, slots) -> PackedRows:
+def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, bt: np.ndarray,
+            block_size: int) -> PackedRows:
     """The verify rows (pending token + tree) of ``rows`` flattened for a padded step of ``q`` queries per
-    row; ``slots(req, start, n)`` gives a row's KV slots."""
-    ids, depth, kv, masks, parents, index = [], [], [], [], [], []
-    for i, (req, tree, n) in enumerate(zip(rows, trees, lengths)):
+    row; the rows' host block tables ``bt`` (R, W) of ``block_size``-token blocks give their KV slots."""
+    ids, depth, masks, parents = [], [], [], []
+    for req, tree in zip(rows, trees):
         h = tree.host
         m, p = tree.verify_rows()
-        L = len(req.tokens)
         ids.append(req.tokens[-1])
         ids += h.tokens
         depth.append(-1)
         depth += h.depth
-        kv += slots(req, L - 1, n)
         masks += m
         parents += p
-        index += range(i * q, i * q + n)
     seq = np.fromiter((len(r.tokens) for r in rows), np.int64, len(rows))  # (R,) the pending token is at seq - 1
-    tokens = np.array([ids, depth, kv, masks, parents], dtype=np.int64)  # (5, T)
-    tokens[1] += np.repeat(seq, lengths)  # RoPE positions: the root at seq - 1, depth d at seq + d
-    return PackedRows(np.array(index, dtype=np.int64), tokens, np.stack([seq - 1, seq - 1 + lengths, lengths]))
+    n = np.asarray(lengths, dtype=np.int64)  # (R,)
+    row = np.repeat(np.arange(len(rows)), n)  # (T,) each query's row
+    col = np.arange(row.size) - np.repeat(np.cumsum(n) - n, n)  # (T,) its rank in the row
+    kv = seq[row] - 1 + col  # (T,) logical KV positions: L - 1, L, ...
+    slots = bt[row, kv // block_size].astype(np.int64) * block_size + kv % block_size
+    tokens = np.array([ids, depth, slots, masks, parents], dtype=np.int64)  # (5, T)
+    tokens[1] += seq[row]  # RoPE positions: the root at seq - 1, depth d at seq + d
+    return PackedRows(row * q + col, tokens, np.stack([seq - 1, seq - 1 + n, n]))
 
 
 def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: list[int], q: int) -> torch.Tensor:

@@ -64,3 +64,49 @@ def test_full_batch_of_64_rows_stays_on_the_device_program(tiny_target):
     assert max(buckets) == 64
     assert eng.drafter.paths["device"] > 0 and eng.drafter.paths["host"] == 0
     assert eng.all_blocks_free()
+
+
+def test_verify_features_are_gathered_packed_and_stored_as_per_row():
+    """The verify results' features (the pending token's and the accepted path's, from padded rows) gathered
+    in one packed tensor, from result lists and from a fused step's acceptance rows alike, equal each row's own
+    slice; the drafter stores the packed tensor as it stores the per-row tensors (also when a row finished)."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.eagle_drafter import EagleDrafter
+    from specdec.fused_step import FusedOutcome
+    from specdec.runner import ForwardResult, RowSlices
+    from specdec.verifier import Verifier, VerifyResult, VerifyResults, _from_fused
+
+    g = torch.Generator().manual_seed(5)
+    r, q, n = 6, 5, 4
+    table = RowSlices(torch.randn(r * q, 3, generator=g), [i * q for i in range(r)], [n + 1] * r)
+    paths = [[], [0], [1, 3], [0, 1, 2, 3], [2], [0, 2]]  # accepted node paths (node j is verify query 1 + j)
+    tokens = torch.randint(0, 50, (r, n), generator=g).numpy()
+    results = [VerifyResult(p, [int(tokens[i, j]) for j in p], 7 + i, n, 3, frozenset()) for i, p in enumerate(paths)]
+    packed = Verifier._with_features(results, ForwardResult(None, None, table))
+    accept = np.zeros((r, q + 3), dtype=np.int64)  # [m, bonus, path..., finite]
+    for i, p in enumerate(paths):
+        accept[i, :2 + len(p)] = [len(p), 7 + i, *(j + 1 for j in p)]
+    accept[:, -1] = 1
+    reqs = [SimpleNamespace(params=SamplingParams(), request_id=str(i), bt_row=(2 * i) % 7, finished=False,
+                            num_computed_draft=10 + i) for i in range(r)]
+    fused = _from_fused(reqs, [frozenset()] * r, FusedOutcome(accept, tokens, np.full(r, 3), ForwardResult(
+        None, None, table), 0.0))
+    for got in (packed, fused):
+        assert isinstance(got, VerifyResults) and [x[:-1] for x in got] == [x[:-1] for x in results]
+        for i, (res, p) in enumerate(zip(got, paths)):
+            torch.testing.assert_close(res.features, table.table[[i * q + j for j in [0, *(1 + a for a in p)]]])
+        torch.testing.assert_close(got.packed_features, torch.cat([res.features for res in got]))
+    for finished in (set(), {2}):  # all rows live: the packed tensor is stored; one finished: per-row tensors
+        for i, req in enumerate(reqs):
+            req.finished = i in finished
+        tables = [FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu") for _ in range(2)]
+        EagleDrafter.accepted(SimpleNamespace(features=tables[0]), reqs, packed)
+        EagleDrafter.accepted(SimpleNamespace(features=tables[1]), reqs, list(packed))  # no packed tensor
+        live = [i for i in range(r) if i not in finished]
+        ref = FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu")
+        ref.store([reqs[i] for i in live], [reqs[i].num_computed_draft - 1 for i in live],
+                  [packed[i].features for i in live])
+        for t in tables:
+            torch.testing.assert_close(t.data, ref.data)
+            assert (t.start == ref.start).all() and (t.count == ref.count).all() and t.owner == ref.owner

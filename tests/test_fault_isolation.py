@@ -64,10 +64,10 @@ def inject(eng: SpecEngine, fault: str, monkeypatch) -> type[Exception]:
     monkeypatch.setattr(eng.runner, "forward", faulty_forward)
     forward_packed = eng.runner.forward_packed  # the padded verify step (graphs on)
 
-    def faulty_packed(key, reqs, *rest):
+    def faulty_packed(key, reqs, *rest, **options):
         if fault == "target_forward" and any(_is_victim(r) and r.num_output >= 3 for r in reqs):
             raise RuntimeError("injected: target forward failed")
-        return forward_packed(key, reqs, *rest)
+        return forward_packed(key, reqs, *rest, **options)
 
     monkeypatch.setattr(eng.runner, "forward_packed", faulty_packed)
     if fault == "drafter":

@@ -49,8 +49,8 @@ def _host_inputs(eng: SpecEngine, rows, trees) -> tuple[tuple, torch.Tensor]:
     lengths = [t.num_nodes + 1 for t in trees]
     key = runner.packed_key(0, len(rows), max(lengths), graphs.aux_layers)
     ref = StepInputs(key[1], key[2], graphs.inputs.width, runner.device)
-    ref.fill_packed(key[1], key[2], _packed(rows, trees, lengths, key[2], runner.query_slots),
-                    runner.tables.host_rows([r.bt_row for r in rows]))
+    bt = runner.tables.host_rows([r.bt_row for r in rows])
+    ref.fill_packed(key[1], key[2], _packed(rows, trees, lengths, key[2], bt, runner.pool.block_size), bt)
     return key, ref.dev[:_offsets(key[1], key[2], graphs.inputs.width)[1]]
 
 

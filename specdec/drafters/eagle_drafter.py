@@ -69,13 +69,17 @@ class FeatureTable:
     def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
         """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
         starts[i] + n_i) (whatever it held before is dropped); n_i <= cap."""
-        sizes = [f.shape[0] for f in feats]
+        self.store_packed(reqs, starts, feats[0] if len(feats) == 1 else torch.cat(feats),
+                          [f.shape[0] for f in feats])
+
+    def store_packed(self, reqs: list[Request], starts: list[int], rows: torch.Tensor, sizes: list[int]) -> None:
+        """``store`` of the features of every request in one tensor ``rows`` (sum(sizes), k * hidden), request
+        after request (request i's are ``sizes[i]`` rows)."""
         if max(sizes, default=0) > self.cap:
             raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {max(sizes)}")
         slots = [r.bt_row for r in reqs]
         bt, lengths = np.array(slots, dtype=np.int64), np.array(sizes, dtype=np.int64)  # (R,)
         dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
-        rows = feats[0] if len(feats) == 1 else torch.cat(feats)  # (T, k * hidden)
         self.data.index_copy_(0, torch.from_numpy(dst).to(self.data.device), rows.to(self.data.dtype))
         self.start[bt], self.count[bt] = starts, lengths
         for i, r in zip(slots, reqs):
@@ -177,7 +181,7 @@ class EagleDrafter(ModelDrafter):
         out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))[:len(reqs)]
         self._consumed(reqs, spans)
         if key is not None:
-            return self._verify_fused(key, reqs, out, n, start)
+            return self._verify_fused(key, reqs, out, n, start, bt)
         host = out.tolist()  # the one read
         if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
             trees = [best_nodes(*row, n) for row in host]
@@ -185,21 +189,22 @@ class EagleDrafter(ModelDrafter):
             trees = template_trees(host, self._template, n)
         return Proposal(trees, [frozenset()] * len(reqs))
 
-    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start) -> Proposal:
+    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start, bt: np.ndarray) -> Proposal:
         """Launch the verify (bucket ``key``) of the program's trees ``out`` (rows first) under budget ``n`` right
-        behind the program (started at clock mark ``start``), then read the kept trees and the acceptance with
-        one copy: a proposal of ``FusedTrees`` (built only if asked for) and the ``FusedOutcome``."""
+        behind the program (started at clock mark ``start``; ``bt`` (R, W): the rows' block tables, synced by
+        the catch-up), then read the kept trees and the acceptance with one copy: a proposal of ``FusedTrees``
+        (built only if asked for) and the ``FusedOutcome``."""
         fused = self.fused
         self.paths["fused"] += 1
         # the program's output lives in the graphs' shared memory pool, where the verify graph's own
         # intermediates may reuse it: the kept trees are copied out before the verify replays
         drafted = fused.clock.mark()
         if self._template is None:  # tokens, parents (R, k) on the device
-            fwd, tokens, parents = fused.launch_program(key, reqs, out, n)
+            fwd, tokens, parents = fused.launch_program(key, reqs, out, n, bt)
         else:  # tokens (R, k) on the device, parents the template's first k (a host tuple)
             k = min(n, out.shape[1])
             tokens, parents = out[:, :k].clone(), self._template.parents[:k]
-            fwd = fused.launch(key, reqs, tokens, parents)
+            fwd = fused.launch(key, reqs, tokens, parents, bt)
         r, k = tokens.shape
         shared = isinstance(parents, tuple)
         both = torch.cat([tokens] + ([] if shared else [parents]) + [fwd.accept[:r]], 1).cpu().numpy()  # the one read
@@ -282,7 +287,11 @@ class EagleDrafter(ModelDrafter):
 
     def accepted(self, rows: list[Request], results) -> None:
         live = [(req, res) for req, res in zip(rows, results) if not req.finished]
-        if live:  # the pending token's and the accepted path's features: the next catch-up's inputs
+        packed = getattr(results, "packed_features", None)  # every row's features in one tensor (VerifyResults)
+        if packed is not None and len(live) == len(rows):  # all go on: stored without joining the rows again
+            self.features.store_packed(rows, [req.num_computed_draft - 1 for req in rows], packed,
+                                       [len(res.accepted_nodes) + 1 for res in results])
+        elif live:  # the pending token's and the accepted path's features: the next catch-up's inputs
             self.features.store([req for req, _ in live], [req.num_computed_draft - 1 for req, _ in live],
                                 [res.features for _, res in live])
 
