@@ -30,14 +30,14 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.norm_act import add_rmsnorm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
-        from specdec.kernels.topk import takes, topk_small
+        from specdec.kernels.topk import takes, topk_logprobs, topk_small
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
         self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
-        self._topk, self._topk_takes = topk_small, takes
+        self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -64,8 +64,20 @@ class TritonAttentionBackend(AttentionBackend):
         k <= 16, float): ties go to the lower index, NaN ranks first. ``torch.topk`` otherwise."""
         if not self._topk_takes(x, k):
             return torch.topk(x, k, dim=-1)
+        return self._rows(self._topk, x, k)
+
+    def topk_logprobs(self, x, k):
+        """``topk_logprobs`` (the same launches as ``topk``, no log_softmax launch) when ``takes`` (x, k): the
+        columns of ``topk`` of the logits, their log probabilities in float32. The torch path otherwise."""
+        if not self._topk_takes(x, k):
+            return super().topk_logprobs(x, k)
+        return self._rows(self._topk_logprobs, x, k)
+
+    @staticmethod
+    def _rows(fn, x, k):
+        """``fn`` over the rows of ``x`` (..., N) flattened to (R, N), its (R, k) outputs viewed (..., k)."""
         flat = x.reshape(-1, x.shape[-1])  # (R, N)
-        top = self._topk(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
+        top = fn(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
         return type(top)(top.values.view(*x.shape[:-1], k), top.indices.view(*x.shape[:-1], k))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):

@@ -133,3 +133,8 @@ class AttentionBackend(ABC):
         """The k largest entries of each row of ``x`` over its last dimension, best first (``torch.topk``:
         no promised order among equal values)."""
         return torch.topk(x, k, dim=-1)
+
+    def topk_logprobs(self, x: torch.Tensor, k: int):  # (..., N) -> values float32, indices (..., k)
+        """The k most probable columns of each row of logits ``x`` and their log probabilities (float32):
+        ``torch.topk(torch.log_softmax(x.float(), -1), k)``."""
+        return torch.topk(torch.log_softmax(x.float(), dim=-1), k, dim=-1)
