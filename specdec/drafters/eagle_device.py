@@ -168,7 +168,8 @@ class DeviceDraftProgram:
         hidden = m(v.ids, v.positions, ForwardContext(self.backend, meta, kv), g)  # (b*q, hidden)
         last = torch.arange(b, device=self.device) * q + (v.num_tokens - 1).clamp(min=0)  # (b,)
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
-        logits = m.compute_logits(state.flatten(0, 1), self.backend).unsqueeze(1)  # (b, 1, N)
+        # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
+        logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
         p, bs = self._plans[b], self.pool.block_size  # every level's slots and positions, computed once
         length = v.seq_lens.index_select(0, p.rows)  # (T,) len(tokens): the tree region starts there
         logical = length + p.nodes
@@ -219,5 +220,5 @@ class DeviceTreeLoop(DeviceDraftProgram):
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
             h = self._forward(c, i, toks, self._masks[b][i], feats)  # (b*n, hidden)
             state = h.view(b, lv.end - lv.start, -1)
-            logits = m.compute_logits(h, self.backend).view(b, lv.end - lv.start, -1)
+            logits = m.compute_logits(h, self.backend, dtype=None).view(b, lv.end - lv.start, -1)
         return torch.cat(tokens, 1)  # (b, N)

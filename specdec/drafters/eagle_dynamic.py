@@ -176,7 +176,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
             flat = self._mask0[c.b] if level == 0 else masks.flatten()
             h = self._forward(c, level, m.vocab_ids[toks], flat, feats)  # (b*K, hidden)
             state = h.view(c.b, k, -1)
-            return m.compute_logits(h, self.backend).view(c.b, k, -1)  # (b, K, V) logits
+            return m.compute_logits(h, self.backend, dtype=None).view(c.b, k, -1)  # (b, K, V) logits
 
         # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
         return grow(c.logits.flatten(0, 1), expand, self.shape, self.backend.topk, self.backend.topk_logprobs,

@@ -102,12 +102,15 @@ class EagleDraft(nn.Module):
         out, residual = self.layer(x, None, positions, self.rope, ctx)  # the layer's output is out + residual
         return out + residual
 
-    def compute_logits(self, hidden: torch.Tensor, backend=None) -> torch.Tensor:
-        """Float32 logits over the draft vocabulary (T, N); ``backend``: whose norm to use (the device
-        programs pass theirs, so the Triton backend's fused norm replaces ~7 small kernels)."""
+    def compute_logits(self, hidden: torch.Tensor, backend=None,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits over the draft vocabulary (T, N) in ``dtype`` (None: the head's own, no cast launch);
+        ``backend``: whose norm to use (the device programs pass theirs, so the Triton backend's fused norm
+        replaces ~7 small kernels)."""
         normed = self.norm(hidden) if backend is None else backend.add_rmsnorm(hidden, None, self.norm.weight,
                                                                                self.norm.eps)[0]
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed)
+        return logits if dtype is None else logits.to(dtype)
 
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits (T, N) spread over the target vocabulary (T, V); -inf elsewhere."""
