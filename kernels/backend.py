@@ -31,6 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
         from specdec.kernels.topk import takes, topk_logprobs, topk_small
+        from specdec.kernels.tree_choose import MAX_NODES, tree_choose
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
@@ -38,6 +39,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
         self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
+        self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -72,6 +74,12 @@ class TritonAttentionBackend(AttentionBackend):
         if not self._topk_takes(x, k):
             return super().topk_logprobs(x, k)
         return self._rows(self._topk_logprobs, x, k)
+
+    def tree_choose(self, scores, tokens, parents, n):
+        """``tree_choose`` (one launch) for rows of at most MAX_NODES nodes, the torch ``choose`` otherwise."""
+        if scores.shape[-1] > self._tree_nodes:
+            return super().tree_choose(scores, tokens, parents, n)
+        return self._tree_choose(scores, tokens, parents, n)
 
     @staticmethod
     def _rows(fn, x, k):

@@ -42,6 +42,15 @@ class TopK(NamedTuple):
 
 
 @triton.jit
+def order_key(x):
+    """float32 -> int32 whose integer order is the module's float order: -0.0 ties +0.0, NaN above +inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order == float order (-0.0 below +0.0, NaN by sign)
+    key = tl.where(x == 0.0, 0, key)  # -0.0 ties with +0.0
+    return tl.where(x != x, 0x7FFFFFFF, key)  # every NaN above +inf (0x7F800000), all equal
+
+
+@triton.jit
 def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum,
           K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr):
     """Take the k largest of ``packed`` one by one: as candidates (slot ``slot`` on) or as the output row
@@ -70,11 +79,7 @@ def _block_topk_kernel(
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)  # (BLOCK,)
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order == float order (-0.0 below +0.0, NaN by sign)
-    key = tl.where(x == 0.0, 0, key)  # -0.0 ties with +0.0
-    key = tl.where(x != x, 0x7FFFFFFF, key)  # every NaN above +inf (0x7F800000), all equal
-    packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # ties: the lower column is larger
+    packed = (order_key(x).to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # ties: the lower column is larger
     packed = tl.where(ok, packed, _INT64_MIN)  # a short block pads its candidates with it
     n_blocks = tl.num_programs(1)
     row_max = 0.0

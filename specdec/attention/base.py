@@ -134,6 +134,12 @@ class AttentionBackend(ABC):
         no promised order among equal values)."""
         return torch.topk(x, k, dim=-1)
 
+    def tree_choose(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
+        """A dynamic tree's best ``n`` nodes per row as (b, 3, n) int64: ``specdec.tree_choose.choose``."""
+        from specdec.tree_choose import choose
+
+        return choose(scores, tokens, parents, n)
+
     def topk_logprobs(self, x: torch.Tensor, k: int):  # (..., N) -> values float32, indices (..., k)
         """The k most probable columns of each row of logits ``x`` and their log probabilities (float32):
         ``torch.topk(torch.log_softmax(x.float(), -1), k)``."""

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
 from specdec.tree import MAX_TREE_NODES, TreeSpec
+from specdec.tree_choose import choose
 
 # ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Measured
 # (bench/RESULTS.md, CPU float32, 8 MT-bench prompts): 10x5 keeping 32 nodes accepts 2.74 tokens per target
@@ -44,6 +45,19 @@ TopK = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 def torch_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """``torch.topk`` over the last dimension: ``grow``'s default top-k."""
     return torch.topk(x, k, dim=-1)
+
+
+class GrowOps(NamedTuple):
+    """How ``grow`` ranks: ``topk`` takes the level's best of the K * K candidates; ``children`` each row's
+    K most probable children as (log probabilities, draft ids) from what ``expand`` returns (and from the
+    root's); ``pick(scores, tokens, parents, n)`` is ``choose``. A device program passes its backend's."""
+
+    topk: TopK = torch_topk
+    children: TopK = torch_topk  # on log probabilities; a backend's ``topk_logprobs`` reads logits
+    pick: Callable[[Tensor, Tensor, Tensor, int], Tensor] = choose
+
+
+TORCH_OPS = GrowOps()
 
 
 class DynamicShape(NamedTuple):
@@ -90,8 +104,8 @@ def grow_consts(shape: DynamicShape, device) -> GrowConsts:
                       torch.where(idx < k, -1, offset))
 
 
-def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, topk: TopK = torch_topk,
-         children: TopK | None = None, consts: GrowConsts | None = None, vocab: Tensor | None = None) -> Tensor:
+def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, ops: GrowOps = TORCH_OPS,
+         consts: GrowConsts | None = None, vocab: Tensor | None = None) -> Tensor:
     """The trees of b rows from their roots' draft log probabilities ``root_logp`` (b, V).
 
     ``expand(level, tokens, parent_pos, masks)`` runs the draft on the K nodes of ``level`` (< D - 1) of
@@ -100,11 +114,8 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, topk: TopK = to
     it returns their children's log probabilities (b, K, V). Returns (b, 3, N) int64: per row the chosen
     nodes in level order as draft ids (``vocab[draft id]`` when ``vocab`` is given), parent index among
     them (-1: the root) and rank by score (0: best).
-    ``topk`` takes the K best of each row's last dimension (the root's and each node's children over the
-    draft vocabulary, then the level's best of the K * K candidates). ``children``, when given, takes the
-    root's and the nodes' children instead: then ``root_logp`` and ``expand``'s results may be anything whose
-    ``children`` top-k is (log probabilities, draft ids), e.g. raw logits with ``topk_logprobs``.
-    ``consts``: ``grow_consts(shape, device)``, built here when None.
+    ``ops`` rank (``GrowOps``; with a ``children`` that reads logits, ``root_logp`` and ``expand``'s results
+    are logits). ``consts``: ``grow_consts(shape, device)``, built here when None.
     """
     k, d, n = shape
     b, dev = root_logp.shape[0], root_logp.device
@@ -112,7 +123,7 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, topk: TopK = to
         raise ValueError(f"shape {tuple(shape)}: width must be in [1, {root_logp.shape[1]}] (the draft "
                          f"vocabulary) and nodes in [1, width * depth]")
     bits, root, parent_offset = consts if consts is not None else grow_consts(shape, dev)
-    children = children or topk
+    topk, children = ops.topk, ops.children
     score, toks = children(root_logp, k)  # (b, K) each
     ppos = root.expand(b, k)  # (b, K)
     masks = bits[0].expand(b, k)  # (b, K)
@@ -128,24 +139,8 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, topk: TopK = to
         tokens.append(toks)
         parents.append(ppos)  # position in the level before; + parent_offset: its region index
     tokens = torch.cat(tokens, 1)
-    return choose(torch.cat(scores, 1), tokens if vocab is None else vocab[tokens],
-                  torch.cat(parents, 1) + parent_offset, n)
-
-
-def choose(scores: Tensor, tokens: Tensor, parents: Tensor, n: int) -> Tensor:
-    """Each row's best ``n`` nodes of (b, M) ``scores`` (nodes in level order, ``parents``: region index of
-    the parent, -1 the root; ties: the earlier node) as (b, 3, n): tokens, parent index among the chosen
-    (-1: the root; also for a chosen node whose parent was not chosen, which the tie rule rules out
-    for finite scores), rank by score; chosen nodes in level order."""
-    b, m = scores.shape
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]  # (b, n) best first
-    chosen = order.sort(dim=1).values  # (b, n) level order
-    ar = torch.arange(n, device=scores.device).expand(b, n)
-    rank = torch.full_like(scores, m, dtype=torch.int64).scatter_(1, order, ar).gather(1, chosen)  # (b, n)
-    where = torch.full_like(scores, -1, dtype=torch.int64).scatter_(1, chosen, ar)  # (b, M): index among chosen
-    par = parents.gather(1, chosen)  # (b, n) region index
-    par = torch.where(par >= 0, where.gather(1, par.clamp(min=0)), -1)
-    return torch.stack([tokens.gather(1, chosen), par, rank], 1)  # (b, 3, n)
+    return ops.pick(torch.cat(scores, 1), tokens if vocab is None else vocab[tokens],
+                    torch.cat(parents, 1) + parent_offset, n)
 
 
 class DeviceDynamicTree(DeviceDraftProgram):
@@ -162,6 +157,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
         k = shape.width
         self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
         self._consts = grow_consts(shape, dev)
+        self._ops = GrowOps(backend.topk, backend.topk_logprobs, backend.tree_choose)
         self._mask0 = {b: self._consts.bits[0].repeat(b) for b in batch_buckets}  # (b*K,) level 0's masks
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
                          [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
@@ -179,5 +175,4 @@ class DeviceDynamicTree(DeviceDraftProgram):
             return m.compute_logits(h, self.backend, dtype=None).view(c.b, k, -1)  # (b, K, V) logits
 
         # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
-        return grow(c.logits.flatten(0, 1), expand, self.shape, self.backend.topk, self.backend.topk_logprobs,
-                    self._consts, m.vocab_ids)  # (b, 3, N)
+        return grow(c.logits.flatten(0, 1), expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
