@@ -31,7 +31,7 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
         from specdec.kernels.topk import takes, topk_logprobs, topk_small
-        from specdec.kernels.tree_choose import MAX_NODES, tree_choose
+        from specdec.kernels.tree_choose import MAX_NODES, MAX_WIDTH, tree_choose, tree_level
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
@@ -40,6 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
         self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
         self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
+        self._tree_level, self._tree_width = tree_level, MAX_WIDTH
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -74,6 +75,13 @@ class TritonAttentionBackend(AttentionBackend):
         if not self._topk_takes(x, k):
             return super().topk_logprobs(x, k)
         return self._rows(self._topk_logprobs, x, k)
+
+    def tree_level(self, score, top_val, top_idx, masks, bits):
+        """``tree_level`` (one launch; ties: the lower candidate) for float32 scores of width <= MAX_WIDTH, the
+        torch ``select_level`` otherwise."""
+        if score.shape[-1] > self._tree_width or score.dtype != torch.float32 or top_val.dtype != torch.float32:
+            return super().tree_level(score, top_val, top_idx, masks, bits)
+        return self._tree_level(score, top_val, top_idx, masks, bits)
 
     def tree_choose(self, scores, tokens, parents, n):
         """``tree_choose`` (one launch) for rows of at most MAX_NODES nodes, the torch ``choose`` otherwise."""

@@ -1,4 +1,11 @@
-"""A dynamic tree's best nodes in one launch (``specdec.tree_choose.choose``, the torch reference).
+"""A dynamic tree's ranking steps in one launch each (references: ``specdec.tree_choose``).
+
+``tree_level`` takes a level's best K of the K * K candidates (parent score + child log probability)
+with their parent positions, draft ids and ancestor bitmasks: one launch where torch takes six (add,
+top-k, divide, two gathers, or). Candidates order as in ``topk_small`` (ties: the lower candidate index,
+NaN first), which ``torch.topk`` does not promise on ties.
+
+``tree_choose`` takes the tree's best nodes (``choose``).
 
 The torch version sorts twice and scatters and gathers: about fifteen small launches at the end of
 every dynamic draft program. Here one program per row holds the row's M <= ``MAX_NODES`` nodes and
@@ -16,9 +23,54 @@ import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 from specdec.kernels.topk import order_key
 
-from specdec.tree_choose import choose  # noqa: F401 - the reference
+from specdec.tree_choose import choose, select_level  # noqa: F401 - the references
 
 MAX_NODES = 256  # one program compares M x M pairs in registers
+MAX_WIDTH = 16  # tree_level: one program holds a row's K * K candidates
+_INT64_MIN: tl.constexpr = tl.constexpr(-(1 << 63))
+
+
+@triton.jit
+def _tree_level_kernel(score_ptr, val_ptr, idx_ptr, mask_ptr, bits_ptr, s_out, p_out, t_out, m_out,
+                       K: tl.constexpr, KK_P: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, KK_P)  # candidate c: child c % K of node c // K
+    ok = c < K * K
+    cand = tl.load(score_ptr + row * K + c // K, mask=ok, other=0.0) + tl.load(val_ptr + row * K * K + c, mask=ok,
+                                                                               other=0.0)
+    packed = (order_key(cand).to(tl.int64) << 32) | (0x7FFFFFFF - c).to(tl.int64)  # ties: the lower candidate
+    packed = tl.where(ok, packed, _INT64_MIN)
+    for i in range(K):
+        best = tl.max(packed, axis=0)
+        packed = tl.where(packed == best, _INT64_MIN, packed)
+        col = 0x7FFFFFFF - (best & 0x7FFFFFFF)
+        parent = col // K
+        out = row * K + i
+        tl.store(s_out + out, tl.load(score_ptr + row * K + parent) + tl.load(val_ptr + row * K * K + col))
+        tl.store(p_out + out, parent.to(tl.int64))
+        tl.store(t_out + out, tl.load(idx_ptr + row * K * K + col))
+        tl.store(m_out + out, tl.load(mask_ptr + row * K + parent) | tl.load(bits_ptr + i))
+
+
+def tree_level(score: torch.Tensor, top_val: torch.Tensor, top_idx: torch.Tensor, masks: torch.Tensor,
+               bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``select_level`` in one launch: score (b, K) float32, top_val (b, K, K) float32, top_idx (b, K, K)
+    int64, masks (b, K) int64, bits (K,) int64 (K <= MAX_WIDTH) -> (scores, parent positions, draft ids,
+    bitmasks) (b, K) each; equal candidates: the lower candidate index first (the module docstring)."""
+    check_tensor("score", score, shape=(None, None), dtypes=(torch.float32,))
+    b, k = score.shape
+    if not 1 <= k <= MAX_WIDTH:
+        raise ValueError(f"score must have 1 to {MAX_WIDTH} nodes per row (the width), got {k}")
+    check_tensor("top_val", top_val, shape=(b, k, k), dtypes=(torch.float32,), device=score.device)
+    check_tensor("top_idx", top_idx, shape=(b, k, k), dtypes=(torch.int64,), device=score.device)
+    check_tensor("masks", masks, shape=(b, k), dtypes=(torch.int64,), device=score.device)
+    check_tensor("bits", bits, shape=(k,), dtypes=(torch.int64,), device=score.device)
+    check_launchable(_tree_level_kernel, score.device)
+    outs = (torch.empty_like(score), *(torch.empty((b, k), dtype=torch.int64, device=score.device) for _ in range(3)))
+    if b:
+        _tree_level_kernel[(b,)](score.contiguous(), top_val.contiguous(), top_idx.contiguous(), masks.contiguous(),
+                                 bits.contiguous(), *outs, K=k, KK_P=max(16, next_pow2(k * k)), num_warps=4)
+    return outs
 
 
 @triton.jit

@@ -1,7 +1,8 @@
-"""A dynamic tree's best nodes by score, in torch: the reference of the device programs' ``tree_choose``.
+"""A dynamic tree's ranking steps in torch: each level's best candidates (``select_level``) and the tree's
+best nodes (``choose``), the references of the backends' ``tree_level`` and ``tree_choose``.
 
 Kept apart from ``drafters.eagle_dynamic`` (which grows the trees) so the attention backends, which
-dispatch it (``AttentionBackend.tree_choose``), import it without importing the drafters.
+dispatch them, import them without importing the drafters.
 """
 
 from __future__ import annotations
@@ -24,3 +25,16 @@ def choose(scores: Tensor, tokens: Tensor, parents: Tensor, n: int) -> Tensor:
     par = parents.gather(1, chosen)  # (b, n) region index
     par = torch.where(par >= 0, where.gather(1, par.clamp(min=0)), -1)
     return torch.stack([tokens.gather(1, chosen), par, rank], 1)  # (b, 3, n)
+
+
+def select_level(score: Tensor, top_val: Tensor, top_idx: Tensor, masks: Tensor,
+                 bits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A dynamic tree's next level from the K nodes per row of this one: their scores ``score`` (b, K), each
+    node's K best children's log probabilities ``top_val`` (b, K, K) and draft ids ``top_idx`` (b, K, K),
+    the nodes' ancestor bitmasks ``masks`` (b, K) and the next level's own bits ``bits`` (K,). The row's K
+    best candidates by parent score + log probability (``torch.topk``), best first: their scores (b, K),
+    parent positions (b, K), draft ids (b, K) and bitmasks (b, K: the parent's | the node's bit)."""
+    b, k = score.shape
+    score, best = torch.topk((score.unsqueeze(-1) + top_val).view(b, k * k), k, dim=-1)  # (b, K)
+    ppos = best // k
+    return score, ppos, top_idx.view(b, k * k).gather(1, best), masks.gather(1, ppos) | bits

@@ -1,4 +1,4 @@
-"""The one-launch tree choice against the torch ``choose``: equal outputs, ties and NaN included."""
+"""The one-launch tree steps against their torch references (``choose``, ``select_level``), ties and NaN included."""
 
 import os
 
@@ -9,10 +9,11 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
 
 import pytest  # noqa: E402
 from specdec.kernels.backend import TritonAttentionBackend  # noqa: E402
-from specdec.kernels.tree_choose import MAX_NODES, tree_choose  # noqa: E402
+from specdec.kernels.topk import topk_reference  # noqa: E402
+from specdec.kernels.tree_choose import MAX_NODES, MAX_WIDTH, tree_choose, tree_level  # noqa: E402
 
 from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from specdec.tree_choose import choose  # noqa: E402
+from specdec.tree_choose import choose, select_level  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,3 +69,33 @@ def _args(m: int = 5, n: int = 2, tokens_m: int | None = None, parents_dtype=tor
 def test_bad_arguments_name_the_field(args, match):
     with pytest.raises(ValueError, match=match):
         tree_choose(*args)
+
+
+@pytest.mark.parametrize("b,k", [(3, 10), (2, 4), (1, 16)])
+def test_tree_level_equals_select_level_by_the_topk_tie_rule(b, k):
+    """Tied candidates (few values, a NaN): the torch reference's top-k with ties to the lower candidate."""
+    g = torch.Generator().manual_seed(b * k)
+    score = (torch.randint(-3, 1, (b, k), generator=g).float()).to(DEVICE)
+    top_val = (torch.randint(-3, 1, (b, k, k), generator=g).float() / 2).to(DEVICE)
+    top_val[0, 1, 2] = float("nan")
+    top_idx = torch.randint(0, 24576, (b, k, k), generator=g).to(DEVICE)
+    masks = torch.randint(0, 1 << 40, (b, k), generator=g).to(DEVICE)
+    bits = (1 << torch.arange(k, 2 * k)).to(DEVICE)
+    got = tree_level(score, top_val, top_idx, masks, bits)
+    order = topk_reference((score.unsqueeze(-1) + top_val).view(b, k * k), k).indices  # ties: lower candidate
+    ref = select_level(score, top_val, top_idx, masks, bits)  # torch.topk: the same values
+    assert torch.equal(got[0].nan_to_num(), ref[0].nan_to_num()) and got[0][0, 0].isnan()
+    assert torch.equal(got[1], order // k) and torch.equal(got[2], top_idx.view(b, -1).gather(1, order))
+    assert torch.equal(got[3], masks.gather(1, order // k) | bits)
+    distinct = torch.randn(b, k, generator=g).to(DEVICE), torch.randn(b, k, k, generator=g).to(DEVICE)
+    both = [f(*distinct, top_idx, masks, bits) for f in (TritonAttentionBackend().tree_level, select_level)]
+    assert all(torch.equal(x, y) for x, y in zip(*both))  # no ties: the torch reference exactly
+
+
+def test_tree_level_bad_width_names_the_field():
+    z = torch.zeros(1, MAX_WIDTH + 1, device=DEVICE)
+    with pytest.raises(ValueError, match="score must have 1 to"):
+        tree_level(z, z, z.long(), z.long(), z[0].long())
+    with pytest.raises(ValueError, match="top_val must have shape"):
+        two = torch.zeros(1, 2, device=DEVICE)
+        tree_level(two, two, *[two.long()] * 3)

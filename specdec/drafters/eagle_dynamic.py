@@ -28,7 +28,7 @@ from torch import Tensor
 
 from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
 from specdec.tree import MAX_TREE_NODES, TreeSpec
-from specdec.tree_choose import choose
+from specdec.tree_choose import choose, select_level
 
 # ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Measured
 # (bench/RESULTS.md, CPU float32, 8 MT-bench prompts): 10x5 keeping 32 nodes accepts 2.74 tokens per target
@@ -48,12 +48,13 @@ def torch_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 class GrowOps(NamedTuple):
-    """How ``grow`` ranks: ``topk`` takes the level's best of the K * K candidates; ``children`` each row's
-    K most probable children as (log probabilities, draft ids) from what ``expand`` returns (and from the
-    root's); ``pick(scores, tokens, parents, n)`` is ``choose``. A device program passes its backend's."""
+    """How ``grow`` ranks: ``children`` takes each row's K most probable children as (log probabilities,
+    draft ids) from what ``expand`` returns (and from the root's); ``level`` is ``select_level`` (the level's
+    best of the K * K candidates) and ``pick(scores, tokens, parents, n)`` is ``choose``. A device program
+    passes its backend's."""
 
-    topk: TopK = torch_topk
     children: TopK = torch_topk  # on log probabilities; a backend's ``topk_logprobs`` reads logits
+    level: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]] = select_level
     pick: Callable[[Tensor, Tensor, Tensor, int], Tensor] = choose
 
 
@@ -123,18 +124,14 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, ops: GrowOps = 
         raise ValueError(f"shape {tuple(shape)}: width must be in [1, {root_logp.shape[1]}] (the draft "
                          f"vocabulary) and nodes in [1, width * depth]")
     bits, root, parent_offset = consts if consts is not None else grow_consts(shape, dev)
-    topk, children = ops.topk, ops.children
-    score, toks = children(root_logp, k)  # (b, K) each
+    score, toks = ops.children(root_logp, k)  # (b, K) each
     ppos = root.expand(b, k)  # (b, K)
     masks = bits[0].expand(b, k)  # (b, K)
     scores, tokens, parents = [score], [toks], [ppos]
     for level in range(1, d):
-        top_val, top_idx = children(expand(level - 1, toks, ppos, masks), k)  # (b, K, K): each node's best children
-        score, best = topk((score.unsqueeze(-1) + top_val).view(b, k * k), k)  # (b, K) the row's best
-        ppos = best // k
-        toks = top_idx.view(b, k * k).gather(1, best)  # (b, K)
-        if level + 1 < d:  # the last level is never forwarded
-            masks = masks.gather(1, ppos) | bits[level]
+        top_val, top_idx = ops.children(expand(level - 1, toks, ppos, masks), k)  # (b, K, K): nodes' best children
+        # the row's best K: scores, parent positions, draft ids, bitmasks (the last level's are never read)
+        score, ppos, toks, masks = ops.level(score, top_val, top_idx, masks, bits[level])
         scores.append(score)
         tokens.append(toks)
         parents.append(ppos)  # position in the level before; + parent_offset: its region index
@@ -157,7 +154,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
         k = shape.width
         self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
         self._consts = grow_consts(shape, dev)
-        self._ops = GrowOps(backend.topk, backend.topk_logprobs, backend.tree_choose)
+        self._ops = GrowOps(backend.topk_logprobs, backend.tree_level, backend.tree_choose)
         self._mask0 = {b: self._consts.bits[0].repeat(b) for b in batch_buckets}  # (b*K,) level 0's masks
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
                          [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
