@@ -112,6 +112,7 @@ class DeviceDraftProgram:
         widths = {len(nodes) for nodes, _, _ in levels}
         self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
         self._plans = {b: self._plan(b, levels, bt_width) for b in batch_buckets}
+        self._row_start = {b: torch.arange(b, device=self.device) * catch_up for b in batch_buckets}  # (b,)
 
     def _plan(self, b: int, levels: list[tuple[torch.Tensor, int, int]], bt_width: int) -> _Plan:
         """The constants of bucket ``b`` for the forwarded ``levels`` (region indices (n,), depth, end)."""
@@ -166,7 +167,7 @@ class DeviceDraftProgram:
                             tree_mask=None if q == 1 else v.tree_mask, max_query_len=q, max_seq_len=self.max_seq_len)
         g = m.fuse(self.features[:b * q])  # (b*q, hidden)
         hidden = m(v.ids, v.positions, ForwardContext(self.backend, meta, kv), g)  # (b*q, hidden)
-        last = torch.arange(b, device=self.device) * q + (v.num_tokens - 1).clamp(min=0)  # (b,)
+        last = self._row_start[b] + (v.num_tokens - 1).clamp(min=0)  # (b,)
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
         # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
         logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
@@ -182,18 +183,18 @@ class DeviceDraftProgram:
         raise NotImplementedError
 
     def _forward(self, c: _Catch, level: int, toks: torch.Tensor, masks: torch.Tensor,
-                 feats: torch.Tensor) -> torch.Tensor:
+                 feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward of the n nodes per row of forwarded ``level`` (the plan's levels): target ids ``toks``
         (b, n) at the level's region indices (slot of position len(tokens) + index), at the level's depth,
         attending the region [0, end) through ``masks`` (b * n,) and reading draft states ``feats``
-        (b * n, hidden). Returns their states (b * n, hidden)."""
+        (b * n, hidden). Returns their states (b * n, hidden) and draft logits (b * n, N) in the head's dtype."""
         b, n, v = c.b, toks.shape[1], c.views
         lo, hi = self._plans[b].starts[level:level + 2]
         meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens, seq_lens=c.seq_lens[level],
                             block_tables=v.block_tables, slot_mapping=c.slots[lo:hi], block_size=self.pool.block_size,
                             tree_mask=masks, max_query_len=n, max_seq_len=self.max_seq_len)
-        return self.model(toks.flatten(), c.positions[lo:hi], ForwardContext(self.backend, meta, c.kv),
-                          feats)  # (b*n, hidden)
+        return self.model.forward_logits(toks.flatten(), c.positions[lo:hi], ForwardContext(self.backend, meta, c.kv),
+                                         feats, dtype=None)
 
 
 class DeviceTreeLoop(DeviceDraftProgram):
@@ -218,7 +219,7 @@ class DeviceTreeLoop(DeviceDraftProgram):
             if i + 1 == len(self.levels):
                 break
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
-            h = self._forward(c, i, toks, self._masks[b][i], feats)  # (b*n, hidden)
+            h, logits = self._forward(c, i, toks, self._masks[b][i], feats)  # (b*n, hidden), (b*n, N)
             state = h.view(b, lv.end - lv.start, -1)
-            logits = m.compute_logits(h, self.backend, dtype=None).view(b, lv.end - lv.start, -1)
+            logits = logits.view(b, lv.end - lv.start, -1)
         return torch.cat(tokens, 1)  # (b, N)

@@ -167,9 +167,9 @@ class DeviceDynamicTree(DeviceDraftProgram):
             nonlocal state
             feats = state.gather(1, ppos.unsqueeze(-1).expand(c.b, -1, state.shape[-1])).flatten(0, 1)  # (b*K, h)
             flat = self._mask0[c.b] if level == 0 else masks.flatten()
-            h = self._forward(c, level, m.vocab_ids[toks], flat, feats)  # (b*K, hidden)
+            h, logits = self._forward(c, level, m.vocab_ids[toks], flat, feats)  # (b*K, hidden), (b*K, V)
             state = h.view(c.b, k, -1)
-            return m.compute_logits(h, self.backend, dtype=None).view(c.b, k, -1)  # (b, K, V) logits
+            return logits.view(c.b, k, -1)  # (b, K, V) logits
 
         # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
         return grow(c.logits.flatten(0, 1), expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
