@@ -27,7 +27,7 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.greedy_accept import greedy_accept
         from specdec.kernels.greedy_head import greedy_head
         from specdec.kernels.kv_store import store_kv_triton
-        from specdec.kernels.norm_act import add_rmsnorm, silu_mul
+        from specdec.kernels.norm_act import add_rmsnorm, embed_feature_norm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
         from specdec.kernels.topk import takes, topk_logprobs, topk_small
@@ -36,7 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
+        self._add_rmsnorm, self._silu_mul, self._embed_feature_norm = add_rmsnorm, silu_mul, embed_feature_norm
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
         self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
         self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
@@ -52,6 +52,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return self._add_rmsnorm(x, residual, weight, eps)
+
+    def embed_feature_norm(self, ids, table, g, w_e, w_f, eps_e, eps_f):
+        """``embed_feature_norm``: the embedding row, both norms and their concatenation in one launch."""
+        return self._embed_feature_norm(ids, table, g, w_e, w_f, eps_e, eps_f)
 
     def silu_mul(self, gate_up):
         return self._silu_mul(gate_up)

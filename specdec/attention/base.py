@@ -111,6 +111,13 @@ class AttentionBackend(ABC):
 
         return add_rmsnorm_reference(x, residual, weight, eps)
 
+    def embed_feature_norm(self, ids, table, g, w_e, w_f, eps_e, eps_f):
+        """(T,) token ids, (V, H) embedding table, (T, H) features -> (T, 2H): each RMS-normed with its weight
+        (``add_rmsnorm``), side by side."""
+        from specdec.models.layer_ops import embed_feature_norm_reference
+
+        return embed_feature_norm_reference(ids, table, g, w_e, w_f, eps_e, eps_f)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(T, 2I) gate | up -> (T, I) silu(gate) * up."""
         from specdec.models.layer_ops import silu_mul_reference

@@ -109,10 +109,10 @@ class EagleDraft(nn.Module):
     def _layer(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layer's (out, residual) (T, hidden) each: ``forward`` is their sum."""
-        b = ctx.backend  # its norm: fused on the Triton backend, the autograd reference in training
-        e = b.add_rmsnorm(self.embed_tokens(input_ids), None, self.embed_norm.weight, self.embed_norm.eps)[0]
-        f = b.add_rmsnorm(g.to(e.dtype), None, self.feature_norm.weight, self.feature_norm.eps)[0]
-        x = self.in_proj(torch.cat([e, f], -1))  # (T, hidden)
+        # the embedding row and both norms: one launch on the Triton backend, the autograd reference in training
+        x = self.in_proj(ctx.backend.embed_feature_norm(input_ids, self.embed_tokens.weight, g, self.embed_norm.weight,
+                                                        self.feature_norm.weight, self.embed_norm.eps,
+                                                        self.feature_norm.eps))  # (T, hidden)
         ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
         return self.layer(x, None, positions, self.rope, ctx)
 
