@@ -32,6 +32,7 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.rope_cache import fused_rope_cache_write
         from specdec.kernels.topk import takes, topk_logprobs, topk_small
         from specdec.kernels.tree_choose import MAX_NODES, MAX_WIDTH, tree_choose, tree_level
+        from specdec.kernels.tree_slots import tree_slots
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
@@ -40,7 +41,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
         self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
         self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
-        self._tree_level, self._tree_width = tree_level, MAX_WIDTH
+        self._tree_level, self._tree_width, self._tree_slots = tree_level, MAX_WIDTH, tree_slots
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -79,6 +80,10 @@ class TritonAttentionBackend(AttentionBackend):
         if not self._topk_takes(x, k):
             return super().topk_logprobs(x, k)
         return self._rows(self._topk_logprobs, x, k)
+
+    def tree_slots(self, seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size):
+        """``tree_slots``: every forwarded node's slot and position in one launch."""
+        return self._tree_slots(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
 
     def tree_level(self, score, top_val, top_idx, masks, bits):
         """``tree_level`` (one launch; ties: the lower candidate) for float32 scores of width <= MAX_WIDTH, the

@@ -1,4 +1,4 @@
-"""A dynamic tree's ranking steps in one launch each (references: ``specdec.tree_choose``).
+"""A dynamic tree's ranking steps in one launch each (references: ``specdec.tree_ops``).
 
 ``tree_level`` takes a level's best K of the K * K candidates (parent score + child log probability)
 with their parent positions, draft ids and ancestor bitmasks: one launch where torch takes six (add,
@@ -23,7 +23,7 @@ import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 from specdec.kernels.topk import order_key
 
-from specdec.tree_choose import choose, select_level  # noqa: F401 - the references
+from specdec.tree_ops import choose, select_level  # noqa: F401 - the references
 
 MAX_NODES = 256  # one program compares M x M pairs in registers
 MAX_WIDTH = 16  # tree_level: one program holds a row's K * K candidates

@@ -13,7 +13,7 @@ from specdec.kernels.topk import topk_reference  # noqa: E402
 from specdec.kernels.tree_choose import MAX_NODES, MAX_WIDTH, tree_choose, tree_level  # noqa: E402
 
 from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from specdec.tree_choose import choose, select_level  # noqa: E402
+from specdec.tree_ops import choose, select_level  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

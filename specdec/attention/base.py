@@ -141,16 +141,22 @@ class AttentionBackend(ABC):
         no promised order among equal values)."""
         return torch.topk(x, k, dim=-1)
 
+    def tree_slots(self, seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size):
+        """The KV slots and positions (T,) of a device program's tree nodes: ``tree_ops.tree_slots_reference``."""
+        from specdec.tree_ops import tree_slots_reference
+
+        return tree_slots_reference(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
+
     def tree_level(self, score, top_val, top_idx, masks, bits):
         """A dynamic tree's next level (scores, parent positions, draft ids, bitmasks; (b, K) each):
-        ``specdec.tree_choose.select_level``."""
-        from specdec.tree_choose import select_level
+        ``specdec.tree_ops.select_level``."""
+        from specdec.tree_ops import select_level
 
         return select_level(score, top_val, top_idx, masks, bits)
 
     def tree_choose(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
-        """A dynamic tree's best ``n`` nodes per row as (b, 3, n) int64: ``specdec.tree_choose.choose``."""
-        from specdec.tree_choose import choose
+        """A dynamic tree's best ``n`` nodes per row as (b, 3, n) int64: ``specdec.tree_ops.choose``."""
+        from specdec.tree_ops import choose
 
         return choose(scores, tokens, parents, n)
 

@@ -83,7 +83,6 @@ class _Plan(NamedTuple):
     rows: torch.Tensor  # (T,) the node's batch row
     nodes: torch.Tensor  # (T,) its region index
     depths: torch.Tensor  # (T,) its depth
-    row_base: torch.Tensor  # (T,) rows * block-table width: the row's first block-table entry
     ends: torch.Tensor  # (levels, 1) the region [0, end) each level attends
     starts: tuple[int, ...]  # levels + 1 offsets into T
 
@@ -111,10 +110,10 @@ class DeviceDraftProgram:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         widths = {len(nodes) for nodes, _, _ in levels}
         self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
-        self._plans = {b: self._plan(b, levels, bt_width) for b in batch_buckets}
+        self._plans = {b: self._plan(b, levels) for b in batch_buckets}
         self._row_start = {b: torch.arange(b, device=self.device) * catch_up for b in batch_buckets}  # (b,)
 
-    def _plan(self, b: int, levels: list[tuple[torch.Tensor, int, int]], bt_width: int) -> _Plan:
+    def _plan(self, b: int, levels: list[tuple[torch.Tensor, int, int]]) -> _Plan:
         """The constants of bucket ``b`` for the forwarded ``levels`` (region indices (n,), depth, end)."""
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)
         rows, nodes, depths, starts = [empty], [empty], [empty], [0]
@@ -126,7 +125,7 @@ class DeviceDraftProgram:
             starts.append(starts[-1] + b * n)
         rows = torch.cat(rows)
         ends = torch.tensor([end for _, _, end in levels], dtype=torch.int64, device=self.device).view(-1, 1)
-        return _Plan(rows, torch.cat(nodes), torch.cat(depths), rows * bt_width, ends, tuple(starts))
+        return _Plan(rows, torch.cat(nodes), torch.cat(depths), ends, tuple(starts))
 
     def bucket(self, rows: int, longest: int) -> int | None:
         """The batch bucket of a step with ``rows`` rows whose longest catch-up is ``longest``, or None."""
@@ -171,13 +170,9 @@ class DeviceDraftProgram:
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
         # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
         logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
-        p, bs = self._plans[b], self.pool.block_size  # every level's slots and positions, computed once
-        length = v.seq_lens.index_select(0, p.rows)  # (T,) len(tokens): the tree region starts there
-        logical = length + p.nodes
-        blocks = v.block_tables.flatten().index_select(0, p.row_base + logical // bs)
-        live = v.num_tokens.index_select(0, p.rows) > 0  # padded rows store nothing
-        slots = torch.where(live, blocks * bs + logical % bs, -1)
-        return self._grow(_Catch(b, v, kv, state, logits, slots, length + p.depths, v.seq_lens + p.ends))
+        p = self._plans[b]  # every level's slots and positions, computed once
+        slots, pos = self.backend.tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs)
+        return self._grow(_Catch(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends))
 
     def _grow(self, c: _Catch) -> torch.Tensor:
         raise NotImplementedError

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
 from specdec.tree import MAX_TREE_NODES, TreeSpec
-from specdec.tree_choose import choose, select_level
+from specdec.tree_ops import choose, select_level
 
 # ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Measured
 # (bench/RESULTS.md, CPU float32, 8 MT-bench prompts): 10x5 keeping 32 nodes accepts 2.74 tokens per target

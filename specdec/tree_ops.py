@@ -1,8 +1,9 @@
-"""A dynamic tree's ranking steps in torch: each level's best candidates (``select_level``) and the tree's
-best nodes (``choose``), the references of the backends' ``tree_level`` and ``tree_choose``.
+"""Torch references of the device draft programs' fused tree steps (each a backend method, one Triton launch
+on the Triton backend): where the nodes go (``tree_slots_reference``), each dynamic level's best candidates
+(``select_level``) and the dynamic tree's best nodes (``choose``).
 
-Kept apart from ``drafters.eagle_dynamic`` (which grows the trees) so the attention backends, which
-dispatch them, import them without importing the drafters.
+Kept apart from the drafters (which grow the trees) so the attention backends, which dispatch these, import
+them without importing the drafters.
 """
 
 from __future__ import annotations
@@ -38,3 +39,16 @@ def select_level(score: Tensor, top_val: Tensor, top_idx: Tensor, masks: Tensor,
     score, best = torch.topk((score.unsqueeze(-1) + top_val).view(b, k * k), k, dim=-1)  # (b, K)
     ppos = best // k
     return score, ppos, top_idx.view(b, k * k).gather(1, best), masks.gather(1, ppos) | bits
+
+
+def tree_slots_reference(seq_lens: Tensor, num_tokens: Tensor, block_tables: Tensor, rows: Tensor, nodes: Tensor,
+                         depths: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """The KV slot and position (T,) of each forwarded tree node: node i of batch row ``rows[i]`` at region
+    index ``nodes[i]`` and depth ``depths[i]`` sits at logical position seq_lens[row] + nodes[i] (slot from the
+    row's ``block_tables`` (b, W) with ``block_size``; -1 for a padded row, num_tokens[row] == 0), position
+    seq_lens[row] + depths[i]."""
+    length = seq_lens.index_select(0, rows)  # (T,) len(tokens): the tree region starts there
+    logical = length + nodes
+    blocks = block_tables.flatten().index_select(0, rows * block_tables.shape[1] + logical // block_size)
+    live = num_tokens.index_select(0, rows) > 0
+    return torch.where(live, blocks * block_size + logical % block_size, -1), length + depths
