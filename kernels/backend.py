@@ -27,17 +27,21 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.greedy_accept import greedy_accept
         from specdec.kernels.greedy_head import greedy_head
         from specdec.kernels.kv_store import store_kv_triton
-        from specdec.kernels.norm_act import add_rmsnorm, silu_mul
+        from specdec.kernels.norm_act import add_rmsnorm, embed_feature_norm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
-        from specdec.kernels.topk import takes, topk_small
+        from specdec.kernels.topk import takes, topk_logprobs, topk_small
+        from specdec.kernels.tree_choose import MAX_NODES, MAX_WIDTH, tree_choose, tree_level
+        from specdec.kernels.tree_slots import tree_slots
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._add_rmsnorm, self._silu_mul = add_rmsnorm, silu_mul
+        self._add_rmsnorm, self._silu_mul, self._embed_feature_norm = add_rmsnorm, silu_mul, embed_feature_norm
         self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
-        self._topk, self._topk_takes = topk_small, takes
+        self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
+        self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
+        self._tree_level, self._tree_width, self._tree_slots = tree_level, MAX_WIDTH, tree_slots
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -49,6 +53,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def add_rmsnorm(self, x, residual, weight, eps):
         return self._add_rmsnorm(x, residual, weight, eps)
+
+    def embed_feature_norm(self, ids, table, g, w_e, w_f, eps_e, eps_f):
+        """``embed_feature_norm``: the embedding row, both norms and their concatenation in one launch."""
+        return self._embed_feature_norm(ids, table, g, w_e, w_f, eps_e, eps_f)
 
     def silu_mul(self, gate_up):
         return self._silu_mul(gate_up)
@@ -64,8 +72,37 @@ class TritonAttentionBackend(AttentionBackend):
         k <= 16, float): ties go to the lower index, NaN ranks first. ``torch.topk`` otherwise."""
         if not self._topk_takes(x, k):
             return torch.topk(x, k, dim=-1)
+        return self._rows(self._topk, x, k)
+
+    def topk_logprobs(self, x, k):
+        """``topk_logprobs`` (the same launches as ``topk``, no log_softmax launch) when ``takes`` (x, k): the
+        columns of ``topk`` of the logits, their log probabilities in float32. The torch path otherwise."""
+        if not self._topk_takes(x, k):
+            return super().topk_logprobs(x, k)
+        return self._rows(self._topk_logprobs, x, k)
+
+    def tree_slots(self, seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size):
+        """``tree_slots``: every forwarded node's slot and position in one launch."""
+        return self._tree_slots(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
+
+    def tree_level(self, score, top_val, top_idx, masks, bits):
+        """``tree_level`` (one launch; ties: the lower candidate) for float32 scores of width <= MAX_WIDTH, the
+        torch ``select_level`` otherwise."""
+        if score.shape[-1] > self._tree_width or score.dtype != torch.float32 or top_val.dtype != torch.float32:
+            return super().tree_level(score, top_val, top_idx, masks, bits)
+        return self._tree_level(score, top_val, top_idx, masks, bits)
+
+    def tree_choose(self, scores, tokens, parents, n):
+        """``tree_choose`` (one launch) for rows of at most MAX_NODES nodes, the torch ``choose`` otherwise."""
+        if scores.shape[-1] > self._tree_nodes:
+            return super().tree_choose(scores, tokens, parents, n)
+        return self._tree_choose(scores, tokens, parents, n)
+
+    @staticmethod
+    def _rows(fn, x, k):
+        """``fn`` over the rows of ``x`` (..., N) flattened to (R, N), its (R, k) outputs viewed (..., k)."""
         flat = x.reshape(-1, x.shape[-1])  # (R, N)
-        top = self._topk(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
+        top = fn(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
         return type(top)(top.values.view(*x.shape[:-1], k), top.indices.view(*x.shape[:-1], k))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):

@@ -1,4 +1,5 @@
-"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, and SiLU(gate) * up.
+"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, and SiLU(gate) * up; and the
+EAGLE draft's input (its token embedding and its feature, each RMS-normed, side by side).
 
 Each replaces several torch launches per layer (RMSNorm alone is ~7 in eager torch), which is
 what a CUDA-graph replay of a small model spends its time on. Both compute in float32 and
@@ -12,7 +13,11 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 
-from specdec.models.layer_ops import add_rmsnorm_reference, silu_mul_reference  # noqa: F401 - the references
+from specdec.models.layer_ops import (  # noqa: F401 - the references
+    add_rmsnorm_reference,
+    embed_feature_norm_reference,
+    silu_mul_reference,
+)
 
 
 @triton.jit
@@ -74,6 +79,51 @@ def add_rmsnorm(
         num_warps=4 if hidden >= 1024 else 2,
     )
     return out, h
+
+
+@triton.jit
+def _embed_feature_norm_kernel(
+    ids_ptr, table_ptr, g_ptr, we_ptr, wf_ptr, out_ptr, eps_e, eps_f, stride_t, stride_g, stride_o,
+    HIDDEN: tl.constexpr, HIDDEN_P: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    half = tl.program_id(1)  # 0: the token's embedding row, 1: its feature
+    offs = tl.arange(0, HIDDEN_P)
+    ok = offs < HIDDEN
+    dt = table_ptr.dtype.element_ty
+    if half == 0:
+        row = tl.load(ids_ptr + t).to(tl.int64)
+        x = tl.load(table_ptr + row * stride_t + offs, mask=ok, other=0.0)
+        w = tl.load(we_ptr + offs, mask=ok, other=0.0)
+        eps = eps_e
+    else:
+        x = tl.load(g_ptr + t * stride_g + offs, mask=ok, other=0.0).to(dt)
+        w = tl.load(wf_ptr + offs, mask=ok, other=0.0)
+        eps = eps_f
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, axis=0) / HIDDEN
+    normed = (xf * tl.rsqrt(var + eps)).to(dt)
+    tl.store(out_ptr + t * stride_o + half * HIDDEN + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def embed_feature_norm(ids: torch.Tensor, table: torch.Tensor, g: torch.Tensor, w_e: torch.Tensor,
+                       w_f: torch.Tensor, eps_e: float, eps_f: float) -> torch.Tensor:  # (T, 2H)
+    """Same promise as ``embed_feature_norm_reference``, in one launch (the embedding row read in place)."""
+    check_tensor("table", table, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_launchable(_embed_feature_norm_kernel, table.device)
+    hidden = table.shape[1]
+    check_tensor("ids", ids, shape=(None,), dtypes=(torch.int32, torch.int64), device=table.device)
+    t = ids.shape[0]
+    check_tensor("g", g, shape=(t, hidden), dtypes=FLOAT_DTYPES, device=table.device, last_dim_contiguous=True)
+    check_tensor("w_e", w_e, shape=(hidden,), dtypes=(table.dtype,), device=table.device)
+    check_tensor("w_f", w_f, shape=(hidden,), dtypes=(table.dtype,), device=table.device)
+    out = torch.empty((t, 2 * hidden), dtype=table.dtype, device=table.device)
+    if t:
+        _embed_feature_norm_kernel[(t, 2)](
+            ids.contiguous(), table, g, w_e, w_f, out, float(eps_e), float(eps_f), table.stride(0), g.stride(0),
+            out.stride(0), HIDDEN=hidden, HIDDEN_P=next_pow2(hidden), num_warps=4 if hidden >= 1024 else 2,
+        )
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)

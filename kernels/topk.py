@@ -13,6 +13,10 @@ among equal values, so it may pick different indices on ties; the values agree.
 How: each value becomes an int32 key whose integer order is that rule's float order, packed with
 the complement of its column as one int64, so one integer max per round finds the best value and,
 among equals, the lowest column; the value returned is read back from ``x`` at that column.
+
+``topk_logprobs`` picks the same columns of logits and returns their log probabilities: each block
+program also keeps its max and sum of exp(x - max), the last launch combines them into the row's
+logsumexp, so a log_softmax launch (and its float copy of the row) is not needed before the top-k.
 """
 
 from __future__ import annotations
@@ -38,48 +42,78 @@ class TopK(NamedTuple):
 
 
 @triton.jit
-def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, K: tl.constexpr, FINAL: tl.constexpr):
-    """Take the k largest of ``packed`` one by one: as candidates (slot ``slot`` on) or as the output row."""
+def order_key(x):
+    """float32 -> int32 whose integer order is the module's float order: -0.0 ties +0.0, NaN above +inf."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order == float order (-0.0 below +0.0, NaN by sign)
+    key = tl.where(x == 0.0, 0, key)  # -0.0 ties with +0.0
+    return tl.where(x != x, 0x7FFFFFFF, key)  # every NaN above +inf (0x7F800000), all equal
+
+
+@triton.jit
+def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum,
+          K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr):
+    """Take the k largest of ``packed`` one by one: as candidates (slot ``slot`` on) or as the output row
+    (LOGP: the value less ``row_max`` and ``log_sum``, the row's log probability)."""
     for i in range(K):
         best = tl.max(packed, axis=0)
         packed = tl.where(packed == best, _INT64_MIN, packed)  # packed entries are unique (column inside)
         if FINAL:
             col = 0x7FFFFFFF - (best & 0x7FFFFFFF)
             tl.store(idx_ptr + row * K + i, col)
-            tl.store(val_ptr + row * K + i, tl.load(x_row_ptr + col))
+            val = tl.load(x_row_ptr + col)
+            if LOGP:
+                val = (val.to(tl.float32) - row_max) - log_sum
+            tl.store(val_ptr + row * K + i, val)
         else:
             tl.store(cand_ptr + slot + i, best)
 
 
 @triton.jit
 def _block_topk_kernel(
-    x_ptr, cand_ptr, val_ptr, idx_ptr, n_cols, stride_x,
-    K: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr,
+    x_ptr, cand_ptr, val_ptr, idx_ptr, part_ptr, n_cols, stride_x,
+    K: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     cols = blk * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)  # (BLOCK,)
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int order == float order (-0.0 below +0.0, NaN by sign)
-    key = tl.where(x == 0.0, 0, key)  # -0.0 ties with +0.0
-    key = tl.where(x != x, 0x7FFFFFFF, key)  # every NaN above +inf (0x7F800000), all equal
-    packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # ties: the lower column is larger
+    packed = (order_key(x).to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)  # ties: the lower column is larger
     packed = tl.where(ok, packed, _INT64_MIN)  # a short block pads its candidates with it
     n_blocks = tl.num_programs(1)
-    _emit(packed, row, (row * n_blocks + blk) * K, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, K, FINAL)
+    row_max = 0.0
+    log_sum = 0.0
+    if LOGP:  # the block's max and sum of exp(x - max); NaN or +inf in x makes the sum NaN (as log_softmax)
+        row_max = tl.max(tl.where(ok, x, float("-inf")), axis=0)
+        part = tl.sum(tl.where(ok & (x != float("-inf")), tl.exp(x - row_max), 0.0), axis=0)
+        if FINAL:
+            log_sum = tl.log(part)
+        else:
+            tl.store(part_ptr + (row * n_blocks + blk) * 2, row_max)
+            tl.store(part_ptr + (row * n_blocks + blk) * 2 + 1, part)
+    _emit(packed, row, (row * n_blocks + blk) * K, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr,
+          row_max, log_sum, K, FINAL, LOGP)
 
 
 @triton.jit
 def _merge_topk_kernel(
-    cand_ptr, x_ptr, val_ptr, idx_ptr, n_cand, stride_x,
-    K: tl.constexpr, CAND_P: tl.constexpr,
+    cand_ptr, x_ptr, val_ptr, idx_ptr, part_ptr, n_cand, n_blocks, stride_x,
+    K: tl.constexpr, CAND_P: tl.constexpr, BLOCKS_P: tl.constexpr, LOGP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CAND_P)
     packed = tl.load(cand_ptr + row * n_cand + offs, mask=offs < n_cand, other=_INT64_MIN)  # (CAND_P,)
-    _emit(packed, row, 0, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, K, True)
+    row_max = 0.0
+    log_sum = 0.0
+    if LOGP:  # combine the blocks' (max, sum): a block of -inf alone adds 0
+        b = tl.arange(0, BLOCKS_P)
+        part = part_ptr + (row * n_blocks + b) * 2
+        ms = tl.load(part, mask=b < n_blocks, other=float("-inf"))
+        ss = tl.load(part + 1, mask=b < n_blocks, other=0.0)
+        row_max = tl.max(ms, axis=0)
+        log_sum = tl.log(tl.sum(tl.where(ms == float("-inf"), 0.0, ss * tl.exp(ms - row_max)), axis=0))
+    _emit(packed, row, 0, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, row_max, log_sum, K, True, LOGP)
 
 
 def check_topk_args(x: torch.Tensor, k: int) -> None:
@@ -105,12 +139,23 @@ def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # 
     """Each row's k largest values of ``x`` (R, N), best first, with their columns: the values of
     ``torch.topk(x, k, dim=-1)``, ties and NaN as the module docstring says (== ``topk_reference``).
     ``block`` (a power of two >= 16) is the columns one program of launch 1 reads."""
+    return _launch(x, k, block, False)
+
+
+def topk_logprobs(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # (R, N) -> (R, k) x2
+    """``topk_small``'s columns of logits ``x`` (R, N) with their log probabilities, float32: values
+    ``log_softmax(x.float())`` at those columns (== ``topk_logprobs_reference`` up to float rounding), in the
+    same launches (each block also sums its exponentials). A row holding NaN or +inf has NaN values."""
+    return _launch(x, k, block, True)
+
+
+def _launch(x: torch.Tensor, k: int, block: int, logp: bool) -> TopK:
     check_topk_args(x, k)
     check_launchable(_block_topk_kernel, x.device)
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     r, n = x.shape
-    values = torch.empty((r, k), dtype=x.dtype, device=x.device)
+    values = torch.empty((r, k), dtype=torch.float32 if logp else x.dtype, device=x.device)
     indices = torch.empty((r, k), dtype=torch.int64, device=x.device)
     if r == 0:
         return TopK(values, indices)
@@ -118,14 +163,15 @@ def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # 
     n_blocks = triton.cdiv(n, block)
     warps = 8 if block >= 4096 else 4
     if n_blocks == 1:
-        _block_topk_kernel[(r, 1)](x, values, values, indices, n, x.stride(0), K=k, BLOCK=block, FINAL=True,
-                                   num_warps=warps)
+        _block_topk_kernel[(r, 1)](x, values, values, indices, values, n, x.stride(0), K=k, BLOCK=block,
+                                   FINAL=True, LOGP=logp, num_warps=warps)
         return TopK(values, indices)
     cand = torch.empty((r, n_blocks * k), dtype=torch.int64, device=x.device)  # packed (key, column)
-    _block_topk_kernel[(r, n_blocks)](x, cand, values, indices, n, x.stride(0), K=k, BLOCK=block, FINAL=False,
-                                      num_warps=warps)
-    _merge_topk_kernel[(r,)](cand, x, values, indices, n_blocks * k, x.stride(0), K=k,
-                             CAND_P=next_pow2(n_blocks * k), num_warps=4)
+    part = torch.empty((r, n_blocks, 2) if logp else (1,), dtype=torch.float32, device=x.device)  # (max, sum)
+    _block_topk_kernel[(r, n_blocks)](x, cand, values, indices, part, n, x.stride(0), K=k, BLOCK=block,
+                                      FINAL=False, LOGP=logp, num_warps=warps)
+    _merge_topk_kernel[(r,)](cand, x, values, indices, part, n_blocks * k, n_blocks, x.stride(0), K=k,
+                             CAND_P=next_pow2(n_blocks * k), BLOCKS_P=next_pow2(n_blocks), LOGP=logp, num_warps=4)
     return TopK(values, indices)
 
 
@@ -134,3 +180,9 @@ def topk_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
     runs in float32 (exact for the half types): CUDA's bfloat16 sort does not rank NaN first."""
     idx = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[..., :k]
     return TopK(x.gather(-1, idx), idx)
+
+
+def topk_logprobs_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
+    """``topk_logprobs``'s promise in torch: ``topk_reference``'s columns, ``log_softmax(x.float())`` there."""
+    idx = topk_reference(x, k).indices
+    return TopK(torch.log_softmax(x.float(), dim=-1).gather(-1, idx), idx)

@@ -1,4 +1,4 @@
-"""Fused residual-add + RMSNorm and SiLU-mul kernels against their torch references."""
+"""Fused residual-add + RMSNorm, SiLU-mul and EAGLE-input kernels against their torch references."""
 
 import os
 
@@ -8,9 +8,13 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from specdec.kernels.norm_act import add_rmsnorm, silu_mul  # noqa: E402
+from specdec.kernels.norm_act import add_rmsnorm, embed_feature_norm, silu_mul  # noqa: E402
 
-from specdec.models.layer_ops import add_rmsnorm_reference, silu_mul_reference  # noqa: E402
+from specdec.models.layer_ops import (  # noqa: E402
+    add_rmsnorm_reference,
+    embed_feature_norm_reference,
+    silu_mul_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # CPU (interpreter): small shapes; GPU: SmolLM2-135M's hidden 576 / intermediate 1536 and a 4096-wide model
@@ -47,6 +51,24 @@ def test_silu_mul_matches_reference(t, hidden, inter, dtype):
     assert got.shape == (t, inter)
 
 
+@pytest.mark.parametrize("t,hidden,inter", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_embed_feature_norm_matches_reference_and_the_two_norms(t, hidden, inter, dtype, ids_dtype):
+    """Equal to embedding + two ``add_rmsnorm`` launches + cat exactly; float32 features cast to the table's."""
+    g = torch.Generator().manual_seed(t * hidden)
+    table = (torch.randn(50, hidden, generator=g) * 2).to(DEVICE, dtype)
+    ids = torch.randint(0, 50, (t,), generator=g).to(DEVICE, ids_dtype)
+    feats = (torch.randn(t, hidden, generator=g) * 3).to(DEVICE)  # float32
+    w_e, w_f = (torch.rand(hidden, generator=g).to(DEVICE, dtype) + 0.5 for _ in range(2))
+    got = embed_feature_norm(ids, table, feats, w_e, w_f, 1e-5, 1e-6)
+    two = torch.cat([add_rmsnorm(table[ids.long()], None, w_e, 1e-5)[0],
+                     add_rmsnorm(feats.to(dtype), None, w_f, 1e-6)[0]], -1)
+    assert got.shape == (t, 2 * hidden) and got.dtype == dtype and torch.equal(got, two)
+    torch.testing.assert_close(got, embed_feature_norm_reference(ids, table, feats, w_e, w_f, 1e-5, 1e-6),
+                               **_tol(dtype))
+
+
 def test_bad_arguments_name_the_field():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="weight"):
@@ -55,3 +77,7 @@ def test_bad_arguments_name_the_field():
         add_rmsnorm(x, torch.zeros(3, 8, device=DEVICE), torch.zeros(8, device=DEVICE), 1e-5)
     with pytest.raises(ValueError, match="even"):
         silu_mul(torch.zeros(2, 7, device=DEVICE))
+    table = torch.zeros(4, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="g must have shape"):
+        embed_feature_norm(torch.zeros(2, dtype=torch.int64, device=DEVICE), table, torch.zeros(3, 8, device=DEVICE),
+                           table[0], table[0], 1e-5, 1e-5)

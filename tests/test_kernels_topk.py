@@ -10,7 +10,13 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
 
 import pytest  # noqa: E402
 from specdec.kernels.backend import TritonAttentionBackend  # noqa: E402
-from specdec.kernels.topk import MAX_K, topk_reference, topk_small  # noqa: E402
+from specdec.kernels.topk import (  # noqa: E402
+    MAX_K,
+    topk_logprobs,
+    topk_logprobs_reference,
+    topk_reference,
+    topk_small,
+)
 
 from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
@@ -88,6 +94,47 @@ def test_backends_dispatch_topk():
     assert torch.equal(ours.values.nan_to_num(), ref.values.nan_to_num())
 
 
+def _assert_close_logprobs(got, want):
+    """Same columns; log probabilities equal to float rounding, NaN where log_softmax has NaN."""
+    assert torch.equal(got.indices, want.indices), (got.indices, want.indices)
+    assert got.values.dtype == torch.float32 and torch.equal(got.values.isnan(), want.values.isnan())
+    torch.testing.assert_close(got.values.nan_to_num(), want.values.nan_to_num(), rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("r,n,block,k", [(3, 37, 16, 4), (4, 3000, 2048, 1), (3, 3000, 256, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_topk_logprobs_equals_reference(r, n, block, k, dtype):
+    """Tied, -inf, NaN (row 0) and +inf (last row: NaN log probabilities) rows, one and two launches."""
+    x = _tied_rows(r, n, dtype, seed=2 * n + k)
+    x[1] = (torch.randn(n) * 3).to(x)  # a row of distinct finite values: log probabilities of every size
+    got = topk_logprobs(x, k, block=block)
+    want = topk_logprobs_reference(x, k)
+    _assert_close_logprobs(got, want)
+    assert not got.values[1].isnan().any() and torch.equal(got.indices, topk_small(x, k, block=block).indices)
+
+
+def test_topk_logprobs_of_a_row_of_minus_inf_is_nan():
+    x = torch.full((2, 300), -INF, device=DEVICE)
+    x[1, 7] = 1.0  # one finite column: log probability 0, the rest -inf
+    got = topk_logprobs(x, 2, block=64)
+    assert got.values[0].isnan().all() and got.values[1].tolist() == [0.0, -INF]
+    assert got.indices[1].tolist() == [7, 0]
+
+
+def test_backends_dispatch_topk_logprobs():
+    """Both backends: log_softmax's top-k (the torch backend exactly); the Triton one flattens leading dims."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 3, 500, generator=g) * 4).to(DEVICE)
+    want = torch.topk(torch.log_softmax(x, dim=-1), 4)
+    ours = TorchAttentionBackend().topk_logprobs(x, 4)
+    assert torch.equal(ours.indices, want.indices) and torch.equal(ours.values, want.values)
+    tri = TritonAttentionBackend().topk_logprobs(x, 4)
+    assert tri.values.shape == (2, 3, 4)
+    _assert_close_logprobs(tri, topk_logprobs_reference(x, 4))
+    wide = TritonAttentionBackend().topk_logprobs(x, MAX_K + 1)  # past MAX_K: the torch path
+    assert torch.equal(wide.values, torch.topk(torch.log_softmax(x, dim=-1), MAX_K + 1).values)
+
+
 @pytest.mark.parametrize("args,match", [
     ((torch.zeros(2, 5), 6), "k must be"),
     ((torch.zeros(2, 50), 0), "k must be"),
@@ -120,3 +167,5 @@ def test_draft_vocabulary_on_gpu(r, k):
     x = (torch.randn(r, 24576, generator=g) * 4).to(torch.bfloat16)
     got = topk_small(x.cuda(), k)
     _assert_same(type(got)(got.values.cpu(), got.indices.cpu()), topk_reference(x, k))
+    got = topk_logprobs(x.cuda(), k)
+    _assert_close_logprobs(type(got)(got.values.cpu(), got.indices.cpu()), topk_logprobs_reference(x, k))

@@ -111,6 +111,13 @@ class AttentionBackend(ABC):
 
         return add_rmsnorm_reference(x, residual, weight, eps)
 
+    def embed_feature_norm(self, ids, table, g, w_e, w_f, eps_e, eps_f):
+        """(T,) token ids, (V, H) embedding table, (T, H) features -> (T, 2H): each RMS-normed with its weight
+        (``add_rmsnorm``), side by side."""
+        from specdec.models.layer_ops import embed_feature_norm_reference
+
+        return embed_feature_norm_reference(ids, table, g, w_e, w_f, eps_e, eps_f)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(T, 2I) gate | up -> (T, I) silu(gate) * up."""
         from specdec.models.layer_ops import silu_mul_reference
@@ -133,3 +140,27 @@ class AttentionBackend(ABC):
         """The k largest entries of each row of ``x`` over its last dimension, best first (``torch.topk``:
         no promised order among equal values)."""
         return torch.topk(x, k, dim=-1)
+
+    def tree_slots(self, seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size):
+        """The KV slots and positions (T,) of a device program's tree nodes: ``tree_ops.tree_slots_reference``."""
+        from specdec.tree_ops import tree_slots_reference
+
+        return tree_slots_reference(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
+
+    def tree_level(self, score, top_val, top_idx, masks, bits):
+        """A dynamic tree's next level (scores, parent positions, draft ids, bitmasks; (b, K) each):
+        ``specdec.tree_ops.select_level``."""
+        from specdec.tree_ops import select_level
+
+        return select_level(score, top_val, top_idx, masks, bits)
+
+    def tree_choose(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
+        """A dynamic tree's best ``n`` nodes per row as (b, 3, n) int64: ``specdec.tree_ops.choose``."""
+        from specdec.tree_ops import choose
+
+        return choose(scores, tokens, parents, n)
+
+    def topk_logprobs(self, x: torch.Tensor, k: int):  # (..., N) -> values float32, indices (..., k)
+        """The k most probable columns of each row of logits ``x`` and their log probabilities (float32):
+        ``torch.topk(torch.log_softmax(x.float(), -1), k)``."""
+        return torch.topk(torch.log_softmax(x.float(), dim=-1), k, dim=-1)

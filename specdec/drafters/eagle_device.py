@@ -72,19 +72,32 @@ class _Catch(NamedTuple):
     kv: list
     state: torch.Tensor  # (b, 1, hidden) the root's draft state
     logits: torch.Tensor  # (b, 1, N) the root's draft-vocabulary logits
-    length: torch.Tensor  # (b, 1) len(tokens): the tree region starts there
-    live: torch.Tensor  # (b, 1) bool: padded rows store nothing
+    slots: torch.Tensor  # (T,) KV slot of every forwarded node, levels one after another (padded rows: -1)
+    positions: torch.Tensor  # (T,) position of every forwarded node, laid out as ``slots``
+    seq_lens: torch.Tensor  # (levels, b) each row's attended length in each forwarded level
+
+
+class _Plan(NamedTuple):
+    """Bucket ``b``'s forwarded nodes, levels one after another, each level row-major (b, n): constants."""
+
+    rows: torch.Tensor  # (T,) the node's batch row
+    nodes: torch.Tensor  # (T,) its region index
+    depths: torch.Tensor  # (T,) its depth
+    ends: torch.Tensor  # (levels, 1) the region [0, end) each level attends
+    starts: tuple[int, ...]  # levels + 1 offsets into T
 
 
 class DeviceDraftProgram:
     """A greedy drafting program of ``model`` (an ``EagleDraft`` on pool model 1) per batch bucket: the
-    catch-up forward, then the tree levels of a subclass's ``_grow`` (its level sizes: ``widths``).
+    catch-up forward, then the tree levels of a subclass's ``_grow``: ``levels`` are the forwarded levels
+    (region indices (n,), depth, end of the attended region), whose slots and positions the program computes
+    once, after the catch-up.
 
     ``catch_up``: most committed tokens a row's catch-up may hold (longer rows take the host path).
     """
 
     def __init__(self, model, pool, backend, batch_buckets: tuple[int, ...], catch_up: int, bt_width: int,
-                 device, widths: set[int]) -> None:
+                 device, levels: list[tuple[torch.Tensor, int, int]]) -> None:
         self.model, self.pool, self.backend = model, pool, backend
         self.device = torch.device(device)
         self.batch_buckets, self.q = batch_buckets, catch_up
@@ -95,7 +108,24 @@ class DeviceDraftProgram:
                                     dtype=next(model.parameters()).dtype)
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        widths = {len(nodes) for nodes, _, _ in levels}
         self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
+        self._plans = {b: self._plan(b, levels) for b in batch_buckets}
+        self._row_start = {b: torch.arange(b, device=self.device) * catch_up for b in batch_buckets}  # (b,)
+
+    def _plan(self, b: int, levels: list[tuple[torch.Tensor, int, int]]) -> _Plan:
+        """The constants of bucket ``b`` for the forwarded ``levels`` (region indices (n,), depth, end)."""
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        rows, nodes, depths, starts = [empty], [empty], [empty], [0]
+        for idx, depth, _ in levels:
+            n = len(idx)
+            rows.append(torch.arange(b, device=self.device).repeat_interleave(n))
+            nodes.append(idx.to(self.device).repeat(b))
+            depths.append(torch.full((b * n,), depth, dtype=torch.int64, device=self.device))
+            starts.append(starts[-1] + b * n)
+        rows = torch.cat(rows)
+        ends = torch.tensor([end for _, _, end in levels], dtype=torch.int64, device=self.device).view(-1, 1)
+        return _Plan(rows, torch.cat(nodes), torch.cat(depths), ends, tuple(starts))
 
     def bucket(self, rows: int, longest: int) -> int | None:
         """The batch bucket of a step with ``rows`` rows whose longest catch-up is ``longest``, or None."""
@@ -136,28 +166,30 @@ class DeviceDraftProgram:
                             tree_mask=None if q == 1 else v.tree_mask, max_query_len=q, max_seq_len=self.max_seq_len)
         g = m.fuse(self.features[:b * q])  # (b*q, hidden)
         hidden = m(v.ids, v.positions, ForwardContext(self.backend, meta, kv), g)  # (b*q, hidden)
-        last = torch.arange(b, device=self.device) * q + (v.num_tokens - 1).clamp(min=0)  # (b,)
+        last = self._row_start[b] + (v.num_tokens - 1).clamp(min=0)  # (b,)
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
-        logits = m.compute_logits(state.flatten(0, 1), self.backend).unsqueeze(1)  # (b, 1, N)
-        return self._grow(_Catch(b, v, kv, state, logits, v.seq_lens.view(-1, 1), (v.num_tokens > 0).view(-1, 1)))
+        # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
+        logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
+        p = self._plans[b]  # every level's slots and positions, computed once
+        slots, pos = self.backend.tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs)
+        return self._grow(_Catch(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends))
 
     def _grow(self, c: _Catch) -> torch.Tensor:
         raise NotImplementedError
 
-    def _forward(self, c: _Catch, toks: torch.Tensor, nodes: torch.Tensor, depth: int, end: int,
-                 masks: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
-        """Draft forward of n nodes per row: target ids ``toks`` (b, n) at region indices ``nodes`` (n,) (slot
-        of position len(tokens) + index), all at ``depth``, attending the region [0, end) through ``masks``
-        (b * n,) and reading draft states ``feats`` (b * n, hidden). Returns their states (b * n, hidden)."""
-        b, n, bs, v = c.b, toks.shape[1], self.pool.block_size, c.views
-        logical = c.length + nodes.view(1, -1)  # (b, n)
-        blocks = v.block_tables.long().gather(1, logical // bs)
-        slots = torch.where(c.live, blocks * bs + logical % bs, -1).flatten()
-        meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens, seq_lens=v.seq_lens + end,
-                            block_tables=v.block_tables, slot_mapping=slots, block_size=bs, tree_mask=masks,
-                            max_query_len=n, max_seq_len=self.max_seq_len)
-        pos = (c.length + depth).expand(b, n).contiguous().view(-1)  # kernels read it densely
-        return self.model(toks.flatten(), pos, ForwardContext(self.backend, meta, c.kv), feats)  # (b*n, hidden)
+    def _forward(self, c: _Catch, level: int, toks: torch.Tensor, masks: torch.Tensor,
+                 feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft forward of the n nodes per row of forwarded ``level`` (the plan's levels): target ids ``toks``
+        (b, n) at the level's region indices (slot of position len(tokens) + index), at the level's depth,
+        attending the region [0, end) through ``masks`` (b * n,) and reading draft states ``feats``
+        (b * n, hidden). Returns their states (b * n, hidden) and draft logits (b * n, N) in the head's dtype."""
+        b, n, v = c.b, toks.shape[1], c.views
+        lo, hi = self._plans[b].starts[level:level + 2]
+        meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens, seq_lens=c.seq_lens[level],
+                            block_tables=v.block_tables, slot_mapping=c.slots[lo:hi], block_size=self.pool.block_size,
+                            tree_mask=masks, max_query_len=n, max_seq_len=self.max_seq_len)
+        return self.model.forward_logits(toks.flatten(), c.positions[lo:hi], ForwardContext(self.backend, meta, c.kv),
+                                         feats, dtype=None)
 
 
 class DeviceTreeLoop(DeviceDraftProgram):
@@ -169,7 +201,8 @@ class DeviceTreeLoop(DeviceDraftProgram):
         self.template = template
         self.levels = levels_of(template, torch.device(device))
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
-                         {lv.end - lv.start for lv in self.levels})
+                         [(lv.nodes, lv.depth, lv.end) for lv in self.levels[:-1]])
+        self._masks = {b: [lv.masks.repeat(b) for lv in self.levels] for b in batch_buckets}  # (b*n,) each
 
     def _grow(self, c: _Catch) -> torch.Tensor:
         m, b, state, logits = self.model, c.b, c.state, c.logits
@@ -181,7 +214,7 @@ class DeviceTreeLoop(DeviceDraftProgram):
             if i + 1 == len(self.levels):
                 break
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
-            h = self._forward(c, toks, lv.nodes, lv.depth, lv.end, lv.masks.repeat(b), feats)  # (b*n, hidden)
+            h, logits = self._forward(c, i, toks, self._masks[b][i], feats)  # (b*n, hidden), (b*n, N)
             state = h.view(b, lv.end - lv.start, -1)
-            logits = m.compute_logits(h, self.backend).view(b, lv.end - lv.start, -1)
+            logits = logits.view(b, lv.end - lv.start, -1)
         return torch.cat(tokens, 1)  # (b, N)

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
 from specdec.tree import MAX_TREE_NODES, TreeSpec
+from specdec.tree_ops import choose, select_level
 
 # ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Measured
 # (bench/RESULTS.md, CPU float32, 8 MT-bench prompts): 10x5 keeping 32 nodes accepts 2.74 tokens per target
@@ -44,6 +45,20 @@ TopK = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 def torch_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """``torch.topk`` over the last dimension: ``grow``'s default top-k."""
     return torch.topk(x, k, dim=-1)
+
+
+class GrowOps(NamedTuple):
+    """How ``grow`` ranks: ``children`` takes each row's K most probable children as (log probabilities,
+    draft ids) from what ``expand`` returns (and from the root's); ``level`` is ``select_level`` (the level's
+    best of the K * K candidates) and ``pick(scores, tokens, parents, n)`` is ``choose``. A device program
+    passes its backend's."""
+
+    children: TopK = torch_topk  # on log probabilities; a backend's ``topk_logprobs`` reads logits
+    level: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]] = select_level
+    pick: Callable[[Tensor, Tensor, Tensor, int], Tensor] = choose
+
+
+TORCH_OPS = GrowOps()
 
 
 class DynamicShape(NamedTuple):
@@ -71,54 +86,58 @@ def device_shape(spec: TreeSpec) -> DynamicShape:
     return DynamicShape(k, d, min(spec.budget, k * d))
 
 
-def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, topk: TopK = torch_topk) -> Tensor:
+class GrowConsts(NamedTuple):
+    """``grow``'s constant tensors of one shape (built once by a device program, so its graph holds no
+    launches for them)."""
+
+    bits: Tensor  # (D, K) int64: the bit of node (level, position) in its ancestor bitmask, 1 << level * K + position
+    root: Tensor  # (1, K) int64 zeros: level 0's parent position (the root)
+    parent_offset: Tensor  # (K * D,) int64: added to each node's parent position, its parent's region index
+
+
+def grow_consts(shape: DynamicShape, device) -> GrowConsts:
+    """``grow``'s constants for ``shape`` on ``device``."""
+    k, d = shape.width, shape.depth
+    idx = torch.arange(k * d, dtype=torch.int64, device=device)
+    offset = (idx // k - 1) * k
+    bits = torch.where(idx < shape.region, 1 << idx.clamp(max=62), 0)  # the last level has no region slots
+    return GrowConsts(bits.view(d, k), torch.zeros(1, k, dtype=torch.int64, device=device),
+                      torch.where(idx < k, -1, offset))
+
+
+def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, ops: GrowOps = TORCH_OPS,
+         consts: GrowConsts | None = None, vocab: Tensor | None = None) -> Tensor:
     """The trees of b rows from their roots' draft log probabilities ``root_logp`` (b, V).
 
     ``expand(level, tokens, parent_pos, masks)`` runs the draft on the K nodes of ``level`` (< D - 1) of
     every row: their draft ids (b, K), their parents' positions in the level before (b, K; level 0: 0,
     the root) and their ancestor bitmasks over the region (b, K; bit level * K + position is the node);
     it returns their children's log probabilities (b, K, V). Returns (b, 3, N) int64: per row the chosen
-    nodes in level order as draft ids, parent index among them (-1: the root) and rank by score (0: best).
-    ``topk`` takes the K best of each row's last dimension (the root's and each node's children over the
-    draft vocabulary, then the level's best of the K * K candidates).
+    nodes in level order as draft ids (``vocab[draft id]`` when ``vocab`` is given), parent index among
+    them (-1: the root) and rank by score (0: best).
+    ``ops`` rank (``GrowOps``; with a ``children`` that reads logits, ``root_logp`` and ``expand``'s results
+    are logits). ``consts``: ``grow_consts(shape, device)``, built here when None.
     """
     k, d, n = shape
     b, dev = root_logp.shape[0], root_logp.device
     if not 1 <= k <= root_logp.shape[1] or not 1 <= n <= k * d:
         raise ValueError(f"shape {tuple(shape)}: width must be in [1, {root_logp.shape[1]}] (the draft "
                          f"vocabulary) and nodes in [1, width * depth]")
-    one = torch.ones(k, dtype=torch.int64, device=dev)
-    score, toks = topk(root_logp, k)  # (b, K) each
-    ppos = torch.zeros_like(toks)  # (b, K)
-    masks = (one << torch.arange(k, device=dev)).expand(b, k)  # (b, K)
-    scores, tokens, parents = [score], [toks], [torch.full_like(toks, -1)]
+    bits, root, parent_offset = consts if consts is not None else grow_consts(shape, dev)
+    score, toks = ops.children(root_logp, k)  # (b, K) each
+    ppos = root.expand(b, k)  # (b, K)
+    masks = bits[0].expand(b, k)  # (b, K)
+    scores, tokens, parents = [score], [toks], [ppos]
     for level in range(1, d):
-        top_val, top_idx = topk(expand(level - 1, toks, ppos, masks), k)  # (b, K, K): each node's best children
-        score, best = topk((score.unsqueeze(-1) + top_val).view(b, k * k), k)  # (b, K) the row's best
-        ppos = best // k
-        toks = top_idx.view(b, k * k).gather(1, best)  # (b, K)
-        if level + 1 < d:  # the last level is never forwarded
-            masks = masks.gather(1, ppos) | (one << torch.arange(level * k, level * k + k, device=dev))
+        top_val, top_idx = ops.children(expand(level - 1, toks, ppos, masks), k)  # (b, K, K): nodes' best children
+        # the row's best K: scores, parent positions, draft ids, bitmasks (the last level's are never read)
+        score, ppos, toks, masks = ops.level(score, top_val, top_idx, masks, bits[level])
         scores.append(score)
         tokens.append(toks)
-        parents.append(ppos + (level - 1) * k)  # region index of the parent
-    return choose(torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1), n)
-
-
-def choose(scores: Tensor, tokens: Tensor, parents: Tensor, n: int) -> Tensor:
-    """Each row's best ``n`` nodes of (b, M) ``scores`` (nodes in level order, ``parents``: region index of
-    the parent, -1 the root; ties: the earlier node) as (b, 3, n): tokens, parent index among the chosen
-    (-1: the root; also for a chosen node whose parent was not chosen, which the tie rule rules out
-    for finite scores), rank by score; chosen nodes in level order."""
-    b, m = scores.shape
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n]  # (b, n) best first
-    chosen = order.sort(dim=1).values  # (b, n) level order
-    ar = torch.arange(n, device=scores.device).expand(b, n)
-    rank = torch.full_like(scores, m, dtype=torch.int64).scatter_(1, order, ar).gather(1, chosen)  # (b, n)
-    where = torch.full_like(scores, -1, dtype=torch.int64).scatter_(1, chosen, ar)  # (b, M): index among chosen
-    par = parents.gather(1, chosen)  # (b, n) region index
-    par = torch.where(par >= 0, where.gather(1, par.clamp(min=0)), -1)
-    return torch.stack([tokens.gather(1, chosen), par, rank], 1)  # (b, 3, n)
+        parents.append(ppos)  # position in the level before; + parent_offset: its region index
+    tokens = torch.cat(tokens, 1)
+    return ops.pick(torch.cat(scores, 1), tokens if vocab is None else vocab[tokens],
+                    torch.cat(parents, 1) + parent_offset, n)
 
 
 class DeviceDynamicTree(DeviceDraftProgram):
@@ -134,7 +153,11 @@ class DeviceDynamicTree(DeviceDraftProgram):
         dev = torch.device(device)
         k = shape.width
         self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
-        super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device, {k})
+        self._consts = grow_consts(shape, dev)
+        self._ops = GrowOps(backend.topk_logprobs, backend.tree_level, backend.tree_choose)
+        self._mask0 = {b: self._consts.bits[0].repeat(b) for b in batch_buckets}  # (b*K,) level 0's masks
+        super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
+                         [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
 
     def _grow(self, c: _Catch) -> Tensor:
         m, k = self.model, self.shape.width
@@ -142,12 +165,11 @@ class DeviceDynamicTree(DeviceDraftProgram):
 
         def expand(level: int, toks: Tensor, ppos: Tensor, masks: Tensor) -> Tensor:
             nonlocal state
-            feats = state.gather(1, ppos.unsqueeze(-1).expand(-1, -1, state.shape[-1])).flatten(0, 1)  # (b*K, h)
-            h = self._forward(c, m.vocab_ids[toks], self._nodes[level], level, (level + 1) * k,
-                              masks.flatten(), feats)  # (b*K, hidden)
+            feats = state.gather(1, ppos.unsqueeze(-1).expand(c.b, -1, state.shape[-1])).flatten(0, 1)  # (b*K, h)
+            flat = self._mask0[c.b] if level == 0 else masks.flatten()
+            h, logits = self._forward(c, level, m.vocab_ids[toks], flat, feats)  # (b*K, hidden), (b*K, V)
             state = h.view(c.b, k, -1)
-            return torch.log_softmax(m.compute_logits(h, self.backend).float(), dim=-1).view(c.b, k, -1)  # (b, K, V)
+            return logits.view(c.b, k, -1)  # (b, K, V) logits
 
-        root = torch.log_softmax(c.logits.flatten(0, 1).float(), dim=-1)  # (b, V)
-        out = grow(root, expand, self.shape, self.backend.topk)  # (b, 3, N)
-        return torch.cat([m.vocab_ids[out[:, :1]], out[:, 1:]], 1)
+        # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
+        return grow(c.logits.flatten(0, 1), expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)

@@ -20,6 +20,22 @@ def add_rmsnorm_reference(
     return weight * normed, h
 
 
+def embed_feature_norm_reference(
+    ids: torch.Tensor,  # (T,)
+    table: torch.Tensor,  # (V, H) the embedding table
+    g: torch.Tensor,  # (T, H) features
+    w_e: torch.Tensor,  # (H,)
+    w_f: torch.Tensor,  # (H,)
+    eps_e: float,
+    eps_f: float,
+) -> torch.Tensor:  # (T, 2H)
+    """[w_e * rmsnorm(table[ids]), w_f * rmsnorm(g in the table's dtype)] side by side (each as
+    ``add_rmsnorm_reference``): an EAGLE draft's input."""
+    e = add_rmsnorm_reference(torch.nn.functional.embedding(ids, table), None, w_e, eps_e)[0]
+    f = add_rmsnorm_reference(g.to(e.dtype), None, w_f, eps_f)[0]
+    return torch.cat([e, f], -1)
+
+
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
     """silu(gate) * up for gate | up side by side in the last dimension."""
     g, u = gate_up.chunk(2, dim=-1)

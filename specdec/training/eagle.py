@@ -94,20 +94,37 @@ class EagleDraft(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
                 g: torch.Tensor) -> torch.Tensor:
         """Hidden states (T, hidden) for tokens ``input_ids`` (T,) given their features ``g`` (T, hidden)."""
-        b = ctx.backend  # its norm: fused on the Triton backend, the autograd reference in training
-        e = b.add_rmsnorm(self.embed_tokens(input_ids), None, self.embed_norm.weight, self.embed_norm.eps)[0]
-        f = b.add_rmsnorm(g.to(e.dtype), None, self.feature_norm.weight, self.feature_norm.eps)[0]
-        x = self.in_proj(torch.cat([e, f], -1))  # (T, hidden)
-        ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
-        out, residual = self.layer(x, None, positions, self.rope, ctx)  # the layer's output is out + residual
+        out, residual = self._layer(input_ids, positions, ctx, g)  # the layer's output is out + residual
         return out + residual
 
-    def compute_logits(self, hidden: torch.Tensor, backend=None) -> torch.Tensor:
-        """Float32 logits over the draft vocabulary (T, N); ``backend``: whose norm to use (the device
-        programs pass theirs, so the Triton backend's fused norm replaces ~7 small kernels)."""
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                       g: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``forward``, ``compute_logits(forward, ctx.backend, dtype)``) with the layer's last add inside the
+        final norm (``add_rmsnorm`` of out and residual gives both): one launch fewer, the same values."""
+        out, residual = self._layer(input_ids, positions, ctx, g)
+        normed, hidden = ctx.backend.add_rmsnorm(out, residual, self.norm.weight, self.norm.eps)
+        logits = self.lm_head(normed)
+        return hidden, logits if dtype is None else logits.to(dtype)
+
+    def _layer(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+               g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layer's (out, residual) (T, hidden) each: ``forward`` is their sum."""
+        # the embedding row and both norms: one launch on the Triton backend, the autograd reference in training
+        x = self.in_proj(ctx.backend.embed_feature_norm(input_ids, self.embed_tokens.weight, g, self.embed_norm.weight,
+                                                        self.feature_norm.weight, self.embed_norm.eps,
+                                                        self.feature_norm.eps))  # (T, hidden)
+        ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
+        return self.layer(x, None, positions, self.rope, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor, backend=None,
+                       dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """Logits over the draft vocabulary (T, N) in ``dtype`` (None: the head's own, no cast launch);
+        ``backend``: whose norm to use (the device programs pass theirs, so the Triton backend's fused norm
+        replaces ~7 small kernels)."""
         normed = self.norm(hidden) if backend is None else backend.add_rmsnorm(hidden, None, self.norm.weight,
                                                                                self.norm.eps)[0]
-        return self.lm_head(normed).float()
+        logits = self.lm_head(normed)
+        return logits if dtype is None else logits.to(dtype)
 
     def full_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Draft-vocabulary logits (T, N) spread over the target vocabulary (T, V); -inf elsewhere."""
