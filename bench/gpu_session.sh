@@ -252,24 +252,29 @@ case "$stage" in
     done
     pack
     ;;
-  s6g)  # session 6 last round, run 3 (with piece 02): GPU tests after the helpers' merges; n-gram at batch 16
-        # interleaved (7 rounds); EAGLE top-k trees at batch 64 interleaved (5 rounds)
+  s6g)  # session 6 last round, run 3 (with piece 02): GPU tests after the helpers' merges (kernels first); n-gram at
+        # batch 16 interleaved (7 rounds); the draft programs' kernels
     assemble
     install
-    gpu_tests 100 tests/test_kernels_topk.py tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py \
-      tests/test_step_graphs.py tests/test_engines_share_models.py
+    gpu_tests 100 tests/test_kernels_topk.py tests/test_kernels_tree_choose.py tests/test_kernels_tree_slots.py \
+      tests/test_kernels_norm_act.py tests/test_fused_step.py tests/test_eagle_dynamic.py tests/test_step_graphs.py \
+      tests/test_engines_share_models.py tests/test_eagle.py
     interleaved 150 16
-    mkdir -p "$D/b64t"
-    (D=$D/b64t; export REPEATS=5 ENGINES=eagle_topk; interleaved 110 64)
+    (cd /tmp && timeout 50 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
+    grep -h -e "replay" "$D/kernels.log"
     pack
     ;;
-  s6h)  # session 6 last round, run 4: target-only vs transformers' static compiled generate (issue 9's first item);
-        # EAGLE at batch 1 interleaved (2 rounds)
+  s6h)  # session 6 last round, run 4a: EAGLE at batch 1 (2 rounds) and top-k trees at batch 64 (3 rounds) interleaved
     install
-    fastpath 150 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
+    mkdir -p "$D/b1" "$D/b64t"
+    (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle_b1; interleaved 130 1)
+    (D=$D/b64t; export REPEATS=3 ENGINES=eagle_topk; interleaved 80 64)
+    pack
+    ;;
+  s6i)  # session 6 last round, run 4b: target-only vs transformers' static compiled generate (issue 9's first item)
+    install
+    fastpath 130 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
-    mkdir -p "$D/b1"
-    (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle_b1; interleaved 150 1)
     pack
     ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
