@@ -176,9 +176,16 @@ def _launch(x: torch.Tensor, k: int, block: int, logp: bool) -> TopK:
 
 
 def topk_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
-    """``topk_small``'s promise in torch: a stable descending sort (NaN largest, ties by lower index). The sort
-    runs in float32 (exact for the half types): CUDA's bfloat16 sort does not rank NaN first."""
-    idx = torch.sort(x.float(), dim=-1, descending=True, stable=True).indices[..., :k]
+    """``topk_small``'s promise in torch: a stable descending sort (NaN largest, ties by lower index). The rule
+    is spelled out rather than left to the sort's NaN and signed-zero handling (on the H200 a bf16 row's NaN
+    did not sort first, even cast to float32): values sort in float32 with NaN as -inf and -0.0 as +0.0, then
+    a second stable sort moves the NaNs to the front in column order."""
+    xf = x.float()
+    nan = xf.isnan()
+    value = torch.where(nan, float("-inf"), xf) + 0.0  # + 0.0: -0.0 becomes +0.0
+    order = torch.sort(value, dim=-1, descending=True, stable=True).indices
+    nan_first = torch.sort(nan.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+    idx = order.gather(-1, nan_first)[..., :k]
     return TopK(x.gather(-1, idx), idx)
 
 

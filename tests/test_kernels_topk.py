@@ -50,6 +50,9 @@ def test_reference_follows_the_rule():
     for dtype in (torch.float32, torch.bfloat16):
         got = topk_reference(torch.tensor([row], dtype=dtype), len(row))
         assert got.indices[0].tolist() == want
+        signed = torch.tensor([row], dtype=dtype)
+        signed[0, 7] = -signed[0, 7]  # a NaN with its sign bit set ranks first as well
+        assert topk_reference(signed.to(DEVICE), len(row)).indices[0].tolist() == want
 
 
 @pytest.mark.parametrize("r,n,block", [(3, 37, 16), (2, 1000, 2048), (4, 3000, 2048), (2, 3000, 256)])
