@@ -277,6 +277,20 @@ case "$stage" in
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
     pack
     ;;
+  s7a)  # next session's first round, run 3 (with piece 02): the GPU tests session 6's last wheel did not run (graph
+        # replay == eager, EAGLE, four engines over shared models, the top-k reference fix), then the fused EAGLE
+        # step's host profile on the H200 host, then transformers' static compiled generate beside target-only
+    assemble
+    install
+    gpu_tests 200 tests/test_kernels_topk.py tests/test_step_graphs.py tests/test_engines_share_models.py \
+      tests/test_eagle.py
+    (cd /tmp && timeout 150 python3 -P "$root/bench/host_profile.py" --device cuda --batches 1 64 --modes decode eagle \
+      --steps 30 --warmup 10 --new-tokens 1024 --out "$D/host_profile_cuda.json" > "$D/host_profile.log" 2>&1)
+    grep -h -e "^| " "$D/host_profile.log" | tail -6
+    fastpath 150 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
+    pack
+    ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved
     install
     interleaved 450 1 64
