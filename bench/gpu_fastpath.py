@@ -190,20 +190,25 @@ def replay_ms(engine, key, iters: int = 200) -> float | None:
     return graph_replay_ms(g[0], iters)
 
 
-def graph_replay_ms(graph, iters: int = 200) -> float:
-    """Median milliseconds per replay of a captured CUDA graph (CUDA events; 10 warm replays, then 5 x ``iters``)."""
-    for _ in range(10):
-        graph.replay()
+def cuda_ms(fn, iters: int = 200, warm: int = 10) -> float:
+    """Median milliseconds per call of ``fn`` on the GPU (CUDA events; ``warm`` calls, then 5 x ``iters``)."""
+    for _ in range(warm):
+        fn()
     times = []
     for _ in range(5):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         for _ in range(iters):
-            graph.replay()
+            fn()
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e) / iters)
     return statistics.median(times)
+
+
+def graph_replay_ms(graph, iters: int = 200) -> float:
+    """Median milliseconds per replay of a captured CUDA graph (``cuda_ms`` of its replays)."""
+    return cuda_ms(graph.replay, iters)
 
 
 def phase_times(engine, prompts, params) -> dict:

@@ -61,6 +61,16 @@ eagle_round() {  # eagle_round SECONDS [tree-levels]: the eagle mode, optionally
   tail -3 "$D/chisq.log" | cut -c1-300
 }
 
+benchpy() {  # benchpy SECONDS LOG SCRIPT [ARGS...]: bench/SCRIPT from /tmp into $D/LOG
+  local limit=$1 logname=$2 script=$3; shift 3
+  (cd /tmp && timeout "$limit" python3 -P "$root/bench/$script" "$@" > "$D/$logname" 2>&1)
+}
+
+program_kernels() {  # program_kernels SECONDS: the draft programs' kernels (bench/gpu_program_kernels.py)
+  benchpy "$1" kernels.log gpu_program_kernels.py "$D"
+  grep -h -e "replay" "$D/kernels.log"
+}
+
 interleaved() {  # interleaved SECONDS BATCH...: bench/gpu_interleaved.py into $D/interleaved.log
   local limit=$1; shift
   [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
@@ -175,8 +185,7 @@ case "$stage" in
     assemble
     install
     gpu_tests 120 tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_step_graphs.py
-    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
-    grep -h -e "replay" "$D/kernels.log"
+    program_kernels 60
     mkdir -p "$D/b64" "$D/b1"
     (D=$D/b64; export REPEATS=5 ENGINES=eagle; interleaved 170 64)
     (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle; interleaved 190 1)
@@ -184,8 +193,7 @@ case "$stage" in
     ;;
   s5h)  # session 5, no model needed: the draft program's kernels after the fused norms, then the EAGLE GPU tests
     install
-    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
-    grep -h -e "replay" "$D/kernels.log"
+    program_kernels 60
     GPU_TESTS="-k gpu" gpu_tests 80 tests/test_fused_step.py tests/test_eagle.py
     pack
     ;;
@@ -194,10 +202,9 @@ case "$stage" in
     install
     gpu_tests 300 tests/test_kernels_greedy_head.py tests/test_kernels_norm_act.py tests/test_step_graphs.py \
       tests/test_fused_step.py tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_engine_triton.py
-    (cd /tmp && timeout 150 python3 -P "$root/bench/gpu_verify_kernels.py" "$D" > "$D/verify_kernels.log" 2>&1)
+    benchpy 150 verify_kernels.log gpu_verify_kernels.py "$D"
     grep -h -e "replay" -e "head" "$D/verify_kernels.log"
-    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
-    grep -h -e "replay" "$D/kernels.log"
+    program_kernels 60
     pack
     ;;
   s6b)  # session 6 round 2, run 3 (with piece 02): GPU tests of the fused verify head and acceptance, graphs, fused
@@ -223,10 +230,9 @@ case "$stage" in
     install
     gpu_tests 200 tests/test_kernels_topk.py tests/test_kernels_greedy_head.py tests/test_kernels_greedy_accept.py \
       tests/test_eagle.py tests/test_eagle_dynamic.py tests/test_fused_step.py tests/test_engine_triton.py
-    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_topk.py" "$D" > "$D/topk.log" 2>&1)
+    benchpy 60 topk.log gpu_topk.py "$D"
     tail -12 "$D/topk.log"
-    (cd /tmp && timeout 60 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
-    grep -h -e "replay" "$D/kernels.log"
+    program_kernels 60
     mkdir -p "$D/b64" "$D/b1"
     (D=$D/b64; export REPEATS=5 ENGINES=eagle; interleaved 120 64)
     (D=$D/b1; export REPEATS_B1=2 ENGINES=eagle; interleaved 150 1)
@@ -260,8 +266,7 @@ case "$stage" in
       tests/test_kernels_norm_act.py tests/test_fused_step.py tests/test_eagle_dynamic.py tests/test_step_graphs.py \
       tests/test_engines_share_models.py tests/test_eagle.py
     interleaved 150 16
-    (cd /tmp && timeout 50 python3 -P "$root/bench/gpu_program_kernels.py" "$D" > "$D/kernels.log" 2>&1)
-    grep -h -e "replay" "$D/kernels.log"
+    program_kernels 50
     pack
     ;;
   s6h)  # session 6 last round, run 4a: EAGLE at batch 1 (2 rounds) and top-k trees at batch 64 (3 rounds) interleaved
@@ -284,8 +289,8 @@ case "$stage" in
     install
     gpu_tests 200 tests/test_kernels_topk.py tests/test_step_graphs.py tests/test_engines_share_models.py \
       tests/test_eagle.py
-    (cd /tmp && timeout 150 python3 -P "$root/bench/host_profile.py" --device cuda --batches 1 64 --modes decode eagle \
-      --steps 30 --warmup 10 --new-tokens 1024 --out "$D/host_profile_cuda.json" > "$D/host_profile.log" 2>&1)
+    benchpy 150 host_profile.log host_profile.py --device cuda --batches 1 64 --modes decode eagle --steps 30 \
+      --warmup 10 --new-tokens 1024 --out "$D/host_profile_cuda.json"
     grep -h -e "^| " "$D/host_profile.log" | tail -6
     fastpath 150 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4

@@ -13,31 +13,19 @@ Writes OUT_DIR/topk.json and prints one line per case.
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_fastpath import cuda_ms  # noqa: E402
+from gpu_program_kernels import kernels  # noqa: E402
 from specdec.kernels.topk import DEFAULT_BLOCK, topk_reference, topk_small
 
 N = 24576
 ROWS = (4, 1, 40, 512)
 KS = (2, 4, 8, 10)
-
-
-def eager_ms(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / iters)
-    return statistics.median(times)
 
 
 def graph_ms(fn, calls: int = 20, replays: int = 50) -> float:
@@ -50,18 +38,7 @@ def graph_ms(fn, calls: int = 20, replays: int = 50) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return eager_ms(graph.replay, replays) / calls
-
-
-def kernel_count(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA)
+    return cuda_ms(graph.replay, replays) / calls
 
 
 def main() -> None:
@@ -82,8 +59,8 @@ def main() -> None:
                     raise SystemExit(f"topk_small differs from topk_reference at rows={r} k={k} block={block}")
                 impls[f"topk_small/{block}"] = lambda x=x, k=k, block=block: topk_small(x, k, block=block)
             for name, fn in impls.items():
-                row = {"rows": r, "n": N, "k": k, "impl": name, "eager_ms": eager_ms(fn), "graph_ms": graph_ms(fn),
-                       "kernels": kernel_count(fn)}
+                row = {"rows": r, "n": N, "k": k, "impl": name, "eager_ms": cuda_ms(fn), "graph_ms": graph_ms(fn),
+                       "kernels": kernels(fn)["kernels"]}
                 res.append(row)
                 print(f"rows {r:4d} k {k:2d} {name:18s} eager {row['eager_ms'] * 1e3:7.1f} us  "
                       f"graph {row['graph_ms'] * 1e3:7.1f} us  {row['kernels']:3d} kernels", flush=True)

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_fastpath import CUDA, DEV, fill_synthetic, graph_replay_ms, random_model  # noqa: E402
+from gpu_fastpath import CUDA, DEV, cuda_ms, fill_synthetic, graph_replay_ms, random_model  # noqa: E402
 from gpu_program_kernels import kernels  # noqa: E402
 
 from specdec import SpecConfig, SpecEngine  # noqa: E402
@@ -30,7 +29,7 @@ from specdec import SpecConfig, SpecEngine  # noqa: E402
 KEYS = [(0, 1, 1), (0, 1, 16), (0, 16, 1), (0, 16, 4), (0, 16, 8), (0, 16, 16), (0, 64, 1), (0, 64, 16)]
 
 
-def head_ms(model, backend, tokens: int, fused: bool, iters: int = 200) -> float:
+def head_ms(model, backend, tokens: int, fused: bool) -> float:
     """Median ms of one verify head over ``tokens`` hidden rows (CUDA events)."""
     hidden = torch.randn(tokens, model.config.hidden_size, device=DEV, dtype=next(model.parameters()).dtype)
 
@@ -39,21 +38,9 @@ def head_ms(model, backend, tokens: int, fused: bool, iters: int = 200) -> float
         return logits.argmax(-1), torch.isfinite(logits).all(-1)
 
     def new():
-        return backend.greedy_head(model.lm_head(hidden))
+        return backend.greedy_head(model.compute_logits(hidden, dtype=None))
 
-    fn = new if fused else old
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e) / iters)
-    return statistics.median(times)
+    return cuda_ms(new if fused else old, warm=5)
 
 
 def main() -> None:
