@@ -4,9 +4,9 @@ Every graphed forward reads the persistent inputs of ``StepInputs`` and writes a
 output: logits of every padded token and, for the target, the greedy acceptance of the whole
 batch (the backend's ``greedy_head`` and ``greedy_accept``: ``greedy_step_outcome``). Capture goes
 largest bucket first into one shared memory pool; replay = fill the inputs (one copy),
-``graph.replay()``. A step whose shape fits no bucket
-runs eagerly. Without CUDA (tests) the same padded step runs eagerly over the same buffers, so
-everything but the capture itself is exercised on the CPU.
+``graph.replay()``. A step whose shape fits no bucket runs eagerly. Without CUDA (tests) the same
+padded step runs eagerly over the same buffers, so everything but the capture itself is exercised
+on the CPU.
 """
 
 from __future__ import annotations

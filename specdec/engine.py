@@ -105,20 +105,20 @@ class SpecEngine:
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         if cfg.fused_verify and hasattr(self.drafter, "fuse_verify"):
             self.drafter.fuse_verify(self.verifier)
-            budgets = [o.nodes for o in self.adaptive.options] if self.adaptive else [self.drafter.node_budget]
-            self._prepare_fused(budgets)
+            self._prepare_fused()
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
         self.router = Router()
         self._ids = itertools.count()
 
-    def _prepare_fused(self, budgets: list[int]) -> None:
-        """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``), counted in
-        the graph report."""
+    def _prepare_fused(self) -> None:
+        """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every
+        budget a step may use, counted in the graph report."""
         fused = getattr(self.drafter, "fused", None)
         if fused is None:
             return
         start = time.perf_counter()
+        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive else [self.drafter.node_budget]
         n = fused.prepare(budgets)
         if n and self.graph_report is not None:
             self.graph_report.graphs += n

@@ -130,26 +130,38 @@ def _captured_vs_eager(draft, target, want, monkeypatch, **cfg) -> dict:
     return writers[True], steps[True]
 
 
+class _StandInGraph:
+    """A CUDA graph's stand-in on the CPU: ``replay`` re-runs the captured building into the captured outputs."""
+
+    def __init__(self, build, outs):
+        self.build, self.outs, self.replays = build, outs, 0
+
+    def replay(self):
+        self.replays += 1
+        for dst, src in zip(self.outs, self.build()):
+            dst.copy_(src)
+
+
+def _stand_in_capture(monkeypatch) -> list:
+    """Make ``capture_graph`` return ``_StandInGraph``s; the returned list collects each capture's outputs."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    captured = []
+
+    def stand_in(build, pool, device):
+        outs = tuple(t.clone() for t in build())  # a graph's outputs are buffers of its own
+        captured.append(outs)
+        return _StandInGraph(build, outs), outs
+
+    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    return captured
+
+
 def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
     """``TreeWriter``'s CUDA path (a graph per full bucket and budget, replayed over a copy of the program's
     output) run with a stand-in graph that re-runs the captured building into the captured outputs gives the
     eager building's trees and verify inputs (``_captured_vs_eager``); rows short of their bucket stay eager."""
-    import specdec.scheduler.cuda_graphs as cg
-
-    class Replay:
-        def __init__(self, build, outs):
-            self.build, self.outs, self.replays = build, outs, 0
-
-        def replay(self):
-            self.replays += 1
-            for dst, src in zip(self.outs, self.build()):
-                dst.copy_(src)
-
-    def stand_in(build, pool, device):
-        outs = tuple(t.clone() for t in build())  # a graph's outputs are buffers of its own
-        return Replay(build, outs), outs
-
-    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    _stand_in_capture(monkeypatch)
     draft, target, want = tiny
     assert not _engine(draft, target, "dynamic:16").drafter.fused.writer.capture  # on the CPU: eager
     writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
@@ -160,26 +172,8 @@ def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
 
 def test_tree_writer_graphs_are_captured_at_start(tiny, monkeypatch):
     """``FusedVerify.prepare`` (the engine calls it at start on CUDA) captures one tree-building graph per full
-    batch bucket and budget, so the steps that follow replay them and capture none; run here with the stand-in
-    graph of ``test_tree_writer_replay_path_with_a_stand_in_graph``."""
-    import specdec.scheduler.cuda_graphs as cg
-
-    class Replay:
-        def __init__(self, build, outs):
-            self.build, self.outs = build, outs
-
-        def replay(self):
-            for dst, src in zip(self.outs, self.build()):
-                dst.copy_(src)
-
-    captured = []
-
-    def stand_in(build, pool, device):
-        outs = tuple(t.clone() for t in build())
-        captured.append(outs)
-        return Replay(build, outs), outs
-
-    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    batch bucket and budget, so the steps that follow replay them and capture none (with ``_StandInGraph``)."""
+    captured = _stand_in_capture(monkeypatch)
     draft, target, want = tiny
     eng = _engine(draft, target, "dynamic:16")
     fused = eng.drafter.fused

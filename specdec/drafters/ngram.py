@@ -100,14 +100,15 @@ class NgramIndex:
                 a, b, c, d = tokens[end - 4:end]
                 g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
                 latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
-                if not own_only:
-                    new[g4] = tag | (end - 4)
-                    if s_lo <= 3:
-                        new[g3] = tag | (end - 3)
-                        if s_lo <= 2:
-                            new[g2] = tag | (end - 2)
-                            if s_lo == 1:
-                                new[(d,)] = tag | (end - 1)
+                if own_only:
+                    continue
+                new[g4] = tag | (end - 4)
+                if s_lo <= 3:
+                    new[g3] = tag | (end - 3)
+                if s_lo <= 2:
+                    new[g2] = tag | (end - 2)
+                if s_lo == 1:
+                    new[(d,)] = tag | (end - 1)
             first = upto
         for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
             tail = tuple(tokens[end - hi if end > hi else 0:end])
