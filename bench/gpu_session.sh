@@ -290,10 +290,26 @@ case "$stage" in
     gpu_tests 200 tests/test_kernels_topk.py tests/test_step_graphs.py tests/test_engines_share_models.py \
       tests/test_eagle.py
     benchpy 150 host_profile.log host_profile.py --device cuda --batches 1 64 --modes decode eagle --steps 30 \
-      --warmup 10 --new-tokens 1024 --out "$D/host_profile_cuda.json"
+      --warmup 10 --new-tokens 1024 --gguf "$MODEL" --out "$D/host_profile_cuda.json"
     grep -h -e "^| " "$D/host_profile.log" | tail -6
     fastpath 150 hfcompare "$MODEL" "$root/.gpu/mtbench_ids.json"
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
+    pack
+    ;;
+  timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
+    install
+    benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \
+      eagle:dynamic:31:1 eagle:topk:2x3:1 decode::64 eagle:dynamic:31:64}
+    grep -h -e "ms/step" "$D/timeline.log"
+    pack
+    ;;
+  hostprof)  # (.whl .gpu) host_profile.py on the H200 host: decode and EAGLE (topk:2x3, dynamic:31), batch 1 and 64
+    install
+    benchpy 300 host_profile.log host_profile.py --device cuda --batches 1 64 --modes decode eagle eagle-dynamic \
+      --steps 30 --warmup 10 --new-tokens 1024 --tokenizer "$root/.gpu/tokenizer" --top 45 \
+      --prompts "$root/.whl/mtbench.jsonl" \
+      --out "$D/host_profile_cuda.json"
+    grep -h -e "^| " "$D/host_profile.log" | tail -8
     pack
     ;;
   s5b)  # session 5 run 4 (after s5a/s5c): n-gram at batch 1 and 64 interleaved

