@@ -296,6 +296,15 @@ case "$stage" in
     grep -h -e "^hfcompare" "$D/hfcompare.log" | tail -4
     pack
     ;;
+  s7b)  # session 7 run 3 (with piece 02): GPU tests of the pipelined fused step, then EAGLE pipelined vs unpipelined vs
+        # target-only at batch 1 (3 rounds) and 64 (3 rounds), interleaved
+    assemble
+    install
+    gpu_tests 170 tests/test_lookahead.py tests/test_eagle.py tests/test_fused_step.py tests/test_engines_share_models.py
+    export ENGINES=pipeline REPEATS=3
+    interleaved 370 1 64
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

@@ -90,7 +90,8 @@ class KVPool:
     def move_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every model's every layer K/V from ``src_slots`` to ``dst_slots`` (adoption).
 
-        Precondition: dst_slots[i] <= src_slots[i], sorted by dst; sources are read before writes.
+        Precondition: dst_slots[i] <= src_slots[i], sorted by dst; sources are read before writes. Pairs with a
+        negative slot are skipped.
         """
         if src_slots.numel() == 0:
             return
@@ -104,6 +105,8 @@ class KVPool:
             adopt_kv(self.storage, *self._segments_dev, self.block_size, src_slots, dst_slots,
                      max_token_elems=max(self.seg_token_elems))
             return
+        keep = (src_slots >= 0) & (dst_slots >= 0)  # negative pairs are padding (as in the kernel)
+        src_slots, dst_slots = src_slots[keep], dst_slots[keep]
         bs = self.block_size
         sb, so = src_slots // bs, src_slots % bs
         db, do = dst_slots // bs, dst_slots % bs

@@ -151,6 +151,10 @@ class GraphRunner:
         if m in self.feature_inputs:
             where, g = features
             self.feature_inputs[m][:b * q].index_copy_(0, where, g.to(self.feature_inputs[m].dtype))
+        return self.replay(key)
+
+    def replay(self, key: tuple[int, int, int]) -> GraphOutput:
+        """Run ``key``'s forward over its inputs as they are now on the device (replayed when captured)."""
         if key in self.graphs:
             graph, out = self.graphs[key]
             graph.replay()

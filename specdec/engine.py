@@ -57,6 +57,8 @@ class SpecConfig:
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA, off on the CPU
     fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
+    pipeline: bool = True  # fused steps queue their successor before the host reads them (lookahead.py); needs
+    #                        fused_verify, graphs and a fixed budget (adaptive off)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -95,6 +97,9 @@ class SpecEngine:
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
         self.adaptive = make_controller(cfg.adaptive, self.device, self.drafter, self.runner.graphs)
+        if cfg.pipeline and cfg.fused_verify and self.adaptive is None and hasattr(self.drafter, "enable_pipeline") \
+                and getattr(self.drafter, "device_loop", None) is not None:
+            self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
             self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
@@ -240,6 +245,7 @@ class SpecEngine:
         if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
             self._fail_stuck()
         prefilled = self._prefill(batch)
+        self.drafter.step_prefilled = bool(prefilled)  # a pipelined drafter does not queue from changed inputs
         if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
             self.adaptive.timing_valid = not prefilled
         rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)

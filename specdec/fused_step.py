@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.runner import ForwardResult
+from specdec.runner import ForwardResult, RowSlices
 from specdec.scheduler.step_inputs import PackedRows, StepViews
 from specdec.tree import DraftTree, _depths_and_masks, _verify_rows
 
@@ -37,8 +37,12 @@ class FusedOutcome(NamedTuple):
     accept: np.ndarray  # (R, Q + 3) the verify's greedy acceptance: [m, bonus, path..., finite] per row
     tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
     max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
-    forward: ForwardResult  # the verify forward (its features are gathered after the results)
+    features: RowSlices | None  # the verify's target features per row (gathered after the results)
     draft_seconds: float  # the draft program's share of the step (the adaptive budget's timing)
+    in_order: bool = False  # ``features`` row i holds the pending token's and the accepted path's features as
+    #                         its first m + 1 entries (``lookahead.advance`` gathered them); False: the verify's
+    #                         queries (0, then 1 + each accepted node)
+    kv_moved: bool = False  # the accepted paths' KV already moved on the device (``lookahead.advance``)
 
 
 class FusedTrees(Sequence):
@@ -170,6 +174,22 @@ class FusedVerify:
         self.steps += 1
         fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write, bt_rows=bt)
         return fwd, *built[0]
+
+    def relaunch(self, key, r: int, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor | None]:
+        """The verify of bucket ``key`` over the first ``r`` rows' trees that the program's output ``out`` (r, ...)
+        keeps under budget ``n``, its skeleton already on the device (``lookahead.advance``): the kept trees are
+        written into the inputs and the forward replays. Returns its result and the kept tokens and parents
+        ((r, k) device; parents None for a static template, whose shape the skeleton already holds)."""
+        b, q = key[1], key[2]
+        views = self.runner.graphs.inputs.views(b, q)
+        if self.dynamic:
+            tokens, parents = self.writer(views, b, q, out, n)
+        else:
+            tokens, parents = out[:, :min(n, out.shape[1])].clone(), None
+            write_trees(views, b, q, tokens, None, self.levels)
+        self.steps += 1
+        k = tokens.shape[1]
+        return self.runner._graphed_result(self.runner.graphs.replay(key), q, [k + 1] * r, ["all"] * r), tokens, parents
 
     def _tables(self, reqs: list, bt):
         """``bt``, or the rows' block tables (R, W) synced now."""

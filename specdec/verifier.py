@@ -27,6 +27,7 @@ class VerifyResult(NamedTuple):
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
     features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
+    kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.lookahead)
 
 
 class VerifyResults(list):
@@ -155,16 +156,20 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     width = int(counts.max(initial=0))
     nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
     picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
-    n, feats, out = tokens.shape[1], fused.forward.features, VerifyResults()
+    n, feats, out = tokens.shape[1], fused.features, VerifyResults()
     if feats is None:
         per_row = itertools.repeat(None)
     else:  # the pending token's and the accepted path's features (verify queries 0 and 1 + node), one gather
-        cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
+        if fused.in_order:  # already gathered in path order
+            cols = np.broadcast_to(np.arange(width + 1), (len(rows), width + 1))
+        else:
+            cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
         keep = np.arange(width + 1) <= counts[:, None]
         flat = (np.asarray(feats.starts, dtype=np.int64)[:, None] + cols)[keep]  # (T,) row after row
         out.packed_features = feats.take(flat)
         per_row = out.packed_features.split((counts + 1).tolist())
-    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, f) for path, toks, m, bonus, depth, dc, f in
+    moved = fused.kv_moved
+    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, f, moved) for path, toks, m, bonus, depth, dc, f in
                zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
                    fused.max_depth.tolist(), draft_computed, per_row))
     return out

@@ -239,12 +239,13 @@ def test_device_tree_loop_proposes_the_host_paths_trees(setup, tree):
         eng.drafter.propose = spy
         if device_loop:
             calls = []
-            run = eng.drafter.device_loop.run
-            eng.drafter.device_loop.run = lambda *a, run=run, calls=calls: calls.append(1) or run(*a)
+            replay = eng.drafter.device_loop.replay  # every program run (queued pipelined steps call it alone)
+            eng.drafter.device_loop.replay = lambda *a, replay=replay, calls=calls: calls.append(1) or replay(*a)
         assert [o.token_ids for o in eng.generate(PROMPTS, params)] == want
         assert eng.all_blocks_free()
         seen[device_loop] = trees
-    assert len(calls) == len(seen[True]) > 0  # every step took the device program
+    # every step took the device program (a pipelined step queued after a generate's last one is dropped)
+    assert len(seen[True]) <= len(calls) <= len(seen[True]) + 1 and calls
     assert seen[True] == seen[False]
 
 
@@ -264,7 +265,8 @@ def test_device_dynamic_tree_equals_target_only(setup, tree, shape):
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, max_batch_size=8, cuda_graphs=True, adaptive=False, **cfg))
     loop = eng.drafter.device_loop
     assert isinstance(loop, DeviceDynamicTree) and tuple(loop.shape) == shape
-    assert eng.scheduler.lookahead == max(shape[2], shape[0] * (shape[1] - 1))
+    pipelined = shape[2] + 1 if eng.drafter.pipeline else 0  # a queued step's rows reserve a path + bonus more
+    assert eng.scheduler.lookahead == max(shape[2], shape[0] * (shape[1] - 1)) + pipelined
     sizes, calls, propose, run = [], [], eng.drafter.propose, loop.run
 
     def spy(rows):

@@ -26,6 +26,7 @@ class Drafter(ABC):
     budget: int | None = None  # nodes allowed in this step's trees (set by the adaptive controller); None: max_nodes
 
     target_features: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE-style)
+    step_prefilled: bool = False  # the engine's current step ran a prefill (set by the engine every step)
 
     @property
     def node_budget(self) -> int:

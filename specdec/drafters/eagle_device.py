@@ -139,6 +139,10 @@ class DeviceDraftProgram:
         included), and run the program: its output for every row (padded rows: garbage)."""
         self.inputs.fill_packed(b, self.q, rows, bt_rows)
         torch.index_select(table, 0, src, out=self.features[:b * self.q])
+        return self.replay(b)
+
+    def replay(self, b: int) -> torch.Tensor:
+        """Run bucket ``b``'s program over its inputs and features as they are now on the device."""
         if b in self.graphs:
             graph, out = self.graphs[b]
             graph.replay()

@@ -11,6 +11,7 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import NamedTuple
 
@@ -20,8 +21,9 @@ import torch
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth, tree_depths
-from specdec.runner import RowInput, _as_signed
+from specdec.fused_step import FusedOutcome, FusedTrees, _shape_rows, shape_depth, tree_depths
+from specdec.lookahead import Ahead, HostRead, advance
+from specdec.runner import RowInput, RowSlices, _as_signed
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
 from specdec.training.eagle import EagleDraft
@@ -119,13 +121,21 @@ class EagleDrafter(ModelDrafter):
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
         self.fused = None  # a FusedVerify once ``fuse_verify``: device-program steps launch the verify too
         self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels);
-        #                                  "fused": device proposals whose verify ran with them
+        #                                  "fused": device proposals whose verify ran with them; "ahead": fused
+        #                                  steps queued one step early and adopted (``specdec.lookahead``),
+        #                                  "dropped": queued steps not adopted
+        self.pipeline = False  # queue each fused step's successor before reading it (``enable_pipeline``)
+        self.ahead = None  # the queued step (``lookahead.Ahead``)
+        self.reader = HostRead(runner.device)
 
     @property
     def lookahead(self) -> int:
-        """The device dynamic tree writes the draft KV of width * (depth - 1) nodes, possibly more than it keeps."""
+        """The device dynamic tree writes the draft KV of width * (depth - 1) nodes, possibly more than it keeps.
+        Pipelined, a step is queued before the previous one's path and bonus token (at most max_nodes + 1) are
+        committed, so its rows reserve that much more."""
         shape = getattr(self.device_loop, "shape", None)
-        return self.max_nodes if shape is None else max(self.max_nodes, shape.region)
+        own = self.max_nodes if shape is None else max(self.max_nodes, shape.region)
+        return own + (self.max_nodes + 1 if self.pipeline else 0)
 
     def enable_device_loop(self, graphs) -> None:
         """Draft greedy batches with one device program per batch bucket (captured with ``graphs``, the engine's
@@ -159,6 +169,10 @@ class EagleDrafter(ModelDrafter):
                 self.fused = FusedVerify(verifier, self._template.num_nodes, len(loop.levels))
 
     def propose(self, rows: list[Request]) -> Proposal:
+        if self.ahead is not None:
+            adopted = self._take_ahead(rows)
+            if adopted is not None:
+                return adopted
         loop = self.device_loop
         if loop is not None and rows and all(r.params.greedy for r in rows):
             spans = _Spans.of(rows, loop.q)
@@ -192,8 +206,9 @@ class EagleDrafter(ModelDrafter):
     def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start, bt: np.ndarray) -> Proposal:
         """Launch the verify (bucket ``key``) of the program's trees ``out`` (rows first) under budget ``n`` right
         behind the program (started at clock mark ``start``; ``bt`` (R, W): the rows' block tables, synced by
-        the catch-up), then read the kept trees and the acceptance with one copy: a proposal of ``FusedTrees``
-        (built only if asked for) and the ``FusedOutcome``."""
+        the catch-up), queue the next step behind it when the pipeline may (``_launch_ahead``), then read the
+        kept trees and the acceptance with one copy: a proposal of ``FusedTrees`` (built only if asked for) and
+        the ``FusedOutcome``."""
         fused = self.fused
         self.paths["fused"] += 1
         # the program's output lives in the graphs' shared memory pool, where the verify graph's own
@@ -205,18 +220,104 @@ class EagleDrafter(ModelDrafter):
             k = min(n, out.shape[1])
             tokens, parents = out[:, :k].clone(), self._template.parents[:k]
             fwd = fused.launch(key, reqs, tokens, parents, bt)
-        r, k = tokens.shape
+        wait = self.reader.start(self._read_list(tokens, parents, fwd.accept[:len(reqs)]))
+        lengths = np.fromiter((len(r.tokens) for r in reqs), np.int64, len(reqs))
+        ahead = self._launch_ahead(key, reqs, n, fwd, tokens, parents, bt)
+        return self._fused_proposal(wait(), tokens.shape[1], parents, fwd, fused.clock.seconds(start, drafted),
+                                    ahead, lengths)
+
+    def _read_list(self, tokens, parents, accept) -> list[torch.Tensor]:
+        return [tokens] + ([] if isinstance(parents, tuple) else [parents]) + [accept]
+
+    def _fused_proposal(self, host: np.ndarray, k: int, parents, fwd, draft_seconds: float, ahead, lengths,
+                        sel: np.ndarray | None = None) -> Proposal:
+        """The proposal of a fused step from its host read ``host`` (R, C) ([tokens, parents, accept] per row):
+        rows ``sel`` of it (None: all). ``ahead``: the next step was queued behind it (then the step's features
+        are those ``lookahead.advance`` gathered for the next catch-up, and its KV moved on the device), and it
+        is told the lengths its rows will have (``lengths`` + accepted + 1)."""
+        if ahead is not None:
+            ahead.lengths = lengths + host[:, -(fwd.accept.shape[1])] + 1
+        if sel is not None:
+            host = host[sel]
+        r = host.shape[0]
+        host_tokens = host[:, :k]
         shared = isinstance(parents, tuple)
-        both = torch.cat([tokens] + ([] if shared else [parents]) + [fwd.accept[:r]], 1).cpu().numpy()  # the one read
-        host_tokens = both[:, :k]
         if shared:
             host_parents, depth = parents, np.full(r, shape_depth(parents), dtype=np.int64)
         else:
-            host_parents = both[:, k:2 * k]
-            depth = tree_depths(host_parents, fused.levels)
-        outcome = FusedOutcome(both[:, (1 if shared else 2) * k:], host_tokens, depth, fwd,
-                               fused.clock.seconds(start, drafted))
+            host_parents = host[:, k:2 * k]
+            depth = tree_depths(host_parents, self.fused.levels)
+        rows = range(r) if sel is None else sel.tolist()
+        if ahead is not None:  # the verify's features are being overwritten: the next catch-up's inputs hold them
+            loop = self.device_loop
+            feats = RowSlices(loop.features, [i * loop.q for i in rows], [loop.q] * r)
+        elif fwd.features is not None:
+            f = fwd.features
+            feats = f if sel is None else RowSlices(f.table, [f.starts[i] for i in rows], [f.lengths[i] for i in rows])
+        else:
+            feats = None
+        outcome = FusedOutcome(host[:, (1 if shared else 2) * k:], host_tokens, depth, feats, draft_seconds,
+                               in_order=ahead is not None, kv_moved=ahead is not None)
         return Proposal(FusedTrees(host_tokens, host_parents), [frozenset()] * r, outcome)
+
+    def enable_pipeline(self) -> None:
+        """Queue each fused step's successor before the host reads it (``specdec.lookahead``); set before the
+        scheduler reads ``lookahead``."""
+        self.pipeline = True
+
+    def _launch_ahead(self, key, reqs: list[Request], n: int, fwd, tokens, parents, bt: np.ndarray):
+        """Queue the fused step that follows the one just launched (``fwd``, trees ``tokens``/``parents``) for the
+        same rows, built on the device (``lookahead.advance``): its ``Ahead``, or None when the pipeline is off
+        or a row lacks the blocks it would write (then nothing is queued)."""
+        if not self.pipeline or self.fused is None or fwd.features is None or self.step_prefilled:
+            return None  # (after a prefill the shared inputs changed, and a prefilled row may join the next step)
+        bs = self.runner.pool.block_size
+        need = max(self.lookahead, 1)
+        if any(len(r.blocks) * bs < len(r.tokens) + need for r in reqs):
+            return None
+        loop, fused = self.device_loop, self.fused
+        r, (_, b, q) = len(reqs), key
+        dev = self.runner.device
+        bt_dev = torch.from_numpy(np.ascontiguousarray(bt, dtype=np.int64))
+        bt_dev = bt_dev.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bt_dev
+        k = tokens.shape[1]
+        offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, dev)
+        advance(self.runner.graphs.inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
+                loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets)
+        start = fused.clock.mark()
+        out = loop.replay(b)[:r]
+        drafted = fused.clock.mark()
+        fwd2, tokens2, parents2 = fused.relaunch(key, r, out, n)
+        if parents2 is None:
+            parents2 = parents
+        wait = self.reader.start(self._read_list(tokens2, parents2, fwd2.accept[:r]))
+        self.ahead = Ahead(list(reqs), key, n, fwd2, tokens2, parents2, wait,
+                           lambda: fused.clock.seconds(start, drafted))
+        return self.ahead
+
+    def _take_ahead(self, rows: list[Request]) -> Proposal | None:
+        """The queued step's proposal for ``rows`` when they are all among its rows, in the state it assumed
+        (their lengths after the previous step's commit), under the same budget; else None (the queued work is
+        dropped). Its successor is queued in turn when the rows are exactly its rows and no prefill ran."""
+        a, self.ahead = self.ahead, None
+        at = {id(req): i for i, req in enumerate(a.reqs)}
+        sel = [at.get(id(req), -1) for req in rows]
+        if not rows or min(sel) < 0 or a.lengths is None or a.n != self.node_budget or any(
+                len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel)):
+            self.paths["dropped"] += 1
+            return None
+        self._consumed(rows, _Spans.of(rows, 0))  # what the queued catch-up computed
+        self.paths["ahead"] += 1
+        self.paths["fused"] += 1
+        lengths = np.fromiter((len(req.tokens) for req in rows), np.int64, len(rows))
+        ahead = None
+        exact = sel == list(range(len(a.reqs)))
+        if exact and all(req.params.greedy for req in rows):
+            self.runner.sync_tables(rows)
+            bt = self.runner.tables.host_rows([req.bt_row for req in rows])
+            ahead = self._launch_ahead(a.key, rows, a.n, a.fwd, a.tokens, a.parents, bt)
+        return self._fused_proposal(a.wait(), a.tokens.shape[1], a.parents, a.fwd, a.draft_seconds(), ahead,
+                                    lengths, None if exact else np.asarray(sel))
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
@@ -329,3 +430,10 @@ def best_nodes(tokens: list[int], parents: list[int], ranks: list[int], n: int) 
     keep = [i for i, r in enumerate(ranks) if r < n]
     index = {j: i for i, j in enumerate(keep)}
     return DraftTree.of_parents([tokens[j] for j in keep], [index.get(parents[j], -1) for j in keep])
+
+
+@functools.lru_cache(maxsize=32)
+def _node_offsets(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth)."""
+    depth = _shape_rows(parents)[0]
+    return torch.tensor([0] + (1 + depth).tolist(), dtype=torch.int64, device=device)

@@ -1,0 +1,170 @@
+"""Pipelined fused EAGLE steps: the next step's device work is queued before the host reads this one's.
+
+A fused greedy step (``specdec.fused_step``) ends with one device-to-host read; the host then commits the
+accepted tokens, applies stop rules and routes outputs while the GPU waits, and only then prepares the next
+step. But everything the next step's device work needs is already on the device after this step's verify:
+each row's accepted path (node indices), bonus token and length, the kept tree's tokens, the verify's target
+features, the rows' block tables. So right after launching verify K (and its read, into pinned memory), the
+host queues step K + 1 built on the device from K's outcome (``advance``):
+
+1. the accepted nodes' KV moves to its final slots (what ``commit_accepted`` does on the host otherwise);
+2. the draft program's catch-up inputs: the path's tokens and the bonus token at positions L .. L + m, their
+   KV slots, causal masks, and as their target features the verify's features of the pending token and the
+   path (draft position p reads the target's features of p - 1);
+3. the draft program, then the next verify's skeleton (the bonus token as the root at L + m, its queries'
+   slots and lengths), the tree writer and the verify forward, then the read of its outcome.
+
+The host then waits only for step K's read and does K's bookkeeping while the GPU runs step K + 1. At the next
+engine step the drafter adopts step K + 1 (``Pipeline.take``) when its rows are still running in the state the
+device assumed, possibly fewer of them (a finished row's results are dropped); otherwise the queued work is
+discarded (it only wrote KV past every live row's committed length, in blocks the rows still hold).
+
+Nothing changes in what is computed: the device builds exactly the inputs the host would have built
+(``tests/test_lookahead.py`` compares them), so greedy outputs are identical with and without the pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specdec.scheduler.step_inputs import StepViews
+
+
+class HostRead:
+    """Device-to-host copies into pinned buffers (CUDA), two in flight at most: ``start`` queues a copy,
+    the returned ``wait`` gives the host array once that copy is done, without waiting for later work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self._turn = 0
+
+    def start(self, tensors: list[Tensor]):
+        """Queue the copy of ``tensors`` (int64, (R, *) each) joined along dim 1; returns ``wait() -> (R, C)``."""
+        joined = torch.cat(tensors, 1) if len(tensors) > 1 else tensors[0]
+        if not self.cuda:
+            host = joined.numpy().copy()
+            return lambda: host
+        i = self._turn
+        self._turn ^= 1
+        self._events[i].synchronize()  # the copy that last used this buffer is done (it was read long ago)
+        if self._bufs[i].numel() < joined.numel():
+            self._bufs[i] = torch.empty(max(joined.numel(), 4096), dtype=torch.int64, pin_memory=True)
+        buf = self._bufs[i][:joined.numel()].view(joined.shape)
+        buf.copy_(joined, non_blocking=True)
+        self._events[i].record()
+        event = self._events[i]
+
+        def wait() -> np.ndarray:
+            event.synchronize()
+            return buf.numpy().copy()
+
+        return wait
+
+
+def _causal(q: int, device) -> Tensor:
+    """(q,) the tree mask of query j of a causal run (bits 0..j), as ``eagle_drafter._CAUSAL``."""
+    from specdec.runner import _as_signed
+
+    return torch.tensor(_as_signed([(1 << (j + 1)) - 1 for j in range(q)]), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_cached(q: int, device: torch.device) -> Tensor:
+    return _causal(q, device)
+
+
+def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
+    """KV slots of logical positions ``pos`` (R, w) through block tables ``bt`` (R, W)."""
+    return bt.gather(1, pos // block_size) * block_size + pos % block_size
+
+
+@torch.inference_mode()
+def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor, bt: Tensor,
+            pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
+            node_offsets: Tensor | None) -> None:
+    """Write step K + 1's device inputs from verify K's outcome, for the first R rows.
+
+    ``vv``: verify K's bucket (bv, qv) views (its root positions give the rows' lengths; rewritten with the
+    next verify's skeleton); ``accept`` (R, qv + 3) its greedy outcome; ``tokens`` (R, n) the kept trees' node
+    tokens; ``feats`` (bv * qv, k * H) the verify's target features; ``bt`` (R, W) int64 the rows' current
+    block tables. ``pv``/``pfeats``: the draft program's bucket (bp, qp) views and feature buffer, written
+    with the catch-up of each row's accepted path and bonus token. ``pool``: the accepted path's KV moves in
+    it. ``node_offsets`` (n,): a static tree's node positions relative to the root (None: a dynamic tree, whose
+    node positions the tree writer derives from the root's)."""
+    r = tokens.shape[0]
+    dev = tokens.device
+    L = vv.positions.view(bv, qv)[:r, 0] + 1  # (R,) each row's length at step K: the pending token at L - 1
+    m, bonus = accept[:, 0], accept[:, 1]  # (R,)
+    path = accept[:, 2:2 + qv]  # (R, qv) the path's verify query indices (node + 1), the first m valid
+    _move_path(pool, bt, L, m, path, block_size)
+    # the catch-up: positions L .. L + m (the path's tokens, then the bonus token)
+    j = torch.arange(qp, device=dev)  # (qp,)
+    w = min(qp, qv)
+    ahead = torch.zeros(r, qp, dtype=torch.int64, device=dev)
+    ahead[:, :w] = path[:, :w]  # (R, qp) verify query of catch-up input j + 1 (j < m)
+    node_tok = tokens.gather(1, (ahead - 1).clamp(0, max(n - 1, 0))) if n else ahead  # (R, qp)
+    valid = j <= m[:, None]  # (R, qp)
+    pos = L[:, None] + j
+    ids = torch.where(j < m[:, None], node_tok, torch.where(j == m[:, None], bonus[:, None], 0))
+    p = {name: getattr(pv, name).view(bp, qp) for name in ("ids", "positions", "slots", "tree_mask", "parents")}
+    p["ids"][:r] = ids
+    p["positions"][:r] = torch.where(valid, pos, 0)
+    p["slots"][:r] = torch.where(valid, _slots(bt, pos, block_size), -1)
+    p["tree_mask"][:r] = torch.where(valid, _causal_cached(qp, dev), 0)
+    p["parents"][:r] = -1
+    pv.prefix_lens[:r] = L
+    pv.seq_lens[:r] = L + m + 1
+    pv.num_tokens[:r] = m + 1
+    pv.block_tables[:r] = bt
+    # catch-up input j reads the target features of position L + j - 1: verify query 0 (the pending token),
+    # then the path's queries
+    src = torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1)  # (R, qp)
+    rows = torch.arange(r, device=dev)[:, None] * qv
+    width = feats.shape[1]
+    picked = feats.index_select(0, (rows + src).flatten()).view(r, qp, width)
+    pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where(valid[..., None], picked, 0).to(pfeats.dtype)
+    # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
+    root = L + m  # (R,)
+    v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
+    v["ids"][:r, 0] = bonus
+    if node_offsets is None:
+        v["positions"][:r, 0] = root
+    else:
+        v["positions"][:r, :n + 1] = root[:, None] + node_offsets
+    qpos = root[:, None] + torch.arange(n + 1, device=dev)  # (R, n + 1)
+    v["slots"][:r, :n + 1] = _slots(bt, qpos, block_size)
+    vv.prefix_lens[:r] = root
+    vv.seq_lens[:r] = root + n + 1
+    vv.block_tables[:r] = bt
+
+
+def _move_path(pool, bt: Tensor, L: Tensor, m: Tensor, path: Tensor, block_size: int) -> None:
+    """``commit_accepted``'s KV move on the device: accepted node a_j (verify query a_j + 1) moves from position
+    L + a_j to L + j (pairs that stay put, and those past each row's m, are -1: skipped)."""
+    depth = path.shape[1]
+    j = torch.arange(depth, device=L.device)
+    dst_pos = L[:, None] + j  # (R, depth)
+    src_pos = L[:, None] + (path - 1).clamp(min=0)
+    move = (j < m[:, None]) & (src_pos != dst_pos)
+    src = torch.where(move, _slots(bt, src_pos.clamp(max=bt.shape[1] * block_size - 1), block_size), -1)
+    dst = torch.where(move, _slots(bt, dst_pos.clamp(max=bt.shape[1] * block_size - 1), block_size), -1)
+    pool.move_slots(src.flatten(), dst.flatten())
+
+
+class Ahead:
+    """A fused step queued before the host read the previous one: its rows (in order), verify bucket ``key``,
+    budget ``n``, verify result ``fwd`` (device outputs, valid until the bucket's next verify), kept trees
+    ``tokens`` (R, k) and ``parents`` ((R, k) device, or a static shape as a host tuple), ``wait() -> (R, C)``
+    its host read ([tokens, parents (dynamic), accept]) and ``draft_seconds()`` (after ``wait``). ``lengths``
+    (R,): each row's length once the previous step is committed (set when that step is read)."""
+
+    def __init__(self, reqs: list, key: tuple, n: int, fwd, tokens: Tensor, parents, wait, draft_seconds) -> None:
+        self.reqs, self.key, self.n, self.fwd = reqs, key, n, fwd
+        self.tokens, self.parents, self.wait, self.draft_seconds = tokens, parents, wait, draft_seconds
+        self.lengths: np.ndarray | None = None

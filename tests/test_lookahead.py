@@ -1,0 +1,158 @@
+"""Pipelined fused EAGLE steps (``specdec/lookahead.py``): each fused step queues its successor, built on the
+device from its outcome, before the host reads it; the next engine step adopts it.
+
+The target is the 4-layer random Llama of ``test_eagle`` with a briefly trained EAGLE draft (it accepts
+paths of several nodes, so the accepted KV really moves); on the CPU the padded graph steps run eagerly over
+the same buffers (``cuda_graphs=True``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specdec.scheduler.step_inputs import StepInputs, _offsets
+from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+from test_fused_step import _host_inputs
+
+from specdec.drafters.eagle_drafter import _Spans
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CFG = dict(num_blocks=200, block_size=8, max_batch_size=4, cuda_graphs=True, adaptive=False)
+# rows that finish at different steps (the queued step then carries rows that are gone), one that stops at EOS
+PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=i != 1) for i, n in enumerate((23, 9, 16, 30))]
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # float32 either way; graphs captured on CUDA
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(setup, request):  # noqa: F811 - the fixture imported above
+    root, _, _ = setup
+    dev = request.param
+    target = load_model(root / "target", device=dev)
+    draft = load_model(root / "full", target=target, device=dev)
+    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, device=dev, cuda_graphs=False))
+    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], PARAMS)], {**CFG, "device": dev}
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3", "chain:4"])
+def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree):
+    """Greedy output equals target-only decoding, and every step's results (accepted nodes and tokens, bonus;
+    features to rounding) and the engine's statistics equal the unpipelined fused steps', at batch 1 and 4 rows whose
+    requests end at different steps (one at EOS); most steps are adopted from the queue, some with fewer rows
+    than were queued; no KV block leaks."""
+    draft, target, want, cfg = tiny
+    runs = {}
+    for pipeline in (True, False):
+        eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=pipeline, **cfg))
+        assert eng.drafter.pipeline == pipeline
+        steps = runs.setdefault(pipeline, [])
+        verify = eng.verifier.verify_proposal
+
+        def spy(rows, proposal, verify=verify, steps=steps):
+            results = verify(rows, proposal)
+            steps.append([(r._replace(features=None, kv_moved=None), r.features.tolist()) for r in results])
+            return results
+
+        eng.verifier.verify_proposal = spy
+        outs = [[o.token_ids for o in eng.generate(PROMPTS[:1], PARAMS[:1])],
+                [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)]]
+        assert outs == [want[:1], want]
+        steps.append(eng.stats)
+        paths = eng.drafter.paths
+        if pipeline:
+            assert paths["ahead"] >= paths["fused"] // 2 > 0, paths
+        else:
+            assert paths["ahead"] == 0
+        assert eng.all_blocks_free()
+    longest = max(len(r[0].accepted_nodes) for s in runs[True][:-1] for r in s)
+    assert runs[True][-1].accepted > 0 and (longest >= 2 or tree == "chain:4")  # paths of 2+ nodes move KV
+    # a queued step may still carry a finished row, so its batch (and a matmul's summation order) can differ:
+    # the features agree to rounding, everything else exactly
+    assert [[r for r, _ in s] for s in runs[True][:-1]] == [[r for r, _ in s] for s in runs[False][:-1]]
+    for a, b in zip(runs[True][:-1], runs[False][:-1]):
+        for (_, fa), (_, fb) in zip(a, b):
+            torch.testing.assert_close(torch.tensor(fa), torch.tensor(fb), rtol=1e-4, atol=1e-4)
+    assert runs[True][-1] == runs[False][-1]
+
+
+def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
+    """The inputs ``lookahead.advance`` and the tree writer build on the device for the queued step (the draft
+    program's catch-up rows and target features, the verify's rows) equal, element by element, what the host
+    builds for the same rows once the previous step is committed."""
+    draft, target, want, cfg = tiny
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
+    d, loop = eng.drafter, eng.drafter.device_loop
+    graphs = eng.runner.graphs
+    queued = []
+    relaunch = d.fused.relaunch
+
+    def snapshot(key, r, out, n):  # the device inputs of the queued step, as its verify reads them
+        res = relaunch(key, r, out, n)
+        b, q = key[1], key[2]
+        queued.append((key, graphs.inputs.dev[:_offsets(b, q, graphs.inputs.width)[1]].clone(),
+                       loop.inputs.dev[:_offsets(b, loop.q, loop.inputs.width)[1]].clone(),
+                       loop.features[:b * loop.q].clone()))
+        return res
+
+    monkeypatch.setattr(d.fused, "relaunch", snapshot)
+    take = d._take_ahead
+    checked = []
+
+    def compare(rows):
+        exact = [id(r) for r in rows] == [id(r) for r in d.ahead.reqs]
+        key, verify_in, program_in, program_feats = queued[-1]
+        # the host's catch-up for the committed rows: what the unpipelined step would run now
+        spans = _Spans.of(rows, loop.q)
+        packed, bt, src = d._catch_up_rows(rows, spans, loop.q)
+        host_feats = torch.stack([d.features.data[torch.from_numpy(row)] for row in src])  # (R, q, kH)
+        prop = take(rows)
+        if prop is None or not exact:
+            return prop
+        b = key[1]
+        ref = StepInputs(b, loop.q, loop.inputs.width, eng.runner.device)
+        ref.fill_packed(b, loop.q, packed, bt)
+        _assert_same_inputs(program_in, ref.dev[:program_in.numel()], b, loop.q, loop.inputs.width)
+        feats = program_feats.view(b, loop.q, -1)
+        assert torch.equal(feats[:len(rows)], host_feats.to(feats.dtype)) and not feats[len(rows):].any()
+        got_key, ref_verify = _host_inputs(eng, rows, prop.trees)
+        assert got_key == key
+        _assert_same_inputs(verify_in, ref_verify, key[1], key[2], graphs.inputs.width)
+        checked.append(len(rows))
+        return prop
+
+    monkeypatch.setattr(d, "_take_ahead", compare)
+    outs = eng.generate(PROMPTS[:4], PARAMS)
+    assert [o.error for o in outs] == [None] * 4
+    assert [o.token_ids for o in outs] == want
+    assert 4 in checked and len(checked) >= 3
+
+
+def _assert_same_inputs(got: torch.Tensor, want: torch.Tensor, b: int, q: int, width: int) -> None:
+    """Bucket (b, q)'s inputs equal, except block-table entries that were still empty when the queued step was
+    built (the host's rows may have grown a block since, past anything the queued step writes or reads)."""
+    o, n = _offsets(b, q, width)[0]["block_tables"]
+    later = torch.zeros_like(got, dtype=torch.bool)
+    later[o:o + n] = (got[o:o + n] == 0) & (want[o:o + n] != 0)
+    assert torch.equal(got[~later], want[~later])
+
+
+def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
+    """The pipeline runs only with a fixed budget (adaptive off) on the fused path; its rows reserve one more
+    path + bonus of KV; ``pipeline`` must be a bool."""
+    draft, target, _, cfg = tiny
+    on = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **cfg))
+    off = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "pipeline": False}))
+    adaptive = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": True}))
+    unfused = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "fused_verify": False}))
+    assert on.drafter.pipeline and not off.drafter.pipeline
+    assert not adaptive.drafter.pipeline and not unfused.drafter.pipeline
+    assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
+    from specdec.errors import FieldError
+
+    with pytest.raises(FieldError, match="pipeline"):
+        SpecConfig(pipeline="yes")
