@@ -305,6 +305,20 @@ case "$stage" in
     interleaved 370 1 64
     pack
     ;;
+  s7c)  # (.whl .gpu; the model assembled by s7b, or pieces staged) the pipelined step: host syncs at batch 1, EAGLE
+        # pipelined vs unpipelined at batch 1 (interleaved), then a batch-64 run with CUDA_LAUNCH_BLOCKING=1
+    [ -f "$MODEL" ] || assemble
+    install
+    benchpy 80 syncs.log gpu_pipeline_debug.py syncs "$D" "$MODEL" "$root/.gpu/mtbench_ids.json"
+    grep -h -e "^sync" -e "^paths" "$D/syncs.log" | head -20
+    export ENGINES=pipeline REPEATS_B1=2
+    interleaved 240 1
+    export CUDA_LAUNCH_BLOCKING=1
+    benchpy 150 batch64.log gpu_pipeline_debug.py batch "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 64
+    grep -h -e "^batch" "$D/batch64.log" | tail -4
+    grep -h -B2 -A30 "Traceback" "$D/batch64.log" | head -60
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

@@ -302,7 +302,7 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
                 dst.append(_slot(req, base + j, sched.block_size))
     if src:
         dev = pool.storage.device
-        pool.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+        pool.move_slots(*(torch.tensor(s).to(dev, non_blocking=True) for s in (src, dst)))  # no stream sync
     for req, res in zip(rows, results):
         base = len(req.tokens)
         m = len(res.accepted_nodes)

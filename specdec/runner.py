@@ -69,7 +69,7 @@ class RowSlices:
     def take(self, flat: np.ndarray) -> torch.Tensor:
         """Entries ``flat`` (table indices, int64: a row's entry j is at ``starts[i] + j``) of the table, one
         indexing op."""
-        return self.table[torch.from_numpy(flat).to(self.table.device)]
+        return self.table[torch.from_numpy(flat).to(self.table.device, non_blocking=True)]  # (no stream sync)
 
 
 def causal_bits(region_len: int, n_query: int) -> list[int]:

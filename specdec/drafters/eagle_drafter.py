@@ -62,7 +62,7 @@ class FeatureTable:
 
     def gather(self, index: np.ndarray) -> torch.Tensor:
         """Rows ``index`` of the table (one indexing op)."""
-        return self.data[torch.from_numpy(index).to(self.data.device)]
+        return self.data[torch.from_numpy(index).to(self.data.device, non_blocking=True)]
 
     def consumed(self, bt: np.ndarray, ends: np.ndarray) -> None:
         """The drafts of block-table rows ``bt`` have read everything before position ``end - 1``."""
@@ -82,7 +82,9 @@ class FeatureTable:
         slots = [r.bt_row for r in reqs]
         bt, lengths = np.array(slots, dtype=np.int64), np.array(sizes, dtype=np.int64)  # (R,)
         dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
-        self.data.index_copy_(0, torch.from_numpy(dst).to(self.data.device), rows.to(self.data.dtype))
+        # non_blocking: a blocking upload would wait for every queued step (``specdec.lookahead``)
+        where = torch.from_numpy(dst).to(self.data.device, non_blocking=True)
+        self.data.index_copy_(0, where, rows.to(self.data.dtype))
         self.start[bt], self.count[bt] = starts, lengths
         for i, r in zip(slots, reqs):
             self.owner[i] = r
@@ -192,7 +194,8 @@ class EagleDrafter(ModelDrafter):
         n, fused = self.node_budget, self.fused
         key = None if fused is None else fused.key(len(reqs), min(n, fused.nodes))
         start = None if key is None else fused.clock.mark()
-        out = loop.run(b, rows, bt, self.features.data, torch.from_numpy(padded).to(self.runner.device))[:len(reqs)]
+        src = torch.from_numpy(padded).to(self.runner.device, non_blocking=True)
+        out = loop.run(b, rows, bt, self.features.data, src)[:len(reqs)]
         self._consumed(reqs, spans)
         if key is not None:
             return self._verify_fused(key, reqs, out, n, start, bt)
