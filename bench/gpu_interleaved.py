@@ -44,10 +44,10 @@ ENGINE_SETS = {
                  "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
                  "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
     "pipeline": {"target_only": {"draft": None},  # pipelined fused steps (specdec/lookahead.py) against unpipelined
-                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
+                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False, "pipeline": True},
                  "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False,
                                                  "pipeline": False},
-                 "eagle_dynamic63": {"draft": "eagle", "tree": "dynamic:63", "adaptive": False}},
+                 "eagle_dynamic63": {"draft": "eagle", "tree": "dynamic:63", "adaptive": False, "pipeline": True}},
     "eagle_topk": {"target_only": {"draft": None},
                    "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
                    "eagle_topk2x3_adaptive": {"draft": "eagle", "tree": "topk:2x3", "adaptive": True}},

@@ -3,7 +3,7 @@ draft: which host calls still wait for the GPU (``torch.cuda.set_sync_debug_mode
 reports the first failing call (run it with CUDA_LAUNCH_BLOCKING=1 for a synchronous traceback).
 
     python -P bench/gpu_pipeline_debug.py syncs OUT MODEL PROMPTS        # batch 1, 12 steps under the detector
-    python -P bench/gpu_pipeline_debug.py batch OUT MODEL PROMPTS [B]    # waves of B (default 64), 64 tokens
+    python -P bench/gpu_pipeline_debug.py batch OUT MODEL PROMPTS [B [TREE]]  # waves of B (default 64), 128 tokens
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from specdec import SamplingParams, SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 
 
-def engines(model_path: str, batch: int):
+def engines(model_path: str, batch: int, tree: str = "dynamic:31"):
     target = load_model(model_path, dtype=torch.bfloat16, device="cuda")
     draft = load_model("smollm2-135m-draft", dtype=torch.bfloat16, device="cuda", target=target)
     return SpecEngine(draft, target, SpecConfig(device="cuda", dtype="bfloat16", max_batch_size=batch,
-                                                prefix_cache=False, tree="dynamic:31", adaptive=False))
+                                                prefix_cache=False, tree=tree, adaptive=False,
+                                                pipeline=True))
 
 
 def main() -> None:
@@ -54,8 +55,9 @@ def main() -> None:
             print(f"sync x{v / 12:.1f}/step: {k}")
         return
     b = int(sys.argv[5]) if len(sys.argv) > 5 else 64
-    eng = engines(model, b)
-    params = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    tree = sys.argv[6] if len(sys.argv) > 6 else "dynamic:31"
+    eng = engines(model, b, tree)
+    params = SamplingParams(max_new_tokens=128, ignore_eos=True)
     for i in range(0, len(prompts), b):
         try:
             outs = eng.generate(prompts[i:i + b], params)

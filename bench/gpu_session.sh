@@ -319,6 +319,18 @@ case "$stage" in
     grep -h -B2 -A30 "Traceback" "$D/batch64.log" | head -60
     pack
     ;;
+  s7d)  # (.whl .gpu; model already assembled) batch 64 dynamic:63 pipelined with blocking launches, then batch 1
+        # pipelined vs unpipelined, 3 interleaved rounds
+    [ -f "$MODEL" ] || assemble
+    install
+    export CUDA_LAUNCH_BLOCKING=1
+    benchpy 150 b64_dyn63.log gpu_pipeline_debug.py batch "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" 64 dynamic:63
+    grep -h -e "^batch" "$D/b64_dyn63.log" | tail -3
+    unset CUDA_LAUNCH_BLOCKING
+    export ENGINES=pipeline REPEATS_B1=3
+    interleaved 260 1
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

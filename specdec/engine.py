@@ -57,8 +57,9 @@ class SpecConfig:
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA, off on the CPU
     fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
-    pipeline: bool = True  # fused steps queue their successor before the host reads them (lookahead.py); needs
-    #                        fused_verify, graphs and a fixed budget (adaptive off)
+    pipeline: bool = False  # fused steps queue their successor before the host reads them (lookahead.py); needs
+    #                         fused_verify, graphs and a fixed budget (adaptive off). Off by default until an
+    #                         unreproduced batch-64 device fault (bench/RESULTS.md, session 7) is explained
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it

@@ -21,7 +21,7 @@ from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
-CFG = dict(num_blocks=200, block_size=8, max_batch_size=4, cuda_graphs=True, adaptive=False)
+CFG = dict(num_blocks=200, block_size=8, max_batch_size=4, cuda_graphs=True, adaptive=False, pipeline=True)
 # rows that finish at different steps (the queued step then carries rows that are gone), one that stops at EOS
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=i != 1) for i, n in enumerate((23, 9, 16, 30))]
 
@@ -48,7 +48,7 @@ def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree)
     draft, target, want, cfg = tiny
     runs = {}
     for pipeline in (True, False):
-        eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=pipeline, **cfg))
+        eng = SpecEngine(draft, target, SpecConfig(tree=tree, **{**cfg, "pipeline": pipeline}))
         assert eng.drafter.pipeline == pipeline
         steps = runs.setdefault(pipeline, [])
         verify = eng.verifier.verify_proposal
@@ -142,14 +142,16 @@ def _assert_same_inputs(got: torch.Tensor, want: torch.Tensor, b: int, q: int, w
 
 
 def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
-    """The pipeline runs only with a fixed budget (adaptive off) on the fused path; its rows reserve one more
-    path + bonus of KV; ``pipeline`` must be a bool."""
+    """The pipeline runs only when asked for (off by default), with a fixed budget (adaptive off) on the fused
+    path; its rows reserve one more path + bonus of KV; ``pipeline`` must be a bool."""
     draft, target, _, cfg = tiny
     on = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **cfg))
     off = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "pipeline": False}))
     adaptive = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": True}))
     unfused = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "fused_verify": False}))
-    assert on.drafter.pipeline and not off.drafter.pipeline
+    plain = {k: v for k, v in cfg.items() if k != "pipeline"}
+    default = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **plain))
+    assert on.drafter.pipeline and not off.drafter.pipeline and not default.drafter.pipeline
     assert not adaptive.drafter.pipeline and not unfused.drafter.pipeline
     assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
     from specdec.errors import FieldError
