@@ -331,10 +331,19 @@ case "$stage" in
     interleaved 260 1
     pack
     ;;
+  s7e)  # session 7 run 3 of a fresh machine (with piece 02): GPU tests of the pipelined step (its advance now one
+        # graph), then EAGLE pipelined vs unpipelined vs target-only at batch 1, 2 interleaved rounds
+    assemble
+    install
+    gpu_tests 110 tests/test_lookahead.py tests/test_eagle.py -k "lookahead or gpu or pipeline"
+    export ENGINES=pipeline REPEATS_B1=2
+    interleaved 200 1
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \
-      eagle:dynamic:31:1 eagle:topk:2x3:1 decode::64 eagle:dynamic:31:64}
+      eagle:dynamic:31:1 eagle+pipe:dynamic:31:1 eagle+pipe:dynamic:63:1 decode::64 eagle+pipe:dynamic:31:64}
     grep -h -e "ms/step" "$D/timeline.log"
     pack
     ;;

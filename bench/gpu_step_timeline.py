@@ -10,6 +10,7 @@ what is left of the step is GPU idle time, and each Python function is charged t
 while it is the innermost frame (its own time on the critical path).
 
     python -P bench/gpu_step_timeline.py OUT_DIR [CASE ...]   # CASE: MODE:TREE:BATCH, e.g. eagle:dynamic:31:1
+    # MODE: decode, eagle, or eagle+pipe (pipelined fused steps, specdec/lookahead.py)
     # default: decode::1 eagle:dynamic:31:1 eagle:topk:2x3:1 eagle:dynamic:31:64
 
 Writes OUT_DIR/timeline.json (per case: ms/step, GPU busy and idle per step, top functions) and one gzipped
@@ -107,7 +108,10 @@ def idle_attribution(events: list[dict]) -> dict:
         return {"steps": 0}
     med = {k: statistics.median(st[k] for st in per_step) for k in ("wall_us", "gpu_busy_us", "gpu_idle_us",
                                                                       "idle_gaps")}
-    return {"steps": len(per_step), **med, "idle_by_function_us": _top(per_step, "charged"),
+    s0, e0 = steps[0][0], steps[-1][1]  # the whole window: a pipelined step's kernels run in the next step's
+    window = {"window_us_per_step": (e0 - s0) / len(steps),
+              "window_gpu_busy_fraction": overlap(s0, e0, gpu) / (e0 - s0)}
+    return {"steps": len(per_step), **med, **window, "idle_by_function_us": _top(per_step, "charged"),
             "idle_by_specdec_function_us": _top(per_step, "ours")}
 
 
@@ -134,9 +138,9 @@ def run_case(case: str, target: LoadedModel, draft: LoadedModel, out: Path) -> d
     mode, rest = case.split(":", 1)
     tree, batch = rest.rsplit(":", 1)[0], int(rest.rsplit(":", 1)[1])
     dt = "bfloat16" if DEV == "cuda" else "float32"
-    extra = {"tree": tree, "adaptive": False} if mode == "eagle" else {}
+    extra = {"tree": tree, "adaptive": False, "pipeline": mode == "eagle+pipe"} if mode.startswith("eagle") else {}
     cfg = SpecConfig(device=DEV, dtype=dt, max_batch_size=64, prefix_cache=False, cuda_graphs=True, **extra)
-    eng = SpecEngine(draft if mode == "eagle" else None, target, cfg)
+    eng = SpecEngine(draft if mode.startswith("eagle") else None, target, cfg)
     prompts = random_prompts(batch, 100 if DEV == "cuda" else 10, target.config.vocab_size, seed=batch)
     eng.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up: captures, caches
     plain_steps, prof_steps = (40, 8) if DEV == "cuda" else (4, 2)
@@ -162,10 +166,10 @@ def run_case(case: str, target: LoadedModel, draft: LoadedModel, out: Path) -> d
     pipelined = (time.perf_counter() - t0) / plain_steps
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEV == "cuda" else [])
     with torch.profiler.profile(activities=acts, with_stack=True) as prof:
-        for _ in range(prof_steps):
+        for _ in range(prof_steps):  # no sync between steps: a pipelined step's device work runs on
             with torch.profiler.record_function(STEP):
                 eng.step()
-            sync()
+        sync()
     trace = out / f"trace_{case.replace(':', '_')}.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -179,7 +183,8 @@ def run_case(case: str, target: LoadedModel, draft: LoadedModel, out: Path) -> d
     p = res["profiled"]
     print(f"{case}: {res['ms_per_step_synced']:.3f} ms/step synced, {res['ms_per_step_back_to_back']:.3f} back to "
           f"back; profiled step {p.get('wall_us', 0):.0f} us, GPU busy {p.get('gpu_busy_us', 0):.0f}, idle "
-          f"{p.get('gpu_idle_us', 0):.0f} in {p.get('idle_gaps', 0)} gaps", flush=True)
+          f"{p.get('gpu_idle_us', 0):.0f} in {p.get('idle_gaps', 0)} gaps; window {p.get('window_us_per_step', 0):.0f} "
+          f"us/step, GPU busy {100 * p.get('window_gpu_busy_fraction', 0):.0f}%", flush=True)
     for title, key in (("innermost frame", "idle_by_function_us"), ("innermost specdec frame",
                                                                        "idle_by_specdec_function_us")):
         print(f" GPU idle by {title} (median us per step):", flush=True)

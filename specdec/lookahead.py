@@ -157,6 +157,44 @@ def _move_path(pool, bt: Tensor, L: Tensor, m: Tensor, path: Tensor, block_size:
     pool.move_slots(src.flatten(), dst.flatten())
 
 
+class AdvanceGraphs:
+    """``advance`` as one CUDA graph replay per shape on CUDA (eagerly it is some 50 small launches, and the
+    host launching them was the pipelined step's bottleneck at batch 1), eagerly elsewhere. A graph reads its
+    own copies of the outcome, the trees and the block tables; the rest are the same buffers every step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.graphs: dict[tuple, tuple] = {}
+
+    def __call__(self, inputs, vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor,
+                 bt: Tensor, pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
+                 node_offsets: Tensor | None, capture: bool = True) -> None:
+        """``advance`` with the same arguments; ``inputs``: the ``StepInputs`` whose views ``vv`` are. ``capture``
+        False (the verify's outputs are not a captured graph's fixed buffers): eagerly."""
+        if self.device.type != "cuda" or not capture:
+            advance(vv, bv, qv, accept, tokens, feats, bt, pv, bp, qp, pfeats, pool, block_size, n, node_offsets)
+            return
+        key = (bv, qv, tokens.shape[0], n, bp, qp, feats.data_ptr(), pfeats.data_ptr(), node_offsets is None)
+        entry = self.graphs.get(key)
+        if entry is None:
+            from specdec.scheduler.cuda_graphs import capture_graph
+
+            # captured over a no-op outcome (nothing accepted: no KV moves); capturing runs it once, and that
+            # run rewrites the verify rows it reads, so they are put back; everything else a real replay rewrites
+            acc, tok, table = torch.zeros_like(accept), torch.zeros_like(tokens), bt.clone()
+            saved = inputs.dev.clone()
+            run = functools.partial(advance, vv, bv, qv, acc, tok, feats, table, pv, bp, qp, pfeats, pool,
+                                    block_size, n, node_offsets)
+            graph, _ = capture_graph(run, None, self.device)
+            inputs.dev.copy_(saved)
+            entry = self.graphs[key] = (graph, acc, tok, table)
+        graph, acc, tok, table = entry
+        acc.copy_(accept)
+        tok.copy_(tokens)
+        table.copy_(bt)
+        graph.replay()
+
+
 class Ahead:
     """A fused step queued before the host read the previous one: its rows (in order), verify bucket ``key``,
     budget ``n``, verify result ``fwd`` (device outputs, valid until the bucket's next verify), kept trees

@@ -22,7 +22,7 @@ from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
 from specdec.fused_step import FusedOutcome, FusedTrees, _shape_rows, shape_depth, tree_depths
-from specdec.lookahead import Ahead, HostRead, advance
+from specdec.lookahead import AdvanceGraphs, Ahead, HostRead
 from specdec.runner import RowInput, RowSlices, _as_signed
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
@@ -129,6 +129,7 @@ class EagleDrafter(ModelDrafter):
         self.pipeline = False  # queue each fused step's successor before reading it (``enable_pipeline``)
         self.ahead = None  # the queued step (``lookahead.Ahead``)
         self.reader = HostRead(runner.device)
+        self.advance = AdvanceGraphs(runner.device)  # builds a queued step's inputs (``lookahead.advance``)
 
     @property
     def lookahead(self) -> int:
@@ -285,8 +286,10 @@ class EagleDrafter(ModelDrafter):
         bt_dev = bt_dev.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bt_dev
         k = tokens.shape[1]
         offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, dev)
-        advance(self.runner.graphs.inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
-                loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets)
+        inputs = self.runner.graphs.inputs
+        self.advance(inputs, inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
+                     loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets,
+                     capture=key in self.runner.graphs.graphs)
         start = fused.clock.mark()
         out = loop.replay(b)[:r]
         drafted = fused.clock.mark()
