@@ -186,7 +186,6 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (fused_mod.FusedVerify, "launch", "fused: FusedVerify.launch (rest)", "function"),
         (fused_mod.FusedVerify, "launch_program", "fused: FusedVerify.launch (rest)", "function"),
         (fused_mod, "write_trees", "fused: write_trees", "function"),
-        (fused_mod, "tree_depths", "fused: tree_depths", "function"),
         (verifier_mod, "_from_fused", "fused: _from_fused", "function"),
         (getattr(eagle_mod, "FeatureTable", object), "store_packed", "eagle: FeatureTable.store_packed", "function"),
         (StopChecker, "extend", "commit: StopChecker.extend", "function"),

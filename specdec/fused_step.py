@@ -73,19 +73,6 @@ class FusedTrees(Sequence):
         return tree
 
 
-def tree_depths(parents: np.ndarray, levels: int) -> np.ndarray:
-    """(R,) ``DraftTree.max_depth`` of each topologically ordered tree ``parents`` (R, n) (-1: the root) at
-    most ``levels`` deep: max node depth + 1, 0 for trees without nodes."""
-    r, n = parents.shape
-    if not n:
-        return np.zeros(r, dtype=np.int64)
-    has, up = parents >= 0, np.maximum(parents, 0)
-    depth = np.zeros((r, n), dtype=np.int64)
-    for _ in range(levels - 1):  # after k rounds every node less than k + 1 deep is right
-        depth = np.where(has, np.take_along_axis(depth, up, 1) + 1, 0)
-    return depth.max(1) + 1
-
-
 class StepClock:
     """Marks on the device timeline (CUDA events) or the host clock (CPU, where every op is synchronous);
     ``seconds`` is read after the step's one host read, so it never waits."""
@@ -159,10 +146,11 @@ class FusedVerify:
         self.steps += 1
         return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write, bt_rows=bt)
 
-    def launch_program(self, key, reqs: list, out: Tensor, n: int, bt=None) -> tuple[ForwardResult, Tensor, Tensor]:
+    def launch_program(self, key, reqs: list, out: Tensor, n: int, bt=None) -> tuple[ForwardResult, Tensor, Tensor,
+                                                                                     Tensor]:
         """``launch`` of the trees a dynamic program's output ``out`` (R, 3, N) keeps under budget ``n``
         (``best_nodes_on_device``), built on the device by ``self.writer``; also returns the kept trees' tokens
-        and parents (R, min(n, N)), device tensors the verify does not overwrite."""
+        and parents (R, min(n, N)) and max depths (R, 1), device tensors the verify does not overwrite."""
         k = min(n, out.shape[2])
         bt = self._tables(reqs, bt)
         packed = verify_skeleton(reqs, k, key[2], bt, self.runner.pool.block_size)
@@ -175,21 +163,24 @@ class FusedVerify:
         fwd = self.runner.forward_packed(key, reqs, packed, [k + 1] * len(reqs), on_device=write, bt_rows=bt)
         return fwd, *built[0]
 
-    def relaunch(self, key, r: int, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor | None]:
+    def relaunch(self, key, r: int, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor | None,
+                                                                   Tensor | None]:
         """The verify of bucket ``key`` over the first ``r`` rows' trees that the program's output ``out`` (r, ...)
         keeps under budget ``n``, its skeleton already on the device (``lookahead.advance``): the kept trees are
-        written into the inputs and the forward replays. Returns its result and the kept tokens and parents
-        ((r, k) device; parents None for a static template, whose shape the skeleton already holds)."""
+        written into the inputs and the forward replays. Returns its result, the kept tokens and parents ((r, k)
+        device; parents None for a static template, whose shape the skeleton already holds) and the trees'
+        max depths ((r, 1); None for a static template)."""
         b, q = key[1], key[2]
         views = self.runner.graphs.inputs.views(b, q)
         if self.dynamic:
-            tokens, parents = self.writer(views, b, q, out, n)
+            tokens, parents, top = self.writer(views, b, q, out, n)
         else:
-            tokens, parents = out[:, :min(n, out.shape[1])].clone(), None
+            tokens, parents, top = out[:, :min(n, out.shape[1])].clone(), None, None
             write_trees(views, b, q, tokens, None, self.levels)
         self.steps += 1
         k = tokens.shape[1]
-        return self.runner._graphed_result(self.runner.graphs.replay(key), q, [k + 1] * r, ["all"] * r), tokens, parents
+        fwd = self.runner._graphed_result(self.runner.graphs.replay(key), q, [k + 1] * r, ["all"] * r)
+        return fwd, tokens, parents, top
 
     def _tables(self, reqs: list, bt):
         """``bt``, or the rows' block tables (R, W) synced now."""
@@ -211,9 +202,9 @@ class TreeWriter:
         self.capture = device.type == "cuda" if capture is None else capture
         self.graphs: dict[tuple[int, int, int, int], tuple] = {}
 
-    def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
         """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
-        and parents (R, min(n, N))."""
+        and parents (R, min(n, N)) and each tree's ``DraftTree.max_depth`` (R, 1)."""
         if not self.capture or out.shape[0] != b:  # graphs only for full buckets: few keys, none mid-run
             return self._build(views, b, q, out.clone(), n)
         key = (b, q, b, n)
@@ -230,10 +221,10 @@ class TreeWriter:
         return kept
 
     @torch.inference_mode()
-    def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
         tokens, parents = best_nodes_on_device(src, n)
-        write_trees(views, b, q, tokens, parents, self.levels)
-        return tokens, parents
+        depth = write_trees(views, b, q, tokens, parents, self.levels)
+        return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)
 
 
 def verify_skeleton(reqs: list, n: int, q: int, bt: np.ndarray, block_size: int,
@@ -304,23 +295,33 @@ def _shape_rows(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.nd
 
 
 @torch.inference_mode()
-def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor | None, levels: int) -> None:
+def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor | None, levels: int) -> Tensor | None:
     """Write the trees ``tokens``/``parents`` (R, n) into the first R rows of bucket (b, q)'s device inputs
     filled by ``verify_skeleton``: node j of row i is verify query 1 + j, at position L + depth, with mask
     bit 0 (the root) and its ancestors' bits shifted by one (``DraftTree.verify_rows``), parent j + 1.
-    ``parents`` None: the skeleton holds the shape, only the tokens are written."""
+    ``parents`` None: the skeleton holds the shape, only the tokens are written. Returns the nodes' depths
+    (R, n) when it computed them (else None)."""
     r, n = tokens.shape
     if not n:
-        return
+        return None
     nodes = slice(1, n + 1)
     v.ids.view(b, q)[:r, nodes] = tokens
     if parents is None:
-        return
+        return None
     depth, ancestors = ancestry(parents, levels)  # (R, n) each
     positions = v.positions.view(b, q)
     positions[:r, nodes] = positions[:r, :1] + 1 + depth
     v.tree_mask.view(b, q)[:r, nodes] = (ancestors << 1) | 1  # bit 63 lands on the int64 sign, as on the host
     v.parents.view(b, q)[:r, nodes] = parents + 1
+    return depth
+
+
+def tree_top(depth: Tensor | None, r: int, device) -> Tensor:
+    """(R, 1) ``DraftTree.max_depth`` of trees whose node depths (under the root) are ``depth`` (R, n); None (no
+    nodes): 0."""
+    if depth is None:
+        return torch.zeros(r, 1, dtype=torch.int64, device=device)
+    return depth.max(1, keepdim=True).values + 1
 
 
 def ancestry(parents: Tensor, levels: int) -> tuple[Tensor, Tensor]:

@@ -26,12 +26,18 @@ Nothing changes in what is computed: the device builds exactly the inputs the ho
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.fused_step import _shape_rows
 from specdec.scheduler.step_inputs import StepViews
+
+if TYPE_CHECKING:
+    from specdec.drafters.base import Proposal
+    from specdec.scheduler.request import Request
 
 
 class HostRead:
@@ -65,6 +71,32 @@ class HostRead:
             return buf.numpy().copy()
 
         return wait
+
+
+class HostUpload:
+    """Host int64 arrays to the device through two pinned buffers (CUDA: a non-blocking copy, no per-call pinning,
+    no stream sync); a tensor over the array elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
+        self._turn = 0
+
+    def __call__(self, array: np.ndarray) -> Tensor:
+        if not self.cuda:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        i = self._turn
+        self._turn ^= 1
+        self._events[i].synchronize()  # the copy that last read this buffer is done
+        if self._bufs[i].numel() < array.size:
+            self._bufs[i] = torch.empty(max(array.size, 4096), dtype=torch.int64, pin_memory=True)
+        host = self._bufs[i][:array.size].view(array.shape)
+        host.numpy()[...] = array
+        out = host.to(self.device, non_blocking=True)
+        self._events[i].record()
+        return out
 
 
 def _causal(q: int, device) -> Tensor:
@@ -206,3 +238,80 @@ class Ahead:
         self.reqs, self.key, self.n, self.fwd = reqs, key, n, fwd
         self.tokens, self.parents, self.wait, self.draft_seconds = tokens, parents, wait, draft_seconds
         self.lengths: np.ndarray | None = None
+
+
+class PipelinedSteps:
+    """The pipeline's part of ``EagleDrafter`` (its fused steps, ``_fused_proposal`` and bookkeeping)."""
+
+    def enable_pipeline(self) -> None:
+        """Queue each fused step's successor before the host reads it (``specdec.lookahead``); set before the
+        scheduler reads ``lookahead``."""
+        self.pipeline = True
+
+    def _launch_ahead(self, key, reqs: list[Request], n: int, fwd, tokens, parents, bt: np.ndarray):
+        """Queue the fused step that follows the one just launched (``fwd``, trees ``tokens``/``parents``) for the
+        same rows, built on the device (``lookahead.advance``): its ``Ahead``, or None when the pipeline is off
+        or a row lacks the blocks it would write (then nothing is queued)."""
+        if not self.pipeline or self.fused is None or fwd.features is None or self.step_prefilled:
+            return None  # (after a prefill the shared inputs changed, and a prefilled row may join the next step)
+        bs = self.runner.pool.block_size
+        need = max(self.lookahead, 1)
+        if any(len(r.blocks) * bs < len(r.tokens) + need for r in reqs):
+            return None
+        loop, fused = self.device_loop, self.fused
+        r, (_, b, q) = len(reqs), key
+        dev = self.runner.device
+        bt_dev = self.upload(bt)
+        k = tokens.shape[1]
+        offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, dev)
+        inputs = self.runner.graphs.inputs
+        self.advance(inputs, inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
+                     loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets,
+                     capture=key in self.runner.graphs.graphs)
+        start = fused.clock.mark()
+        out = loop.replay(b)[:r]
+        drafted = fused.clock.mark()
+        fwd2, tokens2, parents2, top2 = fused.relaunch(key, r, out, n)
+        if parents2 is None:
+            parents2 = parents
+        wait = self.reader.start(self._read_list(tokens2, parents2, top2, fwd2.accept[:r]))
+        self.ahead = Ahead(list(reqs), key, n, fwd2, tokens2, parents2, wait,
+                           lambda: fused.clock.seconds(start, drafted))
+        return self.ahead
+
+    def _take_ahead(self, rows: list[Request]) -> Proposal | None:
+        """The queued step's proposal for ``rows`` when they are all among its rows, in the state it assumed
+        (their lengths after the previous step's commit), under the same budget; else None (the queued work is
+        dropped). Its successor is queued in turn when the rows are exactly its rows and no prefill ran."""
+        a, self.ahead = self.ahead, None
+        at = {id(req): i for i, req in enumerate(a.reqs)}
+        sel = [at.get(id(req), -1) for req in rows]
+        if not rows or min(sel) < 0 or a.lengths is None or a.n != self.node_budget or any(
+                len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel)):
+            self.paths["dropped"] += 1
+            return None
+        self._consumed(rows, _spans(rows))  # what the queued catch-up computed
+        self.paths["ahead"] += 1
+        self.paths["fused"] += 1
+        lengths = np.fromiter((len(req.tokens) for req in rows), np.int64, len(rows))
+        ahead = None
+        exact = sel == list(range(len(a.reqs)))
+        if exact and all(req.params.greedy for req in rows):
+            self.runner.sync_tables(rows)
+            bt = self.runner.tables.host_rows([req.bt_row for req in rows])
+            ahead = self._launch_ahead(a.key, rows, a.n, a.fwd, a.tokens, a.parents, bt)
+        return self._fused_proposal(a.wait(), a.tokens.shape[1], a.parents, a.fwd, a.draft_seconds(), ahead,
+                                    lengths, None if exact else np.asarray(sel))
+
+
+def _spans(rows: list):
+    from specdec.drafters.eagle_drafter import _Spans
+
+    return _Spans.of(rows, 0)
+
+
+@functools.lru_cache(maxsize=32)
+def _node_offsets(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth)."""
+    depth = _shape_rows(parents)[0]
+    return torch.tensor([0] + (1 + depth).tolist(), dtype=torch.int64, device=device)

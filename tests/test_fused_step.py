@@ -399,9 +399,10 @@ def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
 
 
 def test_fused_tree_depths_and_lazy_trees():
-    """``tree_depths`` equals ``DraftTree.max_depth`` of random topologically ordered trees (and 0 for trees
-    without nodes); ``FusedTrees`` builds the same trees as ``DraftTree.of_parents``, on demand."""
-    from specdec.fused_step import FusedTrees, shape_depth, tree_depths
+    """The device depths (``ancestry`` then ``tree_top``, what the tree writer hands the read) equal
+    ``DraftTree.max_depth`` of random topologically ordered trees (0 for trees without nodes); ``FusedTrees``
+    builds the same trees as ``DraftTree.of_parents``, on demand."""
+    from specdec.fused_step import FusedTrees, shape_depth, tree_top
     from specdec.tree import DraftTree
 
     rng = np.random.default_rng(3)
@@ -409,7 +410,8 @@ def test_fused_tree_depths_and_lazy_trees():
         parents = np.array([[rng.integers(-1, j) for j in range(n)] for _ in range(6)], dtype=np.int64).reshape(6, n)
         tokens = rng.integers(0, 100, (6, n))
         want = [DraftTree.of_parents(t.tolist(), p.tolist()) for t, p in zip(tokens, parents)]
-        assert tree_depths(parents, 32).tolist() == [t.max_depth for t in want]
+        depth = ancestry(torch.from_numpy(parents), 32)[0] if n else None
+        assert tree_top(depth, 6, "cpu").flatten().tolist() == [t.max_depth for t in want]
         lazy = FusedTrees(tokens, parents)
         assert len(lazy) == 6 and lazy.num_nodes == n and not lazy._trees
         assert [(t.host.tokens, t.host.parents) for t in lazy] == [(t.host.tokens, t.host.parents) for t in want]

@@ -11,7 +11,6 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import NamedTuple
 
@@ -21,8 +20,8 @@ import torch
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
-from specdec.fused_step import FusedOutcome, FusedTrees, _shape_rows, shape_depth, tree_depths
-from specdec.lookahead import AdvanceGraphs, Ahead, HostRead
+from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth
+from specdec.lookahead import AdvanceGraphs, HostRead, HostUpload, PipelinedSteps
 from specdec.runner import RowInput, RowSlices, _as_signed
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
@@ -109,7 +108,7 @@ class _Spans(NamedTuple):
         return cls(bt, begins, ends, np.arange(width) < sizes[:, None])
 
 
-class EagleDrafter(ModelDrafter):
+class EagleDrafter(PipelinedSteps, ModelDrafter):
     """Chains, static top-k trees and dynamic trees from an ``EagleDraft`` sharing the pool."""
 
     def __init__(self, model: EagleDraft, runner, spec: TreeSpec, vocab_size: int) -> None:
@@ -130,6 +129,7 @@ class EagleDrafter(ModelDrafter):
         self.ahead = None  # the queued step (``lookahead.Ahead``)
         self.reader = HostRead(runner.device)
         self.advance = AdvanceGraphs(runner.device)  # builds a queued step's inputs (``lookahead.advance``)
+        self.upload = HostUpload(runner.device)  # a queued step's block tables
 
     @property
     def lookahead(self) -> int:
@@ -218,20 +218,22 @@ class EagleDrafter(ModelDrafter):
         # the program's output lives in the graphs' shared memory pool, where the verify graph's own
         # intermediates may reuse it: the kept trees are copied out before the verify replays
         drafted = fused.clock.mark()
-        if self._template is None:  # tokens, parents (R, k) on the device
-            fwd, tokens, parents = fused.launch_program(key, reqs, out, n, bt)
+        if self._template is None:  # tokens, parents (R, k) and max depths (R, 1) on the device
+            fwd, tokens, parents, top = fused.launch_program(key, reqs, out, n, bt)
         else:  # tokens (R, k) on the device, parents the template's first k (a host tuple)
             k = min(n, out.shape[1])
-            tokens, parents = out[:, :k].clone(), self._template.parents[:k]
+            tokens, parents, top = out[:, :k].clone(), self._template.parents[:k], None
             fwd = fused.launch(key, reqs, tokens, parents, bt)
-        wait = self.reader.start(self._read_list(tokens, parents, fwd.accept[:len(reqs)]))
+        wait = self.reader.start(self._read_list(tokens, parents, top, fwd.accept[:len(reqs)]))
         lengths = np.fromiter((len(r.tokens) for r in reqs), np.int64, len(reqs))
         ahead = self._launch_ahead(key, reqs, n, fwd, tokens, parents, bt)
         return self._fused_proposal(wait(), tokens.shape[1], parents, fwd, fused.clock.seconds(start, drafted),
                                     ahead, lengths)
 
-    def _read_list(self, tokens, parents, accept) -> list[torch.Tensor]:
-        return [tokens] + ([] if isinstance(parents, tuple) else [parents]) + [accept]
+    @staticmethod
+    def _read_list(tokens, parents, top, accept) -> list[torch.Tensor]:
+        """What a fused step's one read carries per row: [tokens, parents, max depth (dynamic trees), accept]."""
+        return [tokens] + ([] if isinstance(parents, tuple) else [parents, top]) + [accept]
 
     def _fused_proposal(self, host: np.ndarray, k: int, parents, fwd, draft_seconds: float, ahead, lengths,
                         sel: np.ndarray | None = None) -> Proposal:
@@ -248,9 +250,8 @@ class EagleDrafter(ModelDrafter):
         shared = isinstance(parents, tuple)
         if shared:
             host_parents, depth = parents, np.full(r, shape_depth(parents), dtype=np.int64)
-        else:
-            host_parents = host[:, k:2 * k]
-            depth = tree_depths(host_parents, self.fused.levels)
+        else:  # the depths came with the read (computed where the trees were written)
+            host_parents, depth = host[:, k:2 * k], host[:, 2 * k]
         rows = range(r) if sel is None else sel.tolist()
         if ahead is not None:  # the verify's features are being overwritten: the next catch-up's inputs hold them
             loop = self.device_loop
@@ -260,70 +261,9 @@ class EagleDrafter(ModelDrafter):
             feats = f if sel is None else RowSlices(f.table, [f.starts[i] for i in rows], [f.lengths[i] for i in rows])
         else:
             feats = None
-        outcome = FusedOutcome(host[:, (1 if shared else 2) * k:], host_tokens, depth, feats, draft_seconds,
+        outcome = FusedOutcome(host[:, k if shared else 2 * k + 1:], host_tokens, depth, feats, draft_seconds,
                                in_order=ahead is not None, kv_moved=ahead is not None)
         return Proposal(FusedTrees(host_tokens, host_parents), [frozenset()] * r, outcome)
-
-    def enable_pipeline(self) -> None:
-        """Queue each fused step's successor before the host reads it (``specdec.lookahead``); set before the
-        scheduler reads ``lookahead``."""
-        self.pipeline = True
-
-    def _launch_ahead(self, key, reqs: list[Request], n: int, fwd, tokens, parents, bt: np.ndarray):
-        """Queue the fused step that follows the one just launched (``fwd``, trees ``tokens``/``parents``) for the
-        same rows, built on the device (``lookahead.advance``): its ``Ahead``, or None when the pipeline is off
-        or a row lacks the blocks it would write (then nothing is queued)."""
-        if not self.pipeline or self.fused is None or fwd.features is None or self.step_prefilled:
-            return None  # (after a prefill the shared inputs changed, and a prefilled row may join the next step)
-        bs = self.runner.pool.block_size
-        need = max(self.lookahead, 1)
-        if any(len(r.blocks) * bs < len(r.tokens) + need for r in reqs):
-            return None
-        loop, fused = self.device_loop, self.fused
-        r, (_, b, q) = len(reqs), key
-        dev = self.runner.device
-        bt_dev = torch.from_numpy(np.ascontiguousarray(bt, dtype=np.int64))
-        bt_dev = bt_dev.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else bt_dev
-        k = tokens.shape[1]
-        offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, dev)
-        inputs = self.runner.graphs.inputs
-        self.advance(inputs, inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
-                     loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets,
-                     capture=key in self.runner.graphs.graphs)
-        start = fused.clock.mark()
-        out = loop.replay(b)[:r]
-        drafted = fused.clock.mark()
-        fwd2, tokens2, parents2 = fused.relaunch(key, r, out, n)
-        if parents2 is None:
-            parents2 = parents
-        wait = self.reader.start(self._read_list(tokens2, parents2, fwd2.accept[:r]))
-        self.ahead = Ahead(list(reqs), key, n, fwd2, tokens2, parents2, wait,
-                           lambda: fused.clock.seconds(start, drafted))
-        return self.ahead
-
-    def _take_ahead(self, rows: list[Request]) -> Proposal | None:
-        """The queued step's proposal for ``rows`` when they are all among its rows, in the state it assumed
-        (their lengths after the previous step's commit), under the same budget; else None (the queued work is
-        dropped). Its successor is queued in turn when the rows are exactly its rows and no prefill ran."""
-        a, self.ahead = self.ahead, None
-        at = {id(req): i for i, req in enumerate(a.reqs)}
-        sel = [at.get(id(req), -1) for req in rows]
-        if not rows or min(sel) < 0 or a.lengths is None or a.n != self.node_budget or any(
-                len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel)):
-            self.paths["dropped"] += 1
-            return None
-        self._consumed(rows, _Spans.of(rows, 0))  # what the queued catch-up computed
-        self.paths["ahead"] += 1
-        self.paths["fused"] += 1
-        lengths = np.fromiter((len(req.tokens) for req in rows), np.int64, len(rows))
-        ahead = None
-        exact = sel == list(range(len(a.reqs)))
-        if exact and all(req.params.greedy for req in rows):
-            self.runner.sync_tables(rows)
-            bt = self.runner.tables.host_rows([req.bt_row for req in rows])
-            ahead = self._launch_ahead(a.key, rows, a.n, a.fwd, a.tokens, a.parents, bt)
-        return self._fused_proposal(a.wait(), a.tokens.shape[1], a.parents, a.fwd, a.draft_seconds(), ahead,
-                                    lengths, None if exact else np.asarray(sel))
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
@@ -437,9 +377,3 @@ def best_nodes(tokens: list[int], parents: list[int], ranks: list[int], n: int) 
     index = {j: i for i, j in enumerate(keep)}
     return DraftTree.of_parents([tokens[j] for j in keep], [index.get(parents[j], -1) for j in keep])
 
-
-@functools.lru_cache(maxsize=32)
-def _node_offsets(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth)."""
-    depth = _shape_rows(parents)[0]
-    return torch.tensor([0] + (1 + depth).tolist(), dtype=torch.int64, device=device)
