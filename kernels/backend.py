@@ -85,6 +85,12 @@ class TritonAttentionBackend(AttentionBackend):
         """``tree_slots``: every forwarded node's slot and position in one launch."""
         return self._tree_slots(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
 
+    def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
+        """``advance_rows``: a pipelined step's integer inputs in one launch."""
+        from specdec.kernels.advance import advance_rows
+
+        return advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+
     def tree_level(self, score, top_val, top_idx, masks, bits):
         """``tree_level`` (one launch; ties: the lower candidate) for float32 scores of width <= MAX_WIDTH, the
         torch ``select_level`` otherwise."""

@@ -119,7 +119,7 @@ def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
 @torch.inference_mode()
 def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor, bt: Tensor,
             pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
-            node_offsets: Tensor | None) -> None:
+            node_offsets: Tensor | None, rows_op=None) -> None:
     """Write step K + 1's device inputs from verify K's outcome, for the first R rows.
 
     ``vv``: verify K's bucket (bv, qv) views (its root positions give the rows' lengths; rewritten with the
@@ -127,14 +127,38 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     tokens; ``feats`` (bv * qv, k * H) the verify's target features; ``bt`` (R, W) int64 the rows' current
     block tables. ``pv``/``pfeats``: the draft program's bucket (bp, qp) views and feature buffer, written
     with the catch-up of each row's accepted path and bonus token. ``pool``: the accepted path's KV moves in
-    it. ``node_offsets`` (n,): a static tree's node positions relative to the root (None: a dynamic tree, whose
-    node positions the tree writer derives from the root's)."""
+    it. ``node_offsets`` (n + 1,): a static tree's root and node positions relative to the root (None: a
+    dynamic tree, whose node positions the tree writer derives from the root's). ``rows_op``: what writes the
+    integer inputs (``advance_rows_reference``, or the one-launch Triton ``kernels.advance.advance_rows``)."""
+    op = rows_op or advance_rows_reference
+    fsrc, src, dst = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+    pool.move_slots(src, dst)
+    # catch-up input j reads the target features of position L + j - 1 (verify query ``fsrc``, -1: none)
+    r, width = tokens.shape[0], feats.shape[1]
+    rows = torch.arange(r, device=feats.device)[:, None] * qv
+    picked = feats.index_select(0, (rows + fsrc.clamp(min=0)).flatten()).view(r, qp, width)
+    pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where((fsrc >= 0)[..., None], picked, 0).to(pfeats.dtype)
+
+
+@torch.inference_mode()
+def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, bt: Tensor,
+                           pv: StepViews, bp: int, qp: int, block_size: int, n: int,
+                           node_offsets: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The integer part of ``advance`` (same arguments): the catch-up rows into ``pv``, the next verify's
+    skeleton into ``vv``; returns each catch-up input's feature source, the verify query whose features it reads
+    (R, qp; -1: none), and the accepted paths' KV moves as (src, dst) slot pairs (R * qv,) each (-1: none):
+    accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j."""
     r = tokens.shape[0]
     dev = tokens.device
     L = vv.positions.view(bv, qv)[:r, 0] + 1  # (R,) each row's length at step K: the pending token at L - 1
     m, bonus = accept[:, 0], accept[:, 1]  # (R,)
     path = accept[:, 2:2 + qv]  # (R, qv) the path's verify query indices (node + 1), the first m valid
-    _move_path(pool, bt, L, m, path, block_size)
+    top = bt.shape[1] * block_size - 1
+    d = torch.arange(qv, device=dev)
+    src_pos, dst_pos = L[:, None] + (path - 1).clamp(min=0), L[:, None] + d  # (R, qv)
+    move = (d < m[:, None]) & (src_pos != dst_pos)
+    src = torch.where(move, _slots(bt, src_pos.clamp(max=top), block_size), -1).flatten()
+    dst = torch.where(move, _slots(bt, dst_pos.clamp(max=top), block_size), -1).flatten()
     # the catch-up: positions L .. L + m (the path's tokens, then the bonus token)
     j = torch.arange(qp, device=dev)  # (qp,)
     w = min(qp, qv)
@@ -147,20 +171,15 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     p = {name: getattr(pv, name).view(bp, qp) for name in ("ids", "positions", "slots", "tree_mask", "parents")}
     p["ids"][:r] = ids
     p["positions"][:r] = torch.where(valid, pos, 0)
-    p["slots"][:r] = torch.where(valid, _slots(bt, pos, block_size), -1)
+    p["slots"][:r] = torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1)
     p["tree_mask"][:r] = torch.where(valid, _causal_cached(qp, dev), 0)
     p["parents"][:r] = -1
     pv.prefix_lens[:r] = L
     pv.seq_lens[:r] = L + m + 1
     pv.num_tokens[:r] = m + 1
     pv.block_tables[:r] = bt
-    # catch-up input j reads the target features of position L + j - 1: verify query 0 (the pending token),
-    # then the path's queries
-    src = torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1)  # (R, qp)
-    rows = torch.arange(r, device=dev)[:, None] * qv
-    width = feats.shape[1]
-    picked = feats.index_select(0, (rows + src).flatten()).view(r, qp, width)
-    pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where(valid[..., None], picked, 0).to(pfeats.dtype)
+    # input j reads position L + j - 1: verify query 0 (the pending token), then the path's queries
+    fsrc = torch.where(valid, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
     # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
     root = L + m  # (R,)
     v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
@@ -170,23 +189,11 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     else:
         v["positions"][:r, :n + 1] = root[:, None] + node_offsets
     qpos = root[:, None] + torch.arange(n + 1, device=dev)  # (R, n + 1)
-    v["slots"][:r, :n + 1] = _slots(bt, qpos, block_size)
+    v["slots"][:r, :n + 1] = _slots(bt, qpos.clamp(max=top), block_size)
     vv.prefix_lens[:r] = root
     vv.seq_lens[:r] = root + n + 1
     vv.block_tables[:r] = bt
-
-
-def _move_path(pool, bt: Tensor, L: Tensor, m: Tensor, path: Tensor, block_size: int) -> None:
-    """``commit_accepted``'s KV move on the device: accepted node a_j (verify query a_j + 1) moves from position
-    L + a_j to L + j (pairs that stay put, and those past each row's m, are -1: skipped)."""
-    depth = path.shape[1]
-    j = torch.arange(depth, device=L.device)
-    dst_pos = L[:, None] + j  # (R, depth)
-    src_pos = L[:, None] + (path - 1).clamp(min=0)
-    move = (j < m[:, None]) & (src_pos != dst_pos)
-    src = torch.where(move, _slots(bt, src_pos.clamp(max=bt.shape[1] * block_size - 1), block_size), -1)
-    dst = torch.where(move, _slots(bt, dst_pos.clamp(max=bt.shape[1] * block_size - 1), block_size), -1)
-    pool.move_slots(src.flatten(), dst.flatten())
+    return fsrc, src, dst
 
 
 class AdvanceGraphs:
@@ -194,8 +201,9 @@ class AdvanceGraphs:
     host launching them was the pipelined step's bottleneck at batch 1), eagerly elsewhere. A graph reads its
     own copies of the outcome, the trees and the block tables; the rest are the same buffers every step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, rows_op=None) -> None:
         self.device = torch.device(device)
+        self.rows_op = rows_op  # ``advance``'s integer part (the attention backend's ``advance_rows``)
         self.graphs: dict[tuple, tuple] = {}
 
     def __call__(self, inputs, vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor,
@@ -204,7 +212,8 @@ class AdvanceGraphs:
         """``advance`` with the same arguments; ``inputs``: the ``StepInputs`` whose views ``vv`` are. ``capture``
         False (the verify's outputs are not a captured graph's fixed buffers): eagerly."""
         if self.device.type != "cuda" or not capture:
-            advance(vv, bv, qv, accept, tokens, feats, bt, pv, bp, qp, pfeats, pool, block_size, n, node_offsets)
+            advance(vv, bv, qv, accept, tokens, feats, bt, pv, bp, qp, pfeats, pool, block_size, n, node_offsets,
+                    self.rows_op)
             return
         key = (bv, qv, tokens.shape[0], n, bp, qp, feats.data_ptr(), pfeats.data_ptr(), node_offsets is None)
         entry = self.graphs.get(key)
@@ -216,7 +225,7 @@ class AdvanceGraphs:
             acc, tok, table = torch.zeros_like(accept), torch.zeros_like(tokens), bt.clone()
             saved = inputs.dev.clone()
             run = functools.partial(advance, vv, bv, qv, acc, tok, feats, table, pv, bp, qp, pfeats, pool,
-                                    block_size, n, node_offsets)
+                                    block_size, n, node_offsets, self.rows_op)
             graph, _ = capture_graph(run, None, self.device)
             inputs.dev.copy_(saved)
             entry = self.graphs[key] = (graph, acc, tok, table)

@@ -8,6 +8,8 @@ the same buffers (``cuda_graphs=True``).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from specdec.scheduler.step_inputs import StepInputs, _offsets
@@ -158,3 +160,17 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
 
     with pytest.raises(FieldError, match="pipeline"):
         SpecConfig(pipeline="yes")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on the CPU needs the interpreter; "
+                    "on CUDA the Triton backend's steps use it compiled")
+def test_pipelined_steps_with_the_advance_kernel(tiny):
+    """The queued steps' integer inputs from the one-launch ``kernels/advance.py`` (interpreted on the CPU; the
+    rest of the step on the torch backend): greedy output equals target-only decoding, most steps queued."""
+    from specdec.kernels.advance import advance_rows
+
+    draft, target, want, cfg = tiny
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
+    eng.drafter.advance.rows_op = advance_rows
+    assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
+    assert eng.drafter.paths["ahead"] >= eng.drafter.paths["fused"] // 2 > 0

@@ -147,6 +147,13 @@ class AttentionBackend(ABC):
 
         return tree_slots_reference(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
 
+    def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
+        """A pipelined step's integer inputs from the previous verify's outcome:
+        ``specdec.lookahead.advance_rows_reference``."""
+        from specdec.lookahead import advance_rows_reference
+
+        return advance_rows_reference(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+
     def tree_level(self, score, top_val, top_idx, masks, bits):
         """A dynamic tree's next level (scores, parent positions, draft ids, bitmasks; (b, K) each):
         ``specdec.tree_ops.select_level``."""

@@ -128,7 +128,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         self.pipeline = False  # queue each fused step's successor before reading it (``enable_pipeline``)
         self.ahead = None  # the queued step (``lookahead.Ahead``)
         self.reader = HostRead(runner.device)
-        self.advance = AdvanceGraphs(runner.device)  # builds a queued step's inputs (``lookahead.advance``)
+        self.advance = AdvanceGraphs(runner.device, runner.backend.advance_rows)  # a queued step's inputs
         self.upload = HostUpload(runner.device)  # a queued step's block tables
 
     @property

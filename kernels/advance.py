@@ -1,0 +1,122 @@
+"""The integer inputs of a pipelined step (``specdec.lookahead``) in one launch (reference:
+``specdec.lookahead.advance_rows_reference``).
+
+From verify K's greedy outcome each row gets the draft program's catch-up rows (its accepted path's tokens and
+bonus token at positions L .. L + m, their KV slots, causal masks, lengths, block table), the next verify's
+skeleton (the bonus token as the root at L + m, every query's slot, lengths, block table), the verify query
+whose target features each catch-up input reads, and the accepted path's KV moves as slot pairs. In torch
+that is some fifty small launches, even replayed from a graph each costs the GPU a few microseconds; here one
+program per row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
+
+from specdec.lookahead import _causal_cached, advance_rows_reference  # noqa: F401 - the reference
+
+
+@triton.jit
+def _advance_rows_kernel(
+    vpos_ptr, vids_ptr, vslots_ptr, vprefix_ptr, vseq_ptr, vbt_ptr,  # next verify (bucket rows of QV queries)
+    pids_ptr, ppos_ptr, pslots_ptr, pmask_ptr, pparents_ptr, pprefix_ptr, pseq_ptr, pnum_ptr, pbt_ptr,  # catch-up
+    acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr,
+    n, bt_width, block_size,
+    QV: tl.constexpr, QP: tl.constexpr, QVP: tl.constexpr, QPP: tl.constexpr, NP: tl.constexpr,
+    WP: tl.constexpr, STATIC: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    top = bt_width * block_size - 1
+    bt_row = bt_ptr + row * bt_width
+    acc = acc_ptr + row * (QV + 3)
+    L = tl.load(vpos_ptr + row * QV) + 1  # the pending token sat at L - 1
+    m = tl.load(acc)
+    bonus = tl.load(acc + 1)
+    # the accepted path's KV moves: node a_d (query a_d + 1) from L + a_d to L + d
+    d = tl.arange(0, QVP)
+    d_ok = d < QV
+    path_d = tl.load(acc + 2 + d, mask=d_ok, other=0)
+    src_pos = L + tl.maximum(path_d - 1, 0)
+    dst_pos = L + d
+    move = d_ok & (d < m) & (src_pos != dst_pos)
+    src_pos = tl.minimum(src_pos, top)
+    dst_pos = tl.minimum(dst_pos, top)
+    src_blk = tl.load(bt_row + src_pos // block_size, mask=move, other=0)
+    dst_blk = tl.load(bt_row + dst_pos // block_size, mask=move, other=0)
+    tl.store(src_ptr + row * QV + d, tl.where(move, src_blk * block_size + src_pos % block_size, -1), mask=d_ok)
+    tl.store(dst_ptr + row * QV + d, tl.where(move, dst_blk * block_size + dst_pos % block_size, -1), mask=d_ok)
+    # the catch-up: input j at position L + j; the path's tokens (j < m), then the bonus token (j == m)
+    j = tl.arange(0, QPP)
+    j_ok = j < QP
+    ahead = tl.load(acc + 2 + j, mask=j_ok & (j < QV), other=0)  # the verify query of path node j
+    node = tl.minimum(tl.maximum(ahead - 1, 0), tl.maximum(n - 1, 0))
+    tok = tl.load(tok_ptr + row * n + node, mask=j_ok & (j < m), other=0)  # (no nodes: m is 0)
+    valid = j <= m
+    ids = tl.where(j < m, tok, tl.where(j == m, bonus, 0))
+    pos = L + j
+    blk = tl.load(bt_row + tl.minimum(pos, top) // block_size, mask=j_ok & valid, other=0)
+    causal = tl.load(causal_ptr + j, mask=j_ok, other=0)
+    at = row * QP + j
+    tl.store(pids_ptr + at, ids, mask=j_ok)
+    tl.store(ppos_ptr + at, tl.where(valid, pos, 0), mask=j_ok)
+    tl.store(pslots_ptr + at, tl.where(valid, blk * block_size + tl.minimum(pos, top) % block_size, -1), mask=j_ok)
+    tl.store(pmask_ptr + at, tl.where(valid, causal, 0), mask=j_ok)
+    tl.store(pparents_ptr + at, tl.full([QPP], -1, tl.int64), mask=j_ok)
+    # input j reads the features of position L + j - 1: verify query 0 (the pending token), then the path's
+    prev = tl.load(acc + 1 + j, mask=j_ok & (j >= 1) & (j - 1 < QV), other=0)
+    tl.store(fsrc_ptr + at, tl.where(valid, tl.where(j == 0, 0, prev), -1), mask=j_ok)
+    tl.store(pprefix_ptr + row, L)
+    tl.store(pseq_ptr + row, L + m + 1)
+    tl.store(pnum_ptr + row, m + 1)
+    # the next verify's skeleton: the root (the bonus token) at L + m, queries 0 .. n at L + m + k
+    root = L + m
+    k = tl.arange(0, NP)
+    k_ok = k <= n
+    tl.store(vids_ptr + row * QV, bonus)
+    if STATIC:
+        tl.store(vpos_ptr + row * QV + k, root + tl.load(offs_ptr + k, mask=k_ok, other=0), mask=k_ok)
+    else:
+        tl.store(vpos_ptr + row * QV, root)
+    qpos = tl.minimum(root + k, top)
+    qblk = tl.load(bt_row + qpos // block_size, mask=k_ok, other=0)
+    tl.store(vslots_ptr + row * QV + k, qblk * block_size + qpos % block_size, mask=k_ok)
+    tl.store(vprefix_ptr + row, root)
+    tl.store(vseq_ptr + row, root + n + 1)
+    # both buckets' block-table rows
+    for w0 in range(0, bt_width, WP):
+        w = w0 + tl.arange(0, WP)
+        w_ok = w < bt_width
+        b = tl.load(bt_row + w, mask=w_ok)
+        tl.store(vbt_ptr + row * bt_width + w, b, mask=w_ok)
+        tl.store(pbt_ptr + row * bt_width + w, b, mask=w_ok)
+
+
+def advance_rows(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tensor, bt: torch.Tensor, pv, bp: int,
+                 qp: int, block_size: int, n: int, node_offsets: torch.Tensor | None):
+    """Same promise as ``advance_rows_reference`` (same arguments and return), in one launch."""
+    r = tokens.shape[0]
+    dev = tokens.device
+    check_tensor("accept", accept, shape=(r, qv + 3), dtypes=(torch.int64,), device=dev)
+    check_tensor("tokens", tokens, shape=(r, n), dtypes=(torch.int64,), device=dev)
+    check_tensor("bt", bt, shape=(r, None), dtypes=(torch.int64,), device=dev)
+    if node_offsets is not None:
+        check_tensor("node_offsets", node_offsets, shape=(n + 1,), dtypes=(torch.int64,), device=dev)
+    if r > min(bv, bp) or n + 1 > qv:
+        raise ValueError(f"advance_rows: {r} rows of {n} nodes do not fit buckets ({bv}, {qv}) and ({bp}, {qp})")
+    check_launchable(_advance_rows_kernel, dev)
+    fsrc = torch.empty(r, qp, dtype=torch.int64, device=dev)
+    src, dst = torch.empty(r * qv, dtype=torch.int64, device=dev), torch.empty(r * qv, dtype=torch.int64, device=dev)
+    if r:
+        acc, tok, table = accept.contiguous(), tokens.contiguous(), bt.contiguous()
+        offs = node_offsets if node_offsets is not None else acc  # (unused when the tree is dynamic)
+        w = table.shape[1]
+        _advance_rows_kernel[(r,)](
+            vv.positions, vv.ids, vv.slots, vv.prefix_lens, vv.seq_lens, vv.block_tables,
+            pv.ids, pv.positions, pv.slots, pv.tree_mask, pv.parents, pv.prefix_lens, pv.seq_lens, pv.num_tokens,
+            pv.block_tables, acc, tok, table, _causal_cached(qp, dev), offs, fsrc, src, dst,
+            n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv), QPP=next_pow2(qp), NP=next_pow2(n + 1),
+            WP=min(next_pow2(w), 256), STATIC=node_offsets is not None, num_warps=1)
+    return fsrc, src, dst

@@ -1,0 +1,72 @@
+"""``kernels/advance.py``: a pipelined step's integer inputs in one launch equal the torch reference
+(``specdec.lookahead.advance_rows_reference``), element by element, in both buckets' buffers and the returned
+feature sources and KV moves. Under TRITON_INTERPRET=1 on the CPU; compiled on CUDA when present."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from specdec.scheduler.step_inputs import StepInputs
+
+from specdec.lookahead import advance_rows_reference
+
+DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (["cuda"] if torch.cuda.is_available()
+                                                                           else [])
+pytestmark = pytest.mark.skipif(not DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+
+
+def _state(g, dev, r, bv, qv, bp, qp, n, width, bs):
+    """Random buckets (both filled with junk, then each row's pending token at a random L - 1), an outcome whose
+    first m path lanes are increasing node queries (the rest the other lanes), trees and block tables."""
+    verify, program = StepInputs(bv, qv, width, dev), StepInputs(bp, qp, width, dev)
+    for inp in (verify, program):
+        inp.dev.copy_(torch.randint(-5, 1000, inp.dev.shape, generator=g))
+    L = torch.randint(1, (width - 4) * bs - qv - qp, (r,), generator=g)
+    verify.views(bv, qv).positions.view(bv, qv)[:r, 0] = (L - 1).to(dev)
+    accept = torch.zeros(r, qv + 3, dtype=torch.int64)
+    depth = min(qp - 1, n)
+    for i in range(r):
+        m = int(torch.randint(0, depth + 1, (1,), generator=g))
+        path = sorted(torch.randperm(n, generator=g)[:m].add(1).tolist())
+        rest = [q for q in range(qv) if q not in path]
+        accept[i] = torch.tensor([m, int(torch.randint(0, 500, (1,), generator=g)), *path, *rest, 1])
+    tokens = torch.randint(0, 500, (r, n), generator=g)
+    bt = torch.randint(0, 300, (r, width), generator=g)
+    return verify, program, accept.to(dev), tokens.to(dev), bt.to(dev)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("r,bv,qv,bp,qp,n,static", [(1, 1, 32, 1, 8, 31, False), (3, 4, 16, 4, 8, 9, False),
+                                                     (5, 8, 8, 8, 16, 7, True), (2, 2, 64, 2, 16, 63, False),
+                                                     (4, 4, 8, 4, 4, 3, True)])
+def test_advance_rows_equals_the_reference(dev, r, bv, qv, bp, qp, n, static):
+    from specdec.kernels.advance import advance_rows
+
+    g = torch.Generator().manual_seed(r * 100 + qv + qp + n)
+    width, bs = 24, 8
+    for _ in range(3):
+        verify, program, accept, tokens, bt = _state(g, dev, r, bv, qv, bp, qp, n, width, bs)
+        offsets = torch.randint(0, 9, (n + 1,), generator=g).to(dev) if static else None
+        got_v, got_p = StepInputs(bv, qv, width, dev), StepInputs(bp, qp, width, dev)
+        got_v.dev.copy_(verify.dev)
+        got_p.dev.copy_(program.dev)
+        want = advance_rows_reference(verify.views(bv, qv), bv, qv, accept, tokens, bt, program.views(bp, qp), bp, qp,
+                                      bs, n, offsets)
+        got = advance_rows(got_v.views(bv, qv), bv, qv, accept, tokens, bt, got_p.views(bp, qp), bp, qp, bs, n,
+                           offsets)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        assert torch.equal(got_v.dev, verify.dev) and torch.equal(got_p.dev, program.dev)
+        assert (want[1] >= 0).any() or not accept[:, 0].any()  # some path moved (unless nothing was accepted)
+
+
+def test_advance_rows_refuses_rows_past_the_buckets():
+    from specdec.kernels.advance import advance_rows
+
+    verify, program = StepInputs(2, 8, 4, "cpu"), StepInputs(2, 8, 4, "cpu")
+    with pytest.raises(ValueError, match="do not fit"):
+        advance_rows(verify.views(2, 8), 2, 8, torch.zeros(3, 11, dtype=torch.int64),
+                     torch.zeros(3, 7, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64),
+                     program.views(2, 8), 2, 8, 8, 7, None)
