@@ -340,6 +340,17 @@ case "$stage" in
     interleaved 200 1
     pack
     ;;
+  s8a)  # next session, run 3 (with piece 02): the GPU tests of what session 7 added after its last GPU run (the
+        # advance kernel, depths read with the trees, pinned block-table uploads), then the pipeline against the
+        # unpipelined step at batch 1 and 64 (s7b's four engines in one process, where it faulted once), interleaved
+    assemble
+    install
+    gpu_tests 150 tests/test_kernels_advance.py tests/test_lookahead.py tests/test_fused_step.py \
+      tests/test_engines_share_models.py tests/test_eagle.py -k "advance or lookahead or gpu or share"
+    export ENGINES=pipeline REPEATS=3 REPEATS_B1=3
+    interleaved 400 1 64
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

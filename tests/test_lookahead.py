@@ -174,3 +174,18 @@ def test_pipelined_steps_with_the_advance_kernel(tiny):
     eng.drafter.advance.rows_op = advance_rows
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert eng.drafter.paths["ahead"] >= eng.drafter.paths["fused"] // 2 > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_pipelined_steps_under_preemption(tiny, prefix_cache, count_preemptions):
+    """A pool too small for every row at once: requests are preempted (their KV freed, recomputed later) while
+    steps are queued for them; the queued steps of preempted rows are dropped and output equals target-only."""
+    draft, target, want, cfg = tiny
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "num_blocks": 34,
+                                                                     "policy": "max_utilization",
+                                                                     "prefix_cache": prefix_cache}))
+    preempted = count_preemptions(eng)
+    outs = eng.generate(PROMPTS[:4], PARAMS)
+    assert preempted, "expected the small pool to force preemption"
+    assert [o.token_ids for o in outs] == want and [o.error for o in outs] == [None] * 4
+    assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
