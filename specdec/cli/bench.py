@@ -46,8 +46,9 @@ def add_bench_parser(sub, add_model_args) -> None:
 def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
     """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup.
 
-    On CUDA the default stays n-gram for now: the graphed eagle path measured at most 0.98x target-only at
-    batch 1 on the H200 (n-gram: 1.2x); see bench/RESULTS.md."""
+    On CUDA the default stays n-gram for now: at batch 1 on the H200 the shipped draft's unpipelined fused steps
+    measured 1.35-1.46x target-only against n-gram's 1.60x; pipelined (``SpecConfig(pipeline=True)``, not yet
+    on by default) dynamic:31 measured 1.88x. See bench/RESULTS.md, sessions 6 and 7."""
     try:
         from specdec.training import default_draft_available
     except ImportError:
