@@ -71,3 +71,25 @@ def test_generate_with_token_level_errors_still_exits_2(capsys, tiny_llama_dir):
     err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(tiny_llama_dir), "--draft", "none",
                            "--device", "cpu"])
     assert "tokenizer" in err
+
+
+def test_bench_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatch):
+    """``specdec bench --pipeline`` builds its engines with ``pipeline=True``; with ``--adaptive auto`` the budget is
+    fixed (the pipeline needs it), an explicit ``--adaptive`` is kept."""
+    import specdec.cli.checks as checks
+
+    seen = {}
+
+    class Built(Exception):
+        pass
+
+    def build(cls, **fields):  # stop before any model loads
+        seen[cls.__name__] = fields
+        raise Built
+
+    monkeypatch.setattr(checks, "build", build)
+    for argv, want in ((["--pipeline"], (True, False)), (["--pipeline", "--adaptive", "on"], (True, True)),
+                       ([], (False, None))):
+        with pytest.raises(Built):
+            main(["bench", "--device", "cpu", *argv])
+        assert (seen["SpecConfig"]["pipeline"], seen["SpecConfig"]["adaptive"]) == want

@@ -35,6 +35,9 @@ def add_bench_parser(sub, add_model_args) -> None:
                         "continuous: every prompt submitted at once, --batch-size rows running, freed rows refilled")
     b.add_argument("--adaptive", default="auto", choices=list(ADAPTIVE_CHOICES),
                    help="per-step tree budget from measured costs (auto: on for CUDA); reports the mean budget")
+    b.add_argument("--pipeline", action="store_true",
+                   help="pipelined fused EAGLE steps (SpecConfig(pipeline=True); with --adaptive auto the budget "
+                        "is fixed, as the pipeline needs)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", dest="json_out", default=None)
     b.add_argument("--plot", default=None)
@@ -106,7 +109,8 @@ def cmd_bench(args) -> int:
     draft_name = args.draft or default_draft(args.target, device)
     tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
-                max_batch_size=max(64, *batch_sizes), adaptive=ADAPTIVE_CHOICES[args.adaptive])
+                max_batch_size=max(64, *batch_sizes), pipeline=args.pipeline,
+                adaptive=False if args.pipeline and args.adaptive == "auto" else ADAPTIVE_CHOICES[args.adaptive])
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    max_new_tokens=args.max_new_tokens)
     check_model("--target", args.target)
