@@ -189,3 +189,27 @@ def test_pipelined_steps_under_preemption(tiny, prefix_cache, count_preemptions)
     assert preempted, "expected the small pool to force preemption"
     assert [o.token_ids for o in outs] == want and [o.error for o in outs] == [None] * 4
     assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
+
+
+def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
+    """Rows that end at a stop string (inside an accepted path) and seeded sampled rows mixed with greedy ones
+    (a batch with a sampled row drafts on the host, so queued steps are dropped or never made): outputs equal
+    the unpipelined engine's, greedy rows equal target-only."""
+    draft, target, want, cfg = tiny
+    tok = target.tokenizer
+    stop = tok.decode(want[2][5:7], skip_special_tokens=True)  # text the third request writes early on
+    params = [SamplingParams(max_new_tokens=23, ignore_eos=True),
+              SamplingParams(max_new_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_new_tokens=16, ignore_eos=True, stop=[stop]),
+              SamplingParams(max_new_tokens=30, ignore_eos=True)]
+    outs = {}
+    for pipeline in (True, False):
+        eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "pipeline": pipeline}))
+        outs[pipeline] = [(o.token_ids, o.text, o.finish_reason) for o in eng.generate(PROMPTS[:4], params)]
+        outs[pipeline, "greedy"] = [(o.token_ids, o.text) for o in eng.generate([PROMPTS[0], PROMPTS[2]],
+                                                                                 [params[0], params[2]])]
+        assert eng.all_blocks_free() and (eng.drafter.paths["ahead"] > 0) == pipeline
+    assert outs[True] == outs[False]
+    assert outs[True][2][2] == "stop" and stop not in outs[True][2][1] and len(outs[True][2][0]) < 16
+    assert outs[True][0][0] == want[0] and outs[True][3][0] == want[3]
+    assert outs[True, "greedy"] == outs[False, "greedy"]
