@@ -303,17 +303,18 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
     if src:
         dev = pool.storage.device
         pool.move_slots(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
+    shrink_reach = sched.lookahead + sched.block_size - 1  # Scheduler.shrink keeps blocks_for(len(tokens) + lookahead)
     for req, res in zip(rows, results):
-        base = len(req.tokens)
-        m = len(res.accepted_nodes)
+        nodes = res.accepted_nodes
+        base, m = len(req.tokens), len(nodes)
         req.num_computed = base + m
-        req.num_computed_draft = base + _draft_kept(res.accepted_nodes, res.draft_computed)
+        req.num_computed_draft = base + _draft_kept(nodes, res.draft_computed)
         reason, appended = stopper.extend(req, [*res.accepted_tokens, res.bonus_token])
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed
             stopper.finalize_text(req, reason)
             sched.finish(req, reason)
-        else:
+        elif len(req.blocks) * sched.block_size > len(req.tokens) + shrink_reach:  # shrink has blocks to free
             sched.shrink(req)
 
 
@@ -322,9 +323,10 @@ def _draft_kept(nodes: list[int], done: frozenset[int] | None) -> int:
     draft KV was written; None: a model-free drafter, nothing of the draft to track, so all)."""
     if done is None:
         return len(nodes)
-    if not done:
-        return 0
-    return next((j for j, node in enumerate(nodes) if node not in done), len(nodes))
+    for j, node in enumerate(nodes):
+        if node not in done:
+            return j
+    return len(nodes)
 
 
 def _slot(req: Request, pos: int, block_size: int) -> int:
