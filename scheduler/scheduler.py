@@ -113,8 +113,9 @@ class Scheduler:
                 self.release_outside_window(req)
         self._admit()
         budget = self.cfg.max_num_tokens
-        for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.prefill_done or budget == 0 or \
+        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
+        for req in list(self.running):  # req.num_computed >= len(req.tokens) - 1: req.prefill_done, inlined
+            if req.num_computed >= len(req.tokens) - 1 or req.status is not running or budget == 0 or \
                     self._wait_for_shared_prefix(req):  # status: a request preempted by an earlier chunk
                 continue
             end = min(len(req.tokens) - 1, req.num_computed + min(budget, self._chunk_cap(req.num_prompt)))
@@ -124,10 +125,9 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
-        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
         bs = self.block_size
         for req in list(self.running):
-            if req.prefill_done and req.status is running:
+            if req.num_computed >= len(req.tokens) - 1 and req.status is running:  # prefill done (inlined)
                 reach = len(req.tokens) + self.lookahead
                 if len(req.blocks) * bs >= reach or self._reserve(req, reach, batch):  # most rows have the blocks
                     batch.decode.append(req)
