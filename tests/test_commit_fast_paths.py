@@ -17,24 +17,26 @@ from specdec.sampling_params import SamplingParams
 from specdec.verifier import VerifyResult
 
 
+def _appended_one_by_one(checker: StopChecker, req: Request, tokens: list[int]) -> tuple[str | None, int]:
+    """The per-token rule: ``append`` until a token ends the request."""
+    for i, tok in enumerate(tokens):
+        reason = checker.append(req, tok)
+        if reason:
+            return reason, i + 1
+    return None, len(tokens)
+
+
 def test_extend_equals_appending_one_by_one_at_and_past_the_length_limit():
-    """Random token streams with EOS, stop ids and outputs already at (or past) max_new_tokens."""
+    """Random token streams with several EOS ids, stop ids and outputs already at (or past) max_new_tokens."""
     checker, rng = StopChecker(None), random.Random(1)
     for _ in range(2000):
         params = SamplingParams(max_new_tokens=rng.randrange(1, 6), ignore_eos=rng.random() < 0.3,
                                 stop_token_ids=rng.sample(range(8), rng.randrange(0, 3)))
         eos = tuple(rng.sample(range(8), rng.randrange(0, 3)))
-        done = rng.randrange(0, params.max_new_tokens + 2)
+        done = [9] * rng.randrange(0, params.max_new_tokens + 2)
         tokens = [rng.randrange(8) for _ in range(rng.randrange(1, 9))]
-        one, many = (Request("r", [9, 9], params, eos_token_ids=eos) for _ in range(2))
-        for req in (one, many):
-            req.tokens += [9] * done
-        reason, n = None, 0
-        for tok in tokens:
-            reason, n = checker.append(one, tok), n + 1
-            if reason:
-                break
-        assert checker.extend(many, tokens) == (reason, n), (params, eos, done, tokens)
+        one, many = Request("r", [9, 9], params, eos, [9, 9, *done]), Request("r", [9, 9], params, eos, [9, 9, *done])
+        assert checker.extend(many, tokens) == _appended_one_by_one(checker, one, tokens), (params, eos, done, tokens)
         assert many.tokens == one.tokens
 
 
