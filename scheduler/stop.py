@@ -11,6 +11,7 @@ class StopChecker:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._backend = _plain_backend(tokenizer)
+        self._one_token: dict[int, str] = {}  # decode([t]) by t: a one-token context window is decoded once
 
     def decode(self, ids: list[int]) -> str:
         """``tokenizer.decode(ids, skip_special_tokens=True)``; "" without a tokenizer."""
@@ -32,8 +33,14 @@ class StopChecker:
         if st[1] == num_output:
             return st[2]
         decode = (self.tokenizer if self._backend is None else self._backend).decode  # ``self.decode``'s call
-        prefix_text = decode(ids[base + st[0]:base + st[1]], skip_special_tokens=True)
-        new_text = decode(ids[base + st[0]:], skip_special_tokens=True)
+        start, read = base + st[0], base + st[1]
+        if read - start == 1:  # the previous call's one new token (target-only steps, rows that accepted nothing)
+            prefix_text = self._one_token.get(ids[start])
+            if prefix_text is None:
+                prefix_text = self._one_token[ids[start]] = decode(ids[start:read], skip_special_tokens=True)
+        else:
+            prefix_text = decode(ids[start:read], skip_special_tokens=True)
+        new_text = decode(ids[start:], skip_special_tokens=True)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             st[2] += new_text[len(prefix_text):]
             st[0], st[1] = st[1], num_output

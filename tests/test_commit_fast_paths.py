@@ -133,3 +133,30 @@ def test_set_rows_writes_what_set_row_writes():
         many.set_rows(reqs)
         assert np.array_equal(one.host.numpy(), many.host.numpy())
         assert [many.host_rows([r.bt_row])[0, :len(r.blocks)].tolist() for r in reqs] == [r.blocks for r in reqs]
+
+
+def _reference_running_text(tok, state: list, out: list[int]) -> str:
+    """The incremental rule decoding both context windows every call (``state``: prefix/read offsets, text)."""
+    prefix = tok.decode(out[state[0]:state[1]], skip_special_tokens=True)
+    new = tok.decode(out[state[0]:], skip_special_tokens=True)
+    if len(new) > len(prefix) and not new.endswith("\ufffd"):
+        state[2] += new[len(prefix):]
+        state[0], state[1] = state[1], len(out)
+    return state[2]
+
+
+def test_running_text_with_remembered_one_token_windows_equals_decoding_both_windows(smollm2):
+    """One checker streams many requests (its one-token decodes remembered across them) in steps of 1-3
+    tokens: multi-byte characters split over tokens, special tokens and random ids included."""
+    tok, rng = smollm2.tokenizer, random.Random(5)
+    checker = StopChecker(tok)
+    texts = ["Héllo wörld! 你好，世界。 😀👍🏽 def f(x):\n    return x**2", "a a a a ☃☃ «guillemets» ‘q’"]
+    streams = [tok.encode(t, add_special_tokens=False) for t in texts]
+    streams += [[rng.choice([0, 1, 2, rng.randrange(len(tok))]) for _ in range(30)] for _ in range(6)]
+    for ids in streams * 2:
+        req, state, n = Request("r", [1], SamplingParams()), [0, 0, ""], 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.choice([1, 1, 1, 2, 3]))
+            req.tokens[1:] = ids[:n]
+            assert checker.running_text(req) == _reference_running_text(tok, state, ids[:n])
+        assert req.detok == state
