@@ -52,6 +52,14 @@ class BlockTables:
             self._np[row, :n] = blocks
             self._written[row] = list(blocks)
 
+    def set_rows(self, reqs) -> None:
+        """``set_row(req.bt_row, req.blocks)`` for each request; rows already holding their blocks cost one
+        comparison each."""
+        written = self._written
+        for req in reqs:
+            if written[req.bt_row] != req.blocks:
+                self.set_row(req.bt_row, req.blocks)
+
     def host_rows(self, rows: list[int]):
         """numpy copy (len(rows), max_blocks_per_row) int32 of the given host rows, in order."""
         return self._np[rows]

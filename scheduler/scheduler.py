@@ -113,8 +113,9 @@ class Scheduler:
                 self.release_outside_window(req)
         self._admit()
         budget = self.cfg.max_num_tokens
-        for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING or req.prefill_done or budget == 0 or \
+        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
+        for req in list(self.running):  # req.num_computed >= len(req.tokens) - 1: req.prefill_done, inlined
+            if req.num_computed >= len(req.tokens) - 1 or req.status is not running or budget == 0 or \
                     self._wait_for_shared_prefix(req):  # status: a request preempted by an earlier chunk
                 continue
             end = min(len(req.tokens) - 1, req.num_computed + min(budget, self._chunk_cap(req.num_prompt)))
@@ -124,10 +125,9 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
-        running = RequestStatus.RUNNING  # a preempted request is WAITING again: status, not list membership
         bs = self.block_size
         for req in list(self.running):
-            if req.prefill_done and req.status is running:
+            if req.num_computed >= len(req.tokens) - 1 and req.status is running:  # prefill done (inlined)
                 reach = len(req.tokens) + self.lookahead
                 if len(req.blocks) * bs >= reach or self._reserve(req, reach, batch):  # most rows have the blocks
                     batch.decode.append(req)
@@ -303,17 +303,18 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
     if src:
         dev = pool.storage.device
         pool.move_slots(*(torch.tensor(s).to(dev, non_blocking=True) for s in (src, dst)))  # no stream sync
+    shrink_reach = sched.lookahead + sched.block_size - 1  # Scheduler.shrink keeps blocks_for(len(tokens) + lookahead)
     for req, res in zip(rows, results):
-        base = len(req.tokens)
-        m = len(res.accepted_nodes)
+        nodes = res.accepted_nodes
+        base, m = len(req.tokens), len(nodes)
         req.num_computed = base + m
-        req.num_computed_draft = base + _draft_kept(res.accepted_nodes, res.draft_computed)
+        req.num_computed_draft = base + _draft_kept(nodes, res.draft_computed)
         reason, appended = stopper.extend(req, [*res.accepted_tokens, res.bonus_token])
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed
             stopper.finalize_text(req, reason)
             sched.finish(req, reason)
-        else:
+        elif len(req.blocks) * sched.block_size > len(req.tokens) + shrink_reach:  # shrink has blocks to free
             sched.shrink(req)
 
 
@@ -322,9 +323,10 @@ def _draft_kept(nodes: list[int], done: frozenset[int] | None) -> int:
     draft KV was written; None: a model-free drafter, nothing of the draft to track, so all)."""
     if done is None:
         return len(nodes)
-    if not done:
-        return 0
-    return next((j for j, node in enumerate(nodes) if node not in done), len(nodes))
+    for j, node in enumerate(nodes):
+        if node not in done:
+            return j
+    return len(nodes)
 
 
 def _slot(req: Request, pos: int, block_size: int) -> int:

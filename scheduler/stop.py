@@ -11,6 +11,7 @@ class StopChecker:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._backend = _plain_backend(tokenizer)
+        self._one_token: dict[int, str] = {}  # decode([t]) by t: a one-token context window is decoded once
 
     def decode(self, ids: list[int]) -> str:
         """``tokenizer.decode(ids, skip_special_tokens=True)``; "" without a tokenizer."""
@@ -27,12 +28,19 @@ class StopChecker:
         if self.tokenizer is None:
             return ""
         st = req.detok  # [prefix_offset, read_offset, text], offsets into the output
-        num_output = req.num_output
+        ids, base = req.tokens, len(req.prompt_ids)  # slices of tokens: no copy of the whole output
+        num_output = len(ids) - base
         if st[1] == num_output:
             return st[2]
-        ids, base = req.tokens, req.num_prompt  # slices of tokens: no copy of the whole output
-        prefix_text = self.decode(ids[base + st[0]:base + st[1]])
-        new_text = self.decode(ids[base + st[0]:])
+        decode = (self.tokenizer if self._backend is None else self._backend).decode  # ``self.decode``'s call
+        start, read = base + st[0], base + st[1]
+        if read - start == 1:  # the previous call's one new token (target-only steps, rows that accepted nothing)
+            prefix_text = self._one_token.get(ids[start])
+            if prefix_text is None:
+                prefix_text = self._one_token[ids[start]] = decode(ids[start:read], skip_special_tokens=True)
+        else:
+            prefix_text = decode(ids[start:read], skip_special_tokens=True)
+        new_text = decode(ids[start:], skip_special_tokens=True)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             st[2] += new_text[len(prefix_text):]
             st[0], st[1] = st[1], num_output
@@ -66,21 +74,22 @@ class StopChecker:
                 if reason:
                     return reason, i + 1
             return None, len(tokens)
-        eos, stop_ids, stop_at = () if p.ignore_eos else req.eos_token_ids, p.stop_token_ids, None
+        seq = req.tokens
+        # index of the token reaching max_new_tokens (the first one when the output is already that long)
+        length_at = max(p.max_new_tokens - len(seq) + len(req.prompt_ids), 1) - 1
+        eos, stop_ids = () if p.ignore_eos else req.eos_token_ids, p.stop_token_ids
         if eos or stop_ids:
             for i, tok in enumerate(tokens):
                 if tok in eos or tok in stop_ids:
-                    stop_at = i
+                    if i <= length_at:
+                        seq += tokens[:i + 1]
+                        return "stop", i + 1
                     break
-        length_at = max(p.max_new_tokens - req.num_output, 1) - 1  # index of the token reaching max_new_tokens
-        if stop_at is not None and stop_at <= length_at:
-            reason, n = "stop", stop_at + 1
-        elif length_at < len(tokens):
-            reason, n = "length", length_at + 1
-        else:
-            reason, n = None, len(tokens)
-        req.tokens += tokens[:n]
-        return reason, n
+        if length_at < len(tokens):
+            seq += tokens[:length_at + 1]
+            return "length", length_at + 1
+        seq += tokens
+        return None, len(tokens)
 
     def finalize_text(self, req: Request, reason: str | None) -> None:
         """Refresh ``req.text`` unless a stop string already fixed it."""

@@ -312,11 +312,10 @@ class SpecEngine:
         sched.fail(req, OutOfBlocks(need, self.allocator.num_free))
 
     def _route(self, reqs: list[Request]) -> None:
-        for req in reqs:
-            if self.router.wants(req):
-                out = _output(req, self.stopper)
-                if out.new_token_ids or out.finished:
-                    self.router.deliver(req, out)
+        for req in self.router.wanting(reqs):
+            out = _output(req, self.stopper)
+            if out.new_token_ids or out.finished:
+                self.router.deliver(req, out)
 
     def generate(self, prompts, params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; one RequestOutput per prompt, in order.
@@ -395,9 +394,13 @@ class _NoDraft(Drafter):
 
 
 def _output(req: Request, stopper: StopChecker) -> RequestOutput:
-    out_ids = req.output_ids  # a fresh list
-    new_ids = req.tokens[req.num_prompt + req.emitted_tokens:]
-    text = req.text if req.finished else _stable_text(stopper.running_text(req), req.params.stop)
+    out_ids = req.tokens[len(req.prompt_ids):]  # a fresh list
+    new_ids = out_ids[req.emitted_tokens:]
+    if req.finished:
+        text = req.text
+    else:
+        text, stops = stopper.running_text(req), req.params.stop
+        text = _stable_text(text, stops) if stops else text.rstrip("\ufffd")
     new_text = text[req.emitted_chars:]
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,

@@ -9,7 +9,7 @@ failed at once, and the rest is retried as one batch. See docs/design.md, "Fault
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -17,28 +17,21 @@ from specdec.errors import RequestFault
 from specdec.scheduler.request import Request
 
 
-class _RowState(NamedTuple):
-    num_computed: int
-    num_computed_draft: int
-    num_tokens: int
-    rng_state: torch.Tensor | None
-
-
 class Snapshot:
     """What a draft/verify/prefill attempt may change in a request, so a retry starts identically:
     the computed counts, the token count and the random generator's state."""
 
     def __init__(self, reqs: Sequence[Request]) -> None:
-        self._states = {req: _RowState(req.num_computed, req.num_computed_draft, len(req.tokens),
-                                       req.generator.get_state() if req.generator is not None else None)
-                        for req in reqs}
+        # per request: (num_computed, num_computed_draft, len(tokens), generator state or None)
+        self._states = dict(zip(reqs, [(r.num_computed, r.num_computed_draft, len(r.tokens),
+                                        None if r.generator is None else r.generator.get_state()) for r in reqs]))
 
     def restore(self, req: Request) -> None:
-        s = self._states[req]
-        req.num_computed, req.num_computed_draft = s.num_computed, s.num_computed_draft
-        del req.tokens[s.num_tokens:]
-        if s.rng_state is not None:
-            req.generator.set_state(s.rng_state)
+        num_computed, num_computed_draft, num_tokens, rng_state = self._states[req]
+        req.num_computed, req.num_computed_draft = num_computed, num_computed_draft
+        del req.tokens[num_tokens:]
+        if rng_state is not None:
+            req.generator.set_state(rng_state)
 
 
 def run_isolated(items: list, req_of: Callable[[Any], Request], call: Callable[[list], list],

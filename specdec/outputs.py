@@ -23,14 +23,17 @@ class AcceptanceStats:
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.committed += num_accepted + 1 if num_committed is None else num_committed
+        if not max_depth:  # an empty tree (target-only decoding): no depth reached
+            return
         steps, accepted = self.depth_steps, self.depth_accepted
         if len(steps) < max_depth or len(accepted) < max_depth:
             _grow(steps, max_depth)
             _grow(accepted, max_depth)
         for d in range(max_depth):
             steps[d] += 1
-        for d in range(min(num_accepted, max_depth)):
-            accepted[d] += 1
+        if num_accepted:
+            for d in range(min(num_accepted, max_depth)):
+                accepted[d] += 1
 
     def merge(self, other: AcceptanceStats) -> None:
         self.target_forwards += other.target_forwards

@@ -45,11 +45,11 @@ class Router:
     def owns(self, req: Request) -> bool:
         return req in self._owner
 
-    def wants(self, req: Request) -> bool:
-        """An output of ``req`` now has a receiver: an owning stream that takes every output, or the
-        request has finished."""
-        queue = self._owner.get(req)
-        return queue is not None and (req.finished or not queue.finals_only)
+    def wanting(self, reqs: list[Request]) -> list[Request]:
+        """The requests of ``reqs`` whose output has a receiver now, in order: an owning stream that takes
+        every output, or the request has finished."""
+        owner = self._owner.get
+        return [r for r in reqs if (q := owner(r)) is not None and (r.finished or not q.finals_only)]
 
     def deliver(self, req: Request, out: RequestOutput) -> None:
         """Queue ``out`` for the stream owning ``req``; a finished request leaves the router."""

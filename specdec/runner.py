@@ -126,8 +126,7 @@ class ModelRunner:
 
     def sync_tables(self, reqs) -> None:
         """Write each request's block list into its block-table row (host side; staged with the step)."""
-        for req in reqs:
-            self.tables.set_row(req.bt_row, req.blocks)
+        self.tables.set_rows(reqs)
 
     def prepare(self, model_idx: int, rows: list[RowInput]) -> tuple[ForwardContext, torch.Tensor, torch.Tensor]:
         """Stage the rows' block tables; the forward context on pool model ``model_idx``, ids and positions."""
