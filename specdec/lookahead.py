@@ -15,9 +15,10 @@ host queues step K + 1 built on the device from K's outcome (``advance``):
    slots and lengths), the tree writer and the verify forward, then the read of its outcome.
 
 The host then waits only for step K's read and does K's bookkeeping while the GPU runs step K + 1. At the next
-engine step the drafter adopts step K + 1 (``Pipeline.take``) when its rows are still running in the state the
-device assumed, possibly fewer of them (a finished row's results are dropped); otherwise the queued work is
-discarded (it only wrote KV past every live row's committed length, in blocks the rows still hold).
+engine step the drafter adopts step K + 1 (``PipelinedSteps._take_ahead``) when its rows are still running in
+the state the device assumed, possibly fewer of them (a finished row's results are dropped); otherwise the
+queued work is discarded (it only wrote KV past every live row's committed length, in blocks the rows still
+hold).
 
 Nothing changes in what is computed: the device builds exactly the inputs the host would have built
 (``tests/test_lookahead.py`` compares them), so greedy outputs are identical with and without the pipeline.
@@ -40,31 +41,41 @@ if TYPE_CHECKING:
     from specdec.scheduler.request import Request
 
 
+class _PinnedPair:
+    """Two pinned int64 host buffers used in turn, each guarded by the event recorded after the copy that used
+    it (CUDA only): a buffer is handed out again only once that copy is done."""
+
+    def __init__(self) -> None:
+        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._events = [torch.cuda.Event() for _ in range(2)]
+        self._turn = 0
+
+    def take(self, shape: torch.Size | tuple[int, ...], numel: int) -> tuple[Tensor, torch.cuda.Event]:
+        """The next buffer viewed as ``shape`` (``numel`` elements) and the event to record after its copy."""
+        i = self._turn
+        self._turn ^= 1
+        self._events[i].synchronize()
+        if self._bufs[i].numel() < numel:
+            self._bufs[i] = torch.empty(max(numel, 4096), dtype=torch.int64, pin_memory=True)
+        return self._bufs[i][:numel].view(shape), self._events[i]
+
+
 class HostRead:
     """Device-to-host copies into pinned buffers (CUDA), two in flight at most: ``start`` queues a copy,
     the returned ``wait`` gives the host array once that copy is done, without waiting for later work."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
-        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
-        self._turn = 0
+        self._pinned = _PinnedPair() if device.type == "cuda" else None
 
     def start(self, tensors: list[Tensor]):
         """Queue the copy of ``tensors`` (int64, (R, *) each) joined along dim 1; returns ``wait() -> (R, C)``."""
         joined = torch.cat(tensors, 1) if len(tensors) > 1 else tensors[0]
-        if not self.cuda:
+        if self._pinned is None:
             host = joined.numpy().copy()
             return lambda: host
-        i = self._turn
-        self._turn ^= 1
-        self._events[i].synchronize()  # the copy that last used this buffer is done (it was read long ago)
-        if self._bufs[i].numel() < joined.numel():
-            self._bufs[i] = torch.empty(max(joined.numel(), 4096), dtype=torch.int64, pin_memory=True)
-        buf = self._bufs[i][:joined.numel()].view(joined.shape)
+        buf, event = self._pinned.take(joined.shape, joined.numel())
         buf.copy_(joined, non_blocking=True)
-        self._events[i].record()
-        event = self._events[i]
+        event.record()
 
         def wait() -> np.ndarray:
             event.synchronize()
@@ -79,23 +90,15 @@ class HostUpload:
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
-        self._events = [torch.cuda.Event() for _ in range(2)] if self.cuda else []
-        self._turn = 0
+        self._pinned = _PinnedPair() if self.device.type == "cuda" else None
 
     def __call__(self, array: np.ndarray) -> Tensor:
-        if not self.cuda:
+        if self._pinned is None:
             return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
-        i = self._turn
-        self._turn ^= 1
-        self._events[i].synchronize()  # the copy that last read this buffer is done
-        if self._bufs[i].numel() < array.size:
-            self._bufs[i] = torch.empty(max(array.size, 4096), dtype=torch.int64, pin_memory=True)
-        host = self._bufs[i][:array.size].view(array.shape)
+        host, event = self._pinned.take(array.shape, array.size)
         host.numpy()[...] = array
         out = host.to(self.device, non_blocking=True)
-        self._events[i].record()
+        event.record()
         return out
 
 
