@@ -237,7 +237,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
 
     def _fused_proposal(self, host: np.ndarray, k: int, parents, fwd, draft_seconds: float, ahead, lengths,
                         sel: np.ndarray | None = None) -> Proposal:
-        """The proposal of a fused step from its host read ``host`` (R, C) ([tokens, parents, accept] per row):
+        """The proposal of a fused step from its host read ``host`` (R, C) (per row: ``_read_list``'s columns):
         rows ``sel`` of it (None: all). ``ahead``: the next step was queued behind it (then the step's features
         are those ``lookahead.advance`` gathered for the next catch-up, and its KV moved on the device), and it
         is told the lengths its rows will have (``lengths`` + accepted + 1)."""
