@@ -73,9 +73,9 @@ def test_generate_with_token_level_errors_still_exits_2(capsys, tiny_llama_dir):
     assert "tokenizer" in err
 
 
-def test_bench_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatch):
+def test_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatch):
     """``specdec bench --pipeline`` builds its engines with ``pipeline=True``; with ``--adaptive auto`` the budget is
-    fixed (the pipeline needs it), an explicit ``--adaptive`` is kept."""
+    fixed (the pipeline needs it), an explicit ``--adaptive`` is kept; ``specdec generate --pipeline`` likewise."""
     import specdec.cli.checks as checks
 
     seen = {}
@@ -83,9 +83,11 @@ def test_bench_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatc
     class Built(Exception):
         pass
 
-    def build(cls, **fields):  # stop before any model loads
+    def build(cls, **fields):  # stop at the engine config, before any model loads
         seen[cls.__name__] = fields
-        raise Built
+        if cls.__name__ == "SpecConfig":
+            raise Built
+        return cls(**fields)
 
     monkeypatch.setattr(checks, "build", build)
     for argv, want in ((["--pipeline"], (True, False)), (["--pipeline", "--adaptive", "on"], (True, True)),
@@ -93,3 +95,7 @@ def test_bench_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatc
         with pytest.raises(Built):
             main(["bench", "--device", "cpu", *argv])
         assert (seen["SpecConfig"]["pipeline"], seen["SpecConfig"]["adaptive"]) == want
+    seen.clear()
+    with pytest.raises(Built):
+        main(["generate", "--device", "cpu", "--prompt", "hi", "--pipeline"])
+    assert (seen["SpecConfig"]["pipeline"], seen["SpecConfig"]["adaptive"]) == (True, False)

@@ -23,7 +23,8 @@ def cmd_generate(args) -> int:
     tree = args.tree or ("chain:8" if name == "ngram" else "chain:4")
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens)
-    config = build(SpecConfig, tree=tree, device=device, dtype=dtype)
+    config = build(SpecConfig, tree=tree, device=device, dtype=dtype,
+                   **({"pipeline": True, "adaptive": False} if args.pipeline else {}))
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
     target = load("--model", args.model, dtype, device)
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
+    g.add_argument("--pipeline", action="store_true",
+                   help="pipelined fused EAGLE steps with a fixed tree budget (SpecConfig(pipeline=True))")
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
