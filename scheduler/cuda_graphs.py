@@ -153,6 +153,10 @@ class GraphRunner:
             self.feature_inputs[m][:b * q].index_copy_(0, where, g.to(self.feature_inputs[m].dtype))
         return self.replay(key)
 
+    def captured(self, key: tuple[int, int, int]) -> bool:
+        """``key``'s forward is a captured graph (its outputs are the same buffers at every replay)."""
+        return key in self.graphs
+
     def replay(self, key: tuple[int, int, int]) -> GraphOutput:
         """Run ``key``'s forward over its inputs as they are now on the device (replayed when captured)."""
         if key in self.graphs:

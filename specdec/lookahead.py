@@ -204,9 +204,10 @@ class AdvanceGraphs:
     host launching them was the pipelined step's bottleneck at batch 1), eagerly elsewhere. A graph reads its
     own copies of the outcome, the trees and the block tables; the rest are the same buffers every step."""
 
-    def __init__(self, device: torch.device, rows_op=None) -> None:
+    def __init__(self, device: torch.device, rows_op=None, capture: bool | None = None) -> None:
         self.device = torch.device(device)
         self.rows_op = rows_op  # ``advance``'s integer part (the attention backend's ``advance_rows``)
+        self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
         self.graphs: dict[tuple, tuple] = {}
 
     def __call__(self, inputs, vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor,
@@ -214,7 +215,7 @@ class AdvanceGraphs:
                  node_offsets: Tensor | None, capture: bool = True) -> None:
         """``advance`` with the same arguments; ``inputs``: the ``StepInputs`` whose views ``vv`` are. ``capture``
         False (the verify's outputs are not a captured graph's fixed buffers): eagerly."""
-        if self.device.type != "cuda" or not capture:
+        if not (self.capture and capture):
             advance(vv, bv, qv, accept, tokens, feats, bt, pv, bp, qp, pfeats, pool, block_size, n, node_offsets,
                     self.rows_op)
             return
@@ -279,7 +280,7 @@ class PipelinedSteps:
         inputs = self.runner.graphs.inputs
         self.advance(inputs, inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
                      loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets,
-                     capture=key in self.runner.graphs.graphs)
+                     capture=self.runner.graphs.captured(key))
         start = fused.clock.mark()
         out = loop.replay(b)[:r]
         drafted = fused.clock.mark()

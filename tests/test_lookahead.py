@@ -213,3 +213,36 @@ def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
     assert outs[True][2][2] == "stop" and stop not in outs[True][2][1] and len(outs[True][2][0]) < 16
     assert outs[True][0][0] == want[0] and outs[True][3][0] == want[3]
     assert outs[True, "greedy"] == outs[False, "greedy"]
+
+
+def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch):
+    """``AdvanceGraphs``' CUDA path run with a stand-in graph (capturing runs the build once, as the real capture
+    does, and each replay runs it again over the graph's own input copies): capturing over a no-op outcome and
+    putting the verify rows back leaves every step as the eager one, so output equals target-only; one graph per
+    shape, replayed at the later queued steps."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    from specdec.lookahead import AdvanceGraphs
+
+    class StandIn:
+        def __init__(self, build):
+            self.build, self.replays = build, 0
+
+        def replay(self):
+            self.replays += 1
+            self.build()
+
+    def stand_in(build, pool, device):
+        build()  # the real capture_graph runs the forward once before capturing it
+        return StandIn(build), None
+
+    monkeypatch.setattr(cg, "capture_graph", stand_in)
+    draft, target, want, cfg = tiny
+    if cfg["device"] != "cpu":
+        pytest.skip("a stand-in for the CUDA graph; on CUDA the real graphs run in the other tests")
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
+    eng.drafter.advance = graphs = AdvanceGraphs(eng.runner.device, eng.runner.backend.advance_rows, capture=True)
+    monkeypatch.setattr(eng.runner.graphs, "captured", lambda key: True)  # as on CUDA (the forwards stay eager)
+    assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
+    assert graphs.graphs and sum(g.replays for g, *_ in graphs.graphs.values()) >= eng.drafter.paths["ahead"] > 0
+
