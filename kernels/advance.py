@@ -1,5 +1,5 @@
 """The integer inputs of a pipelined step (``specdec.lookahead``) in one launch (reference:
-``specdec.lookahead.advance_rows_reference``).
+``specdec.lookahead_ops.advance_rows_reference``).
 
 From verify K's greedy outcome each row gets the draft program's catch-up rows (its accepted path's tokens and
 bonus token at positions L .. L + m, their KV slots, causal masks, lengths, block table), the next verify's
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
-from specdec.lookahead import _causal_cached, advance_rows_reference  # noqa: F401 - the reference
+from specdec.lookahead_ops import advance_rows_reference, causal_masks  # noqa: F401 - the reference
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def advance_rows(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tenso
         _advance_rows_kernel[(r,)](
             vv.positions, vv.ids, vv.slots, vv.prefix_lens, vv.seq_lens, vv.block_tables,
             pv.ids, pv.positions, pv.slots, pv.tree_mask, pv.parents, pv.prefix_lens, pv.seq_lens, pv.num_tokens,
-            pv.block_tables, acc, tok, table, _causal_cached(qp, dev), offs, fsrc, src, dst,
+            pv.block_tables, acc, tok, table, causal_masks(qp, dev), offs, fsrc, src, dst,
             n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv), QPP=next_pow2(qp), NP=next_pow2(n + 1),
             WP=min(next_pow2(w), 256), STATIC=node_offsets is not None, num_warps=1)
     return fsrc, src, dst

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from specdec.fused_step import _shape_rows
+from specdec.lookahead_ops import advance_rows_reference
 from specdec.scheduler.step_inputs import StepViews
 
 if TYPE_CHECKING:
@@ -102,23 +103,6 @@ class HostUpload:
         return out
 
 
-def _causal(q: int, device) -> Tensor:
-    """(q,) the tree mask of query j of a causal run (bits 0..j), as ``eagle_drafter._CAUSAL``."""
-    from specdec.runner import _as_signed
-
-    return torch.tensor(_as_signed([(1 << (j + 1)) - 1 for j in range(q)]), dtype=torch.int64, device=device)
-
-
-@functools.lru_cache(maxsize=16)
-def _causal_cached(q: int, device: torch.device) -> Tensor:
-    return _causal(q, device)
-
-
-def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
-    """KV slots of logical positions ``pos`` (R, w) through block tables ``bt`` (R, W)."""
-    return bt.gather(1, pos // block_size) * block_size + pos % block_size
-
-
 @torch.inference_mode()
 def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor, bt: Tensor,
             pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
@@ -141,62 +125,6 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     rows = torch.arange(r, device=feats.device)[:, None] * qv
     picked = feats.index_select(0, (rows + fsrc.clamp(min=0)).flatten()).view(r, qp, width)
     pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where((fsrc >= 0)[..., None], picked, 0).to(pfeats.dtype)
-
-
-@torch.inference_mode()
-def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, bt: Tensor,
-                           pv: StepViews, bp: int, qp: int, block_size: int, n: int,
-                           node_offsets: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """The integer part of ``advance`` (same arguments): the catch-up rows into ``pv``, the next verify's
-    skeleton into ``vv``; returns each catch-up input's feature source, the verify query whose features it reads
-    (R, qp; -1: none), and the accepted paths' KV moves as (src, dst) slot pairs (R * qv,) each (-1: none):
-    accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j."""
-    r = tokens.shape[0]
-    dev = tokens.device
-    L = vv.positions.view(bv, qv)[:r, 0] + 1  # (R,) each row's length at step K: the pending token at L - 1
-    m, bonus = accept[:, 0], accept[:, 1]  # (R,)
-    path = accept[:, 2:2 + qv]  # (R, qv) the path's verify query indices (node + 1), the first m valid
-    top = bt.shape[1] * block_size - 1
-    d = torch.arange(qv, device=dev)
-    src_pos, dst_pos = L[:, None] + (path - 1).clamp(min=0), L[:, None] + d  # (R, qv)
-    move = (d < m[:, None]) & (src_pos != dst_pos)
-    src = torch.where(move, _slots(bt, src_pos.clamp(max=top), block_size), -1).flatten()
-    dst = torch.where(move, _slots(bt, dst_pos.clamp(max=top), block_size), -1).flatten()
-    # the catch-up: positions L .. L + m (the path's tokens, then the bonus token)
-    j = torch.arange(qp, device=dev)  # (qp,)
-    w = min(qp, qv)
-    ahead = torch.zeros(r, qp, dtype=torch.int64, device=dev)
-    ahead[:, :w] = path[:, :w]  # (R, qp) verify query of catch-up input j + 1 (j < m)
-    node_tok = tokens.gather(1, (ahead - 1).clamp(0, max(n - 1, 0))) if n else ahead  # (R, qp)
-    valid = j <= m[:, None]  # (R, qp)
-    pos = L[:, None] + j
-    ids = torch.where(j < m[:, None], node_tok, torch.where(j == m[:, None], bonus[:, None], 0))
-    p = {name: getattr(pv, name).view(bp, qp) for name in ("ids", "positions", "slots", "tree_mask", "parents")}
-    p["ids"][:r] = ids
-    p["positions"][:r] = torch.where(valid, pos, 0)
-    p["slots"][:r] = torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1)
-    p["tree_mask"][:r] = torch.where(valid, _causal_cached(qp, dev), 0)
-    p["parents"][:r] = -1
-    pv.prefix_lens[:r] = L
-    pv.seq_lens[:r] = L + m + 1
-    pv.num_tokens[:r] = m + 1
-    pv.block_tables[:r] = bt
-    # input j reads position L + j - 1: verify query 0 (the pending token), then the path's queries
-    fsrc = torch.where(valid, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
-    # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
-    root = L + m  # (R,)
-    v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
-    v["ids"][:r, 0] = bonus
-    if node_offsets is None:
-        v["positions"][:r, 0] = root
-    else:
-        v["positions"][:r, :n + 1] = root[:, None] + node_offsets
-    qpos = root[:, None] + torch.arange(n + 1, device=dev)  # (R, n + 1)
-    v["slots"][:r, :n + 1] = _slots(bt, qpos.clamp(max=top), block_size)
-    vv.prefix_lens[:r] = root
-    vv.seq_lens[:r] = root + n + 1
-    vv.block_tables[:r] = bt
-    return fsrc, src, dst
 
 
 class AdvanceGraphs:
@@ -303,7 +231,7 @@ class PipelinedSteps:
                 len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel)):
             self.paths["dropped"] += 1
             return None
-        self._consumed(rows, _spans(rows))  # what the queued catch-up computed
+        self._consumed_through(rows)  # what the queued catch-up computed
         self.paths["ahead"] += 1
         self.paths["fused"] += 1
         lengths = np.fromiter((len(req.tokens) for req in rows), np.int64, len(rows))
@@ -315,12 +243,6 @@ class PipelinedSteps:
             ahead = self._launch_ahead(a.key, rows, a.n, a.fwd, a.tokens, a.parents, bt)
         return self._fused_proposal(a.wait(), a.tokens.shape[1], a.parents, a.fwd, a.draft_seconds(), ahead,
                                     lengths, None if exact else np.asarray(sel))
-
-
-def _spans(rows: list):
-    from specdec.drafters.eagle_drafter import _Spans
-
-    return _Spans.of(rows, 0)
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,5 +1,5 @@
 """``kernels/advance.py``: a pipelined step's integer inputs in one launch equal the torch reference
-(``specdec.lookahead.advance_rows_reference``), element by element, in both buckets' buffers and the returned
+(``specdec.lookahead_ops.advance_rows_reference``), element by element, in both buckets' buffers and the returned
 feature sources and KV moves. Under TRITON_INTERPRET=1 on the CPU; compiled on CUDA when present."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from specdec.scheduler.step_inputs import StepInputs
 
-from specdec.lookahead import advance_rows_reference
+from specdec.lookahead_ops import advance_rows_reference
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (["cuda"] if torch.cuda.is_available()
                                                                            else [])

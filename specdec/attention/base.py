@@ -149,8 +149,8 @@ class AttentionBackend(ABC):
 
     def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
         """A pipelined step's integer inputs from the previous verify's outcome:
-        ``specdec.lookahead.advance_rows_reference``."""
-        from specdec.lookahead import advance_rows_reference
+        ``specdec.lookahead_ops.advance_rows_reference``."""
+        from specdec.lookahead_ops import advance_rows_reference
 
         return advance_rows_reference(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
 

@@ -308,6 +308,10 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         self._consumed(reqs, spans)
         return hidden, logits, [0] + np.cumsum(spans.ends - spans.begins).tolist()
 
+    def _consumed_through(self, reqs: list[Request]) -> None:
+        """``_consumed`` of a catch-up that reached each request's length (a pipelined step's, on the device)."""
+        self._consumed(reqs, _Spans.of(reqs, 0))
+
     def _consumed(self, reqs: list[Request], spans: _Spans) -> None:
         """The draft's KV now reaches each span's end; the features before its last position are spent."""
         self.features.consumed(spans.bt, spans.ends)

@@ -1,0 +1,90 @@
+"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.lookahead.advance``), the
+``advance_rows`` of the torch attention backend; on the Triton backend one launch (``kernels/advance.py``).
+
+Kept apart from ``specdec.lookahead`` (which drives the drafter) so the attention backends, which dispatch it,
+import it without importing the drafters.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from specdec.scheduler.step_inputs import StepViews
+
+
+def _causal(q: int, device) -> Tensor:
+    """(q,) the tree mask of query j of a causal run (bits 0..j; bit 63 as the int64 sign), as the catch-up's."""
+    bits = [(1 << (j + 1)) - 1 for j in range(q)]
+    return torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in bits], dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def causal_masks(q: int, device: torch.device) -> Tensor:
+    """``_causal(q)`` made once per (q, device) (read-only)."""
+    return _causal(q, device)
+
+
+def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
+    """KV slots of logical positions ``pos`` (R, w) through block tables ``bt`` (R, W)."""
+    return bt.gather(1, pos // block_size) * block_size + pos % block_size
+
+
+@torch.inference_mode()
+def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, bt: Tensor,
+                           pv: StepViews, bp: int, qp: int, block_size: int, n: int,
+                           node_offsets: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The integer part of ``advance`` (same arguments): the catch-up rows into ``pv``, the next verify's
+    skeleton into ``vv``; returns each catch-up input's feature source, the verify query whose features it reads
+    (R, qp; -1: none), and the accepted paths' KV moves as (src, dst) slot pairs (R * qv,) each (-1: none):
+    accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j."""
+    r = tokens.shape[0]
+    dev = tokens.device
+    L = vv.positions.view(bv, qv)[:r, 0] + 1  # (R,) each row's length at step K: the pending token at L - 1
+    m, bonus = accept[:, 0], accept[:, 1]  # (R,)
+    path = accept[:, 2:2 + qv]  # (R, qv) the path's verify query indices (node + 1), the first m valid
+    top = bt.shape[1] * block_size - 1
+    d = torch.arange(qv, device=dev)
+    src_pos, dst_pos = L[:, None] + (path - 1).clamp(min=0), L[:, None] + d  # (R, qv)
+    move = (d < m[:, None]) & (src_pos != dst_pos)
+    src = torch.where(move, _slots(bt, src_pos.clamp(max=top), block_size), -1).flatten()
+    dst = torch.where(move, _slots(bt, dst_pos.clamp(max=top), block_size), -1).flatten()
+    # the catch-up: positions L .. L + m (the path's tokens, then the bonus token)
+    j = torch.arange(qp, device=dev)  # (qp,)
+    w = min(qp, qv)
+    ahead = torch.zeros(r, qp, dtype=torch.int64, device=dev)
+    ahead[:, :w] = path[:, :w]  # (R, qp) verify query of catch-up input j + 1 (j < m)
+    node_tok = tokens.gather(1, (ahead - 1).clamp(0, max(n - 1, 0))) if n else ahead  # (R, qp)
+    valid = j <= m[:, None]  # (R, qp)
+    pos = L[:, None] + j
+    ids = torch.where(j < m[:, None], node_tok, torch.where(j == m[:, None], bonus[:, None], 0))
+    p = {name: getattr(pv, name).view(bp, qp) for name in ("ids", "positions", "slots", "tree_mask", "parents")}
+    p["ids"][:r] = ids
+    p["positions"][:r] = torch.where(valid, pos, 0)
+    p["slots"][:r] = torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1)
+    p["tree_mask"][:r] = torch.where(valid, causal_masks(qp, dev), 0)
+    p["parents"][:r] = -1
+    pv.prefix_lens[:r] = L
+    pv.seq_lens[:r] = L + m + 1
+    pv.num_tokens[:r] = m + 1
+    pv.block_tables[:r] = bt
+    # input j reads position L + j - 1: verify query 0 (the pending token), then the path's queries
+    fsrc = torch.where(valid, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
+    # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
+    root = L + m  # (R,)
+    v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
+    v["ids"][:r, 0] = bonus
+    if node_offsets is None:
+        v["positions"][:r, 0] = root
+    else:
+        v["positions"][:r, :n + 1] = root[:, None] + node_offsets
+    qpos = root[:, None] + torch.arange(n + 1, device=dev)  # (R, n + 1)
+    v["slots"][:r, :n + 1] = _slots(bt, qpos.clamp(max=top), block_size)
+    vv.prefix_lens[:r] = root
+    vv.seq_lens[:r] = root + n + 1
+    vv.block_tables[:r] = bt
+    return fsrc, src, dst
