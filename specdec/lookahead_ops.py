@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,16 +18,16 @@ if TYPE_CHECKING:
     from specdec.scheduler.step_inputs import StepViews
 
 
-def _causal(q: int, device) -> Tensor:
-    """(q,) the tree mask of query j of a causal run (bits 0..j; bit 63 as the int64 sign), as the catch-up's."""
-    bits = [(1 << (j + 1)) - 1 for j in range(q)]
-    return torch.tensor([b - (1 << 64) if b >= 1 << 63 else b for b in bits], dtype=torch.int64, device=device)
+# the tree mask of query j of a causal run of up to 64 queries (bits 0..j; bit 63 as the int64 sign): the draft
+# catch-up's masks, on the host (``eagle_drafter``) and on the device (``causal_masks``)
+CAUSAL_BITS = np.array([b - (1 << 64) if b >= 1 << 63 else b for b in ((1 << (j + 1)) - 1 for j in range(64))],
+                       dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=16)
 def causal_masks(q: int, device: torch.device) -> Tensor:
-    """``_causal(q)`` made once per (q, device) (read-only)."""
-    return _causal(q, device)
+    """(q,) ``CAUSAL_BITS[:q]`` on ``device``, made once per (q, device) (read-only)."""
+    return torch.from_numpy(CAUSAL_BITS[:q].copy()).to(device)
 
 
 def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:

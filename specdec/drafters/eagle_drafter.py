@@ -22,13 +22,12 @@ from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
 from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth
 from specdec.lookahead import AdvanceGraphs, HostRead, HostUpload, PipelinedSteps
-from specdec.runner import RowInput, RowSlices, _as_signed
+from specdec.lookahead_ops import CAUSAL_BITS
+from specdec.runner import RowInput, RowSlices
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
 from specdec.training.eagle import EagleDraft
 from specdec.tree import DraftTree, TreeSpec
-
-_CAUSAL = np.array(_as_signed([(1 << (j + 1)) - 1 for j in range(64)]), dtype=np.int64)  # query j of a causal run
 
 
 class FeatureTable:
@@ -279,7 +278,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         bt = tables.host_rows(spans.bt)  # (R, W) the rows' block tables
         slots = bt[row, pos // bs].astype(np.int64) * bs + pos % bs  # (T,)
         tokens = np.empty((5, len(ids)), dtype=np.int64)  # ids, positions, slots, masks, parents (unused: -1)
-        tokens[0], tokens[1], tokens[2], tokens[3], tokens[4] = ids, pos, slots, _CAUSAL[j], -1
+        tokens[0], tokens[1], tokens[2], tokens[3], tokens[4] = ids, pos, slots, CAUSAL_BITS[j], -1
         per_row = np.empty((3, len(reqs)), dtype=np.int64)  # prefix_lens, seq_lens, num_tokens
         per_row[0], per_row[1], per_row[2] = begins, ends, ends - begins
         rows = PackedRows(index, tokens, per_row)
