@@ -347,8 +347,15 @@ case "$stage" in
     install
     gpu_tests 150 tests/test_kernels_advance.py tests/test_lookahead.py tests/test_fused_step.py \
       tests/test_engines_share_models.py tests/test_eagle.py -k "advance or lookahead or gpu or share"
-    export ENGINES=pipeline REPEATS=3 REPEATS_B1=3
-    interleaved 400 1 64
+    ENGINES=pipeline REPEATS_B1=3 interleaved 260 1 && mv "$D/interleaved.log" "$D/interleaved_b1.log"
+    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    ENGINES=pipeline64 REPEATS=3 interleaved 200 64
+    pack
+    ;;
+  s8b)  # (.whl .gpu, after s8a on the same machine) issue 9's n-gram chain:8 at batch 16, waves and continuous
+    [ -f "$MODEL" ] || assemble
+    install
+    ENGINES=ngram REPEATS=7 interleaved 240 16
     pack
     ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
