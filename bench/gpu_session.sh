@@ -352,6 +352,15 @@ case "$stage" in
     ENGINES=pipeline64 REPEATS=3 interleaved 200 64
     pack
     ;;
+  s8c)  # (.stage3/p_02 .whl .gpu, with piece 02) the batch-64 fault's fix (specdec/graph_constants.py): GPU tests
+        # of the cached constants under captured graphs, then s8a's batch-64 engine set again
+    assemble
+    install
+    gpu_tests 200 tests/test_graph_constants.py tests/test_fused_step.py tests/test_lookahead.py \
+      -k "gpu or constant or lookahead"
+    ENGINES=pipeline64 REPEATS=3 interleaved 330 64
+    pack
+    ;;
   s8b)  # (.whl .gpu, after s8a on the same machine) issue 9's n-gram chain:8 at batch 16, waves and continuous
     [ -f "$MODEL" ] || assemble
     install

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.graph_constants import graph_constant
 from specdec.runner import ForwardResult, RowSlices
 from specdec.scheduler.step_inputs import PackedRows, StepViews
 from specdec.tree import DraftTree, _depths_and_masks, _verify_rows
@@ -338,7 +339,7 @@ def ancestry(parents: Tensor, levels: int) -> tuple[Tensor, Tensor]:
     return state[1], state[0]
 
 
-@functools.lru_cache(maxsize=64)
+@graph_constant(maxsize=64)
 def _ancestry_start(r: int, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """(2, R, n) masks and depths of nodes under the root (own bit, depth 0), and (2, 1, n) what a parent adds
     (own bit, one level); made once per shape (read-only)."""

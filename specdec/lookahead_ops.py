@@ -7,12 +7,13 @@ import it without importing the drafters.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from specdec.graph_constants import graph_constant
 
 if TYPE_CHECKING:
     from specdec.scheduler.step_inputs import StepViews
@@ -24,7 +25,7 @@ CAUSAL_BITS = np.array([b - (1 << 64) if b >= 1 << 63 else b for b in ((1 << (j 
                        dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=16)
+@graph_constant(maxsize=16)
 def causal_masks(q: int, device: torch.device) -> Tensor:
     """(q,) ``CAUSAL_BITS[:q]`` on ``device``, made once per (q, device) (read-only)."""
     return torch.from_numpy(CAUSAL_BITS[:q].copy()).to(device)

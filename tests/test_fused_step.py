@@ -419,3 +419,33 @@ def test_fused_tree_depths_and_lazy_trees():
         if n:
             assert shape_depth(tuple(parents[0].tolist())) == want[0].max_depth
     assert shape_depth(()) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa: F811 - the fixture
+    """float32 on the GPU, pipelined: the captured tree-building and ``advance`` graphs read cached constants
+    (``ancestry``'s start masks, the catch-up's causal masks, a static tree's node offsets). After more other
+    shapes than each cache holds, with every evicted entry's memory then refilled with garbage, the output
+    still equals target-only (``specdec.graph_constants``: a graph once read them, so they stay)."""
+    from specdec.fused_step import _ancestry_start
+    from specdec.lookahead import _node_offsets
+    from specdec.lookahead_ops import causal_masks
+
+    target, draft, cfg, want = _on_gpu(setup)
+    eng = _engine(draft, target, tree, pipeline=True, **cfg)
+    assert eng.drafter.pipeline
+    assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == want  # every graph captured by now
+    assert eng.drafter.paths["ahead"] > 0
+    dev = torch.device("cuda", torch.cuda.current_device())
+    held = _ancestry_start.held if tree.startswith("dynamic") else _node_offsets.held
+    assert held and causal_masks.held
+    junk = []
+    for i in range(80):  # 80 (R, n) shapes for a cache of 64, 64 query counts for 16, 40 chains for 32
+        made = [*_ancestry_start(1 + i // 10, 1 + i % 10, dev), causal_masks(1 + i % 64, dev),
+                _node_offsets(tuple(range(-1, i % 40)), dev)]
+        junk += [torch.full_like(t, (1 << 40) + 7) for t in made for _ in range(3)]
+    del made
+    junk += [torch.full_like(t, (1 << 40) + 7) for t in junk[:200]]  # what the evictions freed, refilled
+    assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == want
+    assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
