@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import NamedTuple
 
@@ -133,11 +134,28 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False,
         t0 = time.perf_counter()
         n_tok = 0
         for i in range(0, len(prompts), per_call):
-            n_tok += sum(len(o.token_ids) for o in engine.generate(prompts[i:i + per_call], params))
+            outs = engine.generate(prompts[i:i + per_call], params)
+            n_tok += sum(len(o.token_ids) for o in outs)
+            _report_failures(outs)
         walls.append(time.perf_counter() - t0)
     wall = statistics.median(walls)
     return {"wall_s": wall, "walls": walls, "tokens": n_tok, "tok_per_s": n_tok / wall,
             "target_forwards": engine.stats.target_forwards}
+
+
+_FAILURES_SHOWN = [0]
+
+
+def _report_failures(outs) -> None:
+    """Log how many requests of one ``generate`` failed, with the first cause's traceback (at most 5 per process):
+    a benchmark must not pass a failed request off as a short one."""
+    bad = [o for o in outs if o.finish_reason == "error"]
+    if not bad:
+        return
+    log(f"FAILED {len(bad)} of {len(outs)} requests: {bad[0].error!r}")
+    if _FAILURES_SHOWN[0] < 5:
+        _FAILURES_SHOWN[0] += 1
+        log("".join(traceback.format_exception(bad[0].error)))
 
 
 REPEATS = int(os.environ.get("REPEATS", "3" if CUDA else "1"))  # user_generate runs per measured figure

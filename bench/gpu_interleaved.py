@@ -67,6 +67,8 @@ ENGINE_SETS = {
                       "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
 }
 ENGINES = os.environ.get("ENGINES", "ngram")
+ONLY = os.environ.get("ONLY", "").split()  # names of the set to build (target-only always), default all
+SCHEDULES = os.environ.get("SCHEDULES", "").split()  # "waves" and/or "continuous", default both
 
 
 REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x longer
@@ -94,8 +96,12 @@ def main() -> None:
     eagle = None
     for b in batches:
         for continuous in (False, True) if b > 1 else (False,):  # one row: both schedules are the same
+            if SCHEDULES and ("continuous" if continuous else "waves") not in SCHEDULES:
+                continue
             engines = {}
             for name, fields in ENGINE_SETS[ENGINES].items():
+                if ONLY and name not in ONLY and name != "target_only":
+                    continue
                 fields = {"tree": "chain:8", **fields}
                 draft = fields.pop("draft")
                 if draft == "eagle":

@@ -361,6 +361,19 @@ case "$stage" in
     ENGINES=pipeline64 REPEATS=3 interleaved 330 64
     pack
     ;;
+  s8d)  # (.stage3/p_02 .whl .gpu, with piece 02) s8c's failed batch-64 waves, with every failure's cause logged:
+        # all engines in one process, two engines alone, then all under CUDA_LAUNCH_BLOCKING; then the GPU tests
+    assemble
+    install
+    export ENGINES=pipeline64 SCHEDULES=waves REPEATS=2
+    interleaved 150 64; mv "$D/interleaved.log" "$D/waves_all.log"
+    ONLY=eagle_dynamic15 interleaved 80 64; mv "$D/interleaved.log" "$D/waves_dyn15.log"
+    ONLY=eagle_dynamic31_unpipelined interleaved 80 64; mv "$D/interleaved.log" "$D/waves_unpiped.log"
+    CUDA_LAUNCH_BLOCKING=1 REPEATS=1 interleaved 150 64; mv "$D/interleaved.log" "$D/waves_blocking.log"
+    gpu_tests 100 tests/test_graph_constants.py tests/test_fused_step.py -k "outlive or constant"
+    grep -h -c FAILED "$D"/waves_*.log
+    pack
+    ;;
   s8b)  # (.whl .gpu, after s8a on the same machine) issue 9's n-gram chain:8 at batch 16, waves and continuous
     [ -f "$MODEL" ] || assemble
     install

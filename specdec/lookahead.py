@@ -161,8 +161,8 @@ class AdvanceGraphs:
                                     block_size, n, node_offsets, self.rows_op)
             graph, _ = capture_graph(run, None, self.device)
             inputs.dev.copy_(saved)
-            entry = self.graphs[key] = (graph, acc, tok, table)
-        graph, acc, tok, table = entry
+            entry = self.graphs[key] = (graph, acc, tok, table, node_offsets)  # (the graph reads this tensor)
+        graph, acc, tok, table, _ = entry
         acc.copy_(accept)
         tok.copy_(tokens)
         table.copy_(bt)
