@@ -49,6 +49,14 @@ ENGINE_SETS = {
                                                  "pipeline": False},
                  "eagle_dynamic63": {"draft": "eagle", "tree": "dynamic:63", "adaptive": False, "pipeline": True},
                  "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False, "pipeline": True}},
+    # the engine's defaults on CUDA (pipelined, fixed budget) at two tree sizes, beside the unpipelined step and the
+    # adaptive budget (the default before session 8)
+    "defaults": {"target_only": {"draft": None},
+                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
+                 "eagle_dynamic15": {"draft": "eagle", "tree": "dynamic:15"},
+                 "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False,
+                                                 "pipeline": False},
+                 "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
     # batch 64: s7b's four engines (where it faulted once) and smaller pipelined trees
     "pipeline64": {"target_only": {"draft": None},
                    "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False, "pipeline": True},
@@ -67,6 +75,10 @@ ENGINE_SETS = {
                       "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
 }
 ENGINES = os.environ.get("ENGINES", "ngram")
+# KV pool per engine: the default (40% of the free memory) shrinks geometrically over the engines of one process,
+# and with 8 of them the GPU ran out of memory mid-run (session 8, s8c/s8d); 80 x (prompt + 128 + lookahead)
+# tokens of SmolLM2 + draft fit in well under 2 GiB
+KV = {"kv_memory_bytes": 3 << 30} if CUDA else {}
 ONLY = os.environ.get("ONLY", "").split()  # names of the set to build (target-only always), default all
 SCHEDULES = os.environ.get("SCHEDULES", "").split()  # "waves" and/or "continuous", default both
 
@@ -108,7 +120,7 @@ def main() -> None:
                     draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV,
                                                         target=target)
                 engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
-                                                                     prefix_cache=False, **fields))
+                                                                     prefix_cache=False, **KV, **fields))
             for eng in engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1))

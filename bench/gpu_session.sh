@@ -374,6 +374,18 @@ case "$stage" in
     grep -h -c FAILED "$D"/waves_*.log
     pack
     ;;
+  s8e)  # (.stage3/p_02 .whl .gpu, with piece 02) the engine's new CUDA defaults (pipelined, fixed budget): GPU tests,
+        # then ENGINES=defaults interleaved at batch 1 and 64 (KV pools of 3 GiB per engine: no OOM)
+    assemble
+    install
+    gpu_tests 120 tests/test_graph_constants.py tests/test_fused_step.py tests/test_lookahead.py tests/test_eagle.py \
+      tests/test_engines_share_models.py -k "gpu or outlive or constant or lookahead or share"
+    ENGINES=defaults REPEATS_B1=3 interleaved 220 1 && mv "$D/interleaved.log" "$D/interleaved_b1.log"
+    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    ENGINES=defaults REPEATS=5 interleaved 180 64
+    grep -h -c FAILED "$D"/interleaved*.log
+    pack
+    ;;
   s8b)  # (.whl .gpu, after s8a on the same machine) issue 9's n-gram chain:8 at batch 16, waves and continuous
     [ -f "$MODEL" ] || assemble
     install

@@ -40,7 +40,8 @@ def check_spec_config(cfg) -> None:
     _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
     _require(isinstance(cfg.ngram_shared, bool), "ngram_shared", "must be True or False", cfg.ngram_shared)
     _require(isinstance(cfg.fused_verify, bool), "fused_verify", "must be True or False", cfg.fused_verify)
-    _require(isinstance(cfg.pipeline, bool), "pipeline", "must be True or False", cfg.pipeline)
+    _require(cfg.pipeline is None or isinstance(cfg.pipeline, bool), "pipeline", "must be None (auto), True or False",
+             cfg.pipeline)
     _require(cfg.adaptive is None or isinstance(cfg.adaptive, bool), "adaptive", "must be None (auto), True or False",
              cfg.adaptive)
     _require(cfg.cuda_graphs is None or isinstance(cfg.cuda_graphs, bool), "cuda_graphs",

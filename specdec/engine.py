@@ -55,11 +55,13 @@ class SpecConfig:
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
-    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA, off on the CPU
+    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA unless the steps
+    #                               are pipelined (below), off on the CPU
     fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
-    pipeline: bool = False  # fused steps queue their successor before the host reads them (lookahead.py); needs
-    #                         fused_verify, graphs and a fixed budget (adaptive off). Off by default until an
-    #                         unreproduced batch-64 device fault (bench/RESULTS.md, session 7) is explained
+    pipeline: bool | None = None  # greedy fused steps queue their successor before the host reads them
+    #                               (lookahead.py); needs fused_verify and a fixed budget (adaptive not True).
+    #                               None: on for CUDA (measured 2.04x target-only at batch 1 against 1.57x
+    #                               unpipelined, bench/RESULTS.md session 8), off on the CPU (nothing to overlap)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -97,9 +99,10 @@ class SpecEngine:
         self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
-        self.adaptive = make_controller(cfg.adaptive, self.device, self.drafter, self.runner.graphs)
-        if cfg.pipeline and cfg.fused_verify and self.adaptive is None and hasattr(self.drafter, "enable_pipeline") \
-                and getattr(self.drafter, "device_loop", None) is not None:
+        pipelined = self._pipelines()
+        adaptive = cfg.adaptive if cfg.adaptive is not None else self.device.type == "cuda" and not pipelined
+        self.adaptive = make_controller(adaptive, self.device, self.drafter, self.runner.graphs)
+        if pipelined and self.adaptive is None:
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
@@ -116,6 +119,16 @@ class SpecEngine:
         self.stats = AcceptanceStats()
         self.router = Router()
         self._ids = itertools.count()
+
+    def _pipelines(self) -> bool:
+        """Whether greedy fused steps queue their successors (``specdec.lookahead``): asked for (``pipeline``
+        True, or None on CUDA), on the fused path of a device draft program, and no adaptive budget asked for
+        (the pipeline needs a fixed one; ``adaptive`` None then means a fixed budget)."""
+        cfg = self.config
+        wanted = cfg.pipeline if cfg.pipeline is not None else self.device.type == "cuda"
+        loop = getattr(self.drafter, "device_loop", None)
+        return bool(wanted and cfg.fused_verify and cfg.adaptive is not True and loop is not None
+                    and hasattr(self.drafter, "enable_pipeline"))
 
     def _prepare_fused(self) -> None:
         """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every

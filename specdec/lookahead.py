@@ -159,8 +159,10 @@ class AdvanceGraphs:
             saved = inputs.dev.clone()
             run = functools.partial(advance, vv, bv, qv, acc, tok, feats, table, pv, bp, qp, pfeats, pool,
                                     block_size, n, node_offsets, self.rows_op)
-            graph, _ = capture_graph(run, None, self.device)
-            inputs.dev.copy_(saved)
+            try:
+                graph, _ = capture_graph(run, None, self.device)
+            finally:  # (also when capturing fails, e.g. out of memory: the step is retried on these rows)
+                inputs.dev.copy_(saved)
             entry = self.graphs[key] = (graph, acc, tok, table, node_offsets)  # (the graph reads this tensor)
         graph, acc, tok, table, _ = entry
         acc.copy_(accept)

@@ -73,9 +73,9 @@ def test_generate_with_token_level_errors_still_exits_2(capsys, tiny_llama_dir):
     assert "tokenizer" in err
 
 
-def test_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatch):
-    """``specdec bench --pipeline`` builds its engines with ``pipeline=True``; with ``--adaptive auto`` the budget is
-    fixed (the pipeline needs it), an explicit ``--adaptive`` is kept; ``specdec generate --pipeline`` likewise."""
+def test_pipeline_and_adaptive_flags_reach_the_engine_config(monkeypatch):
+    """``--pipeline`` and ``--adaptive`` (auto / on / off) become ``SpecConfig``'s None / True / False on ``specdec
+    bench`` and ``specdec generate``; the engine resolves auto (``test_lookahead``)."""
     import specdec.cli.checks as checks
 
     seen = {}
@@ -90,12 +90,15 @@ def test_pipeline_flag_asks_for_the_pipeline_and_a_fixed_budget(monkeypatch):
         return cls(**fields)
 
     monkeypatch.setattr(checks, "build", build)
-    for argv, want in ((["--pipeline"], (True, False)), (["--pipeline", "--adaptive", "on"], (True, True)),
-                       ([], (False, None))):
+    for argv, want in ((["--pipeline", "on"], (True, None)), (["--pipeline", "off", "--adaptive", "on"], (False, True)),
+                       ([], (None, None))):
         with pytest.raises(Built):
             main(["bench", "--device", "cpu", *argv])
         assert (seen["SpecConfig"]["pipeline"], seen["SpecConfig"]["adaptive"]) == want
-    seen.clear()
-    with pytest.raises(Built):
-        main(["generate", "--device", "cpu", "--prompt", "hi", "--pipeline"])
-    assert (seen["SpecConfig"]["pipeline"], seen["SpecConfig"]["adaptive"]) == (True, False)
+    for argv, want in ((["--pipeline", "on"], True), ([], None), (["--pipeline", "off"], False)):
+        seen.clear()
+        with pytest.raises(Built):
+            main(["generate", "--device", "cpu", "--prompt", "hi", *argv])
+        assert seen["SpecConfig"]["pipeline"] is want
+    with pytest.raises(SystemExit):
+        main(["bench", "--pipeline", "yes"])

@@ -352,12 +352,15 @@ def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
 
 def test_default_draft_name_loads_an_eagle_folder(setup, monkeypatch):
     from specdec import training as drafts
-    from specdec.cli.bench import default_draft
+    from specdec.cli.bench import CUDA_DRAFT_TREE, default_draft, default_tree
 
     root, _, target = setup
     monkeypatch.setattr(drafts, "DEFAULT_DRAFT_DIR", root / "full")
     assert drafts.default_draft_available() and default_draft("smollm2-135m") == "smollm2-135m-draft"
     assert default_draft("another-target") == "ngram"
+    assert default_draft("smollm2-135m", "cuda") == "smollm2-135m-draft"  # on CUDA too: its steps are pipelined
+    assert (default_tree("smollm2-135m-draft", "cuda"), default_tree("smollm2-135m-draft", "cpu"),
+            default_tree("ngram", "cuda")) == (CUDA_DRAFT_TREE, "chain:4", "chain:8")
     draft = load_model("smollm2-135m-draft", target=target)
     assert isinstance(draft.model, EagleDraft) and draft.name == "smollm2-135m-draft"
 
@@ -405,5 +408,6 @@ def test_gpu_graphed_eagle_equals_target_only(setup, tree):
     assert eng.drafter.device_loop is not None and len(eng.drafter.device_loop.graphs) > 0
     spec = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0  # the verify launched with the draft
+    paths = eng.drafter.paths  # the verify launched with the draft; pipelined by default on CUDA
+    assert paths["fused"] == paths["device"] + paths["ahead"] and paths["device"] > 0 and paths["ahead"] > 0
     assert eng.all_blocks_free()

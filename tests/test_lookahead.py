@@ -144,18 +144,23 @@ def _assert_same_inputs(got: torch.Tensor, want: torch.Tensor, b: int, q: int, w
 
 
 def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
-    """The pipeline runs only when asked for (off by default), with a fixed budget (adaptive off) on the fused
-    path; its rows reserve one more path + bonus of KV; ``pipeline`` must be a bool."""
+    """The pipeline runs when asked for (``pipeline`` True, or None on CUDA), with a fixed budget on the fused
+    path: ``adaptive`` True turns it off, and None then means a fixed budget; its rows reserve one more path +
+    bonus of KV; ``pipeline`` must be None or a bool."""
     draft, target, _, cfg = tiny
-    on = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **cfg))
-    off = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "pipeline": False}))
-    adaptive = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": True}))
-    unfused = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "fused_verify": False}))
-    plain = {k: v for k, v in cfg.items() if k != "pipeline"}
-    default = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **plain))
-    assert on.drafter.pipeline and not off.drafter.pipeline and not default.drafter.pipeline
-    assert not adaptive.drafter.pipeline and not unfused.drafter.pipeline
+    cuda = cfg["device"] == "cuda"
+
+    def engine(**fields):
+        return SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, **fields}))
+
+    on, off, adaptive, unfused = engine(), engine(pipeline=False), engine(adaptive=True), engine(fused_verify=False)
+    assert on.drafter.pipeline and on.adaptive is None and not off.drafter.pipeline
+    assert not adaptive.drafter.pipeline and adaptive.adaptive is not None and not unfused.drafter.pipeline
     assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
+    auto = engine(pipeline=None, adaptive=None)  # the defaults: pipelined and fixed on CUDA, neither on the CPU
+    assert auto.drafter.pipeline is cuda and auto.adaptive is None
+    assert engine(pipeline=True, adaptive=None).drafter.pipeline
+    assert (engine(pipeline=False, adaptive=None).adaptive is not None) is cuda  # adaptive as before
     from specdec.errors import FieldError
 
     with pytest.raises(FieldError, match="pipeline"):

@@ -11,6 +11,10 @@ from specdec.benchmark.hf import HF_PARTS
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
+PIPELINE_CHOICES = {"auto": None, "on": True, "off": False}  # --pipeline -> SpecConfig.pipeline
+# the shipped draft's tree on CUDA, pipelined with a fixed budget: the fixed tree measured best over batch 1 and
+# 64 on the H200 (bench/RESULTS.md, session 8); elsewhere chain:4
+CUDA_DRAFT_TREE = "dynamic:31"
 
 
 def add_bench_parser(sub, add_model_args) -> None:
@@ -23,7 +27,7 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--top-p", type=float, default=1.0)
     b.add_argument("--batch-size", default="1", help="one batch size or a comma list to sweep, e.g. 1,8,32,64")
-    b.add_argument("--tree", default=None, help="chain:K | topk:WxD | dynamic:BUDGET (default chain:4 / ngram chain:8)")
+    b.add_argument("--tree", default=None, help=TREE_HELP)
     b.add_argument("--baseline", default="none", choices=["hf", "none"],
                    help="hf: also transformers generate (dynamic cache; static cache + torch.compile; assisted)")
     b.add_argument("--hf-configs", default="hf,hf_static,hf_assisted",
@@ -34,10 +38,9 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="waves: --batch-size prompts per generate call (a wave lasts as long as its slowest row); "
                         "continuous: every prompt submitted at once, --batch-size rows running, freed rows refilled")
     b.add_argument("--adaptive", default="auto", choices=list(ADAPTIVE_CHOICES),
-                   help="per-step tree budget from measured costs (auto: on for CUDA); reports the mean budget")
-    b.add_argument("--pipeline", action="store_true",
-                   help="pipelined fused EAGLE steps (SpecConfig(pipeline=True); with --adaptive auto the budget "
-                        "is fixed, as the pipeline needs)")
+                   help="per-step tree budget from measured costs (auto: on for CUDA unless the steps are "
+                        "pipelined); reports the mean budget")
+    b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", dest="json_out", default=None)
     b.add_argument("--plot", default=None)
@@ -46,19 +49,26 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.set_defaults(func=cmd_bench)
 
 
-def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
-    """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup.
+TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a draft model {CUDA_DRAFT_TREE} on CUDA, " \
+            "else chain:4)"
+PIPELINE_HELP = "pipelined fused EAGLE steps, greedy (auto: on for CUDA, with a fixed tree budget unless --adaptive on)"
 
-    On CUDA the default stays n-gram for now: at batch 1 on the H200 the shipped draft's unpipelined fused steps
-    measured 1.35-1.46x target-only against n-gram's 1.60x; pipelined (``SpecConfig(pipeline=True)``, not yet
-    on by default) dynamic:31 measured 1.88x. See bench/RESULTS.md, sessions 6 and 7."""
+
+def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
+    """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup."""
     try:
         from specdec.training import default_draft_available
     except ImportError:
         return "ngram"
-    if str(device).startswith("cuda"):
-        return "ngram"
     return DEFAULT_DRAFT if target == "smollm2-135m" and default_draft_available() else "ngram"
+
+
+def default_tree(draft: str, device: str = "cpu") -> str:
+    """The tree of a run that names none: n-gram chain:8; a draft model's ``CUDA_DRAFT_TREE`` on CUDA, else
+    chain:4."""
+    if draft == "ngram":
+        return "chain:8"
+    return CUDA_DRAFT_TREE if str(device).startswith("cuda") else "chain:4"
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -107,10 +117,10 @@ def cmd_bench(args) -> int:
     check_positive("--num-prompts", args.num_prompts, allow_none=True)
     check_dataset("--dataset", args.dataset, DATASET_NAMES)
     draft_name = args.draft or default_draft(args.target, device)
-    tree = args.tree or ("chain:8" if draft_name == "ngram" else "chain:4")
+    tree = args.tree or default_tree(draft_name, device)
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
-                max_batch_size=max(64, *batch_sizes), pipeline=args.pipeline,
-                adaptive=False if args.pipeline and args.adaptive == "auto" else ADAPTIVE_CHOICES[args.adaptive])
+                max_batch_size=max(64, *batch_sizes), pipeline=PIPELINE_CHOICES[args.pipeline],
+                adaptive=ADAPTIVE_CHOICES[args.adaptive])
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    max_new_tokens=args.max_new_tokens)
     check_model("--target", args.target)

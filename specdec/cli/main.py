@@ -13,18 +13,17 @@ from specdec.cli.common import device_dtype as _device_dtype
 
 
 def cmd_generate(args) -> int:
-    from specdec.cli.bench import default_draft
+    from specdec.cli.bench import PIPELINE_CHOICES, default_draft, default_tree
     from specdec.cli.checks import build, check_model, load
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.sampling_params import SamplingParams
 
     device, dtype = _device_dtype(args)  # every argument is checked before a model loads
     name = args.draft or default_draft(args.model, device)
-    tree = args.tree or ("chain:8" if name == "ngram" else "chain:4")
+    tree = args.tree or default_tree(name, device)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens)
-    config = build(SpecConfig, tree=tree, device=device, dtype=dtype,
-                   **({"pipeline": True, "adaptive": False} if args.pipeline else {}))
+    config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline])
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
     target = load("--model", args.model, dtype, device)
@@ -49,6 +48,8 @@ def cmd_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from specdec.cli.bench import PIPELINE_CHOICES, PIPELINE_HELP, TREE_HELP, add_bench_parser
+
     parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
     g.add_argument("--draft", default=None,
                    help="draft model name/path, 'ngram', or 'none' (default: the shipped draft, else ngram)")
-    g.add_argument("--tree", default=None, help="chain:K | topk:WxD | dynamic:BUDGET (default chain:4 / ngram chain:8)")
+    g.add_argument("--tree", default=None, help=TREE_HELP)
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -65,12 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
-    g.add_argument("--pipeline", action="store_true",
-                   help="pipelined fused EAGLE steps with a fixed tree budget (SpecConfig(pipeline=True))")
+    g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
-    from specdec.cli.bench import add_bench_parser
     from specdec.serving.cli import add_serve_parsers
 
     add_bench_parser(sub, _add_model_args)
