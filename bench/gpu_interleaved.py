@@ -57,6 +57,9 @@ ENGINE_SETS = {
                  "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False,
                                                  "pipeline": False},
                  "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
+    "defaults_mid": {"target_only": {"draft": None},  # the same two trees between batch 1 and 64
+                     "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
+                     "eagle_dynamic15": {"draft": "eagle", "tree": "dynamic:15"}},
     # batch 64: s7b's four engines (where it faulted once) and smaller pipelined trees
     "pipeline64": {"target_only": {"draft": None},
                    "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False, "pipeline": True},

@@ -386,6 +386,13 @@ case "$stage" in
     grep -h -c FAILED "$D"/interleaved*.log
     pack
     ;;
+  s8f)  # (.stage3/p_02 .whl .gpu, with piece 02) the CUDA defaults between batch 1 and 64: batch 8 and 32
+    assemble
+    install
+    ENGINES=defaults_mid REPEATS=3 interleaved 200 8 32
+    grep -h -c FAILED "$D"/interleaved.log
+    pack
+    ;;
   s8b)  # (.whl .gpu, after s8a on the same machine) issue 9's n-gram chain:8 at batch 16, waves and continuous
     [ -f "$MODEL" ] || assemble
     install
