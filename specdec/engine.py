@@ -55,8 +55,8 @@ class SpecConfig:
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
-    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA unless the steps
-    #                               are pipelined (below), off on the CPU
+    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA (when the steps
+    #                               are pipelined, below, only for steps with sampled rows), off on the CPU
     fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
     pipeline: bool | None = None  # greedy fused steps queue their successor before the host reads them
     #                               (lookahead.py); needs fused_verify and a fixed budget (adaptive not True).
@@ -100,9 +100,12 @@ class SpecEngine:
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
         pipelined = self._pipelines()
-        adaptive = cfg.adaptive if cfg.adaptive is not None else self.device.type == "cuda" and not pipelined
+        adaptive = cfg.adaptive if cfg.adaptive is not None else self.device.type == "cuda"
         self.adaptive = make_controller(adaptive, self.device, self.drafter, self.runner.graphs)
-        if pipelined and self.adaptive is None:
+        # pipelined with the adaptive controller on auto: greedy steps keep the full budget (the pipeline needs a
+        # fixed one), the controller chooses only for steps with sampled rows (which the pipeline never takes)
+        self.greedy_budget_fixed = pipelined and self.adaptive is not None
+        if pipelined:
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
@@ -122,8 +125,8 @@ class SpecEngine:
 
     def _pipelines(self) -> bool:
         """Whether greedy fused steps queue their successors (``specdec.lookahead``): asked for (``pipeline``
-        True, or None on CUDA), on the fused path of a device draft program, and no adaptive budget asked for
-        (the pipeline needs a fixed one; ``adaptive`` None then means a fixed budget)."""
+        True, or None on CUDA), on the fused path of a device draft program, and the adaptive budget not forced
+        on (the pipeline needs a fixed budget; with ``adaptive`` None greedy steps then keep the full one)."""
         cfg = self.config
         wanted = cfg.pipeline if cfg.pipeline is not None else self.device.type == "cuda"
         loop = getattr(self.drafter, "device_loop", None)
@@ -137,7 +140,8 @@ class SpecEngine:
         if fused is None:
             return
         start = time.perf_counter()
-        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive else [self.drafter.node_budget]
+        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive and not self.greedy_budget_fixed \
+            else [self.drafter.node_budget]  # (only greedy steps are fused)
         n = fused.prepare(budgets)
         if n and self.graph_report is not None:
             self.graph_report.graphs += n
@@ -277,8 +281,10 @@ class SpecEngine:
     def _speculate(self, rows: list[Request]) -> list:
         if not rows:
             return []
-        if self.adaptive is not None:
+        if self.adaptive is not None and not (self.greedy_budget_fixed and all(r.params.greedy for r in rows)):
             return self.adaptive.speculate(rows, self.drafter, self.verifier)
+        if self.greedy_budget_fixed:
+            self.drafter.budget = None  # the tree's full size, whatever the controller chose for sampled rows
         proposal: Proposal = self.drafter.propose(rows)
         return self.verifier.verify_proposal(rows, proposal)
 

@@ -16,6 +16,7 @@ from specdec.scheduler.step_inputs import StepInputs, _offsets
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
 from test_fused_step import _host_inputs
 
+from specdec.adaptive import BudgetController, budget_options
 from specdec.drafters.eagle_drafter import _Spans
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
@@ -156,15 +157,56 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
     on, off, adaptive, unfused = engine(), engine(pipeline=False), engine(adaptive=True), engine(fused_verify=False)
     assert on.drafter.pipeline and on.adaptive is None and not off.drafter.pipeline
     assert not adaptive.drafter.pipeline and adaptive.adaptive is not None and not unfused.drafter.pipeline
+    assert not adaptive.greedy_budget_fixed and not on.greedy_budget_fixed
     assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
-    auto = engine(pipeline=None, adaptive=None)  # the defaults: pipelined and fixed on CUDA, neither on the CPU
-    assert auto.drafter.pipeline is cuda and auto.adaptive is None
+    # the defaults: on CUDA pipelined, the controller only for steps with sampled rows; on the CPU neither
+    auto = engine(pipeline=None, adaptive=None)
+    assert auto.drafter.pipeline is cuda and (auto.adaptive is not None) is cuda and auto.greedy_budget_fixed is cuda
     assert engine(pipeline=True, adaptive=None).drafter.pipeline
     assert (engine(pipeline=False, adaptive=None).adaptive is not None) is cuda  # adaptive as before
     from specdec.errors import FieldError
 
     with pytest.raises(FieldError, match="pipeline"):
         SpecConfig(pipeline="yes")
+
+
+class _Recording(BudgetController):
+    """The adaptive controller choosing the smallest tree every time, recording whether each step it was asked
+    to choose for had a sampled row."""
+
+    def __init__(self, options):
+        super().__init__(options)
+        self.sampled_steps: list[bool] = []
+
+    def choose(self, rows: int) -> int:
+        self.last = self.options[1]
+        self.chosen[(rows, self.last.nodes)] += 1
+        return self.last.nodes
+
+    def speculate(self, rows, drafter, verifier):
+        self.sampled_steps.append(any(not r.params.greedy for r in rows))
+        return super().speculate(rows, drafter, verifier)
+
+
+def test_pipelined_greedy_steps_keep_the_full_budget_beside_the_controller(tiny):
+    """CUDA's default (``pipeline`` and ``adaptive`` None): the controller chooses budgets only for steps with
+    sampled rows; greedy steps run pipelined at the tree's full size even right after the controller chose a
+    smaller one, and greedy output equals target-only (set up here on the CPU, where the defaults are off;
+    seeded sampled output follows the budgets, so only its length is checked)."""
+    draft, target, want, cfg = tiny
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
+    eng.adaptive = ctrl = _Recording(budget_options(eng.drafter))
+    eng.greedy_budget_fixed = True
+    budgets, propose = [], eng.drafter.propose
+    eng.drafter.propose = lambda rows: budgets.append((rows[0].params.greedy, eng.drafter.node_budget)) or propose(rows)
+    sampled = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=5 + i, ignore_eos=True) for i in range(2)]
+    for _ in range(2):  # greedy after sampled: the controller's last choice must not carry over
+        assert [len(o.token_ids) for o in eng.generate(PROMPTS[:2], sampled)] == [12, 12]
+        assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
+    assert ctrl.sampled_steps and all(ctrl.sampled_steps)  # never asked about an all-greedy step
+    assert {n for greedy, n in budgets if not greedy} == {ctrl.options[1].nodes} != {eng.drafter.max_nodes}
+    assert {n for greedy, n in budgets if greedy} == {eng.drafter.max_nodes}
+    assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on the CPU needs the interpreter; "

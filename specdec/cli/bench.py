@@ -38,8 +38,8 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="waves: --batch-size prompts per generate call (a wave lasts as long as its slowest row); "
                         "continuous: every prompt submitted at once, --batch-size rows running, freed rows refilled")
     b.add_argument("--adaptive", default="auto", choices=list(ADAPTIVE_CHOICES),
-                   help="per-step tree budget from measured costs (auto: on for CUDA unless the steps are "
-                        "pipelined); reports the mean budget")
+                   help="per-step tree budget from measured costs (auto: on for CUDA, only for steps with sampled "
+                        "rows when the steps are pipelined); reports the mean budget")
     b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--json", dest="json_out", default=None)
@@ -51,7 +51,8 @@ def add_bench_parser(sub, add_model_args) -> None:
 
 TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a draft model {CUDA_DRAFT_TREE} on CUDA, " \
             "else chain:4)"
-PIPELINE_HELP = "pipelined fused EAGLE steps, greedy (auto: on for CUDA, with a fixed tree budget unless --adaptive on)"
+PIPELINE_HELP = "pipelined fused EAGLE steps, greedy ones at the tree's full size (auto: on for CUDA; --adaptive on " \
+    "turns it off)"
 
 
 def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
