@@ -209,6 +209,29 @@ def test_pipelined_greedy_steps_keep_the_full_budget_beside_the_controller(tiny)
     assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
 
 
+def test_pipelined_engine_under_the_serving_executor(tiny):
+    """Requests reaching a pipelined engine through the serving executor's loop thread while others run, one of
+    them cancelled mid-stream: the others equal target-only, queued steps were adopted, and every block is freed."""
+    from specdec.serving.executor import Executor
+
+    draft, target, want, cfg = tiny
+    ex = Executor(SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg)))
+    try:
+        long = ex.enqueue(PROMPTS[4], SamplingParams(max_new_tokens=200, ignore_eos=True))
+        ids, seen = [], []
+        for out in ex.stream(long, timeout=120):
+            seen.append(out)
+            if len(seen) <= 4:  # the others join a running batch, one per output of the long request
+                ids.append(ex.enqueue(PROMPTS[len(ids)], PARAMS[len(ids)]))
+            elif len(seen) == 12:
+                ex.cancel(long)
+        assert seen[-1].finish_reason == "abort" and len(seen[-1].token_ids) < 200
+        assert [ex.result(i, timeout=120).token_ids for i in ids] == want
+        assert ex.run_on_loop(lambda e: e.all_blocks_free() and e.drafter.paths["ahead"] > 0)
+    finally:
+        ex.shutdown()
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernel on the CPU needs the interpreter; "
                     "on CUDA the Triton backend's steps use it compiled")
 def test_pipelined_steps_with_the_advance_kernel(tiny):
