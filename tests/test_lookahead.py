@@ -163,6 +163,10 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
     auto = engine(pipeline=None, adaptive=None)
     assert auto.drafter.pipeline is cuda and (auto.adaptive is not None) is cuda and auto.greedy_budget_fixed is cuda
     assert engine(pipeline=True, adaptive=None).drafter.pipeline
+    from specdec.cli.bench import engine_mode  # what ``specdec bench`` reports of it
+
+    assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "greedy_budget_fixed": False}
+    assert engine_mode(adaptive) == {"pipelined": False, "adaptive_on": True, "greedy_budget_fixed": False}
     assert (engine(pipeline=False, adaptive=None).adaptive is not None) is cuda  # adaptive as before
     from specdec.errors import FieldError
 

@@ -72,6 +72,12 @@ def default_tree(draft: str, device: str = "cpu") -> str:
     return CUDA_DRAFT_TREE if str(device).startswith("cuda") else "chain:4"
 
 
+def engine_mode(engine) -> dict[str, bool]:
+    """How a speculative engine resolved its ``pipeline`` / ``adaptive`` options (auto by default)."""
+    return {"pipelined": bool(getattr(engine.drafter, "pipeline", False)), "adaptive_on": engine.adaptive is not None,
+            "greedy_budget_fixed": engine.greedy_budget_fixed}
+
+
 def parse_batch_sizes(text: str) -> list[int]:
     """``"1,8,32"`` -> [1, 8, 32]; every size an int >= 1, no repeats (UsageError naming --batch-size otherwise)."""
     from specdec.cli.checks import UsageError
@@ -141,12 +147,14 @@ def cmd_bench(args) -> int:
     sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets,
                                 schedule=args.schedule)) for b in batch_sizes]
     config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
-              "dtype": dtype}
+              "dtype": dtype, **engine_mode(engines[0])}
     config.pop("func", None)
     report = build_report(sweep[0][1], environment_info(), config, sweep=sweep)
     for entry in report["sweep"]:
         entry["mean_budget"] = budgets.get(entry["batch_size"])
     print(format_table(report))
+    print(f"steps: {'pipelined' if config['pipelined'] else 'not pipelined'}, adaptive budget "
+          f"{'for sampled steps only' if config['greedy_budget_fixed'] else 'on' if config['adaptive_on'] else 'off'}")
     print(budget_line(report), end="")
     print(format_sweep(report), end="")
     if args.json_out:
