@@ -3,8 +3,8 @@
 A captured graph replays the addresses its kernels read, and it does not keep the tensors behind them alive. A
 tensor from a plain ``functools.lru_cache`` that a graph read is freed when the cache evicts it; the allocator
 then hands its memory to other tensors and every later replay reads their bytes. (At batch 64 several engines
-in one process made more tree shapes than such a cache held; the trees' depths then came from freed memory
-and the RoPE gather indexed out of range.) ``graph_constant`` keeps every entry that was returned while a
+in one process made more tree shapes than such a cache held; captured steps then read tree depths and masks
+from freed memory and faulted.) ``graph_constant`` keeps every entry that was returned while a
 stream was being captured for as long as the process lives; the rest are evicted as usual.
 """
 
