@@ -86,13 +86,15 @@ def test_ngram_shared_must_be_a_bool():
         SpecConfig(ngram_shared="yes")
 
 
-@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 1), (4, 2), (5, 1)])
-def test_incremental_index_equals_the_scan(max_n, min_n):
-    """``NgramIndex`` fed in random pieces (the default 4/1 shape takes an unrolled path) proposes what
-    ``ngram_lookup``'s scan finds, and its shared-table entries are each n-gram's latest start."""
+@pytest.mark.parametrize("max_n,min_n,shared_n", [(4, 1, 2), (3, 1, 2), (4, 2, 2), (5, 1, 2), (4, 1, 1),
+                                                   (4, 1, 3), (4, 1, 4), (4, 1, 5)])
+def test_incremental_index_equals_the_scan(max_n, min_n, shared_n):
+    """``NgramIndex`` fed in random pieces (the default 4/1 shape takes an unrolled path, one loop per shared
+    table shape) proposes what ``ngram_lookup``'s scan finds, and its own and shared-table entries are each
+    n-gram's latest start."""
     rng = random.Random(max_n * 10 + min_n)
     tokens = [rng.randrange(5) for _ in range(7)]
-    table = SharedNgrams(min_n=2)
+    table = SharedNgrams(min_n=shared_n)
     index = NgramIndex(max_n, min_n, table)
     index.update(tokens, len(tokens))
     while len(tokens) < 400:
@@ -100,7 +102,10 @@ def test_incremental_index_equals_the_scan(max_n, min_n):
         assert index.lookup(tokens, 6, use_shared=False) == ngram_lookup(tokens, 6, max_n, min_n)
     latest = {}
     for end in range(len(tokens)):  # n-grams followed by a token, as the index keeps them
-        for n in range(2, max_n + 1):
+        for n in range(min_n, max_n + 1):
             if end - n >= 0:
                 latest[tuple(tokens[end - n:end])] = end - n
-    assert {g: e & 0xFFFFFFFF for g, e in table.new.items()} == latest
+    assert index.latest == latest
+    shared = {g: start for g, start in latest.items() if len(g) >= shared_n}
+    assert {g: e & 0xFFFFFFFF for g, e in table.new.items()} == shared
+    assert {e >> 32 for e in table.new.values()} <= {index.owner}

@@ -89,38 +89,50 @@ class NgramIndex:
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
-        lo, hi, latest = self.min_n, self.max_n, self.latest
-        new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start
-        if self.shared is not None and upto > self.indexed:
-            new, s_lo = self.shared.writer(self.owner, tokens), self.shared.min_n
         first = self.indexed
-        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled: no slices of slices
-            own_only = new is None or s_lo > 4
-            for end in range(first, upto):
-                a, b, c, d = tokens[end - 4:end]
-                g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
-                latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
-                if own_only:
-                    continue
-                new[g4] = tag | (end - 4)
-                if s_lo <= 3:
-                    new[g3] = tag | (end - 3)
-                if s_lo <= 2:
-                    new[g2] = tag | (end - 2)
-                if s_lo == 1:
-                    new[(d,)] = tag | (end - 1)
-            first = upto
-        for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
-            tail = tuple(tokens[end - hi if end > hi else 0:end])
-            for n in range(lo, len(tail) + 1):
-                gram = tail[-n:]
-                latest[gram] = end - n
-                if new is not None and n >= s_lo:
-                    new[gram] = tag | (end - n)
-        if new is not None:
-            self.shared.turn_over()
-        if upto > self.indexed:
-            self.indexed = upto
+        if upto <= first:
+            return
+        lo, hi, latest, shared = self.min_n, self.max_n, self.latest, self.shared
+        new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start = tag + start
+        if shared is not None:
+            new, s_lo = shared.writer(self.owner, tokens), shared.min_n
+        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled: one slice per call, not per token
+            a, b, c = tokens[first - 4:first - 1]
+            s = first - 4  # the start of the 4-gram ending at ``end``, for end = first, first + 1, ...
+            if new is None or s_lo > 4:
+                for d in tokens[first - 1:upto - 1]:
+                    latest[(a, b, c, d)], latest[(b, c, d)], latest[(c, d)], latest[(d,)] = s, s + 1, s + 2, s + 3
+                    a, b, c, s = b, c, d, s + 1
+            elif s_lo == 2:  # the drafter's shared table: n-grams of 2 to 4 tokens go there too
+                t = tag + s
+                for d in tokens[first - 1:upto - 1]:
+                    g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
+                    latest[g4], latest[g3], latest[g2], latest[(d,)] = s, s + 1, s + 2, s + 3
+                    new[g4], new[g3], new[g2] = t, t + 1, t + 2
+                    a, b, c, s, t = b, c, d, s + 1, t + 1
+            else:
+                for end in range(first, upto):
+                    a, b, c, d = tokens[end - 4:end]
+                    g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
+                    latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
+                    new[g4] = tag | (end - 4)
+                    if s_lo <= 3:
+                        new[g3] = tag | (end - 3)
+                    if s_lo <= 2:
+                        new[g2] = tag | (end - 2)
+                    if s_lo == 1:
+                        new[(d,)] = tag | (end - 1)
+        else:
+            for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
+                tail = tuple(tokens[end - hi if end > hi else 0:end])
+                for n in range(lo, len(tail) + 1):
+                    gram = tail[-n:]
+                    latest[gram] = end - n
+                    if new is not None and n >= s_lo:
+                        new[gram] = tag | (end - n)
+        if new is not None and len(new) >= shared.capacity:
+            shared.turn_over()
+        self.indexed = upto
 
     def lookup(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
         """Same result as ``ngram_lookup(tokens, k, max_n, min_n)`` without ``shared`` (or ``use_shared``
@@ -147,11 +159,10 @@ class NgramIndex:
                 hit = new.get(gram)
                 if hit is not None:
                     owners = shared.new_owners
-                else:
-                    hit = old.get(gram)
-                    if hit is None:
-                        continue
+                elif old and (hit := old.get(gram)) is not None:  # ``old`` is empty until the first turn-over
                     owners = shared.old_owners
+                else:
+                    continue
                 start = hit & 0xFFFFFFFF
                 return owners[hit >> 32][start + n:start + n + k]
         return out
@@ -204,11 +215,13 @@ class NgramDrafter(Drafter):
         k, n = self.node_budget, len(rows)
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
-        indexes, chain, trees = self._index, DraftTree.chain, []
+        get, chain, empty, trees = self._index.get, DraftTree.chain, DraftTree.empty(), []
         for req in rows:
-            index = indexes.get(req) or self._index_of(req)
-            room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1  # tokens still to come
+            index = get(req) or self._index_of(req)
+            params, tokens = req.params, req.tokens
+            room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
-            trees.append(chain(index.lookup(req.tokens, k if room >= k else max(room, 0), req.params.greedy)))
+            drafted = index.lookup(tokens, k if room >= k else max(room, 0), params.greedy)
+            trees.append(chain(drafted) if drafted else empty)
         return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view
