@@ -109,3 +109,35 @@ def test_incremental_index_equals_the_scan(max_n, min_n, shared_n):
     shared = {g: start for g, start in latest.items() if len(g) >= shared_n}
     assert {g: e & 0xFFFFFFFF for g, e in table.new.items()} == shared
     assert {e >> 32 for e in table.new.values()} <= {index.owner}
+
+
+@pytest.mark.parametrize("shared_table", [True, False])
+def test_unrolled_lookup_equals_lookup(shared_table):
+    """``NgramIndex.lookup_unrolled`` (update inlined) gives ``lookup``'s continuation at every step and leaves
+    the same own and shared entries, for rows that share a table which turns over, from their first tokens on."""
+    rng = random.Random(7)
+    twins = []
+    for _ in range(2):
+        table = SharedNgrams(min_n=2, capacity=300) if shared_table else None
+        twins.append((table, [NgramIndex(4, 1, table) for _ in range(5)]))
+    assert all(index.unrolled for _, indexes in twins for index in indexes)
+    streams = [[rng.randrange(6)] for _ in range(5)]
+    hits = 0
+    for _ in range(150):
+        for row, tokens in enumerate(streams):
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            k, use_shared = rng.randrange(0, 9), rng.random() < 0.8
+            fast = twins[0][1][row].lookup_unrolled(tokens, k, use_shared)
+            assert fast == twins[1][1][row].lookup(tokens, k, use_shared)
+            hits += bool(fast)
+    assert hits > 300
+    (fast_table, fast), (ref_table, ref) = twins
+    assert [i.latest for i in fast] == [i.latest for i in ref] and [i.indexed for i in fast] == [i.indexed for i in ref]
+    if shared_table:
+        assert (fast_table.new, fast_table.old) == (ref_table.new, ref_table.old) and fast_table.old
+        assert fast_table.new_owners.keys() == ref_table.new_owners.keys()
+
+
+def test_unrolled_only_for_its_shape():
+    assert NgramIndex(4, 1).unrolled and NgramIndex(4, 1, SharedNgrams(min_n=2)).unrolled
+    assert not any(i.unrolled for i in (NgramIndex(3, 1), NgramIndex(4, 2), NgramIndex(4, 1, SharedNgrams(min_n=3))))

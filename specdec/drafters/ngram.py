@@ -86,6 +86,7 @@ class NgramIndex:
         self.owner = 0 if shared is None else shared.owner()  # this index's id in the shared table
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
         self.indexed = 0  # n-grams ending before this position are in ``latest``
+        self.unrolled = max_n == 4 and min_n == 1 and (shared is None or shared.min_n == 2)  # lookup_unrolled serves it
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
@@ -96,32 +97,20 @@ class NgramIndex:
         new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start = tag + start
         if shared is not None:
             new, s_lo = shared.writer(self.owner, tokens), shared.min_n
-        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled: one slice per call, not per token
-            a, b, c = tokens[first - 4:first - 1]
-            s = first - 4  # the start of the 4-gram ending at ``end``, for end = first, first + 1, ...
-            if new is None or s_lo > 4:
-                for d in tokens[first - 1:upto - 1]:
-                    latest[(a, b, c, d)], latest[(b, c, d)], latest[(c, d)], latest[(d,)] = s, s + 1, s + 2, s + 3
-                    a, b, c, s = b, c, d, s + 1
-            elif s_lo == 2:  # the drafter's shared table: n-grams of 2 to 4 tokens go there too
-                t = tag + s
-                for d in tokens[first - 1:upto - 1]:
-                    g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
-                    latest[g4], latest[g3], latest[g2], latest[(d,)] = s, s + 1, s + 2, s + 3
-                    new[g4], new[g3], new[g2] = t, t + 1, t + 2
-                    a, b, c, s, t = b, c, d, s + 1, t + 1
-            else:
-                for end in range(first, upto):
-                    a, b, c, d = tokens[end - 4:end]
-                    g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
-                    latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
-                    new[g4] = tag | (end - 4)
-                    if s_lo <= 3:
-                        new[g3] = tag | (end - 3)
-                    if s_lo <= 2:
-                        new[g2] = tag | (end - 2)
-                    if s_lo == 1:
-                        new[(d,)] = tag | (end - 1)
+        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled (``lookup_unrolled`` has it inlined)
+            for end in range(first, upto):
+                a, b, c, d = tokens[end - 4:end]
+                g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
+                latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
+                if new is None or s_lo > 4:
+                    continue
+                new[g4] = tag | (end - 4)
+                if s_lo <= 3:
+                    new[g3] = tag | (end - 3)
+                if s_lo <= 2:
+                    new[g2] = tag | (end - 2)
+                if s_lo == 1:
+                    new[(d,)] = tag | (end - 1)
         else:
             for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
                 tail = tuple(tokens[end - hi if end > hi else 0:end])
@@ -160,6 +149,59 @@ class NgramIndex:
                 if hit is not None:
                     owners = shared.new_owners
                 elif old and (hit := old.get(gram)) is not None:  # ``old`` is empty until the first turn-over
+                    owners = shared.old_owners
+                else:
+                    continue
+                start = hit & 0xFFFFFFFF
+                return owners[hit >> 32][start + n:start + n + k]
+        return out
+
+
+    def lookup_unrolled(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
+        """``lookup`` for the drafter's default shape (``unrolled``: max_n 4, min_n 1, a shared table of
+        min_n 2 or none) with ``update`` inlined: the same continuation and the same table entries, in one
+        call per row-step instead of three (the n-gram step's largest host cost)."""
+        L, latest, first, shared = len(tokens), self.latest, self.indexed, self.shared
+        if L > first:
+            if first < 4:
+                self.update(tokens, L)
+            else:  # ``update``'s unrolled loops
+                a, b, c = tokens[first - 4:first - 1]
+                s = first - 4
+                if shared is None:
+                    for d in tokens[first - 1:L - 1]:
+                        latest[(a, b, c, d)], latest[(b, c, d)], latest[(c, d)], latest[(d,)] = s, s + 1, s + 2, s + 3
+                        a, b, c, s = b, c, d, s + 1
+                else:
+                    new, owners = shared.new, shared.new_owners
+                    if self.owner not in owners:
+                        owners[self.owner] = tokens
+                    t = (self.owner << 32) + s
+                    for d in tokens[first - 1:L - 1]:
+                        g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
+                        latest[g4], latest[g3], latest[g2], latest[(d,)] = s, s + 1, s + 2, s + 3
+                        new[g4], new[g3], new[g2] = t, t + 1, t + 2
+                        a, b, c, s, t = b, c, d, s + 1, t + 1
+                    if len(new) >= shared.capacity:
+                        shared.turn_over()
+                self.indexed = L
+        if L < 5:  # a suffix shorter than max_n
+            return self.lookup(tokens, k, use_shared)
+        a, b, c, d = tokens[L - 4:]
+        g4, g3, g2, found, out = (a, b, c, d), (b, c, d), (c, d), 0, []
+        if (d,) in latest:  # else no earlier occurrence of the last token
+            for n, gram in ((4, g4), (3, g3), (2, g2), (1, (d,))):
+                start = latest.get(gram)
+                if start is not None:
+                    found, out = n, tokens[start + n:start + n + k]
+                    break
+        if shared is not None and use_shared and found < 4:  # a longer match in the shared table wins
+            new, old = shared.new, shared.old
+            for n, gram in ((4, g4), (3, g3), (2, g2))[:4 - max(found, 1)]:
+                hit = new.get(gram)
+                if hit is not None:
+                    owners = shared.new_owners
+                elif old and (hit := old.get(gram)) is not None:
                     owners = shared.old_owners
                 else:
                     continue
@@ -222,6 +264,7 @@ class NgramDrafter(Drafter):
             room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
-            drafted = index.lookup(tokens, k if room >= k else max(room, 0), params.greedy)
+            lookup = index.lookup_unrolled if index.unrolled else index.lookup
+            drafted = lookup(tokens, k if room >= k else max(room, 0), params.greedy)
             trees.append(chain(drafted) if drafted else empty)
         return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view
