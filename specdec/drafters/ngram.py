@@ -188,16 +188,21 @@ class NgramIndex:
         if L < 5:  # a suffix shorter than max_n
             return self.lookup(tokens, k, use_shared)
         a, b, c, d = tokens[L - 4:]
-        g4, g3, g2, found, out = (a, b, c, d), (b, c, d), (c, d), 0, []
-        if (d,) in latest:  # else no earlier occurrence of the last token
-            for n, gram in ((4, g4), (3, g3), (2, g2), (1, (d,))):
-                start = latest.get(gram)
-                if start is not None:
-                    found, out = n, tokens[start + n:start + n + k]
-                    break
+        g4, g3, g2, g1, found = (a, b, c, d), (b, c, d), (c, d), (d,), 0
+        start = latest.get(g1)  # None: no earlier occurrence of the last token
+        if start is not None:  # the longest own match (``lookup``'s loop over n, unrolled)
+            if (s4 := latest.get(g4)) is not None:
+                found, start = 4, s4
+            elif (s3 := latest.get(g3)) is not None:
+                found, start = 3, s3
+            elif (s2 := latest.get(g2)) is not None:
+                found, start = 2, s2
+            else:
+                found = 1
+        out = tokens[start + found:start + found + k] if found else []
         if shared is not None and use_shared and found < 4:  # a longer match in the shared table wins
             new, old = shared.new, shared.old
-            for n, gram in ((4, g4), (3, g3), (2, g2))[:4 - max(found, 1)]:
+            for n, gram in _SHARED_PROBES[found](g4, g3, g2):
                 hit = new.get(gram)
                 if hit is not None:
                     owners = shared.new_owners
@@ -208,6 +213,11 @@ class NgramIndex:
                 start = hit & 0xFFFFFFFF
                 return owners[hit >> 32][start + n:start + n + k]
         return out
+
+
+# ``lookup_unrolled``'s shared-table probes after an own match of n tokens: the longer n-grams (of at least 2 tokens)
+_SHARED_PROBES = (lambda g4, g3, g2: ((4, g4), (3, g3), (2, g2)), lambda g4, g3, g2: ((4, g4), (3, g3), (2, g2)),
+                  lambda g4, g3, g2: ((4, g4), (3, g3)), lambda g4, g3, g2: ((4, g4),))
 
 
 class NgramDrafter(Drafter):
