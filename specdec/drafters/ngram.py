@@ -87,6 +87,7 @@ class NgramIndex:
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
         self.indexed = 0  # n-grams ending before this position are in ``latest``
         self.unrolled = max_n == 4 and min_n == 1 and (shared is None or shared.min_n == 2)  # lookup_unrolled serves it
+        self._grams, self._grams_at = (), -1  # lookup_unrolled: the 4..1-grams ending at _grams_at (its last suffix)
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
@@ -162,33 +163,35 @@ class NgramIndex:
         min_n 2 or none) with ``update`` inlined: the same continuation and the same table entries, in one
         call per row-step instead of three (the n-gram step's largest host cost)."""
         L, latest, first, shared = len(tokens), self.latest, self.indexed, self.shared
-        if L > first:
-            if first < 4:
-                self.update(tokens, L)
-            else:  # ``update``'s unrolled loops
-                a, b, c = tokens[first - 4:first - 1]
-                s = first - 4
-                if shared is None:
-                    for d in tokens[first - 1:L - 1]:
-                        latest[(a, b, c, d)], latest[(b, c, d)], latest[(c, d)], latest[(d,)] = s, s + 1, s + 2, s + 3
-                        a, b, c, s = b, c, d, s + 1
-                else:
-                    new, owners = shared.new, shared.new_owners
-                    if self.owner not in owners:
-                        owners[self.owner] = tokens
-                    t = (self.owner << 32) + s
-                    for d in tokens[first - 1:L - 1]:
-                        g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
-                        latest[g4], latest[g3], latest[g2], latest[(d,)] = s, s + 1, s + 2, s + 3
-                        new[g4], new[g3], new[g2] = t, t + 1, t + 2
-                        a, b, c, s, t = b, c, d, s + 1, t + 1
-                    if len(new) >= shared.capacity:
-                        shared.turn_over()
-                self.indexed = L
-        if L < 5:  # a suffix shorter than max_n
+        if L < 5 or first < 4:  # a suffix shorter than max_n, or the first n-grams of the list
+            self.update(tokens, L)
             return self.lookup(tokens, k, use_shared)
-        a, b, c, d = tokens[L - 4:]
-        g4, g3, g2, g1, found = (a, b, c, d), (b, c, d), (c, d), (d,), 0
+        b, c, d = tokens[first - 3:first]
+        if self._grams_at == first:  # the n-grams ending at ``first``: the last lookup's suffix
+            g4, g3, g2, g1 = self._grams
+        else:
+            g4, g3, g2, g1 = (tokens[first - 4], b, c, d), (b, c, d), (c, d), (d,)
+        if L > first:  # ``update``'s unrolled loop; it ends with the suffix's n-grams (ending at L)
+            s = first - 4  # the start of the 4-gram ending at ``end``, for end = first, first + 1, ...
+            if shared is None:
+                for x in tokens[first:L]:  # x = tokens[end], the token after the n-grams ending at end
+                    latest[g4], latest[g3], latest[g2], latest[g1] = s, s + 1, s + 2, s + 3
+                    g4, g3, g2, g1 = (b, c, d, x), (c, d, x), (d, x), (x,)
+                    b, c, d, s = c, d, x, s + 1
+            else:
+                new, owners = shared.new, shared.new_owners
+                if self.owner not in owners:
+                    owners[self.owner] = tokens
+                t = (self.owner << 32) + s
+                for x in tokens[first:L]:
+                    latest[g4], latest[g3], latest[g2], latest[g1] = s, s + 1, s + 2, s + 3
+                    new[g4], new[g3], new[g2] = t, t + 1, t + 2
+                    g4, g3, g2, g1 = (b, c, d, x), (c, d, x), (d, x), (x,)
+                    b, c, d, s, t = c, d, x, s + 1, t + 1
+                if len(new) >= shared.capacity:
+                    shared.turn_over()
+            self.indexed = L
+        self._grams, self._grams_at, found = (g4, g3, g2, g1), L, 0
         start = latest.get(g1)  # None: no earlier occurrence of the last token
         if start is not None:  # the longest own match (``lookup``'s loop over n, unrolled)
             if (s4 := latest.get(g4)) is not None:
