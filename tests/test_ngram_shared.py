@@ -3,9 +3,10 @@
 import random
 
 import pytest
+from specdec.scheduler.request import Request
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.drafters.ngram import NgramIndex, SharedNgrams, ngram_lookup
+from specdec.drafters.ngram import NgramDrafter, NgramIndex, SharedNgrams, ngram_lookup
 
 
 def test_a_request_continues_text_another_request_wrote():
@@ -145,3 +146,27 @@ def test_unrolled_lookup_equals_lookup(shared_table):
 def test_unrolled_only_for_its_shape():
     assert NgramIndex(4, 1).unrolled and NgramIndex(4, 1, SharedNgrams(min_n=2)).unrolled
     assert not any(i.unrolled for i in (NgramIndex(3, 1), NgramIndex(4, 2), NgramIndex(4, 1, SharedNgrams(min_n=3))))
+    assert NgramDrafter().unrolled and NgramDrafter(shared=False).unrolled and not NgramDrafter(max_n=3).unrolled
+
+
+def test_drafter_proposes_the_same_chains_unrolled():
+    """``NgramDrafter.propose`` through ``lookup_unrolled`` equals it through ``lookup``: greedy and sampled
+    rows, rows near their token limit, rows joining late."""
+    rng = random.Random(3)
+    drafters = [NgramDrafter(k=6), NgramDrafter(k=6)]
+    drafters[1].unrolled = False
+    assert drafters[0].unrolled
+    prompts = [[rng.randrange(8) for _ in range(rng.randrange(1, 9))] for _ in range(6)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(3, 200), temperature=float(i % 3 == 0)) for i in range(6)]
+    rows = [[Request(str(i), list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))] for _ in drafters]
+    drafted = 0
+    for step in range(120):
+        live = [i for i in range(min(6, 2 + step // 10)) if rows[0][i].num_output < rows[0][i].params.max_new_tokens]
+        trees = [d.propose([r[i] for i in live]).trees for d, r in zip(drafters, rows)]
+        assert [t.host for t in trees[0]] == [t.host for t in trees[1]]
+        drafted += sum(t.num_nodes for t in trees[0])
+        for i in live:
+            new = [rng.randrange(8) for _ in range(rng.randrange(1, 4))]
+            for r in rows:
+                r[i].tokens += new
+    assert drafted > 500

@@ -86,8 +86,14 @@ class NgramIndex:
         self.owner = 0 if shared is None else shared.owner()  # this index's id in the shared table
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
         self.indexed = 0  # n-grams ending before this position are in ``latest``
-        self.unrolled = max_n == 4 and min_n == 1 and (shared is None or shared.min_n == 2)  # lookup_unrolled serves it
+        self.unrolled = self.unrolled_shape(max_n, min_n, shared)
         self._grams, self._grams_at = (), -1  # lookup_unrolled: the 4..1-grams ending at _grams_at (its last suffix)
+
+    @staticmethod
+    def unrolled_shape(max_n: int, min_n: int, shared: SharedNgrams | None) -> bool:
+        """Whether ``lookup_unrolled`` serves indexes of this shape (max_n 4, min_n 1; a shared table of min_n 2
+        or none): the n-gram drafter's default."""
+        return max_n == 4 and min_n == 1 and (shared is None or shared.min_n == 2)
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
@@ -238,6 +244,7 @@ class NgramDrafter(Drafter):
         # n-grams of 2+ tokens across requests (1-token matches elsewhere are mostly noise)
         self.shared = SharedNgrams(min_n=max(2, min_n)) if shared and max_n >= 2 else None
         self.max_nodes = k
+        self.unrolled = NgramIndex.unrolled_shape(max_n, min_n, self.shared)  # its indexes take lookup_unrolled
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
 
@@ -271,13 +278,13 @@ class NgramDrafter(Drafter):
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
         get, chain, empty, trees = self._index.get, DraftTree.chain, DraftTree.empty(), []
+        lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
         for req in rows:
             index = get(req) or self._index_of(req)
             params, tokens = req.params, req.tokens
             room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
-            lookup = index.lookup_unrolled if index.unrolled else index.lookup
-            drafted = lookup(tokens, k if room >= k else max(room, 0), params.greedy)
+            drafted = lookup(index, tokens, k if room >= k else max(room, 0), params.greedy)
             trees.append(chain(drafted) if drafted else empty)
         return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view
