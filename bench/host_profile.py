@@ -147,6 +147,7 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (ngram_mod.NgramIndex, "lookup", "propose: NgramIndex.lookup", "function"),
         (ngram_mod.NgramIndex, "lookup_unrolled", "propose: NgramIndex.lookup", "function"),
         (DraftTree, "chain", "propose: DraftTree.chain", "class"),
+        (DraftTree, "chains", "propose: DraftTree.chain", "class"),
         (DraftTree, "empty", "propose: DraftTree.empty", "class"),
         (verifier_mod.Verifier, "verify", "verify (rest: loop, read)", "function"),
         (verifier_mod.Verifier, "_row", "verify: _row", "static"),

@@ -183,6 +183,24 @@ class DraftTree:
         return cls._of_shape(tokens, _chain_parts(n))
 
     @classmethod
+    def chains(cls, rows: list[list[int]]) -> list[DraftTree]:
+        """``chain`` of each token list in ``rows`` (a model-free drafter's batch), each length's shape looked
+        up once."""
+        shapes, trees, of_shape = {}, [], cls._of_shape
+        for tokens in rows:
+            n = len(tokens)
+            parts = shapes.get(n)
+            if parts is None:
+                if not n:
+                    trees.append(cls.empty())
+                    continue
+                if n > MAX_TREE_NODES:
+                    raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
+                parts = shapes[n] = _chain_parts(n)
+            trees.append(of_shape(tokens, parts))
+        return trees
+
+    @classmethod
     def of_template(cls, tokens: list[int], template: TreeTemplate) -> DraftTree:
         """A deterministic tree of ``template``'s shape holding host token ids (one per node), on the CPU.
 

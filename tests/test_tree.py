@@ -254,3 +254,14 @@ def test_shared_shape_trees_equal_validated_trees(n):
     top = topk_template(2, 3)
     tree, want = DraftTree.of_template(list(range(14)), top), DraftTree.from_parents(list(range(14)), top.parents)
     assert tree.host == want.host and tree.max_depth == want.max_depth == 3
+
+
+def test_chains_equal_chain_of_each_row():
+    rows = [[4, 5, 6], [], [9], [1, 2, 3], list(range(63))]
+    trees = DraftTree.chains(rows)
+    assert [t.host for t in trees] == [DraftTree.chain(r).host for r in rows]
+    assert [t.max_depth for t in trees] == [3, 0, 1, 3, 63] and trees[1] is DraftTree.empty()
+    rows[0].append(7)  # a tree keeps its own copy of the tokens
+    assert trees[0].host.tokens == [4, 5, 6]
+    with pytest.raises(ValueError, match="at most 63 nodes"):
+        DraftTree.chains([[1], list(range(64))])

@@ -277,7 +277,7 @@ class NgramDrafter(Drafter):
         k, n = self.node_budget, len(rows)
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
-        get, chain, empty, trees = self._index.get, DraftTree.chain, DraftTree.empty(), []
+        get, drafts = self._index.get, []
         lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
         for req in rows:
             index = get(req) or self._index_of(req)
@@ -285,6 +285,5 @@ class NgramDrafter(Drafter):
             room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
-            drafted = lookup(index, tokens, k if room >= k else max(room, 0), params.greedy)
-            trees.append(chain(drafted) if drafted else empty)
-        return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view
+            drafts.append(lookup(index, tokens, k if room >= k else max(room, 0), params.greedy))
+        return Proposal(DraftTree.chains(drafts), [None] * n)  # host trees: verification reads their host view
