@@ -169,8 +169,8 @@ class NgramIndex:
         min_n 2 or none) with ``update`` inlined: the same continuation and the same table entries, in one
         call per row-step instead of three (the n-gram step's largest host cost)."""
         L, latest, first, shared = len(tokens), self.latest, self.indexed, self.shared
-        if L < 5 or first < 4:  # a suffix shorter than max_n, or the first n-grams of the list
-            self.update(tokens, L)
+        if L < 5 or first < 4 or L < first:  # a suffix shorter than max_n, the list's first n-grams, or a cut list
+            self._grams_at = -1
             return self.lookup(tokens, k, use_shared)
         b, c, d = tokens[first - 3:first]
         if self._grams_at == first:  # the n-grams ending at ``first``: the last lookup's suffix
