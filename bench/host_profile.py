@@ -5,7 +5,8 @@ CUDA, the same padded step run eagerly on the CPU. The model is a random Llama w
 vocabulary and a tiny body, so on the CPU the forward is cheap, and it is timed apart either way: what
 is left is the host's Python per step. Requests are the MT-bench questions (chat template of SmolLM2's
 real tokenizer, so incremental detokenisation costs what it costs in a real run), driven like
-``SpecEngine.stream`` (every request owned by an output queue). Measured in steady state: every
+``SpecEngine.stream`` (every request owned by an output queue; ``--finals``: like ``generate``, no per-step
+outputs). Measured in steady state: every
 prompt prefilled, no request finishing.
 
 Times are this thread's CPU time on the CPU (the cores are shared; a wall clock there measures the
@@ -144,7 +145,9 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
         (ngram_mod.NgramDrafter, "propose", "propose (rest)", "function"),
         (engine_mod._NoDraft, "propose", "propose (rest)", "function"),
         (ngram_mod.NgramIndex, "lookup", "propose: NgramIndex.lookup", "function"),
+        (ngram_mod.NgramIndex, "lookup_unrolled", "propose: NgramIndex.lookup", "function"),
         (DraftTree, "chain", "propose: DraftTree.chain", "class"),
+        (DraftTree, "chains", "propose: DraftTree.chain", "class"),
         (DraftTree, "empty", "propose: DraftTree.empty", "class"),
         (verifier_mod.Verifier, "verify", "verify (rest: loop, read)", "function"),
         (verifier_mod.Verifier, "_row", "verify: _row", "static"),
@@ -309,7 +312,7 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
                      adaptive=False if kind == "eagle" else None)  # a random draft: the whole tree every step
     engine = SpecEngine(draft, target, cfg)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    queue = OutputQueue()
+    queue = OutputQueue(finals_only=args.finals)
     for ids in prompts_for(target.tokenizer, batch, target.config.vocab_size):
         engine.router.own(queue, engine.add_request(ids, params))
     while any(not r.prefill_done for r in queue.requests) or engine.scheduler.waiting:
@@ -406,6 +409,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default=None,
                     help="wall: perf_counter (default on CUDA); cpu: this thread's CPU time (default on the CPU, "
                          "where other processes share the cores)")
+    ap.add_argument("--finals", action="store_true",
+                    help="only finished requests' outputs are built (as ``generate`` without a progress bar)")
     ap.add_argument("--no-sections", action="store_true", help="only the plain pass")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N functions by own time (plain pass)")
     ap.add_argument("--top", type=int, default=20, help="sections shown per case")

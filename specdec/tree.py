@@ -183,6 +183,24 @@ class DraftTree:
         return cls._of_shape(tokens, _chain_parts(n))
 
     @classmethod
+    def chains(cls, rows: list[list[int]]) -> list[DraftTree]:
+        """``chain`` of each token list in ``rows`` (a model-free drafter's batch), each length's shape looked
+        up once."""
+        shapes, trees, of_shape = {}, [], cls._of_shape
+        for tokens in rows:
+            n = len(tokens)
+            parts = shapes.get(n)
+            if parts is None:
+                if not n:
+                    trees.append(cls.empty())
+                    continue
+                if n > MAX_TREE_NODES:
+                    raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
+                parts = shapes[n] = _chain_parts(n)
+            trees.append(of_shape(tokens, parts))
+        return trees
+
+    @classmethod
     def of_template(cls, tokens: list[int], template: TreeTemplate) -> DraftTree:
         """A deterministic tree of ``template``'s shape holding host token ids (one per node), on the CPU.
 
@@ -226,7 +244,7 @@ class DraftTree:
         tree = object.__new__(cls)
         state = tree.__dict__
         state.update(fields)
-        state["_host"] = HostView(list(tokens), parents, depth, masks, dist, children)
+        state["_host"] = _new_host(HostView, (list(tokens), parents, depth, masks, dist, children))
         return tree
 
     @classmethod
@@ -260,7 +278,10 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         """Number of node levels below the root (max(depth) + 1; 0 for an empty tree)."""
-        return max(self.host.depth, default=-1) + 1
+        depth = self.__dict__.get("_max_depth")
+        if depth is None:  # a tree never changes: computed once (trees of a shared shape come with it)
+            depth = self.__dict__["_max_depth"] = max(self.host.depth, default=-1) + 1
+        return depth
 
     def children(self, i: int) -> list[int]:
         """Node indices whose parent is i (i = -1: the root), in index order."""
@@ -299,6 +320,7 @@ class DraftTree:
 
 
 _EMPTY: dict = {}  # device (as given, and as str) -> the shared empty tree
+_new_host = tuple.__new__  # HostView from a filled tuple, without the named constructor's call
 _LAZY_ARRAYS = ("tokens", "parents", "depth", "ancestor_mask")  # tensors a host-list tree makes on first use
 
 
@@ -325,7 +347,8 @@ def _shape_parts(parents: tuple[int, ...]):
     dist = [-1] * len(plist)
     arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
                       torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
-    fields = dict(draft_dists=None, child_mode="deterministic", _verify_rows=_verify_rows(masks, plist), **arrays)
+    fields = dict(draft_dists=None, child_mode="deterministic", _verify_rows=_verify_rows(masks, plist),
+                  _max_depth=max(depth, default=-1) + 1, **arrays)
     return plist, depth, masks, dist, _children(plist), fields
 
 

@@ -3,9 +3,10 @@
 import random
 
 import pytest
+from specdec.scheduler.request import Request
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.drafters.ngram import NgramIndex, SharedNgrams, ngram_lookup
+from specdec.drafters.ngram import NgramDrafter, NgramIndex, SharedNgrams, ngram_lookup
 
 
 def test_a_request_continues_text_another_request_wrote():
@@ -86,13 +87,15 @@ def test_ngram_shared_must_be_a_bool():
         SpecConfig(ngram_shared="yes")
 
 
-@pytest.mark.parametrize("max_n,min_n", [(4, 1), (3, 1), (4, 2), (5, 1)])
-def test_incremental_index_equals_the_scan(max_n, min_n):
-    """``NgramIndex`` fed in random pieces (the default 4/1 shape takes an unrolled path) proposes what
-    ``ngram_lookup``'s scan finds, and its shared-table entries are each n-gram's latest start."""
+@pytest.mark.parametrize("max_n,min_n,shared_n", [(4, 1, 2), (3, 1, 2), (4, 2, 2), (5, 1, 2), (4, 1, 1),
+                                                   (4, 1, 3), (4, 1, 4), (4, 1, 5)])
+def test_incremental_index_equals_the_scan(max_n, min_n, shared_n):
+    """``NgramIndex`` fed in random pieces (the default 4/1 shape takes an unrolled path, one loop per shared
+    table shape) proposes what ``ngram_lookup``'s scan finds, and its own and shared-table entries are each
+    n-gram's latest start."""
     rng = random.Random(max_n * 10 + min_n)
     tokens = [rng.randrange(5) for _ in range(7)]
-    table = SharedNgrams(min_n=2)
+    table = SharedNgrams(min_n=shared_n)
     index = NgramIndex(max_n, min_n, table)
     index.update(tokens, len(tokens))
     while len(tokens) < 400:
@@ -100,7 +103,73 @@ def test_incremental_index_equals_the_scan(max_n, min_n):
         assert index.lookup(tokens, 6, use_shared=False) == ngram_lookup(tokens, 6, max_n, min_n)
     latest = {}
     for end in range(len(tokens)):  # n-grams followed by a token, as the index keeps them
-        for n in range(2, max_n + 1):
+        for n in range(min_n, max_n + 1):
             if end - n >= 0:
                 latest[tuple(tokens[end - n:end])] = end - n
-    assert {g: e & 0xFFFFFFFF for g, e in table.new.items()} == latest
+    assert index.latest == latest
+    shared = {g: start for g, start in latest.items() if len(g) >= shared_n}
+    assert {g: e & 0xFFFFFFFF for g, e in table.new.items()} == shared
+    assert {e >> 32 for e in table.new.values()} <= {index.owner}
+
+
+@pytest.mark.parametrize("shared_table", [True, False])
+def test_unrolled_lookup_equals_lookup(shared_table):
+    """``NgramIndex.lookup_unrolled`` (update inlined) gives ``lookup``'s continuation at every step and leaves
+    the same own and shared entries, for rows that share a table which turns over, from their first tokens on,
+    also when a list is indexed apart from a lookup or cut."""
+    rng = random.Random(7)
+    twins = []
+    for _ in range(2):
+        table = SharedNgrams(min_n=2, capacity=300) if shared_table else None
+        twins.append((table, [NgramIndex(4, 1, table) for _ in range(5)]))
+    assert all(index.unrolled for _, indexes in twins for index in indexes)
+    streams = [[rng.randrange(6)] for _ in range(5)]
+    hits = 0
+    for _ in range(150):
+        for row, tokens in enumerate(streams):
+            tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            if rng.random() < 0.2:  # indexed apart from a lookup (as a prefill chunk is), then more tokens
+                for _, indexes in twins:
+                    indexes[row].update(tokens, len(tokens))
+                tokens += [rng.randrange(6) for _ in range(rng.randrange(0, 3))]
+            elif rng.random() < 0.05:  # a list cut below what its index holds (a restored snapshot's)
+                del tokens[max(1, len(tokens) - 3):]
+            k, use_shared = rng.randrange(0, 9), rng.random() < 0.8
+            fast = twins[0][1][row].lookup_unrolled(tokens, k, use_shared)
+            assert fast == twins[1][1][row].lookup(tokens, k, use_shared)
+            hits += bool(fast)
+    assert hits > 300
+    (fast_table, fast), (ref_table, ref) = twins
+    assert [i.latest for i in fast] == [i.latest for i in ref] and [i.indexed for i in fast] == [i.indexed for i in ref]
+    if shared_table:
+        assert (fast_table.new, fast_table.old) == (ref_table.new, ref_table.old) and fast_table.old
+        assert fast_table.new_owners.keys() == ref_table.new_owners.keys()
+
+
+def test_unrolled_only_for_its_shape():
+    assert NgramIndex(4, 1).unrolled and NgramIndex(4, 1, SharedNgrams(min_n=2)).unrolled
+    assert not any(i.unrolled for i in (NgramIndex(3, 1), NgramIndex(4, 2), NgramIndex(4, 1, SharedNgrams(min_n=3))))
+    assert NgramDrafter().unrolled and NgramDrafter(shared=False).unrolled and not NgramDrafter(max_n=3).unrolled
+
+
+def test_drafter_proposes_the_same_chains_unrolled():
+    """``NgramDrafter.propose`` through ``lookup_unrolled`` equals it through ``lookup``: greedy and sampled
+    rows, rows near their token limit, rows joining late."""
+    rng = random.Random(3)
+    drafters = [NgramDrafter(k=6), NgramDrafter(k=6)]
+    drafters[1].unrolled = False
+    assert drafters[0].unrolled
+    prompts = [[rng.randrange(8) for _ in range(rng.randrange(1, 9))] for _ in range(6)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(3, 200), temperature=float(i % 3 == 0)) for i in range(6)]
+    rows = [[Request(str(i), list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))] for _ in drafters]
+    drafted = 0
+    for step in range(120):
+        live = [i for i in range(min(6, 2 + step // 10)) if rows[0][i].num_output < rows[0][i].params.max_new_tokens]
+        trees = [d.propose([r[i] for i in live]).trees for d, r in zip(drafters, rows)]
+        assert [t.host for t in trees[0]] == [t.host for t in trees[1]]
+        drafted += sum(t.num_nodes for t in trees[0])
+        for i in live:
+            new = [rng.randrange(8) for _ in range(rng.randrange(1, 4))]
+            for r in rows:
+                r[i].tokens += new
+    assert drafted > 500

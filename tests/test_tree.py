@@ -8,6 +8,7 @@ import torch
 from specdec.tree import (
     MAX_TREE_NODES,
     DraftTree,
+    HostView,
     TreeSpec,
     TreeTemplate,
     chain_template,
@@ -235,3 +236,32 @@ def test_draw_tree(tmp_path):
     out = draw_tree(tree, tmp_path / "tree.png", accepted=[0, 2], title="tree")
     assert out.exists() and out.stat().st_size > 0
     assert draw_tree(topk_template(2, 2), tmp_path / "t.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 8, 63])
+def test_shared_shape_trees_equal_validated_trees(n):
+    """``DraftTree.chain`` and ``of_template`` (shared shape arrays, no validation) equal the validated
+    ``from_parents`` tree in every array, host list, verify row and ``max_depth``."""
+    tokens = [(7 * i + 3) % 50 for i in range(n)]
+    parents = list(range(-1, n - 1))
+    built = [DraftTree.chain(tokens)] + ([DraftTree.of_template(tokens, chain_template(n))] if n else [])
+    want = DraftTree.from_parents(tokens, parents) if n else DraftTree.empty()
+    for tree in built:
+        assert type(tree.host) is HostView and tree.host == want.host
+        assert tree.verify_rows() == want.verify_rows() and tree.max_depth == want.max_depth == n
+        for name in ("tokens", "parents", "depth", "ancestor_mask", "dist_index"):
+            assert torch.equal(getattr(tree, name), getattr(want, name)), name
+    top = topk_template(2, 3)
+    tree, want = DraftTree.of_template(list(range(14)), top), DraftTree.from_parents(list(range(14)), top.parents)
+    assert tree.host == want.host and tree.max_depth == want.max_depth == 3
+
+
+def test_chains_equal_chain_of_each_row():
+    rows = [[4, 5, 6], [], [9], [1, 2, 3], list(range(63))]
+    trees = DraftTree.chains(rows)
+    assert [t.host for t in trees] == [DraftTree.chain(r).host for r in rows]
+    assert [t.max_depth for t in trees] == [3, 0, 1, 3, 63] and trees[1] is DraftTree.empty()
+    rows[0].append(7)  # a tree keeps its own copy of the tokens
+    assert trees[0].host.tokens == [4, 5, 6]
+    with pytest.raises(ValueError, match="at most 63 nodes"):
+        DraftTree.chains([[1], list(range(64))])

@@ -86,21 +86,30 @@ class NgramIndex:
         self.owner = 0 if shared is None else shared.owner()  # this index's id in the shared table
         self.latest: dict[tuple[int, ...], int] = {}  # n-gram (min_n <= n <= max_n) -> its latest start
         self.indexed = 0  # n-grams ending before this position are in ``latest``
+        self.unrolled = self.unrolled_shape(max_n, min_n, shared)
+        self._grams, self._grams_at = (), -1  # lookup_unrolled: the 4..1-grams ending at _grams_at (its last suffix)
+
+    @staticmethod
+    def unrolled_shape(max_n: int, min_n: int, shared: SharedNgrams | None) -> bool:
+        """Whether ``lookup_unrolled`` serves indexes of this shape (max_n 4, min_n 1; a shared table of min_n 2
+        or none): the n-gram drafter's default."""
+        return max_n == 4 and min_n == 1 and (shared is None or shared.min_n == 2)
 
     def update(self, tokens: list[int], upto: int) -> None:
         """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
-        lo, hi, latest = self.min_n, self.max_n, self.latest
-        new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start
-        if self.shared is not None and upto > self.indexed:
-            new, s_lo = self.shared.writer(self.owner, tokens), self.shared.min_n
         first = self.indexed
-        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled: no slices of slices
-            own_only = new is None or s_lo > 4
+        if upto <= first:
+            return
+        lo, hi, latest, shared = self.min_n, self.max_n, self.latest, self.shared
+        new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start = tag + start
+        if shared is not None:
+            new, s_lo = shared.writer(self.owner, tokens), shared.min_n
+        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled (``lookup_unrolled`` has it inlined)
             for end in range(first, upto):
                 a, b, c, d = tokens[end - 4:end]
                 g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
                 latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
-                if own_only:
+                if new is None or s_lo > 4:
                     continue
                 new[g4] = tag | (end - 4)
                 if s_lo <= 3:
@@ -109,18 +118,17 @@ class NgramIndex:
                     new[g2] = tag | (end - 2)
                 if s_lo == 1:
                     new[(d,)] = tag | (end - 1)
-            first = upto
-        for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
-            tail = tuple(tokens[end - hi if end > hi else 0:end])
-            for n in range(lo, len(tail) + 1):
-                gram = tail[-n:]
-                latest[gram] = end - n
-                if new is not None and n >= s_lo:
-                    new[gram] = tag | (end - n)
-        if new is not None:
-            self.shared.turn_over()
-        if upto > self.indexed:
-            self.indexed = upto
+        else:
+            for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
+                tail = tuple(tokens[end - hi if end > hi else 0:end])
+                for n in range(lo, len(tail) + 1):
+                    gram = tail[-n:]
+                    latest[gram] = end - n
+                    if new is not None and n >= s_lo:
+                        new[gram] = tag | (end - n)
+        if new is not None and len(new) >= shared.capacity:
+            shared.turn_over()
+        self.indexed = upto
 
     def lookup(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
         """Same result as ``ngram_lookup(tokens, k, max_n, min_n)`` without ``shared`` (or ``use_shared``
@@ -147,14 +155,78 @@ class NgramIndex:
                 hit = new.get(gram)
                 if hit is not None:
                     owners = shared.new_owners
-                else:
-                    hit = old.get(gram)
-                    if hit is None:
-                        continue
+                elif old and (hit := old.get(gram)) is not None:  # ``old`` is empty until the first turn-over
                     owners = shared.old_owners
+                else:
+                    continue
                 start = hit & 0xFFFFFFFF
                 return owners[hit >> 32][start + n:start + n + k]
         return out
+
+
+    def lookup_unrolled(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
+        """``lookup`` for the drafter's default shape (``unrolled``: max_n 4, min_n 1, a shared table of
+        min_n 2 or none) with ``update`` inlined: the same continuation and the same table entries, in one
+        call per row-step instead of three (the n-gram step's largest host cost)."""
+        L, latest, first, shared = len(tokens), self.latest, self.indexed, self.shared
+        if L < 5 or first < 4 or L < first:  # a suffix shorter than max_n, the list's first n-grams, or a cut list
+            self._grams_at = -1
+            return self.lookup(tokens, k, use_shared)
+        b, c, d = tokens[first - 3:first]
+        if self._grams_at == first:  # the n-grams ending at ``first``: the last lookup's suffix
+            g4, g3, g2, g1 = self._grams
+        else:
+            g4, g3, g2, g1 = (tokens[first - 4], b, c, d), (b, c, d), (c, d), (d,)
+        if L > first:  # ``update``'s unrolled loop; it ends with the suffix's n-grams (ending at L)
+            s = first - 4  # the start of the 4-gram ending at ``end``, for end = first, first + 1, ...
+            if shared is None:
+                for x in tokens[first:L]:  # x = tokens[end], the token after the n-grams ending at end
+                    latest[g4], latest[g3], latest[g2], latest[g1] = s, s + 1, s + 2, s + 3
+                    g4, g3, g2, g1 = (b, c, d, x), (c, d, x), (d, x), (x,)
+                    b, c, d, s = c, d, x, s + 1
+            else:
+                new, owners = shared.new, shared.new_owners
+                if self.owner not in owners:
+                    owners[self.owner] = tokens
+                t = (self.owner << 32) + s
+                for x in tokens[first:L]:
+                    latest[g4], latest[g3], latest[g2], latest[g1] = s, s + 1, s + 2, s + 3
+                    new[g4], new[g3], new[g2] = t, t + 1, t + 2
+                    g4, g3, g2, g1 = (b, c, d, x), (c, d, x), (d, x), (x,)
+                    b, c, d, s, t = c, d, x, s + 1, t + 1
+                if len(new) >= shared.capacity:
+                    shared.turn_over()
+            self.indexed = L
+        self._grams, self._grams_at, found = (g4, g3, g2, g1), L, 0
+        start = latest.get(g1)  # None: no earlier occurrence of the last token
+        if start is not None:  # the longest own match (``lookup``'s loop over n, unrolled)
+            if (s4 := latest.get(g4)) is not None:
+                found, start = 4, s4
+            elif (s3 := latest.get(g3)) is not None:
+                found, start = 3, s3
+            elif (s2 := latest.get(g2)) is not None:
+                found, start = 2, s2
+            else:
+                found = 1
+        out = tokens[start + found:start + found + k] if found else []
+        if shared is not None and use_shared and found < 4:  # a longer match in the shared table wins
+            new, old = shared.new, shared.old
+            for n, gram in _SHARED_PROBES[found](g4, g3, g2):
+                hit = new.get(gram)
+                if hit is not None:
+                    owners = shared.new_owners
+                elif old and (hit := old.get(gram)) is not None:
+                    owners = shared.old_owners
+                else:
+                    continue
+                start = hit & 0xFFFFFFFF
+                return owners[hit >> 32][start + n:start + n + k]
+        return out
+
+
+# ``lookup_unrolled``'s shared-table probes after an own match of n tokens: the longer n-grams (of at least 2 tokens)
+_SHARED_PROBES = (lambda g4, g3, g2: ((4, g4), (3, g3), (2, g2)), lambda g4, g3, g2: ((4, g4), (3, g3), (2, g2)),
+                  lambda g4, g3, g2: ((4, g4), (3, g3)), lambda g4, g3, g2: ((4, g4),))
 
 
 class NgramDrafter(Drafter):
@@ -172,6 +244,7 @@ class NgramDrafter(Drafter):
         # n-grams of 2+ tokens across requests (1-token matches elsewhere are mostly noise)
         self.shared = SharedNgrams(min_n=max(2, min_n)) if shared and max_n >= 2 else None
         self.max_nodes = k
+        self.unrolled = NgramIndex.unrolled_shape(max_n, min_n, self.shared)  # its indexes take lookup_unrolled
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
 
@@ -204,11 +277,13 @@ class NgramDrafter(Drafter):
         k, n = self.node_budget, len(rows)
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
-        indexes, chain, trees = self._index, DraftTree.chain, []
+        get, drafts = self._index.get, []
+        lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
         for req in rows:
-            index = indexes.get(req) or self._index_of(req)
-            room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1  # tokens still to come
+            index = get(req) or self._index_of(req)
+            params, tokens = req.params, req.tokens
+            room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
-            trees.append(chain(index.lookup(req.tokens, k if room >= k else max(room, 0), req.params.greedy)))
-        return Proposal(trees, [None] * n)  # host trees: verification reads tokens from the host view
+            drafts.append(lookup(index, tokens, k if room >= k else max(room, 0), params.greedy))
+        return Proposal(DraftTree.chains(drafts), [None] * n)  # host trees: verification reads their host view
