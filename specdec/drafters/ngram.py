@@ -163,7 +163,6 @@ class NgramIndex:
                 return owners[hit >> 32][start + n:start + n + k]
         return out
 
-
     def lookup_unrolled(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
         """``lookup`` for the drafter's default shape (``unrolled``: max_n 4, min_n 1, a shared table of
         min_n 2 or none) with ``update`` inlined: the same continuation and the same table entries, in one
