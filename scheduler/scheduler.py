@@ -293,7 +293,7 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
     src, dst = [], []
     for req, res in zip(rows, results):
         nodes = res.accepted_nodes  # a path: increasing indices, node j >= j; all in place when the last is
-        if not nodes or nodes[-1] == len(nodes) - 1 or getattr(res, "kv_moved", False):  # (moved on the device)
+        if not nodes or nodes[-1] == len(nodes) - 1 or res.kv_moved:  # (kv_moved: moved on the device)
             continue
         base = len(req.tokens)
         for j, node in enumerate(nodes):

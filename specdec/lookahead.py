@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 
 from specdec.fused_step import _shape_rows
-from specdec.graph_constants import graph_constant
 from specdec.lookahead_ops import advance_rows_reference
 from specdec.scheduler.step_inputs import StepViews
 
@@ -248,8 +247,9 @@ class PipelinedSteps:
                                     lengths, None if exact else np.asarray(sel))
 
 
-@graph_constant(maxsize=32)
+@functools.lru_cache(maxsize=32)
 def _node_offsets(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth)."""
+    """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth); made
+    outside any capture, so a graph that reads one keeps it (``AdvanceGraphs``' entries)."""
     depth = _shape_rows(parents)[0]
     return torch.tensor([0] + (1 + depth).tolist(), dtype=torch.int64, device=device)

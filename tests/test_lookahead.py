@@ -289,11 +289,12 @@ def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
     assert outs[True, "greedy"] == outs[False, "greedy"]
 
 
-def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch):
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
     """``AdvanceGraphs``' CUDA path run with a stand-in graph (capturing runs the build once, as the real capture
     does, and each replay runs it again over the graph's own input copies): capturing over a no-op outcome and
     putting the verify rows back leaves every step as the eager one, so output equals target-only; one graph per
-    shape, replayed at the later queued steps."""
+    shape, replayed at the later queued steps; a static tree's entry keeps the node offsets its graph reads."""
     import specdec.scheduler.cuda_graphs as cg
 
     from specdec.lookahead import AdvanceGraphs
@@ -314,9 +315,10 @@ def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch):
     draft, target, want, cfg = tiny
     if cfg["device"] != "cpu":
         pytest.skip("a stand-in for the CUDA graph; on CUDA the real graphs run in the other tests")
-    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, **cfg))
     eng.drafter.advance = graphs = AdvanceGraphs(eng.runner.device, eng.runner.backend.advance_rows, capture=True)
     monkeypatch.setattr(eng.runner.graphs, "captured", lambda key: True)  # as on CUDA (the forwards stay eager)
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert graphs.graphs and sum(g.replays for g, *_ in graphs.graphs.values()) >= eng.drafter.paths["ahead"] > 0
+    assert all((entry[4] is not None) == tree.startswith("topk") for entry in graphs.graphs.values())
 

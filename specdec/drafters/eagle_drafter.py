@@ -379,4 +379,3 @@ def best_nodes(tokens: list[int], parents: list[int], ranks: list[int], n: int) 
     keep = [i for i, r in enumerate(ranks) if r < n]
     index = {j: i for i, j in enumerate(keep)}
     return DraftTree.of_parents([tokens[j] for j in keep], [index.get(parents[j], -1) for j in keep])
-
