@@ -36,6 +36,13 @@ ENGINE_SETS = {
     "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
               "ngram_adaptive": {"draft": "ngram", "adaptive": True},
               "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
+    # issue 9, session 9: the n-gram chain's length (a verify of k + 1 tokens per row), fixed budget, beside
+    # chain:8 under the adaptive budget (what an n-gram engine on CUDA runs by default)
+    "ngram_len": {"target_only": {"draft": None},
+                  "ngram_chain8": {"draft": "ngram", "adaptive": False},
+                  "ngram_chain4": {"draft": "ngram", "tree": "chain:4", "adaptive": False},
+                  "ngram_chain3": {"draft": "ngram", "tree": "chain:3", "adaptive": False},
+                  "ngram_chain8_adaptive": {"draft": "ngram", "adaptive": True}},
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},

@@ -399,6 +399,27 @@ case "$stage" in
     ENGINES=ngram REPEATS=7 interleaved 240 16
     pack
     ;;
+  s9a)  # (.stage3/p_02 .whl .gpu, with piece 02) the GPU tests of session 8's last commits (the controller for
+        # sampled steps beside pipelined greedy steps, the churn test's AdvanceGraphs check), then issue 9's n-gram
+        # at batch 16 after helper-21's host cuts: chain:8 / 4 / 3 fixed and chain:8 adaptive, waves and continuous
+    assemble
+    install
+    gpu_tests 150 tests/test_graph_constants.py tests/test_fused_step.py tests/test_lookahead.py tests/test_eagle.py \
+      tests/test_engines_share_models.py -k "gpu or outlive or constant or lookahead or share"
+    ENGINES=ngram_len REPEATS=7 interleaved 330 16
+    grep -h -c FAILED "$D"/interleaved.log
+    pack
+    ;;
+  s9b)  # (.whl .gpu, after s9a on the same machine) s9a's engines at batch 1, then where a batch-16 n-gram step's
+        # time goes on the H200 (the real model on MT-bench prompts; decode beside chain:8 and chain:4)
+    [ -f "$MODEL" ] || assemble
+    install
+    ENGINES=ngram_len REPEATS_B1=3 interleaved 250 1
+    TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 150 timeline.log \
+      gpu_step_timeline.py "$D" decode::16 ngram:chain:8:16 ngram:chain:4:16
+    grep -h -e "ms/step" "$D/timeline.log"
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

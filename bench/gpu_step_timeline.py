@@ -10,7 +10,9 @@ what is left of the step is GPU idle time, and each Python function is charged t
 while it is the innermost frame (its own time on the critical path).
 
     python -P bench/gpu_step_timeline.py OUT_DIR [CASE ...]   # CASE: MODE:TREE:BATCH, e.g. eagle:dynamic:31:1
-    # MODE: decode, eagle, or eagle+pipe (pipelined fused steps, specdec/lookahead.py)
+    # MODE: decode, eagle, eagle+pipe (pipelined fused steps, specdec/lookahead.py) or ngram (fixed budget)
+    # env TIMELINE_MODEL=PATH TIMELINE_PROMPTS=IDS.json: the real target (bf16) on MT-bench prompts instead of
+    # random weights on random prompts (n-gram drafts need real text to find matches)
     # default: decode::1 eagle:dynamic:31:1 eagle:topk:2x3:1 eagle:dynamic:31:64
 
 Writes OUT_DIR/timeline.json (per case: ms/step, GPU busy and idle per step, top functions) and one gzipped
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
 import statistics
@@ -35,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gpu_fastpath import DEV, random_model, random_prompts  # noqa: E402
 
 from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
-from specdec.loading.registry import LoadedModel  # noqa: E402
+from specdec.loading.registry import LoadedModel, load_model  # noqa: E402
 from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target  # noqa: E402
 
+MODEL, PROMPTS = os.environ.get("TIMELINE_MODEL"), os.environ.get("TIMELINE_PROMPTS")
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP = "ENGINE_STEP"
 ADDRESS = re.compile(r" (of \w+ object )?at 0x[0-9a-f]+")  # "<built-in method view of Tensor object at 0x..>"
@@ -139,9 +143,14 @@ def run_case(case: str, target: LoadedModel, draft: LoadedModel, out: Path) -> d
     tree, batch = rest.rsplit(":", 1)[0], int(rest.rsplit(":", 1)[1])
     dt = "bfloat16" if DEV == "cuda" else "float32"
     extra = {"tree": tree, "adaptive": False, "pipeline": mode == "eagle+pipe"} if mode.startswith("eagle") else {}
+    if mode == "ngram":
+        extra = {"tree": tree, "adaptive": False}
     cfg = SpecConfig(device=DEV, dtype=dt, max_batch_size=64, prefix_cache=False, cuda_graphs=True, **extra)
-    eng = SpecEngine(draft if mode.startswith("eagle") else None, target, cfg)
-    prompts = random_prompts(batch, 100 if DEV == "cuda" else 10, target.config.vocab_size, seed=batch)
+    eng = SpecEngine(draft if mode.startswith("eagle") else "ngram" if mode == "ngram" else None, target, cfg)
+    if PROMPTS:
+        prompts = json.loads(Path(PROMPTS).read_text())["mtbench"][:batch]
+    else:
+        prompts = random_prompts(batch, 100 if DEV == "cuda" else 10, target.config.vocab_size, seed=batch)
     eng.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up: captures, caches
     plain_steps, prof_steps = (40, 8) if DEV == "cuda" else (4, 2)
     params = SamplingParams(max_new_tokens=4 * (plain_steps + prof_steps + 10), ignore_eos=True)
@@ -198,8 +207,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cases = sys.argv[2:] or ["decode::1", "eagle:dynamic:31:1", "eagle:topk:2x3:1", "eagle:dynamic:31:64"]
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
-    target = random_model(dt)
-    draft = eagle_draft(target)
+    target = load_model(MODEL, dtype=dt, device=DEV) if MODEL else random_model(dt)
+    draft = None if MODEL else eagle_draft(target)
     results = []
     for case in cases:
         results.append(run_case(case, target, draft, out))
