@@ -420,6 +420,16 @@ case "$stage" in
     grep -h -e "ms/step" "$D/timeline.log"
     pack
     ;;
+  s9c)  # (.stage3/p_02 .whl .gpu, with piece 02) where the batch-16 n-gram step's extra time goes on the H200: the
+        # host profile with the real model on MT-bench prompts (graph launch and GPU wait timed apart from the host)
+    assemble
+    install
+    benchpy 200 host_profile.log host_profile.py --device cuda --batches 16 --modes decode ngram --fixed --finals \
+      --target "$MODEL" --steps 40 --warmup 10 --new-tokens 400 --top 45 --prompts "$root/.whl/mtbench.jsonl" \
+      --out "$D/host_profile_cuda.json"
+    grep -h -e "^| " -e "FORWARD" "$D/host_profile.log" | tail -12
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

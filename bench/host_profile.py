@@ -115,8 +115,9 @@ def install(sections: Sections, device: torch.device, detailed: bool) -> None:
 
     _patch(graphs_mod.GraphRunner, "_forward", sections, "FORWARD")  # CPU: the padded step, eager
     _patch(DeviceDraftProgram, "_program", sections, "FORWARD")  # the EAGLE draft program (CPU: eager)
-    if device.type == "cuda":
-        _patch(torch.cuda.CUDAGraph, "replay", sections, "FORWARD", after=sync)  # replay + its GPU time
+    if device.type == "cuda":  # the launch itself (host), then the replay's GPU time (the sync after it)
+        _patch(torch.cuda.CUDAGraph, "replay", sections, "FORWARD: graph launch")
+        _patch(torch.cuda.CUDAGraph, "replay", sections, "FORWARD", after=sync)
     _patch(engine_mod.SpecEngine, "step", sections, "step (rest)")
     if not detailed:
         return
@@ -309,7 +310,8 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
     draft = eagle_draft(target) if kind == "eagle" else kind
     cfg = SpecConfig(tree=tree, device=args.device, dtype=args.dtype, max_batch_size=64, cuda_graphs=True,
                      num_blocks=args.num_blocks,
-                     adaptive=False if kind == "eagle" else None)  # a random draft: the whole tree every step
+                     # a random draft: the whole tree every step; --fixed: every drafter's whole tree
+                     adaptive=False if kind == "eagle" or args.fixed else None)
     engine = SpecEngine(draft, target, cfg)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     queue = OutputQueue(finals_only=args.finals)
@@ -333,7 +335,8 @@ def measure(target, mode: str, batch: int, args, sections: Sections, detailed: b
         wall = sections.clock() - t0
         queue.pending.clear()
         calib.append(calibration(sections.clock))
-        fwd = sections.self_s.get("FORWARD", 0.0) + sections.self_s.get("FORWARD (eager fallback)", 0.0)
+        fwd = sum(sections.self_s.get(name, 0.0) for name in ("FORWARD", "FORWARD: graph launch",
+                                                               "FORWARD (eager fallback)"))
         host.append(wall - fwd)
         forward.append(fwd)
         for name, sec in sections.self_s.items():
@@ -395,8 +398,10 @@ def main() -> None:
                     help="model vocabulary (prompt ids are taken modulo it); small keeps CPU logits cheap")
     ap.add_argument("--hidden", type=int, default=128, help="head_dim 64 like SmolLM2 (Triton on CUDA)")
     ap.add_argument("--layers", type=int, default=1)
-    ap.add_argument("--target", default="rule", choices=("rule", "random"),
-                    help="rule: next token by a fixed rule (n-gram drafts accepted ~--follow of the time)")
+    ap.add_argument("--target", default="rule",  # or a model file / folder
+                    help="rule: next token by a fixed rule (n-gram drafts accepted ~--follow of the time); "
+                         "smollm2 (or a model path): the real SmolLM2-135M-Instruct, whose real replies give real "
+                         "n-gram acceptance (its forward, slow on the CPU, is timed apart)")
     ap.add_argument("--alphabet", type=int, default=128, help="rule: tokens it emits (most frequent in prompts)")
     ap.add_argument("--follow", type=float, default=0.6, help="rule: chance a copied continuation is right")
     ap.add_argument("--num-blocks", type=int, default=8192)
@@ -411,6 +416,7 @@ def main() -> None:
                          "where other processes share the cores)")
     ap.add_argument("--finals", action="store_true",
                     help="only finished requests' outputs are built (as ``generate`` without a progress bar)")
+    ap.add_argument("--fixed", action="store_true", help="a fixed budget for n-gram too (default: the engine's)")
     ap.add_argument("--no-sections", action="store_true", help="only the plain pass")
     ap.add_argument("--cprofile", type=int, default=0, help="print the top N functions by own time (plain pass)")
     ap.add_argument("--top", type=int, default=20, help="sections shown per case")
@@ -424,7 +430,13 @@ def main() -> None:
         torch.set_num_threads(1)
     from specdec.loading.registry import resolve_dtype
 
-    target = tiny_target(device, args, resolve_dtype(args.dtype))
+    if args.target not in ("rule", "random"):  # "smollm2" or a model path: the real model
+        from specdec.loading.registry import load_model
+
+        name = "smollm2-135m" if args.target == "smollm2" else args.target
+        target = load_model(name, dtype=resolve_dtype(args.dtype), device=device)
+    else:
+        target = tiny_target(device, args, resolve_dtype(args.dtype))
     clock = {"wall": time.perf_counter, "cpu": time.thread_time}[args.clock or ("wall" if device.type == "cuda"
                                                                                  else "cpu")]
     plain, detailed = Sections(clock), Sections(clock)
