@@ -43,6 +43,15 @@ ENGINE_SETS = {
                   "ngram_chain4": {"draft": "ngram", "tree": "chain:4", "adaptive": False},
                   "ngram_chain3": {"draft": "ngram", "tree": "chain:3", "adaptive": False},
                   "ngram_chain8_adaptive": {"draft": "ngram", "adaptive": True}},
+    # session 9: n-gram chains looked up on the device (drafters/ngram_device.py; the default from 8 rows on CUDA)
+    # against the host lookup with and without the shared table (unshared: the device's drafts exactly)
+    "ngram_device": {"target_only": {"draft": None},
+                     "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
+                     "ngram_host_unshared": {"draft": "ngram", "adaptive": False, "ngram_device": False,
+                                             "ngram_shared": False},
+                     "ngram_device": {"draft": "ngram", "adaptive": False},
+                     "ngram_device_chain4": {"draft": "ngram", "tree": "chain:4", "adaptive": False},
+                     "ngram_device_adaptive": {"draft": "ngram"}},
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},

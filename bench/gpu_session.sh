@@ -430,6 +430,23 @@ case "$stage" in
     grep -h -e "^| " -e "FORWARD" "$D/host_profile.log" | tail -12
     pack
     ;;
+  s9d)  # (.stage3/p_02 .whl .gpu, with piece 02) n-gram chains looked up on the device: its GPU tests (the kernel
+        # at real history lengths, float32 engines with graphs), then issue 9's batch 16 against the host lookup
+    assemble
+    install
+    gpu_tests 200 tests/test_ngram_device.py tests/test_step_graphs.py
+    ENGINES=ngram_device REPEATS=7 interleaved 330 16
+    grep -h -c FAILED "$D"/interleaved.log
+    pack
+    ;;
+  s9e)  # (.whl .gpu, after s9d on the same machine) the batch-16 n-gram step's time: decode, host and device lookup
+    [ -f "$MODEL" ] || assemble
+    install
+    TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 150 timeline.log \
+      gpu_step_timeline.py "$D" decode::16 ngram-host:chain:8:16 ngram:chain:8:16
+    grep -h -e "ms/step" "$D/timeline.log"
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

@@ -10,7 +10,8 @@ what is left of the step is GPU idle time, and each Python function is charged t
 while it is the innermost frame (its own time on the critical path).
 
     python -P bench/gpu_step_timeline.py OUT_DIR [CASE ...]   # CASE: MODE:TREE:BATCH, e.g. eagle:dynamic:31:1
-    # MODE: decode, eagle, eagle+pipe (pipelined fused steps, specdec/lookahead.py) or ngram (fixed budget)
+    # MODE: decode, eagle, eagle+pipe (pipelined fused steps, specdec/lookahead.py), ngram or ngram-host (fixed
+    # budget; ngram-host: the n-gram lookup on the host at any batch size)
     # env TIMELINE_MODEL=PATH TIMELINE_PROMPTS=IDS.json: the real target (bf16) on MT-bench prompts instead of
     # random weights on random prompts (n-gram drafts need real text to find matches)
     # default: decode::1 eagle:dynamic:31:1 eagle:topk:2x3:1 eagle:dynamic:31:64
@@ -143,10 +144,11 @@ def run_case(case: str, target: LoadedModel, draft: LoadedModel, out: Path) -> d
     tree, batch = rest.rsplit(":", 1)[0], int(rest.rsplit(":", 1)[1])
     dt = "bfloat16" if DEV == "cuda" else "float32"
     extra = {"tree": tree, "adaptive": False, "pipeline": mode == "eagle+pipe"} if mode.startswith("eagle") else {}
-    if mode == "ngram":
-        extra = {"tree": tree, "adaptive": False}
+    if mode.startswith("ngram"):  # ngram: the engine's choice of lookup (the device from 8 rows); ngram-host
+        extra = {"tree": tree, "adaptive": False, **({"ngram_device": False} if mode == "ngram-host" else {})}
     cfg = SpecConfig(device=DEV, dtype=dt, max_batch_size=64, prefix_cache=False, cuda_graphs=True, **extra)
-    eng = SpecEngine(draft if mode.startswith("eagle") else "ngram" if mode == "ngram" else None, target, cfg)
+    eng = SpecEngine(draft if mode.startswith("eagle") else "ngram" if mode.startswith("ngram") else None, target,
+                     cfg)
     if PROMPTS:
         prompts = json.loads(Path(PROMPTS).read_text())["mtbench"][:batch]
     else:

@@ -27,6 +27,7 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.greedy_accept import greedy_accept
         from specdec.kernels.greedy_head import greedy_head
         from specdec.kernels.kv_store import store_kv_triton
+        from specdec.kernels.ngram_follow import ngram_follow
         from specdec.kernels.norm_act import add_rmsnorm, embed_feature_norm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
@@ -42,6 +43,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
         self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
         self._tree_level, self._tree_width, self._tree_slots = tree_level, MAX_WIDTH, tree_slots
+        self._ngram_follow = ngram_follow
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -90,6 +92,12 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.advance import advance_rows
 
         return advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+
+    def ngram_follow(self, hist, rows, ids, positions, accept, k, max_n, min_n):
+        """``ngram_follow``: the device n-gram step in one launch (max_n <= 4; longer: the reference)."""
+        if max_n > 4:
+            return super().ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
+        return self._ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
 
     def tree_level(self, score, top_val, top_idx, masks, bits):
         """``tree_level`` (one launch; ties: the lower candidate) for float32 scores of width <= MAX_WIDTH, the

@@ -39,6 +39,8 @@ def check_spec_config(cfg) -> None:
     object.__setattr__(cfg, "device", check_device(cfg.device))
     _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
     _require(isinstance(cfg.ngram_shared, bool), "ngram_shared", "must be True or False", cfg.ngram_shared)
+    _require(cfg.ngram_device is None or isinstance(cfg.ngram_device, bool), "ngram_device",
+             "must be None (auto), True or False", cfg.ngram_device)
     _require(isinstance(cfg.fused_verify, bool), "fused_verify", "must be True or False", cfg.fused_verify)
     _require(cfg.pipeline is None or isinstance(cfg.pipeline, bool), "pipeline", "must be None (auto), True or False",
              cfg.pipeline)

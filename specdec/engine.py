@@ -53,6 +53,9 @@ class SpecConfig:
     dtype: str = "float32"
     ngram_max_n: int = 4
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
+    ngram_device: bool | None = None  # graphed greedy n-gram steps look up the next chains on the device
+    #                                   (drafters/ngram_device.py); None: on CUDA from NGRAM_DEVICE_MIN_ROWS rows;
+    #                                   True: at any batch size (also on the CPU's padded steps)
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA (when the steps
@@ -115,6 +118,7 @@ class SpecEngine:
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
             self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
+        self._device_ngram(max_blocks * cfg.block_size)
         if cfg.fused_verify and hasattr(self.drafter, "fuse_verify"):
             self.drafter.fuse_verify(self.verifier)
             self._prepare_fused()
@@ -132,6 +136,21 @@ class SpecEngine:
         loop = getattr(self.drafter, "device_loop", None)
         return bool(wanted and cfg.fused_verify and cfg.adaptive is not True and loop is not None
                     and hasattr(self.drafter, "enable_pipeline"))
+
+    def _device_ngram(self, max_len: int) -> None:
+        """Give an n-gram drafter its device histories and the verifier their follow-up launch when asked for
+        (``ngram_device`` True, or None on CUDA) and the steps are padded (``cuda_graphs``)."""
+        from specdec.drafters.ngram import NgramDrafter
+
+        cfg, drafter = self.config, self.drafter
+        wanted = cfg.ngram_device if cfg.ngram_device is not None else self.device.type == "cuda"
+        if not (wanted and isinstance(drafter, NgramDrafter) and self.runner.graphs is not None):
+            return
+        from specdec.drafters.ngram_device import NGRAM_DEVICE_MIN_ROWS, DeviceNgram
+
+        drafter.device_chains = self.verifier.followup = DeviceNgram(
+            self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
+            min_rows=1 if cfg.ngram_device else NGRAM_DEVICE_MIN_ROWS)
 
     def _prepare_fused(self) -> None:
         """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every

@@ -48,17 +48,22 @@ class Verifier:
 
     def __init__(self, target, runner: ModelRunner, aux_layers: tuple[int, ...] = ()) -> None:
         self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
+        # device work queued right behind a graphed verify whose output is read with the outcome (``launch(rows,
+        # key, fwd)`` -> (R, Q + 3 + ...) or None, ``consume(rows, host_rows)``): ``drafters.ngram_device``
+        self.followup = None
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
         if not rows:
             return []
-        fwd = self._graphed(rows, trees)
+        fwd, key = self._graphed(rows, trees)
         if fwd is None:  # no graph bucket holds the step: packed rows, eagerly
             fwd = self.runner.forward(0, self.target, [self._row(r, t) for r, t in zip(rows, trees)],
                                       self.aux_layers)
         if fwd.accept is not None:  # padded step: every row's outcome on the device
-            results = self._from_device(rows, trees, draft_computed, fwd)
+            follow = self.followup
+            out = None if follow is None else follow.launch(rows, key, fwd)
+            results = self._from_device(rows, trees, draft_computed, fwd, out, follow)
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
         return self._with_features(results, fwd)
@@ -85,16 +90,17 @@ class Verifier:
         return out
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
-        """The target forward of a graphed step built straight from the trees; None when no graph holds it."""
+        """The target forward of a graphed step built straight from the trees, and its graph bucket; (None, None)
+        when no graph holds it."""
         lengths = [len(t.host.tokens) + 1 for t in trees]
         key = self.runner.packed_key(0, len(rows), max(lengths), self.aux_layers)
         if key is None:
-            return None
+            return None, None
         runner = self.runner
         runner.sync_tables(rows)
         bt = runner.tables.host_rows([r.bt_row for r in rows])
         packed = _packed(rows, trees, lengths, key[2], bt, runner.pool.block_size)
-        return runner.forward_packed(key, rows, packed, lengths, bt_rows=bt)
+        return runner.forward_packed(key, rows, packed, lengths, bt_rows=bt), key
 
     @staticmethod
     def _on_host(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
@@ -108,10 +114,13 @@ class Verifier:
         return results
 
     @staticmethod
-    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd) -> list[VerifyResult]:
+    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd, out=None,
+                     follow=None) -> list[VerifyResult]:
         """Results of a padded step: the graph's greedy acceptance; sampled rows replaced by
         ``accept_stochastic_padded`` (one device->host read of the (B, Q + 3) outcome), or, when there are
-        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits."""
+        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits. ``out``: a greedy
+        step's follow-up output (the outcome rows, then the follow-up's columns), read instead and handed to
+        ``follow.consume``."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         on_host = set(sampled) if len(sampled) < DEVICE_SAMPLED_MIN_ROWS else set()
         accept = fwd.accept
@@ -119,7 +128,12 @@ class Verifier:
             accept = accept.clone()
             accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
                                                    fwd.logits, sampled, accept.shape[1] - 3)
-        host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
+        if out is None:
+            host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
+        else:
+            full, width = out.tolist(), accept.shape[1]  # the same read, the follow-up's columns after each row
+            follow.consume(rows, full)
+            host = [row[:width] for row in full]
         check_finite_flags(rows, [row[-1] for row in host], "target")
         results = []
         for i, (req, row, tree, dc) in enumerate(zip(rows, host, trees, draft_computed)):

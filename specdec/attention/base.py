@@ -154,6 +154,13 @@ class AttentionBackend(ABC):
 
         return advance_rows_reference(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
 
+    def ngram_follow(self, hist, rows, ids, positions, accept, k, max_n, min_n):
+        """The device n-gram step (extend each row's history by the verify's outcome, look up its next chain):
+        ``specdec.drafters.ngram_ops.ngram_follow_reference``."""
+        from specdec.drafters.ngram_ops import ngram_follow_reference
+
+        return ngram_follow_reference(hist, rows, ids, positions, accept, k, max_n, min_n)
+
     def tree_level(self, score, top_val, top_idx, masks, bits):
         """A dynamic tree's next level (scores, parent positions, draft ids, bitmasks; (b, K) each):
         ``specdec.tree_ops.select_level``."""

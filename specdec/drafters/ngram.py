@@ -246,6 +246,7 @@ class NgramDrafter(Drafter):
         self.unrolled = NgramIndex.unrolled_shape(max_n, min_n, self.shared)  # its indexes take lookup_unrolled
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
+        self.device_chains = None  # a ``DeviceNgram`` (the engine sets it): chains looked up on the device
 
     def forget(self) -> None:
         """Empty the shared table (requests' own indexes stay: they only hold their own text)."""
@@ -278,10 +279,15 @@ class NgramDrafter(Drafter):
             return Proposal([DraftTree.empty()] * n, [None] * n)
         get, drafts = self._index.get, []
         lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
+        ahead = self.device_chains.chains if self.device_chains is not None else {}
         for req in rows:
-            index = get(req) or self._index_of(req)
             params, tokens = req.params, req.tokens
             room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
+            hit = ahead.get(req)
+            if hit is not None and hit[0] == len(tokens):  # looked up on the device after the last step
+                drafts.append(hit[1][:k if room >= k else max(room, 0)])
+                continue
+            index = get(req) or self._index_of(req)
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
             drafts.append(lookup(index, tokens, k if room >= k else max(room, 0), params.greedy))

@@ -1,0 +1,125 @@
+"""n-gram drafting on the device, for graphed greedy steps of many rows.
+
+On the host an n-gram step looks up every row's chain in dictionaries before the verify can be launched, and
+writes the new tokens' n-grams after it: at batch 16 on the H200 host that was ~180 us of a ~1.8 ms step
+(bench/RESULTS.md, session 9), the largest part of what made an n-gram step dearer than a decode step.
+
+Here each row's token history also lives in a device buffer (one row per block-table row). Right behind a
+graphed verify, one launch (the backend's ``ngram_follow``) appends each row's accepted tokens and bonus token
+to its history and looks up the row's next chain there; the chains come back in the step's one device-to-host
+read, beside the verify's outcome, and the drafter proposes them at the next step without a lookup. A row
+whose history is behind (a new request, or after steps that did not run this) is caught up by one upload.
+
+The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
+(``SharedNgrams``): with the shared table the host path accepts more per step, which is worth more than the
+lookup time at small batches, so this runs only from ``min_rows`` rows on. Drafts differ from the host's only
+where the shared table would have found a longer match; outputs never differ (every chain is verified).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specdec.lookahead import HostUpload
+from specdec.scheduler.request import Request
+
+NGRAM_DEVICE_MIN_ROWS = 8  # fewer rows: the host lookup (with the shared table) is cheap enough and accepts more
+
+
+class DeviceNgram:
+    """The device histories and the follow-up launch of an ``NgramDrafter`` (``Verifier.followup``).
+
+    ``chains``: per request, (the token count its chain was looked up at, the chain); the drafter proposes a
+    chain when the request still has that many tokens."""
+
+    def __init__(self, runner, max_rows: int, max_len: int, k: int, max_n: int, min_n: int,
+                 min_rows: int = NGRAM_DEVICE_MIN_ROWS) -> None:
+        self.runner, self.k, self.max_n, self.min_n, self.min_rows = runner, k, max_n, min_n, min_rows
+        self.hist = torch.zeros(max_rows, max_len, dtype=torch.int32, device=runner.device)  # (rows, W) tokens
+        self.held: dict[Request, tuple[int, int]] = {}  # request -> (its block-table row, tokens held there)
+        self.chains: dict[Request, tuple[int, list[int]]] = {}
+        self.upload = HostUpload(runner.device)
+        self.launches = 0
+        self.capture = runner.device.type == "cuda"  # the follow-up of a captured verify is a graph replay too
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (b, q) -> (graph, rows buffer, output)
+        self._prune_at = 4 * max_rows
+
+    def launch(self, rows: list[Request], key, fwd) -> Tensor | None:
+        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up and
+        return its (R, Q + 4 + k) output (the outcome rows first) to read instead of ``fwd.accept``; None when it
+        does not apply (sampled rows, too few rows not yet on the device, or an eager step)."""
+        if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
+            return None
+        held = self.held
+        if len(rows) < self.min_rows and not all(held.get(r, (-1,))[0] == r.bt_row for r in rows):
+            return None
+        _, b, q = key
+        r = len(rows)
+        self._catch_up(rows)
+        self.launches += 1
+        if self.capture and self.runner.graphs.captured(key):  # the verify's outputs are fixed buffers
+            return self._replay(b, q, rows, fwd.accept)
+        views = self.runner.graphs.inputs.views(b, q)
+        bt_rows = self.upload(np.fromiter((req.bt_row for req in rows), np.int64, r))
+        return self.runner.backend.ngram_follow(self.hist, bt_rows, views.ids.view(b, q)[:r],
+                                                views.positions.view(b, q)[:r], fwd.accept[:r], self.k,
+                                                self.max_n, self.min_n)
+
+    def _replay(self, b: int, q: int, rows: list[Request], accept: Tensor) -> Tensor:
+        """The follow-up of bucket (b, q) as a graph replay (captured at its first use, over the bucket's input
+        views, the verify graph's outcome buffer ``accept`` and a rows buffer padded with -1)."""
+        entry = self.graphs.get((b, q))
+        if entry is None:
+            from specdec.scheduler.cuda_graphs import capture_graph
+
+            views = self.runner.graphs.inputs.views(b, q)
+            rows_buf = torch.full((b,), -1, dtype=torch.int64, device=self.hist.device)  # -1: nothing is written
+            run = functools.partial(self.runner.backend.ngram_follow, self.hist, rows_buf, views.ids.view(b, q),
+                                    views.positions.view(b, q), accept, self.k, self.max_n, self.min_n)
+            graph, out = capture_graph(run, None, self.hist.device)
+            entry = self.graphs[(b, q)] = (graph, rows_buf, out)
+        graph, rows_buf, out = entry
+        padded = np.full(b, -1, dtype=np.int64)
+        padded[:len(rows)] = [req.bt_row for req in rows]
+        rows_buf.copy_(self.upload(padded))
+        graph.replay()
+        return out[:len(rows)]
+
+    def _catch_up(self, rows: list[Request]) -> None:
+        """Upload the tokens each row's device history lacks (all of them for a row new to its block-table row),
+        up to the pending token, in one copy and one scatter."""
+        held, parts = self.held, []
+        for req in rows:
+            row, n = held.get(req, (-1, 0))
+            n = min(n, len(req.tokens)) if row == req.bt_row else 0  # a cut commit keeps a valid prefix
+            if n < len(req.tokens):
+                toks = req.tokens[n:]
+                parts.append(np.array([[req.bt_row] * len(toks), range(n, len(req.tokens)), toks], dtype=np.int64))
+        if parts:
+            where = self.upload(np.concatenate(parts, 1))  # (3, T): rows, positions, tokens
+            self.hist[where[0], where[1]] = where[2].to(self.hist.dtype)
+
+    def consume(self, rows: list[Request], host: list[list[int]]) -> None:
+        """Record, from the follow-up's output read as ``host`` (row i: the outcome [m, bonus, ...], then
+        [count, tokens...]), each row's chain and what its history holds: its tokens before the step (called before
+        the commit) + m accepted + the bonus token. A commit that cuts a finished row short leaves a valid prefix
+        (``_catch_up``)."""
+        held, chains = self.held, self.chains
+        for req, row in zip(rows, host):
+            n, c = len(req.tokens) + row[0] + 1, len(row) - 1 - self.k  # c: the count's column
+            held[req] = (req.bt_row, n)
+            chains[req] = (n, row[c + 1:c + 1 + row[c]])
+        if len(held) > self._prune_at:
+            for old in [r for r in held if r.finished]:
+                held.pop(old, None)
+                chains.pop(old, None)
+            self._prune_at = 2 * len(held) + 64
+
+    def chain(self, req: Request) -> list[int] | None:
+        """``req``'s chain from the last follow-up when it still has the tokens it was looked up at, else None."""
+        hit = self.chains.get(req)
+        return hit[1] if hit is not None and hit[0] == len(req.tokens) else None

@@ -1,0 +1,187 @@
+"""n-gram drafting on the device (``specdec/drafters/ngram_device.py``): the one-launch kernel
+(``kernels/ngram_follow.py``) equals its torch reference, the reference is ``ngram_lookup`` over the extended
+history, and an engine that looks chains up on the device proposes exactly what the host lookup (without the
+shared table) proposes, with target-only's outputs. Kernels run under TRITON_INTERPRET=1 on the CPU and compiled
+on CUDA (real history lengths there)."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.drafters.ngram import NgramDrafter, NgramIndex, ngram_lookup
+from specdec.drafters.ngram_ops import ngram_follow_reference
+from specdec.errors import FieldError
+
+KERNEL_DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (
+    ["cuda"] if torch.cuda.is_available() else [])
+
+
+def _case(rng: random.Random, dev: str, rows: int, q: int, vocab: int, longest: int, width: int):
+    """A history buffer of junk, R rows (distinct buffer rows) whose pending token sits at a random L - 1, their
+    verify ids and positions, and an outcome whose path is m increasing query indices (a tree path; a chain's is
+    1 .. m)."""
+    hist = torch.tensor([[rng.randrange(vocab) for _ in range(width)] for _ in range(rows + 3)], dtype=torch.int32)
+    buf_rows = torch.tensor(rng.sample(range(rows + 3), rows), dtype=torch.int64)
+    L = [rng.randrange(1, longest) for _ in range(rows)]
+    ids = torch.tensor([[rng.randrange(vocab) for _ in range(q)] for _ in range(rows)], dtype=torch.int64)
+    positions = torch.tensor([[n - 1 + j for j in range(q)] for n in L], dtype=torch.int64)
+    accept = torch.zeros(rows, q + 3, dtype=torch.int64)
+    for i in range(rows):
+        m = rng.randrange(q)  # at most q - 1 nodes below the root
+        path = sorted(rng.sample(range(1, q), m)) if m else []
+        rest = [j for j in range(q) if j not in path]
+        accept[i] = torch.tensor([m, rng.randrange(vocab), *path, *rest, 1])
+    return [t.to(dev) for t in (hist, buf_rows, ids, positions, accept)]
+
+
+@pytest.mark.skipif(not KERNEL_DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
+@pytest.mark.parametrize("dev", KERNEL_DEVICES)
+@pytest.mark.parametrize("q,k,max_n,min_n,vocab", [(9, 8, 4, 1, 4), (5, 4, 4, 1, 3), (1, 8, 4, 1, 2), (9, 8, 4, 2, 3),
+                                                   (3, 1, 2, 1, 5), (9, 8, 3, 3, 2), (5, 6, 1, 1, 6)])
+def test_kernel_equals_reference(dev, q, k, max_n, min_n, vocab):
+    """Same history writes and the same (outcome, count, chain) rows; small vocabularies make matches of every
+    length, continuations cut by the history's end, and rows without any match; padding rows (-1) are skipped."""
+    from specdec.kernels.ngram_follow import ngram_follow
+
+    rng = random.Random(q * 100 + k * 10 + max_n + vocab)
+    longest, width = (3000, 3100) if dev == "cuda" else (150, 170)  # several of the kernel's 1024-token tiles
+    for _ in range(4 if dev == "cuda" else 2):
+        hist, rows, ids, positions, accept = _case(rng, dev, rng.randrange(1, 6), q, vocab, longest, width)
+        if len(rows) > 2:
+            rows[-1] = -1  # a bucket's padding row: nothing written, a zero output row
+        ref_hist = hist.clone()
+        ref = ngram_follow_reference(ref_hist, rows, ids, positions, accept, k, max_n, min_n)
+        out = ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
+        assert torch.equal(hist, ref_hist)
+        assert torch.equal(out, ref)
+
+
+def test_reference_extends_the_history_then_looks_up():
+    """One row by hand: pending token 2 at position 4 of [7, 1, 2, 3, 2]; the verify accepts node 2 then node 3
+    (tokens 1, 2) and its bonus token is 3, so the history is [7, 1, 2, 3, 2, 1, 2, 3]: the suffix (1, 2, 3) last
+    occurred at 1, followed by 2, 1, 2, 3 (the continuation stops at the history's end)."""
+    hist = torch.zeros(2, 12, dtype=torch.int32)
+    hist[1, :5] = torch.tensor([7, 1, 2, 3, 2])
+    ids = torch.tensor([[2, 9, 1, 2]])
+    positions = torch.tensor([[4, 5, 6, 7]])
+    accept = torch.tensor([[2, 3, 2, 3, 0, 1, 1]])
+    out = ngram_follow_reference(hist, torch.tensor([1]), ids, positions, accept, k=6)
+    assert hist[1, :8].tolist() == [7, 1, 2, 3, 2, 1, 2, 3]
+    assert out[0].tolist() == [2, 3, 2, 3, 0, 1, 1, 4, 2, 1, 2, 3, 0, 0]
+    assert ngram_lookup([7, 1, 2, 3, 2, 1, 2, 3], 6) == [2, 1, 2, 3]
+
+
+def _engine(target, device: bool | None, shared: bool = False, **kw) -> SpecEngine:
+    return SpecEngine("ngram", target, SpecConfig(tree="chain:5", num_blocks=256, block_size=8, max_batch_size=4,
+                                                  prefix_cache=False, cuda_graphs=True, adaptive=False,
+                                                  ngram_shared=shared, ngram_device=device, **kw))
+
+
+def _recorded(monkeypatch) -> tuple[list[int], list[list[list[int]]]]:
+    """Counts host lookups (``NgramIndex.lookup_unrolled`` calls) into the first returned list and appends each
+    step's proposed chains to the second."""
+    calls, chains = [0], []
+    lookup, propose = NgramIndex.lookup_unrolled, NgramDrafter.propose
+
+    def counted(self, *a, **kw):
+        calls[0] += 1
+        return lookup(self, *a, **kw)
+
+    def recorded(self, rows):
+        out = propose(self, rows)
+        chains.append([t.host.tokens for t in out.trees])
+        return out
+
+    monkeypatch.setattr(NgramIndex, "lookup_unrolled", counted)
+    monkeypatch.setattr(NgramDrafter, "propose", recorded)
+    return calls, chains
+
+
+def test_device_chains_equal_host_chains(tiny_target, monkeypatch):
+    """Eight requests through four rows (rows join as others finish, block-table rows are reused, one request
+    stops early on a token): the device lookup proposes exactly the host lookup's chains at every step, the
+    outputs are target-only's, and the host looks up only a request's first chain."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 20))] * 2 for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
+    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate(prompts, params)
+    stop_at = ref[2].token_ids[5]
+    params[2] = SamplingParams(max_new_tokens=params[2].max_new_tokens, stop_token_ids=(stop_at,), ignore_eos=True)
+    ref[2] = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate([prompts[2]],
+                                                                                              params[2])[0]
+    assert len(ref[2].token_ids) < params[2].max_new_tokens
+    calls, chains = _recorded(monkeypatch)
+    outs, proposed, lookups = {}, {}, {}
+    for device in (False, True):
+        calls[0] = 0
+        chains.clear()
+        eng = _engine(tiny_target, device)
+        outs[device] = [r.token_ids for r in eng.generate(prompts, params)]
+        proposed[device], lookups[device] = list(chains), calls[0]
+        if device:
+            assert eng.verifier.followup.launches > 0
+    assert outs[True] == outs[False] == [r.token_ids for r in ref]
+    assert proposed[True] == proposed[False]
+    assert sum(len(c) for step in proposed[True] for c in step) > 50  # the comparison covers real chains
+    assert lookups[True] <= len(prompts) < lookups[False]
+
+
+def test_auto_stays_on_the_host_below_its_batch_size(tiny_target, monkeypatch):
+    """``ngram_device`` None on the CPU: no device histories at all; forced on with the shared table: outputs stay
+    target-only's (the device drafts from the row's own text)."""
+    prompts = [[5, 17, 99, 23, 4, 42, 8, 77] * 2, [9, 3, 4, 9, 3, 4, 11]]
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate(prompts, params)
+    auto = _engine(tiny_target, None, shared=True)
+    assert auto.verifier.followup is None and auto.drafter.device_chains is None
+    forced = _engine(tiny_target, True, shared=True)
+    assert [r.token_ids for r in forced.generate(prompts, params)] == [r.token_ids for r in ref]
+    assert forced.verifier.followup.launches > 0
+
+
+def test_sampled_rows_keep_the_host_lookup(tiny_target):
+    """A step with a sampled row queues no device lookup (its outcome is decided after the graph), and a greedy
+    request beside a sampled one still gets target-only's tokens."""
+    prompts = [[5, 17, 99, 23, 4, 42, 8, 77] * 2, [9, 3, 4, 9, 3, 4, 11]]
+    greedy = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=1)
+    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate([prompts[0]], greedy)[0]
+    eng = _engine(tiny_target, True)
+    out = eng.generate(prompts, [greedy, sampled])
+    assert out[0].token_ids == ref.token_ids
+    assert eng.verifier.followup.launches == 0
+
+
+def test_ngram_device_must_be_none_or_a_bool():
+    with pytest.raises(FieldError, match="ngram_device"):
+        SpecConfig(ngram_device="on")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
+    """float32 on CUDA, graphs captured, 16 rows (the auto mode's lookup runs on the device): outputs equal eager
+    target-only decoding and the proposed chains equal the host lookup's (no shared table) step for step."""
+    from specdec.loading.registry import load_model
+
+    target = load_model(tiny_dirs["llama"], device="cuda")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    base = dict(num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16)
+    ref = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **base)).generate(prompts, params)
+    _, chains = _recorded(monkeypatch)
+    proposed = {}
+    for device in (False, None):
+        chains.clear()
+        eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
+                                                     ngram_shared=False, ngram_device=device, **base))
+        assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in ref]
+        proposed[device] = list(chains)
+        if device is None:
+            assert eng.verifier.followup.launches > 0
+    assert proposed[None] == proposed[False]
