@@ -52,6 +52,12 @@ ENGINE_SETS = {
                      "ngram_device": {"draft": "ngram", "adaptive": False},
                      "ngram_device_chain4": {"draft": "ngram", "tree": "chain:4", "adaptive": False},
                      "ngram_device_adaptive": {"draft": "ngram"}},
+    # the final set of session 9: the host lookup (shared table) against the engine's default (the device from 8
+    # rows), with a fixed budget and with the adaptive one (what an n-gram engine on CUDA runs by default)
+    "ngram_final": {"target_only": {"draft": None},
+                    "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
+                    "ngram_device": {"draft": "ngram", "adaptive": False},
+                    "ngram_device_adaptive": {"draft": "ngram"}},
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},

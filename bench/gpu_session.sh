@@ -447,6 +447,23 @@ case "$stage" in
     grep -h -e "ms/step" "$D/timeline.log"
     pack
     ;;
+  s9f)  # (.stage3/p_02 .whl .gpu, with piece 02) the final device-lookup wheel: its GPU tests, then issue 9's batch 16
+    assemble
+    install
+    gpu_tests 150 tests/test_ngram_device.py tests/test_step_graphs.py -k "ngram or gpu"
+    ENGINES=ngram_final REPEATS=7 interleaved 330 16
+    grep -h -c FAILED "$D"/interleaved.log
+    pack
+    ;;
+  s9g)  # (.whl .gpu, after s9f on the same machine) batch 1 (the default engine there looks up on the host) and 64
+    [ -f "$MODEL" ] || assemble
+    install
+    ENGINES=ngram_final ONLY="ngram_device" REPEATS_B1=3 interleaved 200 1 && mv "$D/interleaved.log" "$D/b1.log"
+    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    ENGINES=ngram_final REPEATS=3 interleaved 250 64
+    grep -h "^interleaved" "$D/b1.log"
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

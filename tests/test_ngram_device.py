@@ -185,3 +185,35 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
         if device is None:
             assert eng.verifier.followup.launches > 0
     assert proposed[None] == proposed[False]
+
+
+def test_a_history_row_taken_over_is_uploaded_again():
+    """Request A's history sits in block-table row 0; A is preempted and B takes row 0; when A gets row 0 back, its
+    whole history is uploaded again (B's tokens there are not taken for A's); a commit cut short (a stop) keeps
+    the valid prefix."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.ngram_device import DeviceNgram
+
+    class Req:  # identity-hashed, like Request
+        def __init__(self, tokens, bt_row):
+            self.tokens, self.bt_row, self.finished = tokens, bt_row, False
+
+    dev = DeviceNgram(SimpleNamespace(device=torch.device("cpu")), max_rows=2, max_len=32, k=4, max_n=4, min_n=1)
+    a = Req([1, 2, 3, 4, 5], 0)
+    dev._catch_up([a])
+    assert dev.hist[0, :5].tolist() == [1, 2, 3, 4, 5]
+    dev.hist[0, 5:8] = torch.tensor([6, 7, 8], dtype=torch.int32)  # a follow-up appended path 6, 7 and bonus 8
+    dev.consume([a], [[2, 8, 1, 2, 3, 1, 2, 4, 4, 0, 0]])  # before the commit: a holds 5 + 2 + 1 tokens now
+    assert dev.held[a] == 8 and dev.chains[a] == (8, [4, 4])
+    a.tokens += [6, 7]  # the commit stopped at 7 (a stop token): 8 is not a's
+    dev.committed([a])
+    assert dev.held[a] == 7
+    a.tokens += [11]
+    dev._catch_up([a])
+    assert dev.hist[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
+    b = Req([9, 9, 9], 0)
+    dev._catch_up([b])
+    assert dev.hist[0, :3].tolist() == [9, 9, 9]
+    dev._catch_up([a])  # a back on row 0
+    assert dev.hist[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]

@@ -272,6 +272,10 @@ class NgramDrafter(Drafter):
             index = self._index[req] = NgramIndex(self.max_n, self.min_n, self.shared)
         return index
 
+    def accepted(self, rows: list[Request], results) -> None:
+        if self.device_chains is not None:
+            self.device_chains.committed(rows)
+
     def propose(self, rows: list[Request]) -> Proposal:
         """A chain of at most ``node_budget`` tokens per row (empty chains without a lookup when it is 0)."""
         k, n = self.node_budget, len(rows)

@@ -40,7 +40,8 @@ class DeviceNgram:
                  min_rows: int = NGRAM_DEVICE_MIN_ROWS) -> None:
         self.runner, self.k, self.max_n, self.min_n, self.min_rows = runner, k, max_n, min_n, min_rows
         self.hist = torch.zeros(max_rows, max_len, dtype=torch.int32, device=runner.device)  # (rows, W) tokens
-        self.held: dict[Request, tuple[int, int]] = {}  # request -> (its block-table row, tokens held there)
+        self.held: dict[Request, int] = {}  # request -> tokens its history row holds (while it owns the row)
+        self.owner: list[Request | None] = [None] * max_rows  # block-table row -> the request whose history it holds
         self.chains: dict[Request, tuple[int, list[int]]] = {}
         self.upload = HostUpload(runner.device)
         self.launches = 0
@@ -54,8 +55,7 @@ class DeviceNgram:
         does not apply (sampled rows, too few rows not yet on the device, or an eager step)."""
         if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
             return None
-        held = self.held
-        if len(rows) < self.min_rows and not all(held.get(r, (-1,))[0] == r.bt_row for r in rows):
+        if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
         _, b, q = key
         r = len(rows)
@@ -90,15 +90,19 @@ class DeviceNgram:
         return out[:len(rows)]
 
     def _catch_up(self, rows: list[Request]) -> None:
-        """Upload the tokens each row's device history lacks (all of them for a row new to its block-table row),
-        up to the pending token, in one copy and one scatter."""
-        held, parts = self.held, []
+        """Upload the tokens each row's device history lacks (all of them for a request new to its block-table row:
+        a new request, or one that was preempted and got a row back), up to the pending token, in one copy and one
+        scatter."""
+        held, owner, parts = self.held, self.owner, []
         for req in rows:
-            row, n = held.get(req, (-1, 0))
-            n = min(n, len(req.tokens)) if row == req.bt_row else 0  # a cut commit keeps a valid prefix
+            if owner[req.bt_row] is req:
+                n = min(held[req], len(req.tokens))
+            else:
+                n, owner[req.bt_row] = 0, req
             if n < len(req.tokens):
                 toks = req.tokens[n:]
                 parts.append(np.array([[req.bt_row] * len(toks), range(n, len(req.tokens)), toks], dtype=np.int64))
+                held[req] = len(req.tokens)
         if parts:
             where = self.upload(np.concatenate(parts, 1))  # (3, T): rows, positions, tokens
             self.hist[where[0], where[1]] = where[2].to(self.hist.dtype)
@@ -106,12 +110,11 @@ class DeviceNgram:
     def consume(self, rows: list[Request], host: list[list[int]]) -> None:
         """Record, from the follow-up's output read as ``host`` (row i: the outcome [m, bonus, ...], then
         [count, tokens...]), each row's chain and what its history holds: its tokens before the step (called before
-        the commit) + m accepted + the bonus token. A commit that cuts a finished row short leaves a valid prefix
-        (``_catch_up``)."""
+        the commit) + m accepted + the bonus token (``committed`` corrects it when the commit was cut short)."""
         held, chains = self.held, self.chains
         for req, row in zip(rows, host):
             n, c = len(req.tokens) + row[0] + 1, len(row) - 1 - self.k  # c: the count's column
-            held[req] = (req.bt_row, n)
+            held[req] = n
             chains[req] = (n, row[c + 1:c + 1 + row[c]])
         if len(held) > self._prune_at:
             for old in [r for r in held if r.finished]:
@@ -119,7 +122,11 @@ class DeviceNgram:
                 chains.pop(old, None)
             self._prune_at = 2 * len(held) + 64
 
-    def chain(self, req: Request) -> list[int] | None:
-        """``req``'s chain from the last follow-up when it still has the tokens it was looked up at, else None."""
-        hit = self.chains.get(req)
-        return hit[1] if hit is not None and hit[0] == len(req.tokens) else None
+    def committed(self, rows: list[Request]) -> None:
+        """After the step's commit: a commit cut short (a stop ends the row inside the accepted tokens) leaves the
+        history's valid prefix, so a row that goes on is caught up from there."""
+        held = self.held
+        for req in rows:
+            n = held.get(req)
+            if n is not None and len(req.tokens) < n:
+                held[req] = len(req.tokens)
