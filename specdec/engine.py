@@ -58,8 +58,10 @@ class SpecConfig:
     #                                   True: at any batch size (also on the CPU's padded steps)
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
-    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA (when the steps
-    #                               are pipelined, below, only for steps with sampled rows), off on the CPU
+    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA with a draft model
+    #                               (when the steps are pipelined, below, only for steps with sampled rows), off
+    #                               for n-gram drafts (a fixed budget measured faster at batch 1, 16 and 64:
+    #                               bench/RESULTS.md, sessions 6 and 9) and on the CPU
     fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
     pipeline: bool | None = None  # greedy fused steps queue their successor before the host reads them
     #                               (lookahead.py); needs fused_verify and a fixed budget (adaptive not True).
@@ -103,7 +105,7 @@ class SpecEngine:
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
         pipelined = self._pipelines()
-        adaptive = cfg.adaptive if cfg.adaptive is not None else self.device.type == "cuda"
+        adaptive = cfg.adaptive if cfg.adaptive is not None else adaptive_by_default(self.device, self.drafter)
         self.adaptive = make_controller(adaptive, self.device, self.drafter, self.runner.graphs)
         # pipelined with the adaptive controller on auto: greedy steps keep the full budget (the pipeline needs a
         # fixed one), the controller chooses only for steps with sampled rows (which the pipeline never takes)
@@ -419,6 +421,14 @@ class SpecEngine:
         if self.scheduler.prefix_cache is not None:
             self.scheduler.prefix_cache.evict_all()
         return self.allocator.all_free()
+
+
+def adaptive_by_default(device: torch.device, drafter: Drafter) -> bool:
+    """``SpecConfig(adaptive=None)``: the controller on CUDA for a draft model's trees; n-gram chains keep a fixed
+    budget (on the H200 the controller cost them 1-7% at batch 1, 16 and 64: bench/RESULTS.md, sessions 6 and 9)."""
+    from specdec.drafters.ngram import NgramDrafter
+
+    return device.type == "cuda" and not isinstance(drafter, NgramDrafter)
 
 
 class _NoDraft(Drafter):

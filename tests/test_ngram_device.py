@@ -217,3 +217,14 @@ def test_a_history_row_taken_over_is_uploaded_again():
     assert dev.hist[0, :3].tolist() == [9, 9, 9]
     dev._catch_up([a])  # a back on row 0
     assert dev.hist[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
+
+
+def test_ngram_chains_keep_a_fixed_budget_by_default():
+    """``adaptive=None``: the controller only for a draft model's trees on CUDA; n-gram chains keep a fixed budget
+    there; on the CPU it is off for every drafter (the rule itself, checked without a GPU)."""
+    from specdec.drafters.ngram import NgramDrafter
+    from specdec.engine import _NoDraft, adaptive_by_default
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert not adaptive_by_default(cuda, NgramDrafter(8)) and adaptive_by_default(cuda, _NoDraft())
+    assert not adaptive_by_default(cpu, _NoDraft())
