@@ -58,6 +58,11 @@ ENGINE_SETS = {
                     "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
                     "ngram_device": {"draft": "ngram", "adaptive": False},
                     "ngram_device_adaptive": {"draft": "ngram"}},
+    # session 9: the auto budget of pipelined greedy steps (dynamic:31's best 15 nodes above 16 rows) against
+    # dynamic:31 at its full size (the default before)
+    "large_batch": {"target_only": {"draft": None},
+                    "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
+                    "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},

@@ -464,6 +464,15 @@ case "$stage" in
     grep -h "^interleaved" "$D/b1.log"
     pack
     ;;
+  s9h)  # (.stage3/p_02 .whl .gpu, with piece 02) pipelined greedy steps of more than 16 rows keep dynamic:31's best
+        # 15 nodes: test_lookahead on CUDA (float32, graphs), then batch 64 against dynamic:31 at full size
+    assemble
+    install
+    gpu_tests 150 tests/test_lookahead.py
+    ENGINES=large_batch REPEATS=5 interleaved 300 64
+    grep -h -c FAILED "$D"/interleaved.log
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

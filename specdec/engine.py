@@ -33,6 +33,9 @@ from specdec.scheduler.stop import StopChecker
 from specdec.tree import template_from_spec
 from specdec.verifier import Verifier, new_generator
 
+# an auto-budget pipelined engine's greedy steps of more rows than this keep a dynamic tree's best LARGE_BATCH_NODES
+LARGE_BATCH_ROWS, LARGE_BATCH_NODES = 16, 15
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -110,6 +113,8 @@ class SpecEngine:
         # pipelined with the adaptive controller on auto: greedy steps keep the full budget (the pipeline needs a
         # fixed one), the controller chooses only for steps with sampled rows (which the pipeline never takes)
         self.greedy_budget_fixed = pipelined and self.adaptive is not None
+        # ... at the tree's full size up to LARGE_BATCH_ROWS rows, and a dynamic tree's best LARGE_BATCH_NODES above
+        self.large_batch_budget = self._large_batch_budget() if self.greedy_budget_fixed else None
         if pipelined:
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
@@ -139,6 +144,14 @@ class SpecEngine:
         return bool(wanted and cfg.fused_verify and cfg.adaptive is not True and loop is not None
                     and hasattr(self.drafter, "enable_pipeline"))
 
+    def _large_batch_budget(self) -> int | None:
+        """The budget of an auto-budget pipelined engine's greedy steps of more than ``LARGE_BATCH_ROWS`` rows: a
+        dynamic tree's best ``LARGE_BATCH_NODES`` nodes when it has more (None: the full tree). On the H200 with the
+        shipped draft, pipelined dynamic:15 beat dynamic:31 at batch 32 and 64 (1.26 / 1.12x against 1.20 /
+        1.04x target-only in waves) and lost at batch 8 (1.58x against 1.61x): bench/RESULTS.md, session 8."""
+        spec = self.config.tree_spec
+        return LARGE_BATCH_NODES if spec.kind == "dynamic" and self.drafter.max_nodes > LARGE_BATCH_NODES else None
+
     def _device_ngram(self, max_len: int) -> None:
         """Give an n-gram drafter its device histories and the verifier their follow-up launch when asked for
         (``ngram_device`` True, or None on CUDA) and the steps are padded (``cuda_graphs``)."""
@@ -162,7 +175,8 @@ class SpecEngine:
             return
         start = time.perf_counter()
         budgets = [o.nodes for o in self.adaptive.options] if self.adaptive and not self.greedy_budget_fixed \
-            else [self.drafter.node_budget]  # (only greedy steps are fused)
+            else [self.drafter.node_budget] + ([self.large_batch_budget] if self.large_batch_budget else [])
+        # (only greedy steps are fused)
         n = fused.prepare(budgets)
         if n and self.graph_report is not None:
             self.graph_report.graphs += n
@@ -304,8 +318,8 @@ class SpecEngine:
             return []
         if self.adaptive is not None and not (self.greedy_budget_fixed and all(r.params.greedy for r in rows)):
             return self.adaptive.speculate(rows, self.drafter, self.verifier)
-        if self.greedy_budget_fixed:
-            self.drafter.budget = None  # the tree's full size, whatever the controller chose for sampled rows
+        if self.greedy_budget_fixed:  # whatever the controller chose for sampled rows
+            self.drafter.budget = self.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
         proposal: Proposal = self.drafter.propose(rows)
         return self.verifier.verify_proposal(rows, proposal)
 

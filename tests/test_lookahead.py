@@ -213,6 +213,27 @@ def test_pipelined_greedy_steps_keep_the_full_budget_beside_the_controller(tiny)
     assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
 
 
+def test_large_batches_keep_the_smaller_dynamic_budget(tiny, monkeypatch):
+    """The auto budget of pipelined greedy steps: a dynamic tree's full size up to ``LARGE_BATCH_ROWS`` rows, its
+    best ``LARGE_BATCH_NODES`` above (here 2 rows and 15 of dynamic:16's nodes, so 4 requests that end at different
+    steps cross the line both ways); greedy output equals target-only, queued steps are still adopted, and a static
+    tree keeps its full size."""
+    import specdec.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "LARGE_BATCH_ROWS", 2)
+    draft, target, want, cfg = tiny
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
+    eng.greedy_budget_fixed, eng.large_batch_budget = True, eng._large_batch_budget()  # CUDA's auto, on the CPU
+    assert eng.large_batch_budget == engine_mod.LARGE_BATCH_NODES == 15
+    seen, propose = set(), eng.drafter.propose
+    eng.drafter.propose = lambda rows: seen.add((len(rows) > 2, eng.drafter.node_budget)) or propose(rows)
+    assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
+    assert seen == {(True, 15), (False, 16)}
+    assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
+    static = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": None}))
+    assert static._large_batch_budget() is None
+
+
 def test_pipelined_engine_under_the_serving_executor(tiny):
     """Requests reaching a pipelined engine through the serving executor's loop thread while others run, one of
     them cancelled mid-stream: the others equal target-only, queued steps were adopted, and every block is freed."""
