@@ -165,8 +165,11 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
     assert engine(pipeline=True, adaptive=None).drafter.pipeline
     from specdec.cli.bench import engine_mode  # what ``specdec bench`` reports of it
 
-    assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "greedy_budget_fixed": False}
-    assert engine_mode(adaptive) == {"pipelined": False, "adaptive_on": True, "greedy_budget_fixed": False}
+    assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "greedy_budget_fixed": False,
+                               "large_batch_budget": None}
+    assert engine_mode(adaptive) == {"pipelined": False, "adaptive_on": True, "greedy_budget_fixed": False,
+                                     "large_batch_budget": None}
+    assert engine_mode(auto)["large_batch_budget"] is None  # a static tree keeps its size at every batch size
     assert (engine(pipeline=False, adaptive=None).adaptive is not None) is cuda  # adaptive as before
     from specdec.errors import FieldError
 

@@ -8,6 +8,7 @@ import time
 import torch
 
 from specdec.benchmark.hf import HF_PARTS
+from specdec.engine import LARGE_BATCH_ROWS
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
@@ -75,7 +76,7 @@ def default_tree(draft: str, device: str = "cpu") -> str:
 def engine_mode(engine) -> dict[str, bool]:
     """How a speculative engine resolved its ``pipeline`` / ``adaptive`` options (auto by default)."""
     return {"pipelined": bool(getattr(engine.drafter, "pipeline", False)), "adaptive_on": engine.adaptive is not None,
-            "greedy_budget_fixed": engine.greedy_budget_fixed}
+            "greedy_budget_fixed": engine.greedy_budget_fixed, "large_batch_budget": engine.large_batch_budget}
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -153,8 +154,10 @@ def cmd_bench(args) -> int:
     for entry in report["sweep"]:
         entry["mean_budget"] = budgets.get(entry["batch_size"])
     print(format_table(report))
+    large = config["large_batch_budget"]
     print(f"steps: {'pipelined' if config['pipelined'] else 'not pipelined'}, adaptive budget "
-          f"{'for sampled steps only' if config['greedy_budget_fixed'] else 'on' if config['adaptive_on'] else 'off'}")
+          f"{'for sampled steps only' if config['greedy_budget_fixed'] else 'on' if config['adaptive_on'] else 'off'}"
+          + (f"; greedy steps of more than {LARGE_BATCH_ROWS} rows keep {large} nodes" if large else ""))
     print(budget_line(report), end="")
     print(format_sweep(report), end="")
     if args.json_out:
