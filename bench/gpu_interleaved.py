@@ -11,7 +11,7 @@ unfused and dynamic:31) are built first, then timed in rounds, one run of each p
 speed-up is the median over rounds of that round's ratio. Schedules: waves of ``batch`` prompts (the
 ``specdec bench`` method) and continuous batching (all prompts submitted, ``batch`` rows; not at batch 1).
 80 MT-bench prompts x 128 tokens on CUDA (4 x 16 on the CPU), ``REPEATS`` rounds (default 7 on CUDA;
-``REPEATS_B1``, default 3, at batch 1). Writes OUT_DIR/interleaved.json.
+``REPEATS_B1``, default 3, at batch 1; ``TEMPERATURE``: sampled runs). Writes OUT_DIR/interleaved.json.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ ENGINE_SETS = {
     "large_batch": {"target_only": {"draft": None},
                     "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
+    # sampled decoding (TEMPERATURE) with the CUDA defaults: the shipped draft (its steps with sampled rows take
+    # the adaptive budget, unpipelined) and n-gram chains (fixed budget; own text only for sampled rows)
+    "sampled": {"target_only": {"draft": None},
+                "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
+                "ngram_chain8": {"draft": "ngram"}},
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
@@ -130,11 +135,15 @@ def main() -> None:
     batches = [int(b) for b in sys.argv[4:]] or [16]
     out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(Path(prompt_file).read_text())["mtbench"][:None if CUDA else 4]
-    params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True)
+    # TEMPERATURE (env, default 0: greedy): sampled runs at that temperature with top-p 0.9, unseeded
+    temp = float(os.environ.get("TEMPERATURE", "0"))
+    params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True, temperature=temp,
+                            top_p=0.9 if temp else 1.0)
     repeats = int(os.environ.get("REPEATS", "7" if CUDA else "2"))
     dt = "bfloat16" if CUDA else "float32"
     target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
-    res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats, "engines": ENGINES}
+    res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats, "engines": ENGINES,
+                 "temperature": temp}
     eagle = None
     for b in batches:
         for continuous in (False, True) if b > 1 else (False,):  # one row: both schedules are the same

@@ -473,6 +473,18 @@ case "$stage" in
     grep -h -c FAILED "$D"/interleaved.log
     pack
     ;;
+  s9i)  # (.stage3/p_02 .whl .gpu, with piece 02) sampled decoding (T = 0.7, top-p 0.9) with the CUDA defaults: the
+        # shipped draft and n-gram against target-only, batch 1 and 16 (waves)
+    assemble
+    install
+    export ENGINES=sampled TEMPERATURE=0.7 SCHEDULES=waves
+    REPEATS_B1=3 interleaved 200 1 && mv "$D/interleaved.log" "$D/b1.log"
+    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    REPEATS=3 interleaved 120 16
+    grep -h "^interleaved" "$D/b1.log"
+    grep -h -c FAILED "$D"/*.log
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \
