@@ -113,7 +113,7 @@ class SpecEngine:
         # pipelined with the adaptive controller on auto: greedy steps keep the full budget (the pipeline needs a
         # fixed one), the controller chooses only for steps with sampled rows (which the pipeline never takes)
         self.greedy_budget_fixed = pipelined and self.adaptive is not None
-        # ... at the tree's full size up to LARGE_BATCH_ROWS rows, and a dynamic tree's best LARGE_BATCH_NODES above
+        # (greedy steps of more than LARGE_BATCH_ROWS rows keep a dynamic tree's best LARGE_BATCH_NODES nodes)
         self.large_batch_budget = self._large_batch_budget() if self.greedy_budget_fixed else None
         if pipelined:
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
@@ -174,9 +174,9 @@ class SpecEngine:
         if fused is None:
             return
         start = time.perf_counter()
+        # (only greedy steps are fused)
         budgets = [o.nodes for o in self.adaptive.options] if self.adaptive and not self.greedy_budget_fixed \
             else [self.drafter.node_budget] + ([self.large_batch_budget] if self.large_batch_budget else [])
-        # (only greedy steps are fused)
         n = fused.prepare(budgets)
         if n and self.graph_report is not None:
             self.graph_report.graphs += n
