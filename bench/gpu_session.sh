@@ -485,6 +485,17 @@ case "$stage" in
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
+  s10a)  # (.stage3/p_02 .whl .gpu, with piece 02) next session: where a sampled step's time goes (T = 0.7, top-p
+         # 0.9, real model, 16 MT-bench rows): target-only, n-gram and the shipped draft, greedy beside sampled
+    assemble
+    install
+    TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 100 timeline_greedy.log \
+      gpu_step_timeline.py "$D/greedy" decode::16 ngram:chain:8:16
+    TIMELINE_TEMPERATURE=0.7 TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 150 \
+      timeline_sampled.log gpu_step_timeline.py "$D/sampled" decode::16 decode::4 ngram:chain:8:16 eagle:dynamic:31:16
+    grep -h -e "ms/step" "$D"/timeline_*.log
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

@@ -13,7 +13,9 @@ while it is the innermost frame (its own time on the critical path).
     # MODE: decode, eagle, eagle+pipe (pipelined fused steps, specdec/lookahead.py), ngram or ngram-host (fixed
     # budget; ngram-host: the n-gram lookup on the host at any batch size)
     # env TIMELINE_MODEL=PATH TIMELINE_PROMPTS=IDS.json: the real target (bf16) on MT-bench prompts instead of
-    # random weights on random prompts (n-gram drafts need real text to find matches)
+    # random weights on random prompts (n-gram drafts need real text to find matches), with the shipped EAGLE draft
+    # for the eagle modes; TIMELINE_TEMPERATURE=T:
+    # the timed steps sample at temperature T (top-p 0.9) instead of greedy
     # default: decode::1 eagle:dynamic:31:1 eagle:topk:2x3:1 eagle:dynamic:31:64
 
 Writes OUT_DIR/timeline.json (per case: ms/step, GPU busy and idle per step, top functions) and one gzipped
@@ -43,6 +45,7 @@ from specdec.loading.registry import LoadedModel, load_model  # noqa: E402
 from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target  # noqa: E402
 
 MODEL, PROMPTS = os.environ.get("TIMELINE_MODEL"), os.environ.get("TIMELINE_PROMPTS")
+TEMP = float(os.environ.get("TIMELINE_TEMPERATURE", "0"))  # > 0: the timed steps sample (top-p 0.9)
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 STEP = "ENGINE_STEP"
 ADDRESS = re.compile(r" (of \w+ object )?at 0x[0-9a-f]+")  # "<built-in method view of Tensor object at 0x..>"
@@ -155,7 +158,8 @@ def run_case(case: str, target: LoadedModel, draft: LoadedModel, out: Path) -> d
         prompts = random_prompts(batch, 100 if DEV == "cuda" else 10, target.config.vocab_size, seed=batch)
     eng.generate(prompts, SamplingParams(max_new_tokens=8, ignore_eos=True))  # warm-up: captures, caches
     plain_steps, prof_steps = (40, 8) if DEV == "cuda" else (4, 2)
-    params = SamplingParams(max_new_tokens=4 * (plain_steps + prof_steps + 10), ignore_eos=True)
+    params = SamplingParams(max_new_tokens=4 * (plain_steps + prof_steps + 10), ignore_eos=True, temperature=TEMP,
+                            top_p=0.9 if TEMP else 1.0)
     for p in prompts:
         eng.add_request(p, params)
     while eng.scheduler.waiting or any(not r.prefill_done for r in eng.scheduler.running):
@@ -210,7 +214,7 @@ def main() -> None:
     cases = sys.argv[2:] or ["decode::1", "eagle:dynamic:31:1", "eagle:topk:2x3:1", "eagle:dynamic:31:64"]
     dt = torch.bfloat16 if DEV == "cuda" else torch.float32
     target = load_model(MODEL, dtype=dt, device=DEV) if MODEL else random_model(dt)
-    draft = None if MODEL else eagle_draft(target)
+    draft = load_model("smollm2-135m-draft", dtype=dt, device=DEV, target=target) if MODEL else eagle_draft(target)
     results = []
     for case in cases:
         results.append(run_case(case, target, draft, out))
