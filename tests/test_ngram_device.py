@@ -157,6 +157,19 @@ def test_sampled_rows_keep_the_host_lookup(tiny_target):
     assert eng.verifier.followup.launches == 0
 
 
+def test_rows_longer_than_the_history_buffer_stay_on_the_host(tiny_target):
+    """A buffer too short for a row's tokens plus a verify: no device lookup (nothing written past a row), and
+    outputs stay target-only's."""
+    prompts = [[5, 17, 99, 23, 4, 42, 8, 77] * 2]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate(prompts, params)
+    eng = _engine(tiny_target, True)
+    follow = eng.verifier.followup
+    follow.hist = follow.hist[:, :17]  # 16 prompt tokens + the first output token + any verify no longer fit
+    assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in ref]
+    assert follow.launches == 0
+
+
 def test_ngram_device_must_be_none_or_a_bool():
     with pytest.raises(FieldError, match="ngram_device"):
         SpecConfig(ngram_device="on")

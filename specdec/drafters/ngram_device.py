@@ -53,12 +53,15 @@ class DeviceNgram:
     def launch(self, rows: list[Request], key, fwd) -> Tensor | None:
         """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up and
         return its (R, Q + 4 + k) output (the outcome rows first) to read instead of ``fwd.accept``; None when it
-        does not apply (sampled rows, too few rows not yet on the device, or an eager step)."""
+        does not apply (sampled rows, too few rows not yet on the device, a row longer than the history buffer,
+        or an eager step)."""
         if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
+            return None
+        _, b, q = key
+        if max(len(r.tokens) for r in rows) + q > self.hist.shape[1]:  # the history rows hold no more (host path)
             return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
-        _, b, q = key
         r = len(rows)
         self._catch_up(rows)
         self.launches += 1
