@@ -102,3 +102,15 @@ def test_pipeline_and_adaptive_flags_reach_the_engine_config(monkeypatch):
         assert seen["SpecConfig"]["pipeline"] is want
     with pytest.raises(SystemExit):
         main(["bench", "--pipeline", "yes"])
+
+
+def test_sampling_with_a_draft_on_cuda_gets_a_speed_note():
+    """``specdec generate`` warns (on stderr) only when it samples with a draft on CUDA, where sampled speculation
+    measured slower than target-only decoding."""
+    from specdec.cli.main import sampled_speed_note
+
+    assert "--draft none" in sampled_speed_note("cuda", 0.7, "smollm2-135m-draft")
+    assert "--draft none" in sampled_speed_note("cuda:0", 0.7, "ngram")
+    assert sampled_speed_note("cuda", 0.0, "ngram") is None  # greedy
+    assert sampled_speed_note("cuda", 0.7, "none") is None  # target-only already
+    assert sampled_speed_note("cpu", 0.7, "ngram") is None
