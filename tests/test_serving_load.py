@@ -9,6 +9,7 @@ import time
 import pytest
 from serving_helpers import mixed_jobs, run_alone, run_concurrently, with_tokenizer
 
+from specdec.drafters.ngram import ngram_lookup
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.serving.executor import Executor
 from specdec.serving.server import ServerThread, build_app
@@ -17,20 +18,42 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 NUM_CLIENTS = 40
 
 
-@pytest.fixture(scope="module")
-def server(tiny_dirs, tiny_draft, tmp_path_factory):
+# a small pool and batch cap, so requests queue, share the pool and get admitted as others finish; the n-gram
+# engine looks chains up on the device (CPU: the padded step and the torch reference) with a pool small enough that
+# requests are preempted and come back to history rows other requests used meanwhile
+ENGINES = {"draft": dict(tree="chain:4", num_blocks=160, max_batch_size=16),
+           "ngram_device": dict(tree="chain:4", num_blocks=40, max_batch_size=16, policy="max_utilization",
+                                cuda_graphs=True, ngram_device=True)}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def server(request, tiny_dirs, tiny_draft, tmp_path_factory):
     target = with_tokenizer(tiny_dirs["llama"], tmp_path_factory.mktemp("load") / "llama")
-    # a small pool and batch cap, so requests queue, share the pool and get admitted as others finish
-    cfg = SpecConfig(tree="chain:4", num_blocks=160, max_batch_size=16)
-    executor = Executor(SpecEngine(tiny_draft, str(target), cfg))
+    draft = "ngram" if request.param == "ngram_device" else tiny_draft
+    engine = SpecEngine(draft, str(target), SpecConfig(**ENGINES[request.param]))
+    preempted, checked = [], []
+    preempt = engine.scheduler.preempt
+    engine.scheduler.preempt = lambda req: preempted.append(req.request_id) or preempt(req)
+    follow = engine.verifier.followup
+    if follow is not None:  # after each commit, every device chain is what the host scan finds in the row's text
+        committed = follow.committed
+
+        def checking(rows):
+            committed(rows)
+            for req in rows:
+                n, chain = follow.chains.get(req, (-1, None))
+                if n == len(req.tokens):
+                    checked.append(chain == ngram_lookup(req.tokens, follow.k))
+        follow.committed = checking
+    executor = Executor(engine)
     srv = ServerThread(build_app(executor, "tiny")).start()
-    yield srv.url, executor
+    yield srv.url, executor, (preempted, checked)
     srv.stop()
     executor.shutdown()
 
 
 def test_concurrent_streams_equal_requests_run_alone(server):
-    url, executor = server
+    url, executor, (preempted, checked) = server
     jobs = mixed_jobs(NUM_CLIENTS, seed=1, long_tokens=200)
     alone = run_alone(url, jobs)
     results, _ = run_concurrently(url, jobs)
@@ -48,3 +71,6 @@ def test_concurrent_streams_equal_requests_run_alone(server):
         time.sleep(0.05)
     assert executor.run_on_loop(lambda e: e.all_blocks_free())
     assert max(s.num_waiting for s in executor.iteration_stats()) > 0  # the queue really filled
+    follow = executor.run_on_loop(lambda e: e.verifier.followup)
+    if follow is not None:  # the n-gram engine: its lookups ran on the device, right, through preemptions
+        assert follow.launches > 100 and preempted and len(checked) > 100 and all(checked)
