@@ -47,12 +47,23 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
 
 def capture_graph(forward, pool, device) -> tuple[torch.cuda.CUDAGraph, object]:
     """``forward()`` run once (it compiles the kernels of its shapes), then captured into a CUDA graph on
-    memory pool ``pool``: (the graph, the output its replays rewrite)."""
+    memory pool ``pool``: (the graph, the output its replays rewrite).
+
+    The garbage collector is held during the capture: a dead engine in a reference cycle, collected in the middle
+    of a capture, would free its graphs and pinned buffers there and invalidate the capture (seen once on the
+    H200: cudaErrorStreamCaptureInvalidated on the fifth engine of one process). Lazy captures (a pipelined
+    step's advance, the tree writer, the n-gram follow-up) are held like the start-up ones."""
     forward()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = forward()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool):
+            out = forward()
+    finally:
+        if was_enabled:
+            gc.enable()
     return graph, out
 
 
@@ -173,20 +184,11 @@ class GraphRunner:
         before = torch.cuda.memory_reserved(self.device)
         mempool = torch.cuda.graph_pool_handle()
         keys = [(m, b, q) for m, qs in self.query_buckets.items() for b in self.batch_buckets for q in qs]
-        # A dead engine in a reference cycle, collected by the garbage collector in the middle of a capture,
-        # would free its graphs and pinned buffers there and invalidate the capture (seen once on the H200:
-        # cudaErrorStreamCaptureInvalidated on the fifth engine of one process): collect first, then hold it.
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
-            for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
-                self.inputs.clear(key[1], key[2])
-                self.graphs[key] = capture_graph(functools.partial(self._forward, key), mempool, self.device)
-            extra = sum(program.capture(mempool)[0] for program in self.programs)
-        finally:
-            if was_enabled:
-                gc.enable()
+        gc.collect()  # dead engines' graphs and buffers go first; ``capture_graph`` holds the collector in each capture
+        for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
+            self.inputs.clear(key[1], key[2])
+            self.graphs[key] = capture_graph(functools.partial(self._forward, key), mempool, self.device)
+        extra = sum(program.capture(mempool)[0] for program in self.programs)
         torch.cuda.synchronize(self.device)
         self.report = CaptureReport(len(self.graphs) + extra, time.perf_counter() - start,
                                     torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))

@@ -281,3 +281,40 @@ def test_ngram_drafter_indexes_prompts_at_prefill_and_forgets_ended_requests():
         r.status = RequestStatus.FINISHED
     drafter.prefill([PrefillChunk(reqs[64], 0, 6)])
     assert list(drafter._index) == [reqs[64]]
+
+
+def test_capture_graph_holds_the_garbage_collector(monkeypatch):
+    """The collector is off while ``capture_graph`` captures (a dead engine collected mid-capture invalidates
+    it), on again afterwards, also when the capture raises, and left off when it was off (CUDA stood in)."""
+    import contextlib
+    import gc
+
+    import specdec.scheduler.cuda_graphs as cg
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph, pool=None: contextlib.nullcontext())
+
+    def forward():
+        seen.append(gc.isenabled())
+        return len(seen)
+
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        assert cg.capture_graph(forward, None, "cpu")[1] == 2 and seen == [True, False] and gc.isenabled()
+
+        def failing():
+            seen.append(gc.isenabled())
+            if len(seen) == 4:  # its second run: the captured one
+                raise RuntimeError("capture failed")
+
+        with pytest.raises(RuntimeError, match="capture failed"):
+            cg.capture_graph(failing, None, "cpu")
+        assert seen[2:] == [True, False] and gc.isenabled()
+        gc.disable()
+        cg.capture_graph(forward, None, "cpu")
+        assert not gc.isenabled()
+    finally:
+        gc.enable() if was else gc.disable()

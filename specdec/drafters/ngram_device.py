@@ -19,7 +19,6 @@ where the shared table would have found a longer match; outputs never differ (ev
 from __future__ import annotations
 
 import functools
-import gc
 
 import numpy as np
 import torch
@@ -84,14 +83,7 @@ class DeviceNgram:
             rows_buf = torch.full((b,), -1, dtype=torch.int64, device=self.hist.device)  # -1: nothing is written
             run = functools.partial(self.runner.backend.ngram_follow, self.hist, rows_buf, views.ids.view(b, q),
                                     views.positions.view(b, q), accept, self.k, self.max_n, self.min_n)
-            gc.collect()  # a dead engine's graphs freed by the collector mid-capture would invalidate it
-            was_enabled = gc.isenabled()
-            gc.disable()
-            try:
-                graph, out = capture_graph(run, None, self.hist.device)
-            finally:
-                if was_enabled:
-                    gc.enable()
+            graph, out = capture_graph(run, None, self.hist.device)
             entry = self.graphs[(b, q)] = (graph, rows_buf, out)
         graph, rows_buf, out = entry
         padded = np.full(b, -1, dtype=np.int64)
