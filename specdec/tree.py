@@ -175,17 +175,12 @@ class DraftTree:
         validation that ``from_parents`` runs, every other array (tensors and host lists, read-only like
         every tree's) is shared by all chains of the same length, and the ``tokens`` tensor is made on
         first use (the graphed greedy step reads only the host view)."""
-        n = len(tokens)
-        if n > MAX_TREE_NODES:
-            raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
-        if n == 0:
-            return cls.empty()
-        return cls._of_shape(tokens, _chain_parts(n))
+        return cls.chains([tokens])[0]
 
     @classmethod
     def chains(cls, rows: list[list[int]]) -> list[DraftTree]:
         """``chain`` of each token list in ``rows`` (a model-free drafter's batch), each length's shape looked
-        up once."""
+        up once; ValueError past ``MAX_TREE_NODES`` tokens."""
         shapes, trees, of_shape = {}, [], cls._of_shape
         for tokens in rows:
             n = len(tokens)
