@@ -15,7 +15,8 @@ from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
 from specdec.drafters.ngram_ops import ngram_follow_reference  # noqa: F401 - the reference
 
-SCORE = 1 << 40  # a match's score: n * SCORE + start (the longest n wins, then the latest start)
+# A match's score in the kernel is n * 2**40 + start (the longest n wins, then the latest start); 2**40 is written
+# out there as 1099511627776, the form compiled and checked on the H200 (session 9).
 
 
 @triton.jit
@@ -58,7 +59,7 @@ def _ngram_follow_kernel(
         m3 = (t0 == s2) & (t1 == s1) & (t2 == s0) & (i + 3 <= n_tok - 1) & (top >= 3) & (MIN_N <= 3)
         m4 = (t0 == s3) & (t1 == s2) & (t2 == s1) & (t3 == s0) & (i + 4 <= n_tok - 1) & (top >= 4)
         n = tl.where(m4, 4, tl.where(m3, 3, tl.where(m2, 2, tl.where(m1, 1, 0)))).to(tl.int64)
-        score = tl.where(n > 0, n * 1099511627776 + i, -1)  # SCORE
+        score = tl.where(n > 0, n * 1099511627776 + i, -1)  # n * 2**40 + start
         best = tl.maximum(best, tl.max(score, 0))
     found = best >= 0
     n_best = best // 1099511627776
