@@ -41,7 +41,7 @@ assemble() {  # the model from the pieces of runs 1-3
 
 gpu_tests() {  # gpu_tests SECONDS FILE...: the GPU test files into $D/tests.log
   local limit=$1; shift
-  timeout "$limit" python3 -P -m pytest -q -p no:cacheprovider "$@" ${GPU_TESTS:-} > "$D/tests.log" 2>&1
+  timeout "$limit" python3 -P -m pytest -q -p no:cacheprovider "$@" ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$D/tests.log" 2>&1
   echo "tests exit $?" >> "$D/tests.log"
   tail -3 "$D/tests.log"
 }
@@ -485,10 +485,13 @@ case "$stage" in
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
-  s10a)  # (.stage3/p_02 .whl .gpu, with piece 02) next session: where a sampled step's time goes (T = 0.7, top-p
-         # 0.9, real model, 16 MT-bench rows): target-only, n-gram and the shipped draft, greedy beside sampled
+  s10a)  # (.stage3/p_02 .whl .gpu, with piece 02) session 10: the GPU tests of session 9's last commits, then where a
+         # sampled step's time goes (T = 0.7, top-p 0.9, real model, 16 MT-bench rows): target-only, n-gram and the
+         # shipped draft, greedy beside sampled
     assemble
     install
+    GPU_K="gpu or ngram or lookahead or outlive" gpu_tests 200 tests/test_ngram_device.py \
+      tests/test_step_graphs.py tests/test_lookahead.py tests/test_fused_step.py
     TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 100 timeline_greedy.log \
       gpu_step_timeline.py "$D/greedy" decode::16 ngram:chain:8:16
     TIMELINE_TEMPERATURE=0.7 TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 150 \
