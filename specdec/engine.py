@@ -69,7 +69,9 @@ class SpecConfig:
     pipeline: bool | None = None  # greedy fused steps queue their successor before the host reads them
     #                               (lookahead.py); needs fused_verify and a fixed budget (adaptive not True).
     #                               None: on for CUDA (measured 2.04x target-only at batch 1 against 1.57x
-    #                               unpipelined, bench/RESULTS.md session 8), off on the CPU (nothing to overlap)
+    #                               unpipelined, bench/RESULTS.md session 8), off on the CPU (nothing to overlap).
+    #                               n-gram steps whose chains are looked up on the device (ngram_device) queue
+    #                               theirs too (drafters/ngram_device.py)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -117,6 +119,8 @@ class SpecEngine:
         self.large_batch_budget = self._large_batch_budget() if self.greedy_budget_fixed else None
         if pipelined:
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
+        if self._ngram_pipelines():
+            self.drafter.pipelined = True  # (likewise)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
             self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
@@ -144,6 +148,17 @@ class SpecEngine:
         return bool(wanted and cfg.fused_verify and cfg.adaptive is not True and loop is not None
                     and hasattr(self.drafter, "enable_pipeline"))
 
+    def _ngram_pipelines(self) -> bool:
+        """Whether an n-gram drafter's device lookups queue each greedy step's successor (``pipeline`` True, or
+        None on CUDA; the chains on the device (``ngram_device``); padded steps; a fixed budget)."""
+        from specdec.drafters.ngram import NgramDrafter
+
+        cfg, cuda = self.config, self.device.type == "cuda"
+        wanted = cfg.pipeline if cfg.pipeline is not None else cuda
+        on_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
+        return bool(wanted and on_device and isinstance(self.drafter, NgramDrafter) and self.runner.graphs is not None
+                    and self.adaptive is None)
+
     def _large_batch_budget(self) -> int | None:
         """The budget of an auto-budget pipelined engine's greedy steps of more than ``LARGE_BATCH_ROWS`` rows: a
         dynamic tree's best ``LARGE_BATCH_NODES`` nodes when it has more (None: the full tree). On the H200 with the
@@ -165,7 +180,7 @@ class SpecEngine:
 
         drafter.device_chains = self.verifier.followup = DeviceNgram(
             self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
-            min_rows=1 if cfg.ngram_device else NGRAM_DEVICE_MIN_ROWS)
+            min_rows=1 if cfg.ngram_device else NGRAM_DEVICE_MIN_ROWS, drafter=drafter)
 
     def _prepare_fused(self) -> None:
         """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every

@@ -30,6 +30,19 @@ class VerifyResult(NamedTuple):
     kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.lookahead)
 
 
+class QueuedVerify(NamedTuple):
+    """A graphed verify queued on the device before the host read the previous step (``drafters.ngram_device``):
+    its rows in order, graph bucket ``key``, forward output ``fwd`` (its ``accept`` rewritten by the bucket's next
+    replay), the follow-up's device output ``out`` and ``wait() -> (R, C)`` its host read. A drafter hands it over
+    as ``Proposal.fused`` when it adopts it."""
+
+    rows: list
+    key: tuple
+    fwd: object
+    out: torch.Tensor
+    wait: object
+
+
 class VerifyResults(list):
     """The ``VerifyResult`` of each row, in order; ``packed_features``: every row's ``features`` as one tensor
     (sum of their lengths, k * H), row after row (the rows' features are views of it), None without features."""
@@ -62,8 +75,8 @@ class Verifier:
                                       self.aux_layers)
         if fwd.accept is not None:  # padded step: every row's outcome on the device
             follow = self.followup
-            out = None if follow is None else follow.launch(rows, key, fwd)
-            results = self._from_device(rows, trees, draft_computed, fwd, out, follow)
+            read = None if follow is None else follow.launch(rows, key, fwd)
+            results = self._from_device(rows, trees, draft_computed, fwd, read, follow)
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
         return self._with_features(results, fwd)
@@ -74,6 +87,10 @@ class Verifier:
         fused = proposal.fused
         if fused is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
+        if isinstance(fused, QueuedVerify):  # already on the device: queue its successor, then read it
+            self.followup.queue(rows, fused.key, fused.out)
+            return self._from_device(rows, proposal.trees, proposal.draft_computed, fused.fwd, fused.wait,
+                                     self.followup)
         return _from_fused(rows, proposal.draft_computed, fused)
 
     @staticmethod
@@ -93,7 +110,10 @@ class Verifier:
         """The target forward of a graphed step built straight from the trees, and its graph bucket; (None, None)
         when no graph holds it."""
         lengths = [len(t.host.tokens) + 1 for t in trees]
-        key = self.runner.packed_key(0, len(rows), max(lengths), self.aux_layers)
+        longest = max(lengths)
+        if self.followup is not None:  # a step whose successor is queued runs in the bucket the successor needs
+            longest = max(longest, self.followup.min_query(rows))
+        key = self.runner.packed_key(0, len(rows), longest, self.aux_layers)
         if key is None:
             return None, None
         runner = self.runner
@@ -114,13 +134,13 @@ class Verifier:
         return results
 
     @staticmethod
-    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd, out=None,
+    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd, read=None,
                      follow=None) -> list[VerifyResult]:
         """Results of a padded step: the graph's greedy acceptance; sampled rows replaced by
         ``accept_stochastic_padded`` (one device->host read of the (B, Q + 3) outcome), or, when there are
-        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits. ``out``: a greedy
-        step's follow-up output (the outcome rows, then the follow-up's columns), read instead and handed to
-        ``follow.consume``."""
+        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits. ``read() -> (R, C)``: a
+        greedy step's follow-up output (the outcome rows, then the follow-up's columns), read instead and handed
+        to ``follow.consume``."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         on_host = set(sampled) if len(sampled) < DEVICE_SAMPLED_MIN_ROWS else set()
         accept = fwd.accept
@@ -128,10 +148,10 @@ class Verifier:
             accept = accept.clone()
             accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
                                                    fwd.logits, sampled, accept.shape[1] - 3)
-        if out is None:
+        if read is None:
             host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         else:
-            full, width = out.tolist(), accept.shape[1]  # the same read, the follow-up's columns after each row
+            full, width = read().tolist(), accept.shape[1]  # the same read, the follow-up's columns after each row
             follow.consume(rows, full)
             host = [row[:width] for row in full]
         check_finite_flags(rows, [row[-1] for row in host], "target")

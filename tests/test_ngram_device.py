@@ -241,3 +241,75 @@ def test_ngram_chains_keep_a_fixed_budget_by_default():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert not adaptive_by_default(cuda, NgramDrafter(8)) and adaptive_by_default(cuda, _NoDraft())
     assert not adaptive_by_default(cpu, _NoDraft())
+
+
+def _stop_case(tiny_target):
+    """Eight requests of lengths 12-29 (one stopped early by a token), their target-only outputs."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 20))] * 2 for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
+    plain = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8))
+    ref = plain.generate(prompts, params)
+    params[2] = SamplingParams(max_new_tokens=params[2].max_new_tokens, stop_token_ids=(ref[2].token_ids[5],),
+                               ignore_eos=True)
+    ref[2] = plain.generate([prompts[2]], params[2])[0]
+    assert len(ref[2].token_ids) < params[2].max_new_tokens
+    return prompts, params, [r.token_ids for r in ref]
+
+
+def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
+    """Pipelined (each greedy step's successor built and queued on the device before the host reads the step):
+    the same chains step for step and target-only's outputs, with rows joining, finishing at their length limits
+    (chains cut there) and stopping on a token; most steps are adopted, and the queued verify's inputs are
+    exactly what the host packs for the adopted chains."""
+    from specdec.drafters import ngram_device
+    from specdec.scheduler.step_inputs import StepInputs
+    from specdec.verifier import QueuedVerify, Verifier, _packed
+
+    prompts, params, ref = _stop_case(tiny_target)
+    _, chains = _recorded(monkeypatch)
+    built, checked, wrong = {}, [0], []
+    advance, verify_proposal = ngram_device.ngram_advance_reference, Verifier.verify_proposal
+
+    def recorded_advance(views, b, q, out, tables, bs):
+        advance(views, b, q, out, tables, bs)
+        built[(b, q)] = {name: getattr(views, name).clone() for name in views._fields}
+
+    def compared(self, rows, proposal):
+        if isinstance(proposal.fused, QueuedVerify):  # what the host would have packed for these chains
+            _, b, q = proposal.fused.key
+            bt = self.runner.tables.host_rows([r.bt_row for r in rows])
+            lengths = [len(t.host.tokens) + 1 for t in proposal.trees]
+            host = StepInputs(b, q, bt.shape[1], "cpu")
+            host.fill_packed(b, q, _packed(rows, proposal.trees, lengths, q, bt, self.runner.pool.block_size), bt)
+            for name, dev in built[(b, q)].items():  # (asserted outside: the engine isolates a step's errors)
+                want = getattr(host.views(b, q), name).to(dev.device)
+                if name == "block_tables":  # blocks the scheduler added since the step was queued are not read
+                    used = -(-host.views(b, q).seq_lens // self.runner.pool.block_size)  # (b,) blocks per row
+                    keep = torch.arange(want.shape[1]) < used[:, None]
+                    dev, want = dev * keep, want * keep
+                if not torch.equal(dev, want):
+                    wrong.append((name, dev.tolist(), want.tolist()))
+            checked[0] += 1
+        return verify_proposal(self, rows, proposal)
+
+    monkeypatch.setattr(ngram_device, "ngram_advance_reference", recorded_advance)
+    monkeypatch.setattr(Verifier, "verify_proposal", compared)
+    outs, proposed = {}, {}
+    for pipeline in (False, True):
+        chains.clear()
+        eng = _engine(tiny_target, True, pipeline=pipeline)
+        assert eng.drafter.pipelined == pipeline
+        outs[pipeline] = [r.token_ids for r in eng.generate(prompts, params)]
+        proposed[pipeline] = list(chains)
+        follow = eng.verifier.followup
+        assert wrong == []
+        if pipeline:
+            assert follow.adopted == checked[0] > len(proposed[True]) // 2
+            # (the last step's successor is left queued: no step came to adopt or drop it)
+            assert follow.dropped > 0 and follow.queued == follow.adopted + follow.dropped + 1
+        else:
+            assert follow.queued == follow.adopted == 0
+    assert outs[True] == outs[False] == ref
+    assert proposed[True] == proposed[False]
+    assert eng.all_blocks_free()

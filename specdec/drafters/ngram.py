@@ -247,6 +247,14 @@ class NgramDrafter(Drafter):
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
         self.device_chains = None  # a ``DeviceNgram`` (the engine sets it): chains looked up on the device
+        self.pipelined = False  # the device queues each greedy step's successor (the engine sets it, before the
+        #                         scheduler reads ``lookahead``)
+
+    @property
+    def lookahead(self) -> int:
+        """Pipelined, a step is queued before the previous one's accepted tokens and bonus token (at most k + 1)
+        are committed, so its rows reserve that much more."""
+        return self.max_nodes + (self.max_nodes + 1 if self.pipelined else 0)
 
     def forget(self) -> None:
         """Empty the shared table (requests' own indexes stay: they only hold their own text)."""
@@ -279,11 +287,13 @@ class NgramDrafter(Drafter):
     def propose(self, rows: list[Request]) -> Proposal:
         """A chain of at most ``node_budget`` tokens per row (empty chains without a lookup when it is 0)."""
         k, n = self.node_budget, len(rows)
+        device = self.device_chains
+        queued = None if device is None or device.ahead is None else device.adopt(rows)  # its verify already ran
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
         get, drafts = self._index.get, []
         lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
-        ahead = self.device_chains.chains if self.device_chains is not None else {}
+        ahead = device.chains if device is not None else {}
         for req in rows:
             params, tokens = req.params, req.tokens
             room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
@@ -295,4 +305,5 @@ class NgramDrafter(Drafter):
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
             drafts.append(lookup(index, tokens, k if room >= k else max(room, 0), params.greedy))
-        return Proposal(DraftTree.chains(drafts), [None] * n)  # host trees: verification reads their host view
+        # host trees: verification reads their host view; a queued verify ran these chains (``DeviceNgram.adopt``)
+        return Proposal(DraftTree.chains(drafts), [None] * n, queued)

@@ -10,6 +10,15 @@ to its history and looks up the row's next chain there; the chains come back in 
 read, beside the verify's outcome, and the drafter proposes them at the next step without a lookup. A row
 whose history is behind (a new request, or after steps that did not run this) is caught up by one upload.
 
+Pipelined (``SpecConfig.pipeline``, on by default on CUDA), the next step does not wait for the host at all: right
+after the follow-up, one more launch writes the next verify's inputs from the outcome and the chains (the bonus
+token, then the chain cut to the tokens still to come: what the host would pack once the step is committed;
+``ngram_ops.ngram_advance_reference``), and the next verify and follow-up are queued behind it, with their read.
+The host then reads this step and commits it while the GPU runs the next one. At the next engine step the drafter
+adopts the queued verify when its rows are exactly the queued ones, each with the length the device assumed (no
+row finished, failed or was stopped early, no prefill ran); otherwise it is dropped (it wrote KV only past each
+row's committed tokens, in blocks its rows still held, and history past what the host counts as held).
+
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``): with the shared table the host path accepts more per step, which is worth more than the
 lookup time at small batches, so this runs only from ``min_rows`` rows on. Drafts differ from the host's only
@@ -24,8 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.lookahead import HostUpload
+from specdec.drafters.ngram_ops import ngram_advance_reference
+from specdec.lookahead import HostRead, HostUpload
 from specdec.scheduler.request import Request
+from specdec.verifier import QueuedVerify
 
 NGRAM_DEVICE_MIN_ROWS = 8  # fewer rows: the host lookup (with the shared table) is cheap enough and accepts more
 
@@ -37,8 +48,9 @@ class DeviceNgram:
     chain when the request still has that many tokens."""
 
     def __init__(self, runner, max_rows: int, max_len: int, k: int, max_n: int, min_n: int,
-                 min_rows: int = NGRAM_DEVICE_MIN_ROWS) -> None:
+                 min_rows: int = NGRAM_DEVICE_MIN_ROWS, drafter=None) -> None:
         self.runner, self.k, self.max_n, self.min_n, self.min_rows = runner, k, max_n, min_n, min_rows
+        self.drafter = drafter  # pipelined: the ``NgramDrafter`` (its budget, lookahead and step_prefilled flag)
         self.hist = torch.zeros(max_rows, max_len, dtype=torch.int32, device=runner.device)  # (rows, W) tokens
         self.held: dict[Request, int] = {}  # request -> tokens its history row holds (while it owns the row)
         self.owner: list[Request | None] = [None] * max_rows  # block-table row -> the request whose history it holds
@@ -48,12 +60,22 @@ class DeviceNgram:
         self.capture = runner.device.type == "cuda"  # the follow-up of a captured verify is a graph replay too
         self.graphs: dict[tuple[int, int], tuple] = {}  # (b, q) -> (graph, rows buffer, output)
         self._prune_at = 4 * max_rows
+        self.pipeline = drafter is not None and drafter.pipelined  # queue each step's successor (module docstring)
+        self.reader = HostRead(runner.device)
+        self.ahead: QueuedVerify | None = None  # the verify queued for the next step
+        self.advances: dict[tuple[int, int, int], tuple] = {}  # (b, q, rows) -> (graph, tables buffer)
+        self.queued = self.adopted = self.dropped = 0  # queued verifies, and how many the next step adopted
 
-    def launch(self, rows: list[Request], key, fwd) -> Tensor | None:
-        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up and
-        return its (R, Q + 4 + k) output (the outcome rows first) to read instead of ``fwd.accept``; None when it
-        does not apply (sampled rows, too few rows not yet on the device, a row longer than the history buffer,
-        or an eager step)."""
+    def min_query(self, rows: list[Request]) -> int:
+        """Queries per row of a verify over ``rows`` whose successor may be queued: the whole chain's (the queued
+        verify runs in the same bucket, whatever its chains' lengths); 0 when nothing would be queued."""
+        return self.k + 1 if self.pipeline and all(r.params.greedy for r in rows) else 0
+
+    def launch(self, rows: list[Request], key, fwd):
+        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up (and,
+        pipelined, the next step) and return ``wait() -> (R, Q + 4 + k)``, the follow-up's host read (the outcome
+        rows first), to read instead of ``fwd.accept``; None when it does not apply (sampled rows, too few rows not
+        yet on the device, a row longer than the history buffer, or an eager step)."""
         if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
             return None
         _, b, q = key
@@ -61,16 +83,85 @@ class DeviceNgram:
             return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
-        r = len(rows)
         self._catch_up(rows)
+        out = self._follow(rows, key, fwd.accept)
+        wait = self.reader.start([out])
+        self.queue(rows, key, out)
+        return wait
+
+    def _follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
+        """The follow-up of the verify of bucket ``key`` whose outcome is ``accept``: (R, Q + 4 + k) on the device."""
+        _, b, q = key
+        r = len(rows)
         self.launches += 1
         if self.capture and self.runner.graphs.captured(key):  # the verify's outputs are fixed buffers
-            return self._replay(b, q, rows, fwd.accept)
+            return self._replay(b, q, rows, accept)
         views = self.runner.graphs.inputs.views(b, q)
         bt_rows = self.upload(np.fromiter((req.bt_row for req in rows), np.int64, r))
         return self.runner.backend.ngram_follow(self.hist, bt_rows, views.ids.view(b, q)[:r],
-                                                views.positions.view(b, q)[:r], fwd.accept[:r], self.k,
+                                                views.positions.view(b, q)[:r], accept[:r], self.k,
                                                 self.max_n, self.min_n)
+
+    def queue(self, rows: list[Request], key, out: Tensor) -> None:
+        """Pipelined: queue the verify that follows the one of bucket ``key`` over ``rows`` (whose follow-up output
+        is ``out``, its read already started), built on the device, with its follow-up and read (``ahead``).
+        Nothing is queued after a prefill (it rewrote the step inputs the successor is built from), under a
+        budget below the chain, in a bucket narrower than the chain, or when a row lacks the KV blocks or history
+        room the queued step writes."""
+        drafter = self.drafter
+        if not self.pipeline or drafter.step_prefilled or drafter.node_budget != self.k or key[2] != self.k + 1:
+            return
+        bs, need = self.runner.pool.block_size, drafter.lookahead
+        if any(len(r.blocks) * bs < len(r.tokens) + need for r in rows) or (
+                max(len(r.tokens) for r in rows) + 2 * key[2] > self.hist.shape[1]):
+            return
+        ends = np.fromiter((len(req.prompt_ids) + req.params.max_new_tokens for req in rows), np.int64, len(rows))
+        tables = np.concatenate([self.runner.tables.host_rows([req.bt_row for req in rows]), ends[:, None]], 1)
+        self._advance(key, out, self.upload(tables))
+        fwd = self.runner.graphs.replay(key)
+        nxt = self._follow(rows, key, fwd.accept)
+        self.ahead = QueuedVerify(list(rows), key, fwd, nxt, self.reader.start([nxt]))
+        self.queued += 1
+
+    def _advance(self, key, out: Tensor, tables: Tensor) -> None:
+        """``ngram_advance_reference`` into bucket ``key``'s inputs: one graph replay per (b, q, rows) when the
+        follow-up is a graph (its output a fixed buffer), else eagerly."""
+        _, b, q = key
+        inputs, bs = self.runner.graphs.inputs, self.runner.pool.block_size
+        views = inputs.views(b, q)
+        if not (self.capture and self.runner.graphs.captured(key)):
+            ngram_advance_reference(views, b, q, out, tables, bs)
+            return
+        entry = self.advances.get((b, q, out.shape[0]))
+        if entry is None:
+            from specdec.scheduler.cuda_graphs import capture_graph
+
+            buf = torch.zeros_like(tables)
+            saved = inputs.dev.clone()  # capturing runs it once (over a zero table): the inputs are put back
+            try:
+                graph, _ = capture_graph(functools.partial(ngram_advance_reference, views, b, q, out, buf, bs), None,
+                                         self.hist.device)
+            finally:
+                inputs.dev.copy_(saved)
+            entry = self.advances[(b, q, out.shape[0])] = (graph, buf)
+        graph, buf = entry
+        buf.copy_(tables)
+        graph.replay()
+
+    def adopt(self, rows: list[Request]) -> QueuedVerify | None:
+        """The queued verify when it was queued for exactly ``rows`` (in order) and each row has the length the
+        device assumed (its chain was looked up at that length); else None, and it is dropped."""
+        queued, self.ahead = self.ahead, None
+        if queued is None:
+            return None
+        chains = self.chains
+        if (len(queued.rows) != len(rows) or any(a is not b for a, b in zip(queued.rows, rows))
+                or self.drafter.node_budget != self.k
+                or any(chains.get(req, (-1,))[0] != len(req.tokens) for req in rows)):
+            self.dropped += 1
+            return None
+        self.adopted += 1
+        return queued
 
     def _replay(self, b: int, q: int, rows: list[Request], accept: Tensor) -> Tensor:
         """The follow-up of bucket (b, q) as a graph replay (captured at its first use, over the bucket's input
