@@ -60,6 +60,12 @@ ENGINE_SETS = {
                     "ngram_device_adaptive": {"draft": "ngram"}},
     # session 9: the auto budget of pipelined greedy steps (dynamic:31's best 15 nodes above 16 rows) against
     # dynamic:31 at its full size (the default before)
+    # session 10: pipelined n-gram steps (the device queues each greedy step's successor before the host reads it)
+    "ngram_pipeline": {"target_only": {"draft": None},
+                       "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
+                       "ngram_device": {"draft": "ngram", "adaptive": False, "pipeline": False},
+                       "ngram_pipelined": {"draft": "ngram", "adaptive": False},
+                       "ngram_pipelined_any": {"draft": "ngram", "adaptive": False, "ngram_device": True}},
     "large_batch": {"target_only": {"draft": None},
                     "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},

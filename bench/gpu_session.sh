@@ -499,6 +499,18 @@ case "$stage" in
     grep -h -e "ms/step" "$D"/timeline_*.log
     pack
     ;;
+  s10c)  # (.stage3/p_02 .whl .gpu, with piece 02) pipelined n-gram steps: the GPU tests (float32, graphs), then
+         # batch 16 (waves and continuous) and batch 1 interleaved against target-only and the unpipelined paths
+    [ -f "$MODEL" ] || assemble
+    install
+    gpu_tests 200 tests/test_ngram_device.py tests/test_lookahead.py
+    ENGINES=ngram_pipeline REPEATS=7 interleaved 200 16 && mv "$D/interleaved.log" "$D/b16.log"
+    cp "$D/interleaved.json" "$D/interleaved_b16.json" 2>/dev/null
+    ENGINES=ngram_pipeline ONLY="ngram_host ngram_pipelined_any" REPEATS_B1=3 interleaved 170 1
+    grep -h "^interleaved" "$D/b16.log"
+    grep -h -c FAILED "$D"/*.log
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

@@ -102,19 +102,25 @@ def _recorded(monkeypatch) -> tuple[list[int], list[list[list[int]]]]:
     return calls, chains
 
 
+def _stop_case(tiny_target):
+    """Eight requests of lengths 12-29 (one stopped early by a token), their target-only outputs."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 20))] * 2 for _ in range(8)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
+    plain = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8))
+    ref = plain.generate(prompts, params)
+    params[2] = SamplingParams(max_new_tokens=params[2].max_new_tokens, stop_token_ids=(ref[2].token_ids[5],),
+                               ignore_eos=True)
+    ref[2] = plain.generate([prompts[2]], params[2])[0]
+    assert len(ref[2].token_ids) < params[2].max_new_tokens
+    return prompts, params, [r.token_ids for r in ref]
+
+
 def test_device_chains_equal_host_chains(tiny_target, monkeypatch):
     """Eight requests through four rows (rows join as others finish, block-table rows are reused, one request
     stops early on a token): the device lookup proposes exactly the host lookup's chains at every step, the
     outputs are target-only's, and the host looks up only a request's first chain."""
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 20))] * 2 for _ in range(8)]
-    params = [SamplingParams(max_new_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
-    ref = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate(prompts, params)
-    stop_at = ref[2].token_ids[5]
-    params[2] = SamplingParams(max_new_tokens=params[2].max_new_tokens, stop_token_ids=(stop_at,), ignore_eos=True)
-    ref[2] = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8)).generate([prompts[2]],
-                                                                                              params[2])[0]
-    assert len(ref[2].token_ids) < params[2].max_new_tokens
+    prompts, params, ref = _stop_case(tiny_target)
     calls, chains = _recorded(monkeypatch)
     outs, proposed, lookups = {}, {}, {}
     for device in (False, True):
@@ -125,7 +131,7 @@ def test_device_chains_equal_host_chains(tiny_target, monkeypatch):
         proposed[device], lookups[device] = list(chains), calls[0]
         if device:
             assert eng.verifier.followup.launches > 0
-    assert outs[True] == outs[False] == [r.token_ids for r in ref]
+    assert outs[True] == outs[False] == ref
     assert proposed[True] == proposed[False]
     assert sum(len(c) for step in proposed[True] for c in step) > 50  # the comparison covers real chains
     assert lookups[True] <= len(prompts) < lookups[False]
@@ -177,27 +183,37 @@ def test_ngram_device_must_be_none_or_a_bool():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
-    """float32 on CUDA, graphs captured, 16 rows (the auto mode's lookup runs on the device): outputs equal eager
-    target-only decoding and the proposed chains equal the host lookup's (no shared table) step for step."""
+    """float32 on CUDA, graphs captured, 16 rows (the auto mode's lookup runs on the device, pipelined): outputs
+    equal eager target-only decoding and the proposed chains equal the host lookup's (no shared table) step for
+    step, pipelined or not, with varied lengths so rows finish at their limits and the pipeline is dropped and
+    resumed; then one request alone with the device lookup forced on (pipelined at batch 1)."""
     from specdec.loading.registry import load_model
 
     target = load_model(tiny_dirs["llama"], device="cuda")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    params = [SamplingParams(max_new_tokens=rng.randrange(30, 60), ignore_eos=True) for _ in prompts]
     base = dict(num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16)
     ref = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **base)).generate(prompts, params)
     _, chains = _recorded(monkeypatch)
     proposed = {}
-    for device in (False, None):
+    for device, pipeline in ((False, None), (None, False), (None, None)):
         chains.clear()
         eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
-                                                     ngram_shared=False, ngram_device=device, **base))
+                                                     ngram_shared=False, ngram_device=device, pipeline=pipeline,
+                                                     **base))
         assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in ref]
-        proposed[device] = list(chains)
+        proposed[device, pipeline] = list(chains)
+        follow = eng.verifier.followup
         if device is None:
-            assert eng.verifier.followup.launches > 0
-    assert proposed[None] == proposed[False]
+            assert follow.launches > 0
+            assert (follow.adopted > follow.launches // 3) if pipeline is None else follow.queued == 0
+            assert follow.advances or pipeline is False  # the queued steps' inputs were written by a graph
+    assert proposed[None, None] == proposed[None, False] == proposed[False, None]
+    eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
+                                                 ngram_device=True, **base))
+    assert eng.generate([prompts[0]], params[0])[0].token_ids == ref[0].token_ids
+    assert eng.verifier.followup.adopted > 0
 
 
 def test_a_history_row_taken_over_is_uploaded_again():
@@ -243,27 +259,15 @@ def test_ngram_chains_keep_a_fixed_budget_by_default():
     assert not adaptive_by_default(cpu, _NoDraft())
 
 
-def _stop_case(tiny_target):
-    """Eight requests of lengths 12-29 (one stopped early by a token), their target-only outputs."""
-    rng = random.Random(3)
-    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 20))] * 2 for _ in range(8)]
-    params = [SamplingParams(max_new_tokens=rng.randrange(12, 30), ignore_eos=True) for _ in prompts]
-    plain = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8))
-    ref = plain.generate(prompts, params)
-    params[2] = SamplingParams(max_new_tokens=params[2].max_new_tokens, stop_token_ids=(ref[2].token_ids[5],),
-                               ignore_eos=True)
-    ref[2] = plain.generate([prompts[2]], params[2])[0]
-    assert len(ref[2].token_ids) < params[2].max_new_tokens
-    return prompts, params, [r.token_ids for r in ref]
-
-
 def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
     """Pipelined (each greedy step's successor built and queued on the device before the host reads the step):
     the same chains step for step and target-only's outputs, with rows joining, finishing at their length limits
     (chains cut there) and stopping on a token; most steps are adopted, and the queued verify's inputs are
     exactly what the host packs for the adopted chains."""
-    from specdec.drafters import ngram_device
     from specdec.scheduler.step_inputs import StepInputs
+
+    from specdec.cli.bench import engine_mode
+    from specdec.drafters import ngram_device
     from specdec.verifier import QueuedVerify, Verifier, _packed
 
     prompts, params, ref = _stop_case(tiny_target)
@@ -299,7 +303,7 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
     for pipeline in (False, True):
         chains.clear()
         eng = _engine(tiny_target, True, pipeline=pipeline)
-        assert eng.drafter.pipelined == pipeline
+        assert eng.drafter.pipelined == engine_mode(eng)["pipelined"] == pipeline
         outs[pipeline] = [r.token_ids for r in eng.generate(prompts, params)]
         proposed[pipeline] = list(chains)
         follow = eng.verifier.followup

@@ -20,10 +20,10 @@ NUM_CLIENTS = 40
 
 # a small pool and batch cap, so requests queue, share the pool and get admitted as others finish; the n-gram
 # engine looks chains up on the device (CPU: the padded step and the torch reference) with a pool small enough that
-# requests are preempted and come back to history rows other requests used meanwhile
+# requests are preempted and come back to history rows other requests used meanwhile; its steps are pipelined
 ENGINES = {"draft": dict(tree="chain:4", num_blocks=160, max_batch_size=16),
            "ngram_device": dict(tree="chain:4", num_blocks=40, max_batch_size=16, policy="max_utilization",
-                                cuda_graphs=True, ngram_device=True)}
+                                cuda_graphs=True, ngram_device=True, pipeline=True)}
 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
@@ -74,3 +74,4 @@ def test_concurrent_streams_equal_requests_run_alone(server):
     follow = executor.run_on_loop(lambda e: e.verifier.followup)
     if follow is not None:  # the n-gram engine: its lookups ran on the device, right, through preemptions
         assert follow.launches > 100 and preempted and len(checked) > 100 and all(checked)
+        assert follow.adopted > 50 and follow.dropped > 0  # steps queued on the device, kept and dropped

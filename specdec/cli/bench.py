@@ -75,7 +75,8 @@ def default_tree(draft: str, device: str = "cpu") -> str:
 
 def engine_mode(engine) -> dict[str, bool]:
     """How a speculative engine resolved its ``pipeline`` / ``adaptive`` options (auto by default)."""
-    return {"pipelined": bool(getattr(engine.drafter, "pipeline", False)), "adaptive_on": engine.adaptive is not None,
+    pipelined = getattr(engine.drafter, "pipeline", False) or getattr(engine.drafter, "pipelined", False)  # (n-gram)
+    return {"pipelined": bool(pipelined), "adaptive_on": engine.adaptive is not None,
             "greedy_budget_fixed": engine.greedy_budget_fixed, "large_batch_budget": engine.large_batch_budget}
 
 

@@ -58,7 +58,7 @@ class DeviceNgram:
         self.upload = HostUpload(runner.device)
         self.launches = 0
         self.capture = runner.device.type == "cuda"  # the follow-up of a captured verify is a graph replay too
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (b, q) -> (graph, rows buffer, output)
+        self.graphs: dict[tuple[int, int], list] = {}  # (b, q) -> [graph, rows buffer, output, the rows it holds]
         self._prune_at = 4 * max_rows
         self.pipeline = drafter is not None and drafter.pipelined  # queue each step's successor (module docstring)
         self.reader = HostRead(runner.device)
@@ -175,11 +175,13 @@ class DeviceNgram:
             run = functools.partial(self.runner.backend.ngram_follow, self.hist, rows_buf, views.ids.view(b, q),
                                     views.positions.view(b, q), accept, self.k, self.max_n, self.min_n)
             graph, out = capture_graph(run, None, self.hist.device)
-            entry = self.graphs[(b, q)] = (graph, rows_buf, out)
-        graph, rows_buf, out = entry
+            entry = self.graphs[(b, q)] = [graph, rows_buf, out, None]
+        graph, rows_buf, out, last = entry
         padded = np.full(b, -1, dtype=np.int64)
         padded[:len(rows)] = [req.bt_row for req in rows]
-        rows_buf.copy_(self.upload(padded))
+        if last is None or not np.array_equal(padded, last):  # (pipelined steps replay the same rows: no upload)
+            rows_buf.copy_(self.upload(padded))
+            entry[3] = padded
         graph.replay()
         return out[:len(rows)]
 
