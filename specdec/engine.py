@@ -57,7 +57,8 @@ class SpecConfig:
     ngram_max_n: int = 4
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
     ngram_device: bool | None = None  # graphed greedy n-gram steps look up the next chains on the device
-    #                                   (drafters/ngram_device.py); None: on CUDA from NGRAM_DEVICE_MIN_ROWS rows;
+    #                                   (drafters/ngram_device.py); None: on CUDA, at any batch size when the
+    #                                   steps are pipelined (``pipeline``), else from NGRAM_DEVICE_MIN_ROWS rows;
     #                                   True: at any batch size (also on the CPU's padded steps)
     cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
     window_reuse: bool = True  # sliding-window models release blocks outside every window
@@ -180,7 +181,7 @@ class SpecEngine:
 
         drafter.device_chains = self.verifier.followup = DeviceNgram(
             self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
-            min_rows=1 if cfg.ngram_device else NGRAM_DEVICE_MIN_ROWS, drafter=drafter)
+            min_rows=1 if cfg.ngram_device or drafter.pipelined else NGRAM_DEVICE_MIN_ROWS, drafter=drafter)
 
     def _prepare_fused(self) -> None:
         """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every

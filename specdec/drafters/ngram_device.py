@@ -20,9 +20,12 @@ row finished, failed or was stopped early, no prefill ran); otherwise it is drop
 row's committed tokens, in blocks its rows still held, and history past what the host counts as held).
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
-(``SharedNgrams``): with the shared table the host path accepts more per step, which is worth more than the
-lookup time at small batches, so this runs only from ``min_rows`` rows on. Drafts differ from the host's only
-where the shared table would have found a longer match; outputs never differ (every chain is verified).
+(``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
+than the lookup time at small batches, so the device lookup runs only from ``min_rows`` rows on. Pipelined it runs
+at every batch size: on the H200 at batch 1 the pipelined device path beat the host path with the shared table,
+1.68x against 1.56x target-only, although it accepts fewer tokens per step (1.50 against 1.63; bench/RESULTS.md,
+session 10). Drafts differ from the host's only where the shared table would have found a longer match; outputs
+never differ (every chain is verified).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from specdec.lookahead import HostRead, HostUpload
 from specdec.scheduler.request import Request
 from specdec.verifier import QueuedVerify
 
-NGRAM_DEVICE_MIN_ROWS = 8  # fewer rows: the host lookup (with the shared table) is cheap enough and accepts more
+NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined, fewer rows: the host lookup (with the shared table) is cheap and accepts more
 
 
 class DeviceNgram:
