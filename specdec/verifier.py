@@ -41,6 +41,7 @@ class QueuedVerify(NamedTuple):
     fwd: object
     out: torch.Tensor
     wait: object
+    sel: np.ndarray | None = None  # adopted for some of its rows: each adopting row's row here (None: all, in order)
 
 
 class VerifyResults(list):
@@ -88,9 +89,9 @@ class Verifier:
         if fused is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
         if isinstance(fused, QueuedVerify):  # already on the device: queue its successor, then read it
-            self.followup.queue(rows, fused.key, fused.out)
-            return self._from_device(rows, proposal.trees, proposal.draft_computed, fused.fwd, fused.wait,
-                                     self.followup)
+            self.followup.queue(rows, fused.key, fused.out, fused.sel)
+            read = fused.wait if fused.sel is None else lambda: fused.wait()[fused.sel]
+            return self._from_device(rows, proposal.trees, proposal.draft_computed, fused.fwd, read, self.followup)
         return _from_fused(rows, proposal.draft_computed, fused)
 
     @staticmethod

@@ -105,12 +105,13 @@ class DeviceNgram:
                                                 views.positions.view(b, q)[:r], accept[:r], self.k,
                                                 self.max_n, self.min_n)
 
-    def queue(self, rows: list[Request], key, out: Tensor) -> None:
-        """Pipelined: queue the verify that follows the one of bucket ``key`` over ``rows`` (whose follow-up output
-        is ``out``, its read already started), built on the device, with its follow-up and read (``ahead``).
-        Nothing is queued after a prefill (it rewrote the step inputs the successor is built from), under a
-        budget below the chain, in a bucket narrower than the chain, or when a row lacks the KV blocks or history
-        room the queued step writes."""
+    def queue(self, rows: list[Request], key, out: Tensor, sel: np.ndarray | None = None) -> None:
+        """Pipelined: queue the verify that follows the one of bucket ``key`` (whose follow-up output is ``out``,
+        its read already started) for ``rows``, built on the device, with its follow-up and read (``ahead``).
+        ``sel``: each row's row of ``out`` when ``rows`` are some of that verify's rows (others finished); None:
+        all of them, in order. Nothing is queued after a prefill (the rows' KV or lengths may differ from what the
+        outcome says), under a budget below the chain, after a verify narrower than the chain, or when a row lacks
+        the KV blocks or history room the queued step writes."""
         drafter = self.drafter
         if not self.pipeline or drafter.step_prefilled or drafter.node_budget != self.k or key[2] != self.k + 1:
             return
@@ -118,24 +119,32 @@ class DeviceNgram:
         if any(len(r.blocks) * bs < len(r.tokens) + need for r in rows) or (
                 max(len(r.tokens) for r in rows) + 2 * key[2] > self.hist.shape[1]):
             return
-        ends = np.fromiter((len(req.prompt_ids) + req.params.max_new_tokens for req in rows), np.int64, len(rows))
-        tables = np.concatenate([self.runner.tables.host_rows([req.bt_row for req in rows]), ends[:, None]], 1)
-        self._advance(key, out, self.upload(tables))
-        fwd = self.runner.graphs.replay(key)
-        nxt = self._follow(rows, key, fwd.accept)
-        self.ahead = QueuedVerify(list(rows), key, fwd, nxt, self.reader.start([nxt]))
+        nxt_key = key if sel is None else self.runner.packed_key(0, len(rows), self.k + 1)
+        if nxt_key is None or nxt_key[2] != key[2]:
+            return
+        r = len(rows)
+        cols = np.empty((3, r), dtype=np.int64)  # largest length, length now, row of ``out``
+        cols[0] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]
+        cols[1] = [len(req.tokens) for req in rows]
+        cols[2] = np.arange(r) if sel is None else sel
+        tables = np.concatenate([self.runner.tables.host_rows([req.bt_row for req in rows]), cols.T], 1)
+        self._advance(nxt_key, out, self.upload(tables))
+        fwd = self.runner.graphs.replay(nxt_key)
+        nxt = self._follow(rows, nxt_key, fwd.accept)
+        self.ahead = QueuedVerify(list(rows), nxt_key, fwd, nxt, self.reader.start([nxt]))
         self.queued += 1
 
     def _advance(self, key, out: Tensor, tables: Tensor) -> None:
-        """``ngram_advance_reference`` into bucket ``key``'s inputs: one graph replay per (b, q, rows) when the
-        follow-up is a graph (its output a fixed buffer), else eagerly."""
+        """``ngram_advance_reference`` into bucket ``key``'s inputs: one graph replay per (b, q, rows, rows of
+        ``out``) when the follow-up is a graph (its output a fixed buffer), else eagerly."""
         _, b, q = key
         inputs, bs = self.runner.graphs.inputs, self.runner.pool.block_size
         views = inputs.views(b, q)
         if not (self.capture and self.runner.graphs.captured(key)):
             ngram_advance_reference(views, b, q, out, tables, bs)
             return
-        entry = self.advances.get((b, q, out.shape[0]))
+        shape = (b, q, tables.shape[0], out.shape[0])
+        entry = self.advances.get(shape)
         if entry is None:
             from specdec.scheduler.cuda_graphs import capture_graph
 
@@ -146,25 +155,27 @@ class DeviceNgram:
                                          self.hist.device)
             finally:
                 inputs.dev.copy_(saved)
-            entry = self.advances[(b, q, out.shape[0])] = (graph, buf)
+            entry = self.advances[shape] = (graph, buf)
         graph, buf = entry
         buf.copy_(tables)
         graph.replay()
 
     def adopt(self, rows: list[Request]) -> QueuedVerify | None:
-        """The queued verify when it was queued for exactly ``rows`` (in order) and each row has the length the
-        device assumed (its chain was looked up at that length); else None, and it is dropped."""
+        """The queued verify when ``rows`` are all among its rows (others may have finished, failed or been
+        preempted), each with the length the device assumed (its chain was looked up at that length), with ``sel``
+        set when they are not exactly its rows in order; else None, and it is dropped."""
         queued, self.ahead = self.ahead, None
         if queued is None:
             return None
+        at = {id(req): i for i, req in enumerate(queued.rows)}
+        sel = [at.get(id(req), -1) for req in rows]
         chains = self.chains
-        if (len(queued.rows) != len(rows) or any(a is not b for a, b in zip(queued.rows, rows))
-                or self.drafter.node_budget != self.k
+        if (not rows or min(sel) < 0 or self.drafter.node_budget != self.k
                 or any(chains.get(req, (-1,))[0] != len(req.tokens) for req in rows)):
             self.dropped += 1
             return None
         self.adopted += 1
-        return queued
+        return queued if sel == list(range(len(queued.rows))) else queued._replace(sel=np.asarray(sel))
 
     def _replay(self, b: int, q: int, rows: list[Request], accept: Tensor) -> Tensor:
         """The follow-up of bucket (b, q) as a graph replay (captured at its first use, over the bucket's input

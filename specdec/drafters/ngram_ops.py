@@ -46,34 +46,40 @@ def ngram_follow_reference(hist: Tensor, rows: Tensor, ids: Tensor, positions: T
 
 @torch.inference_mode()
 def ngram_advance_reference(views, b: int, q: int, out: Tensor, tables: Tensor, block_size: int) -> None:
-    """Write the next verify's inputs into bucket (b, q)'s device ``views`` for the first R rows, from this step's
-    follow-up output: what ``Verifier._graphed`` would pack on the host once the step is committed.
+    """Write the next verify of R rows into bucket (b, q)'s device ``views``, whole (its padding rows and query
+    start locations too), from a step's follow-up output: what ``Verifier._graphed`` would pack on the host once
+    that step is committed.
 
-    ``views`` hold this step's verify (same bucket: row r's pending token at ``positions[r * q]`` = L - 1); ``out``
-    (R, q + 4 + k) the follow-up's rows ([m, bonus, path..., finite, c, chain...]); ``tables`` (R, W + 1) int64:
-    the rows' block tables, then each row's largest length (prompt + max_new_tokens). Row r's next verify is its
-    bonus token at L + m (the pending token), then its chain cut to the tokens still to come (``NgramDrafter``'s
-    rule: min(c, end - (L + m + 1) - 1, q - 1)), a causal run. Capturable: shapes only, no host reads."""
-    r, dev = out.shape[0], out.device
-    bt, ends = tables[:, :-1], tables[:, -1]
-    pos = views.positions.view(b, q)
-    root = pos[:r, 0] + 1 + out[:, 0]  # (R,) the bonus token's position: L + m
-    c = torch.minimum(out[:, q + 3], (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (R,) chain tokens kept
+    ``out`` (S, q + 4 + k): the follow-up's rows ([m, bonus, path..., finite, c, chain...]) of a verify with q
+    queries per row; ``tables`` (R, W + 3) int64, per next row: its block table, its largest length (prompt +
+    max_new_tokens), its length L at that verify (the pending token at L - 1) and its row of ``out``. Row r's next
+    verify is its bonus token at L + m (the pending token), then its chain cut to the tokens still to come
+    (``NgramDrafter``'s rule: min(c, end - (L + m + 1) - 1, q - 1)), a causal run. Capturable: no host reads."""
+    r, dev = tables.shape[0], out.device
+    bt, ends, lengths = tables[:, :-3], tables[:, -3], tables[:, -2]
+    o = out.index_select(0, tables[:, -1])  # (R, q + 4 + k) each next row's outcome and chain
+    root = lengths + o[:, 0]  # (R,) the bonus token's position: L + m
+    c = torch.minimum(o[:, q + 3], (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (R,) chain tokens kept
     j = torch.arange(q, device=dev)
     valid = j <= c[:, None]  # (R, q) the bonus token and the kept chain
-    k = out.shape[1] - q - 4
-    chain = torch.cat([out[:, 1:2], out[:, q + 4:q + 4 + min(k, q - 1)]], 1)  # the bonus token, then the chain
+    k = o.shape[1] - q - 4
+    chain = torch.cat([o[:, 1:2], o[:, q + 4:q + 4 + min(k, q - 1)]], 1)  # the bonus token, then the chain
     if chain.shape[1] < q:  # (a bucket wider than the chain)
         chain = torch.cat([chain, chain.new_zeros(r, q - chain.shape[1])], 1)  # (R, q)
     at = root[:, None] + j  # (R, q) positions of a causal run from the root
     top = bt.shape[1] * block_size - 1
     slots = bt.gather(1, at.clamp(max=top) // block_size) * block_size + at % block_size
-    views.ids.view(b, q)[:r] = torch.where(valid, chain, 0)
-    pos[:r] = torch.where(valid, at, 0)
-    views.slots.view(b, q)[:r] = torch.where(valid, slots, -1)
-    views.tree_mask.view(b, q)[:r] = torch.where(valid, causal_masks(q, dev), 0)
-    views.parents.view(b, q)[:r] = torch.where(valid & (j > 0), j - 1, -1)
-    views.prefix_lens[:r] = root
-    views.seq_lens[:r] = root + c + 1
-    views.num_tokens[:r] = c + 1
-    views.block_tables[:r] = bt
+
+    def rows(view: Tensor, value: Tensor, pad: int) -> None:  # the R rows, then the bucket's padding rows
+        view.view(b, -1).copy_(torch.cat([value.view(r, -1), value.new_full((b - r, view.numel() // b), pad)]))
+
+    rows(views.ids, torch.where(valid, chain, 0), 0)
+    rows(views.positions, torch.where(valid, at, 0), 0)
+    rows(views.slots, torch.where(valid, slots, -1), -1)
+    rows(views.tree_mask, torch.where(valid, causal_masks(q, dev), 0), 0)
+    rows(views.parents, torch.where(valid & (j > 0), j - 1, -1), -1)
+    rows(views.prefix_lens, root, 0)
+    rows(views.seq_lens, root + c + 1, 0)
+    rows(views.num_tokens, c + 1, 0)
+    rows(views.block_tables, bt, 0)
+    views.qsl.copy_(torch.arange(b + 1, device=dev).clamp(max=r) * q)
