@@ -15,9 +15,10 @@ after the follow-up, one more launch writes the next verify's inputs from the ou
 token, then the chain cut to the tokens still to come: what the host would pack once the step is committed;
 ``ngram_ops.ngram_advance_reference``), and the next verify and follow-up are queued behind it, with their read.
 The host then reads this step and commits it while the GPU runs the next one. At the next engine step the drafter
-adopts the queued verify when its rows are exactly the queued ones, each with the length the device assumed (no
-row finished, failed or was stopped early, no prefill ran); otherwise it is dropped (it wrote KV only past each
-row's committed tokens, in blocks its rows still held, and history past what the host counts as held).
+adopts the queued verify when its rows are among the queued ones, each with the length the device assumed (the
+rows that finished, failed or were preempted are left out: their results are not read); otherwise (a new row
+joined, a prefill ran, a row was stopped short) it is dropped: it wrote KV only past each row's committed tokens,
+in blocks its rows still held, and history past what the host counts as held.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
@@ -66,7 +67,7 @@ class DeviceNgram:
         self.pipeline = drafter is not None and drafter.pipelined  # queue each step's successor (module docstring)
         self.reader = HostRead(runner.device)
         self.ahead: QueuedVerify | None = None  # the verify queued for the next step
-        self.advances: dict[tuple[int, int, int], tuple] = {}  # (b, q, rows) -> (graph, tables buffer)
+        self.advances: dict[tuple, tuple] = {}  # (b, q, rows, source rows) -> (graph, tables buffer)
         self.queued = self.adopted = self.dropped = 0  # queued verifies, and how many the next step adopted
 
     def min_query(self, rows: list[Request]) -> int:
