@@ -17,7 +17,7 @@ token, then the chain cut to the tokens still to come: what the host would pack 
 The host then reads this step and commits it while the GPU runs the next one. At the next engine step the drafter
 adopts the queued verify when its rows are among the queued ones, each with the length the device assumed (the
 rows that finished, failed or were preempted are left out: their results are not read); otherwise (a new row
-joined, a prefill ran, a row was stopped short) it is dropped: it wrote KV only past each row's committed tokens,
+joined, or a row's length is not the one assumed) it is dropped: it wrote KV only past each row's committed tokens,
 in blocks its rows still held, and history past what the host counts as held.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
