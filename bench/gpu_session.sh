@@ -511,6 +511,18 @@ case "$stage" in
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
+  s10d)  # (.whl .gpu, after a stage that assembled the model on this machine) pipelined n-gram steps adopted by the
+         # rows left when others finish: GPU tests, then batch 16 (waves, continuous) and 64 against target-only
+    [ -f "$MODEL" ] || assemble
+    install
+    gpu_tests 150 tests/test_ngram_device.py
+    ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=7 interleaved 150 16 && \
+      mv "$D/interleaved.log" "$D/b16.log" && cp "$D/interleaved.json" "$D/interleaved_b16.json"
+    ENGINES=ngram_pipeline ONLY="ngram_host ngram_pipelined" REPEATS=5 interleaved 150 64
+    grep -h "^interleaved" "$D/b16.log"
+    grep -h -c FAILED "$D"/*.log
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \
