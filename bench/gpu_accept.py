@@ -23,6 +23,7 @@ from specdec.acceptance import shape_probs, verify_stochastic
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree, template_from_spec
+from specdec.uniform_stream import UniformStream
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -62,8 +63,8 @@ def make_batch(spec: str, mode: str, b: int, vocab: int, seed: int):
 
 
 def inputs(trees, logits, q, seed: int, device: str):
-    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(trees))]
-    u = draw_uniforms(gens, [t.to("cpu") for t in trees], q, "cpu")
+    streams = [UniformStream(seed + i) for i in range(len(trees))]
+    u = draw_uniforms(streams, [t.to("cpu") for t in trees], q, "cpu")
     return logits.to(device), pad_trees([t.to(device) for t in trees], q, device), \
         sampling_rows([PARAMS] * len(trees), device), u.to(device)
 
@@ -117,9 +118,9 @@ def bench_case(spec: str, mode: str, b: int) -> dict:
     lg = logits.to(DEV)
     row = dict(tree=spec, mode=mode, batch=b, q=q, max_trials=args[1].max_trials)
     row["eager_ms"] = timed(lambda: accept_stochastic_padded(*args), 5)
-    gens = [torch.Generator(device=DEV).manual_seed(i) for i in range(b)]
+    streams = [UniformStream(i) for i in range(b)]
     row["prep_ms"] = timed(lambda: (pad_trees(trees, q, DEV), sampling_rows([PARAMS] * b, DEV),
-                                    draw_uniforms(gens, trees, q, DEV)), 5)
+                                    draw_uniforms(streams, trees, q, DEV)), 5)
     if CUDA:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -129,7 +130,7 @@ def bench_case(spec: str, mode: str, b: int) -> dict:
     def host_rule():
         for i, t in enumerate(trees):
             probs = shape_probs(lg[i, :t.num_nodes + 1], PARAMS.temperature, PARAMS.top_k, PARAMS.top_p)
-            verify_stochastic(t, probs, gens[i])
+            verify_stochastic(t, probs, streams[i])
 
     row["host_rule_ms"] = timed(host_rule, 2)
     return row

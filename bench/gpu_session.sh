@@ -523,6 +523,20 @@ case "$stage" in
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
+  s10b)  # (.stage3/p_02 .whl .gpu, with piece 02, or after a stage that assembled the model) the captured sampled
+         # rule (specdec.sampled_rule, counter-based uniforms): its GPU tests (real graphs: rule replay == eager == CPU, engine graphed == eager, stream bits
+         # GPU == CPU), then the sampled step's time (T = 0.7, top-p 0.9) beside greedy decode::16; 300 s of timeouts
+    [ -f "$MODEL" ] || assemble
+    install
+    GPU_K="gpu or test_sampled_rule or test_uniform_stream" gpu_tests 140 tests/test_uniform_stream.py \
+      tests/test_sampled_rule.py tests/test_acceptance_stochastic_batch.py tests/test_step_graphs.py
+    TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 50 timeline_greedy.log \
+      gpu_step_timeline.py "$D/greedy" decode::16
+    TIMELINE_TEMPERATURE=0.7 TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 110 \
+      timeline_sampled.log gpu_step_timeline.py "$D/sampled" decode::16 decode::4 ngram:chain:8:16
+    grep -h -e "ms/step" "$D"/timeline_*.log
+    pack
+    ;;
   timeline)  # (.whl) where a step's wall time goes: GPU busy vs idle, idle time by host function (random weights)
     install
     benchpy "${TIMELINE_LIMIT:-420}" timeline.log gpu_step_timeline.py "$D" ${TIMELINE_CASES:-decode::1 \

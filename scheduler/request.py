@@ -9,6 +9,7 @@ import torch
 
 from specdec.outputs import AcceptanceStats
 from specdec.sampling_params import SamplingParams
+from specdec.uniform_stream import UniformStream
 
 
 class RequestStatus(enum.Enum):
@@ -40,7 +41,8 @@ class Request:
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error")
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # sampled: draws the draft's children (drafters.model_drafter)
+    stream: UniformStream | None = None  # sampled: the verification uniforms (specdec.uniform_stream)
     arrival: int = 0
     text: str = ""
     emitted_tokens: int = 0  # output tokens already streamed

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.tree import CHILD_MODES, ROOT, DraftTree
+from specdec.uniform_stream import UniformStream
 
 
 class AcceptResult(NamedTuple):
@@ -188,14 +189,15 @@ def verify_greedy(tree: DraftTree, target_argmax: Tensor) -> AcceptResult:
 
 
 @torch.inference_mode()
-def verify_stochastic(tree: DraftTree, target_probs: Tensor, generator: torch.Generator) -> AcceptResult:
+def verify_stochastic(tree: DraftTree, target_probs: Tensor, stream: UniformStream) -> AcceptResult:
     """Accept a path of the tree and sample the bonus so that the committed tokens are
     distributed exactly as sampling the target one token at a time.
 
     target_probs: (N+1, V) shaped target distributions (shape_probs), row 0 at the root, row
-    i+1 at node i. generator lives on target_probs' device. The children's draft
-    distributions come from tree.draft_dists[tree.dist_index] and tree.child_mode.
-    Host syncs: one or two per tried child, plus one for the coins and one for the bonus.
+    i+1 at node i. The uniforms are the request's next n + 1 of ``stream`` (computed on the host; the
+    device rule computes the same ones, ``uniform_stream``). The children's draft distributions come
+    from tree.draft_dists[tree.dist_index] and tree.child_mode.
+    Host syncs: one or two per tried child, plus one for the bonus.
     """
     n = tree.num_nodes
     _check_rows("target_probs", target_probs, n, 2)
@@ -204,7 +206,7 @@ def verify_stochastic(tree: DraftTree, target_probs: Tensor, generator: torch.Ge
         raise ValueError(f"target_probs (V={target_probs.shape[1]}, {target_probs.device}) must match "
                          f"draft_dists (V={d.shape[1]}, {d.device})")
     # one uniform per node (each child is tried at most once) and one for the bonus: (N+1,)
-    coins = torch.rand(n + 1, dtype=torch.float64, generator=generator, device=target_probs.device).tolist()
+    coins = stream.take(n + 1)
     h = tree.host
     node, path = ROOT, []
     while True:

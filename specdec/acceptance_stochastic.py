@@ -11,8 +11,9 @@ untried child stops; its bonus token is then sampled from its final p. Each node
 once, so a tree of n nodes needs at most n steps: the loop runs over steps, never over rows or nodes.
 
 Layout: padded (B, Q) like ``accept_greedy_padded``; verify token 0 is the root. The random numbers
-are drawn beforehand from each request's generator (``draw_uniforms``) in the layout of
-``verify_stochastic``, so a seeded request samples the same on both paths up to float rounding.
+are each request's next ones of its ``uniform_stream.UniformStream`` (``draw_uniforms``, or
+``padded_uniforms`` inside a captured step) in the layout of ``verify_stochastic``, so a seeded request
+samples the same on both paths up to float rounding.
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.acceptance_batched import accept_greedy_padded
 from specdec.tree import CHILD_MODES, ROOT, DraftTree
+from specdec.uniform_stream import UniformStream, padded_uniforms
 
 MODE_CODE = {m: i for i, m in enumerate(CHILD_MODES)}  # child_mode -> int64 code of PaddedTrees.child_mode
 _DET, _WOR = MODE_CODE["deterministic"], MODE_CODE["without_replacement"]
@@ -70,18 +73,15 @@ def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) ->
     distributions (already on the device) are concatenated, their row indices shifted to match."""
     rows_host, dists, offset, trials = [], [], 0, 0  # per row: tokens, parents, mask, dist_index (Q each), n, mode
     for i, t in enumerate(trees):
-        h, n = t.host, t.num_nodes + 1
+        n = t.num_nodes + 1
         if n > q:
             raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
-        masks, parents = t.verify_rows()
-        pad = [0] * (q - n)
         dist_index = [-1] * q
         if t.draft_dists is not None and t.child_mode != "deterministic":
-            dist_index[1:n] = [d + offset for d in h.dist_index]
+            dist_index[1:n] = [d + offset for d in t.host.dist_index]
             dists.append(t.draft_dists)
             offset += t.draft_dists.shape[0]
-        rows_host.append([0, *h.tokens, *pad, *parents, *[-1] * (q - n), *masks, *pad, *dist_index, n,
-                          MODE_CODE[t.child_mode]])
+        rows_host.append([*tree_rows(t, q), *dist_index, n, MODE_CODE[t.child_mode]])
         trials = max(trials, _max_trials(t))
     host = torch.tensor(rows_host, dtype=torch.int64).reshape(len(trees), 4 * q + 2)
     dev = host.to(device)
@@ -91,6 +91,14 @@ def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) ->
         stacked = torch.cat([d.to(device=device, dtype=dtype) for d in dists])  # (R, V)
     return PaddedTrees(dev[:, :q], dev[:, q:2 * q], dev[:, 2 * q:3 * q], dev[:, 3 * q:4 * q], dev[:, 4 * q],
                        dev[:, 4 * q + 1], stacked, trials, frozenset(t.child_mode for t in trees if t.num_nodes))
+
+
+def tree_rows(tree: DraftTree, q: int) -> list[int]:
+    """(3 Q,) host ints of one tree's padded row: verify tokens (the root's 0), parents (-1: root, padding),
+    tree masks (0: padding). The caller checks that the tree fits (nodes + 1 <= q)."""
+    masks, parents = tree.verify_rows()
+    pad = [0] * (q - len(parents))
+    return [0, *tree.host.tokens, *pad, *parents, *[-1] * len(pad), *masks, *pad]
 
 
 def _max_trials(tree: DraftTree) -> int:
@@ -104,22 +112,20 @@ def _max_trials(tree: DraftTree) -> int:
     return max(reach[v] + len(h.children[v]) for v in reach)
 
 
-def draw_uniforms(generators: Sequence[torch.Generator | None], trees: Sequence[DraftTree], q: int,
+def draw_uniforms(streams: Sequence[UniformStream | None], trees: Sequence[DraftTree], q: int,
                   device: torch.device | str) -> Tensor:
-    """(B, Q) float64 uniforms in [0, 1): per row one draw of n + 1 from its own generator (n tree nodes),
-    exactly what ``verify_stochastic`` draws; node c's number sits at column c + 1 and the bonus token's
-    at column 0. Rows without a generator (greedy) draw nothing and get zeros."""
-    flat, index = [], []
-    for i, (g, t) in enumerate(zip(generators, trees, strict=True)):
-        if g is None:
-            continue
-        n = t.num_nodes
-        flat.append(torch.rand(n + 1, dtype=torch.float64, generator=g, device=g.device))
-        index += [i * q + (j + 1) % (n + 1) for j in range(n + 1)]
-    out = torch.zeros(len(trees) * q, dtype=torch.float64, device=device)
-    if flat:
-        out[torch.tensor(index, dtype=torch.int64).to(device)] = torch.cat(flat).to(device)
-    return out.view(len(trees), q)
+    """(B, Q) float64 uniforms in [0, 1): per row the next n + 1 of its request's stream (n tree nodes),
+    exactly what ``verify_stochastic`` draws, in ``padded_uniforms``' layout (node c's number at column c + 1,
+    the bonus token's at column 0), computed on ``device`` from one copy of the rows' keys and counters; the
+    streams advance by n + 1. Rows without a stream (greedy) draw nothing and get zeros."""
+    host = np.zeros((4, len(trees)), dtype=np.int64)  # key0, key1, counter, num_tokens (0: no stream)
+    for i, (s, t) in enumerate(zip(streams, trees, strict=True)):
+        if s is not None:
+            host[:, i] = s.key0, s.key1, s.counter, t.num_nodes + 1
+            s.counter += t.num_nodes + 1
+    key0, key1, counter, num_tokens = torch.from_numpy(host).to(device)  # (B,) each
+    u = padded_uniforms(key0, key1, counter, num_tokens, q)  # (B, Q)
+    return torch.where((num_tokens > 0).view(-1, 1), u, 0.0)
 
 
 def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:

@@ -31,7 +31,7 @@ from specdec.scheduler.request import Request
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
 from specdec.tree import template_from_spec
-from specdec.verifier import Verifier, new_generator
+from specdec.verifier import Verifier, request_randomness
 
 # an auto-budget pipelined engine's greedy steps of more rows than this keep a dynamic tree's best LARGE_BATCH_NODES
 LARGE_BATCH_ROWS, LARGE_BATCH_NODES = 16, 15
@@ -277,7 +277,8 @@ class SpecEngine:
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
         req = Request(request_id or str(next(self._ids)), ids, params, eos)
-        req.generator = None if params.greedy else new_generator(params.seed, self.device)
+        if not params.greedy:
+            req.generator, req.stream = request_randomness(params.seed, self.device)
         self.scheduler.add(req)
         return req
 

@@ -14,9 +14,11 @@ from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
 from specdec.fault_isolation import check_finite, check_finite_flags
 from specdec.runner import ModelRunner, RowInput
+from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
 from specdec.tree import DraftTree
+from specdec.uniform_stream import UniformStream
 
 
 class VerifyResult(NamedTuple):
@@ -51,9 +53,11 @@ class VerifyResults(list):
     packed_features: torch.Tensor | None = None
 
 
-# Fewer sampled rows than this take the host rule after a padded step: on the H200 the eager device rule costs
-# ~3 ms per step whatever the batch, the host rule ~0.65 ms per sampled row (bench/gpu_accept.py, 2026-11-30).
-# Both draw the same uniforms from each request's generator, so a seeded request's tokens do not depend on it.
+# Fewer sampled rows than this take the host rule after a padded step whose rule is not a captured graph
+# (``specdec.sampled_rule``: an eager step, or trees with draft distributions): on the H200 the eager device
+# rule costs ~3 ms per step whatever the batch, the host rule ~0.65 ms per sampled row (bench/gpu_accept.py,
+# 2026-11-30). A captured rule serves every sampled row count. All paths draw the same uniforms from each
+# request's ``UniformStream``, so a seeded request's tokens do not depend on the path.
 DEVICE_SAMPLED_MIN_ROWS = 8
 
 
@@ -65,6 +69,7 @@ class Verifier:
         # device work queued right behind a graphed verify whose output is read with the outcome (``launch(rows,
         # key, fwd)`` -> (R, Q + 3 + ...) or None, ``consume(rows, host_rows)``): ``drafters.ngram_device``
         self.followup = None
+        self.sampled_rule = SampledRule(runner.device)  # the sampled rows of a padded step, graphed on CUDA
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
@@ -77,7 +82,7 @@ class Verifier:
         if fwd.accept is not None:  # padded step: every row's outcome on the device
             follow = self.followup
             read = None if follow is None else follow.launch(rows, key, fwd)
-            results = self._from_device(rows, trees, draft_computed, fwd, read, follow)
+            results = self._from_device(rows, trees, draft_computed, fwd, key, read, follow)
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
         return self._with_features(results, fwd)
@@ -91,7 +96,8 @@ class Verifier:
         if isinstance(fused, QueuedVerify):  # already on the device: queue its successor, then read it
             self.followup.queue(rows, fused.key, fused.out, fused.sel)
             read = fused.wait if fused.sel is None else lambda: fused.wait()[fused.sel]
-            return self._from_device(rows, proposal.trees, proposal.draft_computed, fused.fwd, read, self.followup)
+            return self._from_device(rows, proposal.trees, proposal.draft_computed, fused.fwd, fused.key, read,
+                                     self.followup)
         return _from_fused(rows, proposal.draft_computed, fused)
 
     @staticmethod
@@ -134,21 +140,16 @@ class Verifier:
                                         tree.num_nodes, tree.max_depth, dc))
         return results
 
-    @staticmethod
-    def _from_device(rows: list[Request], trees: list[DraftTree], draft_computed, fwd, read=None,
+    def _from_device(self, rows: list[Request], trees: list[DraftTree], draft_computed, fwd, key, read=None,
                      follow=None) -> list[VerifyResult]:
-        """Results of a padded step: the graph's greedy acceptance; sampled rows replaced by
-        ``accept_stochastic_padded`` (one device->host read of the (B, Q + 3) outcome), or, when there are
-        fewer than ``DEVICE_SAMPLED_MIN_ROWS``, put through the host rule on their logits. ``read() -> (R, C)``: a
-        greedy step's follow-up output (the outcome rows, then the follow-up's columns), read instead and handed
-        to ``follow.consume``."""
+        """Results of a padded step of graph bucket ``key``: the graph's greedy acceptance, sampled rows replaced
+        by the device rule (``_sampled_outcome``; one device->host read of the (B, Q + 3) outcome), or put
+        through the host rule on their logits. ``read() -> (R, C)``: a greedy step's follow-up output (the outcome
+        rows, then the follow-up's columns), read instead and handed to ``follow.consume``."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        on_host = set(sampled) if len(sampled) < DEVICE_SAMPLED_MIN_ROWS else set()
-        accept = fwd.accept
-        if sampled and not on_host:
-            accept = accept.clone()
-            accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
-                                                   fwd.logits, sampled, accept.shape[1] - 3)
+        outcome = self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
+        on_host = set(sampled) if outcome is None else set()
+        accept = fwd.accept if outcome is None else outcome
         if read is None:
             host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         else:
@@ -166,6 +167,27 @@ class Verifier:
             h = tree.host
             results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
         return results
+
+    def _sampled_outcome(self, rows: list[Request], trees: list[DraftTree], sampled: list[int], fwd, key):
+        """(B, Q + 3) outcome of a padded step with the ``sampled`` rows through the device rule, or None when
+        they take the host rule: the captured rule (``SampledRule``) whenever the verify is a captured graph and
+        no sampled tree has draft distributions, whatever the row count; otherwise the rule eagerly from
+        ``DEVICE_SAMPLED_MIN_ROWS`` sampled rows on."""
+        full = getattr(fwd.logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped it
+        graphs = self.runner.graphs
+        captured = key is not None and graphs is not None and graphs.captured(key)
+        graphed = captured and self.sampled_rule.capture
+        plain = isinstance(full, torch.Tensor) and applies([trees[i] for i in sampled])
+        if plain and graphed:
+            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, True)
+        if len(sampled) < DEVICE_SAMPLED_MIN_ROWS:
+            return None
+        if plain:
+            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, False)
+        accept = fwd.accept.clone()
+        accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
+                                               fwd.logits, sampled, accept.shape[1] - 3)
+        return accept
 
     @staticmethod
     def _row(req: Request, tree: DraftTree) -> RowInput:
@@ -244,23 +266,26 @@ def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: 
     else:
         picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index])  # (S, Q, V)
     dev = picked.device
-    uniforms = draw_uniforms([r.generator for r in rows], trees, q, dev)
+    uniforms = draw_uniforms([r.stream for r in rows], trees, q, dev)
     return accept_stochastic_padded(picked, pad_trees(trees, q, dev), sampling_rows([r.params for r in rows], dev),
                                     uniforms)
 
 
 def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     """The host acceptance rule of one row over its verify logits ((N+1) x V): greedy or the request's
-    sampling rule with its generator."""
+    sampling rule with its uniform stream."""
     p = req.params
     lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
     if p.greedy:
         return verify_greedy(tree, lg.argmax(-1))
-    return verify_stochastic(tree, shape_probs(lg, p.temperature, p.top_k, p.top_p), req.generator)
+    return verify_stochastic(tree, shape_probs(lg, p.temperature, p.top_k, p.top_p), req.stream)
 
 
-def new_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A per-request generator; unseeded requests draw their seed from torch's global RNG."""
+def request_randomness(seed: int | None, device: torch.device) -> tuple[torch.Generator, UniformStream]:
+    """A sampled request's two independent sources of randomness, from one seed (unseeded requests draw theirs
+    from torch's global RNG): a ``torch.Generator`` on ``device`` for sampling draft children
+    (``drafters.model_drafter``) and the ``UniformStream`` of its verification uniforms."""
+    seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
     g = torch.Generator(device=device)
-    g.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))
-    return g
+    g.manual_seed(seed)
+    return g, UniformStream(seed)

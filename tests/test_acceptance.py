@@ -16,6 +16,7 @@ from specdec.acceptance import (
     verify_stochastic,
 )
 from specdec.tree import DraftTree, chain_template, topk_template
+from specdec.uniform_stream import UniformStream
 
 MODES = ("iid", "without_replacement", "deterministic")
 
@@ -212,21 +213,22 @@ def test_stochastic_at_temperature_zero_is_greedy():
             ctx = torch.tensor([2, *toks])
             tree = DraftTree.from_parents(toks, parents, shape_probs(draft[ctx], 0.0),
                                           [p + 1 for p in parents], mode)
-            got = verify_stochastic(tree, shape_probs(target[ctx], 0.0), g)
+            got = verify_stochastic(tree, shape_probs(target[ctx], 0.0), UniformStream(4))
             assert got == verify_greedy(tree, target[ctx].argmax(-1))
 
 
 def test_stochastic_errors_and_determinism():
     tree = DraftTree.from_parents([1, 2], [-1, 0], torch.full((2, 4), 0.25), [0, 1], "iid")
     with pytest.raises(ValueError, match="target_probs"):
-        verify_stochastic(tree, torch.full((2, 4), 0.25), torch.Generator())
+        verify_stochastic(tree, torch.full((2, 4), 0.25), UniformStream(0))
     with pytest.raises(ValueError, match="V=5"):
-        verify_stochastic(tree, torch.full((3, 5), 0.2), torch.Generator())
+        verify_stochastic(tree, torch.full((3, 5), 0.2), UniformStream(0))
     p = torch.softmax(torch.randn(3, 4), -1)
-    runs = [[verify_stochastic(tree, p, g) for _ in range(20)] for g in
-            (torch.Generator().manual_seed(9), torch.Generator().manual_seed(9))]
-    assert runs[0] == runs[1]
-    bonus = verify_stochastic(DraftTree.empty(), torch.tensor([[0.0, 0.0, 1.0, 0.0]]), torch.Generator())
+    streams = [UniformStream(9), UniformStream(9), UniformStream(10)]
+    runs = [[verify_stochastic(tree, p, s) for _ in range(20)] for s in streams]
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert streams[0].counter == 20 * 3  # n + 1 draws per call
+    bonus = verify_stochastic(DraftTree.empty(), torch.tensor([[0.0, 0.0, 1.0, 0.0]]), UniformStream(0))
     assert bonus.committed_tokens == [2]
 
 
@@ -267,7 +269,7 @@ def _draft_batch(roots, parents, mode, q_table, g):
     return toks
 
 
-def _steps(roots, shape, target, draft, g):
+def _steps(roots, shape, target, draft, g, stream):
     """One draft+verify step for each root; returns each step's committed tokens."""
     parents, mode = SHAPES[shape]
     base = DraftTree.from_parents([0] * len(parents), parents)
@@ -278,18 +280,18 @@ def _steps(roots, shape, target, draft, g):
     out = []
     for b in range(len(roots)):
         tree = DraftTree(toks[b], base.parents, base.depth, base.ancestor_mask, q_rows[b], dist_index, mode)
-        out.append(verify_stochastic(tree, p_rows[b], g).committed_tokens)
+        out.append(verify_stochastic(tree, p_rows[b], stream).committed_tokens)
     return out
 
 
 def _sample_two_tokens(shape, target, draft, seed, two=True):
     """SAMPLES runs of the engine loop from START: (S,) first tokens and (S,) second tokens."""
-    g = torch.Generator().manual_seed(seed)
+    g, stream = torch.Generator().manual_seed(seed), UniformStream(seed)  # drafts, verification
     with torch.inference_mode():
-        first = _steps(torch.full((SAMPLES,), START), shape, target, draft, g)
+        first = _steps(torch.full((SAMPLES,), START), shape, target, draft, g, stream)
         need = [s for s, c in enumerate(first) if len(c) == 1] if two else []
         if need:
-            more = _steps(torch.tensor([first[s][0] for s in need]), shape, target, draft, g)
+            more = _steps(torch.tensor([first[s][0] for s in need]), shape, target, draft, g, stream)
             for s, c in zip(need, more, strict=True):
                 first[s] = first[s] + c[:1]
     x1 = torch.tensor([c[0] for c in first])

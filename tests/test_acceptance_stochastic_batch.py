@@ -21,6 +21,7 @@ from specdec.acceptance_stochastic import (
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree
+from specdec.uniform_stream import UniformStream
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -28,8 +29,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 def _inputs(trees, logits, params, seed=0, device="cpu"):
     """(logits, PaddedTrees, RowSampling, uniforms) of one row per tree; greedy rows draw no uniforms."""
     q = logits.shape[1]
-    gens = [None if p.greedy else torch.Generator().manual_seed(seed + i) for i, p in enumerate(params)]
-    uniforms = draw_uniforms(gens, trees, q, "cpu")
+    streams = [None if p.greedy else UniformStream(seed + i) for i, p in enumerate(params)]
+    uniforms = draw_uniforms(streams, trees, q, "cpu")
     return (logits.to(device), pad_trees(trees, q, device), sampling_rows(params, device), uniforms.to(device))
 
 

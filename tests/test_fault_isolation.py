@@ -148,3 +148,18 @@ def test_stuck_pool_fails_the_waiting_request(tiny_target, monkeypatch):
     eng.allocator.free(stolen)
     assert eng.generate([PROMPTS[3]], GREEDY)[0].finish_reason == "length"
     assert eng.all_blocks_free()
+
+
+def test_snapshot_restores_the_random_state(tiny_target, tiny_draft):
+    """A retry starts from the draws of the failed attempt: the draft generator's state and the verification
+    stream's counter are put back (a failed padded step has already advanced the counter on the host)."""
+    from specdec.fault_isolation import Snapshot
+
+    eng = make_engine(tiny_draft, tiny_target)
+    req = eng.add_request(PROMPTS[0], PARAMS[2])
+    snap = Snapshot([req])
+    before, first = req.stream.counter, req.stream.take(5)
+    drafted = torch.rand(3, generator=req.generator)
+    snap.restore(req)
+    assert req.stream.counter == before and req.stream.take(5) == first
+    assert torch.equal(torch.rand(3, generator=req.generator), drafted)

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 VOCAB = 8
 PROMPT = [1, 5, 2, 7, 3, 6, 4]  # block_size 2: its first 6 tokens are served from the prefix cache
+NGRAM_PROMPT = [1, 5, 2, 1, 5, 2, 1]  # the n-gram drafter proposes 5, 2, 1 after it
 SAMPLES = int(os.environ.get("SPECDEC_CHISQ_SAMPLES", "4000"))
 P_MIN = 1e-3
 DRAFT_NOISE = 0.3  # std of the noise on the draft's lm_head, relative to the weights' std
@@ -56,11 +57,21 @@ def pair(tiny_factory):
 
 @pytest.fixture(scope="module")
 def target_logits(pair):
-    """(first-position logits (V,), second-position logits (V, V) indexed by the first token)."""
+    """(first-position logits (V,), second-position logits (V, V) indexed by the first token) after PROMPT."""
+    return _prompt_logits(pair, PROMPT)
+
+
+@pytest.fixture(scope="module")
+def ngram_logits(pair):
+    """``target_logits`` after NGRAM_PROMPT."""
+    return _prompt_logits(pair, NGRAM_PROMPT)
+
+
+def _prompt_logits(pair, prompt):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(pair[0]), dtype=torch.float32).eval()
-    seqs = torch.tensor([PROMPT + [x] for x in range(VOCAB)])  # (V, len+1)
+    seqs = torch.tensor([prompt + [x] for x in range(VOCAB)])  # (V, len+1)
     with torch.inference_mode():
         logits = hf(seqs).logits.double()  # (V, len+1, V)
     return logits[0, -2], logits[:, -1]
@@ -90,15 +101,18 @@ def chisquare_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue)
 
 
-def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None):
-    """Joint counts (V, V) of the first two tokens of n seeded requests, and the engine's statistics."""
+def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None, prompt=PROMPT, setup=None):
+    """Joint counts (V, V) of the first two tokens of n seeded requests, and the engine's statistics. ``pair``:
+    (target folder, target, draft: a model, "ngram" or None); ``setup(engine)`` runs before generating."""
     _, target, draft = pair
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, num_blocks=16384, block_size=2, max_batch_size=512,
                                                max_num_tokens=8192, policy="max_utilization",
                                                cuda_graphs=cuda_graphs))
+    if setup is not None:
+        setup(eng)
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
                              ignore_eos=True) for s in range(n)]
-    outs = eng.generate([PROMPT] * n, params)
+    outs = eng.generate([prompt] * n, params)
     assert eng.all_blocks_free() and not any(o.error for o in outs)
     pairs = torch.tensor([o.token_ids[:2] for o in outs])  # (n, 2)
     joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
@@ -144,6 +158,48 @@ def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, 
           f"mean accepted length={stats.mean_accepted_length:.2f}")
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
     assert stats.depth_accepted[1] > 0.05 * stats.target_forwards, stats.as_dict()
+
+
+@pytest.mark.parametrize("draft,wrong", [("ngram", False), (None, False), ("ngram", True)],
+                         ids=["ngram", "target-only", "ngram-wrong-residual"])
+def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, draft, wrong, monkeypatch):
+    """CUDA stood in (``test_sampled_rule.stand_in_verify_graphs``): every verify is a captured graph, so sampled
+    rows go through the captured rule (``specdec.sampled_rule``; the host rule is forbidden) at every batch size;
+    n-gram chains (point-mass drafts, accepted sometimes) and target-only decode keep the target distribution of
+    the first two tokens (SAMPLES requests, chi-square). Negative control: the rule with a wrong residual (p left
+    unchanged after a rejection) fails the same test."""
+    from test_sampled_rule import stand_in_verify_graphs
+
+    import specdec.acceptance_stochastic
+    import specdec.verifier
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host stochastic rule used on the graphed path")
+
+    monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    if wrong:
+        monkeypatch.setattr(specdec.acceptance_stochastic, "_residual", lambda p, q_i: p)
+    engines = []
+    settings = (0.7, 0, 0.9)
+
+    def setup(eng):
+        stand_in_verify_graphs(monkeypatch, eng)
+        engines.append(eng)
+
+    joint, stats = sample((pair[0], pair[1], draft), "chain:3", *settings, SAMPLES, 700_000, cuda_graphs=True,
+                          prompt=NGRAM_PROMPT, setup=setup)
+    p1, exact = exact_dists(ngram_logits, *settings)
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\ngraphed rule {draft} wrong={wrong}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"accepted={stats.accepted} drafted={stats.drafted}")
+    rule = engines[0].verifier.sampled_rule
+    assert rule.graphs and sum(g.replays for g, *_ in rule.graphs.values()) > 0
+    if draft is not None:
+        assert 0.02 * stats.drafted < stats.accepted < stats.drafted  # proposals tried, some accepted
+    if wrong:  # (the joint only: the first tokens came out the same with either residual)
+        assert p_joint < P_MIN
+    else:
+        assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
 
 
 def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):

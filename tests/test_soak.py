@@ -40,7 +40,8 @@ def workload(seed: int = 0):
 
 
 def spec_engine(tiny_draft, target, **kw) -> SpecEngine:
-    opts = dict(tree="chain:3", num_blocks=72, block_size=4, max_batch_size=10, policy="max_utilization")
+    # 64 blocks: tight enough to preempt with the seeded requests' UniformStream samples (72 with the old generators)
+    opts = dict(tree="chain:3", num_blocks=64, block_size=4, max_batch_size=10, policy="max_utilization")
     return SpecEngine(tiny_draft, target, SpecConfig(**{**opts, **kw}))
 
 

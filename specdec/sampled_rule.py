@@ -1,0 +1,125 @@
+"""The sampled rows of a padded verify step through the lossless rule as one CUDA graph replay per bucket.
+
+Eagerly, ``accept_stochastic_padded`` with its inputs (``pad_trees``, ``sampling_rows``, ``draw_uniforms``)
+is a few hundred small launches, and on the H200 the host launching them made a sampled step cost three
+times a greedy one (bench/RESULTS.md, session 10). Here the host writes one int64 array per step (each row's
+padded tree, sampling parameters, uniform-stream key and counter, whether it samples), the device gets it
+in one copy, and a graph captured per bucket runs the whole rule: the uniforms (``padded_uniforms``), the
+shaped target distributions, the trial loop, the bonus tokens, and the merge with the verify graph's greedy
+outcome, so the step still ends with one device->host read of a (B, Q + 3) outcome.
+
+What the graph captures depends on host flags, fixed per bucket so that few graphs exist: ``max_trials`` is
+Q - 1 (every tree of Q - 1 nodes needs at most that many trials; rows that stop earlier idle), no row is
+greedy inside the rule (greedy rows keep the verify graph's outcome), and children are deterministic (n-gram
+chains, greedy-drafted trees and empty trees: no draft distributions). Only ``filtered`` (some row uses top-k
+or top-p: the sort) is part of the key. Trees with draft distributions take ``accept_stochastic_padded``
+eagerly (``applies``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specdec.acceptance_stochastic import (
+    MODE_CODE,
+    PaddedTrees,
+    RowSampling,
+    accept_stochastic_padded,
+    tree_rows,
+)
+from specdec.lookahead import HostUpload
+from specdec.tree import DraftTree
+from specdec.uniform_stream import padded_uniforms
+
+_DET = MODE_CODE["deterministic"]
+_ONE_BITS = int(np.float64(1.0).view(np.int64))  # float64 1.0 as int64 bits: temperature and top_p of idle rows
+# columns after the 3 Q tree columns of a row of the step's int64 array
+_N, _KEY0, _KEY1, _COUNTER, _TOP_K, _SAMPLED, _TEMPERATURE, _TOP_P = range(8)
+
+
+def applies(trees: Sequence[DraftTree]) -> bool:
+    """The trees (of the sampled rows) can go through the captured rule: none has draft distributions."""
+    return all(t.draft_dists is None or t.child_mode == "deterministic" or not t.num_nodes for t in trees)
+
+
+def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], b: int, q: int) -> np.ndarray:
+    """(b, 3 q + 8) int64 inputs of the rule for the sampled rows ``sampled`` of ``rows``/``trees`` (other rows
+    idle: no tree, not sampled); each sampled row's stream advances by the n + 1 draws its tree uses. Float
+    parameters travel as their float64 bits."""
+    host = np.zeros((b, 3 * q + 8), dtype=np.int64)
+    host[:, 3 * q + _TEMPERATURE:] = _ONE_BITS
+    for i in sampled:
+        req, tree = rows[i], trees[i]
+        p, s, n = req.params, req.stream, tree.num_nodes + 1
+        if n > q:
+            raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
+        host[i, :3 * q] = tree_rows(tree, q)
+        host[i, 3 * q:3 * q + _TEMPERATURE] = n, s.key0, s.key1, s.counter, p.top_k or 0, 1
+        host[i, 3 * q + _TEMPERATURE:] = np.array([p.temperature, p.top_p], dtype=np.float64).view(np.int64)
+        s.counter += n
+    return host
+
+
+def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
+    """(B, Q + 3) outcome of a padded step: the sampled rows' from the lossless rule over ``logits`` (B * Q, V),
+    the others' ``accept`` (B, Q + 3, the verify's greedy outcome; its last column, the finite flag, is kept
+    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 8) on the device. No host reads."""
+    b, q = accept.shape[0], accept.shape[1] - 3
+
+    def col(j: int) -> Tensor:  # (B,) column j after the tree columns
+        return inputs[:, 3 * q + j]
+
+    trees = PaddedTrees(inputs[:, :q], inputs[:, q:2 * q], inputs[:, 2 * q:3 * q], torch.full_like(inputs[:, :q], -1),
+                        col(_N), torch.full_like(col(_N), _DET), None, q - 1, frozenset({"deterministic"}))
+    sampling = RowSampling(col(_TEMPERATURE).view(torch.float64), col(_TOP_K), col(_TOP_P).view(torch.float64),
+                           filtered, any_greedy=False)
+    uniforms = padded_uniforms(col(_KEY0), col(_KEY1), col(_COUNTER), col(_N), q)  # (B, Q)
+    out = accept_stochastic_padded(logits.view(b, q, -1).float(), trees, sampling, uniforms)  # (B, Q + 2)
+    return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, accept[:, -1:]], 1), accept)
+
+
+class SampledRule:
+    """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its
+    first use into one memory pool shared by these graphs (replayed one at a time, each output read before
+    the next replay); eagerly elsewhere, or when the verify's outputs are not a captured graph's buffers."""
+
+    def __init__(self, device: torch.device | str, capture: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
+        self.upload = HostUpload(self.device)
+        self.graphs: dict[tuple, tuple] = {}
+        self._pool = None
+
+    def __call__(self, rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], logits: Tensor,
+                 accept: Tensor, captured: bool) -> Tensor:
+        """(B, Q + 3) outcome of the step whose verify wrote ``logits`` (B * Q, V) and ``accept`` (B, Q + 3), its
+        sampled rows ``sampled`` through the rule; ``captured``: those are a captured verify graph's outputs."""
+        b, q = accept.shape[0], accept.shape[1] - 3
+        host = step_array(rows, trees, sampled, b, q)
+        filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
+        if not (self.capture and captured):
+            return rule(self.upload(host), logits, accept, filtered)
+        key = (b, q, filtered, logits.data_ptr(), accept.data_ptr())
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._capture(host, logits, accept, filtered)
+        graph, inputs, out = entry
+        inputs.copy_(self.upload(host))
+        graph.replay()
+        return out
+
+    def _capture(self, host: np.ndarray, logits: Tensor, accept: Tensor, filtered: bool) -> tuple:
+        from specdec.scheduler.cuda_graphs import capture_graph
+
+        if self._pool is None and self.device.type == "cuda":
+            self._pool = torch.cuda.graph_pool_handle()
+        inputs = torch.zeros(host.shape, dtype=torch.int64, device=self.device)
+        inputs.copy_(self.upload(host))  # the capture's first (uncaptured) run reads a real step's inputs
+        graph, out = capture_graph(functools.partial(rule, inputs, logits, accept, filtered), self._pool,
+                                   self.device)
+        return graph, inputs, out

@@ -1,0 +1,231 @@
+"""The captured sampled rule (``specdec.sampled_rule``): its outcome equals ``accept_stochastic_padded`` on the same
+trees and uniforms with greedy rows kept; its CUDA path (a stand-in graph on the CPU) equals its eager run; and in
+the engine a seeded request gets the same tokens from the host rule, the eager device rule and the graphed rule,
+whatever the batch composition. The CUDA tests at the bottom capture real graphs."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specdec.acceptance_batched import accept_greedy_padded
+from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.sampled_rule import SampledRule, applies
+from specdec.sampling_params import SamplingParams
+from specdec.tree import DraftTree
+from specdec.uniform_stream import UniformStream
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+VOCAB, Q = 7, 6
+
+
+def _case(seed: int, b: int = 8, r: int = 6, plain: bool = False):
+    """(rows, trees, logits (B * Q, V), greedy accept (B, Q + 3)) of r real rows in a bucket of b: deterministic
+    chains and trees, empty trees, greedy and sampled rows (seeded streams; ``plain``: no top-k/top-p), random
+    finite flags."""
+    rng = random.Random(seed)
+    trees, rows = [], []
+    for i in range(r):
+        n = rng.choice([0, 1, 3, 5])
+        parents = [j - 1 if rng.random() < 0.7 else rng.randrange(-1, j) for j in range(n)]
+        trees.append(DraftTree.from_parents([rng.randrange(VOCAB) for _ in range(n)], parents) if n else
+                     DraftTree.empty())
+        params = SamplingParams() if i % 3 == 1 else SamplingParams(
+            temperature=rng.choice([0.6, 1.0]), top_k=0 if plain else rng.choice([0, 3]),
+            top_p=1.0 if plain else rng.choice([1.0, 0.8]), seed=i)
+        rows.append(SimpleNamespace(params=params, stream=None if params.greedy else UniformStream(seed * 100 + i)))
+    g = torch.Generator().manual_seed(seed)
+    logits = 2.0 * torch.randn(b, Q, VOCAB, generator=g)
+    for t, lg in zip(trees, logits):  # the target often agrees with the tree, so paths get deep
+        for j, p in enumerate(t.host.parents):
+            lg[p + 1, t.host.tokens[j]] += 3.0 * (rng.random() < 0.6)
+    padded = pad_trees(trees + [DraftTree.empty()] * (b - r), Q, "cpu")
+    greedy = accept_greedy_padded(padded.tokens, padded.parents, padded.tree_mask, logits.argmax(-1),
+                                  padded.num_tokens)  # (B, Q + 2)
+    finite = torch.tensor([[rng.random() < 0.9] for _ in range(b)], dtype=torch.int64)
+    return rows, trees, logits.view(b * Q, VOCAB), torch.cat([greedy, finite], 1)
+
+
+def _want(rows, trees, logits, accept):
+    """The outcome the rule must give: sampled rows from ``accept_stochastic_padded`` with fresh copies of their
+    streams, the rest (and every finite flag) from ``accept``."""
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    streams = [UniformStream(rows[i].stream.seed, rows[i].stream.counter) for i in sampled]
+    lg = logits.view(accept.shape[0], Q, VOCAB)[sampled]
+    out = accept_stochastic_padded(lg, pad_trees([trees[i] for i in sampled], Q, "cpu"),
+                                   sampling_rows([rows[i].params for i in sampled], "cpu"),
+                                   draw_uniforms(streams, [trees[i] for i in sampled], Q, "cpu"))
+    want = accept.clone()
+    want[sampled, :-1] = out
+    return want, sampled, [s.counter for s in streams]
+
+
+def test_rule_equals_the_padded_rule_with_greedy_rows_kept():
+    deepest, moved = 0, 0
+    for seed in range(8):
+        rows, trees, logits, accept = _case(seed)
+        want, sampled, counters = _want(rows, trees, logits, accept)
+        got = SampledRule("cpu")(rows, trees, sampled, logits, accept, captured=False)
+        assert torch.equal(got, want), seed
+        assert [rows[i].stream.counter for i in sampled] == counters  # n + 1 draws per sampled row
+        deepest = max(deepest, int(want[sampled, 0].max()))
+        moved += not torch.equal(want[sampled], accept[sampled])
+    assert deepest >= 2 and moved >= 6  # deep paths, and sampled rows really sample
+
+
+def test_applies_to_trees_without_draft_distributions():
+    dists = torch.full((3, 4), 0.25)
+    drawn = DraftTree.from_parents([1, 2], [-1, 0], dists, [0, 1], "iid")
+    assert applies([DraftTree.chain([1, 2]), DraftTree.empty()]) and not applies([DraftTree.empty(), drawn])
+
+
+def _stand_in_capture(build, pool, device):
+    """``capture_graph`` stood in on the CPU: the function runs once (as before a real capture), its output tensor
+    is kept, and each replay reruns the function and rewrites that tensor in place, as a CUDA graph's replay does."""
+    out = build()
+    graph = SimpleNamespace(replays=0)
+
+    def replay():
+        graph.replays += 1
+        with torch.inference_mode():
+            out.copy_(build())
+
+    graph.replay = replay
+    return graph, out
+
+
+def test_graph_path_equals_eager_with_a_stand_in_graph(monkeypatch):
+    """The captured path reads each step's inputs from its one upload and the verify's fixed output buffers
+    (rewritten in place between steps): one graph per bucket and filter flag, replayed, equal to eager."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    monkeypatch.setattr(cg, "capture_graph", _stand_in_capture)
+    graphed = SampledRule("cpu", capture=True)
+    logits, accept = None, None
+    for seed in range(5):
+        rows, trees, lg, acc = _case(seed, plain=seed >= 3)
+        if logits is None:
+            logits, accept = lg.clone(), acc.clone()  # the verify graph's output buffers
+        logits.copy_(lg)
+        accept.copy_(acc)
+        want, sampled, _ = _want(rows, trees, lg, acc)
+        assert torch.equal(graphed(rows, trees, sampled, logits, accept, captured=True), want)
+    assert len(graphed.graphs) == 2  # filtered and unfiltered steps (top-k/top-p or none) of one bucket
+    assert sum(g.replays for g, *_ in graphed.graphs.values()) == 5
+
+
+# ---------------------------------------------------------------- the engine: every path, the same tokens
+
+PROMPTS = [[3, 4, 5, 3, 4, 5, 3, 4], [9, 8] * 6, [17, 4, 99, 23, 17, 4, 99], list(range(40, 52)) * 2]
+PARAMS = [SamplingParams(temperature=1.0, top_p=0.95, seed=42, max_new_tokens=12, ignore_eos=True),
+          SamplingParams(max_new_tokens=10, ignore_eos=True),
+          SamplingParams(temperature=0.8, top_k=20, seed=7, max_new_tokens=14, ignore_eos=True),
+          SamplingParams(temperature=1.2, seed=3, max_new_tokens=12, ignore_eos=True)]
+
+
+def stand_in_verify_graphs(monkeypatch, eng) -> dict:
+    """CUDA stood in for ``eng``: every verify bucket counts as captured and its replays rewrite one set of
+    output tensors per bucket (as a graph's replays do); the sampled rule captures stand-in graphs. Returns the
+    replays per bucket."""
+    import specdec.scheduler.cuda_graphs as cg
+
+    graphs, outs, replays = eng.runner.graphs, {}, {}
+
+    def replay(key):
+        new = graphs._forward(key)
+        replays[key] = replays.get(key, 0) + 1
+        if key not in outs:
+            outs[key] = new
+        with torch.inference_mode():  # (the forward's outputs are inference tensors)
+            for kept, fresh in zip(outs[key], new):
+                if kept is not None and kept is not fresh:
+                    kept.copy_(fresh)
+        return outs[key]
+
+    monkeypatch.setattr(graphs, "replay", replay)
+    monkeypatch.setattr(graphs, "captured", lambda key: True)
+    monkeypatch.setattr(cg, "capture_graph", _stand_in_capture)
+    eng.verifier.sampled_rule.capture = True
+    return replays
+
+
+@pytest.mark.parametrize("draft,tree", [("ngram", "chain:4"), (None, "chain:4")])
+def test_seeded_tokens_equal_on_every_path_and_batch(tiny_target, monkeypatch, draft, tree):
+    """Eager engine (host rule) == padded step with the host rule (fewer than DEVICE_SAMPLED_MIN_ROWS sampled rows)
+    == the eager device rule == the graphed rule (CUDA stood in: verify_stochastic forbidden), at batch 4, batch 1,
+    in reverse order and with greedy rows added to the batch."""
+    import specdec.verifier as verifier
+
+    make = lambda graphs, **kw: SpecEngine(draft, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=8,
+                                                                          cuda_graphs=graphs, **kw))
+    want = [o.token_ids for o in make(False).generate(PROMPTS, PARAMS)]
+    assert want == [o.token_ids for o in make(True, max_batch_size=4).generate(PROMPTS, PARAMS)]
+    monkeypatch.setattr(verifier, "DEVICE_SAMPLED_MIN_ROWS", 1)
+    assert want == [o.token_ids for o in make(True, max_batch_size=4).generate(PROMPTS, PARAMS)]
+    monkeypatch.undo()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host stochastic rule used on the graphed path")
+
+    monkeypatch.setattr(verifier, "verify_stochastic", forbidden)
+    extra = [SamplingParams(max_new_tokens=9, ignore_eos=True)] * 3
+    for batch, order, more in ((4, 1, 0), (1, 1, 0), (4, -1, 0), (8, 1, 3)):
+        eng = make(True, max_batch_size=batch)
+        replays = stand_in_verify_graphs(monkeypatch, eng)
+        outs = eng.generate(PROMPTS[::order] + PROMPTS[:more], PARAMS[::order] + extra[:more])
+        assert not any(o.error for o in outs), [o.error for o in outs]  # a host-rule call would fail its request
+        assert [o.token_ids for o in outs[:4]][::order] == want, (batch, order, more)
+        rule = eng.verifier.sampled_rule
+        assert rule.graphs and sum(g.replays for g, *_ in rule.graphs.values()) > 0 and replays
+        assert eng.all_blocks_free() and (eng.stats.drafted > 0) == (draft is not None)
+        monkeypatch.setattr(verifier, "verify_stochastic", forbidden)
+
+
+# ---------------------------------------------------------------- CUDA: real graphs
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@gpu
+def test_gpu_captured_rule_equals_eager_and_cpu():
+    """A captured rule, replayed over new verify outputs and inputs, gives its eager run's outcome, and the CPU's
+    (a coin landing within rounding of a threshold may rarely differ)."""
+    graphed, eager = SampledRule("cuda"), SampledRule("cuda", capture=False)
+    logits, accept = None, None
+    same = total = 0
+    for seed in range(6):
+        rows, trees, lg, acc = _case(seed, b=16, r=13)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        want, _, _ = _want(rows, trees, lg, acc)
+        if logits is None:
+            logits, accept = lg.cuda(), acc.cuda()
+        logits.copy_(lg)
+        accept.copy_(acc)
+        copies = [SimpleNamespace(params=r.params, stream=None if r.stream is None else
+                                  UniformStream(r.stream.seed, r.stream.counter)) for r in rows]
+        got = graphed(rows, trees, sampled, logits, accept, captured=True).cpu()
+        assert torch.equal(got, eager(copies, trees, sampled, logits, accept, captured=False).cpu())
+        same += (got == want).all(1).sum().item()
+        total += len(rows)
+    assert graphed.graphs and same >= 0.98 * total, (same, total)
+
+
+@gpu
+@pytest.mark.parametrize("draft", ["ngram", None])
+def test_gpu_engine_graphed_sampling_equals_eager(tiny_dirs, draft):
+    """float32 on the GPU: the engine with CUDA graphs (the captured sampled rule, whatever the sampled row count)
+    samples a seeded request's tokens as the eager engine (host rule) does."""
+    from specdec.loading.registry import load_model
+
+    target = load_model(tiny_dirs["llama"], device="cuda")
+    base = dict(tree="chain:4", num_blocks=1024, block_size=16, device="cuda", max_batch_size=32)
+    want = [o.token_ids for o in SpecEngine(draft, target, SpecConfig(cuda_graphs=False, **base)).generate(
+        PROMPTS, PARAMS)]
+    eng = SpecEngine(draft, target, SpecConfig(cuda_graphs=True, **base))
+    assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == want
+    assert eng.verifier.sampled_rule.graphs and eng.all_blocks_free()
