@@ -516,16 +516,17 @@ case "$stage" in
     [ -f "$MODEL" ] || assemble
     install
     gpu_tests 150 tests/test_ngram_device.py
-    ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=7 interleaved 150 16 && \
+    ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=5 interleaved 150 16 && \
       mv "$D/interleaved.log" "$D/b16.log" && cp "$D/interleaved.json" "$D/interleaved_b16.json"
-    ENGINES=ngram_pipeline ONLY="ngram_host ngram_pipelined" REPEATS=5 interleaved 150 64
+    ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=3 interleaved 150 64
     grep -h "^interleaved" "$D/b16.log"
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
   s10b)  # (.stage3/p_02 .whl .gpu, with piece 02, or after a stage that assembled the model) the captured sampled
-         # rule (specdec.sampled_rule, counter-based uniforms): its GPU tests (real graphs: rule replay == eager == CPU, engine graphed == eager, stream bits
-         # GPU == CPU), then the sampled step's time (T = 0.7, top-p 0.9) beside greedy decode::16; 300 s of timeouts
+         # rule (specdec.sampled_rule, counter-based uniforms): its GPU tests (real graphs: rule replay == eager ==
+         # CPU, engine graphed == eager, stream bits GPU == CPU), then the sampled step's time (T = 0.7, top-p 0.9)
+         # beside greedy decode::16, then sampled n-gram against sampled target-only at batch 16 (waves)
     [ -f "$MODEL" ] || assemble
     install
     GPU_K="gpu or test_sampled_rule or test_uniform_stream" gpu_tests 140 tests/test_uniform_stream.py \
@@ -534,6 +535,7 @@ case "$stage" in
       gpu_step_timeline.py "$D/greedy" decode::16
     TIMELINE_TEMPERATURE=0.7 TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 110 \
       timeline_sampled.log gpu_step_timeline.py "$D/sampled" decode::16 decode::4 ngram:chain:8:16
+    ENGINES=sampled ONLY=ngram_chain8 TEMPERATURE=0.7 SCHEDULES=waves REPEATS=3 interleaved 90 16
     grep -h -e "ms/step" "$D"/timeline_*.log
     pack
     ;;
