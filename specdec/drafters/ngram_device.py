@@ -67,7 +67,7 @@ class DeviceNgram:
         self.pipeline = drafter is not None and drafter.pipelined  # queue each step's successor (module docstring)
         self.reader = HostRead(runner.device)
         self.ahead: QueuedVerify | None = None  # the verify queued for the next step
-        self.advances: dict[tuple, tuple] = {}  # (b, q, rows, source rows) -> (graph, tables buffer)
+        self.advances: dict[tuple, tuple] = {}  # (bucket, source bucket) -> (graph, tables buffer)
         self.queued = self.adopted = self.dropped = 0  # queued verifies, and how many the next step adopted
 
     def min_query(self, rows: list[Request]) -> int:
@@ -123,40 +123,43 @@ class DeviceNgram:
         nxt_key = key if sel is None else self.runner.packed_key(0, len(rows), self.k + 1)
         if nxt_key is None or nxt_key[2] != key[2]:
             return
-        r = len(rows)
-        cols = np.empty((3, r), dtype=np.int64)  # largest length, length now, row of ``out``
-        cols[0] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]
-        cols[1] = [len(req.tokens) for req in rows]
-        cols[2] = np.arange(r) if sel is None else sel
-        tables = np.concatenate([self.runner.tables.host_rows([req.bt_row for req in rows]), cols.T], 1)
-        self._advance(nxt_key, out, self.upload(tables))
+        r, b = len(rows), nxt_key[1]
+        bt = self.runner.tables.host_rows([req.bt_row for req in rows])
+        tables = np.zeros((b, bt.shape[1] + 4), dtype=np.int64)  # (padding rows: zeros, not live)
+        tables[:r, :-4] = bt
+        tables[:r, -4] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]  # largest length
+        tables[:r, -3] = [len(req.tokens) for req in rows]  # length at the verify of ``out``
+        tables[:r, -2] = np.arange(r) if sel is None else sel  # row of ``out``
+        tables[:r, -1] = 1
+        self._advance(nxt_key, key, out, self.upload(tables))
         fwd = self.runner.graphs.replay(nxt_key)
         nxt = self._follow(rows, nxt_key, fwd.accept)
         self.ahead = QueuedVerify(list(rows), nxt_key, fwd, nxt, self.reader.start([nxt]))
         self.queued += 1
 
-    def _advance(self, key, out: Tensor, tables: Tensor) -> None:
-        """``ngram_advance_reference`` into bucket ``key``'s inputs: one graph replay per (b, q, rows, rows of
-        ``out``) when the follow-up is a graph (its output a fixed buffer), else eagerly."""
+    def _advance(self, key, src_key, out: Tensor, tables: Tensor) -> None:
+        """``ngram_advance_reference`` into bucket ``key``'s inputs from the follow-up output ``out`` of the verify of
+        bucket ``src_key``: one graph replay per (bucket, source bucket) when the follow-up is a graph (it reads
+        that graph's whole output buffer), else eagerly."""
         _, b, q = key
         inputs, bs = self.runner.graphs.inputs, self.runner.pool.block_size
         views = inputs.views(b, q)
-        if not (self.capture and self.runner.graphs.captured(key)):
+        follow = self.graphs.get(src_key[1:])
+        if not (self.capture and self.runner.graphs.captured(key) and follow is not None):
             ngram_advance_reference(views, b, q, out, tables, bs)
             return
-        shape = (b, q, tables.shape[0], out.shape[0])
-        entry = self.advances.get(shape)
+        entry = self.advances.get((key, src_key))
         if entry is None:
             from specdec.scheduler.cuda_graphs import capture_graph
 
             buf = torch.zeros_like(tables)
             saved = inputs.dev.clone()  # capturing runs it once (over a zero table): the inputs are put back
             try:
-                graph, _ = capture_graph(functools.partial(ngram_advance_reference, views, b, q, out, buf, bs), None,
-                                         self.hist.device)
+                graph, _ = capture_graph(functools.partial(ngram_advance_reference, views, b, q, follow[2], buf, bs),
+                                         None, self.hist.device)
             finally:
                 inputs.dev.copy_(saved)
-            entry = self.advances[shape] = (graph, buf)
+            entry = self.advances[(key, src_key)] = (graph, buf)
         graph, buf = entry
         buf.copy_(tables)
         graph.replay()

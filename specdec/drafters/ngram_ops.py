@@ -46,40 +46,39 @@ def ngram_follow_reference(hist: Tensor, rows: Tensor, ids: Tensor, positions: T
 
 @torch.inference_mode()
 def ngram_advance_reference(views, b: int, q: int, out: Tensor, tables: Tensor, block_size: int) -> None:
-    """Write the next verify of R rows into bucket (b, q)'s device ``views``, whole (its padding rows and query
-    start locations too), from a step's follow-up output: what ``Verifier._graphed`` would pack on the host once
-    that step is committed.
+    """Write a next verify into bucket (b, q)'s device ``views``, whole (padding rows and query start locations
+    too), from a step's follow-up output: what ``Verifier._graphed`` would pack on the host once that step is
+    committed.
 
     ``out`` (S, q + 4 + k): the follow-up's rows ([m, bonus, path..., finite, c, chain...]) of a verify with q
-    queries per row; ``tables`` (R, W + 3) int64, per next row: its block table, its largest length (prompt +
-    max_new_tokens), its length L at that verify (the pending token at L - 1) and its row of ``out``. Row r's next
-    verify is its bonus token at L + m (the pending token), then its chain cut to the tokens still to come
-    (``NgramDrafter``'s rule: min(c, end - (L + m + 1) - 1, q - 1)), a causal run. Capturable: no host reads."""
-    r, dev = tables.shape[0], out.device
-    bt, ends, lengths = tables[:, :-3], tables[:, -3], tables[:, -2]
-    o = out.index_select(0, tables[:, -1])  # (R, q + 4 + k) each next row's outcome and chain
-    root = lengths + o[:, 0]  # (R,) the bonus token's position: L + m
-    c = torch.minimum(o[:, q + 3], (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (R,) chain tokens kept
+    queries per row; ``tables`` (b, W + 4) int64, per bucket row: its block table, its largest length (prompt +
+    max_new_tokens), its length L at that verify (the pending token at L - 1), its row of ``out``, and 1 for a
+    row of the next verify (its first R rows), 0 for padding. Row r's next verify is its bonus token at L + m (the
+    pending token), then its chain cut to the tokens still to come (``NgramDrafter``'s rule: min(c, end - (L + m
+    + 1) - 1, q - 1)), a causal run. The shapes are the buckets', so one capture serves any R. No host reads."""
+    dev = out.device
+    bt, ends, lengths = tables[:, :-4], tables[:, -4], tables[:, -3]
+    live = (tables[:, -1] > 0)[:, None]  # (b, 1)
+    o = out.index_select(0, tables[:, -2])  # (b, q + 4 + k) each row's outcome and chain
+    root = lengths + o[:, 0]  # (b,) the bonus token's position: L + m
+    c = torch.minimum(o[:, q + 3], (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (b,) chain tokens kept
     j = torch.arange(q, device=dev)
-    valid = j <= c[:, None]  # (R, q) the bonus token and the kept chain
+    valid = (j <= c[:, None]) & live  # (b, q) the bonus token and the kept chain
     k = o.shape[1] - q - 4
     chain = torch.cat([o[:, 1:2], o[:, q + 4:q + 4 + min(k, q - 1)]], 1)  # the bonus token, then the chain
     if chain.shape[1] < q:  # (a bucket wider than the chain)
-        chain = torch.cat([chain, chain.new_zeros(r, q - chain.shape[1])], 1)  # (R, q)
-    at = root[:, None] + j  # (R, q) positions of a causal run from the root
+        chain = torch.cat([chain, chain.new_zeros(b, q - chain.shape[1])], 1)  # (b, q)
+    at = root[:, None] + j  # (b, q) positions of a causal run from the root
     top = bt.shape[1] * block_size - 1
-    slots = bt.gather(1, at.clamp(max=top) // block_size) * block_size + at % block_size
-
-    def rows(view: Tensor, value: Tensor, pad: int) -> None:  # the R rows, then the bucket's padding rows
-        view.view(b, -1).copy_(torch.cat([value.view(r, -1), value.new_full((b - r, view.numel() // b), pad)]))
-
-    rows(views.ids, torch.where(valid, chain, 0), 0)
-    rows(views.positions, torch.where(valid, at, 0), 0)
-    rows(views.slots, torch.where(valid, slots, -1), -1)
-    rows(views.tree_mask, torch.where(valid, causal_masks(q, dev), 0), 0)
-    rows(views.parents, torch.where(valid & (j > 0), j - 1, -1), -1)
-    rows(views.prefix_lens, root, 0)
-    rows(views.seq_lens, root + c + 1, 0)
-    rows(views.num_tokens, c + 1, 0)
-    rows(views.block_tables, bt, 0)
-    views.qsl.copy_(torch.arange(b + 1, device=dev).clamp(max=r) * q)
+    slots = bt.gather(1, at.clamp(0, top) // block_size) * block_size + at % block_size
+    views.ids.view(b, q).copy_(torch.where(valid, chain, 0))
+    views.positions.view(b, q).copy_(torch.where(valid, at, 0))
+    views.slots.view(b, q).copy_(torch.where(valid, slots, -1))
+    views.tree_mask.view(b, q).copy_(torch.where(valid, causal_masks(q, dev), 0))
+    views.parents.view(b, q).copy_(torch.where(valid & (j > 0), j - 1, -1))
+    per_row = torch.stack([root, root + c + 1, c + 1]) * live.view(1, -1)  # (3, b) prefix, sequence, query lengths
+    views.prefix_lens.copy_(per_row[0])
+    views.seq_lens.copy_(per_row[1])
+    views.num_tokens.copy_(per_row[2])
+    views.block_tables.copy_(bt * live)
+    views.qsl.copy_(torch.arange(b + 1, device=dev).clamp(max=live.sum()) * q)
