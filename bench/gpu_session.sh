@@ -523,6 +523,18 @@ case "$stage" in
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
+  s10e)  # (.stage3/p_02 .whl .gpu, with piece 02) the pipelined n-gram advance captured once per (bucket, source
+         # bucket): GPU tests, then batch 16 and 64 against target-only (waves, continuous)
+    [ -f "$MODEL" ] || assemble
+    install
+    gpu_tests 150 tests/test_ngram_device.py tests/test_sampled_rule.py
+    ENGINES=ngram_pipeline ONLY="ngram_pipelined" REPEATS=5 interleaved 120 16 && \
+      mv "$D/interleaved.log" "$D/b16.log" && cp "$D/interleaved.json" "$D/interleaved_b16.json"
+    ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=5 interleaved 200 64
+    grep -h "^interleaved" "$D/b16.log"
+    grep -h -c FAILED "$D"/*.log
+    pack
+    ;;
   s10b)  # (.stage3/p_02 .whl .gpu, with piece 02, or after a stage that assembled the model) the captured sampled
          # rule (specdec.sampled_rule, counter-based uniforms): its GPU tests (real graphs: rule replay == eager ==
          # CPU, engine graphed == eager, stream bits GPU == CPU), then the sampled step's time (T = 0.7, top-p 0.9)
