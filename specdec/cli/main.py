@@ -52,10 +52,10 @@ def cmd_generate(args) -> int:
 
 def sampled_speed_note(device: str, temperature: float, draft: str) -> str | None:
     """What ``specdec generate`` tells a user who samples with a draft on CUDA, where sampled speculation is slower
-    than target-only sampled decoding today (bench/RESULTS.md, session 9); None otherwise."""
+    than target-only sampled decoding today (bench/RESULTS.md, sessions 9 and 10); None otherwise."""
     if temperature > 0 and draft != "none" and str(device).startswith("cuda"):
         return ("note: on CUDA, sampled speculation is slower than target-only decoding for now (0.36x with the "
-                "shipped draft, 0.63x with n-gram at batch 16; bench/RESULTS.md); --draft none decodes faster, and "
+                "shipped draft, 0.59x with n-gram at batch 16; bench/RESULTS.md); --draft none decodes faster, and "
                 "the output distribution is the same either way")
     return None
 
