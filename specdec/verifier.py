@@ -67,7 +67,8 @@ class Verifier:
     def __init__(self, target, runner: ModelRunner, aux_layers: tuple[int, ...] = ()) -> None:
         self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
         # device work queued right behind a graphed verify whose output is read with the outcome (``launch(rows,
-        # key, fwd)`` -> (R, Q + 3 + ...) or None, ``consume(rows, host_rows)``): ``drafters.ngram_device``
+        # key, fwd)`` -> ``wait() -> (R, Q + 3 + ...)`` or None, ``consume(rows, host_rows)``), which may queue the
+        # next verify too (``queue``, ``min_query``; adopted as a ``QueuedVerify``): ``drafters.ngram_device``
         self.followup = None
         self.sampled_rule = SampledRule(runner.device)  # the sampled rows of a padded step, graphed on CUDA
 
