@@ -116,6 +116,29 @@ def test_fault_fails_only_the_injured_request(tiny_target, tiny_draft, reference
     assert eng.all_blocks_free()
 
 
+@pytest.mark.parametrize("fault", ["drafter", "nan_kv", "out_of_blocks"])
+def test_fault_under_pipelined_ngram_steps(tiny_target, fault, monkeypatch):
+    """Greedy n-gram steps queued on the device before the host reads the previous one (``drafters.ngram_device``):
+    the injured request fails alone while the others adopt the queued verifies without it (or, when the step is
+    retried row by row, one at a time), and every neighbour gets target-only's tokens."""
+    prompts, params = PROMPTS, SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ref = [o.token_ids for o in SpecEngine(None, tiny_target, SpecConfig(num_blocks=128, block_size=4)).generate(
+        prompts, params)]
+    eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:3", num_blocks=128, block_size=4, max_batch_size=4,
+                                                      cuda_graphs=True, ngram_device=True, pipeline=True))
+    error_type = inject(eng, fault, monkeypatch)
+    outs = eng.generate(prompts, params)
+    bad = outs[VICTIM]
+    assert bad.finish_reason == "error" and isinstance(bad.error, error_type), (bad.finish_reason, bad.error)
+    assert bad.token_ids == ref[VICTIM][:len(bad.token_ids)]
+    assert [o.token_ids for i, o in enumerate(outs) if i != VICTIM] == [r for i, r in enumerate(ref) if i != VICTIM]
+    follow = eng.verifier.followup
+    assert follow.adopted > 0 and sum(o.stats.accepted for o in outs) > 0  # queued steps ran real chains
+    monkeypatch.undo()
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.all_blocks_free()
+
+
 def test_failed_request_leaves_nothing_in_the_prefix_cache(tiny_target, tiny_draft, monkeypatch):
     eng = make_engine(tiny_draft, tiny_target)
     inject(eng, "nan_kv", monkeypatch)
