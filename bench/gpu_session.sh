@@ -535,6 +535,25 @@ case "$stage" in
     grep -h -c FAILED "$D"/*.log
     pack
     ;;
+  s10f)  # (.stage3/p_02 .whl .gpu, with piece 02) session 10's final wheel: the GPU tests of everything the session
+         # touched (float32 graph replay == eager, graphed EAGLE == target-only, the sampled rule, n-gram pipeline,
+         # the Triton engine), issue 9's step figures (micro), then sampled steps and sampled n-gram at batch 16
+    [ -f "$MODEL" ] || assemble
+    install
+    GPU_K="gpu or ngram or sampled or stream or lookahead or pipelined" gpu_tests 200 tests/test_step_graphs.py \
+      tests/test_eagle.py tests/test_sampled_rule.py tests/test_uniform_stream.py tests/test_ngram_device.py \
+      tests/test_lookahead.py
+    mv "$D/tests.log" "$D/tests_gpu.log"
+    gpu_tests 90 tests/test_engine_triton.py && mv "$D/tests.log" "$D/tests_triton.log"
+    fastpath 130 micro
+    TIMELINE_TEMPERATURE=0.7 TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 90 \
+      timeline_sampled.log gpu_step_timeline.py "$D/sampled" decode::16 ngram:chain:8:16
+    ENGINES=sampled ONLY=ngram_chain8 TEMPERATURE=0.7 SCHEDULES=waves REPEATS=3 interleaved 80 16
+    tail -2 "$D"/tests_*.log
+    grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
+    grep -h -e "ms/step" "$D"/timeline_*.log
+    pack
+    ;;
   s10b)  # (.stage3/p_02 .whl .gpu, with piece 02, or after a stage that assembled the model) the captured sampled
          # rule (specdec.sampled_rule, counter-based uniforms): its GPU tests (real graphs: rule replay == eager ==
          # CPU, engine graphed == eager, stream bits GPU == CPU), then the sampled step's time (T = 0.7, top-p 0.9)
