@@ -66,6 +66,11 @@ ENGINE_SETS = {
                        "ngram_device": {"draft": "ngram", "adaptive": False, "pipeline": False},
                        "ngram_pipelined": {"draft": "ngram", "adaptive": False},
                        "ngram_pipelined_any": {"draft": "ngram", "adaptive": False, "ngram_device": True}},
+    # session 10: target-only decoding pipelined too (SpecConfig(pipeline=True) with no draft; opt-in), against the
+    # default target-only and the pipelined n-gram default
+    "decode_pipeline": {"target_only": {"draft": None},
+                        "target_only_pipelined": {"draft": None, "pipeline": True},
+                        "ngram_pipelined": {"draft": "ngram", "adaptive": False}},
     "large_batch": {"target_only": {"draft": None},
                     "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},

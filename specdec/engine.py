@@ -72,7 +72,8 @@ class SpecConfig:
     #                               None: on for CUDA (measured 2.04x target-only at batch 1 against 1.57x
     #                               unpipelined, bench/RESULTS.md session 8), off on the CPU (nothing to overlap).
     #                               n-gram steps whose chains are looked up on the device (ngram_device) queue
-    #                               theirs too (drafters/ngram_device.py)
+    #                               theirs too (drafters/ngram_device.py); target-only decoding only with True
+    #                               (verify_pipeline.py)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -120,7 +121,7 @@ class SpecEngine:
         self.large_batch_budget = self._large_batch_budget() if self.greedy_budget_fixed else None
         if pipelined:
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
-        if self._ngram_pipelines():
+        if self._ngram_pipelines() or self._decode_pipelines():
             self.drafter.pipelined = True  # (likewise)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
@@ -131,6 +132,10 @@ class SpecEngine:
             self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         self._device_ngram(max_blocks * cfg.block_size)
+        if isinstance(self.drafter, _NoDraft) and self.drafter.pipelined:
+            from specdec.verify_pipeline import DecodePipeline
+
+            self.drafter.queue = self.verifier.followup = DecodePipeline(self.runner, self.drafter)
         if cfg.fused_verify and hasattr(self.drafter, "fuse_verify"):
             self.drafter.fuse_verify(self.verifier)
             self._prepare_fused()
@@ -159,6 +164,12 @@ class SpecEngine:
         on_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
         return bool(wanted and on_device and isinstance(self.drafter, NgramDrafter) and self.runner.graphs is not None
                     and self.adaptive is None)
+
+    def _decode_pipelines(self) -> bool:
+        """Whether target-only decoding queues each greedy step's successor (``verify_pipeline.DecodePipeline``):
+        only when asked for (``pipeline=True``; not on by default until measured against the speculative paths'
+        figures, which are all against unpipelined decoding) and the steps are padded (``cuda_graphs``)."""
+        return bool(self.config.pipeline and isinstance(self.drafter, _NoDraft) and self.runner.graphs is not None)
 
     def _large_batch_budget(self) -> int | None:
         """The budget of an auto-budget pipelined engine's greedy steps of more than ``LARGE_BATCH_ROWS`` rows: a
@@ -463,13 +474,23 @@ def adaptive_by_default(device: torch.device, drafter: Drafter) -> bool:
 
 
 class _NoDraft(Drafter):
-    """Target-only decoding: empty trees, so each verify forward commits one token."""
+    """Target-only decoding: empty trees, so each verify forward commits one token. Pipelined (``pipelined``, with
+    ``queue`` a ``DecodePipeline``), a step adopts the decode the previous one queued on the device."""
+
+    pipelined = False
+    queue = None
+
+    @property
+    def lookahead(self) -> int:
+        """Pipelined, a step is queued before the previous one's bonus token is committed: one more slot."""
+        return 1 if self.pipelined else 0
 
     def propose(self, rows):
         from specdec.tree import DraftTree
 
+        queued = None if self.queue is None or self.queue.ahead is None else self.queue.adopt(rows)
         return Proposal([DraftTree.empty(r.generator.device if r.generator else "cpu") for r in rows],
-                        [None] * len(rows))
+                        [None] * len(rows), queued)
 
 
 def _output(req: Request, stopper: StopChecker) -> RequestOutput:

@@ -186,7 +186,8 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
     """float32 on CUDA, graphs captured, 16 rows (the auto mode's lookup runs on the device, pipelined): outputs
     equal eager target-only decoding and the proposed chains equal the host lookup's (no shared table) step for
     step, pipelined or not, with varied lengths so rows finish at their limits and the pipeline is dropped and
-    resumed; then one request alone with the device lookup forced on (pipelined at batch 1)."""
+    resumed; then one request alone with the device lookup forced on (pipelined at batch 1), and pipelined
+    target-only decoding of them all."""
     from specdec.loading.registry import load_model
 
     target = load_model(tiny_dirs["llama"], device="cuda")
@@ -214,6 +215,10 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
                                                  ngram_device=True, **base))
     assert eng.generate([prompts[0]], params[0])[0].token_ids == ref[0].token_ids
     assert eng.verifier.followup.adopted > 0
+    decode = SpecEngine(None, target, SpecConfig(cuda_graphs=True, pipeline=True, **base))  # pipelined target-only
+    assert [r.token_ids for r in decode.generate(prompts, params)] == [r.token_ids for r in ref]
+    assert decode.verifier.followup.adopted > decode.verifier.followup.launches // 2
+    assert decode.verifier.followup.advances  # the queued steps' inputs were written by a graph
 
 
 def test_a_history_row_taken_over_is_uploaded_again():
@@ -259,22 +264,18 @@ def test_ngram_chains_keep_a_fixed_budget_by_default():
     assert not adaptive_by_default(cpu, _NoDraft())
 
 
-def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
-    """Pipelined (each greedy step's successor built and queued on the device before the host reads the step):
-    the same chains step for step and target-only's outputs, with rows joining, finishing at their length limits
-    (chains cut there) and stopping on a token; most steps are adopted, also by the rows left when others finished
-    (their successor then queued in a smaller bucket when one fits), and the queued verify's inputs are exactly
-    what the host packs for the adopting rows' chains (the whole bucket when all its rows adopt it)."""
+def _checked_queued(monkeypatch) -> tuple[list[int], list, list[int]]:
+    """Compares every adopted queued verify's inputs, as the device advance wrote them, with what the host packs for
+    the adopting rows' trees: the whole bucket (padding rows, query starts) when all its rows adopt it, else those
+    rows. Returns ([adopted steps checked], [mismatches], [adoptions by some rows]); the mismatches are collected
+    (asserted by the caller: the engine isolates a step's errors)."""
     from specdec.scheduler.step_inputs import StepInputs
 
-    from specdec.cli.bench import engine_mode
-    from specdec.drafters import ngram_device
+    from specdec import verify_pipeline
     from specdec.verifier import QueuedVerify, Verifier, _packed
 
-    prompts, params, ref = _stop_case(tiny_target)
-    _, chains = _recorded(monkeypatch)
     built, checked, wrong, partial = {}, [0], [], [0]
-    advance, verify_proposal = ngram_device.ngram_advance_reference, Verifier.verify_proposal
+    advance, verify_proposal = verify_pipeline.ngram_advance_reference, Verifier.verify_proposal
 
     def recorded_advance(views, b, q, out, tables, bs):
         advance(views, b, q, out, tables, bs)
@@ -282,17 +283,16 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
 
     def compared(self, rows, proposal):
         queued = proposal.fused
-        if isinstance(queued, QueuedVerify):  # what the host would have packed for these rows' chains
+        if isinstance(queued, QueuedVerify):  # what the host would have packed for these rows' trees
             _, b, q = queued.key
             bt = self.runner.tables.host_rows([r.bt_row for r in rows])
             lengths = [len(t.host.tokens) + 1 for t in proposal.trees]
             host = StepInputs(b, q, bt.shape[1], "cpu")
             host.fill_packed(b, q, _packed(rows, proposal.trees, lengths, q, bt, self.runner.pool.block_size), bt)
             views, bs, some = host.views(b, q), self.runner.pool.block_size, queued.sel is not None
-            # all its rows adopt it: the whole bucket (padding rows, query starts); some: those rows
             src = torch.as_tensor(queued.sel) if some else torch.arange(b)
             dst = torch.arange(len(rows)) if some else torch.arange(b)
-            for name, dev in built[queued.key].items():  # (asserted outside: the engine isolates a step's errors)
+            for name, dev in built[queued.key].items():
                 want = getattr(views, name)
                 if name != "qsl":
                     dev, want = dev.view(b, -1)[src], want.view(b, -1)[dst]
@@ -305,8 +305,22 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
             partial[0] += some
         return verify_proposal(self, rows, proposal)
 
-    monkeypatch.setattr(ngram_device, "ngram_advance_reference", recorded_advance)
+    monkeypatch.setattr(verify_pipeline, "ngram_advance_reference", recorded_advance)
     monkeypatch.setattr(Verifier, "verify_proposal", compared)
+    return checked, wrong, partial
+
+
+def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
+    """Pipelined (each greedy step's successor built and queued on the device before the host reads the step):
+    the same chains step for step and target-only's outputs, with rows joining, finishing at their length limits
+    (chains cut there) and stopping on a token; most steps are adopted, also by the rows left when others finished
+    (their successor then queued in a smaller bucket when one fits), and the queued verify's inputs are exactly
+    what the host packs for the adopting rows' chains (the whole bucket when all its rows adopt it)."""
+    from specdec.cli.bench import engine_mode
+
+    prompts, params, ref = _stop_case(tiny_target)
+    _, chains = _recorded(monkeypatch)
+    checked, wrong, partial = _checked_queued(monkeypatch)
     outs, proposed = {}, {}
     for pipeline in (False, True):
         chains.clear()
@@ -326,3 +340,21 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
     assert outs[True] == outs[False] == ref
     assert proposed[True] == proposed[False]
     assert eng.all_blocks_free()
+
+
+def test_pipelined_target_only_decoding(tiny_target, monkeypatch):
+    """No draft, ``pipeline=True``: each graphed decode step queues the next (the bonus token as its pending token)
+    before the host reads it; outputs equal unpipelined decoding with rows joining, finishing and stopping on a
+    token, and every adopted step's inputs are what the host packs."""
+    prompts, params, ref = _stop_case(tiny_target)
+    checked, wrong, partial = _checked_queued(monkeypatch)
+    eng = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=8, max_batch_size=4, prefix_cache=False,
+                                                   cuda_graphs=True, pipeline=True))
+    assert eng.drafter.lookahead == 1  # the queued step writes the pending token's KV one position on
+    assert [r.token_ids for r in eng.generate(prompts, params)] == ref
+    follow = eng.verifier.followup
+    assert wrong == [], wrong[:2]
+    assert follow.adopted == checked[0] > sum(len(r) for r in ref) // 8 and partial[0] > 0
+    assert eng.all_blocks_free()
+    auto = SpecEngine(None, tiny_target, SpecConfig(num_blocks=64, block_size=8, cuda_graphs=True))
+    assert auto.verifier.followup is None and auto.drafter.lookahead == 0  # opt-in for now (not on by default)

@@ -53,7 +53,7 @@ def add_bench_parser(sub, add_model_args) -> None:
 TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a draft model {CUDA_DRAFT_TREE} on CUDA, " \
             "else chain:4)"
 PIPELINE_HELP = "pipelined greedy steps: fused EAGLE steps (at the tree's full size) and n-gram steps with device " \
-    "lookups (auto: on for CUDA; --adaptive on turns it off)"
+    "lookups (auto: on for CUDA; --adaptive on turns it off); on also pipelines target-only decoding"
 
 
 def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:

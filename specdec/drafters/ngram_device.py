@@ -37,43 +37,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.drafters.ngram_ops import ngram_advance_reference
-from specdec.lookahead import HostRead, HostUpload
 from specdec.scheduler.request import Request
-from specdec.verifier import QueuedVerify
+from specdec.verify_pipeline import VerifyPipeline
 
 NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined, fewer rows: the host lookup (with the shared table) is cheap and accepts more
 
 
-class DeviceNgram:
-    """The device histories and the follow-up launch of an ``NgramDrafter`` (``Verifier.followup``).
+class DeviceNgram(VerifyPipeline):
+    """The device histories and the follow-up launch of an ``NgramDrafter`` (``Verifier.followup``), and,
+    pipelined, the queued verifies (``verify_pipeline.VerifyPipeline``).
 
     ``chains``: per request, (the token count its chain was looked up at, the chain); the drafter proposes a
     chain when the request still has that many tokens."""
 
     def __init__(self, runner, max_rows: int, max_len: int, k: int, max_n: int, min_n: int,
                  min_rows: int = NGRAM_DEVICE_MIN_ROWS, drafter=None) -> None:
-        self.runner, self.k, self.max_n, self.min_n, self.min_rows = runner, k, max_n, min_n, min_rows
-        self.drafter = drafter  # pipelined: the ``NgramDrafter`` (its budget, lookahead and step_prefilled flag)
+        # drafter: the ``NgramDrafter`` when pipelined (its budget, lookahead and step_prefilled flag)
+        super().__init__(runner, drafter, k, drafter is not None and drafter.pipelined)
+        self.max_n, self.min_n, self.min_rows = max_n, min_n, min_rows
         self.hist = torch.zeros(max_rows, max_len, dtype=torch.int32, device=runner.device)  # (rows, W) tokens
         self.held: dict[Request, int] = {}  # request -> tokens its history row holds (while it owns the row)
         self.owner: list[Request | None] = [None] * max_rows  # block-table row -> the request whose history it holds
         self.chains: dict[Request, tuple[int, list[int]]] = {}
-        self.upload = HostUpload(runner.device)
-        self.launches = 0
-        self.capture = runner.device.type == "cuda"  # the follow-up of a captured verify is a graph replay too
         self.graphs: dict[tuple[int, int], list] = {}  # (b, q) -> [graph, rows buffer, output, the rows it holds]
         self._prune_at = 4 * max_rows
-        self.pipeline = drafter is not None and drafter.pipelined  # queue each step's successor (module docstring)
-        self.reader = HostRead(runner.device)
-        self.ahead: QueuedVerify | None = None  # the verify queued for the next step
-        self.advances: dict[tuple, tuple] = {}  # (bucket, source bucket) -> (graph, tables buffer)
-        self.queued = self.adopted = self.dropped = 0  # queued verifies, and how many the next step adopted
-
-    def min_query(self, rows: list[Request]) -> int:
-        """Queries per row of a verify over ``rows`` whose successor may be queued: the whole chain's (the queued
-        verify runs in the same bucket, whatever its chains' lengths); 0 when nothing would be queued."""
-        return self.k + 1 if self.pipeline and all(r.params.greedy for r in rows) else 0
 
     def launch(self, rows: list[Request], key, fwd):
         """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up (and,
@@ -106,80 +93,13 @@ class DeviceNgram:
                                                 views.positions.view(b, q)[:r], accept[:r], self.k,
                                                 self.max_n, self.min_n)
 
-    def queue(self, rows: list[Request], key, out: Tensor, sel: np.ndarray | None = None) -> None:
-        """Pipelined: queue the verify that follows the one of bucket ``key`` (whose follow-up output is ``out``,
-        its read already started) for ``rows``, built on the device, with its follow-up and read (``ahead``).
-        ``sel``: each row's row of ``out`` when ``rows`` are some of that verify's rows (others finished); None:
-        all of them, in order. Nothing is queued after a prefill (the rows' KV or lengths may differ from what the
-        outcome says), under a budget below the chain, after a verify narrower than the chain, or when a row lacks
-        the KV blocks or history room the queued step writes."""
-        drafter = self.drafter
-        if not self.pipeline or drafter.step_prefilled or drafter.node_budget != self.k or key[2] != self.k + 1:
-            return
-        bs, need = self.runner.pool.block_size, drafter.lookahead
-        if any(len(r.blocks) * bs < len(r.tokens) + need for r in rows) or (
-                max(len(r.tokens) for r in rows) + 2 * key[2] > self.hist.shape[1]):
-            return
-        nxt_key = key if sel is None else self.runner.packed_key(0, len(rows), self.k + 1)
-        if nxt_key is None or nxt_key[2] != key[2]:
-            return
-        r, b = len(rows), nxt_key[1]
-        bt = self.runner.tables.host_rows([req.bt_row for req in rows])
-        tables = np.zeros((b, bt.shape[1] + 4), dtype=np.int64)  # (padding rows: zeros, not live)
-        tables[:r, :-4] = bt
-        tables[:r, -4] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]  # largest length
-        tables[:r, -3] = [len(req.tokens) for req in rows]  # length at the verify of ``out``
-        tables[:r, -2] = np.arange(r) if sel is None else sel  # row of ``out``
-        tables[:r, -1] = 1
-        self._advance(nxt_key, key, out, self.upload(tables))
-        fwd = self.runner.graphs.replay(nxt_key)
-        nxt = self._follow(rows, nxt_key, fwd.accept)
-        self.ahead = QueuedVerify(list(rows), nxt_key, fwd, nxt, self.reader.start([nxt]))
-        self.queued += 1
+    def _room(self, rows: list[Request], q: int) -> bool:
+        """The history rows hold what a queued step appends (two verifies' worth past the rows' tokens)."""
+        return max(len(r.tokens) for r in rows) + 2 * q <= self.hist.shape[1]
 
-    def _advance(self, key, src_key, out: Tensor, tables: Tensor) -> None:
-        """``ngram_advance_reference`` into bucket ``key``'s inputs from the follow-up output ``out`` of the verify of
-        bucket ``src_key``: one graph replay per (bucket, source bucket) when the follow-up is a graph (it reads
-        that graph's whole output buffer), else eagerly."""
-        _, b, q = key
-        inputs, bs = self.runner.graphs.inputs, self.runner.pool.block_size
-        views = inputs.views(b, q)
-        follow = self.graphs.get(src_key[1:])
-        if not (self.capture and self.runner.graphs.captured(key) and follow is not None):
-            ngram_advance_reference(views, b, q, out, tables, bs)
-            return
-        entry = self.advances.get((key, src_key))
-        if entry is None:
-            from specdec.scheduler.cuda_graphs import capture_graph
-
-            buf = torch.zeros_like(tables)
-            saved = inputs.dev.clone()  # capturing runs it once (over a zero table): the inputs are put back
-            try:
-                graph, _ = capture_graph(functools.partial(ngram_advance_reference, views, b, q, follow[2], buf, bs),
-                                         None, self.hist.device)
-            finally:
-                inputs.dev.copy_(saved)
-            entry = self.advances[(key, src_key)] = (graph, buf)
-        graph, buf = entry
-        buf.copy_(tables)
-        graph.replay()
-
-    def adopt(self, rows: list[Request]) -> QueuedVerify | None:
-        """The queued verify when ``rows`` are all among its rows (others may have finished, failed or been
-        preempted), each with the length the device assumed (its chain was looked up at that length), with ``sel``
-        set when they are not exactly its rows in order; else None, and it is dropped."""
-        queued, self.ahead = self.ahead, None
-        if queued is None:
-            return None
-        at = {id(req): i for i, req in enumerate(queued.rows)}
-        sel = [at.get(id(req), -1) for req in rows]
-        chains = self.chains
-        if (not rows or min(sel) < 0 or self.drafter.node_budget != self.k
-                or any(chains.get(req, (-1,))[0] != len(req.tokens) for req in rows)):
-            self.dropped += 1
-            return None
-        self.adopted += 1
-        return queued if sel == list(range(len(queued.rows))) else queued._replace(sel=np.asarray(sel))
+    def _source(self, key) -> Tensor | None:
+        entry = self.graphs.get(key[1:])
+        return None if entry is None else entry[2]  # the follow-up graph's whole output
 
     def _replay(self, b: int, q: int, rows: list[Request], accept: Tensor) -> Tensor:
         """The follow-up of bucket (b, q) as a graph replay (captured at its first use, over the bucket's input
@@ -225,6 +145,7 @@ class DeviceNgram:
         """Record, from the follow-up's output read as ``host`` (row i: the outcome [m, bonus, ...], then
         [count, tokens...]), each row's chain and what its history holds: its tokens before the step (called before
         the commit) + m accepted + the bonus token (``committed`` corrects it when the commit was cut short)."""
+        super().consume(rows, host)
         held, chains = self.held, self.chains
         for req, row in zip(rows, host):
             n, c = len(req.tokens) + row[0] + 1, len(row) - 1 - self.k  # c: the count's column

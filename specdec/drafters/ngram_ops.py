@@ -51,21 +51,23 @@ def ngram_advance_reference(views, b: int, q: int, out: Tensor, tables: Tensor, 
     committed.
 
     ``out`` (S, q + 4 + k): the follow-up's rows ([m, bonus, path..., finite, c, chain...]) of a verify with q
-    queries per row; ``tables`` (b, W + 4) int64, per bucket row: its block table, its largest length (prompt +
-    max_new_tokens), its length L at that verify (the pending token at L - 1), its row of ``out``, and 1 for a
-    row of the next verify (its first R rows), 0 for padding. Row r's next verify is its bonus token at L + m (the
-    pending token), then its chain cut to the tokens still to come (``NgramDrafter``'s rule: min(c, end - (L + m
-    + 1) - 1, q - 1)), a causal run. The shapes are the buckets', so one capture serves any R. No host reads."""
+    queries per row, or (S, q + 3): a verify's outcome alone (no chain: decoding). ``tables`` (b, W + 4) int64,
+    per bucket row: its block table, its largest length (prompt + max_new_tokens), its length L at that verify
+    (the pending token at L - 1), its row of ``out``, and 1 for a row of the next verify (its first R rows), 0
+    for padding. Row r's next verify is its bonus token at L + m (the pending token), then its chain cut to the
+    tokens still to come (``NgramDrafter``'s rule: min(c, end - (L + m + 1) - 1, q - 1)), a causal run. The
+    shapes are the buckets', so one capture serves any R. No host reads."""
     dev = out.device
     bt, ends, lengths = tables[:, :-4], tables[:, -4], tables[:, -3]
     live = (tables[:, -1] > 0)[:, None]  # (b, 1)
     o = out.index_select(0, tables[:, -2])  # (b, q + 4 + k) each row's outcome and chain
     root = lengths + o[:, 0]  # (b,) the bonus token's position: L + m
-    c = torch.minimum(o[:, q + 3], (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (b,) chain tokens kept
+    k = o.shape[1] - q - 4  # chain columns (-1: an outcome alone)
+    found = o[:, q + 3] if k >= 0 else torch.zeros_like(root)  # (b,) the chain's length
+    c = torch.minimum(found, (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (b,) chain tokens kept
     j = torch.arange(q, device=dev)
     valid = (j <= c[:, None]) & live  # (b, q) the bonus token and the kept chain
-    k = o.shape[1] - q - 4
-    chain = torch.cat([o[:, 1:2], o[:, q + 4:q + 4 + min(k, q - 1)]], 1)  # the bonus token, then the chain
+    chain = torch.cat([o[:, 1:2], o[:, q + 4:q + 4 + min(max(k, 0), q - 1)]], 1)  # the bonus token, then the chain
     if chain.shape[1] < q:  # (a bucket wider than the chain)
         chain = torch.cat([chain, chain.new_zeros(b, q - chain.shape[1])], 1)  # (b, q)
     at = root[:, None] + j  # (b, q) positions of a causal run from the root
