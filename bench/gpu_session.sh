@@ -536,21 +536,26 @@ case "$stage" in
     pack
     ;;
   s10f)  # (.stage3/p_02 .whl .gpu, with piece 02) session 10's final wheel: the GPU tests of everything the session
-         # touched (float32 graph replay == eager, graphed EAGLE == target-only, the sampled rule, n-gram pipeline,
-         # the Triton engine), issue 9's step figures (micro), then sampled steps and sampled n-gram at batch 16
+         # touched (float32 graph replay == eager, graphed EAGLE == target-only, the sampled rule, the pipelines,
+         # the Triton engine), then pipelined target-only decoding at batch 16 and 1 (opt-in) against the default
     [ -f "$MODEL" ] || assemble
     install
-    GPU_K="gpu or ngram or sampled or stream or lookahead or pipelined" gpu_tests 200 tests/test_step_graphs.py \
-      tests/test_eagle.py tests/test_sampled_rule.py tests/test_uniform_stream.py tests/test_ngram_device.py \
-      tests/test_lookahead.py
-    mv "$D/tests.log" "$D/tests_gpu.log"
-    gpu_tests 90 tests/test_engine_triton.py && mv "$D/tests.log" "$D/tests_triton.log"
-    fastpath 130 micro
+    GPU_K="gpu or ngram or sampled or stream or lookahead or pipelined or triton" gpu_tests 220 \
+      tests/test_step_graphs.py tests/test_eagle.py tests/test_sampled_rule.py tests/test_uniform_stream.py \
+      tests/test_ngram_device.py tests/test_lookahead.py tests/test_engine_triton.py
+    ENGINES=decode_pipeline REPEATS=5 interleaved 130 16 && mv "$D/interleaved.log" "$D/b16.log" && \
+      cp "$D/interleaved.json" "$D/interleaved_b16.json"
+    ENGINES=decode_pipeline ONLY=target_only_pipelined REPEATS_B1=3 interleaved 110 1
+    grep -h "^interleaved" "$D/b16.log"
+    grep -h -c FAILED "$D"/*.log
+    pack
+    ;;
+  s10g)  # (.whl .gpu, right after s10f on the same machine) sampled steps and sampled n-gram at batch 16
+    [ -f "$MODEL" ] || assemble
+    install
     TIMELINE_TEMPERATURE=0.7 TIMELINE_MODEL=$MODEL TIMELINE_PROMPTS=$root/.gpu/mtbench_ids.json benchpy 90 \
       timeline_sampled.log gpu_step_timeline.py "$D/sampled" decode::16 ngram:chain:8:16
     ENGINES=sampled ONLY=ngram_chain8 TEMPERATURE=0.7 SCHEDULES=waves REPEATS=3 interleaved 80 16
-    tail -2 "$D"/tests_*.log
-    grep -h -e "ms/step" -e "host ms" "$D/micro.log" | tail -8
     grep -h -e "ms/step" "$D"/timeline_*.log
     pack
     ;;
