@@ -1,6 +1,6 @@
 """Ops per step of the sampled rule (``specdec.sampled_rule.rule``) on the CPU, a stand-in for its graph's kernels.
 
-    OMP_NUM_THREADS=1 python -P bench/sampled_rule_ops.py [VOCAB]
+    OMP_NUM_THREADS=1 PYTHONPATH=. python bench/sampled_rule_ops.py [VOCAB]
 
 Batch 16, every row sampled (temperature 0.7, top-p 0.9 as the H200 measurement of bench/RESULTS.md session 10,
 and plain temperature 0.7), n-gram-like chains filling the bucket: Q = 1 (empty trees: target-only decoding) and
@@ -40,8 +40,9 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(q: int, top_p: float, vocab: int) -> collections.Counter:
-    """Ops of one eager ``rule`` call for BATCH sampled rows with (q - 1)-node chains."""
+def count(q: int, top_p: float, vocab: int, chains: bool) -> collections.Counter:
+    """Ops of one eager ``rule`` call for BATCH sampled rows with (q - 1)-node chains; ``chains``: the loop-free
+    rule (else the trial loop, as trees with siblings take)."""
     params = SamplingParams(temperature=0.7, top_p=top_p, seed=1)
     rows = [SimpleNamespace(params=params, stream=UniformStream(i)) for i in range(BATCH)]
     trees = [DraftTree.chain(list(range(i, i + q - 1))) if q > 1 else DraftTree.empty() for i in range(BATCH)]
@@ -50,10 +51,8 @@ def count(q: int, top_p: float, vocab: int) -> collections.Counter:
     inputs = torch.from_numpy(host)
     logits = torch.randn(BATCH * q, vocab, generator=torch.Generator().manual_seed(q))
     accept = torch.zeros(BATCH, q + 3, dtype=torch.int64)
-    chains = all(t.num_nodes == len(t.host.parents) for t in trees)
-    kwargs = {"chains": chains} if "chains" in rule.__code__.co_varnames else {}
     with _Ops() as ops:
-        rule(inputs, logits, accept, top_p < 1.0, **kwargs)
+        rule(inputs, logits, accept, top_p < 1.0, chains)
     return ops.counts
 
 
@@ -61,8 +60,10 @@ def main() -> None:
     vocab = int(sys.argv[1]) if len(sys.argv) > 1 else 4096
     for q in (1, 9):
         for top_p in (0.9, 1.0):
-            counts = count(q, top_p, vocab)
-            print(f"Q={q} top_p={top_p}: {sum(counts.values())} ops: {dict(counts.most_common())}", flush=True)
+            for chains in (False, True):
+                counts = count(q, top_p, vocab, chains)
+                print(f"Q={q} top_p={top_p} {'chain rule' if chains else 'trial loop'}: {sum(counts.values())} ops: "
+                      f"{dict(counts.most_common())}", flush=True)
 
 
 if __name__ == "__main__":
