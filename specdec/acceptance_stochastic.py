@@ -245,9 +245,9 @@ def accept_chains_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampli
     tried = (idx[1:] < num_tokens) & (uniforms[:, 1:] < px.clamp(max=1.0))  # (B, Q - 1) node c passes its coin
     m = tried.cumprod(1).sum(1, keepdim=True)  # (B, 1) accepted nodes: the walk stops at verify token m
     p = probs.gather(1, m.view(b, 1, 1).expand(b, 1, vocab)).squeeze(1)  # (B, V) target distribution there
-    x = trees.tokens.gather(1, (m + 1).clamp(max=q - 1))  # (B, 1) the rejected node's token, if m + 1 is a node
-    point = torch.zeros_like(p).scatter_(1, x, 1.0)  # (B, V)
-    p = torch.where(m + 1 < num_tokens, _residual(p, point), p)
+    after = m + 1  # (B, 1) the rejected node, if it is one (< num_tokens)
+    point = torch.zeros_like(p).scatter_(1, trees.tokens.gather(1, after.clamp(max=q - 1)), 1.0)  # (B, V) its token
+    p = torch.where(after < num_tokens, _residual(p, point), p)
     order = torch.where(idx < m, idx + 1, torch.where(idx == m, 0, idx))  # (B, Q) path 1..m first, then the rest
     out = torch.cat([m, _sample(p, uniforms[:, :1]), order], dim=1)  # (B, Q + 2)
     return _keep_greedy_rows(out, logits, trees, sampling)
