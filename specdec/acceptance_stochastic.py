@@ -23,7 +23,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.acceptance_batched import accept_greedy_padded
@@ -130,28 +129,42 @@ def draw_uniforms(streams: Sequence[UniformStream | None], trees: Sequence[Draft
 
 def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:
     """``shape_probs`` with per-row parameters: (B, ..., V) logits -> (B, ..., V) probabilities (float32 or
-    wider), row b shaped with temperature[b], top_k[b], top_p[b]; the same values ``shape_probs`` gives."""
+    wider), row b shaped with temperature[b], top_k[b], top_p[b]; the same values ``shape_probs`` gives.
+
+    Inside the captured rule each op here is a kernel over (B, Q, V), so the host flags skip what no row needs
+    (the sort without top-k/top-p, the one-hot without greedy rows), and per-row choices are folded into
+    (B,) factors where that gives the same bits (dividing by 1, comparing with +inf)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, ..., V)
-    vocab = x.shape[-1]
     view = (-1,) + (1,) * (x.dim() - 1)  # per-row parameter -> broadcast over (..., V)
     t = sampling.temperature.to(x.dtype).view(view)
-    greedy = t == 0
-    t = torch.where(greedy, torch.ones_like(t), t)
-    probs = torch.softmax(x / t, dim=-1)
+    greedy = t == 0 if sampling.any_greedy else None
+    if greedy is not None:
+        t = torch.where(greedy, torch.ones_like(t), t)
+    probs = torch.softmax(x / t, dim=-1)  # (B, ..., V)
     if sampling.filtered:
-        k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab).view(view)
-        top_p = sampling.top_p.to(x.dtype).view(view)
-        xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # ranked by logit, then id
-        rank = torch.arange(vocab, device=x.device)
-        kept = torch.softmax((xs / t).masked_fill(rank >= k, float("-inf")), dim=-1)  # top-k
-        before = F.pad(kept.cumsum(-1)[..., :-1], (1, 0))  # mass of strictly more probable tokens
-        nucleus = top_p < 1.0
-        kept = kept.masked_fill(nucleus & (before >= top_p), 0.0)
-        kept = torch.where(nucleus, kept / kept.sum(-1, keepdim=True), kept)
-        filtered = (k < vocab) | nucleus
-        probs = torch.where(filtered, torch.zeros_like(kept).scatter_(-1, order, kept), probs)
+        probs = _filtered(x, t, probs, sampling)
+    if greedy is None:
+        return probs
     top = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # one-hot argmax (first maximum)
     return torch.where(greedy, top, probs)
+
+
+def _filtered(x: Tensor, t: Tensor, probs: Tensor, sampling: RowSampling) -> Tensor:
+    """``probs`` (softmax(x / t)) with the rows that use top-k or top-p replaced by their filtered distribution."""
+    vocab = x.shape[-1]
+    view = t.shape
+    k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab).view(view)
+    nucleus = (sampling.top_p < 1.0).view(view)
+    top_p = torch.where(nucleus, sampling.top_p.to(x.dtype).view(view), float("inf"))  # +inf: nothing dropped
+    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # ranked by logit, then id
+    rank = torch.arange(vocab, device=x.device)
+    kept = torch.softmax((xs / t).masked_fill(rank >= k, float("-inf")), dim=-1)  # top-k
+    reached = kept.cumsum(-1)[..., :-1] >= top_p  # (B, ..., V - 1): the mass up to rank j reaches top_p
+    kept[..., 1:].masked_fill_(reached, 0.0)  # drop every token after the one that reaches it
+    kept = kept / torch.where(nucleus, kept.sum(-1, keepdim=True), 1.0)  # renormalised (x / 1 is x exactly)
+    filtered = (k < vocab) | nucleus
+    shaped = torch.empty_like(kept).scatter_(-1, order, kept)  # order is a permutation: every entry written
+    return torch.where(filtered, shaped, probs)
 
 
 def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor,
@@ -202,7 +215,46 @@ def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSa
     bonus = _sample(p, uniforms[:, :1])  # (B, 1)
     count = on_path.sum(1, keepdim=True)
     order = torch.where(on_path, idx, idx + q).argsort(dim=1)  # path indices first, in depth order
-    out = torch.cat([count, bonus, order], dim=1)  # (B, Q + 2)
+    return _keep_greedy_rows(torch.cat([count, bonus, order], dim=1), logits, trees, sampling)  # (B, Q + 2)
+
+
+def is_chain(tree: DraftTree) -> bool:
+    """Every node of ``tree`` is its predecessor's only child (an empty tree too): ``accept_chains_padded``'s
+    trees when their children are deterministic."""
+    return tree.host.parents == list(range(-1, tree.num_nodes - 1))
+
+
+def accept_chains_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor) -> Tensor:
+    """``accept_stochastic_padded``'s outcome (the same bits) for chains with deterministic children (every row's
+    verify token c >= 1 is the only child of c - 1: ``is_chain``; the caller vouches), without its trial loop.
+
+    In a chain nothing is rejected before the walk stops, so node c is tried against the unchanged target
+    distribution p_{c-1} at its parent with a point-mass draft: accepted iff u_c < min(1, p_{c-1}(x_c)). The row
+    accepts the leading run of such nodes (a cumulative product); stopping at verify token m after rejecting
+    node m + 1, the bonus comes from p_m with x_{m+1} removed (``_residual`` of the point mass, as the loop
+    computes it), else from p_m. So the work is a fixed handful of ops over (B, Q, V), whatever Q is."""
+    b, q, vocab = _check(logits, trees, sampling, uniforms)
+    probs = shape_probs_rows(logits, sampling)  # (B, Q, V)
+    if q == 1:  # no tree fits: sample every row from its target distribution
+        zero = torch.zeros(b, 1, dtype=torch.int64, device=logits.device)
+        out = torch.cat([zero, _sample(probs[:, 0], uniforms[:, :1]), zero], dim=1)  # (B, 3)
+        return _keep_greedy_rows(out, logits, trees, sampling)
+    idx = torch.arange(q, device=logits.device)
+    num_tokens = trees.num_tokens.view(-1, 1)  # (B, 1)
+    px = probs[:, :-1].gather(2, trees.tokens[:, 1:].unsqueeze(-1)).squeeze(-1).double()  # (B, Q - 1) p_{c-1}(x_c)
+    tried = (idx[1:] < num_tokens) & (uniforms[:, 1:] < px.clamp(max=1.0))  # (B, Q - 1) node c passes its coin
+    m = tried.cumprod(1).sum(1, keepdim=True)  # (B, 1) accepted nodes: the walk stops at verify token m
+    p = probs.gather(1, m.view(b, 1, 1).expand(b, 1, vocab)).squeeze(1)  # (B, V) target distribution there
+    after = m + 1  # (B, 1) the rejected node, if it is one (< num_tokens)
+    point = torch.zeros_like(p).scatter_(1, trees.tokens.gather(1, after.clamp(max=q - 1)), 1.0)  # (B, V) its token
+    p = torch.where(after < num_tokens, _residual(p, point), p)
+    order = torch.where(idx < m, idx + 1, torch.where(idx == m, 0, idx))  # (B, Q) path 1..m first, then the rest
+    out = torch.cat([m, _sample(p, uniforms[:, :1]), order], dim=1)  # (B, Q + 2)
+    return _keep_greedy_rows(out, logits, trees, sampling)
+
+
+def _keep_greedy_rows(out: Tensor, logits: Tensor, trees: PaddedTrees, sampling: RowSampling) -> Tensor:
+    """(B, Q + 2) ``out`` with the rows of temperature 0 replaced by ``accept_greedy_padded``'s outcome."""
     if not sampling.any_greedy:
         return out
     greedy = accept_greedy_padded(trees.tokens, trees.parents, trees.tree_mask, logits.argmax(-1), trees.num_tokens)

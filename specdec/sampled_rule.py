@@ -11,9 +11,12 @@ outcome, so the step still ends with one device->host read of a (B, Q + 3) outco
 What the graph captures depends on host flags, fixed per bucket so that few graphs exist: ``max_trials`` is
 Q - 1 (every tree of Q - 1 nodes needs at most that many trials; rows that stop earlier idle), no row is
 greedy inside the rule (greedy rows keep the verify graph's outcome), and children are deterministic (n-gram
-chains, greedy-drafted trees and empty trees: no draft distributions). Only ``filtered`` (some row uses top-k
-or top-p: the sort) is part of the key. Trees with draft distributions take ``accept_stochastic_padded``
-eagerly (``applies``).
+chains, greedy-drafted trees and empty trees: no draft distributions). Two flags are part of the key:
+``filtered`` (some row uses top-k or top-p: the sort) and ``chains`` (every sampled row's tree is a chain,
+``is_chain``: n-gram chains, chain drafts, target-only decoding). Chains take ``accept_chains_padded``, the
+trial loop's outcome in a fixed handful of ops (the loop redid (B, V) work Q - 1 times: about 400 small
+kernels at Q = 9); trees with siblings keep the loop. Trees with draft distributions take
+``accept_stochastic_padded`` eagerly (``applies``).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from specdec.acceptance_stochastic import (
     MODE_CODE,
     PaddedTrees,
     RowSampling,
+    accept_chains_padded,
     accept_stochastic_padded,
+    is_chain,
     tree_rows,
 )
 from specdec.lookahead import HostUpload
@@ -65,10 +70,11 @@ def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int
     return host
 
 
-def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
+def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, chains: bool = False) -> Tensor:
     """(B, Q + 3) outcome of a padded step: the sampled rows' from the lossless rule over ``logits`` (B * Q, V),
     the others' ``accept`` (B, Q + 3, the verify's greedy outcome; its last column, the finite flag, is kept
-    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 8) on the device. No host reads."""
+    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 8) on the device; ``chains``: the host vouches that
+    every sampled row's tree is a chain (the loop-free rule). No host reads."""
     b, q = accept.shape[0], accept.shape[1] - 3
 
     def col(j: int) -> Tensor:  # (B,) column j after the tree columns
@@ -79,12 +85,13 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tens
     sampling = RowSampling(col(_TEMPERATURE).view(torch.float64), col(_TOP_K), col(_TOP_P).view(torch.float64),
                            filtered, any_greedy=False)
     uniforms = padded_uniforms(col(_KEY0), col(_KEY1), col(_COUNTER), col(_N), q)  # (B, Q)
-    out = accept_stochastic_padded(logits.view(b, q, -1).float(), trees, sampling, uniforms)  # (B, Q + 2)
+    accept_rule = accept_chains_padded if chains else accept_stochastic_padded
+    out = accept_rule(logits.view(b, q, -1).float(), trees, sampling, uniforms)  # (B, Q + 2)
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, accept[:, -1:]], 1), accept)
 
 
 class SampledRule:
-    """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its
+    """``rule`` as one CUDA graph replay per (B, Q, filtered, chains, verify output buffers) on CUDA, captured at its
     first use into one memory pool shared by these graphs (replayed one at a time, each output read before
     the next replay); eagerly elsewhere, or when the verify's outputs are not a captured graph's buffers."""
 
@@ -102,24 +109,25 @@ class SampledRule:
         b, q = accept.shape[0], accept.shape[1] - 3
         host = step_array(rows, trees, sampled, b, q)
         filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
+        chains = all(is_chain(trees[i]) for i in sampled)
         if not (self.capture and captured):
-            return rule(self.upload(host), logits, accept, filtered)
-        key = (b, q, filtered, logits.data_ptr(), accept.data_ptr())
+            return rule(self.upload(host), logits, accept, filtered, chains)
+        key = (b, q, filtered, chains, logits.data_ptr(), accept.data_ptr())
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(host, logits, accept, filtered)
+            entry = self.graphs[key] = self._capture(host, logits, accept, filtered, chains)
         graph, inputs, out = entry
         inputs.copy_(self.upload(host))
         graph.replay()
         return out
 
-    def _capture(self, host: np.ndarray, logits: Tensor, accept: Tensor, filtered: bool) -> tuple:
+    def _capture(self, host: np.ndarray, logits: Tensor, accept: Tensor, filtered: bool, chains: bool) -> tuple:
         from specdec.scheduler.cuda_graphs import capture_graph
 
         if self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
         inputs = torch.zeros(host.shape, dtype=torch.int64, device=self.device)
         inputs.copy_(self.upload(host))  # the capture's first (uncaptured) run reads a real step's inputs
-        graph, out = capture_graph(functools.partial(rule, inputs, logits, accept, filtered), self._pool,
+        graph, out = capture_graph(functools.partial(rule, inputs, logits, accept, filtered, chains), self._pool,
                                    self.device)
         return graph, inputs, out

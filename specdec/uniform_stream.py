@@ -56,14 +56,22 @@ def hash_words(key0, key1, index):
 
 
 def uniforms_at(key0, key1, draw):
-    """Float64 uniforms in [0, 1) of draws ``draw`` (int64 >= 0) of key (key0, key1), numpy or torch alike."""
-    hi = hash_words(key0, key1, 2 * draw)
-    lo = hash_words(key0, key1, 2 * draw + 1)
-    bits = (hi << 21) | (lo >> 11)  # 53 random bits, exact in float64
+    """Float64 uniforms in [0, 1) of draws ``draw`` (int64 >= 0, an array or tensor) of key (key0, key1), numpy or
+    torch alike. Both words of a draw go through one ``hash_words`` call: inside the captured rule every op of
+    the hash is a kernel, so hashing them separately cost twice the launches."""
+    torch_in = isinstance(draw, Tensor)
+    pair = torch.arange(2, device=draw.device) if torch_in else np.arange(2, dtype=np.int64)  # (2,) word of a draw
+    words = hash_words(_word_axis(key0), _word_axis(key1), 2 * draw[..., None] + pair)  # (..., 2): one hash for both
+    bits = (words[..., 0] << 21) | (words[..., 1] >> 11)  # 53 random bits, exact in float64
     scale = 2.0 ** -53
-    if isinstance(bits, Tensor):
+    if torch_in:
         return bits.to(torch.float64) * scale
     return bits.astype(np.float64) * scale
+
+
+def _word_axis(key):
+    """A key word (int, 0-d, or an array broadcast against the draws) with a trailing axis for the word pair."""
+    return key[..., None] if getattr(key, "ndim", 0) else key
 
 
 def padded_uniforms(key0: Tensor, key1: Tensor, counter: Tensor, num_tokens: Tensor, q: int) -> Tensor:

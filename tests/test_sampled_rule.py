@@ -24,15 +24,15 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 VOCAB, Q = 7, 6
 
 
-def _case(seed: int, b: int = 8, r: int = 6, plain: bool = False):
+def _case(seed: int, b: int = 8, r: int = 6, plain: bool = False, chains: bool = False):
     """(rows, trees, logits (B * Q, V), greedy accept (B, Q + 3)) of r real rows in a bucket of b: deterministic
-    chains and trees, empty trees, greedy and sampled rows (seeded streams; ``plain``: no top-k/top-p), random
-    finite flags."""
+    chains and trees (``chains``: chains only), empty trees, greedy and sampled rows (seeded streams; ``plain``: no
+    top-k/top-p), random finite flags."""
     rng = random.Random(seed)
     trees, rows = [], []
     for i in range(r):
         n = rng.choice([0, 1, 3, 5])
-        parents = [j - 1 if rng.random() < 0.7 else rng.randrange(-1, j) for j in range(n)]
+        parents = [j - 1 if chains or rng.random() < 0.7 else rng.randrange(-1, j) for j in range(n)]
         trees.append(DraftTree.from_parents([rng.randrange(VOCAB) for _ in range(n)], parents) if n else
                      DraftTree.empty())
         params = SamplingParams() if i % 3 == 1 else SamplingParams(
@@ -65,10 +65,12 @@ def _want(rows, trees, logits, accept):
     return want, sampled, [s.counter for s in streams]
 
 
-def test_rule_equals_the_padded_rule_with_greedy_rows_kept():
+@pytest.mark.parametrize("chains", [False, True], ids=["trees", "chains"])
+def test_rule_equals_the_padded_rule_with_greedy_rows_kept(chains):
+    """Trees with siblings take the trial loop, batches of chains only the loop-free rule: the same outcome."""
     deepest, moved = 0, 0
-    for seed in range(8):
-        rows, trees, logits, accept = _case(seed)
+    for seed in range(10):
+        rows, trees, logits, accept = _case(seed, chains=chains)
         want, sampled, counters = _want(rows, trees, logits, accept)
         got = SampledRule("cpu")(rows, trees, sampled, logits, accept, captured=False)
         assert torch.equal(got, want), seed
@@ -101,22 +103,24 @@ def _stand_in_capture(build, pool, device):
 
 def test_graph_path_equals_eager_with_a_stand_in_graph(monkeypatch):
     """The captured path reads each step's inputs from its one upload and the verify's fixed output buffers
-    (rewritten in place between steps): one graph per bucket and filter flag, replayed, equal to eager."""
+    (rewritten in place between steps): one graph per bucket, filter flag and chain flag, replayed, equal to
+    eager."""
     import specdec.scheduler.cuda_graphs as cg
 
     monkeypatch.setattr(cg, "capture_graph", _stand_in_capture)
     graphed = SampledRule("cpu", capture=True)
     logits, accept = None, None
-    for seed in range(5):
-        rows, trees, lg, acc = _case(seed, plain=seed >= 3)
+    for seed in range(6):
+        rows, trees, lg, acc = _case(seed, plain=seed >= 3, chains=seed % 2 == 1)
         if logits is None:
             logits, accept = lg.clone(), acc.clone()  # the verify graph's output buffers
         logits.copy_(lg)
         accept.copy_(acc)
         want, sampled, _ = _want(rows, trees, lg, acc)
         assert torch.equal(graphed(rows, trees, sampled, logits, accept, captured=True), want)
-    assert len(graphed.graphs) == 2  # filtered and unfiltered steps (top-k/top-p or none) of one bucket
-    assert sum(g.replays for g, *_ in graphed.graphs.values()) == 5
+    flags = [key[2:4] for key in graphed.graphs]  # (filtered, chains): each value of each flag made its own graph
+    assert len(set(flags)) == len(flags) and {f for f, _ in flags} == {c for _, c in flags} == {False, True}
+    assert sum(g.replays for g, *_ in graphed.graphs.values()) == 6
 
 
 # ---------------------------------------------------------------- the engine: every path, the same tokens
