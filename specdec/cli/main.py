@@ -55,7 +55,7 @@ def sampled_speed_note(device: str, temperature: float, draft: str) -> str | Non
     than target-only sampled decoding today (bench/RESULTS.md, sessions 9 and 10); None otherwise."""
     if temperature > 0 and draft != "none" and str(device).startswith("cuda"):
         return ("note: on CUDA, sampled speculation is slower than target-only decoding for now (0.36x with the "
-                "shipped draft, 0.59x with n-gram at batch 16; bench/RESULTS.md); --draft none decodes faster, and "
+                "shipped draft, 0.70x with n-gram at batch 16; bench/RESULTS.md); --draft none decodes faster, and "
                 "the output distribution is the same either way")
     return None
 
