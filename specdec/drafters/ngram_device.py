@@ -10,15 +10,10 @@ to its history and looks up the row's next chain there; the chains come back in 
 read, beside the verify's outcome, and the drafter proposes them at the next step without a lookup. A row
 whose history is behind (a new request, or after steps that did not run this) is caught up by one upload.
 
-Pipelined (``SpecConfig.pipeline``, on by default on CUDA), the next step does not wait for the host at all: right
-after the follow-up, one more launch writes the next verify's inputs from the outcome and the chains (the bonus
-token, then the chain cut to the tokens still to come: what the host would pack once the step is committed;
-``ngram_ops.ngram_advance_reference``), and the next verify and follow-up are queued behind it, with their read.
-The host then reads this step and commits it while the GPU runs the next one. At the next engine step the drafter
-adopts the queued verify when its rows are among the queued ones, each with the length the device assumed (the
-rows that finished, failed or were preempted are left out: their results are not read); otherwise (a new row
-joined, or a row's length is not the one assumed) it is dropped: it wrote KV only past each row's committed tokens,
-in blocks its rows still held, and history past what the host counts as held.
+Pipelined (``SpecConfig.pipeline``, on by default on CUDA), the step after is queued right behind the follow-up
+(``specdec.verify_pipeline``): its inputs are written on the device from the outcome and the chains (the bonus
+token, then the chain cut to the tokens still to come), and its verify and follow-up replay before the host reads
+this step, so the host commits this step while the GPU runs the next.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
