@@ -71,6 +71,11 @@ ENGINE_SETS = {
     "decode_pipeline": {"target_only": {"draft": None},
                         "target_only_pipelined": {"draft": None, "pipeline": True},
                         "ngram_pipelined": {"draft": "ngram", "adaptive": False}},
+    # next session: the speculative defaults against pipelined target-only decoding (before making it the default)
+    "decode_flip": {"target_only": {"draft": None},
+                    "target_only_pipelined": {"draft": None, "pipeline": True},
+                    "ngram_pipelined": {"draft": "ngram", "adaptive": False},
+                    "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"}},
     "large_batch": {"target_only": {"draft": None},
                     "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},

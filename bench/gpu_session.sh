@@ -559,6 +559,17 @@ case "$stage" in
     grep -h -e "ms/step" "$D"/timeline_*.log
     pack
     ;;
+  s11a)  # (.stage3/p_02 .whl .gpu, with piece 02) next session: should target-only decoding be pipelined by default?
+         # target-only unpipelined and pipelined, pipelined n-gram and the shipped draft (CUDA defaults), interleaved
+         # at batch 1, 16 and 64; then compare each speculative engine with target_only_pipelined per round
+    [ -f "$MODEL" ] || assemble
+    install
+    ENGINES=decode_flip REPEATS_B1=3 interleaved 300 1 && mv "$D/interleaved.log" "$D/b1.log" && \
+      cp "$D/interleaved.json" "$D/interleaved_b1.json"
+    ENGINES=decode_flip REPEATS=5 interleaved 250 16 64
+    grep -h "^interleaved" "$D/b1.log"
+    pack
+    ;;
   s10b)  # (.stage3/p_02 .whl .gpu, with piece 02, or after a stage that assembled the model) the captured sampled
          # rule (specdec.sampled_rule, counter-based uniforms): its GPU tests (real graphs: rule replay == eager ==
          # CPU, engine graphed == eager, stream bits GPU == CPU), then the sampled step's time (T = 0.7, top-p 0.9)
