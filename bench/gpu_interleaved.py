@@ -192,6 +192,12 @@ def main() -> None:
                 f"{n} {e['speedup']:.3f}x ({e['rounds_at_or_above_1']}/{len(e['ratio_runs'])} rounds >= 1, "
                 f"MAL {e['mean_accepted_length']:.2f})"
                 for n, e in entry.items() if n != "target_only"))
+            if "target_only_pipelined" in runs:  # each speculative engine against pipelined decoding, per round
+                for name in [n for n in entry if not n.startswith("target_only")]:
+                    ratios = [s / t for s, t in zip(runs[name], runs["target_only_pipelined"])]
+                    entry[name]["speedup_vs_pipelined"] = statistics.median(ratios)
+                    log(f"interleaved {key}: {name} against pipelined target-only {statistics.median(ratios):.3f}x "
+                        f"(rounds {min(ratios):.3f}-{max(ratios):.3f})")
             (out / "interleaved.json").write_text(json.dumps(res, indent=1))
             del engines
             gc.collect()
