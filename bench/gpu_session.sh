@@ -80,6 +80,11 @@ interleaved() {  # interleaved SECONDS BATCH...: bench/gpu_interleaved.py into $
   grep -h "^interleaved" "$D/interleaved.log"
 }
 
+keep_interleaved() {  # keep_interleaved LOG JSON: the last interleaved run's log and JSON kept under these names in $D
+  mv "$D/interleaved.log" "$D/$1"
+  cp "$D/interleaved.json" "$D/$2" 2>/dev/null
+}
+
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
@@ -347,8 +352,7 @@ case "$stage" in
     install
     gpu_tests 150 tests/test_kernels_advance.py tests/test_lookahead.py tests/test_fused_step.py \
       tests/test_engines_share_models.py tests/test_eagle.py -k "advance or lookahead or gpu or share"
-    ENGINES=pipeline REPEATS_B1=3 interleaved 260 1 && mv "$D/interleaved.log" "$D/interleaved_b1.log"
-    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    ENGINES=pipeline REPEATS_B1=3 interleaved 260 1 && keep_interleaved interleaved_b1.log interleaved_b1.json
     ENGINES=pipeline64 REPEATS=3 interleaved 200 64
     pack
     ;;
@@ -380,8 +384,7 @@ case "$stage" in
     install
     gpu_tests 120 tests/test_graph_constants.py tests/test_fused_step.py tests/test_lookahead.py tests/test_eagle.py \
       tests/test_engines_share_models.py -k "gpu or outlive or constant or lookahead or share"
-    ENGINES=defaults REPEATS_B1=3 interleaved 220 1 && mv "$D/interleaved.log" "$D/interleaved_b1.log"
-    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    ENGINES=defaults REPEATS_B1=3 interleaved 220 1 && keep_interleaved interleaved_b1.log interleaved_b1.json
     ENGINES=defaults REPEATS=5 interleaved 180 64
     grep -h -c FAILED "$D"/interleaved*.log
     pack
@@ -458,8 +461,8 @@ case "$stage" in
   s9g)  # (.whl .gpu, after s9f on the same machine) batch 1 (the default engine there looks up on the host) and 64
     [ -f "$MODEL" ] || assemble
     install
-    ENGINES=ngram_final ONLY="ngram_device" REPEATS_B1=3 interleaved 200 1 && mv "$D/interleaved.log" "$D/b1.log"
-    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    ENGINES=ngram_final ONLY="ngram_device" REPEATS_B1=3 interleaved 200 1 && \
+      keep_interleaved b1.log interleaved_b1.json
     ENGINES=ngram_final REPEATS=3 interleaved 250 64
     grep -h "^interleaved" "$D/b1.log"
     pack
@@ -478,8 +481,7 @@ case "$stage" in
     assemble
     install
     export ENGINES=sampled TEMPERATURE=0.7 SCHEDULES=waves
-    REPEATS_B1=3 interleaved 200 1 && mv "$D/interleaved.log" "$D/b1.log"
-    cp "$D/interleaved.json" "$D/interleaved_b1.json" 2>/dev/null
+    REPEATS_B1=3 interleaved 200 1 && keep_interleaved b1.log interleaved_b1.json
     REPEATS=3 interleaved 120 16
     grep -h "^interleaved" "$D/b1.log"
     grep -h -c FAILED "$D"/*.log
@@ -504,8 +506,7 @@ case "$stage" in
     [ -f "$MODEL" ] || assemble
     install
     gpu_tests 200 tests/test_ngram_device.py tests/test_lookahead.py
-    ENGINES=ngram_pipeline REPEATS=7 interleaved 200 16 && mv "$D/interleaved.log" "$D/b16.log"
-    cp "$D/interleaved.json" "$D/interleaved_b16.json" 2>/dev/null
+    ENGINES=ngram_pipeline REPEATS=7 interleaved 200 16 && keep_interleaved b16.log interleaved_b16.json
     ENGINES=ngram_pipeline ONLY="ngram_host ngram_pipelined_any" REPEATS_B1=3 interleaved 170 1
     grep -h "^interleaved" "$D/b16.log"
     grep -h -c FAILED "$D"/*.log
@@ -517,7 +518,7 @@ case "$stage" in
     install
     gpu_tests 150 tests/test_ngram_device.py
     ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=5 interleaved 150 16 && \
-      mv "$D/interleaved.log" "$D/b16.log" && cp "$D/interleaved.json" "$D/interleaved_b16.json"
+      keep_interleaved b16.log interleaved_b16.json
     ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=3 interleaved 150 64
     grep -h "^interleaved" "$D/b16.log"
     grep -h -c FAILED "$D"/*.log
@@ -529,7 +530,7 @@ case "$stage" in
     install
     gpu_tests 150 tests/test_ngram_device.py tests/test_sampled_rule.py
     ENGINES=ngram_pipeline ONLY="ngram_pipelined" REPEATS=5 interleaved 120 16 && \
-      mv "$D/interleaved.log" "$D/b16.log" && cp "$D/interleaved.json" "$D/interleaved_b16.json"
+      keep_interleaved b16.log interleaved_b16.json
     ENGINES=ngram_pipeline ONLY="ngram_device ngram_pipelined" REPEATS=5 interleaved 200 64
     grep -h "^interleaved" "$D/b16.log"
     grep -h -c FAILED "$D"/*.log
@@ -543,8 +544,7 @@ case "$stage" in
     GPU_K="gpu or ngram or sampled or stream or lookahead or pipelined or triton" gpu_tests 220 \
       tests/test_step_graphs.py tests/test_eagle.py tests/test_sampled_rule.py tests/test_uniform_stream.py \
       tests/test_ngram_device.py tests/test_lookahead.py tests/test_engine_triton.py
-    ENGINES=decode_pipeline REPEATS=5 interleaved 130 16 && mv "$D/interleaved.log" "$D/b16.log" && \
-      cp "$D/interleaved.json" "$D/interleaved_b16.json"
+    ENGINES=decode_pipeline REPEATS=5 interleaved 130 16 && keep_interleaved b16.log interleaved_b16.json
     ENGINES=decode_pipeline ONLY=target_only_pipelined REPEATS_B1=3 interleaved 110 1
     grep -h "^interleaved" "$D/b16.log"
     grep -h -c FAILED "$D"/*.log
@@ -564,8 +564,7 @@ case "$stage" in
          # at batch 1, 16 and 64; then compare each speculative engine with target_only_pipelined per round
     [ -f "$MODEL" ] || assemble
     install
-    ENGINES=decode_flip REPEATS_B1=3 interleaved 300 1 && mv "$D/interleaved.log" "$D/b1.log" && \
-      cp "$D/interleaved.json" "$D/interleaved_b1.json"
+    ENGINES=decode_flip REPEATS_B1=3 interleaved 300 1 && keep_interleaved b1.log interleaved_b1.json
     ENGINES=decode_flip REPEATS=5 interleaved 250 16 64
     grep -h "^interleaved" "$D/b1.log"
     pack
