@@ -559,16 +559,6 @@ case "$stage" in
     grep -h -e "ms/step" "$D"/timeline_*.log
     pack
     ;;
-  s11t)  # (.stage3/p_02 .whl .gpu, with piece 02) next session, first: the GPU tests of session 10's review commits
-         # (after the last GPU wheel 81c22be: UniformStream.claim, the sampled rule's one condition, the pipelines'
-         # shared launch), the same set as s10f
-    [ -f "$MODEL" ] || assemble
-    install
-    GPU_K="gpu or ngram or sampled or stream or lookahead or pipelined or triton" gpu_tests 220 \
-      tests/test_step_graphs.py tests/test_eagle.py tests/test_sampled_rule.py tests/test_uniform_stream.py \
-      tests/test_ngram_device.py tests/test_lookahead.py tests/test_engine_triton.py
-    pack
-    ;;
   s11a)  # (.stage3/p_02 .whl .gpu, with piece 02) next session: should target-only decoding be pipelined by default?
          # target-only unpipelined and pipelined, pipelined n-gram and the shipped draft (CUDA defaults), interleaved
          # at batch 1, 16 and 64; then compare each speculative engine with target_only_pipelined per round
