@@ -488,7 +488,7 @@ class _NoDraft(Drafter):
     def propose(self, rows):
         from specdec.tree import DraftTree
 
-        queued = None if self.queue is None else self.queue.adopt(rows)
+        queued = None if self.queue is None or self.queue.ahead is None else self.queue.adopt(rows)
         return Proposal([DraftTree.empty(r.generator.device if r.generator else "cpu") for r in rows],
                         [None] * len(rows), queued)
 

@@ -288,7 +288,7 @@ class NgramDrafter(Drafter):
         """A chain of at most ``node_budget`` tokens per row (empty chains without a lookup when it is 0)."""
         k, n = self.node_budget, len(rows)
         device = self.device_chains
-        queued = None if device is None else device.adopt(rows)  # a verify already queued for these rows, if any
+        queued = None if device is None or device.ahead is None else device.adopt(rows)  # its verify already ran
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
         get, drafts = self._index.get, []
