@@ -36,9 +36,8 @@ from specdec.verifier import QueuedVerify
 class VerifyPipeline:
     """The queued-verify machinery of a ``Verifier.followup`` whose steps verify chains of up to ``k`` tokens
     (k = 0: decoding); ``drafter``: the drafter (its budget, ``lookahead`` and ``step_prefilled`` flag).
-    Subclasses give ``_follow`` (the device output a step's read returns: the outcome rows, then the chain
-    columns if any), ``_source`` (that output's fixed buffer, for a captured advance) and may narrow
-    ``_applies``."""
+    Subclasses give ``launch`` and ``_follow`` (the device output a step's read returns: the outcome rows, then
+    the chain columns if any) and ``_source`` (that output's fixed buffer, for a captured advance)."""
 
     def __init__(self, runner, drafter, k: int, pipeline: bool) -> None:
         self.runner, self.drafter, self.k, self.pipeline = runner, drafter, k, pipeline
@@ -55,22 +54,6 @@ class VerifyPipeline:
         """Queries per row of a verify over ``rows`` whose successor may be queued: the whole chain's (the queued
         verify runs in the same bucket, whatever its chains' lengths); 0 when nothing would be queued."""
         return self.k + 1 if self.pipeline and all(r.params.greedy for r in rows) else 0
-
-    def launch(self, rows: list[Request], key, fwd):
-        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue what follows it on
-        the device (``_follow``; pipelined, the next step too) and return ``wait() -> (R, C)``, the host read of
-        ``_follow``'s output (the outcome rows first), to read instead of ``fwd.accept``; None when it does not
-        apply (sampled rows, an eager step, or ``_applies`` says no)."""
-        if key is None or fwd.accept is None or not all(r.params.greedy for r in rows) or not self._applies(rows, key):
-            return None
-        out = self._follow(rows, key, fwd.accept)
-        wait = self.reader.start([out])
-        self.queue(rows, key, out)
-        return wait
-
-    def _applies(self, rows: list[Request], key) -> bool:
-        """Whether a graphed greedy verify over ``rows`` gets the follow-up (and may prepare the rows for it)."""
-        return True
 
     def consume(self, rows: list[Request], host: list[list[int]]) -> None:
         """A step's read, before its commit: each row's length once committed (its tokens + m accepted + the
@@ -171,6 +154,16 @@ class DecodePipeline(VerifyPipeline):
 
     def __init__(self, runner, drafter) -> None:
         super().__init__(runner, drafter, 0, True)
+
+    def launch(self, rows: list[Request], key, fwd):
+        """After the graphed decode ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the next and return
+        ``wait() -> (R, 4)``, this step's outcome read; None for sampled rows and eager steps."""
+        if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
+            return None
+        out = self._follow(rows, key, fwd.accept)
+        wait = self.reader.start([out])
+        self.queue(rows, key, out)
+        return wait
 
     def _follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
         self.launches += 1

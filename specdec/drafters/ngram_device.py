@@ -57,15 +57,23 @@ class DeviceNgram(VerifyPipeline):
         self.graphs: dict[tuple[int, int], list] = {}  # (b, q) -> [graph, rows buffer, output, the rows it holds]
         self._prune_at = 4 * max_rows
 
-    def _applies(self, rows: list[Request], key) -> bool:
-        """Not when a row is longer than the history buffer takes (host path), nor for fewer than ``min_rows`` rows
-        not all on the device yet; the rows' histories are caught up when it applies."""
-        if max(len(r.tokens) for r in rows) + key[2] > self.hist.shape[1]:
-            return False
+    def launch(self, rows: list[Request], key, fwd):
+        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up (and,
+        pipelined, the next step) and return ``wait() -> (R, Q + 4 + k)``, the follow-up's host read (the outcome
+        rows first), to read instead of ``fwd.accept``; None when it does not apply (sampled rows, too few rows not
+        yet on the device, a row longer than the history buffer, or an eager step)."""
+        if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
+            return None
+        _, b, q = key
+        if max(len(r.tokens) for r in rows) + q > self.hist.shape[1]:  # the history rows hold no more (host path)
+            return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
-            return False
+            return None
         self._catch_up(rows)
-        return True
+        out = self._follow(rows, key, fwd.accept)
+        wait = self.reader.start([out])
+        self.queue(rows, key, out)
+        return wait
 
     def _follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
         """The follow-up of the verify of bucket ``key`` whose outcome is ``accept``: (R, Q + 4 + k) on the device."""
