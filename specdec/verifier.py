@@ -177,12 +177,14 @@ class Verifier:
         full = getattr(fwd.logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped it
         graphs = self.runner.graphs
         captured = key is not None and graphs is not None and graphs.captured(key)
+        graphed = captured and self.sampled_rule.capture
         plain = isinstance(full, torch.Tensor) and applies([trees[i] for i in sampled])
-        many = len(sampled) >= DEVICE_SAMPLED_MIN_ROWS
-        if plain and (many or captured and self.sampled_rule.capture):  # (replayed when captured, else eagerly)
-            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, captured)
-        if not many:
+        if plain and graphed:
+            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, True)
+        if len(sampled) < DEVICE_SAMPLED_MIN_ROWS:
             return None
+        if plain:
+            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, False)
         accept = fwd.accept.clone()
         accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
                                                fwd.logits, sampled, accept.shape[1] - 3)
