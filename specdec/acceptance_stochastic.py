@@ -73,13 +73,14 @@ def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) ->
     rows_host, dists, offset, trials = [], [], 0, 0  # per row: tokens, parents, mask, dist_index (Q each), n, mode
     for i, t in enumerate(trees):
         n = t.num_nodes + 1
-        row = tree_rows(t, q, i)
+        if n > q:
+            raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
         dist_index = [-1] * q
         if t.draft_dists is not None and t.child_mode != "deterministic":
             dist_index[1:n] = [d + offset for d in t.host.dist_index]
             dists.append(t.draft_dists)
             offset += t.draft_dists.shape[0]
-        rows_host.append([*row, *dist_index, n, MODE_CODE[t.child_mode]])
+        rows_host.append([*tree_rows(t, q), *dist_index, n, MODE_CODE[t.child_mode]])
         trials = max(trials, _max_trials(t))
     host = torch.tensor(rows_host, dtype=torch.int64).reshape(len(trees), 4 * q + 2)
     dev = host.to(device)
@@ -91,11 +92,9 @@ def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) ->
                        dev[:, 4 * q + 1], stacked, trials, frozenset(t.child_mode for t in trees if t.num_nodes))
 
 
-def tree_rows(tree: DraftTree, q: int, i: int) -> list[int]:
+def tree_rows(tree: DraftTree, q: int) -> list[int]:
     """(3 Q,) host ints of one tree's padded row: verify tokens (the root's 0), parents (-1: root, padding),
-    tree masks (0: padding). A ValueError naming ``trees[i]`` when it does not fit (nodes + 1 > q)."""
-    if tree.num_nodes >= q:
-        raise ValueError(f"trees[{i}] has {tree.num_nodes} nodes; at most q - 1 = {q - 1} fit")
+    tree masks (0: padding). The caller checks that the tree fits (nodes + 1 <= q)."""
     masks, parents = tree.verify_rows()
     pad = [0] * (q - len(parents))
     return [0, *tree.host.tokens, *pad, *parents, *[-1] * len(pad), *masks, *pad]
@@ -121,7 +120,8 @@ def draw_uniforms(streams: Sequence[UniformStream | None], trees: Sequence[Draft
     host = np.zeros((4, len(trees)), dtype=np.int64)  # key0, key1, counter, num_tokens (0: no stream)
     for i, (s, t) in enumerate(zip(streams, trees, strict=True)):
         if s is not None:
-            host[:, i] = *s.claim(t.num_nodes + 1), t.num_nodes + 1
+            host[:, i] = s.key0, s.key1, s.counter, t.num_nodes + 1
+            s.counter += t.num_nodes + 1
     key0, key1, counter, num_tokens = torch.from_numpy(host).to(device)  # (B,) each
     u = padded_uniforms(key0, key1, counter, num_tokens, q)  # (B, Q)
     return torch.where((num_tokens > 0).view(-1, 1), u, 0.0)

@@ -61,9 +61,12 @@ def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int
     for i in sampled:
         req, tree = rows[i], trees[i]
         p, s, n = req.params, req.stream, tree.num_nodes + 1
-        host[i, :3 * q] = tree_rows(tree, q, i)
-        host[i, 3 * q:3 * q + _TEMPERATURE] = n, *s.claim(n), p.top_k or 0, 1
+        if n > q:
+            raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
+        host[i, :3 * q] = tree_rows(tree, q)
+        host[i, 3 * q:3 * q + _TEMPERATURE] = n, s.key0, s.key1, s.counter, p.top_k or 0, 1
         host[i, 3 * q + _TEMPERATURE:] = np.array([p.temperature, p.top_p], dtype=np.float64).view(np.int64)
+        s.counter += n
     return host
 
 

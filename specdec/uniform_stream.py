@@ -98,17 +98,11 @@ class UniformStream:
         self.key0, self.key1 = key_words(seed)
         self.counter = counter
 
-    def claim(self, n: int) -> tuple[int, int, int]:
-        """The next ``n`` draws, for a rule that computes them elsewhere (``padded_uniforms`` on the device): the
-        key words and the first draw's index; the counter advances by n."""
-        first = self.counter
-        self.counter += n
-        return self.key0, self.key1, first
-
     def take(self, n: int) -> list[float]:
         """The next ``n`` uniforms (host floats); the counter advances by n."""
-        key0, key1, first = self.claim(n)
-        return uniforms_at(np.int64(key0), np.int64(key1), np.arange(first, first + n, dtype=np.int64)).tolist()
+        draw = np.arange(self.counter, self.counter + n, dtype=np.int64)
+        self.counter += n
+        return uniforms_at(np.int64(self.key0), np.int64(self.key1), draw).tolist()
 
     def __repr__(self) -> str:
         return f"UniformStream(seed={self.seed}, counter={self.counter})"

@@ -40,7 +40,7 @@ def _trees(rng: random.Random, logits: torch.Tensor) -> PaddedTrees:
             if rng.random() < 0.15:
                 logits[i, c - 1, x] += 40.0
             tokens.append(x)
-        rows.append(rules.tree_rows(DraftTree.chain(tokens) if tokens else DraftTree.empty(), q, i))
+        rows.append(rules.tree_rows(DraftTree.chain(tokens) if tokens else DraftTree.empty(), q))
         counts.append(len(tokens) + 1)
     host = torch.tensor(rows, dtype=torch.int64).view(b, 3 * q)
     return PaddedTrees(host[:, :q], host[:, q:2 * q], host[:, 2 * q:], torch.full((b, q), -1),
