@@ -232,3 +232,48 @@ def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
           f"mean accepted length={stats.mean_accepted_length:.2f}")
     assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
     assert 0 < stats.accepted < stats.drafted  # its proposals are tried, and sometimes accepted
+
+
+@pytest.mark.parametrize("tree,wrong", [("topk:2x2", False), ("dynamic:6", False), ("dynamic:6", True)],
+                         ids=["topk", "dynamic", "dynamic-wrong-residual"])
+def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits, tree, wrong, monkeypatch):
+    """Sampled rows drafted by the EAGLE device program (cuda_graphs=True: the padded path, CUDA stood in so the
+    verify counts as captured and the sampled rule is the captured one): every proposal comes from the device
+    program (no host-drafted step), its deterministic trees are verified point-mass by point-mass, and the first
+    two tokens follow the target (SAMPLES requests, chi-square). Negative control: a wrong residual fails."""
+    from test_sampled_rule import stand_in_verify_graphs
+
+    import specdec.acceptance_stochastic
+    import specdec.verifier
+    from specdec.loading.registry import LoadedModel
+    from specdec.training.eagle import EagleShape, eagle_from_target
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host stochastic rule used on the device path")
+
+    monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    if wrong:
+        monkeypatch.setattr(specdec.acceptance_stochastic, "_residual", lambda p, q_i: p)
+    target_dir, target, _ = pair
+    model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
+    eagle = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)
+    engines = []
+
+    def setup(eng):
+        stand_in_verify_graphs(monkeypatch, eng)
+        engines.append(eng)
+
+    settings = (0.7, 0, 0.9)
+    joint, stats = sample((target_dir, target, eagle), tree, *settings, SAMPLES, 1_100_000, cuda_graphs=True,
+                          setup=setup)
+    p1, exact = exact_dists(target_logits, *settings)
+    p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
+    print(f"\neagle device {tree} wrong={wrong}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"mean accepted length={stats.mean_accepted_length:.2f}")
+    paths = engines[0].drafter.paths
+    assert paths["device"] > 0 and paths["host"] == 0, paths
+    assert 0.02 * stats.drafted < stats.accepted < stats.drafted
+    if wrong:
+        assert p_joint < P_MIN
+    else:
+        assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())

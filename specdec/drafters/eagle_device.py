@@ -1,6 +1,6 @@
-"""Greedy tree drafting with an EAGLE draft as one device program per batch bucket.
+"""Tree drafting with an EAGLE draft as one device program per batch bucket.
 
-When every row of a step is greedy, the whole proposal runs on the device with no host read in
+For every row of a step, greedy or sampled, the whole proposal runs on the device with no host read in
 between: the catch-up forward over each row's newly committed tokens (their target features come
 from the verify step), then the tree levels. For a static template (``chain:K``, ``topk:WxD``,
 ``DeviceTreeLoop`` here) each level takes the top-k of each parent's draft logits and runs the draft
@@ -9,8 +9,11 @@ same program (``eagle_dynamic.DeviceDynamicTree``). On CUDA the program is captu
 graph per batch bucket; on the CPU it runs eagerly over the same buffers. The host fills the
 catch-up inputs (one copy), runs the program and reads the batch's trees (one copy).
 
-The trees equal those of the level-by-level host path (``EagleDrafter``'s ``ModelDrafter.propose``)
-up to ties in the draft logits: both take each parent's most probable draft tokens in rank order.
+For greedy rows the trees equal those of the level-by-level host path (``EagleDrafter``'s
+``ModelDrafter.propose``) up to ties in the draft logits: both take each parent's most probable draft tokens
+in rank order. Sampled rows get the same deterministic trees: verification treats each child as a point mass
+(accepted with the target's probability of its token, DESIGN "deterministic children"), which is lossless
+whatever the draft proposes, and keeps the step free of host-side sampling.
 """
 
 from __future__ import annotations

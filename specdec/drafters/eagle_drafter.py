@@ -176,7 +176,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
             if adopted is not None:
                 return adopted
         loop = self.device_loop
-        if loop is not None and rows and all(r.params.greedy for r in rows):
+        if loop is not None and rows:
             spans = _Spans.of(rows, loop.q)
             sizes = spans.ends - spans.begins
             b = loop.bucket(len(rows), int(sizes.max()))
@@ -192,7 +192,9 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
         padded[:src.size] = src.ravel()
         n, fused = self.node_budget, self.fused
-        key = None if fused is None else fused.key(len(reqs), min(n, fused.nodes))
+        # a fused step's results come from the greedy acceptance: steps with sampled rows verify apart
+        greedy = all(r.params.greedy for r in reqs)
+        key = None if fused is None or not greedy else fused.key(len(reqs), min(n, fused.nodes))
         start = None if key is None else fused.clock.mark()
         src = torch.from_numpy(padded).to(self.runner.device, non_blocking=True)
         out = loop.run(b, rows, bt, self.features.data, src)[:len(reqs)]
