@@ -23,6 +23,7 @@ from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput
+from specdec.plan import LARGE_BATCH_ROWS, resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
@@ -32,9 +33,6 @@ from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConf
 from specdec.scheduler.stop import StopChecker
 from specdec.tree import template_from_spec
 from specdec.verifier import Verifier, request_randomness
-
-# an auto-budget pipelined engine's greedy steps of more rows than this keep a dynamic tree's best LARGE_BATCH_NODES
-LARGE_BATCH_ROWS, LARGE_BATCH_NODES = 16, 15
 
 
 @dataclass(frozen=True)
@@ -56,24 +54,14 @@ class SpecConfig:
     dtype: str = "float32"
     ngram_max_n: int = 4
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
-    ngram_device: bool | None = None  # graphed greedy n-gram steps look up the next chains on the device
-    #                                   (drafters/ngram_device.py); None: on CUDA, at any batch size when the
-    #                                   steps are pipelined (``pipeline``), else from NGRAM_DEVICE_MIN_ROWS rows;
-    #                                   True: at any batch size (also on the CPU's padded steps)
-    cuda_graphs: bool | None = None  # None: on for CUDA with Triton kernels; True on CPU: same padded step, eager
+    ngram_device: bool | None = None  # n-gram chains looked up on the device (drafters/ngram_device.py)
+    cuda_graphs: bool | None = None  # padded steps, captured on CUDA; True on the CPU: the same steps, eagerly
     window_reuse: bool = True  # sliding-window models release blocks outside every window
-    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py); None: on for CUDA with a draft model
-    #                               (when the steps are pipelined, below, only for steps with sampled rows), off
-    #                               for n-gram drafts (a fixed budget measured faster at batch 1, 16 and 64:
-    #                               bench/RESULTS.md, sessions 6 and 9) and on the CPU
-    fused_verify: bool = True  # greedy EAGLE device-program steps launch the verify with the draft (fused_step.py)
-    pipeline: bool | None = None  # greedy fused steps queue their successor before the host reads them
-    #                               (lookahead.py); needs fused_verify and a fixed budget (adaptive not True).
-    #                               None: on for CUDA (measured 2.04x target-only at batch 1 against 1.57x
-    #                               unpipelined, bench/RESULTS.md session 8), off on the CPU (nothing to overlap).
-    #                               n-gram steps whose chains are looked up on the device (ngram_device) queue
-    #                               theirs too (drafters/ngram_device.py); target-only decoding only with True
-    #                               (verify_pipeline.py)
+    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py)
+    fused_verify: bool = True  # all-greedy EAGLE device-program steps launch the verify with the draft
+    pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
+    # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan`` decides, once
+    # (``SpecEngine.plan``; docs/design.md lists the rules)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -101,6 +89,11 @@ class SpecEngine:
                                                                                 self.target)
         if self.draft is not None:
             _check_same_vocab(self.draft, self.target)
+        backend = _backend(cfg, self.device)
+        proposer = _proposer_kind(draft, self.draft)
+        self.plan = resolve_plan(cfg, self.device, proposer, backend.name,
+                                 0 if proposer == "none" else cfg.tree_spec.budget)
+        plan = self.plan
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
         budget = None if cfg.num_blocks is not None else self._kv_budget()
         self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
@@ -108,20 +101,13 @@ class SpecEngine:
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
         self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
         self.allocator = BlockAllocator(self.pool.num_blocks)
-        self.runner = ModelRunner(self.pool, self.tables, _backend(cfg, self.device), self.device)
+        self.runner = ModelRunner(self.pool, self.tables, backend, self.device)
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
-        pipelined = self._pipelines()
-        adaptive = cfg.adaptive if cfg.adaptive is not None else adaptive_by_default(self.device, self.drafter)
-        self.adaptive = make_controller(adaptive, self.device, self.drafter, self.runner.graphs)
-        # pipelined with the adaptive controller on auto: greedy steps keep the full budget (the pipeline needs a
-        # fixed one), the controller chooses only for steps with sampled rows (which the pipeline never takes)
-        self.greedy_budget_fixed = pipelined and self.adaptive is not None
-        # (greedy steps of more than LARGE_BATCH_ROWS rows keep a dynamic tree's best LARGE_BATCH_NODES nodes)
-        self.large_batch_budget = self._large_batch_budget() if self.greedy_budget_fixed else None
-        if pipelined:
+        self.adaptive = make_controller(plan.adaptive, self.device, self.drafter, self.runner.graphs)
+        if plan.pipeline and proposer == "eagle":
             self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
-        if self._ngram_pipelines() or self._decode_pipelines():
+        elif plan.pipeline:
             self.drafter.pipelined = True  # (likewise)
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
@@ -131,12 +117,13 @@ class SpecEngine:
             SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
             self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
-        self._device_ngram(max_blocks * cfg.block_size)
-        if isinstance(self.drafter, _NoDraft) and self.drafter.pipelined:
+        if plan.ngram_device:
+            self._device_ngram(max_blocks * cfg.block_size)
+        if proposer == "none" and plan.pipeline:
             from specdec.verify_pipeline import DecodePipeline
 
             self.drafter.queue = self.verifier.followup = DecodePipeline(self.runner, self.drafter)
-        if cfg.fused_verify and hasattr(self.drafter, "fuse_verify"):
+        if plan.fused_verify:
             self.drafter.fuse_verify(self.verifier)
             self._prepare_fused()
         self.stopper = StopChecker(self.target.tokenizer)
@@ -144,55 +131,15 @@ class SpecEngine:
         self.router = Router()
         self._ids = itertools.count()
 
-    def _pipelines(self) -> bool:
-        """Whether greedy fused steps queue their successors (``specdec.lookahead``): asked for (``pipeline``
-        True, or None on CUDA), on the fused path of a device draft program, and the adaptive budget not forced
-        on (the pipeline needs a fixed budget; with ``adaptive`` None greedy steps then keep the full one)."""
-        cfg = self.config
-        wanted = cfg.pipeline if cfg.pipeline is not None else self.device.type == "cuda"
-        loop = getattr(self.drafter, "device_loop", None)
-        return bool(wanted and cfg.fused_verify and cfg.adaptive is not True and loop is not None
-                    and hasattr(self.drafter, "enable_pipeline"))
-
-    def _ngram_pipelines(self) -> bool:
-        """Whether an n-gram drafter's device lookups queue each greedy step's successor (``pipeline`` True, or
-        None on CUDA; the chains on the device (``ngram_device``); padded steps; a fixed budget)."""
-        from specdec.drafters.ngram import NgramDrafter
-
-        cfg, cuda = self.config, self.device.type == "cuda"
-        wanted = cfg.pipeline if cfg.pipeline is not None else cuda
-        on_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
-        return bool(wanted and on_device and isinstance(self.drafter, NgramDrafter) and self.runner.graphs is not None
-                    and self.adaptive is None)
-
-    def _decode_pipelines(self) -> bool:
-        """Whether target-only decoding queues each greedy step's successor (``verify_pipeline.DecodePipeline``):
-        only when asked for (``pipeline=True``; not on by default until measured against the speculative paths'
-        figures, which are all against unpipelined decoding) and the steps are padded (``cuda_graphs``)."""
-        return bool(self.config.pipeline and isinstance(self.drafter, _NoDraft) and self.runner.graphs is not None)
-
-    def _large_batch_budget(self) -> int | None:
-        """The budget of an auto-budget pipelined engine's greedy steps of more than ``LARGE_BATCH_ROWS`` rows: a
-        dynamic tree's best ``LARGE_BATCH_NODES`` nodes when it has more (None: the full tree). On the H200 with the
-        shipped draft, pipelined dynamic:15 beat dynamic:31 at batch 32 and 64 (1.26 / 1.12x against 1.20 /
-        1.04x target-only in waves) and lost at batch 8 (1.58x against 1.61x): bench/RESULTS.md, session 8."""
-        spec = self.config.tree_spec
-        return LARGE_BATCH_NODES if spec.kind == "dynamic" and self.drafter.max_nodes > LARGE_BATCH_NODES else None
-
     def _device_ngram(self, max_len: int) -> None:
-        """Give an n-gram drafter its device histories and the verifier their follow-up launch when asked for
-        (``ngram_device`` True, or None on CUDA) and the steps are padded (``cuda_graphs``)."""
-        from specdec.drafters.ngram import NgramDrafter
+        """Give the n-gram drafter its device histories and the verifier their follow-up launch
+        (``plan.ngram_device``)."""
+        from specdec.drafters.ngram_device import DeviceNgram
 
         cfg, drafter = self.config, self.drafter
-        wanted = cfg.ngram_device if cfg.ngram_device is not None else self.device.type == "cuda"
-        if not (wanted and isinstance(drafter, NgramDrafter) and self.runner.graphs is not None):
-            return
-        from specdec.drafters.ngram_device import NGRAM_DEVICE_MIN_ROWS, DeviceNgram
-
         drafter.device_chains = self.verifier.followup = DeviceNgram(
             self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
-            min_rows=1 if cfg.ngram_device or drafter.pipelined else NGRAM_DEVICE_MIN_ROWS, drafter=drafter)
+            min_rows=self.plan.ngram_min_rows, drafter=drafter)
 
     def _prepare_fused(self) -> None:
         """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every
@@ -202,8 +149,9 @@ class SpecEngine:
             return
         start = time.perf_counter()
         # (only greedy steps are fused)
-        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive and not self.greedy_budget_fixed \
-            else [self.drafter.node_budget] + ([self.large_batch_budget] if self.large_batch_budget else [])
+        plan = self.plan
+        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive and not plan.greedy_budget_fixed \
+            else [self.drafter.node_budget] + ([plan.large_batch_budget] if plan.large_batch_budget else [])
         n = fused.prepare(budgets)
         if n and self.graph_report is not None:
             self.graph_report.graphs += n
@@ -245,15 +193,8 @@ class SpecEngine:
                 m.model.fuse()
             elif m is not None and hasattr(m.model, "fuse_projections"):  # an EAGLE draft's decoder layer
                 m.model.fuse_projections()
-        want = self.config.cuda_graphs
-        triton = self.runner.backend.name == "triton"
-        if want is None:
-            want = self.device.type == "cuda" and triton
-        if not want:
+        if not self.plan.padded:
             return None
-        if self.device.type == "cuda" and not triton:
-            raise ValueError("SpecConfig.cuda_graphs=True on CUDA needs the Triton attention backend "
-                             f"(attention_backend='auto' or 'triton'), got {self.config.attention_backend!r}")
         models, max_query = {0: self.target.model}, {0: self.drafter.max_nodes + 1}
         if self.draft is not None:  # a Llama draft or a feature-reading (EAGLE) one, both on pool model 1
             models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
@@ -344,10 +285,11 @@ class SpecEngine:
     def _speculate(self, rows: list[Request]) -> list:
         if not rows:
             return []
-        if self.adaptive is not None and not (self.greedy_budget_fixed and all(r.params.greedy for r in rows)):
+        plan = self.plan
+        if self.adaptive is not None and not (plan.greedy_budget_fixed and all(r.params.greedy for r in rows)):
             return self.adaptive.speculate(rows, self.drafter, self.verifier)
-        if self.greedy_budget_fixed:  # whatever the controller chose for sampled rows
-            self.drafter.budget = self.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
+        if plan.greedy_budget_fixed:  # whatever the controller chose for sampled rows
+            self.drafter.budget = plan.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
         proposal: Proposal = self.drafter.propose(rows)
         return self.verifier.verify_proposal(rows, proposal)
 
@@ -465,14 +407,6 @@ class SpecEngine:
         return self.allocator.all_free()
 
 
-def adaptive_by_default(device: torch.device, drafter: Drafter) -> bool:
-    """``SpecConfig(adaptive=None)``: the controller on CUDA for a draft model's trees; n-gram chains keep a fixed
-    budget (on the H200 the controller cost them 1-7% at batch 1, 16 and 64: bench/RESULTS.md, sessions 6 and 9)."""
-    from specdec.drafters.ngram import NgramDrafter
-
-    return device.type == "cuda" and not isinstance(drafter, NgramDrafter)
-
-
 class _NoDraft(Drafter):
     """Target-only decoding: empty trees, so each verify forward commits one token. Pipelined (``pipelined``, with
     ``queue`` a ``DecodePipeline``), a step adopts the decode the previous one queued on the device."""
@@ -568,6 +502,17 @@ def _backend(cfg: SpecConfig, device: torch.device):
             raise
         return TorchAttentionBackend()
     return select_backend(device, cfg.attention_backend)
+
+
+def _proposer_kind(draft, loaded: LoadedModel | None) -> str:
+    """The plan's proposer of a ``draft`` argument (``loaded``: the draft model it loaded, if any)."""
+    if draft is None:
+        return "none"
+    if draft == "ngram":
+        return "ngram"
+    from specdec.training.eagle import EagleDraft
+
+    return "eagle" if isinstance(loaded.model, EagleDraft) else "draft"
 
 
 def _check_same_vocab(draft: LoadedModel, target: LoadedModel) -> None:

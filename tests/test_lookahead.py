@@ -8,6 +8,7 @@ the same buffers (``cuda_graphs=True``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -20,6 +21,7 @@ from specdec.adaptive import BudgetController, budget_options
 from specdec.drafters.eagle_drafter import _Spans
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
+from specdec.plan import LARGE_BATCH_NODES, resolve_plan
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -157,18 +159,20 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
     on, off, adaptive, unfused = engine(), engine(pipeline=False), engine(adaptive=True), engine(fused_verify=False)
     assert on.drafter.pipeline and on.adaptive is None and not off.drafter.pipeline
     assert not adaptive.drafter.pipeline and adaptive.adaptive is not None and not unfused.drafter.pipeline
-    assert not adaptive.greedy_budget_fixed and not on.greedy_budget_fixed
+    assert not adaptive.plan.greedy_budget_fixed and not on.plan.greedy_budget_fixed
     assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
     # the defaults: on CUDA pipelined, the controller only for steps with sampled rows; on the CPU neither
     auto = engine(pipeline=None, adaptive=None)
-    assert auto.drafter.pipeline is cuda and (auto.adaptive is not None) is cuda and auto.greedy_budget_fixed is cuda
+    assert auto.drafter.pipeline is cuda and (auto.adaptive is not None) is cuda
+    assert auto.plan.greedy_budget_fixed is cuda
+    assert auto.plan.greedy_budget_fixed is cuda
     assert engine(pipeline=True, adaptive=None).drafter.pipeline
     from specdec.cli.bench import engine_mode  # what ``specdec bench`` reports of it
 
     assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "greedy_budget_fixed": False,
-                               "large_batch_budget": None}
+                               "large_batch_budget": None, "plan": on.plan.as_dict()}
     assert engine_mode(adaptive) == {"pipelined": False, "adaptive_on": True, "greedy_budget_fixed": False,
-                                     "large_batch_budget": None}
+                                     "large_batch_budget": None, "plan": adaptive.plan.as_dict()}
     assert engine_mode(auto)["large_batch_budget"] is None  # a static tree keeps its size at every batch size
     assert (engine(pipeline=False, adaptive=None).adaptive is not None) is cuda  # adaptive as before
     from specdec.errors import FieldError
@@ -203,7 +207,7 @@ def test_pipelined_greedy_steps_keep_the_full_budget_beside_the_controller(tiny)
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
     eng.adaptive = ctrl = _Recording(budget_options(eng.drafter))
-    eng.greedy_budget_fixed = True
+    eng.plan = dataclasses.replace(eng.plan, greedy_budget_fixed=True)
     budgets, propose = [], eng.drafter.propose
     eng.drafter.propose = lambda rows: budgets.append((rows[0].params.greedy, eng.drafter.node_budget)) or propose(rows)
     sampled = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=5 + i, ignore_eos=True) for i in range(2)]
@@ -226,15 +230,16 @@ def test_large_batches_keep_the_smaller_dynamic_budget(tiny, monkeypatch):
     monkeypatch.setattr(engine_mod, "LARGE_BATCH_ROWS", 2)
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
-    eng.greedy_budget_fixed, eng.large_batch_budget = True, eng._large_batch_budget()  # CUDA's auto, on the CPU
-    assert eng.large_batch_budget == engine_mod.LARGE_BATCH_NODES == 15
+    cuda = resolve_plan(eng.config, torch.device("cuda"), "eagle", "triton", 16)  # CUDA's auto, used on the CPU
+    assert cuda.greedy_budget_fixed and cuda.large_batch_budget == LARGE_BATCH_NODES == 15
+    eng.plan = dataclasses.replace(eng.plan, greedy_budget_fixed=True, large_batch_budget=15)
     seen, propose = set(), eng.drafter.propose
     eng.drafter.propose = lambda rows: seen.add((len(rows) > 2, eng.drafter.node_budget)) or propose(rows)
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert seen == {(True, 15), (False, 16)}
     assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
-    static = SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": None}))
-    assert static._large_batch_budget() is None
+    static = SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": None})
+    assert resolve_plan(static, torch.device("cuda"), "eagle", "triton", 6).large_batch_budget is None
 
 
 def test_pipelined_engine_under_the_serving_executor(tiny):

@@ -253,15 +253,34 @@ def test_a_history_row_taken_over_is_uploaded_again():
     assert dev.hist[0, :8].tolist() == [1, 2, 3, 4, 5, 6, 7, 11]
 
 
-def test_ngram_chains_keep_a_fixed_budget_by_default():
-    """``adaptive=None``: the controller only for a draft model's trees on CUDA; n-gram chains keep a fixed budget
-    there; on the CPU it is off for every drafter (the rule itself, checked without a GPU)."""
-    from specdec.drafters.ngram import NgramDrafter
-    from specdec.engine import _NoDraft, adaptive_by_default
+def test_plan_rules_on_cuda_and_cpu():
+    """``resolve_plan``'s auto rules, checked without a GPU: on CUDA the controller only for a draft model's trees
+    (n-gram chains keep a fixed budget; target-only has nothing to budget), every proposer but a Llama draft
+    pipelined, n-gram chains on the device from one row when pipelined; on the CPU all of it off; explicit
+    options win."""
+    from specdec.engine import SpecConfig
+    from specdec.plan import NGRAM_DEVICE_MIN_ROWS, resolve_plan
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert not adaptive_by_default(cuda, NgramDrafter(8)) and adaptive_by_default(cuda, _NoDraft())
-    assert not adaptive_by_default(cpu, _NoDraft())
+    ngram = resolve_plan(SpecConfig(tree="chain:8"), cuda, "ngram", "triton", 8)
+    assert not ngram.adaptive and ngram.pipeline and ngram.ngram_device and ngram.ngram_min_rows == 1
+    none = resolve_plan(SpecConfig(), cuda, "none", "triton", 0)
+    assert not none.adaptive and none.pipeline and none.padded
+    eagle = resolve_plan(SpecConfig(tree="dynamic:31"), cuda, "eagle", "triton", 31)
+    assert eagle.adaptive and eagle.pipeline and eagle.fused_verify and eagle.greedy_budget_fixed
+    assert eagle.large_batch_budget == 15
+    draft = resolve_plan(SpecConfig(tree="topk:2x3"), cuda, "draft", "triton", 6)
+    assert draft.adaptive and not draft.pipeline and not draft.device_program
+    for proposer, nodes in (("none", 0), ("ngram", 8), ("eagle", 31)):
+        plan = resolve_plan(SpecConfig(tree="chain:8" if proposer == "ngram" else "dynamic:31"), cpu, proposer,
+                            "triton", nodes)
+        assert not (plan.adaptive or plan.pipeline or plan.padded or plan.ngram_device), plan
+    unpiped = resolve_plan(SpecConfig(tree="chain:8", pipeline=False), cuda, "ngram", "triton", 8)
+    assert not unpiped.pipeline and unpiped.ngram_min_rows == NGRAM_DEVICE_MIN_ROWS
+    assert not resolve_plan(SpecConfig(pipeline=False), cuda, "none", "triton", 0).pipeline
+    with pytest.raises(ValueError, match="Triton"):
+        resolve_plan(SpecConfig(cuda_graphs=True), cuda, "none", "torch", 0)
+    assert "pipeline" in none.describe() and none.as_dict()["proposer"] == "none"
 
 
 def _checked_queued(monkeypatch) -> tuple[list[int], list, list[int]]:

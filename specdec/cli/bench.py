@@ -8,7 +8,7 @@ import time
 import torch
 
 from specdec.benchmark.hf import HF_PARTS
-from specdec.engine import LARGE_BATCH_ROWS
+from specdec.plan import LARGE_BATCH_ROWS
 
 DEFAULT_DRAFT = "smollm2-135m-draft"
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
@@ -73,11 +73,11 @@ def default_tree(draft: str, device: str = "cpu") -> str:
     return CUDA_DRAFT_TREE if str(device).startswith("cuda") else "chain:4"
 
 
-def engine_mode(engine) -> dict[str, bool]:
-    """How a speculative engine resolved its ``pipeline`` / ``adaptive`` options (auto by default)."""
-    pipelined = getattr(engine.drafter, "pipeline", False) or getattr(engine.drafter, "pipelined", False)  # (n-gram)
-    return {"pipelined": bool(pipelined), "adaptive_on": engine.adaptive is not None,
-            "greedy_budget_fixed": engine.greedy_budget_fixed, "large_batch_budget": engine.large_batch_budget}
+def engine_mode(engine) -> dict:
+    """How a speculative engine resolved its auto options: its plan, under ``plan`` and the summary keys."""
+    plan = engine.plan
+    return {"pipelined": plan.pipeline, "adaptive_on": plan.adaptive, "greedy_budget_fixed": plan.greedy_budget_fixed,
+            "large_batch_budget": plan.large_batch_budget, "plan": plan.as_dict()}
 
 
 def parse_batch_sizes(text: str) -> list[int]:

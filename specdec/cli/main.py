@@ -47,6 +47,7 @@ def cmd_generate(args) -> int:
         print(f"[{len(final.token_ids)} tokens, finish={final.finish_reason}, target forwards={s.target_forwards}, "
               f"mean accepted length={s.mean_accepted_length:.2f}, acceptance rate={s.acceptance_rate:.2f}]",
               file=sys.stderr)
+        print(f"[{engine.plan.describe()}]", file=sys.stderr)
     return 0
 
 

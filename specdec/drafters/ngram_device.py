@@ -32,10 +32,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.plan import NGRAM_DEVICE_MIN_ROWS
 from specdec.scheduler.request import Request
 from specdec.verify_pipeline import VerifyPipeline
-
-NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined, fewer rows: the host lookup (with the shared table) is cheap and accepts more
 
 
 class DeviceNgram(VerifyPipeline):

@@ -1,0 +1,97 @@
+"""The engine's plan: every "auto" option of a ``SpecConfig`` resolved once, at engine construction.
+
+``resolve_plan`` is the one place where ``None`` (auto) options become decisions. The engine, the drafters and
+the benchmarks read the frozen ``EnginePlan`` (``SpecEngine.plan``); none of them re-derives a rule from the
+device or the drafter's type. ``specdec generate --stats`` prints it and bench JSON records ``as_dict()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+PROPOSERS = ("none", "ngram", "draft", "eagle")
+# an auto-budget pipelined engine's greedy steps of more rows than this keep a dynamic tree's best
+# LARGE_BATCH_NODES nodes (a full tree's verify costs more than its extra tokens bring at large batches)
+LARGE_BATCH_ROWS, LARGE_BATCH_NODES = 16, 15
+NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined n-gram steps of fewer rows look chains up on the host (shared table)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What one engine does at every step. ``proposer``: none (target-only), ngram, draft (a Llama draft model)
+    or eagle (a feature-conditioned draft). ``padded``: steps run in fixed (batch, tokens-per-row) buckets,
+    captured as CUDA graphs on CUDA and run eagerly over the same buffers elsewhere. ``device_program``: an eagle
+    draft proposes every row's tree with one device program per bucket; ``fused_verify``: its all-greedy steps
+    launch the verify in the same program. ``ngram_device``: n-gram chains looked up on the device from
+    ``ngram_min_rows`` rows. ``adaptive``: the per-step tree budget controller. ``pipeline``: each greedy step
+    queues its successor on the device before the host reads it. ``greedy_budget_fixed``: pipelined greedy steps
+    keep the fixed budget (the controller chooses only for steps with sampled rows), with ``large_batch_budget``
+    nodes above ``LARGE_BATCH_ROWS`` rows (None: the full tree)."""
+
+    device: str
+    dtype: str
+    proposer: str
+    tree: str
+    attention_backend: str
+    padded: bool
+    device_program: bool
+    fused_verify: bool
+    ngram_device: bool
+    ngram_min_rows: int
+    adaptive: bool
+    pipeline: bool
+    greedy_budget_fixed: bool
+    large_batch_budget: int | None
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"EnginePlan.proposer must be one of {list(PROPOSERS)}, got {self.proposer!r}")
+
+    def as_dict(self) -> dict:
+        """The plan as plain values (bench JSON)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        """One line for ``--stats``: the decisions that shape a step."""
+        tree = "" if self.proposer == "none" else f" {self.tree}"
+        flags = [name for name in ("padded", "device_program", "fused_verify", "ngram_device", "adaptive",
+                                   "pipeline") if getattr(self, name)]
+        extra = f", above {LARGE_BATCH_ROWS} rows {self.large_batch_budget} nodes" if self.large_batch_budget else ""
+        return (f"plan: {self.proposer}{tree} on {self.device} {self.dtype}, attention {self.attention_backend}; "
+                f"{' '.join(flags) or 'eager'}{extra}")
+
+
+def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nodes: int) -> EnginePlan:
+    """The plan of an engine with options ``cfg`` (a SpecConfig) on ``device`` whose drafter is ``proposer``
+    with at most ``max_nodes`` nodes per tree, its attention backend named ``backend`` ("triton" or "torch").
+    Raises ValueError for combinations that cannot run."""
+    cuda = device.type == "cuda"
+    padded = cfg.cuda_graphs if cfg.cuda_graphs is not None else cuda and backend == "triton"
+    if padded and cuda and backend != "triton":
+        raise ValueError("SpecConfig.cuda_graphs=True on CUDA needs the Triton attention backend "
+                         f"(attention_backend='auto' or 'triton'), got {cfg.attention_backend!r}")
+    device_program = padded and proposer == "eagle"
+    fused = cfg.fused_verify and device_program
+    # the controller: on CUDA for draft models' trees; n-gram chains keep a fixed budget by default
+    adaptive = cfg.adaptive if cfg.adaptive is not None else cuda and proposer in ("draft", "eagle")
+    adaptive = adaptive and max_nodes > 0
+    want_pipeline = cfg.pipeline if cfg.pipeline is not None else cuda
+    want_ngram_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
+    ngram_device = bool(want_ngram_device and proposer == "ngram" and padded)
+    if proposer == "eagle":  # queued fused steps: they need a fixed budget for greedy steps
+        pipeline = want_pipeline and fused and cfg.adaptive is not True
+    elif proposer == "ngram":
+        pipeline = want_pipeline and ngram_device and not adaptive
+    elif proposer == "none":
+        pipeline = want_pipeline and padded
+    else:
+        pipeline = False
+    pipeline = bool(pipeline)
+    fixed = pipeline and adaptive
+    large = LARGE_BATCH_NODES if fixed and cfg.tree_spec.kind == "dynamic" and max_nodes > LARGE_BATCH_NODES else None
+    min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
+    return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
+                      bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(fixed),
+                      large)
