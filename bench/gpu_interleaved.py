@@ -76,6 +76,12 @@ ENGINE_SETS = {
                     "target_only_pipelined": {"draft": None, "pipeline": True},
                     "ngram_pipelined": {"draft": "ngram", "adaptive": False},
                     "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"}},
+    # issue 25: the engine's CUDA defaults (target-only pipelined, the shipped draft's dynamic:31, n-gram chain:8)
+    # against unpipelined target-only, greedy or sampled (TEMPERATURE)
+    "plan": {"target_only": {"draft": None},
+             "target_only_unpipelined": {"draft": None, "pipeline": False},
+             "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+             "ngram": {"draft": "ngram"}},
     "large_batch": {"target_only": {"draft": None},
                     "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
@@ -132,6 +138,9 @@ ENGINES = os.environ.get("ENGINES", "ngram")
 KV = {"kv_memory_bytes": 3 << 30} if CUDA else {}
 ONLY = os.environ.get("ONLY", "").split()  # names of the set to build (target-only always), default all
 SCHEDULES = os.environ.get("SCHEDULES", "").split()  # "waves" and/or "continuous", default both
+COLD = os.environ.get("COLD", "") == "1"  # no warm-up: the first round is each engine's first requests
+PROMPT_SET = os.environ.get("PROMPT_SET", "mtbench")  # a key of the prompt file ("mtbench" or "sharegpt")
+NUM_PROMPTS = int(os.environ.get("NUM_PROMPTS", "0")) or None  # the first N prompts of the set (default all)
 
 
 REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x longer
@@ -150,7 +159,7 @@ def main() -> None:
     out, model_path, prompt_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     batches = [int(b) for b in sys.argv[4:]] or [16]
     out.mkdir(parents=True, exist_ok=True)
-    prompts = json.loads(Path(prompt_file).read_text())["mtbench"][:None if CUDA else 4]
+    prompts = json.loads(Path(prompt_file).read_text())[PROMPT_SET][:NUM_PROMPTS if CUDA else 4]
     # TEMPERATURE (env, default 0: greedy): sampled runs at that temperature with top-p 0.9, unseeded
     temp = float(os.environ.get("TEMPERATURE", "0"))
     params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True, temperature=temp,
@@ -158,8 +167,8 @@ def main() -> None:
     repeats = int(os.environ.get("REPEATS", "7" if CUDA else "2"))
     dt = "bfloat16" if CUDA else "float32"
     target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
-    res: dict = {"prompts": len(prompts), "new_tokens": params.max_new_tokens, "rounds": repeats, "engines": ENGINES,
-                 "temperature": temp}
+    res: dict = {"prompts": len(prompts), "prompt_set": PROMPT_SET, "new_tokens": params.max_new_tokens,
+                 "rounds": repeats, "engines": ENGINES, "temperature": temp, "cold": COLD}
     eagle = None
     for b in batches:
         for continuous in (False, True) if b > 1 else (False,):  # one row: both schedules are the same
@@ -176,13 +185,19 @@ def main() -> None:
                                                         target=target)
                 engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
                                                                      prefix_cache=False, **KV, **fields))
-            for eng in engines.values():  # warm-up: a whole batch, so every bucket has run once
+            for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1))
             key = f"b{b}_{'continuous' if continuous else 'waves'}"
             entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v),
-                                       "mean_accepted_length": engines[name].stats.mean_accepted_length}
+                                       "first_over_later": v[0] / statistics.median(v[1:]) if len(v) > 1 else None,
+                                       "mean_accepted_length": engines[name].stats.mean_accepted_length,
+                                       "plan": engines[name].plan.as_dict(),
+                                       "graphs": getattr(engines[name].graph_report, "graphs", 0),
+                                       "capture_s": getattr(engines[name].graph_report, "seconds", 0.0)}
                                 for name, v in runs.items()}
+            log(f"interleaved {key}: first round / later rounds " + ", ".join(
+                f"{n} {e['first_over_later']:.2f}" for n, e in entry.items() if e["first_over_later"]))
             for name in [n for n in entry if n != "target_only"]:
                 ratios = [s / t for s, t in zip(runs[name], runs["target_only"])]
                 entry[name]["ratio_runs"] = ratios

@@ -85,6 +85,13 @@ keep_interleaved() {  # keep_interleaved LOG JSON: the last interleaved run's lo
   cp "$D/interleaved.json" "$D/$2" 2>/dev/null
 }
 
+plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES=plan cold and interleaved at batch 1, 16 and 64 into $D/NAME_b*.*
+  local name=$1 t=$2
+  COLD=1 ENGINES=plan TEMPERATURE=$t NUM_PROMPTS=24 REPEATS_B1=3 interleaved 150 1; keep_interleaved "${name}_b1.log" "${name}_b1.json"
+  COLD=1 ENGINES=plan TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 interleaved 120 16; keep_interleaved "${name}_b16.log" "${name}_b16.json"
+  COLD=1 ENGINES=plan TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 PROMPT_SET=sharegpt interleaved 120 64; keep_interleaved "${name}_b64.log" "${name}_b64.json"
+}
+
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
@@ -557,6 +564,23 @@ case "$stage" in
       timeline_sampled.log gpu_step_timeline.py "$D/sampled" decode::16 ngram:chain:8:16
     ENGINES=sampled ONLY=ngram_chain8 TEMPERATURE=0.7 SCHEDULES=waves REPEATS=3 interleaved 80 16
     grep -h -e "ms/step" "$D"/timeline_*.log
+    pack
+    ;;
+  s12a)  # (.stage3/p_02 .whl .gpu, with piece 02) issue 25, round 1: GPU tests of the plan and the device-drafted
+         # sampled rows, then the CUDA defaults interleaved (cold first round) at batch 1 (24 MT-bench), 16 (80
+         # MT-bench) and 64 (200 ShareGPT-eval), continuous batching, greedy
+    [ -f "$MODEL" ] || assemble
+    install
+    GPU_K="gpu or cuda" gpu_tests 200 tests/test_step_graphs.py tests/test_eagle.py tests/test_sampled_rule.py \
+      tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py
+    plan_rounds greedy 0
+    pack
+    ;;
+  s12b)  # (.whl .gpu, after s12a) the same rounds sampled: T = 0.7 top-p 0.9, then T = 1.0
+    [ -f "$MODEL" ] || assemble
+    install
+    plan_rounds t07 0.7
+    plan_rounds t10 1.0
     pack
     ;;
   s11a)  # (.stage3/p_02 .whl .gpu, with piece 02) next session: should target-only decoding be pipelined by default?
