@@ -88,15 +88,18 @@ class GraphOutput(NamedTuple):
 
 @dataclass
 class CaptureReport:
-    """What capturing cost: graphs, seconds and bytes of the shared memory pool."""
+    """What capturing cost: graphs, seconds and bytes of the shared memory pool; ``warm_up_seconds``: the
+    engine's warm-up run, which captures the graphs keyed by what a step holds (``specdec.warm_up``)."""
 
     graphs: int = 0
     seconds: float = 0.0
     pool_bytes: int = 0
     keys: list[tuple[int, int, int]] = field(default_factory=list)
+    warm_up_seconds: float = 0.0
 
     def __str__(self) -> str:
-        return f"{self.graphs} CUDA graphs captured in {self.seconds:.2f} s, pool {self.pool_bytes / 2**20:.0f} MiB"
+        return (f"{self.graphs} CUDA graphs captured in {self.seconds:.2f} s, pool {self.pool_bytes / 2**20:.0f} MiB, "
+                f"warm-up {self.warm_up_seconds:.2f} s")
 
 
 class GraphRunner:

@@ -19,6 +19,12 @@ Edge cases (each leaves the rule exact):
   happen through rounding; p stays unchanged.
 - deterministic children: q_i is a point mass on x_i (passed as None), accepted with
   probability p(x_i); rejection zeroes p(x_i) and renormalizes.
+
+A tree whose children are all deterministic is verified in the equivalent single-draw form
+(``walk_deterministic``): at each node draw y ~ p once; follow the child whose token is y, or, if none is,
+commit y as the bonus token. Trying x_1..x_k in turn accepts x_i with probability p(x_i) and, after
+rejecting all, samples y from p without x_1..x_k: exactly the law of one draw from p. One draw per
+visited node needs no loop over children, which is what makes the device rule a few ops over (B, Q, V).
 """
 
 from __future__ import annotations
@@ -207,6 +213,8 @@ def verify_stochastic(tree: DraftTree, target_probs: Tensor, stream: UniformStre
                          f"draft_dists (V={d.shape[1]}, {d.device})")
     # one uniform per node (each child is tried at most once) and one for the bonus: (N+1,)
     coins = stream.take(n + 1)
+    if tree.child_mode == "deterministic" or not n:
+        return walk_deterministic(tree, target_probs, coins)
     h = tree.host
     node, path = ROOT, []
     while True:
@@ -221,6 +229,22 @@ def verify_stochastic(tree: DraftTree, target_probs: Tensor, stream: UniformStre
         node = kids[hit]
         path.append(node)
     return AcceptResult(path, [h.tokens[c] for c in path], sample_token(p, coins[n]))
+
+
+def walk_deterministic(tree: DraftTree, target_probs: Tensor, coins: Sequence[float]) -> AcceptResult:
+    """``verify_stochastic`` of a tree with deterministic children, in the single-draw form: at the root and at
+    each accepted node v, y is drawn from target_probs[v + 1] with one uniform (the root's is coins[n], node v's
+    coins[v]: the columns ``draw_uniforms`` lays out); the first child whose token is y is accepted, else y is
+    the bonus token."""
+    h, n = tree.host, tree.num_nodes
+    node, path = ROOT, []
+    while True:
+        y = sample_token(target_probs[node + 1], coins[n] if node == ROOT else coins[node])
+        nxt = next((c for c in h.children[node] if h.tokens[c] == y), None)
+        if nxt is None:
+            return AcceptResult(path, [h.tokens[c] for c in path], y)
+        node = nxt
+        path.append(node)
 
 
 def _check_rows(name: str, t: Tensor, n: int, dim: int) -> None:

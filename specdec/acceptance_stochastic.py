@@ -10,6 +10,11 @@ replacement, and a point mass on x for deterministic children. A row whose curre
 untried child stops; its bonus token is then sampled from its final p. Each node is tried at most
 once, so a tree of n nodes needs at most n steps: the loop runs over steps, never over rows or nodes.
 
+Trees whose children are all deterministic (n-gram chains, trees the draft grew by rank, empty trees) take
+the equivalent single-draw form instead (``accept_deterministic_padded``, ``acceptance.walk_deterministic``):
+one draw from the target distribution at every verify token, then the greedy walk with the drawn tokens in
+place of the argmax. That is a fixed handful of ops over (B, Q, V) whatever the tree's shape.
+
 Layout: padded (B, Q) like ``accept_greedy_padded``; verify token 0 is the root. The random numbers
 are each request's next ones of its ``uniform_stream.UniformStream`` (``draw_uniforms``, or
 ``padded_uniforms`` inside a captured step) in the layout of ``verify_stochastic``, so a seeded request
@@ -177,6 +182,9 @@ def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSa
     shapes and the host fields of ``trees`` and ``sampling``, so the call can be captured in a CUDA graph."""
     b, q, vocab = _check(logits, trees, sampling, uniforms)
     probs = shape_probs_rows(logits, sampling)  # (B, Q, V)
+    single = _deterministic_outcome(probs, trees, uniforms)  # (B, Q + 2): the rows with deterministic children
+    if not trees.modes - {"deterministic"}:  # (a greedy row's distribution is one-hot: its draws are the argmax)
+        return single
     dists = trees.dists
     if dists is not None:
         probs = probs.to(torch.promote_types(probs.dtype, dists.dtype))
@@ -215,42 +223,24 @@ def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSa
     bonus = _sample(p, uniforms[:, :1])  # (B, 1)
     count = on_path.sum(1, keepdim=True)
     order = torch.where(on_path, idx, idx + q).argsort(dim=1)  # path indices first, in depth order
-    return _keep_greedy_rows(torch.cat([count, bonus, order], dim=1), logits, trees, sampling)  # (B, Q + 2)
-
-
-def is_chain(tree: DraftTree) -> bool:
-    """Every node of ``tree`` is its predecessor's only child (an empty tree too): ``accept_chains_padded``'s
-    trees when their children are deterministic."""
-    return tree.host.parents == list(range(-1, tree.num_nodes - 1))
-
-
-def accept_chains_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor) -> Tensor:
-    """``accept_stochastic_padded``'s outcome (the same bits) for chains with deterministic children (every row's
-    verify token c >= 1 is the only child of c - 1: ``is_chain``; the caller vouches), without its trial loop.
-
-    In a chain nothing is rejected before the walk stops, so node c is tried against the unchanged target
-    distribution p_{c-1} at its parent with a point-mass draft: accepted iff u_c < min(1, p_{c-1}(x_c)). The row
-    accepts the leading run of such nodes (a cumulative product); stopping at verify token m after rejecting
-    node m + 1, the bonus comes from p_m with x_{m+1} removed (``_residual`` of the point mass, as the loop
-    computes it), else from p_m. So the work is a fixed handful of ops over (B, Q, V), whatever Q is."""
-    b, q, vocab = _check(logits, trees, sampling, uniforms)
-    probs = shape_probs_rows(logits, sampling)  # (B, Q, V)
-    if q == 1:  # no tree fits: sample every row from its target distribution
-        zero = torch.zeros(b, 1, dtype=torch.int64, device=logits.device)
-        out = torch.cat([zero, _sample(probs[:, 0], uniforms[:, :1]), zero], dim=1)  # (B, 3)
-        return _keep_greedy_rows(out, logits, trees, sampling)
-    idx = torch.arange(q, device=logits.device)
-    num_tokens = trees.num_tokens.view(-1, 1)  # (B, 1)
-    px = probs[:, :-1].gather(2, trees.tokens[:, 1:].unsqueeze(-1)).squeeze(-1).double()  # (B, Q - 1) p_{c-1}(x_c)
-    tried = (idx[1:] < num_tokens) & (uniforms[:, 1:] < px.clamp(max=1.0))  # (B, Q - 1) node c passes its coin
-    m = tried.cumprod(1).sum(1, keepdim=True)  # (B, 1) accepted nodes: the walk stops at verify token m
-    p = probs.gather(1, m.view(b, 1, 1).expand(b, 1, vocab)).squeeze(1)  # (B, V) target distribution there
-    after = m + 1  # (B, 1) the rejected node, if it is one (< num_tokens)
-    point = torch.zeros_like(p).scatter_(1, trees.tokens.gather(1, after.clamp(max=q - 1)), 1.0)  # (B, V) its token
-    p = torch.where(after < num_tokens, _residual(p, point), p)
-    order = torch.where(idx < m, idx + 1, torch.where(idx == m, 0, idx))  # (B, Q) path 1..m first, then the rest
-    out = torch.cat([m, _sample(p, uniforms[:, :1]), order], dim=1)  # (B, Q + 2)
+    out = torch.where(det, single, torch.cat([count, bonus, order], dim=1))  # (B, Q + 2)
     return _keep_greedy_rows(out, logits, trees, sampling)
+
+
+def accept_deterministic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor,
+                                ) -> Tensor:  # (B, Q + 2) int64, ``accept_stochastic_padded``'s layout
+    """``accept_stochastic_padded`` for rows whose children are all deterministic (the caller vouches; rows'
+    ``child_mode`` is not read), without a loop: ``acceptance.walk_deterministic`` for every row at once."""
+    _check(logits, trees, sampling, uniforms)
+    return _deterministic_outcome(shape_probs_rows(logits, sampling), trees, uniforms)  # (greedy rows: the argmax)
+
+
+def _deterministic_outcome(probs: Tensor, trees: PaddedTrees, uniforms: Tensor) -> Tensor:
+    """(B, Q + 2) single-draw outcome: verify token j draws y_j from probs[:, j] with uniforms[:, j] (the root's is
+    column 0, node c's column c + 1: ``walk_deterministic``'s coins), then the greedy walk follows the children
+    whose tokens were drawn at their parents and takes y at the path's end as the bonus."""
+    drawn = _sample(probs, uniforms.unsqueeze(-1)).squeeze(-1)  # (B, Q)
+    return accept_greedy_padded(trees.tokens, trees.parents, trees.tree_mask, drawn, trees.num_tokens)
 
 
 def _keep_greedy_rows(out: Tensor, logits: Tensor, trees: PaddedTrees, sampling: RowSampling) -> Tensor:
@@ -291,12 +281,13 @@ def _links(parents: Tensor, num_tokens: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _sample(p: Tensor, u: Tensor) -> Tensor:
-    """(B, 1) tokens that uniforms u (B, 1) select from rows of p (B, V) by inverse CDF, like ``sample_token``."""
-    cdf = p.cumsum(-1)  # (B, V)
-    y = torch.searchsorted(cdf, cdf[:, -1:] * u.to(cdf.dtype), right=True)  # (B, 1)
-    vocab = torch.arange(p.shape[1], device=p.device)
+    """(..., 1) tokens that uniforms u (..., 1) select from the rows of p (..., V) by inverse CDF, like
+    ``sample_token``."""
+    cdf = p.cumsum(-1)  # (..., V)
+    y = torch.searchsorted(cdf, cdf[..., -1:] * u.to(cdf.dtype), right=True)  # (..., 1)
+    vocab = torch.arange(p.shape[-1], device=p.device)
     last = torch.where(p > 0, vocab, 0).max(-1, keepdim=True).values  # u * total rounded up: the last possible token
-    return torch.where(y < p.shape[1], y, last)
+    return torch.where(y < p.shape[-1], y, last)
 
 
 def _check(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor) -> tuple[int, int, int]:

@@ -60,8 +60,9 @@ class SpecConfig:
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py)
     fused_verify: bool = True  # all-greedy EAGLE device-program steps launch the verify with the draft
     pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
-    # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan`` decides, once
-    # (``SpecEngine.plan``; docs/design.md lists the rules)
+    warm_up: bool | None = None  # run every step shape once at construction (specdec/warm_up.py)
+    # None = auto for ngram_device, cuda_graphs, adaptive, pipeline and warm_up: ``specdec.plan.resolve_plan``
+    # decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
@@ -130,6 +131,10 @@ class SpecEngine:
         self.stats = AcceptanceStats()
         self.router = Router()
         self._ids = itertools.count()
+        if plan.warm_up:
+            seconds = self.warm_up()
+            if self.graph_report is not None:
+                self.graph_report.warm_up_seconds = seconds
 
     def _device_ngram(self, max_len: int) -> None:
         """Give the n-gram drafter its device histories and the verifier their follow-up launch
@@ -394,6 +399,20 @@ class SpecEngine:
             self.router.release(queue)
             if bar is not None:
                 bar.close()
+
+    def warm_up(self) -> float:
+        """Run every row count and budget the engine can step through short synthetic requests, so the graphs
+        captured on first use exist before real requests arrive (``specdec.warm_up``), then forget what they
+        left: statistics, drafted text, cached prefixes. Returns the seconds it took; called at construction
+        when ``plan.warm_up``."""
+        from specdec.warm_up import warm_up
+
+        seconds = warm_up(self)
+        self.stats = AcceptanceStats()
+        self.forget_drafts()
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.evict_all()
+        return seconds
 
     def forget_drafts(self) -> None:
         """Make the drafter forget earlier requests' text (the n-gram table shared across requests): a

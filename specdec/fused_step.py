@@ -1,4 +1,4 @@
-"""A greedy EAGLE step whose verify forward runs right behind the draft program, with no host read between.
+"""An EAGLE step whose verify forward runs right behind the draft program, with no host read between.
 
 The device draft program (``drafters/eagle_device.py``) leaves each row's tree on the device. Instead of
 reading the trees, packing the verify rows on the host and only then launching the verify, the host
@@ -7,7 +7,9 @@ KV slot, the row lengths and block table, laid out for the verify bucket of ``n`
 few tensor ops write the tree-dependent parts (node tokens, positions, ancestor masks, parents) into the
 verify bucket's device inputs; the verify forward (a graph replay on CUDA) follows at once. The host then
 reads the trees and the batch's greedy acceptance in one copy and builds the ``DraftTree`` objects and
-``VerifyResult`` rows from them as the unfused path does.
+``VerifyResult`` rows from them as the unfused path does. When the step has sampled rows, the sampled
+rule runs right behind the verify too, reading the trees from the verify's inputs (``FusedVerify.outcome``),
+so the one read carries every row's outcome.
 
 Every tree of such a step has exactly ``n`` nodes (the adaptive budget ``n`` keeps each row's best n
 nodes of the program's N, a static template its first n), so the verify bucket is chosen for n + 1
@@ -35,7 +37,8 @@ class FusedOutcome(NamedTuple):
     """What a fused step leaves for ``Verifier.verify_proposal``: the kept trees' tokens and depths and the
     verify's greedy acceptance, read in one copy (numpy), so results are built without ``DraftTree`` objects."""
 
-    accept: np.ndarray  # (R, Q + 3) the verify's greedy acceptance: [m, bonus, path..., finite] per row
+    accept: np.ndarray  # (R, Q + 3) the verify's outcome: [m, bonus, path..., finite] per row (sampled rows: the
+    #                    lossless rule's)
     tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
     max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
     features: RowSlices | None  # the verify's target features per row (gathered after the results)
@@ -182,6 +185,18 @@ class FusedVerify:
         k = tokens.shape[1]
         fwd = self.runner._graphed_result(self.runner.graphs.replay(key), q, [k + 1] * r, ["all"] * r)
         return fwd, tokens, parents, top
+
+    def outcome(self, key, reqs: list, fwd: ForwardResult, k: int) -> Tensor:
+        """(B, Q + 3) outcome of the fused verify ``fwd`` of bucket ``key`` whose trees have ``k`` nodes each:
+        its greedy acceptance itself when every row is greedy, else with the sampled rows through the lossless
+        rule (``SampledRule.on_views``: the trees are read where the verify inputs hold them)."""
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not sampled:
+            return fwd.accept
+        graphs = self.runner.graphs
+        views = graphs.inputs.views(key[1], key[2])
+        return self.verifier.sampled_rule.on_views(reqs, sampled, k + 1, views, fwd.logits.logits, fwd.accept,
+                                                   graphs.captured(key))
 
     def _tables(self, reqs: list, bt):
         """``bt``, or the rows' block tables (R, W) synced now."""

@@ -174,13 +174,25 @@ class Ahead:
     """A fused step queued before the host read the previous one: its rows (in order), verify bucket ``key``,
     budget ``n``, verify result ``fwd`` (device outputs, valid until the bucket's next verify), kept trees
     ``tokens`` (R, k) and ``parents`` ((R, k) device, or a static shape as a host tuple), ``wait() -> (R, C)``
-    its host read ([tokens, parents (dynamic), accept]) and ``draft_seconds()`` (after ``wait``). ``lengths``
-    (R,): each row's length once the previous step is committed (set when that step is read)."""
+    its host read ([tokens, parents (dynamic), accept]) and ``draft_seconds()`` (after ``wait``). ``accept``:
+    its outcome on the device (the verify's greedy acceptance, sampled rows through the rule), which the step
+    queued behind it reads; ``counters``: each sampled row's uniform stream and its counter before this step's
+    draws (put back when the step is dropped). ``lengths`` (R,): each row's length once the previous step is
+    committed (set when that step is read)."""
 
-    def __init__(self, reqs: list, key: tuple, n: int, fwd, tokens: Tensor, parents, wait, draft_seconds) -> None:
+    def __init__(self, reqs: list, key: tuple, n: int, fwd, tokens: Tensor, parents, wait, draft_seconds,
+                 accept: Tensor, counters: list) -> None:
         self.reqs, self.key, self.n, self.fwd = reqs, key, n, fwd
         self.tokens, self.parents, self.wait, self.draft_seconds = tokens, parents, wait, draft_seconds
+        self.accept, self.counters = accept, counters
         self.lengths: np.ndarray | None = None
+
+    def give_back_draws(self, kept: list) -> None:
+        """Put back the draws of the rows not in ``kept`` (their queued step is not used)."""
+        ids = {id(req) for req in kept}
+        for req, counter in self.counters:
+            if id(req) not in ids:
+                req.stream.counter = counter
 
 
 class PipelinedSteps:
@@ -191,10 +203,10 @@ class PipelinedSteps:
         scheduler reads ``lookahead``."""
         self.pipeline = True
 
-    def _launch_ahead(self, key, reqs: list[Request], n: int, fwd, tokens, parents, bt: np.ndarray):
-        """Queue the fused step that follows the one just launched (``fwd``, trees ``tokens``/``parents``) for the
-        same rows, built on the device (``lookahead.advance``): its ``Ahead``, or None when the pipeline is off
-        or a row lacks the blocks it would write (then nothing is queued)."""
+    def _launch_ahead(self, key, reqs: list[Request], n: int, fwd, tokens, parents, bt: np.ndarray, accept):
+        """Queue the fused step that follows the one just launched (``fwd``, trees ``tokens``/``parents``, outcome
+        ``accept`` on the device) for the same rows, built on the device (``lookahead.advance``): its ``Ahead``,
+        or None when the pipeline is off or a row lacks the blocks it would write (then nothing is queued)."""
         if not self.pipeline or self.fused is None or fwd.features is None or self.step_prefilled:
             return None  # (after a prefill the shared inputs changed, and a prefilled row may join the next step)
         bs = self.runner.pool.block_size
@@ -208,7 +220,7 @@ class PipelinedSteps:
         k = tokens.shape[1]
         offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, dev)
         inputs = self.runner.graphs.inputs
-        self.advance(inputs, inputs.views(b, q), b, q, fwd.accept[:r], tokens, fwd.features.table, bt_dev,
+        self.advance(inputs, inputs.views(b, q), b, q, accept[:r], tokens, fwd.features.table, bt_dev,
                      loop.inputs.views(b, loop.q), b, loop.q, loop.features, self.runner.pool, bs, k, offsets,
                      capture=self.runner.graphs.captured(key))
         start = fused.clock.mark()
@@ -217,9 +229,11 @@ class PipelinedSteps:
         fwd2, tokens2, parents2, top2 = fused.relaunch(key, r, out, n)
         if parents2 is None:
             parents2 = parents
-        wait = self.reader.start(self._read_list(tokens2, parents2, top2, fwd2.accept[:r]))
+        counters = [(req, req.stream.counter) for req in reqs if not req.params.greedy]
+        accept2 = fused.outcome(key, reqs, fwd2, tokens2.shape[1])  # (sampled rows draw their next numbers)
+        wait = self.reader.start(self._read_list(tokens2, parents2, top2, accept2[:r]))
         self.ahead = Ahead(list(reqs), key, n, fwd2, tokens2, parents2, wait,
-                           lambda: fused.clock.seconds(start, drafted))
+                           lambda: fused.clock.seconds(start, drafted), accept2, counters)
         return self.ahead
 
     def _take_ahead(self, rows: list[Request]) -> Proposal | None:
@@ -232,17 +246,19 @@ class PipelinedSteps:
         if not rows or min(sel) < 0 or a.lengths is None or a.n != self.node_budget or any(
                 len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel)):
             self.paths["dropped"] += 1
+            a.give_back_draws([])
             return None
+        a.give_back_draws(rows)
         self._consumed_through(rows)  # what the queued catch-up computed
         self.paths["ahead"] += 1
         self.paths["fused"] += 1
         lengths = np.fromiter((len(req.tokens) for req in rows), np.int64, len(rows))
         ahead = None
         exact = sel == list(range(len(a.reqs)))
-        if exact and all(req.params.greedy for req in rows):
+        if exact:
             self.runner.sync_tables(rows)
             bt = self.runner.tables.host_rows([req.bt_row for req in rows])
-            ahead = self._launch_ahead(a.key, rows, a.n, a.fwd, a.tokens, a.parents, bt)
+            ahead = self._launch_ahead(a.key, rows, a.n, a.fwd, a.tokens, a.parents, bt, a.accept)
         return self._fused_proposal(a.wait(), a.tokens.shape[1], a.parents, a.fwd, a.draft_seconds(), ahead,
                                     lengths, None if exact else np.asarray(sel))
 

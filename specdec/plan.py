@@ -28,7 +28,8 @@ class EnginePlan:
     ``ngram_min_rows`` rows. ``adaptive``: the per-step tree budget controller. ``pipeline``: each greedy step
     queues its successor on the device before the host reads it. ``greedy_budget_fixed``: pipelined greedy steps
     keep the fixed budget (the controller chooses only for steps with sampled rows), with ``large_batch_budget``
-    nodes above ``LARGE_BATCH_ROWS`` rows (None: the full tree)."""
+    nodes above ``LARGE_BATCH_ROWS`` rows (None: the full tree). ``warm_up``: every step shape runs once at
+    construction (``specdec.warm_up``), so the graphs captured on first use exist before the first request."""
 
     device: str
     dtype: str
@@ -44,6 +45,7 @@ class EnginePlan:
     pipeline: bool
     greedy_budget_fixed: bool
     large_batch_budget: int | None
+    warm_up: bool = False
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -57,7 +59,7 @@ class EnginePlan:
         """One line for ``--stats``: the decisions that shape a step."""
         tree = "" if self.proposer == "none" else f" {self.tree}"
         flags = [name for name in ("padded", "device_program", "fused_verify", "ngram_device", "adaptive",
-                                   "pipeline") if getattr(self, name)]
+                                   "pipeline", "warm_up") if getattr(self, name)]
         extra = f", above {LARGE_BATCH_ROWS} rows {self.large_batch_budget} nodes" if self.large_batch_budget else ""
         return (f"plan: {self.proposer}{tree} on {self.device} {self.dtype}, attention {self.attention_backend}; "
                 f"{' '.join(flags) or 'eager'}{extra}")
@@ -92,6 +94,7 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
     fixed = pipeline and adaptive
     large = LARGE_BATCH_NODES if fixed and cfg.tree_spec.kind == "dynamic" and max_nodes > LARGE_BATCH_NODES else None
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
+    warm = cfg.warm_up if cfg.warm_up is not None else cuda and padded
     return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
                       bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(fixed),
-                      large)
+                      large, bool(warm))

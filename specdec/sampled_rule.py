@@ -1,22 +1,17 @@
 """The sampled rows of a padded verify step through the lossless rule as one CUDA graph replay per bucket.
 
-Eagerly, ``accept_stochastic_padded`` with its inputs (``pad_trees``, ``sampling_rows``, ``draw_uniforms``)
-is a few hundred small launches, and on the H200 the host launching them made a sampled step cost three
-times a greedy one (bench/RESULTS.md, session 10). Here the host writes one int64 array per step (each row's
-padded tree, sampling parameters, uniform-stream key and counter, whether it samples), the device gets it
-in one copy, and a graph captured per bucket runs the whole rule: the uniforms (``padded_uniforms``), the
-shaped target distributions, the trial loop, the bonus tokens, and the merge with the verify graph's greedy
-outcome, so the step still ends with one device->host read of a (B, Q + 3) outcome.
+Eagerly, the rule with its inputs (``pad_trees``, ``sampling_rows``, ``draw_uniforms``) is dozens of small
+launches for the host to issue. Here the host writes one int64 array per step (each row's padded tree,
+sampling parameters, uniform-stream key and counter, whether it samples), the device gets it in one copy,
+and a graph captured per bucket runs the whole rule: the uniforms (``padded_uniforms``), the shaped target
+distributions, one draw per verify token, the walk down the trees, and the merge with the verify graph's
+greedy outcome, so the step still ends with one device->host read of a (B, Q + 3) outcome.
 
-What the graph captures depends on host flags, fixed per bucket so that few graphs exist: ``max_trials`` is
-Q - 1 (every tree of Q - 1 nodes needs at most that many trials; rows that stop earlier idle), no row is
-greedy inside the rule (greedy rows keep the verify graph's outcome), and children are deterministic (n-gram
-chains, greedy-drafted trees and empty trees: no draft distributions). Two flags are part of the key:
-``filtered`` (some row uses top-k or top-p: the sort) and ``chains`` (every sampled row's tree is a chain,
-``is_chain``: n-gram chains, chain drafts, target-only decoding). Chains take ``accept_chains_padded``, the
-trial loop's outcome in a fixed handful of ops (the loop redid (B, V) work Q - 1 times: about 400 small
-kernels at Q = 9); trees with siblings keep the loop. Trees with draft distributions take
-``accept_stochastic_padded`` eagerly (``applies``).
+The captured rule serves trees whose children are deterministic (n-gram chains, trees an EAGLE draft grew
+by rank, empty trees: no draft distributions), so it is the single-draw form ``accept_deterministic_padded``,
+a fixed handful of ops over (B, Q, V) whatever the trees' shapes. No row is greedy inside the rule (greedy
+rows keep the verify graph's outcome); one host flag is part of the key: ``filtered`` (some row uses top-k or
+top-p: the sort). Trees with draft distributions take ``accept_stochastic_padded`` eagerly (``applies``).
 """
 
 from __future__ import annotations
@@ -32,9 +27,7 @@ from specdec.acceptance_stochastic import (
     MODE_CODE,
     PaddedTrees,
     RowSampling,
-    accept_chains_padded,
-    accept_stochastic_padded,
-    is_chain,
+    accept_deterministic_padded,
     tree_rows,
 )
 from specdec.lookahead import HostUpload
@@ -70,11 +63,10 @@ def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int
     return host
 
 
-def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, chains: bool = False) -> Tensor:
+def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
     """(B, Q + 3) outcome of a padded step: the sampled rows' from the lossless rule over ``logits`` (B * Q, V),
     the others' ``accept`` (B, Q + 3, the verify's greedy outcome; its last column, the finite flag, is kept
-    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 8) on the device; ``chains``: the host vouches that
-    every sampled row's tree is a chain (the loop-free rule). No host reads."""
+    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 8) on the device. No host reads."""
     b, q = accept.shape[0], accept.shape[1] - 3
 
     def col(j: int) -> Tensor:  # (B,) column j after the tree columns
@@ -85,13 +77,33 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, chains:
     sampling = RowSampling(col(_TEMPERATURE).view(torch.float64), col(_TOP_K), col(_TOP_P).view(torch.float64),
                            filtered, any_greedy=False)
     uniforms = padded_uniforms(col(_KEY0), col(_KEY1), col(_COUNTER), col(_N), q)  # (B, Q)
-    accept_rule = accept_chains_padded if chains else accept_stochastic_padded
-    out = accept_rule(logits.view(b, q, -1).float(), trees, sampling, uniforms)  # (B, Q + 2)
+    out = accept_deterministic_padded(logits.view(b, q, -1).float(), trees, sampling, uniforms)  # (B, Q + 2)
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, accept[:, -1:]], 1), accept)
 
 
+def sampling_array(rows: Sequence, sampled: Sequence[int], b: int, n: int) -> np.ndarray:
+    """(b, 8) int64 sampling columns of ``step_array`` (no tree columns) for a step whose every tree has ``n - 1``
+    nodes, its verify inputs already holding the trees; each sampled row's stream advances by n draws."""
+    host = np.zeros((b, 8), dtype=np.int64)
+    host[:, _TEMPERATURE:] = _ONE_BITS
+    for i in sampled:
+        p, s = rows[i].params, rows[i].stream
+        host[i, :_TEMPERATURE] = n, s.key0, s.key1, s.counter, p.top_k or 0, 1
+        host[i, _TEMPERATURE:] = np.array([p.temperature, p.top_p], dtype=np.float64).view(np.int64)
+        s.counter += n
+    return host
+
+
+def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
+    """``rule`` of a step whose trees are read from its verify inputs ``views`` (``StepViews`` of the bucket:
+    tokens, parents, tree masks) and whose sampling columns are ``inputs`` (B, 8) (``sampling_array``)."""
+    b, q = accept.shape[0], accept.shape[1] - 3
+    trees = torch.cat([views.ids.view(b, q), views.parents.view(b, q), views.tree_mask.view(b, q), inputs], 1)
+    return rule(trees, logits, accept, filtered)
+
+
 class SampledRule:
-    """``rule`` as one CUDA graph replay per (B, Q, filtered, chains, verify output buffers) on CUDA, captured at its
+    """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its
     first use into one memory pool shared by these graphs (replayed one at a time, each output read before
     the next replay); eagerly elsewhere, or when the verify's outputs are not a captured graph's buffers."""
 
@@ -109,25 +121,38 @@ class SampledRule:
         b, q = accept.shape[0], accept.shape[1] - 3
         host = step_array(rows, trees, sampled, b, q)
         filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
-        chains = all(is_chain(trees[i]) for i in sampled)
+        build = functools.partial(rule, logits=logits, accept=accept, filtered=filtered)
         if not (self.capture and captured):
-            return rule(self.upload(host), logits, accept, filtered, chains)
-        key = (b, q, filtered, chains, logits.data_ptr(), accept.data_ptr())
+            return build(self.upload(host))
+        return self._replay((b, q, filtered, logits.data_ptr(), accept.data_ptr()), host, build)
+
+    def on_views(self, rows: Sequence, sampled: Sequence[int], n: int, views, logits: Tensor, accept: Tensor,
+                 captured: bool) -> Tensor:
+        """``__call__`` for a step whose verify inputs ``views`` hold every row's tree of ``n - 1`` nodes (a fused
+        step: the trees never reached the host)."""
+        b = accept.shape[0]
+        host = sampling_array(rows, sampled, b, n)
+        filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
+        build = functools.partial(rule_on_views, views=views, logits=logits, accept=accept, filtered=filtered)
+        if not (self.capture and captured):
+            return build(self.upload(host))
+        key = ("views", b, accept.shape[1] - 3, filtered, logits.data_ptr(), accept.data_ptr())
+        return self._replay(key, host, build)
+
+    def _replay(self, key, host: np.ndarray, build) -> Tensor:
+        """Replay the graph of ``key`` (``build(inputs)`` captured over an input buffer shaped like ``host`` on
+        first use) after copying ``host`` into its inputs."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(host, logits, accept, filtered, chains)
+            from specdec.scheduler.cuda_graphs import capture_graph
+
+            if self._pool is None and self.device.type == "cuda":
+                self._pool = torch.cuda.graph_pool_handle()
+            inputs = torch.zeros(host.shape, dtype=torch.int64, device=self.device)
+            inputs.copy_(self.upload(host))  # the capture's first (uncaptured) run reads a real step's inputs
+            graph, out = capture_graph(functools.partial(build, inputs), self._pool, self.device)
+            entry = self.graphs[key] = (graph, inputs, out)
         graph, inputs, out = entry
         inputs.copy_(self.upload(host))
         graph.replay()
         return out
-
-    def _capture(self, host: np.ndarray, logits: Tensor, accept: Tensor, filtered: bool, chains: bool) -> tuple:
-        from specdec.scheduler.cuda_graphs import capture_graph
-
-        if self._pool is None and self.device.type == "cuda":
-            self._pool = torch.cuda.graph_pool_handle()
-        inputs = torch.zeros(host.shape, dtype=torch.int64, device=self.device)
-        inputs.copy_(self.upload(host))  # the capture's first (uncaptured) run reads a real step's inputs
-        graph, out = capture_graph(functools.partial(rule, inputs, logits, accept, filtered, chains), self._pool,
-                                   self.device)
-        return graph, inputs, out

@@ -202,11 +202,9 @@ class Verifier:
 
 
 def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult]:
-    """Results of a fused step (``specdec.fused_step.FusedOutcome``: greedy rows, their trees' tokens and
-    depths and the acceptance already on the host), as ``Verifier._from_device`` gives for the same trees."""
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if sampled:
-        raise ValueError(f"rows: a fused step's rows are greedy, rows {sampled} are sampled")
+    """Results of a fused step (``specdec.fused_step.FusedOutcome``: the trees' tokens and depths and the
+    acceptance, sampled rows' included, already on the host), as ``Verifier._from_device`` gives for the same
+    trees."""
     accept, tokens = fused.accept, fused.tokens  # (R, Q + 3), (R, n)
     if not accept[:, -1].all():  # some row's logits are not finite: name them
         check_finite_flags(rows, accept[:, -1].tolist(), "target")

@@ -452,3 +452,43 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     junk += [torch.full_like(t, (1 << 40) + 7) for t in junk[:200]]  # what the evictions freed, refilled
     assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == want
     assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
+
+
+def _mixed_params() -> list[SamplingParams]:
+    """Seeded sampled rows (with and without top-p) beside greedy ones."""
+    return [SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, seed=3),
+            PARAMS,
+            SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=1.0, top_p=0.9, seed=4),
+            SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.6, top_k=5, seed=5)]
+
+
+def _fused_vs_unfused_sampled(draft, target, tree: str, want, **cfg) -> None:
+    outs = {}
+    for fused in (True, False):
+        eng = _engine(draft, target, tree, fused_verify=fused, **cfg)
+        got = []
+        for budget in (None, 5):
+            eng.drafter.budget = budget
+            got.append([o.token_ids for o in eng.generate(PROMPTS[:4], _mixed_params())])
+            got.append([o.token_ids for o in eng.generate([PROMPTS[2]], _mixed_params()[2])])
+        assert (eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0) == fused
+        assert eng.stats.accepted > 0 and eng.all_blocks_free()
+        outs[fused] = got
+    assert outs[True] == outs[False]
+    assert outs[True][0][1] == want[1]  # the greedy row is target-only's
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_fused_sampled_rows_equal_the_unfused_ones(tiny, tree):
+    """Steps with sampled rows are fused too (the sampled rule reads the trees from the verify inputs): seeded
+    sampled and greedy rows in one batch give the same tokens as the unfused path (trees read on the host, the
+    rule over host-built trees), at budgets N and 5, at batch 1 and 4."""
+    draft, target, want = tiny
+    _fused_vs_unfused_sampled(draft, target, tree, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fused_sampled_rows_equal_the_unfused_ones(setup):  # noqa: F811 - the fixture imported above
+    """The same on the GPU in float32, draft program, verify and sampled rule captured."""
+    target, draft, cfg, want = _on_gpu(setup)
+    _fused_vs_unfused_sampled(draft, target, "dynamic:16", want, **cfg)

@@ -296,8 +296,8 @@ def test_pipelined_steps_under_preemption(tiny, prefix_cache, count_preemptions)
 
 def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
     """Rows that end at a stop string (inside an accepted path) and seeded sampled rows mixed with greedy ones
-    (a batch with a sampled row drafts on the host, so queued steps are dropped or never made): outputs equal
-    the unpipelined engine's, greedy rows equal target-only."""
+    (steps with sampled rows are queued too; a dropped queued step gives its draws back): outputs equal the
+    unpipelined engine's, greedy rows equal target-only; a batch of sampled rows only is pipelined too."""
     draft, target, want, cfg = tiny
     tok = target.tokenizer
     stop = tok.decode(want[2][5:7], skip_special_tokens=True)  # text the third request writes early on
@@ -311,11 +311,18 @@ def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
         outs[pipeline] = [(o.token_ids, o.text, o.finish_reason) for o in eng.generate(PROMPTS[:4], params)]
         outs[pipeline, "greedy"] = [(o.token_ids, o.text) for o in eng.generate([PROMPTS[0], PROMPTS[2]],
                                                                                  [params[0], params[2]])]
-        assert eng.all_blocks_free() and (eng.drafter.paths["ahead"] > 0) == pipeline
+        before = eng.drafter.paths["ahead"]
+        sampled = [SamplingParams(max_new_tokens=n, temperature=t, top_p=p, seed=s, ignore_eos=True)
+                   for n, t, p, s in ((18, 0.7, 0.9, 1), (9, 1.0, 1.0, 2), (14, 1.3, 0.8, 3))]
+        outs[pipeline, "sampled"] = [o.token_ids for o in eng.generate(PROMPTS[1:4], sampled)]
+        outs[pipeline, "alone"] = [o.token_ids for o in eng.generate([PROMPTS[1]], sampled[0])]
+        assert eng.all_blocks_free() and (eng.drafter.paths["ahead"] > before > 0) == pipeline
     assert outs[True] == outs[False]
     assert outs[True][2][2] == "stop" and stop not in outs[True][2][1] and len(outs[True][2][0]) < 16
     assert outs[True][0][0] == want[0] and outs[True][3][0] == want[3]
     assert outs[True, "greedy"] == outs[False, "greedy"]
+    assert outs[True, "sampled"] == outs[False, "sampled"] and outs[True, "alone"] == outs[False, "alone"]
+    assert outs[True, "alone"][0] == outs[True, "sampled"][0]  # seeded: the same alone and in a batch
 
 
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])

@@ -161,7 +161,7 @@ def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, 
 
 
 @pytest.mark.parametrize("draft,wrong", [("ngram", False), (None, False), ("ngram", True)],
-                         ids=["ngram", "target-only", "ngram-wrong-residual"])
+                         ids=["ngram", "target-only", "ngram-shared-uniform"])
 def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, draft, wrong, monkeypatch):
     """CUDA stood in (``test_sampled_rule.stand_in_verify_graphs``): every verify is a captured graph, so sampled
     rows go through the captured rule (``specdec.sampled_rule``; the host rule is forbidden) at every batch size;
@@ -178,7 +178,7 @@ def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, 
 
     monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
     if wrong:
-        monkeypatch.setattr(specdec.acceptance_stochastic, "_residual", lambda p, q_i: p)
+        _share_one_uniform(monkeypatch)
     engines = []
     settings = (0.7, 0, 0.9)
 
@@ -200,6 +200,16 @@ def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, 
         assert p_joint < P_MIN
     else:
         assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
+
+
+def _share_one_uniform(monkeypatch) -> None:
+    """A wrong single-draw rule for the negative controls: every verify token draws with the row's first uniform
+    (the draws of one step are no longer independent, so the joint of two tokens is off)."""
+    import specdec.acceptance_stochastic as rules
+
+    outcome = rules._deterministic_outcome
+    monkeypatch.setattr(rules, "_deterministic_outcome",
+                        lambda probs, trees, u: outcome(probs, trees, u[:, :1].expand_as(u).contiguous()))
 
 
 def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):
@@ -235,12 +245,13 @@ def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
 
 
 @pytest.mark.parametrize("tree,wrong", [("topk:2x2", False), ("dynamic:6", False), ("dynamic:6", True)],
-                         ids=["topk", "dynamic", "dynamic-wrong-residual"])
+                         ids=["topk", "dynamic", "dynamic-shared-uniform"])
 def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits, tree, wrong, monkeypatch):
     """Sampled rows drafted by the EAGLE device program (cuda_graphs=True: the padded path, CUDA stood in so the
     verify counts as captured and the sampled rule is the captured one): every proposal comes from the device
     program (no host-drafted step), its deterministic trees are verified point-mass by point-mass, and the first
-    two tokens follow the target (SAMPLES requests, chi-square). Negative control: a wrong residual fails."""
+    two tokens follow the target (SAMPLES requests, chi-square). Negative control: one uniform shared by a
+    step's draws fails."""
     from test_sampled_rule import stand_in_verify_graphs
 
     import specdec.acceptance_stochastic
@@ -253,7 +264,7 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
 
     monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
     if wrong:
-        monkeypatch.setattr(specdec.acceptance_stochastic, "_residual", lambda p, q_i: p)
+        _share_one_uniform(monkeypatch)
     target_dir, target, _ = pair
     model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
     eagle = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)
@@ -271,7 +282,7 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
     print(f"\neagle device {tree} wrong={wrong}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
           f"mean accepted length={stats.mean_accepted_length:.2f}")
     paths = engines[0].drafter.paths
-    assert paths["device"] > 0 and paths["host"] == 0, paths
+    assert paths["device"] == paths["fused"] > 0 and paths["host"] == 0, paths  # every step fused
     assert 0.02 * stats.drafted < stats.accepted < stats.drafted
     if wrong:
         assert p_joint < P_MIN

@@ -192,9 +192,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
         padded[:src.size] = src.ravel()
         n, fused = self.node_budget, self.fused
-        # a fused step's results come from the greedy acceptance: steps with sampled rows verify apart
-        greedy = all(r.params.greedy for r in reqs)
-        key = None if fused is None or not greedy else fused.key(len(reqs), min(n, fused.nodes))
+        key = None if fused is None else fused.key(len(reqs), min(n, fused.nodes))
         start = None if key is None else fused.clock.mark()
         src = torch.from_numpy(padded).to(self.runner.device, non_blocking=True)
         out = loop.run(b, rows, bt, self.features.data, src)[:len(reqs)]
@@ -225,9 +223,10 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
             k = min(n, out.shape[1])
             tokens, parents, top = out[:, :k].clone(), self._template.parents[:k], None
             fwd = fused.launch(key, reqs, tokens, parents, bt)
-        wait = self.reader.start(self._read_list(tokens, parents, top, fwd.accept[:len(reqs)]))
+        accept = fused.outcome(key, reqs, fwd, tokens.shape[1])  # (B, Q + 3): sampled rows through the rule
+        wait = self.reader.start(self._read_list(tokens, parents, top, accept[:len(reqs)]))
         lengths = np.fromiter((len(r.tokens) for r in reqs), np.int64, len(reqs))
-        ahead = self._launch_ahead(key, reqs, n, fwd, tokens, parents, bt)
+        ahead = self._launch_ahead(key, reqs, n, fwd, tokens, parents, bt, accept)
         return self._fused_proposal(wait(), tokens.shape[1], parents, fwd, fused.clock.seconds(start, drafted),
                                     ahead, lengths)
 

@@ -1,0 +1,65 @@
+"""Engine warm-up: every step shape a configuration can run, run once before the first request.
+
+Some graphs of a padded step are captured on their first use, because their keys depend on what a step
+holds: a queued step's advance per row count, a dynamic tree's writer per budget, the sampled rule per
+(bucket, filter flag). Captured in the middle of a user's first requests they made the first round of a
+new engine several times slower than the next ones. ``warm_up`` drives short synthetic requests through
+``SpecEngine.generate`` at every row count, greedy and sampled (with and without top-p), under every budget
+the engine may choose, so those graphs exist when the first request arrives; then it forgets everything
+the synthetic requests left behind (statistics, drafted text, cached prefixes, the blocks they held).
+"""
+
+from __future__ import annotations
+
+import time
+
+from specdec.sampling_params import SamplingParams
+
+WARM_UP_TOKENS = 6  # new tokens per synthetic request: a prefill step, then several decode steps of the same rows
+PROMPT_TOKENS = 8
+
+
+class FixedBudget:
+    """A stand-in budget controller that gives every step ``nodes`` nodes and learns nothing."""
+
+    timing_valid = True
+
+    def __init__(self, nodes: int | None) -> None:
+        self.nodes = nodes
+
+    def speculate(self, rows: list, drafter, verifier) -> list:
+        """One draft -> verify step of ``rows`` at the fixed budget."""
+        drafter.budget = self.nodes
+        return verifier.verify_proposal(rows, drafter.propose(rows))
+
+    def observe_step(self, seconds: float) -> None:
+        """Nothing to learn."""
+
+
+def warm_up(engine) -> float:
+    """Run ``engine`` (a SpecEngine) through every row count and budget it can step, greedy and sampled; returns
+    the seconds it took. The engine's budget controller is set aside while it runs and learns nothing from it."""
+    start = time.perf_counter()
+    plan, cfg = engine.plan, engine.config
+    prompt = [t % engine.target.config.vocab_size for t in range(1, PROMPT_TOKENS + 1)]
+    controller = engine.adaptive
+    sampled_budgets = [None] if controller is None else sorted({o.nodes for o in controller.options})
+    greedy = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
+    sampled = [SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, temperature=1.0, top_p=top_p, seed=i)
+               for i, top_p in enumerate((1.0, 0.9))]
+    buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
+    try:
+        for rows in range(1, cfg.max_batch_size + 1):
+            # greedy steps: the budget the engine gives them (pipelined: fixed, else the controller's choice)
+            engine.adaptive = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
+            engine.generate([prompt] * rows, greedy)
+            if rows not in buckets and rows != cfg.max_batch_size:
+                continue  # sampled steps' graphs depend on the batch bucket only
+            for nodes in sampled_budgets:
+                engine.adaptive = None if controller is None else FixedBudget(nodes)
+                for params in sampled:
+                    engine.generate([prompt] * rows, params)
+    finally:
+        engine.adaptive = controller
+        engine.drafter.budget = None
+    return time.perf_counter() - start

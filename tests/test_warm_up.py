@@ -1,0 +1,85 @@
+"""The engine's warm-up (``specdec.warm_up``) runs every step shape once, so no graph is captured while real
+requests run: CUDA stood in on the CPU (every verify counts as captured, ``capture_graph`` replaced by a stand-in
+that reruns the function), a pipelined EAGLE engine whose sampled steps take the budget controller, as on CUDA.
+After ``warm_up`` the queued-step advances, the tree writers and the sampled rule hold graphs, and greedy,
+sampled and mixed batches of every size add none; greedy output still equals target-only decoding, and the
+warm-up leaves no statistics, cached prefix or block behind."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import specdec.scheduler.cuda_graphs as cg
+import torch
+from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+from test_sampled_rule import stand_in_verify_graphs
+
+from specdec.adaptive import make_controller
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
+from specdec.lookahead import AdvanceGraphs
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _stand_in(build, pool, device):
+    """``capture_graph`` on the CPU: the function runs once; each replay reruns it into the first output."""
+    out = build()
+    graph = SimpleNamespace(replays=0)
+
+    def replay():
+        graph.replays += 1
+        with torch.inference_mode():
+            new = build()
+            for kept, fresh in zip(out if isinstance(out, tuple) else (out,),
+                                   new if isinstance(new, tuple) else (new,)):
+                if isinstance(kept, torch.Tensor) and kept is not fresh:
+                    kept.copy_(fresh)
+
+    graph.replay = replay
+    return graph, out
+
+
+def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F811
+    root, _, _ = setup
+    target = load_model(root / "target")
+    draft = load_model(root / "full", target=target)
+    plain = SpecEngine(None, target, SpecConfig(num_blocks=300, block_size=8))
+    greedy = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 5, 9, 14)]
+    want = [o.token_ids for o in plain.generate(PROMPTS[:4], greedy)]
+
+    cfg = SpecConfig(tree="dynamic:16", num_blocks=300, block_size=8, max_batch_size=4, cuda_graphs=True,
+                     pipeline=True, adaptive=False)
+    eng = SpecEngine(draft, target, cfg)
+    assert not eng.plan.warm_up  # (on the CPU it is off by default; CUDA's defaults set up by hand below)
+    stand_in_verify_graphs(monkeypatch, eng)
+    monkeypatch.setattr(cg, "capture_graph", _stand_in)  # (outputs that are tuples too)
+    eng.adaptive = make_controller(True, eng.device, eng.drafter, None)  # CUDA: the controller for sampled steps
+    eng.plan = dataclasses.replace(eng.plan, adaptive=True, greedy_budget_fixed=True)
+    eng.drafter.advance = advance = AdvanceGraphs(eng.device, eng.runner.backend.advance_rows, capture=True)
+    writer = eng.drafter.fused.writer
+    writer.capture = True
+    rule = eng.verifier.sampled_rule
+
+    def graphs():
+        return len(advance.graphs), len(writer.graphs), len(rule.graphs)
+
+    assert eng.warm_up() > 0
+    after = graphs()
+    assert min(after) > 0, after
+    assert eng.stats.target_forwards == 0 and eng.all_blocks_free()
+    sampled = [SamplingParams(max_new_tokens=n, temperature=t, top_p=p, seed=i, ignore_eos=True)
+               for i, (n, t, p) in enumerate(((10, 0.8, 1.0), (6, 1.0, 0.9), (8, 0.7, 0.9), (11, 1.2, 1.0)))]
+    first = eng.generate(PROMPTS[:4], greedy)
+    assert [o.token_ids for o in first] == want, [o.error for o in first]
+    for batch in ([0], [0, 1, 2], [0, 1, 2, 3]):
+        eng.generate([PROMPTS[i] for i in batch], [sampled[i] for i in batch])
+        mixed = [greedy[i] if i % 2 else sampled[i] for i in batch]
+        outs = eng.generate([PROMPTS[i] for i in batch], mixed)
+        assert [o.token_ids for i, o in zip(batch, outs) if i % 2] == [want[i] for i in batch if i % 2]
+    assert eng.drafter.paths["ahead"] > 0 and eng.adaptive.chosen
+    assert graphs() == after  # nothing captured on first use
+    assert eng.all_blocks_free()
