@@ -82,6 +82,12 @@ ENGINE_SETS = {
              "target_only_unpipelined": {"draft": None, "pipeline": False},
              "eagle": {"draft": "eagle", "tree": "dynamic:31"},
              "ngram": {"draft": "ngram"}},
+    # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
+    "plan_fixed": {"target_only": {"draft": None},
+                   "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                   "eagle_fixed": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
+                   "eagle_fixed15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
+                   "ngram": {"draft": "ngram"}},
     "large_batch": {"target_only": {"draft": None},
                     "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},

@@ -53,11 +53,11 @@ class VerifyResults(list):
     packed_features: torch.Tensor | None = None
 
 
-# Fewer sampled rows than this take the host rule after a padded step whose rule is not a captured graph
-# (``specdec.sampled_rule``: an eager step, or trees with draft distributions): on the H200 the eager device
-# rule costs ~3 ms per step whatever the batch, the host rule ~0.65 ms per sampled row (bench/gpu_accept.py,
-# 2026-11-30). A captured rule serves every sampled row count. All paths draw the same uniforms from each
-# request's ``UniformStream``, so a seeded request's tokens do not depend on the path.
+# Trees with draft distributions (a Llama draft's sampled children) take the device trial loop from this many
+# sampled rows of a padded step, the host rule below it: the loop is hundreds of small launches whatever the
+# batch, the host rule a few per row. Deterministic trees always take ``SampledRule`` (a graph replay when the
+# verify is captured, else the same few ops eagerly). All paths draw the same uniforms from each request's
+# ``UniformStream``, so a seeded request's tokens do not depend on the path.
 DEVICE_SAMPLED_MIN_ROWS = 8
 
 
@@ -171,20 +171,16 @@ class Verifier:
 
     def _sampled_outcome(self, rows: list[Request], trees: list[DraftTree], sampled: list[int], fwd, key):
         """(B, Q + 3) outcome of a padded step with the ``sampled`` rows through the device rule, or None when
-        they take the host rule: the captured rule (``SampledRule``) whenever the verify is a captured graph and
-        no sampled tree has draft distributions, whatever the row count; otherwise the rule eagerly from
+        they take the host rule: ``SampledRule`` whenever no sampled tree has draft distributions (replayed when
+        the verify is a captured graph), whatever the row count; otherwise the trial loop eagerly from
         ``DEVICE_SAMPLED_MIN_ROWS`` sampled rows on."""
         full = getattr(fwd.logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped it
         graphs = self.runner.graphs
         captured = key is not None and graphs is not None and graphs.captured(key)
-        graphed = captured and self.sampled_rule.capture
-        plain = isinstance(full, torch.Tensor) and applies([trees[i] for i in sampled])
-        if plain and graphed:
-            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, True)
+        if isinstance(full, torch.Tensor) and applies([trees[i] for i in sampled]):
+            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, captured)
         if len(sampled) < DEVICE_SAMPLED_MIN_ROWS:
             return None
-        if plain:
-            return self.sampled_rule(rows, trees, sampled, full, fwd.accept, False)
         accept = fwd.accept.clone()
         accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
                                                fwd.logits, sampled, accept.shape[1] - 3)

@@ -159,7 +159,7 @@ def stand_in_verify_graphs(monkeypatch, eng) -> dict:
 
 @pytest.mark.parametrize("draft,tree", [("ngram", "chain:4"), (None, "chain:4")])
 def test_seeded_tokens_equal_on_every_path_and_batch(tiny_target, monkeypatch, draft, tree):
-    """Eager engine (host rule) == padded step with the host rule (fewer than DEVICE_SAMPLED_MIN_ROWS sampled rows)
+    """Eager engine (host rule) == padded step (the device rule eagerly, at any row count)
     == the eager device rule == the graphed rule (CUDA stood in: verify_stochastic forbidden), at batch 4, batch 1,
     in reverse order and with greedy rows added to the batch."""
     import specdec.verifier as verifier

@@ -161,7 +161,7 @@ def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, 
 
 
 @pytest.mark.parametrize("draft,wrong", [("ngram", False), (None, False), ("ngram", True)],
-                         ids=["ngram", "target-only", "ngram-shared-uniform"])
+                         ids=["ngram", "target-only", "ngram-bonus-redrawn"])
 def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, draft, wrong, monkeypatch):
     """CUDA stood in (``test_sampled_rule.stand_in_verify_graphs``): every verify is a captured graph, so sampled
     rows go through the captured rule (``specdec.sampled_rule``; the host rule is forbidden) at every batch size;
@@ -178,7 +178,7 @@ def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, 
 
     monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
     if wrong:
-        _share_one_uniform(monkeypatch)
+        _redraw_the_bonus(monkeypatch)
     engines = []
     settings = (0.7, 0, 0.9)
 
@@ -196,20 +196,29 @@ def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, 
     assert rule.graphs and sum(g.replays for g, *_ in rule.graphs.values()) > 0
     if draft is not None:
         assert 0.02 * stats.drafted < stats.accepted < stats.drafted  # proposals tried, some accepted
-    if wrong:  # (the joint only: the first tokens came out the same with either residual)
+    if wrong:
         assert p_joint < P_MIN
     else:
         assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
 
 
-def _share_one_uniform(monkeypatch) -> None:
-    """A wrong single-draw rule for the negative controls: every verify token draws with the row's first uniform
-    (the draws of one step are no longer independent, so the joint of two tokens is off)."""
+def _redraw_the_bonus(monkeypatch) -> None:
+    """A wrong single-draw rule for the negative controls (the analogue of keeping p after a rejection): where no
+    child was drawn, the bonus is drawn again from the node's whole distribution with another uniform, so it
+    can be a rejected child's token."""
     import specdec.acceptance_stochastic as rules
 
     outcome = rules._deterministic_outcome
-    monkeypatch.setattr(rules, "_deterministic_outcome",
-                        lambda probs, trees, u: outcome(probs, trees, u[:, :1].expand_as(u).contiguous()))
+
+    def wrong(probs, trees, u):
+        out = outcome(probs, trees, u)  # (B, Q + 2)
+        m = out[:, :1]
+        last = torch.where(m > 0, out.gather(1, (m + 1).clamp(max=out.shape[1] - 1)), 0)  # (B, 1) the path's end
+        p = probs.gather(1, last.unsqueeze(-1).expand(-1, 1, probs.shape[-1])).squeeze(1)  # (B, V)
+        again = rules._sample(p, (u.gather(1, last) + 0.5) % 1.0)  # (B, 1)
+        return torch.cat([m, again, out[:, 2:]], 1)
+
+    monkeypatch.setattr(rules, "_deterministic_outcome", wrong)
 
 
 def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):
@@ -245,13 +254,13 @@ def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
 
 
 @pytest.mark.parametrize("tree,wrong", [("topk:2x2", False), ("dynamic:6", False), ("dynamic:6", True)],
-                         ids=["topk", "dynamic", "dynamic-shared-uniform"])
+                         ids=["topk", "dynamic", "dynamic-bonus-redrawn"])
 def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits, tree, wrong, monkeypatch):
     """Sampled rows drafted by the EAGLE device program (cuda_graphs=True: the padded path, CUDA stood in so the
     verify counts as captured and the sampled rule is the captured one): every proposal comes from the device
     program (no host-drafted step), its deterministic trees are verified point-mass by point-mass, and the first
-    two tokens follow the target (SAMPLES requests, chi-square). Negative control: one uniform shared by a
-    step's draws fails."""
+    two tokens follow the target (SAMPLES requests, chi-square). Negative control: the bonus drawn again
+    from the whole distribution fails."""
     from test_sampled_rule import stand_in_verify_graphs
 
     import specdec.acceptance_stochastic
@@ -264,7 +273,7 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
 
     monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
     if wrong:
-        _share_one_uniform(monkeypatch)
+        _redraw_the_bonus(monkeypatch)
     target_dir, target, _ = pair
     model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
     eagle = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)

@@ -13,8 +13,8 @@ from specdec.plan import LARGE_BATCH_ROWS
 DEFAULT_DRAFT = "smollm2-135m-draft"
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
 PIPELINE_CHOICES = {"auto": None, "on": True, "off": False}  # --pipeline -> SpecConfig.pipeline
-# the shipped draft's tree on CUDA, pipelined with a fixed budget: the fixed tree measured best over batch 1 and
-# 64 on the H200 (bench/RESULTS.md, session 8); elsewhere chain:4
+# the shipped draft's tree on CUDA (pipelined with a fixed budget, the best fixed tree from batch 1 to 64);
+# elsewhere chain:4
 CUDA_DRAFT_TREE = "dynamic:31"
 
 
