@@ -15,7 +15,7 @@ import time
 
 from specdec.sampling_params import SamplingParams
 
-WARM_UP_TOKENS = 6  # new tokens per synthetic request: a prefill step, then several decode steps of the same rows
+WARM_UP_TOKENS = 4  # new tokens per synthetic request: a prefill step, then decode steps of the same rows
 PROMPT_TOKENS = 8
 
 
@@ -46,19 +46,18 @@ def warm_up(engine) -> float:
     sampled_budgets = [None] if controller is None else sorted({o.nodes for o in controller.options})
     greedy = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
     sampled = [SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, temperature=1.0, top_p=top_p, seed=i)
-               for i, top_p in enumerate((1.0, 0.9))]
+               for i, top_p in enumerate((1.0, 0.9))]  # without and with top-p: the rule's two graphs
     buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
     try:
         for rows in range(1, cfg.max_batch_size + 1):
             # greedy steps: the budget the engine gives them (pipelined: fixed, else the controller's choice)
             engine.adaptive = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
             engine.generate([prompt] * rows, greedy)
-            if rows not in buckets and rows != cfg.max_batch_size:
-                continue  # sampled steps' graphs depend on the batch bucket only
-            for nodes in sampled_budgets:
+            for nodes in sampled_budgets:  # a step with a sampled row: any budget the controller may choose
                 engine.adaptive = None if controller is None else FixedBudget(nodes)
-                for params in sampled:
-                    engine.generate([prompt] * rows, params)
+                engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
+                if rows in buckets or rows == cfg.max_batch_size:  # the sampled rule per batch bucket, top-p on
+                    engine.generate([prompt] * rows, sampled[1])
     finally:
         engine.adaptive = controller
         engine.drafter.budget = None
