@@ -63,9 +63,10 @@ class FeatureTable:
         k = (begins - 1 - self.start[bt])[:, None] + np.arange(valid.shape[1])  # (R, w) index in the slot's run
         ok = valid & (k >= 0) & (k < held[:, None])
         out = np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
-        if self.data.shape[0] > self.block_ends:
+        miss = valid & ~ok  # (R, w)
+        if miss.any() and self.data.shape[0] > self.block_ends:
             pos = begins[:, None] - 1 + np.arange(valid.shape[1])  # (R, w) the positions read
-            for i, j in np.argwhere(valid & ~ok & (pos >= 0) & (pos % self.block_size == self.block_size - 1)):
+            for i, j in np.argwhere(miss & (pos >= 0) & (pos % self.block_size == self.block_size - 1)):
                 blocks = reqs[i].blocks
                 b = pos[i, j] // self.block_size
                 if b < len(blocks) and blocks[b] >= 0:  # (a sliding window may have released it)
