@@ -88,13 +88,15 @@ class FeatureTable:
             return
         bs, picks, dst = self.block_size, [], []
         for r, s, f in zip(reqs, starts, feats):
-            ends = [p for p in range(s + (bs - 1 - s) % bs, s + f.shape[0], bs) if r.blocks[p // bs] >= 0]
-            if ends:  # the last positions of (live) blocks in the chunk
-                picks.append(f[torch.tensor(ends, dtype=torch.int64, device=f.device) - s])
-                dst += [self.block_ends + r.blocks[p // bs] for p in ends]
+            first = (bs - 1 - s) % bs  # (the chunk's row of the first block end in it)
+            blocks = [r.blocks[p // bs] for p in range(s + first, s + f.shape[0], bs)]
+            if blocks and min(blocks) >= 0:  # (a released block never enters the prefix cache)
+                picks.append(f[first::bs])
+                dst += blocks
         if picks:
-            where = torch.tensor(dst, dtype=torch.int64).to(self.data.device, non_blocking=True)
-            self.data.index_copy_(0, where, torch.cat(picks).to(self.data.dtype))
+            rows = np.array(dst, dtype=np.int64) + self.block_ends  # (n,) one per block end in the chunks
+            where = torch.from_numpy(rows).to(self.data.device, non_blocking=True)
+            self.data.index_copy_(0, where, torch.cat(picks).to(self.data.dtype))  # (n, k * hidden)
 
     def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
         """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
