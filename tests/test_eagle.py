@@ -321,12 +321,11 @@ def test_untrained_draft_over_a_partial_vocabulary_is_lossless(tiny_target):
 
 def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
     """The draft's root state at every step (paged KV written over prefill, catch-ups and
-    adoption, features handed over by verify) equals one dense forward of the draft over the
-    committed tokens with the target's features."""
+    adoption, features handed over by verify, a prefix-cache hit) equals one dense forward of the
+    draft over the committed tokens with the target's features."""
     root, _, target = setup
     draft = load_model(root / "full", target=target)
-    # no prefix cache: after a hit the first uncached position has no target feature (zeros instead)
-    eng = SpecEngine(draft, target, SpecConfig(tree="topk:2x2", num_blocks=64, block_size=4, prefix_cache=False))
+    eng = SpecEngine(draft, target, SpecConfig(tree="topk:2x2", num_blocks=64, block_size=4))
     seen = []
     orig = eng.drafter._catch_up
 
@@ -335,8 +334,9 @@ def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
         seen.extend((list(g.req.tokens), g.hidden[-1].clone()) for g in grows)
 
     eng.drafter._catch_up = spy
-    eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=20, ignore_eos=True))
-    assert len(seen) >= 10
+    for prompts in (PROMPTS[:2], PROMPTS[1:3]):  # the second call finds PROMPTS[1] and the chat template's
+        eng.generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))  # first tokens cached
+    assert len(seen) >= 10 and eng.scheduler.prefix_cache.stats.hits == 2
     m = draft.model
     for tokens, hidden in seen:
         ids = torch.tensor(tokens)

@@ -17,8 +17,8 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class _Req:
-    def __init__(self, bt_row: int) -> None:
-        self.bt_row = bt_row
+    def __init__(self, bt_row: int, blocks: tuple[int, ...] = ()) -> None:
+        self.bt_row, self.blocks = bt_row, list(blocks)
 
 
 def _read(table: FeatureTable, reqs, begins, width: int) -> torch.Tensor:
@@ -43,6 +43,21 @@ def test_feature_table_reads_what_each_request_stored_and_zeros_elsewhere():
     assert _read(table, [a], [11], 3).abs().sum() == 0
     with pytest.raises(ValueError, match="at most 3 feature rows"):
         table.store([a], [0], [torch.zeros(4, 2)])
+
+
+def test_feature_table_keeps_the_last_position_of_each_prefilled_block():
+    """A prefill keeps the features of each block's last position; a request that holds that block but not
+    the features (a prefix hit) reads them there, at a block's last position only."""
+    table = FeatureTable(rows=2, cap=3, width=2, dtype=torch.float32, device="cpu", blocks=6, block_size=4)
+    computed = _Req(0, (5, 2, 0))
+    feats = torch.arange(2.0, 10.0).repeat_interleave(2).view(8, 2)  # positions 2..9, row = its position
+    table.keep_block_ends([computed], [2], [feats])  # keeps positions 3 (block 5) and 7 (block 2)
+    hit = _Req(1, (5, 2, 4))  # the first two blocks from the prefix cache
+    got = _read(table, [hit], [4], 5)  # positions 3..7
+    torch.testing.assert_close(got[0, :, 0], torch.tensor([3.0, 0.0, 0.0, 0.0, 7.0]))
+    assert _read(table, [_Req(1, (-1, 2))], [4], 1).abs().sum() == 0  # a released block: nothing kept
+    table.store([hit], [8], [torch.full((1, 2), 8.0)])  # the request's own run comes first
+    torch.testing.assert_close(_read(table, [hit], [8], 2)[0, :, 0], torch.tensor([7.0, 8.0]))
 
 
 def test_full_batch_of_64_rows_stays_on_the_device_program(tiny_target):

@@ -36,14 +36,20 @@ class FeatureTable:
     Draft position p reads the target features of position p - 1. Every catch-up reads all a request
     holds but the last position's, so a request holds one run of at most ``cap`` rows: the verify step's
     (pending token + accepted path) or a prefill chunk's last position. The runs live in one device table,
-    ``cap`` rows per block-table row (a running request's ``bt_row``), plus one zero row that stands for
-    features nobody computed (a prefix-cache hit, a preempted request's restart); host arrays say which
-    positions each slot holds and for which request. Batches are (R, w) grids: row i, column j.
+    ``cap`` rows per block-table row (a running request's ``bt_row``), plus one zero row (the input of
+    position 0, and of any position whose features nobody kept), plus one row per physical KV block (of
+    ``blocks``, ``block_size`` positions each): the features of the block's last position, kept when a prefill
+    computes it. A block enters the prefix cache only after a prefill computed it, so the first draft position
+    after a cached prefix (a prefix hit, a preempted request's restart, a chunk after ``adopt``) reads exactly
+    the features the prefix was computed with. Host arrays say which positions each slot holds and for which
+    request. Batches are (R, w) grids: row i, column j.
     """
 
-    def __init__(self, rows: int, cap: int, width: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, rows: int, cap: int, width: int, dtype: torch.dtype, device, *, blocks: int = 0,
+                 block_size: int = 1) -> None:
         self.cap, self.zero = cap, rows * cap
-        self.data = torch.zeros(rows * cap + 1, width, dtype=dtype, device=device)  # (rows * cap + 1, k * hidden)
+        self.block_size, self.block_ends = block_size, rows * cap + 1  # row of block b's last position: + b
+        self.data = torch.zeros(rows * cap + 1 + blocks, width, dtype=dtype, device=device)  # (rows*cap+1+blocks, k*H)
         self.start = np.zeros(rows, dtype=np.int64)  # position of each slot's first row
         self.count = np.zeros(rows, dtype=np.int64)  # rows each slot holds
         self.owner: list[Request | None] = [None] * rows
@@ -51,12 +57,21 @@ class FeatureTable:
 
     def sources(self, reqs: list[Request], bt: np.ndarray, begins: np.ndarray, valid: np.ndarray) -> np.ndarray:
         """(R, w) table rows holding the features of positions begins[i] - 1 + j (the input of draft position
-        begins[i] + j) of each request ``reqs[i]`` (block-table row ``bt[i]``): the zero row where unknown or
-        not ``valid`` (R, w)."""
+        begins[i] + j) of each request ``reqs[i]`` (block-table row ``bt[i]``): from its run, else (the last
+        position of a block) the block's row, else (or where not ``valid``) the zero row (R, w)."""
         held = np.where([self.owner[i] is r for i, r in zip(bt.tolist(), reqs)], self.count[bt], 0)  # (R,)
         k = (begins - 1 - self.start[bt])[:, None] + np.arange(valid.shape[1])  # (R, w) index in the slot's run
         ok = valid & (k >= 0) & (k < held[:, None])
-        return np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
+        out = np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
+        miss = valid & ~ok  # (R, w)
+        if miss.any() and self.data.shape[0] > self.block_ends:
+            pos = begins[:, None] - 1 + np.arange(valid.shape[1])  # (R, w) the positions read
+            for i, j in np.argwhere(miss & (pos >= 0) & (pos % self.block_size == self.block_size - 1)):
+                blocks = reqs[i].blocks
+                b = pos[i, j] // self.block_size
+                if b < len(blocks) and blocks[b] >= 0:  # (a sliding window may have released it)
+                    out[i, j] = self.block_ends + blocks[b]
+        return out
 
     def gather(self, index: np.ndarray) -> torch.Tensor:
         """Rows ``index`` of the table (one indexing op)."""
@@ -65,6 +80,23 @@ class FeatureTable:
     def consumed(self, bt: np.ndarray, ends: np.ndarray) -> None:
         """The drafts of block-table rows ``bt`` have read everything before position ``end - 1``."""
         self.start[bt], self.count[bt] = ends - 1, 0
+
+    def keep_block_ends(self, reqs: list[Request], starts: list[int], feats) -> None:
+        """Request i's prefill computed ``feats[i]`` (n_i, k * hidden), the target features of positions
+        [starts[i], starts[i] + n_i): keep those of the last position of each block among them."""
+        if self.data.shape[0] == self.block_ends:
+            return
+        bs, picks, dst = self.block_size, [], []
+        for r, s, f in zip(reqs, starts, feats):
+            first = (bs - 1 - s) % bs  # (the chunk's row of the first block end in it)
+            blocks = [r.blocks[p // bs] for p in range(s + first, s + f.shape[0], bs)]
+            if blocks and min(blocks) >= 0:  # (a released block never enters the prefix cache)
+                picks.append(f[first::bs])
+                dst += blocks
+        if picks:
+            rows = np.array(dst, dtype=np.int64) + self.block_ends  # (n,) one per block end in the chunks
+            where = torch.from_numpy(rows).to(self.data.device, non_blocking=True)
+            self.data.index_copy_(0, where, torch.cat(picks).to(self.data.dtype))  # (n, k * hidden)
 
     def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
         """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
@@ -117,7 +149,8 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         width = len(model.aux_layers) * model.config.hidden_size
         # a run is a verify step's pending token + accepted path (<= max_nodes + 1 rows) or one prefill row
         self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width,
-                                     next(model.parameters()).dtype, runner.device)  # the device program's dtype
+                                     next(model.parameters()).dtype, runner.device,  # the device program's dtype
+                                     blocks=runner.pool.num_blocks, block_size=runner.pool.block_size)
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
         self.fused = None  # a FusedVerify once ``fuse_verify``: device-program steps launch the verify too
         self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels);
@@ -335,6 +368,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         aux = torch.cat([x for h, f in zip(carry.split(1), features) for x in (h, f[:-1].to(dtype))])  # (T, k*H)
         self._run_positions(reqs, spans, aux)
         self.features.store(reqs, (ends - 1).tolist(), [f[-1:] for f in features])
+        self.features.keep_block_ends(reqs, begins.tolist(), features)
 
     def accepted(self, rows: list[Request], results) -> None:
         live = [(req, res) for req, res in zip(rows, results) if not req.finished]
