@@ -83,3 +83,12 @@ def check_finite_flags(rows: Sequence[Request], finite: Sequence[int], what: str
     bad = [req.request_id for req, ok in zip(rows, finite) if not ok]
     if bad:
         raise RequestFault(bad, f"{what} logits are not finite (NaN or infinity) for request(s) {bad}")
+
+
+def check_distribution(req: Request, probs: torch.Tensor, what: str) -> None:
+    """Raise ``RequestFault`` naming ``req`` when its sampling distribution ``probs`` holds NaN or infinity
+    (finite logits divided by a small temperature can overflow), so that the row fails instead of sampling."""
+    if not bool(torch.isfinite(probs).all()):
+        raise RequestFault([req.request_id], f"the {what} sampling distribution of request {req.request_id} is not "
+                           f"finite (NaN or infinity) at temperature {req.params.temperature}: its logits divided "
+                           "by the temperature overflow")

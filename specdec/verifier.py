@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
-from specdec.fault_isolation import check_finite, check_finite_flags
+from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
@@ -279,7 +279,9 @@ def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
     if p.greedy:
         return verify_greedy(tree, lg.argmax(-1))
-    return verify_stochastic(tree, shape_probs(lg, p.temperature, p.top_k, p.top_p), req.stream)
+    probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)  # (N+1, V)
+    check_distribution(req, probs if tree.draft_dists is None else torch.cat([probs, tree.draft_dists]), "target")
+    return verify_stochastic(tree, probs, req.stream)
 
 
 def request_randomness(seed: int | None, device: torch.device) -> tuple[torch.Generator, UniformStream]:

@@ -15,6 +15,7 @@ import torch
 from specdec.acceptance import shape_probs
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.frontier import FrontierLayout, Shape, pick_children, shaped_probs, top_candidates
+from specdec.fault_isolation import check_distribution
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree, TreeSpec
@@ -132,6 +133,7 @@ class ModelDrafter(Drafter):
                 greedy_logits += [lg for _, lg in nodes]
                 continue
             q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p)  # (n, V)
+            check_distribution(g.req, q, "draft")  # before sampling from it
             sampled += [(gi, parent, len(g.dist_rows) + j) for j, (parent, _) in enumerate(nodes)]
             g.dist_rows.extend(q.unbind(0))
             tokens.append(_sample_children(q, k, self.spec.kind == "chain", g.req.generator))  # (n, k)

@@ -1,0 +1,65 @@
+"""Hostile input and misuse of one engine (issue 28): tiny temperatures, non-finite sampling distributions,
+several threads on one engine, prompts whose preparation raises, configurations too large for any machine,
+and validation messages that name the real culprit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
+from specdec.sampling_params import GREEDY_TEMPERATURE_FLOOR, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+PROMPT = [5, 6, 7, 8, 9]
+
+
+def _engine(draft, target, **cfg) -> SpecEngine:
+    return SpecEngine(draft, target, SpecConfig(**{"tree": "chain:3", "num_blocks": 64, **cfg}))
+
+
+# ---------------------------------------------------------------- 1. tiny temperatures
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "model"])
+def test_temperatures_below_the_floor_decode_greedily_in_every_path(tiny_target, tiny_draft, draft):
+    """1e-40 gave garbage (target-only, n-gram) or a failed request (draft model); below the floor it is greedy."""
+    engine = _engine({"none": None, "ngram": "ngram", "model": tiny_draft}[draft], tiny_target)
+    greedy = engine.generate([PROMPT], SamplingParams(max_new_tokens=16, ignore_eos=True))[0]
+    for t in (1e-40, 1e-30, GREEDY_TEMPERATURE_FLOOR / 2):
+        out = engine.generate([PROMPT], SamplingParams(temperature=t, seed=3, max_new_tokens=16, ignore_eos=True))[0]
+        assert out.error is None and out.token_ids == greedy.token_ids, t
+    assert engine.all_blocks_free()
+
+
+def test_sampling_params_store_tiny_temperatures_as_greedy():
+    assert SamplingParams(temperature=1e-40).temperature == 0.0 and SamplingParams(temperature=1e-40).greedy
+    assert SamplingParams(temperature=GREEDY_TEMPERATURE_FLOOR).temperature == GREEDY_TEMPERATURE_FLOOR
+    assert not SamplingParams(temperature=GREEDY_TEMPERATURE_FLOOR).greedy
+
+
+@pytest.fixture(scope="module")
+def huge_logits(tiny_dirs):
+    """The tiny target with logits around 1e36: finite, but divided by a temperature of 1e-5 they overflow."""
+    model = load_model(tiny_dirs["llama"])
+    with torch.no_grad():
+        probe = model.model.compute_logits(torch.ones(1, model.config.hidden_size))
+        model.model.lm_head.weight.mul_(1e36 / probe.abs().max())
+    return model
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "model"])
+def test_a_non_finite_sampling_distribution_fails_its_row_by_name(huge_logits, draft):
+    """Target-only and n-gram sampled garbage from a NaN distribution with finish_reason "length"; the draft
+    model failed with torch's "probability tensor contains inf"; now the row fails naming the cause and a
+    greedy row of the same batch is unaffected."""
+    engine = _engine({"none": None, "ngram": "ngram", "model": huge_logits}[draft], huge_logits)
+    greedy = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    alone = engine.generate([PROMPT], greedy)[0]
+    hot = SamplingParams(temperature=GREEDY_TEMPERATURE_FLOOR, seed=1, max_new_tokens=8, ignore_eos=True)
+    bad, good = engine.generate([[11, 12, 13], PROMPT], [hot, greedy])
+    assert bad.finish_reason == "error" and "sampling distribution" in str(bad.error)
+    assert "not finite" in str(bad.error) and "temperature" in str(bad.error)
+    assert good.error is None and good.token_ids == alone.token_ids
+    assert engine.all_blocks_free()
