@@ -14,6 +14,7 @@ from specdec.adaptive import make_controller
 from specdec.config import ModelConfig
 from specdec.config_checks import check_spec_config
 from specdec.drafters.base import Drafter, Proposal
+from specdec.engine_guard import EngineGuard
 from specdec.errors import FieldError
 from specdec.fault_isolation import run_isolated
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
@@ -143,6 +144,7 @@ class SpecEngine:
         self.stats = AcceptanceStats()
         self.router = Router()
         self._ids = itertools.count()
+        self.guard = EngineGuard()  # held by stream()'s engine work: several threads may generate at once
 
     def _pipelines(self) -> bool:
         """Whether greedy fused steps queue their successors (``specdec.lookahead``): asked for (``pipeline``
@@ -418,9 +420,10 @@ class SpecEngine:
                _finals_only: bool = False) -> Iterator[RequestOutput]:
         """Yield incremental outputs (``new_token_ids``/``new_text``) of these prompts' requests.
 
-        Only this call's requests are yielded, even when other streams drive the same engine.
-        A params entry of the wrong type raises TypeError before anything is queued; if the
-        submission fails half-way, or the consumer stops early, this call's requests are aborted.
+        Only this call's requests are yielded, even when other streams drive the same engine, on this
+        thread or on others (``guard`` serialises their steps). A params entry of the wrong type raises
+        TypeError before anything is queued; if the submission fails half-way, or the consumer stops early,
+        this call's requests are aborted.
         """
         prompt_list = as_prompt_list(prompts)
         plist = _params_list(params, len(prompt_list))
@@ -431,25 +434,28 @@ class SpecEngine:
                 rid = str(next(self._ids))
                 order.append(rid)
                 try:
-                    req = self.add_request(prompt, p, rid)
+                    with self.guard:
+                        self.router.own(queue, self.add_request(prompt, p, rid))
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
-                    continue
-                self.router.own(queue, req)
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))
             while queue.pending or not queue.done:
                 if not queue.pending:
-                    self.step()
+                    with self.guard:
+                        if not queue.done and not queue.pending:  # another thread's step may have finished them
+                            self.step()
                     continue
                 out = queue.pending.popleft()
                 if bar is not None:
                     bar.update(len(out.new_token_ids))
                 yield out
         finally:  # a failed submission, an error or an early stop must not leave requests holding KV
-            for req in queue.requests:
-                if not req.finished:
-                    self.scheduler.abort(req)
-            self.router.release(queue)
+            if queue.requests:
+                with self.guard:
+                    for req in queue.requests:
+                        if not req.finished:
+                            self.scheduler.abort(req)
+                    self.router.release(queue)
             if bar is not None:
                 bar.close()
 

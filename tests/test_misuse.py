@@ -63,3 +63,51 @@ def test_a_non_finite_sampling_distribution_fails_its_row_by_name(huge_logits, d
     assert "not finite" in str(bad.error) and "temperature" in str(bad.error)
     assert good.error is None and good.token_ids == alone.token_ids
     assert engine.all_blocks_free()
+
+
+# ---------------------------------------------------------------- 2. several threads on one engine
+
+
+@pytest.mark.parametrize("draft", ["none", "ngram", "model"])
+def test_threads_generating_on_one_engine_get_their_solo_outputs(tiny_target, tiny_draft, draft):
+    """Two threads calling generate at once appended every token twice (target-only, n-gram) or failed rows
+    (draft model); now their steps are serialised and each gets what it gets alone."""
+    import threading
+
+    engine = _engine({"none": None, "ngram": "ngram", "model": tiny_draft}[draft], tiny_target)
+    prompts = [[5 + i, 6, 7 + i, 8] for i in range(4)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    alone = [o.token_ids for o in engine.generate(prompts, params)]
+    got: dict[int, list] = {}
+
+    def run(k: int) -> None:
+        got[k] = [o.token_ids for o in engine.generate(prompts[k % 2:], params)]
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(got) == [0, 1, 2, 3]
+    for k, outs in got.items():
+        assert outs == alone[k % 2:], k
+    assert engine.all_blocks_free()
+
+
+def test_generating_from_inside_an_engine_step_is_refused(tiny_target):
+    """A nested call on the thread running a step raises RuntimeError; the outer call's requests are freed."""
+    engine = _engine(None, tiny_target)
+    schedule, nested = engine.scheduler.schedule, []
+
+    def scheduling():
+        if not nested:
+            nested.append(1)
+            engine.generate([PROMPT], SamplingParams(max_new_tokens=2))
+        return schedule()
+
+    engine.scheduler.schedule = scheduling
+    with pytest.raises(RuntimeError, match="inside one of its own steps"):
+        engine.generate([PROMPT], SamplingParams(max_new_tokens=4))
+    engine.scheduler.schedule = schedule
+    assert engine.all_blocks_free()
+    assert engine.generate([PROMPT], SamplingParams(max_new_tokens=4))[0].error is None
