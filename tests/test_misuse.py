@@ -111,3 +111,43 @@ def test_generating_from_inside_an_engine_step_is_refused(tiny_target):
     engine.scheduler.schedule = schedule
     assert engine.all_blocks_free()
     assert engine.generate([PROMPT], SamplingParams(max_new_tokens=4))[0].error is None
+
+
+# ---------------------------------------------------------------- 3, 6. preparing one prompt raises
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+               "{% if add_generation_prompt %}<assistant>{% endif %}")
+GOOD_CHAT = [{"role": "user", "content": "hello"}]
+BAD_CHAT = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+
+
+@pytest.fixture(scope="module")
+def strict_target(tiny_target):
+    """The tiny target with the byte tokenizer and a Mistral-style template that raises on two user turns."""
+    from serving_helpers import byte_tokenizer
+
+    from specdec.loading.registry import LoadedModel
+
+    tok = byte_tokenizer()
+    tok.chat_template = ALTERNATING
+    return LoadedModel("tiny-strict", tiny_target.model, tok, tiny_target.config)
+
+
+@pytest.mark.parametrize("bad, cause", [
+    (BAD_CHAT, "roles must alternate"),
+    ("lone \ud800 surrogate", "lone surrogate"),
+    ([{"role": "user", "content": "x\udfffy"}], "messages[0].content is not valid Unicode"),
+])
+def test_a_prompt_whose_preparation_raises_fails_alone(strict_target, bad, cause):
+    """A raising chat template (jinja2 TemplateError) or a lone surrogate (the tokenizer's TypeError) escaped
+    generate and lost the good prompts' outputs; now only the bad prompt fails, naming the cause."""
+    engine = _engine(None, strict_target)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = engine.generate([GOOD_CHAT, "fine text"], params)
+    outs = engine.generate([GOOD_CHAT, bad, "fine text"], params)
+    assert outs[1].finish_reason == "error" and cause in str(outs[1].error)
+    assert isinstance(outs[1].error, ValueError)
+    assert [o.token_ids for o in (outs[0], outs[2])] == [o.token_ids for o in alone]
+    assert engine.all_blocks_free()

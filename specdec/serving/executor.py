@@ -192,10 +192,15 @@ class Executor:
         raise RuntimeError(f"request {request_id!r} ended without a final output")
 
     def run_on_loop(self, fn: Callable[[SpecEngine], Any], timeout: float | None = 60.0) -> Any:
-        """Run ``fn(engine)`` on the loop thread between steps and return its result (or raise its error)."""
+        """Run ``fn(engine)`` on the loop thread between steps and return its result (or raise its exception,
+        whatever it is: the loop goes on). ``fn`` may generate on the engine: the executor's own requests then
+        advance in those steps too, and their readers get what they did."""
         box: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox.put(("call", fn, box))
-        ok, value = box.get(timeout=timeout)
+        try:
+            ok, value = box.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"run_on_loop: the function did not return within {timeout} s") from None
         if not ok:
             raise value
         return value
@@ -258,7 +263,10 @@ class Executor:
                 self._refuse_pending()
                 return
             if msg is not None:
-                self._handle(msg)  # drain the inbox before the next step
+                try:
+                    self._handle(msg)  # drain the inbox before the next step
+                except Exception:  # noqa: BLE001 - one message must not kill the loop
+                    log.exception("handling %s failed", msg[0])
             else:
                 self._step()
             self._update_load()
@@ -290,13 +298,23 @@ class Executor:
             fn, box = msg[1:]
             try:
                 box.put((True, fn(self.engine)))
-            except Exception as err:  # handed back to the caller, who raises it
+            except BaseException as err:  # noqa: BLE001 - KeyboardInterrupt too: handed back to the caller, who raises it
                 box.put((False, err))
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Deliver what requests did outside this loop's steps (a ``run_on_loop`` function that generated ran
+        steps for them too, perhaps to the end)."""
+        for live in list(self._live.values()):
+            self._deliver(live)
 
     def _add(self, rid: str, prompt, params, channel: _Channel) -> None:
         try:
-            req = self.engine.add_request(prompt, params, rid)
-        except (ValueError, TypeError) as err:
+            with self.engine.guard:
+                req = self.engine.add_request(prompt, params, rid)
+        except Exception as err:  # noqa: BLE001 - the request is refused (a ValueError: the caller's fault), the loop lives
+            if not isinstance(err, (ValueError, TypeError)):
+                log.exception("preparing request %s failed", rid)
             channel.put(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             return
         live = self._live[rid] = _Live(req, channel)
@@ -326,7 +344,8 @@ class Executor:
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
-            progressed = self.engine.step()
+            with self.engine.guard:
+                progressed = self.engine.step()
         except Exception as err:  # noqa: BLE001 - one failed step must not kill the loop
             log.exception("engine step failed")
             self._fail_running(err)
