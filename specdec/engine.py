@@ -299,16 +299,17 @@ class SpecEngine:
         cfg = self.target.config
         if not ids:
             raise PromptError("prompt is empty: it must have at least 1 token")
+        limit, lookahead = cfg.max_position_embeddings, self.drafter.lookahead
+        longest = limit - 1 - lookahead  # the longest prompt that leaves room for one output token
+        if len(ids) > longest:  # checked before the ids are scanned: a huge prompt is refused at once
+            raise PromptError(f"prompt has {len(ids)} tokens; the model's max length {limit} leaves no room for "
+                              f"output (prompt must be <= {longest} tokens)")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        limit = cfg.max_position_embeddings
-        if len(ids) >= limit:
-            raise PromptError(f"prompt has {len(ids)} tokens; the model's max length is {limit} (prompt must "
-                              f"be < {limit} tokens)")
-        if len(ids) + params.max_new_tokens + self.drafter.lookahead > limit:
+        if len(ids) + params.max_new_tokens + lookahead > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
-                             f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.lookahead}")
+                             f"model's max length {limit}; allowed: <= {limit - len(ids) - lookahead}")
         need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "

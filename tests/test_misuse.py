@@ -151,3 +151,34 @@ def test_a_prompt_whose_preparation_raises_fails_alone(strict_target, bad, cause
     assert isinstance(outs[1].error, ValueError)
     assert [o.token_ids for o in (outs[0], outs[2])] == [o.token_ids for o in alone]
     assert engine.all_blocks_free()
+
+
+# ---------------------------------------------------------------- 6, 7. bounds and messages
+
+
+@pytest.mark.parametrize("kwargs, field, shown", [
+    ({"max_batch_size": 10**9}, "max_batch_size", "<= 4096"),
+    ({"max_num_tokens": 10**12}, "max_num_tokens", "<= 1048576"),
+    ({"num_blocks": 10**12}, "num_blocks", "<= 16777216"),
+    ({"block_size": 10**6}, "block_size", "<= 1024"),
+    ({"ngram_max_n": 10**6}, "ngram_max_n", "<= 64"),
+    ({"kv_memory_bytes": 1 << 62}, "kv_memory_bytes", "the device's memory"),
+])
+def test_configs_no_machine_can_hold_are_refused_at_construction(kwargs, field, shown):
+    """max_batch_size=10**9 passed validation and then failed allocating memory."""
+    from specdec.errors import FieldError
+
+    with pytest.raises(FieldError) as info:
+        SpecConfig(**kwargs)
+    assert info.value.field == field and shown in str(info.value)
+
+
+def test_a_prompt_leaving_no_room_names_its_length(tiny_target, tiny_draft):
+    """'max_new_tokens ... allowed: <= -3' became a PromptError naming the prompt's length and the limit."""
+    from specdec.prompts import PromptError
+
+    engine = _engine(tiny_draft, tiny_target)  # max length 512, chain:3 looks 3 tokens ahead
+    out = engine.generate([[5] * 511], SamplingParams(max_new_tokens=8))[0]
+    assert isinstance(out.error, PromptError)
+    assert "511 tokens" in str(out.error) and "<= 508 tokens" in str(out.error) and "<= -" not in str(out.error)
+    assert engine.generate([[5] * 508], SamplingParams(max_new_tokens=1))[0].error is None
