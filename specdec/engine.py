@@ -279,13 +279,7 @@ class SpecEngine:
         Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request.
         """
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.target.tokenizer is None:
-            raise FieldError("SamplingParams", "stop", f"needs a model with a tokenizer ({self.target.name!r} has "
-                             "none; use stop_token_ids)", params.stop)
-        ids = to_prompt_ids(prompt, self.target.tokenizer)
-        self._validate(ids, params)
+        ids = self.prepare(prompt, params)
         eos = tuple(self.target.config.eos_token_ids)
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
@@ -294,6 +288,19 @@ class SpecEngine:
             req.generator, req.stream = request_randomness(params.seed, self.device)
         self.scheduler.add(req)
         return req
+
+    def prepare(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the model and the pool as ``add_request`` checks them; bad
+        input raises a ValueError naming the field. It reads no state that steps change, so any thread may call
+        it (a server tokenises off the thread that runs the engine)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.target.tokenizer is None:
+            raise FieldError("SamplingParams", "stop", f"needs a model with a tokenizer ({self.target.name!r} has "
+                             "none; use stop_token_ids)", params.stop)
+        ids = to_prompt_ids(prompt, self.target.tokenizer)
+        self._validate(ids, params)
+        return ids
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         cfg = self.target.config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_misuse import BAD_CHAT, GOOD_CHAT, strict_target  # noqa: F401 - the fixture
+from serving_helpers import BAD_CHAT, GOOD_CHAT
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
@@ -17,14 +17,14 @@ PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture()
-def executor(strict_target):  # noqa: F811 - the fixture
+def executor(strict_target):
     ex = Executor(SpecEngine(None, strict_target, SpecConfig(num_blocks=64)))
     yield ex
     ex.shutdown()
 
 
 @pytest.fixture(scope="module")
-def reference(strict_target):  # noqa: F811 - the fixture
+def reference(strict_target):
     return SpecEngine(None, strict_target, SpecConfig(num_blocks=64)).generate([GOOD_CHAT], PARAMS)[0].token_ids
 
 

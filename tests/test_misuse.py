@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from serving_helpers import BAD_CHAT, GOOD_CHAT
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
@@ -114,26 +115,6 @@ def test_generating_from_inside_an_engine_step_is_refused(tiny_target):
 
 
 # ---------------------------------------------------------------- 3, 6. preparing one prompt raises
-
-ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
-               "{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-               "{% if add_generation_prompt %}<assistant>{% endif %}")
-GOOD_CHAT = [{"role": "user", "content": "hello"}]
-BAD_CHAT = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
-
-
-@pytest.fixture(scope="module")
-def strict_target(tiny_target):
-    """The tiny target with the byte tokenizer and a Mistral-style template that raises on two user turns."""
-    from serving_helpers import byte_tokenizer
-
-    from specdec.loading.registry import LoadedModel
-
-    tok = byte_tokenizer()
-    tok.chat_template = ALTERNATING
-    return LoadedModel("tiny-strict", tiny_target.model, tok, tiny_target.config)
-
 
 @pytest.mark.parametrize("bad, cause", [
     (BAD_CHAT, "roles must alternate"),

@@ -23,6 +23,8 @@ def add_serve_parsers(sub, add_model_args) -> None:
     s.add_argument("--no-prefix-cache", action="store_true")
     s.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that sets none (completions: 16, as OpenAI)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse (413) request bodies longer than this, before parsing them (default: 2 MiB)")
     s.add_argument("--log-level", default="info")
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
@@ -53,7 +55,7 @@ def cmd_serve(args) -> int:
     from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.serving.executor import Executor
-    from specdec.serving.server import build_app
+    from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     device, dtype = device_dtype(args)
     cfg = SpecConfig(tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
@@ -62,7 +64,9 @@ def cmd_serve(args) -> int:
     engine = SpecEngine(draft, args.target, cfg)
     name = args.served_model_name or args.target
     with Executor(engine) as executor:
-        app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens)
+        app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens,
+                        max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
+                        else args.max_request_bytes)
         print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {engine.pool.num_blocks} KV blocks) "
               f"on http://{args.host}:{args.port}", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -129,6 +129,8 @@ class Executor:
         self._listeners: list[Callable[[IterationStats], None]] = []
         self._steps = 0
         self.load = Load(0, 0, engine.allocator.num_blocks - engine.allocator.num_free, engine.allocator.num_blocks)
+        if engine.target.tokenizer is not None:  # a fast tokenizer's first encode may reset its truncation
+            engine.target.tokenizer.encode("a")  # and padding state (a write) that concurrent ``prepare`` calls read
         self._thread = threading.Thread(target=self._run, name="specdec-executor", daemon=True)
         self._thread.start()
 
@@ -136,7 +138,8 @@ class Executor:
 
     def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request and return its id. Its outputs go to the calling thread, or to the
-        calling coroutine's event loop when called from one."""
+        calling coroutine's event loop when called from one. A text or chat prompt is tokenised on the
+        loop thread: pass ``prepare``'s token ids to keep that off it."""
         if not self._thread.is_alive():
             raise RuntimeError("the executor was shut down; create a new one")
         rid = request_id or f"req-{next(self._ids)}"
@@ -146,6 +149,12 @@ class Executor:
             channel = self._channels[rid] = _Channel()
         self._inbox.put(("add", rid, prompt, params, channel))
         return rid
+
+    def prepare(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """``prompt``'s token ids, checked as the engine checks a request (a ValueError naming the field), on the
+        calling thread: enqueue them, and a long prompt is not tokenised on the loop thread while others'
+        requests wait. Several threads may call it at once."""
+        return self.engine.prepare(prompt, params or SamplingParams())
 
     def cancel(self, request_id: str) -> None:
         """End a request early (finish_reason "abort") and free its KV; a finished one is left alone."""
