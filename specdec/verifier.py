@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
-from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags
+from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
@@ -149,6 +149,8 @@ class Verifier:
         rows, then the follow-up's columns), read instead and handed to ``follow.consume``."""
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         outcome = self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
+        if sampled and outcome is not None:  # the device rule's rows: a distribution that overflows fails its row
+            outcome = flag_overflow(outcome, fwd.logits, rows, sampled, [len(t.host.tokens) + 1 for t in trees])
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
         if read is None:

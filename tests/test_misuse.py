@@ -66,6 +66,23 @@ def test_a_non_finite_sampling_distribution_fails_its_row_by_name(huge_logits, d
     assert engine.all_blocks_free()
 
 
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_a_non_finite_distribution_fails_its_rows_in_the_device_rule(huge_logits, draft):
+    """Padded steps put 8 or more sampled rows through the device rule, which sampled token 0 from NaN."""
+    from specdec.verifier import DEVICE_SAMPLED_MIN_ROWS
+
+    engine = _engine(draft, huge_logits, cuda_graphs=True)
+    greedy = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    alone = engine.generate([PROMPT], greedy)[0]
+    hot = SamplingParams(temperature=GREEDY_TEMPERATURE_FLOOR, seed=1, max_new_tokens=6, ignore_eos=True)
+    prompts = [[11 + i, 12, 13] for i in range(DEVICE_SAMPLED_MIN_ROWS)]
+    *bad, good = engine.generate(prompts + [PROMPT], [hot] * len(prompts) + [greedy])
+    for out in bad:
+        assert out.finish_reason == "error" and "sampling distribution" in str(out.error) and not out.token_ids
+    assert good.error is None and good.token_ids == alone.token_ids
+    assert engine.all_blocks_free()
+
+
 # ---------------------------------------------------------------- 2. several threads on one engine
 
 
