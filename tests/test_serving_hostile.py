@@ -83,6 +83,7 @@ BAD = [
     ("completions", json.dumps(_completion(seed=2**64)), 400, "seed", "[0, 18446744073709551615]"),
     ("completions", json.dumps(_completion(prompt=[5] * 510)), 400, "prompt", "510 tokens"),
     ("chat", json.dumps(_chat(max_completion_tokens=0)), 400, "max_completion_tokens", ">= 1"),
+    ("chat", json.dumps(_chat(max_completion_tokens=-2, max_tokens=None)), 400, "max_completion_tokens", ">= 1"),
     ("chat", json.dumps(_chat(max_completion_tokens=3, max_tokens=5)), 400, "max_completion_tokens", "disagree"),
     ("chat", json.dumps(_chat(max_completion_tokens=10**6, max_tokens=None)), 400, "max_completion_tokens",
      "max length"),
@@ -112,6 +113,9 @@ def test_hostile_sweep_is_4xx_and_leaves_the_server_as_it_was(server, solo):
     assert greedy.status_code == 200 and greedy.json()["choices"][0]["text"] == solo
     assert tiny.json()["choices"][0]["text"] == solo  # below the floor: greedy, not garbage
     assert _idle_kv(executor) == kv_before
+    chat = httpx.post(f"{url}/v1/chat/completions", json=_chat(max_tokens=None, max_completion_tokens=5,
+                                                               ignore_eos=True), timeout=60)
+    assert chat.json()["usage"]["completion_tokens"] == 5  # max_completion_tokens alone sets the length
     assert executor.alive and not [r for r in errors if r.levelno >= logging.ERROR]
 
 

@@ -52,14 +52,17 @@ def cmd_serve(args) -> int:
         return 2
     import uvicorn
 
+    from specdec.cli.checks import UsageError, build
     from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.serving.executor import Executor
     from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     device, dtype = device_dtype(args)
-    cfg = SpecConfig(tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
-                     max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache)
+    cfg = build(SpecConfig, tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
+                max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache)
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UsageError("--max-request-bytes", f"must be an int >= 1, got {args.max_request_bytes}")
     draft = None if args.draft == "none" else args.draft
     engine = SpecEngine(draft, args.target, cfg)
     name = args.served_model_name or args.target
