@@ -442,8 +442,9 @@ class SpecEngine:
                 rid = str(next(self._ids))
                 order.append(rid)
                 try:
+                    ids = self.prepare(prompt, SamplingParams() if p is None else p)  # tokenised outside the guard
                     with self.guard:
-                        self.router.own(queue, self.add_request(prompt, p, rid))
+                        self.router.own(queue, self.add_request(ids, p, rid))
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))

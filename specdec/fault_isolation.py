@@ -116,6 +116,12 @@ def check_distribution(req: Request, probs: torch.Tensor, what: str) -> None:
     """Raise ``RequestFault`` naming ``req`` when its sampling distribution ``probs`` holds NaN or infinity
     (finite logits divided by a small temperature can overflow), so that the row fails instead of sampling."""
     if not bool(torch.isfinite(probs).all()):
-        raise RequestFault([req.request_id], f"the {what} sampling distribution of request {req.request_id} is not "
-                           f"finite (NaN or infinity) at temperature {req.params.temperature}: its logits divided "
-                           "by the temperature overflow")
+        raise distribution_fault([req], what)
+
+
+def distribution_fault(reqs: Sequence[Request], what: str) -> RequestFault:
+    """The ``RequestFault`` of sampled requests whose ``what`` ("target", "draft") distribution is not finite."""
+    ids = [r.request_id for r in reqs]
+    temps = sorted({r.params.temperature for r in reqs})
+    return RequestFault(ids, f"the {what} sampling distribution of request(s) {ids} is not finite (NaN or infinity) "
+                             f"at temperature {', '.join(map(str, temps))}: the logits divided by it overflow")

@@ -143,7 +143,7 @@ def _stop(stop: Any) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop", f"field 'stop' must be a non-empty string or a list of them, got {stop!r}")
+        raise BadRequest("stop", f"field 'stop' must be a non-empty string or a list of them, got {_short(stop)}")
     return tuple(stop)
 
 
