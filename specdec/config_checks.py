@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
 from specdec.errors import FieldError
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# the largest values the engine can hold: every row of the batch has a block-table row (int32, one entry per
+# block of the model's longest sequence) and a row in each persistent step buffer, allocated at start
+UPPER_BOUNDS = {"block_size": 1024, "max_batch_size": 4096, "max_num_tokens": 1 << 20, "ngram_max_n": 64,
+                "num_blocks": 1 << 24}
 
 
 def check_spec_config(cfg) -> None:
@@ -24,9 +29,8 @@ def check_spec_config(cfg) -> None:
     except ValueError as err:
         raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
     for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n"):
-        _positive_int(cfg, name, optional=False)
-    _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)")
-    _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None")
+        _positive_int(cfg, name, optional=False, hi=UPPER_BOUNDS[name])
+    _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)", hi=UPPER_BOUNDS["num_blocks"])
     if isinstance(cfg.policy, CapacityPolicy):
         object.__setattr__(cfg, "policy", cfg.policy.value)
     policies = [p.value for p in CapacityPolicy]
@@ -37,6 +41,8 @@ def check_spec_config(cfg) -> None:
     known = cfg.dtype in DTYPES.values() if isinstance(cfg.dtype, torch.dtype) else cfg.dtype in list(DTYPES)
     _require(known, "dtype", f"must be one of {sorted(DTYPES)}", cfg.dtype)
     object.__setattr__(cfg, "device", check_device(cfg.device))
+    _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None", hi=device_memory(cfg.device),
+                  unit=" (the device's memory)")
     _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
     _require(isinstance(cfg.ngram_shared, bool), "ngram_shared", "must be True or False", cfg.ngram_shared)
     _require(cfg.ngram_device is None or isinstance(cfg.ngram_device, bool), "ngram_device",
@@ -67,12 +73,20 @@ def check_device(device) -> str:
     return str(dev)
 
 
-def _positive_int(cfg, name: str, optional: bool, why: str = "") -> None:
+def device_memory(device: str) -> int:
+    """Bytes of memory of ``device``: the GPU's total memory, or the machine's physical memory for the CPU."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _positive_int(cfg, name: str, optional: bool, hi: int, why: str = "", unit: str = "") -> None:
     value = getattr(cfg, name)
     if optional and value is None:
         return
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    _require(ok and value >= 1, name, f"must be an int >= 1{why}", value)
+    _require(ok and 1 <= value <= hi, name, f"must be an int >= 1 and <= {hi}{unit}{why}", value)
     object.__setattr__(cfg, name, int(value))
 
 

@@ -14,6 +14,7 @@ from specdec.adaptive import make_controller
 from specdec.config import ModelConfig
 from specdec.config_checks import check_spec_config
 from specdec.drafters.base import Drafter, Proposal
+from specdec.engine_guard import EngineGuard
 from specdec.errors import FieldError
 from specdec.fault_isolation import run_isolated
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
@@ -131,6 +132,7 @@ class SpecEngine:
         self.stats = AcceptanceStats()
         self.router = Router()
         self._ids = itertools.count()
+        self.guard = EngineGuard()  # held by stream()'s engine work: several threads may generate at once
         if plan.warm_up:
             seconds = self.warm_up()
             if self.graph_report is not None:
@@ -223,13 +225,7 @@ class SpecEngine:
         Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request.
         """
         params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.target.tokenizer is None:
-            raise FieldError("SamplingParams", "stop", f"needs a model with a tokenizer ({self.target.name!r} has "
-                             "none; use stop_token_ids)", params.stop)
-        ids = to_prompt_ids(prompt, self.target.tokenizer)
-        self._validate(ids, params)
+        ids = self.prepare(prompt, params)
         eos = tuple(self.target.config.eos_token_ids)
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
@@ -239,20 +235,34 @@ class SpecEngine:
         self.scheduler.add(req)
         return req
 
+    def prepare(self, prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, checked against the model and the pool as ``add_request`` checks them; bad
+        input raises a ValueError naming the field. It reads no state that steps change, so any thread may call
+        it (a server tokenises off the thread that runs the engine)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.target.tokenizer is None:
+            raise FieldError("SamplingParams", "stop", f"needs a model with a tokenizer ({self.target.name!r} has "
+                             "none; use stop_token_ids)", params.stop)
+        ids = to_prompt_ids(prompt, self.target.tokenizer)
+        self._validate(ids, params)
+        return ids
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         cfg = self.target.config
         if not ids:
             raise PromptError("prompt is empty: it must have at least 1 token")
+        limit, lookahead = cfg.max_position_embeddings, self.drafter.lookahead
+        longest = limit - 1 - lookahead  # the longest prompt that leaves room for one output token
+        if len(ids) > longest:  # checked before the ids are scanned: a huge prompt is refused at once
+            raise PromptError(f"prompt has {len(ids)} tokens; the model's max length {limit} leaves no room for "
+                              f"output (prompt must be <= {longest} tokens)")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
-        limit = cfg.max_position_embeddings
-        if len(ids) >= limit:
-            raise PromptError(f"prompt has {len(ids)} tokens; the model's max length is {limit} (prompt must "
-                              f"be < {limit} tokens)")
-        if len(ids) + params.max_new_tokens + self.drafter.lookahead > limit:
+        if len(ids) + params.max_new_tokens + lookahead > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
-                             f"model's max length {limit}; allowed: <= {limit - len(ids) - self.drafter.lookahead}")
+                             f"model's max length {limit}; allowed: <= {limit - len(ids) - lookahead}")
         need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
         if need > self.pool.num_blocks:
             raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "
@@ -365,9 +375,10 @@ class SpecEngine:
                _finals_only: bool = False) -> Iterator[RequestOutput]:
         """Yield incremental outputs (``new_token_ids``/``new_text``) of these prompts' requests.
 
-        Only this call's requests are yielded, even when other streams drive the same engine.
-        A params entry of the wrong type raises TypeError before anything is queued; if the
-        submission fails half-way, or the consumer stops early, this call's requests are aborted.
+        Only this call's requests are yielded, even when other streams drive the same engine, on this
+        thread or on others (``guard`` serialises their steps). A params entry of the wrong type raises
+        TypeError before anything is queued; if the submission fails half-way, or the consumer stops early,
+        this call's requests are aborted.
         """
         prompt_list = as_prompt_list(prompts)
         plist = _params_list(params, len(prompt_list))
@@ -378,25 +389,29 @@ class SpecEngine:
                 rid = str(next(self._ids))
                 order.append(rid)
                 try:
-                    req = self.add_request(prompt, p, rid)
+                    ids = self.prepare(prompt, SamplingParams() if p is None else p)  # tokenised outside the guard
+                    with self.guard:
+                        self.router.own(queue, self.add_request(ids, p, rid))
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
-                    continue
-                self.router.own(queue, req)
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))
             while queue.pending or not queue.done:
                 if not queue.pending:
-                    self.step()
+                    with self.guard:
+                        if not queue.done and not queue.pending:  # another thread's step may have finished them
+                            self.step()
                     continue
                 out = queue.pending.popleft()
                 if bar is not None:
                     bar.update(len(out.new_token_ids))
                 yield out
         finally:  # a failed submission, an error or an early stop must not leave requests holding KV
-            for req in queue.requests:
-                if not req.finished:
-                    self.scheduler.abort(req)
-            self.router.release(queue)
+            if queue.requests:
+                with self.guard:
+                    for req in queue.requests:
+                        if not req.finished:
+                            self.scheduler.abort(req)
+                    self.router.release(queue)
             if bar is not None:
                 bar.close()
 

@@ -79,7 +79,49 @@ def check_finite(rows: Sequence[Request], logits: Sequence[torch.Tensor | None],
 
 
 def check_finite_flags(rows: Sequence[Request], finite: Sequence[int], what: str) -> None:
-    """``check_finite`` for flags already computed on the device (1 = the row's logits are finite)."""
-    bad = [req.request_id for req, ok in zip(rows, finite) if not ok]
-    if bad:
-        raise RequestFault(bad, f"{what} logits are not finite (NaN or infinity) for request(s) {bad}")
+    """``check_finite`` for flags already computed on the device (1 = the row's logits are finite; for a sampled
+    row also the distribution they give at its temperature: ``flag_overflow``)."""
+    bad = [req for req, ok in zip(rows, finite) if not ok]
+    if not bad:
+        return
+    ids, sampled = [r.request_id for r in bad], [r.request_id for r in bad if not r.params.greedy]
+    also = f"; for the sampled request(s) {sampled}, or the sampling distribution they give at the request's " \
+           "temperature is not finite (the logits divided by it overflow)" if sampled else ""
+    raise RequestFault(ids, f"{what} logits are not finite (NaN or infinity) for request(s) {ids}{also}")
+
+
+def flag_overflow(outcome: torch.Tensor, logits, rows: Sequence[Request], sampled: Sequence[int],
+                  lengths: Sequence[int]) -> torch.Tensor:
+    """``outcome`` (B, Q + 3) of a padded step whose last column flags finite rows, with the flag cleared for the
+    ``sampled`` rows whose logits (the step's (B * Q, V) output, or one (n, V) tensor per row) divided by their
+    temperature overflow over their ``lengths`` real queries: their sampling distribution is not finite. On the
+    device, without a sync (the step's one read carries it)."""
+    b, q = outcome.shape[0], outcome.shape[1] - 3
+    dev = outcome.device
+    full = getattr(logits, "logits", None)
+    at = torch.tensor(list(sampled), dtype=torch.int64).to(dev)
+    if isinstance(full, torch.Tensor):
+        x = full.view(b, q, full.shape[-1])[at]  # (S, Q, V)
+    else:
+        x = torch.stack([torch.nn.functional.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in sampled])
+    host = torch.tensor([[lengths[i], rows[i].params.temperature] for i in sampled], dtype=torch.float32).to(dev)
+    real = torch.arange(q, device=dev) < host[:, :1]  # (S, Q)
+    peak = torch.where(real, x.float().abs().amax(-1), 0.0).amax(-1)  # (S,) the largest |logit| of each row
+    out = outcome.clone()
+    out[at, -1] *= torch.isfinite(peak / host[:, 1]).to(out.dtype)  # (x / t as the rule computes it, float32)
+    return out
+
+
+def check_distribution(req: Request, probs: torch.Tensor, what: str) -> None:
+    """Raise ``RequestFault`` naming ``req`` when its sampling distribution ``probs`` holds NaN or infinity
+    (finite logits divided by a small temperature can overflow), so that the row fails instead of sampling."""
+    if not bool(torch.isfinite(probs).all()):
+        raise distribution_fault([req], what)
+
+
+def distribution_fault(reqs: Sequence[Request], what: str) -> RequestFault:
+    """The ``RequestFault`` of sampled requests whose ``what`` ("target", "draft") distribution is not finite."""
+    ids = [r.request_id for r in reqs]
+    temps = sorted({r.params.temperature for r in reqs})
+    return RequestFault(ids, f"the {what} sampling distribution of request(s) {ids} is not finite (NaN or infinity) "
+                             f"at temperature {', '.join(map(str, temps))}: the logits divided by it overflow")

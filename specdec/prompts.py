@@ -39,7 +39,8 @@ def to_prompt_ids(prompt, tokenizer) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise PromptError("prompt is text but the model has no tokenizer; pass token ids")
-        return list(tokenizer.encode(prompt)) if prompt else []
+        _check_unicode("prompt", prompt)
+        return _tokenizer_call("the tokenizer could not encode the prompt", tokenizer.encode, prompt) if prompt else []
     if is_token_ids(prompt):
         return [int(t) for t in (prompt.tolist() if _is_array(prompt) else prompt)]
     if is_chat(prompt):
@@ -52,10 +53,33 @@ def chat_ids(messages: list[dict], tokenizer) -> list[int]:
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise PromptError(f"messages[{i}] needs string 'role' and 'content'")
+        _check_unicode(f"messages[{i}].role", m["role"])
+        _check_unicode(f"messages[{i}].content", m["content"])
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise PromptError("prompt is a chat but the tokenizer has no chat template")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    text = _tokenizer_call("the chat template refused the messages", tokenizer.apply_chat_template, messages,
+                           tokenize=False, add_generation_prompt=True)
+    return _tokenizer_call("the tokenizer could not encode the chat", tokenizer.encode, text, add_special_tokens=False)
+
+
+def _check_unicode(name: str, text: str) -> None:
+    """PromptError naming ``name`` when ``text`` cannot be encoded as UTF-8 (a lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise PromptError(f"{name} is not valid Unicode: lone surrogate {text[err.start]!r} at character "
+                          f"{err.start}") from None
+
+
+def _tokenizer_call(what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` of the tokenizer (as a list when it returns token ids). A template or tokenizer
+    that raises (a chat template's ``raise_exception``, any error of its own) is the prompt's fault: a
+    PromptError saying ``what`` and why."""
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as err:  # noqa: BLE001 - user-supplied templates and third-party tokenizers raise anything
+        raise PromptError(f"{what}: {type(err).__name__}: {err}") from err
+    return out if isinstance(out, str) else list(out)
 
 
 def _is_int(t) -> bool:

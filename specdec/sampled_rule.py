@@ -77,8 +77,13 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tens
     sampling = RowSampling(col(_TEMPERATURE).view(torch.float64), col(_TOP_K), col(_TOP_P).view(torch.float64),
                            filtered, any_greedy=False)
     uniforms = padded_uniforms(col(_KEY0), col(_KEY1), col(_COUNTER), col(_N), q)  # (B, Q)
-    out = accept_deterministic_padded(logits.view(b, q, -1).float(), trees, sampling, uniforms)  # (B, Q + 2)
-    return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, accept[:, -1:]], 1), accept)
+    x = logits.view(b, q, -1).float()  # (B, Q, V)
+    out = accept_deterministic_padded(x, trees, sampling, uniforms)  # (B, Q + 2)
+    # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails
+    real = torch.arange(q, device=x.device) < col(_N).view(-1, 1)  # (B, Q)
+    peak = torch.where(real, x.abs().amax(-1), 0.0).amax(-1)  # (B,)
+    finite = accept[:, -1:] * torch.isfinite(peak / sampling.temperature.float()).view(-1, 1).to(accept.dtype)
+    return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, finite], 1), accept)
 
 
 def sampling_array(rows: Sequence, sampled: Sequence[int], b: int, n: int) -> np.ndarray:

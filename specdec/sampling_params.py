@@ -9,13 +9,17 @@ from dataclasses import dataclass, field
 from specdec.errors import FieldError
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
+# a temperature below this samples as greedy (it is stored as 0): float32 logits divided by a smaller one can
+# overflow to infinity, and the distribution it asks for is the argmax up to float32 rounding anyway
+GREEDY_TEMPERATURE_FLOOR = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops. Validated (types included) at construction.
 
-    temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters. ``stop`` is one
+    temperature 0 means greedy; a temperature below ``GREEDY_TEMPERATURE_FLOOR`` is stored as 0 (greedy), so
+    every proposer and the server decode it the same way. top_k 0 and top_p 1.0 disable those filters. ``stop`` is one
     string or a sequence of strings (needs a model with a tokenizer); ``stop_token_ids`` a
     sequence of token ids. Integers of any integral type (numpy included) are stored as int.
     """
@@ -33,6 +37,8 @@ class SamplingParams:
         set_ = object.__setattr__
         set_(self, "temperature", _real(self.temperature, "temperature", "must be a finite number >= 0 (0 = greedy)",
                                         lambda t: t >= 0))
+        if self.temperature < GREEDY_TEMPERATURE_FLOOR:
+            set_(self, "temperature", 0.0)
         set_(self, "top_p", _real(self.top_p, "top_p", "must be a number in (0, 1]", lambda p: 0 < p <= 1))
         set_(self, "top_k", _integer(self.top_k, "top_k", "must be an int >= 0 (0 = off)", 0, None))
         set_(self, "max_new_tokens", _integer(self.max_new_tokens, "max_new_tokens", "must be an int >= 1", 1, None))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
-from specdec.fault_isolation import check_finite, check_finite_flags
+from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
@@ -184,7 +184,8 @@ class Verifier:
         accept = fwd.accept.clone()
         accept[sampled, :-1] = _accept_sampled([rows[i] for i in sampled], [trees[i] for i in sampled],
                                                fwd.logits, sampled, accept.shape[1] - 3)
-        return accept
+        # (SampledRule clears the flag itself) a sampled distribution that overflows fails its row
+        return flag_overflow(accept, fwd.logits, rows, sampled, [len(t.host.tokens) + 1 for t in trees])
 
     @staticmethod
     def _row(req: Request, tree: DraftTree) -> RowInput:
@@ -273,7 +274,9 @@ def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
     if p.greedy:
         return verify_greedy(tree, lg.argmax(-1))
-    return verify_stochastic(tree, shape_probs(lg, p.temperature, p.top_k, p.top_p), req.stream)
+    probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)  # (N+1, V)
+    check_distribution(req, probs if tree.draft_dists is None else torch.cat([probs, tree.draft_dists]), "target")
+    return verify_stochastic(tree, probs, req.stream)
 
 
 def request_randomness(seed: int | None, device: torch.device) -> tuple[torch.Generator, UniformStream]:

@@ -221,6 +221,19 @@ def letter_target(tiny_target):
                        tiny_target.config)
 
 
+@pytest.fixture(scope="session")
+def strict_target(tiny_target):
+    """The tiny target with the byte tokenizer (tests/serving_helpers.py) and a Mistral-style chat template that
+    raises on two user turns in a row (``ALTERNATING_TEMPLATE``)."""
+    from serving_helpers import ALTERNATING_TEMPLATE, byte_tokenizer
+
+    from specdec.loading.registry import LoadedModel
+
+    tok = byte_tokenizer()
+    tok.chat_template = ALTERNATING_TEMPLATE
+    return LoadedModel("tiny-strict", tiny_target.model, tok, tiny_target.config)
+
+
 # ---------------------------------------------------------------- SmolLM2-135M
 
 

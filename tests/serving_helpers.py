@@ -10,6 +10,13 @@ from pathlib import Path
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
+# a Mistral-style template: two user turns in a row raise (jinja2 TemplateError through raise_exception)
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+GOOD_CHAT = [{"role": "user", "content": "hello"}]
+BAD_CHAT = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]  # refused by ALTERNATING_TEMPLATE
 
 
 def byte_tokenizer():

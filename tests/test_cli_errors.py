@@ -38,6 +38,8 @@ def run_cli(capsys, argv: list[str]) -> str:
     (["generate", "--prompt", "hi", "--tree", "foo:3"], ["--tree", "foo:3"]),
     (["generate", "--prompt", "hi", "--device", "gpu"], ["--device", "gpu"]),
     (["bench", "--dataset", "missing.jsonl"], ["--dataset", "missing.jsonl", "does not exist"]),
+    (["serve", "--draft", "none", "--max-batch-size", "1000000000"], ["--max-batch-size", "<= 4096"]),
+    (["serve", "--draft", "none", "--max-request-bytes", "0"], ["--max-request-bytes", ">= 1"]),
     (["bench", "--dataset", "nosuchset"], ["--dataset", "mtbench"]),
     (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
     (["bench", "--num-prompts", "0"], ["--num-prompts", ">= 1"]),

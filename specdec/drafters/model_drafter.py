@@ -15,6 +15,7 @@ import torch
 from specdec.acceptance import shape_probs
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.frontier import FrontierLayout, Shape, pick_children, shaped_probs, top_candidates
+from specdec.fault_isolation import distribution_fault
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree, TreeSpec
@@ -132,13 +133,18 @@ class ModelDrafter(Drafter):
                 greedy_logits += [lg for _, lg in nodes]
                 continue
             q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p)  # (n, V)
+            finite = torch.isfinite(q).all(-1, keepdim=True)  # (n, 1): a NaN q is not sampled, its row fails
             sampled += [(gi, parent, len(g.dist_rows) + j) for j, (parent, _) in enumerate(nodes)]
             g.dist_rows.extend(q.unbind(0))
-            tokens.append(_sample_children(q, k, self.spec.kind == "chain", g.req.generator))  # (n, k)
+            children = _sample_children(torch.where(finite, q, 1.0), k, self.spec.kind == "chain", g.req.generator)
+            tokens.append(torch.where(finite, children, -1))  # (n, k)
         if greedy_logits:
             probs = torch.softmax(torch.stack(greedy_logits).float(), dim=-1)  # (Fg, V)
             tokens.insert(0, top_candidates(probs, k)[0])  # (Fg, k)
         host = torch.cat(tokens).tolist()  # (F, k): the level's one device->host read
+        bad = {grows[gi].req: None for (gi, _, _), toks in zip(greedy + sampled, host) if toks[0] < 0}
+        if bad:
+            raise distribution_fault(list(bad), "draft")
         for (gi, parent, row), toks in zip(greedy + sampled, host, strict=True):
             new[gi] += [grows[gi].add(t, parent, 0.0, row) for t in toks[:self._child_count[parent]]]
         return new

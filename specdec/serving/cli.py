@@ -23,6 +23,8 @@ def add_serve_parsers(sub, add_model_args) -> None:
     s.add_argument("--no-prefix-cache", action="store_true")
     s.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens of a chat request that sets none (completions: 16, as OpenAI)")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="refuse (413) request bodies longer than this, before parsing them (default: 2 MiB)")
     s.add_argument("--log-level", default="info")
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
@@ -50,19 +52,24 @@ def cmd_serve(args) -> int:
         return 2
     import uvicorn
 
+    from specdec.cli.checks import UsageError, build
     from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.serving.executor import Executor
-    from specdec.serving.server import build_app
+    from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     device, dtype = device_dtype(args)
-    cfg = SpecConfig(tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
-                     max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache)
+    cfg = build(SpecConfig, tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
+                max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache)
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        raise UsageError("--max-request-bytes", f"must be an int >= 1, got {args.max_request_bytes}")
     draft = None if args.draft == "none" else args.draft
     engine = SpecEngine(draft, args.target, cfg)
     name = args.served_model_name or args.target
     with Executor(engine) as executor:
-        app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens)
+        app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens,
+                        max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
+                        else args.max_request_bytes)
         print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {engine.pool.num_blocks} KV blocks) "
               f"on http://{args.host}:{args.port}", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

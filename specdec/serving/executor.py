@@ -129,6 +129,8 @@ class Executor:
         self._listeners: list[Callable[[IterationStats], None]] = []
         self._steps = 0
         self.load = Load(0, 0, engine.allocator.num_blocks - engine.allocator.num_free, engine.allocator.num_blocks)
+        if engine.target.tokenizer is not None:  # a fast tokenizer's first encode may reset its truncation
+            engine.target.tokenizer.encode("a")  # and padding state (a write) that concurrent ``prepare`` calls read
         self._thread = threading.Thread(target=self._run, name="specdec-executor", daemon=True)
         self._thread.start()
 
@@ -136,7 +138,8 @@ class Executor:
 
     def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request and return its id. Its outputs go to the calling thread, or to the
-        calling coroutine's event loop when called from one."""
+        calling coroutine's event loop when called from one. A text or chat prompt is tokenised on the
+        loop thread: pass ``prepare``'s token ids to keep that off it."""
         if not self._thread.is_alive():
             raise RuntimeError("the executor was shut down; create a new one")
         rid = request_id or f"req-{next(self._ids)}"
@@ -146,6 +149,12 @@ class Executor:
             channel = self._channels[rid] = _Channel()
         self._inbox.put(("add", rid, prompt, params, channel))
         return rid
+
+    def prepare(self, prompt, params: SamplingParams | None = None) -> list[int]:
+        """``prompt``'s token ids, checked as the engine checks a request (a ValueError naming the field), on the
+        calling thread: enqueue them, and a long prompt is not tokenised on the loop thread while others'
+        requests wait. Several threads may call it at once."""
+        return self.engine.prepare(prompt, params or SamplingParams())
 
     def cancel(self, request_id: str) -> None:
         """End a request early (finish_reason "abort") and free its KV; a finished one is left alone."""
@@ -192,10 +201,15 @@ class Executor:
         raise RuntimeError(f"request {request_id!r} ended without a final output")
 
     def run_on_loop(self, fn: Callable[[SpecEngine], Any], timeout: float | None = 60.0) -> Any:
-        """Run ``fn(engine)`` on the loop thread between steps and return its result (or raise its error)."""
+        """Run ``fn(engine)`` on the loop thread between steps and return its result (or raise its exception,
+        whatever it is: the loop goes on). ``fn`` may generate on the engine: the executor's own requests then
+        advance in those steps too, and their readers get what they did."""
         box: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox.put(("call", fn, box))
-        ok, value = box.get(timeout=timeout)
+        try:
+            ok, value = box.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"run_on_loop: the function did not return within {timeout} s") from None
         if not ok:
             raise value
         return value
@@ -258,7 +272,10 @@ class Executor:
                 self._refuse_pending()
                 return
             if msg is not None:
-                self._handle(msg)  # drain the inbox before the next step
+                try:
+                    self._handle(msg)  # drain the inbox before the next step
+                except Exception:  # noqa: BLE001 - one message must not kill the loop
+                    log.exception("handling %s failed", msg[0])
             else:
                 self._step()
             self._update_load()
@@ -290,13 +307,23 @@ class Executor:
             fn, box = msg[1:]
             try:
                 box.put((True, fn(self.engine)))
-            except Exception as err:  # handed back to the caller, who raises it
+            except BaseException as err:  # noqa: BLE001 - KeyboardInterrupt too: handed back to the caller, who raises it
                 box.put((False, err))
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Deliver what requests did outside this loop's steps (a ``run_on_loop`` function that generated ran
+        steps for them too, perhaps to the end)."""
+        for live in list(self._live.values()):
+            self._deliver(live)
 
     def _add(self, rid: str, prompt, params, channel: _Channel) -> None:
         try:
-            req = self.engine.add_request(prompt, params, rid)
-        except (ValueError, TypeError) as err:
+            with self.engine.guard:
+                req = self.engine.add_request(prompt, params, rid)
+        except Exception as err:  # noqa: BLE001 - the request is refused (a ValueError: the caller's fault), the loop lives
+            if not isinstance(err, (ValueError, TypeError)):
+                log.exception("preparing request %s failed", rid)
             channel.put(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             return
         live = self._live[rid] = _Live(req, channel)
@@ -326,7 +353,8 @@ class Executor:
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
-            progressed = self.engine.step()
+            with self.engine.guard:
+                progressed = self.engine.step()
         except Exception as err:  # noqa: BLE001 - one failed step must not kill the loop
             log.exception("engine step failed")
             self._fail_running(err)

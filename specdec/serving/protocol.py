@@ -10,8 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.errors import FieldError
 from specdec.outputs import RequestOutput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import MAX_SEED, SamplingParams
 
 
 class BadRequest(ValueError):
@@ -30,6 +31,7 @@ _OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0,
                "logit_bias": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
                "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
+MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
@@ -42,6 +44,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    max_tokens_field: str = "max_tokens"  # the field that set params.max_new_tokens (named in its errors)
 
 
 def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> ParsedRequest:
@@ -62,10 +65,21 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with string 'role' and 'content'")
-    if "max_completion_tokens" in body and "max_tokens" not in body:
-        body = {**body, "max_tokens": body["max_completion_tokens"]}
+    field = _max_tokens_field(body)
     return ParsedRequest([{"role": m["role"], "content": m["content"]} for m in msgs],
-                         _params(body, default_max_tokens), *_stream_flags(body))
+                         _params(body, default_max_tokens, field), *_stream_flags(body), field)
+
+
+def _max_tokens_field(body: dict) -> str:
+    """The field of a chat body that sets the output length: ``max_completion_tokens`` (OpenAI's current name)
+    or ``max_tokens``; both only when they agree."""
+    if body.get("max_completion_tokens") is None:
+        return "max_tokens"
+    new = _integer(body, "max_completion_tokens", None, lo=1)
+    if body.get("max_tokens") is not None and _integer(body, "max_tokens", None, lo=1) != new:
+        raise BadRequest("max_completion_tokens", f"fields 'max_completion_tokens' ({new}) and 'max_tokens' "
+                                                  f"({body['max_tokens']}) disagree; set only one")
+    return "max_completion_tokens"
 
 
 def _check_fields(body: Any, allowed: set[str], model: str) -> None:
@@ -84,6 +98,10 @@ def _check_fields(body: Any, allowed: set[str], model: str) -> None:
     n = body.get("n", 1)
     if n != 1 or isinstance(n, bool):
         raise BadRequest("n", f"field 'n' must be 1 (one choice per request; send several requests), got {n!r}")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise BadRequest("user", f"field 'user' must be a string of at most {MAX_USER_CHARS} characters, got "
+                                 f"{_short(user)}")
 
 
 def _completion_prompt(prompt: Any) -> Any:
@@ -100,19 +118,23 @@ def _completion_prompt(prompt: Any) -> Any:
     raise BadRequest("prompt", "field 'prompt' must be a string or a list of token ids")
 
 
-def _params(body: dict, default_max_tokens: int) -> SamplingParams:
+def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
     temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
     top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
     if top_p == 0:
         raise BadRequest("top_p", "field 'top_p' must be in (0, 1], got 0")
     top_k = _integer(body, "top_k", 0, lo=-1)
-    max_tokens = _integer(body, "max_tokens", default_max_tokens, lo=1)
-    seed = _integer(body, "seed", None, lo=0)
+    max_tokens = _integer(body, max_tokens_field, default_max_tokens, lo=1)
+    seed = _integer(body, "seed", None, lo=0, hi=MAX_SEED)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest("ignore_eos", f"field 'ignore_eos' must be a boolean, got {ignore_eos!r}")
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                          max_new_tokens=max_tokens, stop=_stop(body.get("stop")), ignore_eos=ignore_eos)
+    try:
+        return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+                              max_new_tokens=max_tokens, stop=_stop(body.get("stop")), ignore_eos=ignore_eos)
+    except FieldError as err:  # a combination the checks above let through: named by its field in the body
+        name = max_tokens_field if err.field == "max_new_tokens" else err.field
+        raise BadRequest(name, f"field '{name}': {err}") from None
 
 
 def _stop(stop: Any) -> tuple[str, ...]:
@@ -121,7 +143,7 @@ def _stop(stop: Any) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise BadRequest("stop", f"field 'stop' must be a non-empty string or a list of them, got {stop!r}")
+        raise BadRequest("stop", f"field 'stop' must be a non-empty string or a list of them, got {_short(stop)}")
     return tuple(stop)
 
 
@@ -151,13 +173,20 @@ def _number(body: dict, name: str, default, lo: float, hi: float):
     return value
 
 
-def _integer(body: dict, name: str, default, lo: int):
+def _integer(body: dict, name: str, default, lo: int, hi: int | None = None):
     value = body.get(name)
     if value is None:
         return default
-    if not _is_int(value) or value < lo:
-        raise BadRequest(name, f"field '{name}' must be an integer >= {lo}, got {value!r}")
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise BadRequest(name, f"field '{name}' must be an integer {bound}, got {_short(value)}")
     return value
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut to a readable length (a client may send megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
 
 
 # ---------------------------------------------------------------------- responses

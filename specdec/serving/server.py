@@ -25,6 +25,9 @@ from specdec.serving.metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.25
+# the largest request body read (``--max-request-bytes``): far above any prompt the served models hold (1 MiB of
+# text is about 250k tokens), so only a hostile body is refused, before it is parsed or tokenised
+DEFAULT_MAX_REQUEST_BYTES = 2 << 20
 
 
 class _ClientGone(Exception):
@@ -32,8 +35,11 @@ class _ClientGone(Exception):
 
 
 def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int = 256,
-              metrics: ServingMetrics | None = None) -> FastAPI:
-    """The FastAPI application serving ``executor``'s engine under the name ``model_name``."""
+              metrics: ServingMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The FastAPI application serving ``executor``'s engine under the name ``model_name``. A body over
+    ``max_request_bytes`` is refused (413) before it is parsed; prompts are tokenised off the engine's loop."""
+    if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
     metrics = metrics or ServingMetrics(lambda: executor.load)
     executor.add_stats_listener(metrics.on_step)
@@ -66,17 +72,16 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
     async def _handle(request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return _error(protocol.BadRequest(None, "the request body is not valid JSON"))
-        try:
+            body = _json(await _body(request, max_request_bytes))
             parsed = (protocol.parse_chat(body, model_name, default_chat_max_tokens) if chat
                       else protocol.parse_completion(body, model_name))
         except protocol.BadRequest as err:
             return _error(err)
-        except ValueError as err:  # SamplingParams refused a combination the parser let through
-            return _error(protocol.BadRequest(None, str(err)))
-        rid = executor.enqueue(parsed.prompt, parsed.params)
+        try:  # on a worker thread: the event loop and the engine loop go on meanwhile
+            ids = await asyncio.to_thread(executor.prepare, parsed.prompt, parsed.params)
+        except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
+            return _error(_refusal(err, chat, parsed.max_tokens_field))
+        rid = executor.enqueue(ids, parsed.params)
         outputs = executor.astream(rid)
         try:
             ack = await _until(request, outputs.__anext__())  # admission, or the engine's refusal
@@ -85,7 +90,7 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             return Response(status_code=499)
         if ack.finish_reason == "error":
             await outputs.aclose()
-            return _error(_refusal(ack.error, chat))
+            return _error(_refusal(ack.error, chat, parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
         if parsed.stream:
             return StreamingResponse(_events(rid, outputs, chat, parsed.include_usage, timing),
@@ -157,7 +162,8 @@ async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> Requ
 
 
 async def _until(request: Request, awaitable):
-    """Await ``awaitable`` unless the client disconnects first (then raise _ClientGone)."""
+    """Await ``awaitable`` unless the client disconnects first (then raise _ClientGone, once the awaitable is
+    cancelled: the request's output stream is no longer running, so it can be closed)."""
     task = asyncio.ensure_future(awaitable)
     while True:
         done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -165,15 +171,47 @@ async def _until(request: Request, awaitable):
             return task.result()
         if await request.is_disconnected():
             task.cancel()
+            await asyncio.wait({task})
             raise _ClientGone()
 
 
-def _refusal(err: Exception | None, chat: bool) -> protocol.BadRequest:
-    """The engine refused a request at admission: a ValueError is the client's (400), anything else ours."""
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body; BadRequest (413) once it is longer than ``limit`` bytes, read no further."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> protocol.BadRequest:
+    return protocol.BadRequest(None, f"the request body has {size} bytes or more; this server reads at most "
+                                     f"{limit} (--max-request-bytes)", status=413)
+
+
+def _json(raw: bytes):
+    """The parsed body; BadRequest for anything that is not JSON (bad syntax, bad UTF-8, nesting too deep)."""
+    try:
+        return json.loads(raw)
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise protocol.BadRequest(None, f"the request body is not valid JSON ({err})") from None
+    except RecursionError:
+        raise protocol.BadRequest(None, "the request body is not valid JSON (nested too deeply)") from None
+
+
+def _refusal(err: Exception | None, chat: bool, max_tokens_field: str) -> protocol.BadRequest:
+    """The engine refused a request: a ValueError is the client's (400, naming the field: ``max_tokens_field``
+    for the output length), anything else ours (500)."""
     if not isinstance(err, ValueError):
-        return protocol.BadRequest(None, f"request failed: {err}", 500)
+        return protocol.BadRequest(None, f"request failed: {type(err).__name__}: {err}", 500)
     text = str(err)
-    field = "max_tokens" if "max_new_tokens" in text else ("messages" if chat else "prompt")
+    field = getattr(err, "field", None) or ("max_new_tokens" if "max_new_tokens" in text else None)
+    field = max_tokens_field if field == "max_new_tokens" else field or ("messages" if chat else "prompt")
     return protocol.BadRequest(field, f"{field}: {text}")
 
 

@@ -1,0 +1,177 @@
+"""Hostile HTTP input (issue 28): every bad request is a 4xx naming its field or cause, a huge body is refused
+before it is read or tokenised and stalls no stream, and after the sweep the server is healthy, a greedy
+request equals its solo run and the idle KV is back where it was."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+from serving_helpers import BAD_CHAT, GOOD_CHAT
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.sampling_params import SamplingParams
+from specdec.serving.executor import Executor
+from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, ServerThread, build_app
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+MODEL = "tiny"
+PROMPT = "The quick brown fox"
+PATHS = {"chat": "chat/completions", "completions": "completions"}
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def server(strict_target):
+    """(url, executor, error log records) of an n-gram server over the tiny target with a strict chat template."""
+    executor = Executor(SpecEngine("ngram", strict_target, SpecConfig(tree="chain:3", num_blocks=128)))
+    srv = ServerThread(build_app(executor, MODEL))  # (uvicorn's logging set-up drops earlier handlers)
+    records = _Records()
+    for name in ("uvicorn.error", "specdec"):
+        logging.getLogger(name).addHandler(records)
+    srv.start()
+    yield srv.url, executor, records.records
+    srv.stop()
+    executor.shutdown()
+    for name in ("uvicorn.error", "specdec"):
+        logging.getLogger(name).removeHandler(records)
+
+
+@pytest.fixture(scope="module")
+def solo(strict_target):
+    """Greedy text of PROMPT run alone in a plain engine (24 tokens)."""
+    return SpecEngine(None, strict_target, SpecConfig(num_blocks=64)).generate(
+        PROMPT, SamplingParams(max_new_tokens=24))[0].text
+
+
+def _idle_kv(executor: Executor) -> int:
+    deadline = time.monotonic() + 30
+    while executor.run_on_loop(lambda e: e.scheduler.has_work):
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+    return executor.run_on_loop(lambda e: e.allocator.num_blocks - e.allocator.num_free)
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "hi", "max_tokens": 4, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": GOOD_CHAT, "max_tokens": 4, **fields}
+
+
+# (path, raw body, status, the error's param, a phrase of its message): every case of issue 28 that is the client's
+BAD = [
+    ("chat", json.dumps(_chat(messages=BAD_CHAT)), 400, "messages", "roles must alternate"),
+    ("completions", json.dumps(_completion(prompt="a\ud800b")), 400, "prompt", "lone surrogate"),
+    ("chat", json.dumps(_chat(messages=[{"role": "user", "content": "\udc00"}])), 400, "messages", "lone surrogate"),
+    ("completions", "[" * 100_000, 400, None, "nested too deeply"),
+    ("completions", "{not json", 400, None, "not valid JSON"),
+    ("completions", b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
+    ("completions", json.dumps(_completion(seed=2**64)), 400, "seed", "[0, 18446744073709551615]"),
+    ("completions", json.dumps(_completion(prompt=[5] * 510)), 400, "prompt", "510 tokens"),
+    ("chat", json.dumps(_chat(max_completion_tokens=0)), 400, "max_completion_tokens", ">= 1"),
+    ("chat", json.dumps(_chat(max_completion_tokens=-2, max_tokens=None)), 400, "max_completion_tokens", ">= 1"),
+    ("chat", json.dumps(_chat(max_completion_tokens=3, max_tokens=5)), 400, "max_completion_tokens", "disagree"),
+    ("chat", json.dumps(_chat(max_completion_tokens=10**6, max_tokens=None)), 400, "max_completion_tokens",
+     "max length"),
+    ("completions", json.dumps(_completion(user=5)), 400, "user", "string"),
+    ("chat", json.dumps(_chat(user={"id": 1})), 400, "user", "string"),
+    ("completions", "x" * (DEFAULT_MAX_REQUEST_BYTES + 1), 413, None, "--max-request-bytes"),
+]
+
+
+def test_hostile_sweep_is_4xx_and_leaves_the_server_as_it_was(server, solo):
+    url, executor, errors = server
+    with httpx.Client(timeout=60) as http:
+        first = http.post(f"{url}/v1/completions", json=_completion(prompt=PROMPT, max_tokens=24, temperature=0))
+        kv_before = _idle_kv(executor)  # the prefix cache holds the prompt's blocks
+        for path, body, status, param, phrase in BAD:
+            r = http.post(f"{url}/v1/{PATHS[path]}", content=body, headers={"content-type": "application/json"})
+            assert "error" in r.json(), (path, body[:80], r.text[:200])
+            err = r.json()["error"]
+            assert (r.status_code, err["param"]) == (status, param), (path, body[:60], err)
+            assert phrase in err["message"], (phrase, err)
+        chunked = http.post(f"{url}/v1/completions", content=iter([b"x" * 65536] * 40))  # no content-length
+        assert chunked.status_code == 413 and "--max-request-bytes" in chunked.json()["error"]["message"]
+        assert http.get(f"{url}/health").status_code == 200
+        tiny = http.post(f"{url}/v1/completions", json=_completion(prompt=PROMPT, max_tokens=24, temperature=1e-40))
+        greedy = http.post(f"{url}/v1/completions", json=_completion(prompt=PROMPT, max_tokens=24, temperature=0))
+    assert first.json()["choices"][0]["text"] == solo
+    assert greedy.status_code == 200 and greedy.json()["choices"][0]["text"] == solo
+    assert tiny.json()["choices"][0]["text"] == solo  # below the floor: greedy, not garbage
+    assert _idle_kv(executor) == kv_before
+    chat = httpx.post(f"{url}/v1/chat/completions", json=_chat(max_tokens=None, max_completion_tokens=5,
+                                                               ignore_eos=True), timeout=60)
+    assert chat.json()["usage"]["completion_tokens"] == 5  # max_completion_tokens alone sets the length
+    assert executor.alive and not [r for r in errors if r.levelno >= logging.ERROR]
+
+
+def test_a_client_leaving_a_non_streaming_request_logs_no_traceback(server):
+    """Closing the output stream while its reader task still ran logged 'Exception in ASGI application ...
+    aclose(): asynchronous generator is already running' for every such disconnect."""
+    url, executor, errors = server
+    before = len(errors)
+    for _ in range(2):
+        with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(f"{url}/v1/completions", json=_completion(prompt=PROMPT, max_tokens=400, ignore_eos=True))
+    _idle_kv(executor)
+    time.sleep(0.5)  # the server notices the disconnect within its poll interval
+    assert [r.getMessage() for r in errors[before:]] == []
+
+
+def _stream_gaps(url: str, until: threading.Event) -> list[float]:
+    """Stream completions back to back until ``until`` is set; every wait for an event (the first one too)."""
+    gaps = []
+    with httpx.Client(timeout=60) as http:
+        while not until.is_set():
+            body = _completion(prompt=PROMPT, max_tokens=64, ignore_eos=True, stream=True)
+            last = time.perf_counter()
+            with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last = now
+    return gaps
+
+
+@pytest.mark.parametrize("size, status", [(10 << 20, 413), (600_000, 400)])
+def test_a_huge_body_stalls_no_stream(server, size, status):
+    """A 10 MB body is refused (413) unread; a 600 kB one is tokenised on a worker thread (about 2 s with the byte
+    tokenizer) and refused for its length. Meanwhile streams see no gap over 0.5 s between events: the prompt was
+    tokenised on the engine loop and every stream froze for as long."""
+    url = server[0]
+    done, answer = threading.Event(), {}
+
+    def send_big() -> None:
+        try:
+            with httpx.Client(timeout=120) as http:
+                r = http.post(f"{url}/v1/completions", json=_completion(prompt="y" * size))
+                answer["status"], answer["error"] = r.status_code, r.json()["error"]
+        except httpx.TransportError as err:  # the server answered 413 and closed before the body was sent
+            answer["status"], answer["error"] = 413, repr(err)
+        finally:
+            done.set()
+
+    big = threading.Thread(target=send_big)
+    time.sleep(0.1)
+    big.start()
+    gaps = _stream_gaps(url, done)
+    big.join()
+    assert answer["status"] == status, answer
+    if status == 400:
+        assert answer["error"]["param"] == "prompt" and "tokens" in answer["error"]["message"]
+    assert len(gaps) > 20 and max(gaps) < 0.5, max(gaps)
