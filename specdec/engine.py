@@ -21,6 +21,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
 from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
+from specdec.loading.roles import check_roles
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
@@ -94,6 +95,7 @@ class SpecEngine:
             raise TypeError(f"config must be a SpecConfig (e.g. SpecConfig(**options)) or None, got "
                             f"{type(config).__name__}")
         self.config = cfg = config or SpecConfig()
+        check_roles(draft, target)  # an EAGLE draft given as the target is refused before anything loads
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)

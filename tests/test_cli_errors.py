@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_helpers import refuse_model_loads, run_cli
 
 from specdec.cli import main
 
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Loading a model is a test failure: the argument checks must come first."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"a model was loaded before the arguments were checked: {args}")
-
-    monkeypatch.setattr("specdec.loading.registry.load_model", refuse)
-
-
-def run_cli(capsys, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, (rc, err)
-    assert err.startswith("error: ") and "Traceback" not in err, err
-    return err
+    refuse_model_loads(monkeypatch)
 
 
 @pytest.mark.parametrize("argv,words", [

@@ -53,17 +53,29 @@ def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
     .gguf file."""
     if name in extra:
         return
+    if flag in ("--model", "--target"):
+        _check_not_a_draft(flag, name)
     if name in BUILTIN_MODELS:
         if name == BUILTIN_MODELS[0]:
             _check_packaged_gguf(flag, name)
         return
     if not name.strip():
-        raise UsageError(flag, "is empty; give " + _model_forms(extra))
+        raise UsageError(flag, "is empty; give " + _model_forms(flag, extra))
     path = Path(name).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return
     what = "is not a folder or a .gguf file" if path.exists() else "does not exist"
-    raise UsageError(flag, f"{name!r} {what}; give {_model_forms(extra)}")
+    raise UsageError(flag, f"{name!r} {what}; give {_model_forms(flag, extra)}")
+
+
+def _check_not_a_draft(flag: str, name: str) -> None:
+    """``name`` is not an EAGLE-style draft (which cannot be a target)."""
+    from specdec.loading.roles import check_roles, eagle_draft_target
+
+    try:
+        check_roles(None, name)
+    except ValueError as err:
+        raise UsageError(flag, f"{err}: --draft {name} --model {eagle_draft_target(name)}") from None
 
 
 def _check_packaged_gguf(flag: str, name: str) -> None:
@@ -99,8 +111,9 @@ def check_positive(flag: str, value: int | None, allow_none: bool = False) -> No
 
 
 def check_dataset(flag: str, name: str, names: tuple[str, ...]) -> None:
-    """A dataset name of ``names`` or an existing .jsonl file."""
+    """A dataset name of ``names`` whose package is installed, or an existing .jsonl file."""
     if name in names:
+        _check_dataset_package(flag, name)
         return
     if not name.endswith(".jsonl"):
         raise UsageError(flag, f"must be one of {', '.join(names)} or a .jsonl prompt file, got {name!r}")
@@ -108,5 +121,21 @@ def check_dataset(flag: str, name: str, names: tuple[str, ...]) -> None:
         raise UsageError(flag, f"prompt file {name!r} does not exist")
 
 
-def _model_forms(extra: tuple[str, ...]) -> str:
+def _check_dataset_package(flag: str, name: str) -> None:
+    """The package that carries dataset ``name`` (mtbench, sharegpt) is installed; the error names its pip command."""
+    from specdec.benchmark.data import mtbench_question_path, sharegpt_path
+
+    locate = {"mtbench": mtbench_question_path, "sharegpt": sharegpt_path}.get(name)
+    try:
+        if locate is not None:
+            locate()
+    except ImportError as err:
+        raise UsageError(flag, str(err)) from None
+
+
+def _model_forms(flag: str, extra: tuple[str, ...]) -> str:
+    """What ``flag`` accepts: a draft flag names the shipped draft and draft folders, a target flag the target."""
+    if flag == "--draft":
+        return ", ".join(repr(n) for n in BUILTIN_MODELS[1:] + extra) + \
+            ", a draft folder written by `specdec distill`, a Hugging Face checkpoint folder or a .gguf file"
     return ", ".join(repr(n) for n in BUILTIN_MODELS[:1] + extra) + ", a Hugging Face checkpoint folder or a .gguf file"

@@ -44,34 +44,84 @@ def add_serve_parsers(sub, add_model_args) -> None:
 
 
 def cmd_serve(args) -> int:
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _importable(m)]
-    if missing:
-        print(_MISSING.format(", ".join(missing)), file=sys.stderr)
-        return 2
-    import uvicorn
-
+    """Check every argument and bind the port, then load the models and serve on the bound socket."""
+    from specdec.cli.checks import UsageError, build, check_model, check_positive, load
     from specdec.cli.common import device_dtype
     from specdec.engine import SpecConfig, SpecEngine
+
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if not _importable(m)]
+    if missing:
+        raise UsageError("serve", _MISSING.format(", ".join(missing)))
+    device, dtype = device_dtype(args)  # every argument is checked before a model loads
+    check_positive("--default-max-tokens", args.default_max_tokens)
+    cfg = build(SpecConfig, tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
+                max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache)
+    check_model("--target", args.target)
+    check_model("--draft", args.draft, extra=("ngram", "none"))
+    sock = bind_socket(args.host, args.port)
+    try:
+        target = load("--target", args.target, dtype, device)
+        draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device,
+                                                                          target=target)
+        engine = SpecEngine(None if draft == "none" else draft, target, cfg)
+        _serve(engine, args, sock)
+    finally:
+        sock.close()
+    return 0
+
+
+def _serve(engine, args, sock) -> None:
+    import uvicorn
+
     from specdec.serving.executor import Executor
     from specdec.serving.server import build_app
 
-    device, dtype = device_dtype(args)
-    cfg = SpecConfig(tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
-                     max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache)
-    draft = None if args.draft == "none" else args.draft
-    engine = SpecEngine(draft, args.target, cfg)
     name = args.served_model_name or args.target
     with Executor(engine) as executor:
         app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens)
         print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {engine.pool.num_blocks} KV blocks) "
               f"on http://{args.host}:{args.port}", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    return 0
+        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+
+
+def bind_socket(host: str, port: int):
+    """A listening TCP socket on ``host:port``; UsageError naming --port (out of range, in use) or --host."""
+    import socket
+
+    from specdec.cli.checks import UsageError
+
+    if not 1 <= port <= 65535:
+        raise UsageError("--port", f"must be in [1, 65535], got {port}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise UsageError("--host", f"{host!r} is not an address of this machine ({err.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        raise UsageError("--port", f"cannot listen on {host}:{port} ({err.strerror}); is another server "
+                                   f"running there? Pick another --port") from None
+    return sock
 
 
 def cmd_bench_serve(args) -> int:
+    from specdec.benchmark.data import DATASET_NAMES
+    from specdec.cli.checks import UsageError, check_dataset, check_positive
     from specdec.serving.bench_client import BenchServeConfig, print_report, run_bench
 
+    if not _importable("httpx"):
+        raise UsageError("bench-serve", "needs httpx: pip install 'specdec[serve]'")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--concurrency", args.concurrency),
+                        ("--max-tokens", args.max_tokens)):
+        check_positive(flag, value)
+    if not args.request_rate > 0:
+        raise UsageError("--request-rate", f"must be > 0 (inf = all at once), got {args.request_rate}")
+    check_dataset("--dataset", args.dataset, DATASET_NAMES)
+    check_server("--url", args.url)
     cfg = BenchServeConfig(url=args.url, dataset=args.dataset, num_prompts=args.num_prompts,
                            request_rate=args.request_rate, concurrency=args.concurrency, max_tokens=args.max_tokens,
                            temperature=args.temperature, endpoint=args.endpoint, ignore_eos=args.ignore_eos,
@@ -84,6 +134,25 @@ def cmd_bench_serve(args) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     return 0 if report["failed"] == 0 else 1
+
+
+def check_server(flag: str, url: str, timeout_s: float = 10.0) -> None:
+    """An OpenAI-compatible server answers ``GET url/v1/models``; UsageError naming ``flag`` otherwise."""
+    import httpx
+
+    from specdec.cli.checks import UsageError
+
+    try:
+        reply = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
+        models = reply.json()["data"] if reply.status_code == 200 else None
+    except (httpx.HTTPError, httpx.InvalidURL) as err:
+        raise UsageError(flag, f"nothing answers at {url!r} ({type(err).__name__}: {err}); start a server "
+                               f"first (`specdec serve`) or give its address") from None
+    except (ValueError, KeyError, TypeError):
+        models = None
+    if not models:
+        raise UsageError(flag, f"{url!r} is not an OpenAI-compatible server: GET /v1/models answered "
+                               f"{reply.status_code} without a model list")
 
 
 def _importable(name: str) -> bool:
