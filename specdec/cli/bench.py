@@ -20,13 +20,13 @@ CUDA_DRAFT_TREE = "dynamic:31"
 
 def add_bench_parser(sub, add_model_args) -> None:
     b = sub.add_parser("bench", help="acceptance + speed report on a prompt set")
-    b.add_argument("--target", default="smollm2-135m")
+    b.add_argument("--target", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
     b.add_argument("--draft", default=None, help="draft model, 'ngram' (default: the shipped draft, else ngram)")
     b.add_argument("--dataset", default="mtbench", help="mtbench | sharegpt | PATH.jsonl")
-    b.add_argument("--num-prompts", type=int, default=None)
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per reply")
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     b.add_argument("--batch-size", default="1", help="one batch size or a comma list to sweep, e.g. 1,8,32,64")
     b.add_argument("--tree", default=None, help=TREE_HELP)
     b.add_argument("--baseline", default="none", choices=["hf", "none"],
@@ -42,10 +42,11 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="per-step tree budget from measured costs (auto: on for CUDA, only for steps with sampled "
                         "rows when the steps are pipelined); reports the mean budget")
     b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--json", dest="json_out", default=None)
-    b.add_argument("--plot", default=None)
-    b.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    b.add_argument("--seed", type=int, default=0, help="seed of the sampled requests")
+    b.add_argument("--json", dest="json_out", default=None, help="write the full report here (default: not written)")
+    b.add_argument("--plot", default=None, help="write a plot of the report here, e.g. bench.png (default: none)")
+    b.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, torch on the CPU")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
