@@ -146,6 +146,8 @@ def cmd_bench(args) -> int:
         from specdec.tree import template_from_spec
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
+        if hf.assist_skipped and "hf_assisted" in hf_configs:
+            print(f"note: {hf.assist_skipped}", file=sys.stderr)
     budgets: dict[int, float | None] = {}
     sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets,
                                 schedule=args.schedule)) for b in batch_sizes]
