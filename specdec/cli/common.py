@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from specdec.defaults import DEFAULT_TARGET
+
 
 class CommandParser(argparse.ArgumentParser):
     """The top-level ``specdec`` parser: an unknown flag is reported with its subcommand's usage, not the top
@@ -31,11 +33,28 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)".lstrip()
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Add ``--device`` and ``--dtype`` to a subcommand."""
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="default: bfloat16 on cuda, float32 on cpu")
+def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
+    """Add ``--device`` and ``--dtype`` to a subcommand; ``engine``: also the engine's memory option."""
+    p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on cuda, float32 on cpu")
+    if engine:
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                       help="fraction of the GPU's total memory for the weights and KV pool (as in vLLM)")
+
+
+TARGET_HELP = "target: smollm2-135m, a Hugging Face checkpoint folder or a .gguf file"
+
+
+def add_target_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_TARGET, help: str = TARGET_HELP) -> None:
+    """``--model`` (alias ``--target``): the target model, the same flag in every subcommand."""
+    p.add_argument("--model", "--target", dest="model", default=default, help=help)
+
+
+def add_max_tokens_arg(p: argparse.ArgumentParser, default: int) -> None:
+    """``--max-new-tokens`` (alias ``--max-tokens``, the OpenAI / vLLM name): the same flag in every subcommand."""
+    p.add_argument("--max-new-tokens", "--max-tokens", dest="max_new_tokens", type=int, default=default,
+                   help="most tokens to generate per request")
 
 
 def device_dtype(args) -> tuple[str, str]:

@@ -23,7 +23,7 @@ def add_distill_parser(sub, add_model_args) -> None:
     add = p.add_argument
     add("--kind", default="layers", choices=["layers", "eagle"],
         help="layers: decoder layers copied from the target; eagle: one layer over the target's features")
-    add("--target", default=None, help="target model: smollm2-135m, a HF folder or a .gguf")
+    add("--model", "--target", dest="target", default=None, help="target model: smollm2-135m, a HF folder or a .gguf")
     add("--out", default=None, help="output folder: the draft, plus data.pt / ckpt.pt (required)")
     add("--layers", type=int, default=None, help="[layers] draft decoder layers, copied from the target's")
     add("--init-layers", type=_int_list, default=None, metavar="I,J,...",
@@ -68,7 +68,7 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--write-prompts", default=None, metavar="PATH.jsonl",
         help="[layers] only write the training prompts (--data, --num-prompts) to a JSONL file and exit "
              "(default: none, train a draft)")
-    add_model_args(p)
+    add_model_args(p, engine=False)
     _show_kind_defaults(p)
     p.set_defaults(func=cmd_distill)
 

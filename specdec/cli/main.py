@@ -9,14 +9,15 @@ import argparse
 import sys
 from functools import partial
 
-from specdec.cli.common import CommandParser, DefaultsHelpFormatter
+from specdec.cli.common import CommandParser, DefaultsHelpFormatter, add_max_tokens_arg, add_target_arg
 from specdec.cli.common import add_model_args as _add_model_args
 from specdec.cli.common import device_dtype as _device_dtype
 
 
 def cmd_generate(args) -> int:
-    from specdec.cli.bench import PIPELINE_CHOICES, default_draft, default_tree
+    from specdec.cli.bench import PIPELINE_CHOICES
     from specdec.cli.checks import build, check_model, load
+    from specdec.defaults import default_draft, default_tree
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.sampling_params import SamplingParams
 
@@ -25,7 +26,8 @@ def cmd_generate(args) -> int:
     tree = args.tree or default_tree(name, device)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens)
-    config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline])
+    config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
+                   gpu_memory_utilization=args.gpu_memory_utilization)
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
     note = sampled_speed_note(device, args.temperature, name)
@@ -71,13 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 parser_class=partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
 
     g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
-    g.add_argument("--model", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
+    add_target_arg(g)
     g.add_argument("--draft", default=None,
                    help="draft model name/path, 'ngram', or 'none' (default: the shipped draft, else ngram)")
     g.add_argument("--tree", default=None, help=TREE_HELP)
     g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    add_max_tokens_arg(g, 128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")

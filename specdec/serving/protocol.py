@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from specdec.errors import FieldError
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ _OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0,
                "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
 COMPLETION_FIELDS = _COMMON | {"prompt"}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
 
@@ -101,18 +103,14 @@ def _completion_prompt(prompt: Any) -> Any:
 
 
 def _params(body: dict, default_max_tokens: int) -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
-    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
-    if top_p == 0:
-        raise BadRequest("top_p", "field 'top_p' must be in (0, 1], got 0")
-    top_k = _integer(body, "top_k", 0, lo=-1)
-    max_tokens = _integer(body, "max_tokens", default_max_tokens, lo=1)
-    seed = _integer(body, "seed", None, lo=0)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest("ignore_eos", f"field 'ignore_eos' must be a boolean, got {ignore_eos!r}")
-    return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                          max_new_tokens=max_tokens, stop=_stop(body.get("stop")), ignore_eos=ignore_eos)
+    """The body's sampling fields checked by ``SamplingParams`` itself, so the server accepts exactly what the
+    Python API does (top_k -1 = off, as in vLLM); a FieldError becomes a BadRequest naming the field."""
+    given = {name: body[name] for name in _SAMPLING_FIELDS if body.get(name) is not None}
+    try:
+        return SamplingParams(**{"temperature": 1.0, "max_tokens": default_max_tokens, **given},
+                              stop=_stop(body.get("stop")))
+    except FieldError as err:
+        raise BadRequest(err.field, f"field '{err.field}': {err}") from None
 
 
 def _stop(stop: Any) -> tuple[str, ...]:
@@ -140,24 +138,6 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(body: dict, name: str, default, lo: float, hi: float):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise BadRequest(name, f"field '{name}' must be a number in [{lo}, {hi}], got {value!r}")
-    return value
-
-
-def _integer(body: dict, name: str, default, lo: int):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not _is_int(value) or value < lo:
-        raise BadRequest(name, f"field '{name}' must be an integer >= {lo}, got {value!r}")
-    return value
 
 
 # ---------------------------------------------------------------------- responses
