@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from specdec.defaults import DEFAULT_TARGET
 
@@ -41,8 +42,12 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     if engine:
         p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
                        help="fraction of the GPU's total memory for the weights and KV pool (as in vLLM)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads on --device cpu (default: half this process's cores, 1 to "
+                        f"{MAX_DEFAULT_THREADS}; torch's own default oversubscribes a shared machine)")
 
 
+MAX_DEFAULT_THREADS = 8
 TARGET_HELP = "target: smollm2-135m, a Hugging Face checkpoint folder or a .gguf file"
 
 
@@ -59,8 +64,27 @@ def add_max_tokens_arg(p: argparse.ArgumentParser, default: int) -> None:
 
 def device_dtype(args) -> tuple[str, str]:
     """(device, dtype) from ``--device`` / ``--dtype``: cuda + bfloat16 when CUDA is there, else cpu + float32.
+    On the CPU, also sets torch's thread count from ``--threads`` (:func:`cpu_threads`).
 
-    Raises UsageError (naming the flag) for a device that does not exist here."""
-    from specdec.cli.checks import device_and_dtype
+    Raises UsageError (naming the flag) for a device that does not exist here or a bad thread count."""
+    import torch
 
-    return device_and_dtype(args.device, args.dtype)
+    from specdec.cli.checks import check_positive, device_and_dtype
+
+    device, dtype = device_and_dtype(args.device, args.dtype)
+    threads = getattr(args, "threads", None)
+    check_positive("--threads", threads, allow_none=True)
+    if device == "cpu" and (threads is not None or "OMP_NUM_THREADS" not in os.environ):  # (a set OMP_NUM_THREADS wins)
+        torch.set_num_threads(cpu_threads(threads))
+    return device, dtype
+
+
+def cpu_threads(requested: int | None = None, cores: int | None = None) -> int:
+    """``requested``, else half of ``cores`` (default: the cores this process may run on), 1 to
+    MAX_DEFAULT_THREADS. torch's default (every core) spins threads against each other and other processes on a
+    shared machine; a 2-core machine measured 20-30x slower that way than with one thread."""
+    if requested is not None:
+        return requested
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_DEFAULT_THREADS, cores // 2))
