@@ -87,6 +87,7 @@ def parse_hf_configs(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args) -> int:
     from specdec.benchmark.data import DATASET_NAMES, load_dataset
+    from specdec.benchmark.disturbance import disturbance_note
     from specdec.benchmark.plot import plot_report
     from specdec.benchmark.report import (
         budget_line,
@@ -131,7 +132,8 @@ def cmd_bench(args) -> int:
         if hf.assist_skipped and "hf_assisted" in hf_configs:
             print(f"note: {hf.assist_skipped}", file=sys.stderr)
     budgets: dict[int, float | None] = {}
-    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets,
+    probes: dict[int, tuple[float, float]] = {}
+    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets, probes,
                                 schedule=args.schedule)) for b in batch_sizes]
     config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
               "dtype": dtype, **engine_mode(engines[0])}
@@ -139,6 +141,8 @@ def cmd_bench(args) -> int:
     report = build_report(sweep[0][1], environment_info(), config, sweep=sweep)
     for entry in report["sweep"]:
         entry["mean_budget"] = budgets.get(entry["batch_size"])
+        probe = entry["probe_s"] = probes.get(entry["batch_size"])
+        entry["disturbed"] = probe is not None and disturbance_note(entry["batch_size"], *probe) is not None
     print(format_table(report))
     large = config["large_batch_budget"]
     print(f"steps: {'pipelined' if config['pipelined'] else 'not pipelined'}, adaptive budget "
@@ -158,17 +162,22 @@ def cmd_bench(args) -> int:
 
 
 def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str,
-                   hf_configs=HF_PARTS, budgets: dict | None = None, schedule: str = "waves") -> list[dict]:
+                   hf_configs=HF_PARTS, budgets: dict | None = None, probes: dict | None = None,
+                   schedule: str = "waves") -> list[dict]:
     """Per-prompt records of one batch size: engine runs, the transformers configurations ``hf_configs``
     (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part.
-    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose.
+    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose;
+    ``probes[batch_size]`` the seconds of a short target-only probe before and after the measured runs (a
+    warning is printed when they disagree, specdec/benchmark/disturbance.py).
     ``schedule``: how the engines get the prompts (``_run_engine``); transformers always runs waves."""
     from collections import Counter
 
+    from specdec.benchmark.disturbance import disturbance_note, time_probe
     from specdec.benchmark.divergence import classify_divergences, float32_reference
 
     spec, plain = engines
     _warm_up(spec, plain, ids[:batch_size], params)
+    before = time_probe(plain, ids[:batch_size], params)
     device = target.device
     mark = Counter(spec.adaptive.chosen) if spec.adaptive is not None else None
     continuous = schedule == "continuous"
@@ -176,6 +185,12 @@ def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, d
     if mark is not None and budgets is not None:
         budgets[batch_size] = spec.adaptive.mean_budget(since=mark)
     plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device, continuous)
+    after = time_probe(plain, ids[:batch_size], params)
+    if probes is not None:
+        probes[batch_size] = (before, after)
+    note = disturbance_note(batch_size, before, after)
+    if note:
+        print(note, file=sys.stderr)
     hf_runs = {part: hf.run(part, ids, batch_size) if hf and part in hf_configs else [None] * len(ids)
                for part in HF_PARTS}
     records = [_record(p, i, s, t, {part: runs[k] for part, runs in hf_runs.items()}, params.greedy)
