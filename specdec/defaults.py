@@ -17,6 +17,9 @@ NGRAM_TREE = "chain:8"
 # 64 on the H200 (bench/RESULTS.md, session 8); elsewhere CPU_DRAFT_TREE
 CUDA_DRAFT_TREE = "dynamic:31"
 CPU_DRAFT_TREE = "chain:4"
+# of the GPU's total memory, for one engine's weights and KV pool (specdec/memory_budget.py): two engines in a
+# process (bench's speculative and target-only ones) fit side by side
+GPU_MEMORY_UTILIZATION = 0.4
 
 
 def default_draft(target: str = DEFAULT_TARGET, device: str = "cpu") -> str:

@@ -13,7 +13,7 @@ import torch
 from specdec.adaptive import make_controller
 from specdec.config import ModelConfig
 from specdec.config_checks import check_spec_config
-from specdec.defaults import resolve_auto
+from specdec.defaults import GPU_MEMORY_UTILIZATION, resolve_auto
 from specdec.drafters.base import Drafter, Proposal
 from specdec.errors import FieldError
 from specdec.fault_isolation import run_isolated
@@ -60,7 +60,7 @@ class SpecConfig:
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"
-    gpu_memory_utilization: float = 0.4  # of the GPU's total memory, for this engine's weights and KV pool
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # of the GPU's total memory: weights + KV pool
     ngram_max_n: int = 4
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
     ngram_device: bool | None = None  # graphed greedy n-gram steps look up the next chains on the device

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from specdec.defaults import DEFAULT_TARGET
+from specdec.defaults import DEFAULT_TARGET, GPU_MEMORY_UTILIZATION
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -40,7 +40,7 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on cuda, float32 on cpu")
     if engine:
-        p.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+        p.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION,
                        help="fraction of the GPU's total memory for the weights and KV pool (as in vLLM)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads on --device cpu (default: half this process's cores, 1 to "
