@@ -23,9 +23,10 @@ def check_spec_config(cfg) -> None:
     from specdec.scheduler.scheduler import CapacityPolicy
     from specdec.tree import template_from_spec
 
-    _require(isinstance(cfg.tree, str), "tree", "must be a str: chain:K, topk:WxD or dynamic:B", cfg.tree)
+    _require(isinstance(cfg.tree, str), "tree", "must be a str: auto, chain:K, topk:WxD or dynamic:B", cfg.tree)
     try:
-        template_from_spec(cfg.tree)
+        if cfg.tree != "auto":
+            template_from_spec(cfg.tree)
     except ValueError as err:
         raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
     for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n"):
@@ -38,11 +39,16 @@ def check_spec_config(cfg) -> None:
     _require(isinstance(cfg.prefix_cache, bool), "prefix_cache", "must be a bool", cfg.prefix_cache)
     _require(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}", cfg.attention_backend)
-    known = cfg.dtype in DTYPES.values() if isinstance(cfg.dtype, torch.dtype) else cfg.dtype in list(DTYPES)
-    _require(known, "dtype", f"must be one of {sorted(DTYPES)}", cfg.dtype)
-    object.__setattr__(cfg, "device", check_device(cfg.device))
-    _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None", hi=device_memory(cfg.device),
-                  unit=" (the device's memory)")
+    known = cfg.dtype in DTYPES.values() if isinstance(cfg.dtype, torch.dtype) else cfg.dtype in ["auto", *DTYPES]
+    _require(known, "dtype", f"must be 'auto' or one of {sorted(DTYPES)}", cfg.dtype)
+    if cfg.device != "auto":
+        object.__setattr__(cfg, "device", check_device(cfg.device))
+    memory = device_memory("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                           "cpu" if cfg.device == "auto" else cfg.device)
+    _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None", hi=memory, unit=" (the device's memory)")
+    util = cfg.gpu_memory_utilization
+    _require(isinstance(util, numbers.Real) and not isinstance(util, bool) and 0 < util <= 1,
+             "gpu_memory_utilization", "must be a number in (0, 1] (a fraction of the GPU's total memory)", util)
     _require(isinstance(cfg.window_reuse, bool), "window_reuse", "must be True or False", cfg.window_reuse)
     _require(isinstance(cfg.ngram_shared, bool), "ngram_shared", "must be True or False", cfg.ngram_shared)
     _require(cfg.ngram_device is None or isinstance(cfg.ngram_device, bool), "ngram_device",

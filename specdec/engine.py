@@ -13,6 +13,7 @@ import torch
 from specdec.adaptive import make_controller
 from specdec.config import ModelConfig
 from specdec.config_checks import check_spec_config
+from specdec.defaults import GPU_MEMORY_UTILIZATION, resolve_auto
 from specdec.drafters.base import Drafter, Proposal
 from specdec.engine_guard import EngineGuard
 from specdec.errors import FieldError
@@ -22,6 +23,8 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool, KVSpec
 from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
+from specdec.loading.roles import check_roles
+from specdec.memory_budget import gpu_kv_budget
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.plan import LARGE_BATCH_ROWS, resolve_plan
@@ -40,9 +43,12 @@ from specdec.verifier import Verifier, request_randomness
 class SpecConfig:
     """Engine options. ``tree``: 'chain:K', 'topk:WxD' or 'dynamic:B' (draft model) or the n-gram
     chain length as 'chain:K'. KV pool size: ``num_blocks`` or ``kv_memory_bytes`` (default 256 MiB
-    on CPU, 40% of free GPU memory on CUDA)."""
+    on CPU; on CUDA what ``gpu_memory_utilization`` leaves, specdec/memory_budget.py). ``"auto"`` (tree,
+    device, dtype) takes the command line's defaults when the engine is built (specdec/defaults.py):
+    n-gram chain:8, a draft model dynamic:31 on CUDA else chain:4; the loaded target's device, else CUDA when
+    present; the loaded target's dtype, else bfloat16 on CUDA and float32 on the CPU."""
 
-    tree: str = "chain:4"
+    tree: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
@@ -51,15 +57,16 @@ class SpecConfig:
     policy: str = "guaranteed_no_evict"
     prefix_cache: bool = True
     attention_backend: str = "auto"
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str = "auto"
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # of the GPU's total memory: weights + KV pool
     ngram_max_n: int = 4
     ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
     ngram_device: bool | None = None  # n-gram chains looked up on the device (drafters/ngram_device.py)
     cuda_graphs: bool | None = None  # padded steps, captured on CUDA; True on the CPU: the same steps, eagerly
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py)
-    fused_verify: bool = True  # all-greedy EAGLE device-program steps launch the verify with the draft
+    fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
     pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
     warm_up: bool | None = None  # run every step shape once at construction (specdec/warm_up.py)
     # None = auto for ngram_device, cuda_graphs, adaptive, pipeline and warm_up: ``specdec.plan.resolve_plan``
@@ -83,7 +90,8 @@ class SpecEngine:
         if config is not None and not isinstance(config, SpecConfig):
             raise TypeError(f"config must be a SpecConfig (e.g. SpecConfig(**options)) or None, got "
                             f"{type(config).__name__}")
-        self.config = cfg = config or SpecConfig()
+        self.config = cfg = resolve_auto(config or SpecConfig(), draft, target)  # "auto" fields -> defaults.py's
+        check_roles(draft, target)  # an EAGLE draft given as the target is refused before anything loads
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)
@@ -168,8 +176,8 @@ class SpecEngine:
         if self.config.kv_memory_bytes:
             return self.config.kv_memory_bytes
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * 0.4)
+            models = [self.target.model] + ([self.draft.model] if self.draft is not None else [])
+            return gpu_kv_budget(self.config.gpu_memory_utilization, self.device, models)
         return 256 << 20
 
     def _make_drafter(self, draft) -> Drafter:

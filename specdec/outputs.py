@@ -94,3 +94,21 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape of the same output: one completion (``out.outputs[0].text``)."""
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request, as vLLM's ``RequestOutput.outputs[i]`` holds it (a view, not a copy:
+    ``token_ids`` is the request output's list). No log-probabilities are computed, so those fields are None."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    cumulative_logprob: None = None
+    logprobs: None = None

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
 
 from specdec.errors import FieldError
 
+DEFAULT_MAX_NEW_TOKENS = 64
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
 # a temperature below this samples as greedy (it is stored as 0): float32 logits divided by a smaller one can
 # overflow to infinity, and the distribution it asks for is the argmax up to float32 rounding anyway
@@ -19,16 +21,18 @@ class SamplingParams:
     """How one request samples and when it stops. Validated (types included) at construction.
 
     temperature 0 means greedy; a temperature below ``GREEDY_TEMPERATURE_FLOOR`` is stored as 0 (greedy), so
-    every proposer and the server decode it the same way. top_k 0 and top_p 1.0 disable those filters. ``stop`` is one
-    string or a sequence of strings (needs a model with a tokenizer); ``stop_token_ids`` a
+    every proposer and the server decode it the same way. top_k 0 (or -1, as in vLLM; stored as 0) and top_p 1.0
+    disable those filters. ``stop`` is one string or a sequence of strings (needs a model with a tokenizer);
+    ``stop_token_ids`` a
     sequence of token ids. Integers of any integral type (numpy included) are stored as int.
+    ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back).
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = 64
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -40,7 +44,7 @@ class SamplingParams:
         if self.temperature < GREEDY_TEMPERATURE_FLOOR:
             set_(self, "temperature", 0.0)
         set_(self, "top_p", _real(self.top_p, "top_p", "must be a number in (0, 1]", lambda p: 0 < p <= 1))
-        set_(self, "top_k", _integer(self.top_k, "top_k", "must be an int >= 0 (0 = off)", 0, None))
+        set_(self, "top_k", max(0, _integer(self.top_k, "top_k", "must be an int >= -1 (0 or -1 = off)", -1, None)))
         set_(self, "max_new_tokens", _integer(self.max_new_tokens, "max_new_tokens", "must be an int >= 1", 1, None))
         if self.seed is not None:
             set_(self, "seed", _integer(self.seed, "seed", "must be None or an int >= 0 and < 2**64", 0,
@@ -52,6 +56,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _taking_max_tokens(init):
+    """``SamplingParams(max_tokens=N)``: vLLM's name of ``max_new_tokens`` (not a field of its own, so
+    ``dataclasses.replace`` and equality see one value); giving both names is an error."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, max_tokens=None, **kwargs):
+        if max_tokens is not None:
+            _check("max_new_tokens" not in kwargs, "max_tokens",
+                   "is vLLM's name of max_new_tokens: give one of the two, not both", max_tokens)
+            _integer(max_tokens, "max_tokens", "must be an int >= 1 (vLLM's name of max_new_tokens)", 1, None)
+            kwargs["max_new_tokens"] = max_tokens
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+SamplingParams.__init__ = _taking_max_tokens(SamplingParams.__init__)
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens, doc="vLLM's name of max_new_tokens")
 
 
 def _check(ok: bool, name: str, rule: str, value) -> None:

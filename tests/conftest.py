@@ -60,6 +60,15 @@ def single_thread():
         yield
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """A test that runs the CLI in-process (which sets torch's CPU thread count) leaves the count as it was."""
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     """Skip ``triton_interpreter`` tests unless interpreted, ``gpu`` tests unless compiled on CUDA."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

@@ -45,7 +45,7 @@ def good_outputs(engine):
     ({"top_p": 0.0}, "top_p", "(0, 1]"),
     ({"top_p": 1.5}, "top_p", "(0, 1]"),
     ({"top_p": -0.2}, "top_p", "(0, 1]"),
-    ({"top_k": -1}, "top_k", ">= 0"),
+    ({"top_k": -2}, "top_k", ">= -1"),
     ({"max_new_tokens": 0}, "max_new_tokens", ">= 1"),
     ({"max_new_tokens": -5}, "max_new_tokens", ">= 1"),
     ({"seed": -1}, "seed", ">= 0"),

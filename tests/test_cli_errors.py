@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_helpers import refuse_model_loads, run_cli
 
 from specdec.cli import main
 
 
 @pytest.fixture
 def no_model_load(monkeypatch):
-    """Loading a model is a test failure: the argument checks must come first."""
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"a model was loaded before the arguments were checked: {args}")
-
-    monkeypatch.setattr("specdec.loading.registry.load_model", refuse)
-
-
-def run_cli(capsys, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, (rc, err)
-    assert err.startswith("error: ") and "Traceback" not in err, err
-    return err
+    refuse_model_loads(monkeypatch)
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -43,7 +32,8 @@ def run_cli(capsys, argv: list[str]) -> str:
     (["bench", "--dataset", "nosuchset"], ["--dataset", "mtbench"]),
     (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
     (["bench", "--num-prompts", "0"], ["--num-prompts", ">= 1"]),
-    (["bench", "--target", "/nonexistent"], ["--target", "/nonexistent"]),
+    (["bench", "--target", "/nonexistent"], ["--model", "/nonexistent"]),  # --target: the alias of --model
+    (["serve", "/nonexistent"], ["--model", "/nonexistent"]),
     (["bench", "--tree", "chain:99"], ["--tree", "[1, 63]"]),
 ])
 def test_user_errors_name_the_argument(capsys, no_model_load, argv, words):

@@ -149,9 +149,10 @@ def test_run_batch_size_continuous_schedule(tiny_target, tiny_draft):
         eng.step = lambda s=step, e=eng: seen.append(len(e.scheduler.running)) or s()
         eng.generate = lambda group, p, g=generate: calls.append(len(group)) or g(group, p)
     recs = run_batch_size(engines, None, prompts, ids, params, 2, tiny_target, "float32", schedule="continuous")
-    assert calls == [2, 2, 6, 6]  # the two warm-ups (one batch), then one call per engine with every prompt
+    # the two warm-ups (one batch), the target-only probe, one call per engine with every prompt, the probe again
+    assert calls == [2, 2, 2, 6, 6, 2]
     assert max(seen) == 2 and all(e.scheduler.cfg.max_batch_size == 8 for e in engines)
     waves = run_batch_size(engines, None, prompts, ids, params, 2, tiny_target, "float32")
-    assert calls[4:] == [2, 2] + [2] * 6  # waves: warm-ups, then three calls of two prompts per engine
+    assert calls[6:] == [2, 2, 2] + [2] * 6 + [2]  # waves: warm-ups, probe, three calls of two per engine, probe
     for r, w in zip(recs, waves):
         assert r["spec"]["token_ids"] == r["target_only"]["token_ids"] == w["spec"]["token_ids"]

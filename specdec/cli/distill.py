@@ -23,13 +23,13 @@ def add_distill_parser(sub, add_model_args) -> None:
     add = p.add_argument
     add("--kind", default="layers", choices=["layers", "eagle"],
         help="layers: decoder layers copied from the target; eagle: one layer over the target's features")
-    add("--target", default=None, help="target model: smollm2-135m, a HF folder or a .gguf")
+    add("--model", "--target", dest="target", default=None, help="target model: smollm2-135m, a HF folder or a .gguf")
     add("--out", default=None, help="output folder: the draft, plus data.pt / ckpt.pt (required)")
     add("--layers", type=int, default=None, help="[layers] draft decoder layers, copied from the target's")
     add("--init-layers", type=_int_list, default=None, metavar="I,J,...",
         help="[layers] target layers to start from (default: evenly spaced, first and last included)")
     add("--data", default=None, help="[layers] sharegpt (train split) | PATH.jsonl")
-    add("--num-prompts", type=int, default=None)
+    add("--num-prompts", type=int, default=None, help="[layers] training prompts")
     add("--val-prompts", type=int, default=None,
         help="[layers] prompts held out for the val KL (default: min(64, num-prompts/10))")
     add("--response-tokens", type=int, default=None, help="[layers] target tokens per prompt")
@@ -45,28 +45,47 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--step-decay", type=float, default=None, help="[eagle] loss weight of step k is decay**k")
     add("--max-len", type=int, default=None, help="[eagle] tokens per conversation (training / tokenising)")
     add("--batch-tokens", type=int, default=None, help="[eagle] padded tokens per training step")
-    add("--time-budget", type=float, default=None, help="[eagle] training seconds (plans the step count)")
+    add("--time-budget", type=float, default=None, help="[eagle] training seconds (default: none, --steps)")
     add("--val-docs", type=int, default=None, help="[eagle] conversations held out for validation")
     add("--loss-on", default=None, choices=["assistant", "all"], help="[eagle] positions scored")
     add("--write-tokens", default=None, metavar="PATH.npz",
-        help="[eagle] only tokenise ShareGPT conversations (--split, --num-tokens, --max-len) and exit")
-    add("--num-tokens", type=int, default=None, help="[eagle] tokens to write with --write-tokens")
-    add("--split", default=None, choices=["train", "eval"], help="[eagle] ShareGPT split for --write-tokens")
-    add("--steps", type=int, default=None)
-    add("--lr", type=float, default=None)
+        help="[eagle] only tokenise ShareGPT conversations (--split, --num-tokens, --max-len) and exit "
+             "(default: none, train a draft)")
+    add("--num-tokens", type=int, default=None, help="[eagle] tokens to write with --write-tokens (default: 12000000)")
+    add("--split", default=None, choices=["train", "eval"],
+        help="[eagle] ShareGPT split for --write-tokens (default: train)")
+    add("--steps", type=int, default=None, help="training steps")
+    add("--lr", type=float, default=None, help="peak learning rate")
     add("--warmup-steps", type=int, default=None, help="default min(100, steps / 10)")
     add("--min-lr-ratio", type=float, default=None, help="final lr / lr (cosine decay)")
-    add("--weight-decay", type=float, default=None)
+    add("--weight-decay", type=float, default=None, help="AdamW weight decay")
     add("--grad-clip", type=float, default=None, help="max grad norm (0 = off)")
-    add("--ckpt-every", type=int, default=None)
-    add("--stop-after", type=int, default=None, help="stop after this step (checkpointed, same schedule)")
-    add("--seed", type=int, default=None)
+    add("--ckpt-every", type=int, default=None, help="steps between checkpoints")
+    add("--stop-after", type=int, default=None, help="stop after this step (checkpointed; default: none)")
+    add("--seed", type=int, default=None, help="seed of the initialisation and the data order")
     add("--resume", action="store_true", help="continue from OUT/ckpt.pt (and OUT/data.pt)")
     add("--save-dtype", default=None, choices=sorted(DTYPES), help="dtype of the stored weights")
     add("--write-prompts", default=None, metavar="PATH.jsonl",
-        help="[layers] only write the training prompts (--data, --num-prompts) to a JSONL file and exit")
-    add_model_args(p)
+        help="[layers] only write the training prompts (--data, --num-prompts) to a JSONL file and exit "
+             "(default: none, train a draft)")
+    add_model_args(p, engine=False)
+    _show_kind_defaults(p)
     p.set_defaults(func=cmd_distill)
+
+
+def _show_kind_defaults(p: argparse.ArgumentParser) -> None:
+    """Each option left at None takes its --kind's config default; its help says which (``--help`` shows them)."""
+    configs = {"layers": {f.name: f.default for f in fields(DistillConfig)}}
+    from specdec.training.eagle_train import EagleTrainConfig
+
+    configs["eagle"] = {f.name: f.default for f in fields(EagleTrainConfig)}
+    for action in p._actions:
+        if action.default is not None or not action.option_strings or action.nargs == 0 or action.dest == "help":
+            continue
+        shown = [f"{kind} {cfg[action.dest]}" for kind, cfg in configs.items()
+                 if action.dest in cfg and cfg[action.dest] is not None]
+        if shown and "default" not in (action.help or ""):
+            action.help = f"{action.help or ''} (default: {', '.join(shown)})".lstrip()
 
 
 def _int_list(text: str) -> tuple[int, ...]:

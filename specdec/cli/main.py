@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 
+from specdec.cli.common import CommandParser, DefaultsHelpFormatter, add_max_tokens_arg, add_target_arg
 from specdec.cli.common import add_model_args as _add_model_args
 from specdec.cli.common import device_dtype as _device_dtype
 
 
 def cmd_generate(args) -> int:
-    from specdec.cli.bench import PIPELINE_CHOICES, default_draft, default_tree
+    from specdec.cli.bench import PIPELINE_CHOICES
     from specdec.cli.checks import build, check_model, load
+    from specdec.defaults import default_draft, default_tree
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.sampling_params import SamplingParams
 
@@ -23,7 +26,8 @@ def cmd_generate(args) -> int:
     tree = args.tree or default_tree(name, device)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens)
-    config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline])
+    config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
+                   gpu_memory_utilization=args.gpu_memory_utilization)
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
     note = sampled_speed_note(device, args.temperature, name)
@@ -64,21 +68,23 @@ def sampled_speed_note(device: str, temperature: float, draft: str) -> str | Non
 def build_parser() -> argparse.ArgumentParser:
     from specdec.cli.bench import PIPELINE_CHOICES, PIPELINE_HELP, TREE_HELP, add_bench_parser
 
-    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = CommandParser(prog="specdec", description="Lossless speculative decoding engine")
+    parser.add_argument("--version", action="version", version=f"specdec {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                parser_class=partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
 
     g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
-    g.add_argument("--model", default="smollm2-135m", help="target: smollm2-135m, a HF folder or a .gguf")
+    add_target_arg(g)
     g.add_argument("--draft", default=None,
                    help="draft model name/path, 'ngram', or 'none' (default: the shipped draft, else ngram)")
     g.add_argument("--tree", default=None, help=TREE_HELP)
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
+    add_max_tokens_arg(g, 128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed of a sampled request (default: none, not reproducible)")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
     g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
     _add_model_args(g)
@@ -94,7 +100,17 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_distill_parser(sub, _add_model_args)
+    parser.commands = dict(sub.choices)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdec")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

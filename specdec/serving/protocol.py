@@ -12,7 +12,7 @@ from typing import Any
 
 from specdec.errors import FieldError
 from specdec.outputs import RequestOutput
-from specdec.sampling_params import MAX_SEED, SamplingParams
+from specdec.sampling_params import SamplingParams
 
 
 class BadRequest(ValueError):
@@ -33,6 +33,7 @@ _OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0,
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
 COMPLETION_FIELDS = _COMMON | {"prompt"}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
 
@@ -119,21 +120,17 @@ def _completion_prompt(prompt: Any) -> Any:
 
 
 def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
-    temperature = _number(body, "temperature", 1.0, lo=0.0, hi=2.0)
-    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0)
-    if top_p == 0:
-        raise BadRequest("top_p", "field 'top_p' must be in (0, 1], got 0")
-    top_k = _integer(body, "top_k", 0, lo=-1)
-    max_tokens = _integer(body, max_tokens_field, default_max_tokens, lo=1)
-    seed = _integer(body, "seed", None, lo=0, hi=MAX_SEED)
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise BadRequest("ignore_eos", f"field 'ignore_eos' must be a boolean, got {ignore_eos!r}")
+    """The body's sampling fields checked by ``SamplingParams`` itself, so the server accepts exactly what the
+    Python API does (top_k -1 = off, as in vLLM); the output length comes from ``max_tokens_field``. A FieldError
+    becomes a BadRequest naming the body's field."""
+    given = {name: body[name] for name in _SAMPLING_FIELDS if name != "max_tokens" and body.get(name) is not None}
+    if body.get(max_tokens_field) is not None:
+        given["max_tokens"] = body[max_tokens_field]
     try:
-        return SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                              max_new_tokens=max_tokens, stop=_stop(body.get("stop")), ignore_eos=ignore_eos)
-    except FieldError as err:  # a combination the checks above let through: named by its field in the body
-        name = max_tokens_field if err.field == "max_new_tokens" else err.field
+        return SamplingParams(**{"temperature": 1.0, "max_tokens": default_max_tokens, **given},
+                              stop=_stop(body.get("stop")))
+    except FieldError as err:
+        name = max_tokens_field if err.field in ("max_new_tokens", "max_tokens") else err.field
         raise BadRequest(name, f"field '{name}': {err}") from None
 
 
@@ -162,15 +159,6 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _number(body: dict, name: str, default, lo: float, hi: float):
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not lo <= value <= hi:
-        raise BadRequest(name, f"field '{name}' must be a number in [{lo}, {hi}], got {value!r}")
-    return value
 
 
 def _integer(body: dict, name: str, default, lo: int, hi: int | None = None):
