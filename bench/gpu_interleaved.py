@@ -1,82 +1,50 @@
-"""n-gram speculation against target-only with the runs interleaved (issue 9's batch-16 item).
+"""Engines timed against target-only decoding in interleaved rounds, on one machine in one process.
 
     python -P bench/gpu_interleaved.py OUT_DIR MODEL PROMPTS [BATCH ...]     (default batch 16)
+    python -P bench/gpu_interleaved.py --prompts PROMPTS                     (CPU: write the prompt file)
 
-``gpu_fastpath.py adaptive`` builds one engine per configuration and times its runs back to back, so a
-machine whose speed drifts over a minute (seen on the H200: the same target-only engine ran 7,851-9,823
-tok/s) biases the ratios. Here the engines of one batch size and schedule (``CONFIGS``: target-only, n-gram
-chain:8 with a fixed budget, with the adaptive budget, and with a fixed budget but no n-gram table shared
-across requests; with ``ENGINES=eagle``: target-only and the shipped EAGLE draft with topk:2x3 fused and
-unfused and dynamic:31) are built first, then timed in rounds, one run of each per round in rotating order; a
-speed-up is the median over rounds of that round's ratio. Schedules: waves of ``batch`` prompts (the
+A machine's speed drifts over a minute, so engines timed back to back bias their ratios. Here the engines of
+one set (``ENGINES``, a key of ``ENGINE_SETS``; default ``ngram``) are built first for each batch size and
+schedule, then timed in rounds, one run of each per round in rotating order; an engine's speed-up is the
+median over rounds of that round's ratio to target-only. Schedules: waves of ``batch`` prompts (the
 ``specdec bench`` method) and continuous batching (all prompts submitted, ``batch`` rows; not at batch 1).
-80 MT-bench prompts x 128 tokens on CUDA (4 x 16 on the CPU), ``REPEATS`` rounds (default 7 on CUDA;
-``REPEATS_B1``, default 3, at batch 1; ``TEMPERATURE``: sampled runs). Writes OUT_DIR/interleaved.json.
+PROMPTS is a JSON file of token-id lists by prompt set (``--prompts`` writes it: 80 MT-bench first turns and
+200 ShareGPT-eval first turns, chat-templated for SmolLM2). 128 new tokens per prompt on CUDA (4 prompts x 16
+tokens on the CPU, for trying the script). Writes OUT_DIR/interleaved.json and logs one summary line per
+batch and schedule, prefixed ``interleaved``.
+
+Environment: ``ENGINES`` (engine set), ``ONLY`` (names of the set to build; target-only always),
+``SCHEDULES`` ("waves" and/or "continuous", default both), ``REPEATS`` (rounds, default 7 on CUDA),
+``REPEATS_B1`` (rounds at batch 1, default 3), ``COLD=1`` (no warm-up: the first round is each engine's first
+requests), ``PROMPT_SET`` (a key of the prompt file: "mtbench" or "sharegpt"), ``NUM_PROMPTS`` (the first N of
+the set, default all), ``TEMPERATURE`` (sampled runs at that temperature with top-p 0.9, unseeded; default 0).
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import os
 import statistics
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from gpu_fastpath import CUDA, DEV, log, user_generate  # noqa: E402
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
 
-from specdec import SamplingParams, SpecConfig, SpecEngine  # noqa: E402
-from specdec.loading.registry import load_model  # noqa: E402
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
 
-# name -> SpecConfig fields ("draft": "ngram", "eagle" for the shipped EAGLE draft, or None); ENGINES picks a set
+# name -> SpecConfig fields ("draft": "ngram", "eagle" for the shipped EAGLE draft, or None; "tree" defaults to
+# chain:8); ENGINES picks a set. Every set has "target_only" (the engine's defaults with no draft), the
+# reference of every ratio.
 ENGINE_SETS = {
-    "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
-              "ngram_adaptive": {"draft": "ngram", "adaptive": True},
-              "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
-    # issue 9, session 9: the n-gram chain's length (a verify of k + 1 tokens per row), fixed budget, beside
-    # chain:8 under the adaptive budget (what an n-gram engine on CUDA runs by default)
-    "ngram_len": {"target_only": {"draft": None},
-                  "ngram_chain8": {"draft": "ngram", "adaptive": False},
-                  "ngram_chain4": {"draft": "ngram", "tree": "chain:4", "adaptive": False},
-                  "ngram_chain3": {"draft": "ngram", "tree": "chain:3", "adaptive": False},
-                  "ngram_chain8_adaptive": {"draft": "ngram", "adaptive": True}},
-    # session 9: n-gram chains looked up on the device (drafters/ngram_device.py; the default from 8 rows on CUDA)
-    # against the host lookup with and without the shared table (unshared: the device's drafts exactly)
-    "ngram_device": {"target_only": {"draft": None},
-                     "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
-                     "ngram_host_unshared": {"draft": "ngram", "adaptive": False, "ngram_device": False,
-                                             "ngram_shared": False},
-                     "ngram_device": {"draft": "ngram", "adaptive": False},
-                     "ngram_device_chain4": {"draft": "ngram", "tree": "chain:4", "adaptive": False},
-                     "ngram_device_adaptive": {"draft": "ngram"}},
-    # the final set of session 9: the host lookup (shared table) against the engine's default (the device from 8
-    # rows), with a fixed budget and with the adaptive one (what an n-gram engine on CUDA runs by default)
-    "ngram_final": {"target_only": {"draft": None},
-                    "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
-                    "ngram_device": {"draft": "ngram", "adaptive": False},
-                    "ngram_device_adaptive": {"draft": "ngram"}},
-    # session 9: the auto budget of pipelined greedy steps (dynamic:31's best 15 nodes above 16 rows) against
-    # dynamic:31 at its full size (the default before)
-    # session 10: pipelined n-gram steps (the device queues each greedy step's successor before the host reads it)
-    "ngram_pipeline": {"target_only": {"draft": None},
-                       "ngram_host": {"draft": "ngram", "adaptive": False, "ngram_device": False},
-                       "ngram_device": {"draft": "ngram", "adaptive": False, "pipeline": False},
-                       "ngram_pipelined": {"draft": "ngram", "adaptive": False},
-                       "ngram_pipelined_any": {"draft": "ngram", "adaptive": False, "ngram_device": True}},
-    # session 10: target-only decoding pipelined too (SpecConfig(pipeline=True) with no draft; opt-in), against the
-    # default target-only and the pipelined n-gram default
-    "decode_pipeline": {"target_only": {"draft": None},
-                        "target_only_pipelined": {"draft": None, "pipeline": True},
-                        "ngram_pipelined": {"draft": "ngram", "adaptive": False}},
-    # next session: the speculative defaults against pipelined target-only decoding (before making it the default)
-    "decode_flip": {"target_only": {"draft": None},
-                    "target_only_pipelined": {"draft": None, "pipeline": True},
-                    "ngram_pipelined": {"draft": "ngram", "adaptive": False},
-                    "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"}},
-    # issue 25: the engine's CUDA defaults (target-only pipelined, the shipped draft's dynamic:31, n-gram chain:8)
+    # the engine's CUDA defaults (target-only pipelined, the shipped draft's dynamic:31, n-gram chain:8)
     # against unpipelined target-only, greedy or sampled (TEMPERATURE)
     "plan": {"target_only": {"draft": None},
              "target_only_unpipelined": {"draft": None, "pipeline": False},
@@ -88,59 +56,30 @@ ENGINE_SETS = {
                    "eagle_fixed": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
                    "eagle_fixed15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
                    "ngram": {"draft": "ngram"}},
-    "large_batch": {"target_only": {"draft": None},
-                    "eagle_dynamic31_auto": {"draft": "eagle", "tree": "dynamic:31"},
-                    "eagle_dynamic31_full": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
-    # sampled decoding (TEMPERATURE) with the CUDA defaults: the shipped draft (its steps with sampled rows take
-    # the adaptive budget, unpipelined) and n-gram chains (fixed budget; own text only for sampled rows)
-    "sampled": {"target_only": {"draft": None},
-                "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
-                "ngram_chain8": {"draft": "ngram"}},
+    # n-gram chain:8 with a fixed budget, with the adaptive budget, and without the table shared across requests
+    "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
+              "ngram_adaptive": {"draft": "ngram", "adaptive": True},
+              "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
+    # the shipped EAGLE draft's trees, fixed budget and adaptive
     "eagle": {"target_only": {"draft": None},
               "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
               "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
               "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
-    "eagle_b1": {"target_only": {"draft": None},
-                 "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
-                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False}},
-    "pipeline": {"target_only": {"draft": None},  # pipelined fused steps (specdec/lookahead.py) against unpipelined
-                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False, "pipeline": True},
-                 "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False,
-                                                 "pipeline": False},
-                 "eagle_dynamic63": {"draft": "eagle", "tree": "dynamic:63", "adaptive": False, "pipeline": True},
-                 "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False, "pipeline": True}},
-    # the engine's defaults on CUDA (pipelined, fixed budget) at two tree sizes, beside the unpipelined step and the
-    # adaptive budget (the default before session 8)
-    "defaults": {"target_only": {"draft": None},
-                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
-                 "eagle_dynamic15": {"draft": "eagle", "tree": "dynamic:15"},
-                 "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False,
-                                                 "pipeline": False},
-                 "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
-    "defaults_mid": {"target_only": {"draft": None},  # the same two trees between batch 1 and 64
-                     "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
-                     "eagle_dynamic15": {"draft": "eagle", "tree": "dynamic:15"}},
-    # batch 64: s7b's four engines (where it faulted once) and smaller pipelined trees
-    "pipeline64": {"target_only": {"draft": None},
-                   "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False, "pipeline": True},
-                   "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False,
-                                                   "pipeline": False},
-                   "eagle_dynamic63": {"draft": "eagle", "tree": "dynamic:63", "adaptive": False, "pipeline": True},
-                   "eagle_dynamic15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False, "pipeline": True},
-                   "eagle_dynamic7": {"draft": "eagle", "tree": "dynamic:7", "adaptive": False, "pipeline": True},
-                   "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False, "pipeline": True},
-                   "eagle_chain4": {"draft": "eagle", "tree": "chain:4", "adaptive": False, "pipeline": True}},
-    "eagle_topk": {"target_only": {"draft": None},
-                   "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
-                   "eagle_topk2x3_adaptive": {"draft": "eagle", "tree": "topk:2x3", "adaptive": True}},
-    "eagle_dynamic": {"target_only": {"draft": None},
-                      "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
-                      "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
+    # pipelined steps (one step's host work overlapped with the next step's GPU work) against unpipelined ones
+    "pipeline": {"target_only": {"draft": None},
+                 "target_only_unpipelined": {"draft": None, "pipeline": False},
+                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "pipeline": True},
+                 "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "pipeline": False},
+                 "ngram_pipelined": {"draft": "ngram", "pipeline": True},
+                 "ngram_unpipelined": {"draft": "ngram", "pipeline": False}},
+    # the speculative defaults against target-only for sampled rows (with TEMPERATURE)
+    "sampled": {"target_only": {"draft": None},
+                "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
+                "ngram_chain8": {"draft": "ngram"}},
 }
 ENGINES = os.environ.get("ENGINES", "ngram")
-# KV pool per engine: the default (40% of the free memory) shrinks geometrically over the engines of one process,
-# and with 8 of them the GPU ran out of memory mid-run (session 8, s8c/s8d); 80 x (prompt + 128 + lookahead)
-# tokens of SmolLM2 + draft fit in well under 2 GiB
+# KV pool per engine: the default (40% of the free memory) shrinks geometrically over the engines of one process
+# and runs out with many engines; 200 x (prompt + 128 + lookahead) tokens of SmolLM2 + draft fit in 3 GiB
 KV = {"kv_memory_bytes": 3 << 30} if CUDA else {}
 ONLY = os.environ.get("ONLY", "").split()  # names of the set to build (target-only always), default all
 SCHEDULES = os.environ.get("SCHEDULES", "").split()  # "waves" and/or "continuous", default both
@@ -148,8 +87,56 @@ COLD = os.environ.get("COLD", "") == "1"  # no warm-up: the first round is each 
 PROMPT_SET = os.environ.get("PROMPT_SET", "mtbench")  # a key of the prompt file ("mtbench" or "sharegpt")
 NUM_PROMPTS = int(os.environ.get("NUM_PROMPTS", "0")) or None  # the first N prompts of the set (default all)
 
-
 REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x longer
+FAILURES_SHOWN = [0]
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def report_failures(outs) -> None:
+    """Log how many requests of one ``generate`` failed, with the first cause's traceback: a benchmark must not
+    pass a failed request off as a short one."""
+    bad = [o for o in outs if o.finish_reason == "error"]
+    if bad:
+        log(f"FAILED {len(bad)} of {len(outs)} requests: {bad[0].error!r}")
+        if FAILURES_SHOWN[0] < 5:  # the first few causes in full, then counts only
+            FAILURES_SHOWN[0] += 1
+            log("".join(traceback.format_exception(bad[0].error)))
+
+
+def user_generate(engine, prompts, params, batch: int, continuous: bool = False) -> dict:
+    """tok/s of ``engine.generate`` (what a user runs: detokenisation and streaming included), ``batch``
+    prompts at a time (waves: a wave's early finishers leave its tail under-filled), or with ``continuous``
+    all prompts in one call, the engine's ``max_batch_size`` (= batch) refilling freed rows at once."""
+    per_call = len(prompts) if continuous else batch
+    engine.forget_drafts()  # no drafting from the warm-up's or an earlier round's replies to these prompts
+    gc.collect()  # a full collection of the engine's objects takes ~0.2 s: never inside a timed run by chance
+    if CUDA:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    n_tok = 0
+    for i in range(0, len(prompts), per_call):
+        outs = engine.generate(prompts[i:i + per_call], params)
+        n_tok += sum(len(o.token_ids) for o in outs)
+        report_failures(outs)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall}
+
+
+def write_prompts(path: str) -> None:
+    """The prompt file: the 80 MT-bench first turns and the first 200 ShareGPT-eval first turns of at most
+    1,024 tokens, in SmolLM2's chat template (run on the CPU)."""
+    from specdec.benchmark.data import load_mtbench, load_sharegpt
+    from specdec.prompts import to_prompt_ids
+
+    tok = load_model("smollm2-135m").tokenizer
+    ids = {"mtbench": [to_prompt_ids(p.to_messages(), tok) for p in load_mtbench()]}
+    sharegpt = (to_prompt_ids(p.to_messages(), tok) for p in load_sharegpt("eval", 400))  # 200 fit in the first 300
+    ids["sharegpt"] = list(itertools.islice((x for x in sharegpt if len(x) <= 1024), 200))
+    Path(path).write_text(json.dumps(ids))
+    log(", ".join(f"{len(v)} {k}" for k, v in ids.items()) + f" prompts -> {path}")
 
 
 def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int) -> dict[str, list[float]]:
@@ -162,11 +149,12 @@ def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats
 
 
 def main() -> None:
+    if sys.argv[1] == "--prompts":
+        return write_prompts(sys.argv[2])
     out, model_path, prompt_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     batches = [int(b) for b in sys.argv[4:]] or [16]
     out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(Path(prompt_file).read_text())[PROMPT_SET][:NUM_PROMPTS if CUDA else 4]
-    # TEMPERATURE (env, default 0: greedy): sampled runs at that temperature with top-p 0.9, unseeded
     temp = float(os.environ.get("TEMPERATURE", "0"))
     params = SamplingParams(max_new_tokens=128 if CUDA else 16, ignore_eos=True, temperature=temp,
                             top_p=0.9 if temp else 1.0)

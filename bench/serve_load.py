@@ -3,10 +3,12 @@ mixed lengths, 10% disconnecting mid-stream. Checks that every completed stream'
 request run alone (greedy), that nothing failed except the deliberate disconnects and that no KV
 block leaked; reports requests/s and TTFT p50/p99.
 
-    python bench/serve_load.py --target tiny --clients 200 --json out.json
-    python bench/serve_load.py --target smollm2-135m --draft ngram --clients 200
+    python -m bench.serve_load --target tiny --clients 200 --json out.json      (from the repository root)
+    python -m bench.serve_load --target smollm2-135m --draft ngram --clients 200
 
-The server runs in this process (uvicorn in a thread) so the engine's allocator can be checked after.
+The server runs in this process (uvicorn in a thread) so the engine's allocator can be checked after. The
+clients and the tiny model come from the test helpers (tests/serving_helpers.py, tests/conftest.py), imported
+as ``tests.*`` from the repository root; tests/test_serving_load.py runs a small load through ``main``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-
-from serving_helpers import mixed_jobs, percentile, run_alone, run_concurrently, with_tokenizer  # noqa: E402
+from tests.serving_helpers import mixed_jobs, percentile, run_alone, run_concurrently, with_tokenizer
 
 
 def _models(target: str, draft: str, dtype: str):
@@ -31,7 +30,7 @@ def _models(target: str, draft: str, dtype: str):
     from specdec.loading.registry import load_model, truncate_layers
 
     if target == "tiny":
-        from conftest import save_tiny
+        from tests.conftest import save_tiny
 
         tmp = Path(tempfile.mkdtemp(prefix="serve_load_"))
         save_tiny(tmp / "raw", "llama", seed=0, num_hidden_layers=3, eos_token_id=193)
@@ -42,7 +41,7 @@ def _models(target: str, draft: str, dtype: str):
     return (None if draft == "none" else draft), loaded
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="tiny", help="tiny, smollm2-135m, a HF folder or a .gguf")
     ap.add_argument("--draft", default="truncate:2", help="ngram, none, truncate:N (the target's first N layers) "
@@ -55,7 +54,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="torch threads")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
 

@@ -16,7 +16,7 @@ from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 from specdec.drafters.ngram_ops import ngram_follow_reference  # noqa: F401 - the reference
 
 # A match's score in the kernel is n * 2**40 + start (the longest n wins, then the latest start); 2**40 is written
-# out there as 1099511627776, the form compiled and checked on the H200 (session 9).
+# out there as the literal 1099511627776, which Triton compiles as an int64 constant (the form tested on the GPU).
 
 
 @triton.jit

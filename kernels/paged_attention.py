@@ -323,7 +323,7 @@ def paged_attention_triton(
 
 
 def _tile_config(q: torch.Tensor, d: int, group_p: int, max_query_len: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages), from an H200 sweep (bench/gpu_kernels.py --tune).
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): the fastest of a tile sweep on an H200 for each case below.
 
     Multi-query tiles grow to hold all of a row's queries x the GQA group, so K/V is read once.
     """

@@ -13,8 +13,8 @@ import torch
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the shipped EAGLE-style draft of DEFAULT_TARGET
 NGRAM_TREE = "chain:8"
-# the shipped draft's tree on CUDA, pipelined with a fixed budget: the fixed tree measured best over batch 1 and
-# 64 on the H200 (bench/RESULTS.md, session 8); elsewhere CPU_DRAFT_TREE
+# the shipped draft's tree on CUDA (pipelined with a fixed budget, the best fixed tree from batch 1 to 64);
+# elsewhere CPU_DRAFT_TREE
 CUDA_DRAFT_TREE = "dynamic:31"
 CPU_DRAFT_TREE = "chain:4"
 # of the GPU's total memory, for one engine's weights and KV pool (specdec/memory_budget.py): two engines in a

@@ -1,6 +1,7 @@
 """A CI-sized load test of the real server: many concurrent streaming clients of mixed lengths, some
 disconnecting mid-stream. Every completed stream equals the same request run alone (greedy), nothing
-fails except the deliberate disconnects, and no KV block leaks. bench/serve_load.py is the full size."""
+fails except the deliberate disconnects, and no KV block leaks. bench/serve_load.py is the full size (its
+small run is the last test here)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,17 @@ def test_concurrent_streams_equal_requests_run_alone(server):
         assert follow.launches > 100 and preempted and follow.adopted > 50 and follow.dropped > 0
     if hasattr(follow, "chains"):  # the n-gram engine: its lookups ran on the device, right
         assert len(checked) > 100 and all(checked)
+
+
+def test_bench_serve_load_client_small(tmp_path):
+    """bench/serve_load.py (the full-size load client, run as ``python -m bench.serve_load`` from the repository
+    root) end to end at a small size: its checks pass and its report is written."""
+    import json
+
+    from bench.serve_load import main
+
+    out = tmp_path / "load.json"
+    assert main(["--target", "tiny", "--clients", "8", "--long-tokens", "16", "--threads", "1",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["ok"] and report["completed"] + report["disconnected"] == 8

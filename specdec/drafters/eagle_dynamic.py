@@ -30,9 +30,9 @@ from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
 from specdec.tree import MAX_TREE_NODES, TreeSpec
 from specdec.tree_ops import choose, select_level
 
-# ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Measured
-# (bench/RESULTS.md, CPU float32, 8 MT-bench prompts): 10x5 keeping 32 nodes accepts 2.74 tokens per target
-# forward, 40 nodes 2.76, the host path's dynamic:63 (8 levels of 8) 2.78; 8x5 2.67-2.69, 12x4 2.69, 16x4 2.61.
+# ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Past 5 levels
+# width adds more accepted tokens than depth: 10 x 5 keeping 31 nodes (a 32-token verify) accepts about as much
+# as the host path's dynamic:63 (8 levels of 8, a 64-token verify), and wider or deeper shapes add little.
 DEVICE_WIDTH = 10
 DEVICE_DEPTH = 5
 

@@ -2,8 +2,8 @@
 
 A request looks first in its own text (prompt and output). With a ``SharedNgrams`` table a greedy request
 also looks in the text of every request the drafter has seen (running or finished): a longer match there
-wins over a shorter own match, so phrases another reply already produced can be proposed (measured on the 80 MT-bench
-replies of SmolLM2, greedy: mean accepted length 1.50 -> 1.62, bench/RESULTS.md).
+wins over a shorter own match, so phrases another reply already produced can be proposed: replies to related
+prompts repeat each other, and a longer match is accepted further.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """n-gram drafting on the device, for graphed greedy steps of many rows.
 
 On the host an n-gram step looks up every row's chain in dictionaries before the verify can be launched, and
-writes the new tokens' n-grams after it: at batch 16 on the H200 host that was ~180 us of a ~1.8 ms step
-(bench/RESULTS.md, session 9), the largest part of what made an n-gram step dearer than a decode step.
+writes the new tokens' n-grams after it: host work on every step's critical path, the largest part of what
+makes a host n-gram step dearer than a decode step at large batches.
 
 Here each row's token history also lives in a device buffer (one row per block-table row). Right behind a
 graphed verify, one launch (the backend's ``ngram_follow``) appends each row's accepted tokens and bonus token
@@ -18,10 +18,9 @@ this step, so the host commits this step while the GPU runs the next.
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
 than the lookup time at small batches, so the device lookup runs only from ``min_rows`` rows on. Pipelined it runs
-at every batch size: on the H200 at batch 1 the pipelined device path beat the host path with the shared table,
-1.68x against 1.56x target-only, although it accepts fewer tokens per step (1.50 against 1.63; bench/RESULTS.md,
-session 10). Drafts differ from the host's only where the shared table would have found a longer match; outputs
-never differ (every chain is verified).
+at every batch size: overlapping the host's work with the next verify is worth more than the shared table's
+longer matches, even at batch 1. Drafts differ from the host's only where the shared table would have found a
+longer match; outputs never differ (every chain is verified).
 """
 
 from __future__ import annotations

@@ -1,0 +1,37 @@
+"""bench/gpu_interleaved.py (the GPU runner's speed rounds) end to end on the CPU with the tiny model: the
+environment it reads, its rounds and ratios, and the JSON the runner keeps. ``bench`` imports as a package
+because CI runs ``python -m pytest`` from the repository root."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+from serving_helpers import with_tokenizer
+
+
+def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
+    target = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"mtbench": [[5, 6, 7, 8, 9]] * 4, "sharegpt": [[9, 10, 11, 9, 10, 11]] * 4}))
+    env = {"ENGINES": "plan", "ONLY": "ngram", "COLD": "1", "PROMPT_SET": "sharegpt", "NUM_PROMPTS": "4",
+           "REPEATS": "2", "SCHEDULES": "continuous", "TEMPERATURE": "0"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delitem(sys.modules, "bench.gpu_interleaved", raising=False)
+    bench = importlib.import_module("bench.gpu_interleaved")  # reads the environment at import
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_interleaved.py", str(out), str(target), str(prompts), "2"])
+    bench.main()
+    res = json.loads((out / "interleaved.json").read_text())
+    assert (res["engines"], res["cold"], res["prompt_set"], res["rounds"], res["temperature"]) == \
+        ("plan", True, "sharegpt", 2, 0.0)
+    assert "b2_waves" not in res  # SCHEDULES=continuous
+    entry = res["b2_continuous"]
+    assert set(entry) == {"target_only", "ngram"}  # ONLY keeps target-only beside the named engine
+    for e in entry.values():
+        assert len(e["tok_per_s_runs"]) == 2 and e["median"] > 0 and e["first_over_later"] > 0
+        assert isinstance(e["plan"], dict) and "graphs" in e and "capture_s" in e
+    assert len(entry["ngram"]["ratio_runs"]) == 2 and entry["ngram"]["speedup"] > 0
+    assert entry["ngram"]["mean_accepted_length"] >= 1.0
