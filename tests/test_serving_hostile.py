@@ -80,7 +80,7 @@ BAD = [
     ("completions", "[" * 100_000, 400, None, "nested too deeply"),
     ("completions", "{not json", 400, None, "not valid JSON"),
     ("completions", b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
-    ("completions", json.dumps(_completion(seed=2**64)), 400, "seed", "[0, 18446744073709551615]"),
+    ("completions", json.dumps(_completion(seed=2**64)), 400, "seed", "< 2**64"),
     ("completions", json.dumps(_completion(prompt=[5] * 510)), 400, "prompt", "510 tokens"),
     ("chat", json.dumps(_chat(max_completion_tokens=0)), 400, "max_completion_tokens", ">= 1"),
     ("chat", json.dumps(_chat(max_completion_tokens=-2, max_tokens=None)), 400, "max_completion_tokens", ">= 1"),
