@@ -43,8 +43,8 @@ def check_spec_config(cfg) -> None:
     _require(known, "dtype", f"must be 'auto' or one of {sorted(DTYPES)}", cfg.dtype)
     if cfg.device != "auto":
         object.__setattr__(cfg, "device", check_device(cfg.device))
-    memory = device_memory("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
-                           "cpu" if cfg.device == "auto" else cfg.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"  # the device "auto" most likely becomes
+    memory = device_memory(auto if cfg.device == "auto" else cfg.device)
     _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None", hi=memory, unit=" (the device's memory)")
     util = cfg.gpu_memory_utilization
     _require(isinstance(util, numbers.Real) and not isinstance(util, bool) and 0 < util <= 1,
@@ -83,7 +83,10 @@ def device_memory(device: str) -> int:
     """Bytes of memory of ``device``: the GPU's total memory, or the machine's physical memory for the CPU."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        return torch.cuda.get_device_properties(dev.index or 0).total_memory
+        try:
+            return torch.cuda.get_device_properties(dev.index or 0).total_memory
+        except (AssertionError, RuntimeError):  # no usable CUDA here: the engine's own device check says so
+            return 2**62
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
