@@ -47,20 +47,15 @@ def applies(trees: Sequence[DraftTree]) -> bool:
 
 def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], b: int, q: int) -> np.ndarray:
     """(b, 3 q + 8) int64 inputs of the rule for the sampled rows ``sampled`` of ``rows``/``trees`` (other rows
-    idle: no tree, not sampled); each sampled row's stream advances by the n + 1 draws its tree uses. Float
-    parameters travel as their float64 bits."""
-    host = np.zeros((b, 3 * q + 8), dtype=np.int64)
-    host[:, 3 * q + _TEMPERATURE:] = _ONE_BITS
+    idle: no tree, not sampled): each row's padded tree, then its ``sampling_array`` columns; each sampled row's
+    stream advances by the n + 1 draws its tree uses."""
+    tree_cols = np.zeros((b, 3 * q), dtype=np.int64)
     for i in sampled:
-        req, tree = rows[i], trees[i]
-        p, s, n = req.params, req.stream, tree.num_nodes + 1
-        if n > q:
-            raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
-        host[i, :3 * q] = tree_rows(tree, q)
-        host[i, 3 * q:3 * q + _TEMPERATURE] = n, s.key0, s.key1, s.counter, p.top_k or 0, 1
-        host[i, 3 * q + _TEMPERATURE:] = np.array([p.temperature, p.top_p], dtype=np.float64).view(np.int64)
-        s.counter += n
-    return host
+        if trees[i].num_nodes + 1 > q:
+            raise ValueError(f"trees[{i}] has {trees[i].num_nodes} nodes; at most q - 1 = {q - 1} fit")
+        tree_cols[i] = tree_rows(trees[i], q)
+    draws = {i: trees[i].num_nodes + 1 for i in sampled}
+    return np.concatenate([tree_cols, sampling_array(rows, draws, b)], 1)
 
 
 def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
@@ -86,12 +81,13 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tens
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, finite], 1), accept)
 
 
-def sampling_array(rows: Sequence, sampled: Sequence[int], b: int, n: int) -> np.ndarray:
-    """(b, 8) int64 sampling columns of ``step_array`` (no tree columns) for a step whose every tree has ``n - 1``
-    nodes, its verify inputs already holding the trees; each sampled row's stream advances by n draws."""
+def sampling_array(rows: Sequence, draws: dict[int, int], b: int) -> np.ndarray:
+    """(b, 8) int64 sampling columns of the rule: for each sampled row i (a key of ``draws``) the ``draws[i]``
+    uniforms it uses, its stream's key and counter, top-k, the sampled flag, and temperature and top-p as their
+    float64 bits; the stream advances by ``draws[i]``. Other rows are idle (temperature and top-p 1)."""
     host = np.zeros((b, 8), dtype=np.int64)
     host[:, _TEMPERATURE:] = _ONE_BITS
-    for i in sampled:
+    for i, n in draws.items():
         p, s = rows[i].params, rows[i].stream
         host[i, :_TEMPERATURE] = n, s.key0, s.key1, s.counter, p.top_k or 0, 1
         host[i, _TEMPERATURE:] = np.array([p.temperature, p.top_p], dtype=np.float64).view(np.int64)
@@ -124,25 +120,27 @@ class SampledRule:
         """(B, Q + 3) outcome of the step whose verify wrote ``logits`` (B * Q, V) and ``accept`` (B, Q + 3), its
         sampled rows ``sampled`` through the rule; ``captured``: those are a captured verify graph's outputs."""
         b, q = accept.shape[0], accept.shape[1] - 3
-        host = step_array(rows, trees, sampled, b, q)
-        filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
-        build = functools.partial(rule, logits=logits, accept=accept, filtered=filtered)
-        if not (self.capture and captured):
-            return build(self.upload(host))
-        return self._replay((b, q, filtered, logits.data_ptr(), accept.data_ptr()), host, build)
+        return self._run("trees", step_array(rows, trees, sampled, b, q), rule, rows, sampled, logits, accept,
+                         captured)
 
     def on_views(self, rows: Sequence, sampled: Sequence[int], n: int, views, logits: Tensor, accept: Tensor,
                  captured: bool) -> Tensor:
         """``__call__`` for a step whose verify inputs ``views`` hold every row's tree of ``n - 1`` nodes (a fused
         step: the trees never reached the host)."""
-        b = accept.shape[0]
-        host = sampling_array(rows, sampled, b, n)
+        host = sampling_array(rows, dict.fromkeys(sampled, n), accept.shape[0])
+        return self._run("views", host, functools.partial(rule_on_views, views=views), rows, sampled, logits,
+                         accept, captured)
+
+    def _run(self, kind: str, host: np.ndarray, fn, rows: Sequence, sampled: Sequence[int], logits: Tensor,
+             accept: Tensor, captured: bool) -> Tensor:
+        """``fn(inputs, logits=, accept=, filtered=)`` over the uploaded ``host``: replayed from the graph of
+        (``kind``, B, Q, filtered, output buffers) when capturing and ``captured``, else eagerly."""
         filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
-        build = functools.partial(rule_on_views, views=views, logits=logits, accept=accept, filtered=filtered)
+        build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered)
         if not (self.capture and captured):
             return build(self.upload(host))
-        key = ("views", b, accept.shape[1] - 3, filtered, logits.data_ptr(), accept.data_ptr())
-        return self._replay(key, host, build)
+        b, q = accept.shape[0], accept.shape[1] - 3
+        return self._replay((kind, b, q, filtered, logits.data_ptr(), accept.data_ptr()), host, build)
 
     def _replay(self, key, host: np.ndarray, build) -> Tensor:
         """Replay the graph of ``key`` (``build(inputs)`` captured over an input buffer shaped like ``host`` on

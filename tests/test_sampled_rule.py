@@ -117,7 +117,7 @@ def test_graph_path_equals_eager_with_a_stand_in_graph(monkeypatch):
         accept.copy_(acc)
         want, sampled, _ = _want(rows, trees, lg, acc)
         assert torch.equal(graphed(rows, trees, sampled, logits, accept, captured=True), want)
-    flags = [key[2] for key in graphed.graphs]  # filtered: each value made its own graph
+    flags = [key[3] for key in graphed.graphs]  # (kind, B, Q, filtered, ...): each filter flag its own graph
     assert sorted(flags) == [False, True]
     assert sum(g.replays for g, *_ in graphed.graphs.values()) == 6
 
