@@ -60,8 +60,6 @@ def check_spec_config(cfg) -> None:
              cfg.adaptive)
     _require(cfg.cuda_graphs is None or isinstance(cfg.cuda_graphs, bool), "cuda_graphs",
              "must be None (auto), True or False", cfg.cuda_graphs)
-    _require(cfg.warm_up is None or isinstance(cfg.warm_up, bool), "warm_up", "must be None (auto), True or False",
-             cfg.warm_up)
 
 
 def check_device(device) -> str:

@@ -68,8 +68,7 @@ class SpecConfig:
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py)
     fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
     pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
-    warm_up: bool | None = None  # run every step shape once at construction (specdec/warm_up.py)
-    # None = auto for ngram_device, cuda_graphs, adaptive, pipeline and warm_up: ``specdec.plan.resolve_plan``
+    # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan``
     # decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
 
     def __post_init__(self) -> None:

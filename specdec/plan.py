@@ -94,7 +94,7 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
     fixed = pipeline and adaptive
     large = LARGE_BATCH_NODES if fixed and cfg.tree_spec.kind == "dynamic" and max_nodes > LARGE_BATCH_NODES else None
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
-    warm = cfg.warm_up if cfg.warm_up is not None else cuda and padded
+    warm = cuda and padded  # (on the CPU nothing is captured, so there is nothing to warm up)
     return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
                       bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(fixed),
                       large, bool(warm))

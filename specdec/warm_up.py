@@ -48,8 +48,10 @@ def warm_up(engine) -> float:
     sampled = [SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, temperature=1.0, top_p=top_p, seed=i)
                for i, top_p in enumerate((1.0, 0.9))]  # without and with top-p: the rule's two graphs
     buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
+    # a queued step's advance graph is keyed by its row count; every other graph by the batch bucket only
+    counts = range(1, cfg.max_batch_size + 1) if plan.pipeline else sorted(buckets | {cfg.max_batch_size})
     try:
-        for rows in range(1, cfg.max_batch_size + 1):
+        for rows in counts:
             # greedy steps: the budget the engine gives them (pipelined: fixed, else the controller's choice)
             engine.adaptive = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
             engine.generate([prompt] * rows, greedy)
