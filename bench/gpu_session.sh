@@ -10,8 +10,9 @@
 #   3 (.stage3/p_02 .whl .gpu)         bash bench/gpu_session.sh piece 02 && bash bench/gpu_session.sh s12a
 #   4 (.whl .gpu, after 3)             bash bench/gpu_session.sh s12b
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
+#   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
 # Rounds: s12a (GPU tests of the plan, then the CUDA defaults greedy at batch 1, 16 and 64), s12b (the same rounds
-# sampled at T = 0.7 and 1.0), suites (the pytest-benchmark suites of bench/, compared with bench/baselines).
+# sampled at T = 0.7 and 1.0), suites (the pytest-benchmark suites of bench/, compared with bench/baselines), profile (bench/gpu_profile.py).
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
@@ -130,6 +131,15 @@ case "$stage" in
     install
     plan_rounds t07 0.7
     plan_rounds t10 1.0
+    pack
+    ;;
+  profile)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_profile.py: wall time per step
+             # against kernel time per step, per configuration (ONLY: a subset)
+    [ -f "$MODEL" ] || assemble
+    install
+    (cd /tmp && timeout "${PROFILE_LIMIT:-420}" python3 -P "$root/bench/gpu_profile.py" "$D" "$MODEL" \
+      "$root/.gpu/mtbench_ids.json" > "$D/profile.log" 2>&1)
+    echo "profile exit $?"; grep -h "^profile\|Error\|error" "$D/profile.log" | tail -30
     pack
     ;;
   suites)  # (.whl, the model assembled on this machine) bench_steps, bench_kernels, bench_decode

@@ -1,0 +1,172 @@
+"""Where a step's time goes: wall time per engine step against the GPU's kernel time per step, per configuration.
+
+    python -P bench/gpu_profile.py OUT_DIR MODEL PROMPTS
+
+For each configuration of ``CONFIGS`` (``ONLY``: a space-separated subset of their names) an engine is built with
+the CUDA defaults (construction captures and warms its graphs), one untimed ``generate`` runs, then a timed one
+(steps counted by wrapping ``engine.step``), then a short one under ``torch.profiler``. Written to OUT_DIR:
+``profile.json`` (per configuration: tok/s, steps, ms per step, tokens per step, the profiled run's kernel
+milliseconds per step and the share of the wall time the GPU was busy) and ``<name>.txt`` (the profiled run's
+top operators by GPU time and by host time). A step whose wall time is far above its kernel time is host-bound:
+launches, Python or synchronisations, not arithmetic, are what to cut there.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
+
+# name -> (draft: None | "eagle" | "ngram", SpecConfig fields, temperature, batch, prompt set, prompts)
+CONFIGS = {
+    "to_g1": (None, {}, 0.0, 1, "mtbench", 6),
+    "to_s1": (None, {}, 0.7, 1, "mtbench", 6),
+    "ea_g1": ("eagle", {}, 0.0, 1, "mtbench", 6),
+    "ea_s1": ("eagle", {}, 0.7, 1, "mtbench", 6),
+    "ea_s1_fixed": ("eagle", {"adaptive": False}, 0.7, 1, "mtbench", 6),
+    "ng_s1": ("ngram", {}, 0.7, 1, "mtbench", 6),
+    "to_g16": (None, {}, 0.0, 16, "mtbench", 32),
+    "ea_g16": ("eagle", {}, 0.0, 16, "mtbench", 32),
+    "ea_s16_fixed": ("eagle", {"adaptive": False}, 0.7, 16, "mtbench", 32),
+    "to_s16": (None, {}, 0.7, 16, "mtbench", 32),
+    "to_g64": (None, {}, 0.0, 64, "sharegpt", 96),
+    "ea_g64": ("eagle", {}, 0.0, 64, "sharegpt", 96),
+    "ea_g64_15": ("eagle", {"adaptive": False, "tree": "dynamic:15"}, 0.0, 64, "sharegpt", 96),
+}
+ONLY = os.environ.get("ONLY", "").split()
+PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # the CPU runs 2 prompts x 8 tokens, for trying the script
+
+
+def log(*a) -> None:
+    print(*a, flush=True)
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def count_steps(engine) -> list[int]:
+    """Wrap ``engine.step`` so that each call adds one to the returned counter."""
+    counter, step = [0], engine.step
+
+    def counted():
+        counter[0] += 1
+        return step()
+
+    engine.step = counted
+    return counter
+
+
+def timed(engine, counter, prompts, params) -> dict:
+    sync()
+    counter[0] = 0
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    sync()
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    bad = [o for o in outs if o.finish_reason == "error"]
+    if bad:
+        log(f"FAILED {len(bad)}: {bad[0].error!r}")
+    return {"wall_s": wall, "tokens": tokens, "steps": counter[0], "tok_per_s": tokens / wall,
+            "ms_per_step": 1e3 * wall / max(1, counter[0]), "tokens_per_step": tokens / max(1, counter[0])}
+
+
+def kernel_ms(prof) -> float:
+    """Total GPU kernel time of a profiled run (ms), memcpy and memset included."""
+    total = 0.0
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            total += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+    return total / 1e3
+
+
+def python_profile(engine, prompts, params) -> str:
+    """The host's view of one ``generate``: functions by own time, then by cumulative time."""
+    engine.forget_drafts()
+    sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.generate(prompts, params)
+    sync()
+    prof.disable()
+    text = io.StringIO()
+    for order, n in (("tottime", 60), ("cumulative", 90)):
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
+    return text.getvalue()
+
+
+def main() -> None:
+    out, model_path, prompt_file = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    out.mkdir(parents=True, exist_ok=True)
+    prompt_sets = json.loads(Path(prompt_file).read_text())
+    target = load_model(model_path, dtype=torch.bfloat16 if CUDA else torch.float32, device=DEV)
+    eagle = None
+    res = {}
+    for name, (draft, fields, temp, batch, pset, n) in CONFIGS.items():
+        if ONLY and name not in ONLY:
+            continue
+        if draft == "eagle":
+            draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV, target=target)
+        fields = {"tree": "dynamic:31" if draft is eagle and draft is not None else "chain:8", **fields}
+        t0 = time.perf_counter()
+        cfg = SpecConfig(device=DEV, dtype="bfloat16" if CUDA else "float32", max_batch_size=batch,
+                         prefix_cache=False, kv_memory_bytes=3 << 30, **fields)
+        engine = SpecEngine(draft, target, cfg)
+        build_s = time.perf_counter() - t0
+        prompts = prompt_sets[pset][:n if CUDA else 2]
+        top_p = 0.9 if temp else 1.0
+        params = SamplingParams(max_new_tokens=128 if CUDA else 8, ignore_eos=True, temperature=temp, top_p=top_p)
+        counter = count_steps(engine)
+        first = timed(engine, counter, prompts, params)
+        engine.forget_drafts()
+        run = timed(engine, counter, prompts, params)
+        short = SamplingParams(max_new_tokens=48 if CUDA else 4, ignore_eos=True, temperature=temp, top_p=top_p)
+        few = prompts[:max(1, min(len(prompts), batch))]
+        sync()
+        counter[0] = 0
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * CUDA) as prof:
+            t1 = time.perf_counter()
+            engine.generate(few, short)
+            sync()
+            prof_wall = time.perf_counter() - t1
+        steps = max(1, counter[0])
+        if PYPROF:
+            (out / f"{name}.py.txt").write_text(python_profile(engine, prompts, params))
+        gpu = kernel_ms(prof)
+        avg = prof.key_averages()
+        (out / f"{name}.txt").write_text(
+            f"{name}: {steps} steps, wall {prof_wall * 1e3:.1f} ms, kernels {gpu:.1f} ms\n\n"
+            + avg.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n"
+            + avg.table(sort_by="self_cpu_time_total", row_limit=30))
+        res[name] = {"build_s": build_s, "first": first, "run": run, "plan": engine.plan.as_dict(),
+                     "mean_accepted_length": engine.stats.mean_accepted_length,
+                     "profiled": {"steps": steps, "wall_ms_per_step": prof_wall * 1e3 / steps,
+                                  "kernel_ms_per_step": gpu / steps, "gpu_busy": gpu / (prof_wall * 1e3)}}
+        p = res[name]["profiled"]
+        log(f"profile {name}: {run['tok_per_s']:.0f} tok/s, {run['ms_per_step']:.2f} ms/step, "
+            f"{run['tokens_per_step']:.2f} tok/step (first run {first['tok_per_s']:.0f} tok/s); profiled "
+            f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['kernel_ms_per_step']:.2f} ms kernels, "
+            f"busy {p['gpu_busy']:.2f}; build {build_s:.1f} s")
+        (out / "profile.json").write_text(json.dumps(res, indent=1))
+        del engine
+        if CUDA:
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
