@@ -90,39 +90,46 @@ class ModelRunner:
         return [req.blocks[p // bs] * bs + p % bs for p in logical]
 
     def build(self, rows: list[RowInput]) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
-        """Metadata, token ids (T,) and positions (T,) of the packed rows."""
-        qsl, toks, pos, slots, masks = [0], [], [], [], []
-        use_tree = any(r.tree_mask is not None for r in rows)
-        for r in rows:
-            n = len(r.token_ids)
+        """Metadata, token ids (T,) and positions (T,) of the packed rows. The per-token arrays are built with
+        numpy and reach the device in one non-blocking copy, so building a step never waits for the GPU work
+        queued before it."""
+        bs, use_tree = self.pool.block_size, any(r.tree_mask is not None for r in rows)
+        counts = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+        seq_lens = [r.seq_len for r in rows]
+        prefix = [r.prefix_len for r in rows]
+        for r, n in zip(rows, counts.tolist()):
             if not 0 < n <= r.seq_len - r.prefix_len:
                 raise ValueError(f"row of {r.req.request_id}: {n} queries for region of {r.seq_len - r.prefix_len}")
-            qsl.append(qsl[-1] + n)
-            toks += r.token_ids
-            pos += r.positions
-            slots += self.slots(r.req, range(r.seq_len - n, r.seq_len))
-            if use_tree:
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        parts = [qsl, np.asarray(prefix, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64)]
+        parts.append(np.concatenate([np.asarray(r.token_ids, dtype=np.int64) for r in rows]))  # ids
+        parts.append(np.concatenate([np.asarray(r.positions, dtype=np.int64) for r in rows]))  # positions
+        parts.append(np.concatenate([_row_slots(r.req.blocks, r.seq_len - n, r.seq_len, bs)
+                                     for r, n in zip(rows, counts.tolist())]))  # slots
+        if use_tree:
+            masks = []
+            for r, n in zip(rows, counts.tolist()):
                 region = r.seq_len - r.prefix_len
                 if r.tree_mask is None and region > MAX_TREE_REGION:
                     raise ValueError(f"tree batch row with a causal region of {region} > {MAX_TREE_REGION}")
                 masks += r.tree_mask if r.tree_mask is not None else causal_bits(region, n)
-        dev = self.device
-        seq_lens = [r.seq_len for r in rows]
-        prefix = [r.prefix_len for r in rows]
+            parts.append(np.asarray(_as_signed(masks), dtype=np.int64))
+        sizes = [len(x) for x in parts]
+        dev = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)  # (no stream sync)
+        views = dev.split(sizes)
+        host_qsl = qsl.tolist()
         meta = AttnMetadata(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=views[0].int(), prefix_lens=views[1].int(), seq_lens=views[2].int(),
             block_tables=self.tables.stage([r.req.bt_row for r in rows]),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_size=self.pool.block_size,
-            tree_mask=torch.tensor(_as_signed(masks), dtype=torch.int64, device=dev) if use_tree else None,
-            max_query_len=max(qsl[i + 1] - qsl[i] for i in range(len(rows))),
+            slot_mapping=views[5],
+            block_size=bs,
+            tree_mask=views[6] if use_tree else None,
+            max_query_len=int(counts.max()),
             max_seq_len=max(seq_lens),
-            host_query_start_loc=qsl, host_seq_lens=seq_lens, host_prefix_lens=prefix,
+            host_query_start_loc=host_qsl, host_seq_lens=seq_lens, host_prefix_lens=prefix,
         )
-        ids = torch.tensor(toks, dtype=torch.int64, device=dev)
-        return meta, ids, torch.tensor(pos, dtype=torch.int64, device=dev)
+        return meta, views[3], views[4]
 
     def sync_tables(self, reqs) -> None:
         """Write each request's block list into its block-table row (host side; staged with the step)."""
@@ -211,9 +218,12 @@ class ModelRunner:
         return out.hidden.index_select(0, where), out.logits.index_select(0, where)
 
     def padded_index(self, rows: list[RowInput], q: int) -> torch.Tensor:
-        """(T,) position of each packed query of ``rows`` in a padded layout of ``q`` queries per row."""
-        return torch.tensor([i * q + j for i, r in enumerate(rows) for j in range(len(r.token_ids))],
-                            dtype=torch.int64, device=self.device)
+        """(T,) position of each packed query of ``rows`` in a padded layout of ``q`` queries per row (copied
+        without waiting for the GPU)."""
+        counts = np.fromiter((len(r.token_ids) for r in rows), np.int64, len(rows))
+        starts = np.repeat(np.cumsum(counts) - counts, counts)  # each query's row's first packed index
+        index = np.repeat(np.arange(len(rows), dtype=np.int64) * q, counts) + np.arange(int(counts.sum())) - starts
+        return torch.from_numpy(index).to(self.device, non_blocking=True)
 
     def padded_inputs(self, rows: list[RowInput], q: int):
         """Stage ``rows`` for a padded step of ``q`` queries per row: their block tables synced; the rows
@@ -292,6 +302,12 @@ class _PaddedLogits:
 
     def __iter__(self):
         return (self[i] for i in range(len(self.lengths)))
+
+
+def _row_slots(blocks: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """(end - start,) physical slots of logical positions [start, end) of a request with ``blocks``."""
+    logical = np.arange(start, end, dtype=np.int64)
+    return np.asarray(blocks, dtype=np.int64)[logical // block_size] * block_size + logical % block_size
 
 
 def _with_causal_mask(r: RowInput) -> RowInput:

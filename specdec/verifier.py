@@ -257,7 +257,7 @@ def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: 
     """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step with Q = q."""
     full = getattr(logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped the rows
     if isinstance(full, torch.Tensor):
-        rows_at = torch.tensor(index, dtype=torch.int64).to(full.device)
+        rows_at = torch.tensor(index, dtype=torch.int64).to(full.device, non_blocking=True)  # (no stream sync)
         picked = full.view(-1, q, full.shape[-1])[rows_at].float()  # (S, Q, V); the step keeps the model's dtype
     else:
         picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index])  # (S, Q, V)

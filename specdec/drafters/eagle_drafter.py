@@ -385,7 +385,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         spans = _Spans.of(reqs)
         aux = self.features.gather(self.features.sources(reqs, spans.bt, spans.begins, spans.valid)[spans.valid])
         hidden, logits, qsl = self._run_positions(reqs, spans, aux)  # aux: (T, k * hidden)
-        last = torch.tensor([e - 1 for e in qsl[1:]], dtype=torch.int64, device=hidden.device)
+        last = torch.from_numpy(np.asarray(qsl[1:], dtype=np.int64) - 1).to(hidden.device, non_blocking=True)
         last_hidden = hidden.index_select(0, last)  # (rows, hidden)
         for g, h, lg in zip(grows, last_hidden, self._logits(last_hidden, None if logits is None else
                                                             logits.index_select(0, last))):
