@@ -21,6 +21,12 @@ class SchedulerConfig:
     max_batch_size: int = 64
     max_num_tokens: int = 2048  # prefill tokens per step
     policy: CapacityPolicy = CapacityPolicy.GUARANTEED_NO_EVICT
+    # Grouped admission: while rows run, waiting requests are admitted only once this many rows are free (or as
+    # many as wait), or the head of the queue has been held back for ``admit_max_wait`` steps. A pipelined engine
+    # drops its queued step whenever a new row joins the batch, so admitting rows one by one as they free up
+    # would drop it at almost every step of a large batch.
+    admit_min_free: int = 1
+    admit_max_wait: int = 8
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -29,6 +35,11 @@ class SchedulerConfig:
             raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
         if not isinstance(self.policy, CapacityPolicy):
             object.__setattr__(self, "policy", CapacityPolicy(self.policy))
+        if not 1 <= self.admit_min_free <= self.max_batch_size:
+            raise ValueError(f"admit_min_free must be in [1, max_batch_size={self.max_batch_size}], "
+                             f"got {self.admit_min_free}")
+        if self.admit_max_wait < 0:
+            raise ValueError(f"admit_max_wait must be >= 0, got {self.admit_max_wait}")
 
 
 @dataclass
@@ -71,6 +82,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.failed: list[Request] = []  # failed since the engine last took them (take_failed)
         self._arrivals = 0
+        self._held = 0  # consecutive steps that held back the waiting requests (grouped admission)
 
     def add(self, req: Request) -> None:
         req.arrival = self._arrivals
@@ -148,6 +160,12 @@ class Scheduler:
         return req.prefill_done
 
     def _admit(self) -> None:
+        free = self.cfg.max_batch_size - len(self.running)
+        if self.running and 0 < free < min(self.cfg.admit_min_free, len(self.waiting)) and \
+                self._held < self.cfg.admit_max_wait:
+            self._held += 1
+            return
+        self._held = 0
         while self.waiting and len(self.running) < self.cfg.max_batch_size:
             req = self.waiting[0]
             if not self._can_admit(req):

@@ -31,6 +31,7 @@ def check_spec_config(cfg) -> None:
         raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
     for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n"):
         _positive_int(cfg, name, optional=False, hi=UPPER_BOUNDS[name])
+    _positive_int(cfg, "admit_min_free", optional=True, why=" or None (auto)", hi=cfg.max_batch_size)
     _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)", hi=UPPER_BOUNDS["num_blocks"])
     if isinstance(cfg.policy, CapacityPolicy):
         object.__setattr__(cfg, "policy", cfg.policy.value)

@@ -68,6 +68,7 @@ class SpecConfig:
     adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py)
     fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
     pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
+    admit_min_free: int | None = None  # waiting requests join running ones once this many rows are free
     # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan``
     # decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
 
@@ -123,7 +124,7 @@ class SpecEngine:
             self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
             self.drafter.lookahead)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy)),
+            SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy), plan.admit_min_free),
             self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         if plan.ngram_device:

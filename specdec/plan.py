@@ -16,6 +16,7 @@ PROPOSERS = ("none", "ngram", "draft", "eagle")
 # LARGE_BATCH_NODES nodes (a full tree's verify costs more than its extra tokens bring at large batches)
 LARGE_BATCH_ROWS, LARGE_BATCH_NODES = 16, 15
 NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined n-gram steps of fewer rows look chains up on the host (shared table)
+ADMIT_GROUP_FRACTION = 8  # pipelined engines admit waiting requests once max_batch_size // 8 rows are free
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,10 @@ class EnginePlan:
     queues its successor on the device before the host reads it. ``greedy_budget_fixed``: pipelined greedy steps
     keep the fixed budget (the controller chooses only for steps with sampled rows), with ``large_batch_budget``
     nodes above ``LARGE_BATCH_ROWS`` rows (None: the full tree). ``warm_up``: every step shape runs once at
-    construction (``specdec.warm_up``), so the graphs captured on first use exist before the first request."""
+    construction (``specdec.warm_up``), so the graphs captured on first use exist before the first request.
+    ``admit_min_free``: waiting requests join running ones once this many rows are free (or the queue's head
+    waited 8 steps): a pipelined step's queued successor is dropped whenever a row joins, so pipelined engines
+    admit in groups (``ADMIT_GROUP_FRACTION``)."""
 
     device: str
     dtype: str
@@ -46,6 +50,7 @@ class EnginePlan:
     greedy_budget_fixed: bool
     large_batch_budget: int | None
     warm_up: bool = False
+    admit_min_free: int = 1
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -61,6 +66,7 @@ class EnginePlan:
         flags = [name for name in ("padded", "device_program", "fused_verify", "ngram_device", "adaptive",
                                    "pipeline", "warm_up") if getattr(self, name)]
         extra = f", above {LARGE_BATCH_ROWS} rows {self.large_batch_budget} nodes" if self.large_batch_budget else ""
+        extra += f", admits once {self.admit_min_free} rows are free" if self.admit_min_free > 1 else ""
         return (f"plan: {self.proposer}{tree} on {self.device} {self.dtype}, attention {self.attention_backend}; "
                 f"{' '.join(flags) or 'eager'}{extra}")
 
@@ -95,6 +101,7 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
     large = LARGE_BATCH_NODES if fixed and cfg.tree_spec.kind == "dynamic" and max_nodes > LARGE_BATCH_NODES else None
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
     warm = cuda and padded  # (on the CPU nothing is captured, so there is nothing to warm up)
+    admit = cfg.admit_min_free or (max(1, cfg.max_batch_size // ADMIT_GROUP_FRACTION) if pipeline else 1)
     return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
                       bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(fixed),
-                      large, bool(warm))
+                      large, bool(warm), admit)

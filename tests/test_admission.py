@@ -1,0 +1,92 @@
+"""Grouped admission (``SchedulerConfig.admit_min_free``): while rows run, waiting requests join once enough rows
+are free or the queue's head has waited ``admit_max_wait`` steps; a pipelined engine admits in groups by default
+(``EnginePlan.admit_min_free``), and outputs do not depend on when a request was admitted."""
+
+import pytest
+from specdec.kvcache.allocator import BlockAllocator
+from specdec.kvcache.block_table import BlockTables
+from specdec.scheduler.request import Request
+from specdec.scheduler.scheduler import Scheduler, SchedulerConfig
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.errors import FieldError
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _scheduler(min_free: int, max_wait: int) -> Scheduler:
+    cfg = SchedulerConfig(max_batch_size=8, admit_min_free=min_free, admit_max_wait=max_wait)
+    return Scheduler(cfg, BlockAllocator(512), BlockTables(8, 64), 4, 0)
+
+
+def _requests(n: int) -> list[Request]:
+    return [Request(str(i), [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(n)]
+
+
+def test_waiting_requests_join_once_enough_rows_are_free():
+    sched = _scheduler(min_free=3, max_wait=100)
+    for req in _requests(12):
+        sched.add(req)
+    sched.schedule()
+    assert len(sched.running) == 8  # nothing runs yet: everything that fits is admitted
+    sched.finish(sched.running[0], "length")
+    sched.schedule()
+    sched.finish(sched.running[0], "length")
+    sched.schedule()
+    assert len(sched.running) == 6 and len(sched.waiting) == 4  # two free rows: held back
+    sched.finish(sched.running[0], "length")
+    sched.schedule()
+    assert len(sched.running) == 8 and len(sched.waiting) == 1  # three free: all of them filled at once
+    for req in list(sched.running):
+        sched.finish(req, "length")
+    sched.schedule()
+    assert sched.running and not sched.waiting  # nothing running: the last waiting request goes in
+
+
+def test_a_request_is_held_back_at_most_admit_max_wait_steps():
+    sched = _scheduler(min_free=4, max_wait=3)
+    for req in _requests(12):
+        sched.add(req)
+    sched.schedule()
+    sched.finish(sched.running[0], "length")
+    steps = 0
+    while len(sched.waiting) == 4:
+        sched.schedule()
+        steps += 1
+    assert steps == 4 and len(sched.running) == 8  # three steps held back, one admitted at the fourth
+
+
+def test_fewer_waiting_than_the_group_size_join_as_soon_as_they_fit():
+    sched = _scheduler(min_free=4, max_wait=100)
+    for req in _requests(10):
+        sched.add(req)
+    sched.schedule()
+    sched.finish(sched.running[0], "length")
+    sched.finish(sched.running[0], "length")
+    sched.schedule()
+    assert not sched.waiting  # two wait, two rows free
+
+
+def test_plan_groups_admission_for_pipelined_engines(tiny_target):
+    pipelined = SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32, cuda_graphs=True, pipeline=True))
+    assert pipelined.plan.admit_min_free == 4 and pipelined.scheduler.cfg.admit_min_free == 4
+    assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32)).plan.admit_min_free == 1
+    assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32, admit_min_free=2)).plan.admit_min_free == 2
+    with pytest.raises(FieldError, match="admit_min_free"):
+        SpecConfig(max_batch_size=8, admit_min_free=9)
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_outputs_do_not_depend_on_grouped_admission(tiny_target, draft):
+    """Greedy and seeded sampled requests of different lengths through 4 rows: the same tokens whether waiting
+    requests join one by one or in groups of 3 (pipelined padded steps, run eagerly on the CPU)."""
+    prompts = [[3 + (7 * i + j) % 200 for j in range(4 + i % 5)] for i in range(10)]
+    params = [SamplingParams(max_new_tokens=6 + 3 * (i % 4), ignore_eos=True, temperature=0.0 if i % 2 else 0.8,
+                             seed=i) for i in range(10)]
+    outs = []
+    for min_free in (1, 3):
+        cfg = SpecConfig(max_batch_size=4, cuda_graphs=True, pipeline=True, admit_min_free=min_free,
+                         num_blocks=200, block_size=8)
+        outs.append([o.token_ids for o in SpecEngine(draft, tiny_target, cfg).generate(prompts, params)])
+    assert outs[0] == outs[1]
