@@ -17,6 +17,10 @@ from specdec.sampling_params import SamplingParams
 
 WARM_UP_TOKENS = 4  # new tokens per synthetic request: a prefill step, then decode steps of the same rows
 PROMPT_TOKENS = 8
+# prompts of mixed lengths, run once greedy and once sampled: the eager forwards (a draft's prefill, the rows
+# that skip a graph) hand Triton token counts and lengths of every class its kernels specialise on (1, a
+# multiple of 16, any other), so none of those kernels is compiled during the first requests
+MIXED_LENGTHS = (1, 13, 16, 17, 40, 96, 161)
 
 
 class FixedBudget:
@@ -60,6 +64,13 @@ def warm_up(engine) -> float:
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
                 if rows in buckets or rows == cfg.max_batch_size:  # the sampled rule per batch bucket, top-p on
                     engine.generate([prompt] * rows, sampled[1])
+        engine.adaptive = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
+        vocab, limit = engine.target.config.vocab_size, engine.target.config.max_position_embeddings
+        mixed = [[(7 * i + j) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(MIXED_LENGTHS)
+                 if n + WARM_UP_TOKENS + engine.drafter.lookahead < limit]
+        for params in (greedy, sampled[1]):
+            for i in range(0, len(mixed), cfg.max_batch_size):
+                engine.generate(mixed[i:i + cfg.max_batch_size], params)
     finally:
         engine.adaptive = controller
         engine.drafter.budget = None
