@@ -50,6 +50,12 @@ ENGINE_SETS = {
              "target_only_unpipelined": {"draft": None, "pipeline": False},
              "eagle": {"draft": "eagle", "tree": "dynamic:31"},
              "ngram": {"draft": "ngram"}},
+    # the CUDA defaults against the same engines admitting rows one by one (admit_min_free=1)
+    "plan_admit": {"target_only": {"draft": None},
+                   "target_only_admit1": {"draft": None, "admit_min_free": 1},
+                   "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                   "eagle_admit1": {"draft": "eagle", "tree": "dynamic:31", "admit_min_free": 1},
+                   "ngram": {"draft": "ngram"}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},

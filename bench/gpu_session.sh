@@ -7,20 +7,22 @@
 # Then on the GPU machine (carry what is named):
 #   1 (.stage3/p_00)                   bash bench/gpu_session.sh piece 00
 #   2 (.stage3/p_01)                   bash bench/gpu_session.sh piece 01
-#   3 (.stage3/p_02 .whl .gpu)         bash bench/gpu_session.sh piece 02 && bash bench/gpu_session.sh s12a
-#   4 (.whl .gpu, after 3)             bash bench/gpu_session.sh s12b
+#   3 (.stage3/p_02 .whl .gpu)         bash bench/gpu_session.sh piece 02 && bash bench/gpu_session.sh tests
+#   4 (.whl .gpu, after 3)             bash bench/gpu_session.sh plan greedy 0
+#   5 (.whl .gpu, after 3)             bash bench/gpu_session.sh plan t07 0.7   (and plan t10 1.0)
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
-# Rounds: s12a (GPU tests of the plan, then the CUDA defaults greedy at batch 1, 16 and 64), s12b (the same rounds
-# sampled at T = 0.7 and 1.0), suites (the pytest-benchmark suites of bench/, compared with bench/baselines), profile (bench/gpu_profile.py).
+# Rounds: tests (the GPU tests of the step), plan NAME TEMPERATURE (ENGINES, default the CUDA defaults, cold and
+# interleaved at batch 1, 16 and 64, or BATCHES), suites (the pytest-benchmark suites of bench/, compared with
+# bench/baselines), profile (bench/gpu_profile.py: wall time against kernel time per step).
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | piece NN | s12a | s12b | suites}
+stage=${1:?usage: gpu_session.sh prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile}
 OUT=${OUT:-/tmp/out}
 MODEL=/tmp/model.gguf
 root=$(pwd)
-D="$OUT/$stage"
+D="$OUT/$stage${2:+_$2}"
 
 prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt file (ignored by git); PYTHON: a Python
           # with specdec and its test extras installed (default python3)
@@ -46,7 +48,8 @@ install() {  # the carried wheels into /tmp/site; Python runs with -P so the che
 }
 
 pack() {
-  tar czf "$OUT/$stage.tgz" -C "$OUT" "$stage" && rm -rf "${OUT:?}/$stage"
+  local name=${D##*/}
+  tar czf "$OUT/$name.tgz" -C "$OUT" "$name" && rm -rf "${OUT:?}/$name"
 }
 
 assemble() {  # the model from the pieces of runs 1-3
@@ -75,11 +78,16 @@ keep_interleaved() {  # keep_interleaved LOG JSON: the last interleaved run's lo
 }
 
 plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES (default plan) cold and interleaved at batch 1, 16 and 64
-  local name=$1 t=$2
+  local name=$1 t=$2 b
   ENGINES=${ENGINES:-plan}
-  COLD=1 ENGINES=$ENGINES TEMPERATURE=$t NUM_PROMPTS=24 REPEATS_B1=3 interleaved 150 1; keep_interleaved "${name}_b1.log" "${name}_b1.json"
-  COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 interleaved 120 16; keep_interleaved "${name}_b16.log" "${name}_b16.json"
-  COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 PROMPT_SET=sharegpt interleaved 120 64; keep_interleaved "${name}_b64.log" "${name}_b64.json"
+  for b in ${BATCHES:-1 16 64}; do
+    case $b in
+      1) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t NUM_PROMPTS=24 REPEATS_B1=3 interleaved 150 1 ;;
+      16) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 interleaved 150 16 ;;
+      64) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 PROMPT_SET=sharegpt interleaved 150 64 ;;
+    esac
+    keep_interleaved "${name}_b$b.log" "${name}_b$b.json"
+  done
 }
 
 suites() {  # the pytest-benchmark suites, compared with the committed baseline of this machine kind when there is one
@@ -100,37 +108,21 @@ case "$stage" in
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
     rm -rf "${OUT:?}/$stage"
     ;;
-  s12c)  # (.stage3/p_02 .whl .gpu, with piece 02) the next round: GPU tests of the single-draw rule, the fused and
-         # pipelined sampled steps and the warm-up, then the defaults beside a fixed budget (ENGINES=plan_fixed), greedy
+  tests)  # (.whl, the model assembled, or .stage3/p_02 with piece 02) the GPU tests of the step: graphs, EAGLE, the
+          # sampled rule, fused and pipelined steps, n-gram on the device, the warm-up
     [ -f "$MODEL" ] || assemble
     install
-    GPU_K="gpu or cuda" gpu_tests 240 tests/test_step_graphs.py tests/test_eagle.py tests/test_sampled_rule.py \
-      tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py tests/test_warm_up.py
-    ENGINES=plan_fixed plan_rounds greedy 0
+    GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-240}" tests/test_step_graphs.py tests/test_eagle.py \
+      tests/test_sampled_rule.py tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py \
+      tests/test_warm_up.py
     pack
     ;;
-  s12d)  # (.whl .gpu, after s12c) the same sampled: T = 0.7 top-p 0.9 and T = 1.0
+  plan)  # plan NAME TEMPERATURE (.whl .gpu, the model assembled or .stage3/p_02): ENGINES (default plan) cold and
+         # interleaved at batch 1 (24 MT-bench), 16 (80 MT-bench) and 64 (200 ShareGPT-eval), continuous batching;
+         # BATCHES: a subset of "1 16 64"
     [ -f "$MODEL" ] || assemble
     install
-    ENGINES=plan_fixed plan_rounds t07 0.7
-    ENGINES=plan_fixed plan_rounds t10 1.0
-    pack
-    ;;
-  s12a)  # (.stage3/p_02 .whl .gpu, with piece 02) GPU tests of the plan and the device-drafted sampled rows, then
-         # the CUDA defaults interleaved (cold first round) at batch 1 (24 MT-bench), 16 (80 MT-bench) and 64 (200
-         # ShareGPT-eval), continuous batching, greedy
-    [ -f "$MODEL" ] || assemble
-    install
-    GPU_K="gpu or cuda" gpu_tests 200 tests/test_step_graphs.py tests/test_eagle.py tests/test_sampled_rule.py \
-      tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py
-    plan_rounds greedy 0
-    pack
-    ;;
-  s12b)  # (.whl .gpu, after s12a) the same rounds sampled: T = 0.7 top-p 0.9, then T = 1.0
-    [ -f "$MODEL" ] || assemble
-    install
-    plan_rounds t07 0.7
-    plan_rounds t10 1.0
+    plan_rounds "${2:?plan NAME TEMPERATURE}" "${3:?plan NAME TEMPERATURE}"
     pack
     ;;
   profile)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_profile.py: wall time per step
