@@ -194,15 +194,17 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
     params = [SamplingParams(max_new_tokens=rng.randrange(30, 60), ignore_eos=True) for _ in prompts]
-    base = dict(num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16)
+    # (rows admitted one by one in every engine, so that their steps hold the same rows)
+    base = dict(num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16,
+                admit_min_free=1)
     ref = SpecEngine(None, target, SpecConfig(cuda_graphs=False, **base)).generate(prompts, params)
     _, chains = _recorded(monkeypatch)
     proposed = {}
     for device, pipeline in ((False, None), (None, False), (None, None)):
-        chains.clear()
         eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
                                                      ngram_shared=False, ngram_device=device, pipeline=pipeline,
                                                      **base))
+        chains.clear()  # (after the warm-up's steps)
         assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in ref]
         proposed[device, pipeline] = list(chains)
         follow = eng.verifier.followup
