@@ -71,6 +71,43 @@ def count_steps(engine) -> list[int]:
     return counter
 
 
+class FirstUse:
+    """Counts what happens on first use while it is active: Triton compilations (kernel names, through Triton's
+    post-compile hook where this Triton has one) and CUDA graph captures (``torch.cuda.CUDAGraph.capture_begin``).
+    A new engine's first requests should see neither: its warm-up ran every shape."""
+
+    def __init__(self) -> None:
+        self.compiled: list[str] = []
+        self.captures = 0
+
+    def __enter__(self):
+        self._graph_begin = torch.cuda.CUDAGraph.capture_begin if CUDA else None
+        if CUDA:
+            def begin(graph, *a, **kw):
+                self.captures += 1
+                return self._graph_begin(graph, *a, **kw)
+            torch.cuda.CUDAGraph.capture_begin = begin
+        try:
+            import triton.knobs as knobs
+
+            self._knobs, self._hook = knobs.runtime, knobs.runtime.jit_post_compile_hook
+
+            def hook(*a, **kw):
+                fn = kw.get("fn")
+                self.compiled.append(getattr(getattr(fn, "fn", fn), "__name__", repr(fn)))
+                return False
+            knobs.runtime.jit_post_compile_hook = hook
+        except (ImportError, AttributeError):
+            self._knobs = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._graph_begin is not None:
+            torch.cuda.CUDAGraph.capture_begin = self._graph_begin
+        if self._knobs is not None:
+            self._knobs.jit_post_compile_hook = self._hook
+
+
 def timed(engine, counter, prompts, params) -> dict:
     sync()
     counter[0] = 0
@@ -132,7 +169,9 @@ def main() -> None:
         top_p = 0.9 if temp else 1.0
         params = SamplingParams(max_new_tokens=128 if CUDA else 8, ignore_eos=True, temperature=temp, top_p=top_p)
         counter = count_steps(engine)
-        first = timed(engine, counter, prompts, params)
+        with FirstUse() as fresh:
+            first = timed(engine, counter, prompts, params)
+        first.update(compiled=fresh.compiled, captures=fresh.captures)
         engine.forget_drafts()
         run = timed(engine, counter, prompts, params)
         short = SamplingParams(max_new_tokens=48 if CUDA else 4, ignore_eos=True, temperature=temp, top_p=top_p)
@@ -161,7 +200,8 @@ def main() -> None:
         log(f"profile {name}: {run['tok_per_s']:.0f} tok/s, {run['ms_per_step']:.2f} ms/step, "
             f"{run['tokens_per_step']:.2f} tok/step (first run {first['tok_per_s']:.0f} tok/s); profiled "
             f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['kernel_ms_per_step']:.2f} ms kernels, "
-            f"busy {p['gpu_busy']:.2f}; build {build_s:.1f} s")
+            f"busy {p['gpu_busy']:.2f}; build {build_s:.1f} s; first run: {first['captures']} captures, compiled "
+            f"{first['compiled']}")
         (out / "profile.json").write_text(json.dumps(res, indent=1))
         del engine
         if CUDA:
