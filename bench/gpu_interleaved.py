@@ -56,6 +56,11 @@ ENGINE_SETS = {
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
                    "eagle_admit1": {"draft": "eagle", "tree": "dynamic:31", "admit_min_free": 1},
                    "ngram": {"draft": "ngram"}},
+    # sampled steps: n-gram with the budget controller (the default) and at a fixed budget, beside the draft
+    "sampled_budget": {"target_only": {"draft": None},
+                       "ngram": {"draft": "ngram"},
+                       "ngram_fixed": {"draft": "ngram", "adaptive": False},
+                       "eagle": {"draft": "eagle", "tree": "dynamic:31"}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},

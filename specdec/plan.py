@@ -26,11 +26,12 @@ class EnginePlan:
     captured as CUDA graphs on CUDA and run eagerly over the same buffers elsewhere. ``device_program``: an eagle
     draft proposes every row's tree with one device program per bucket; ``fused_verify``: its all-greedy steps
     launch the verify in the same program. ``ngram_device``: n-gram chains looked up on the device from
-    ``ngram_min_rows`` rows. ``adaptive``: the per-step tree budget controller. ``pipeline``: each greedy step
-    queues its successor on the device before the host reads it. ``greedy_budget_fixed``: pipelined greedy steps
-    keep the fixed budget (the controller chooses only for steps with sampled rows), with ``large_batch_budget``
-    nodes above ``LARGE_BATCH_ROWS`` rows (None: the full tree). ``warm_up``: every step shape runs once at
-    construction (``specdec.warm_up``), so the graphs captured on first use exist before the first request.
+    ``ngram_min_rows`` rows. ``adaptive``: the per-step tree budget controller (0 nodes: plain decoding, where
+    speculating does not pay). ``pipeline``: each greedy step queues its successor on the device before the host
+    reads it. ``greedy_budget_fixed``: pipelined greedy steps keep the fixed budget (the controller chooses only
+    for steps with sampled rows), with ``large_batch_budget`` nodes above ``LARGE_BATCH_ROWS`` rows (None: the
+    full tree). ``warm_up``: every step shape runs once at construction (``specdec.warm_up``), so the graphs
+    captured on first use exist before the first request.
     ``admit_min_free``: waiting requests join running ones once this many rows are free (or the queue's head
     waited 8 steps): a pipelined step's queued successor is dropped whenever a row joins, so pipelined engines
     admit in groups (``ADMIT_GROUP_FRACTION``)."""
@@ -82,16 +83,16 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
                          f"(attention_backend='auto' or 'triton'), got {cfg.attention_backend!r}")
     device_program = padded and proposer == "eagle"
     fused = cfg.fused_verify and device_program
-    # the controller: on CUDA for draft models' trees; n-gram chains keep a fixed budget by default
-    adaptive = cfg.adaptive if cfg.adaptive is not None else cuda and proposer in ("draft", "eagle")
+    # the controller: on CUDA for every proposer (pipelined greedy steps keep a fixed budget: ``fixed`` below)
+    adaptive = cfg.adaptive if cfg.adaptive is not None else cuda and proposer in ("draft", "eagle", "ngram")
     adaptive = adaptive and max_nodes > 0
     want_pipeline = cfg.pipeline if cfg.pipeline is not None else cuda
     want_ngram_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
     ngram_device = bool(want_ngram_device and proposer == "ngram" and padded)
     if proposer == "eagle":  # queued fused steps: they need a fixed budget for greedy steps
         pipeline = want_pipeline and fused and cfg.adaptive is not True
-    elif proposer == "ngram":
-        pipeline = want_pipeline and ngram_device and not adaptive
+    elif proposer == "ngram":  # (likewise: the controller then chooses only for steps with sampled rows)
+        pipeline = want_pipeline and ngram_device and cfg.adaptive is not True
     elif proposer == "none":
         pipeline = want_pipeline and padded
     else:

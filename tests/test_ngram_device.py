@@ -256,16 +256,21 @@ def test_a_history_row_taken_over_is_uploaded_again():
 
 
 def test_plan_rules_on_cuda_and_cpu():
-    """``resolve_plan``'s auto rules, checked without a GPU: on CUDA the controller only for a draft model's trees
-    (n-gram chains keep a fixed budget; target-only has nothing to budget), every proposer but a Llama draft
-    pipelined, n-gram chains on the device from one row when pipelined; on the CPU all of it off; explicit
-    options win."""
+    """``resolve_plan``'s auto rules, checked without a GPU: on CUDA the controller for every proposer (target-only
+    has nothing to budget), choosing only for steps with sampled rows where greedy steps are pipelined (n-gram,
+    EAGLE), every proposer but a Llama draft pipelined, n-gram chains on the device from one row when pipelined;
+    on the CPU all of it off; explicit options win."""
     from specdec.engine import SpecConfig
     from specdec.plan import NGRAM_DEVICE_MIN_ROWS, resolve_plan
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     ngram = resolve_plan(SpecConfig(tree="chain:8"), cuda, "ngram", "triton", 8)
-    assert not ngram.adaptive and ngram.pipeline and ngram.ngram_device and ngram.ngram_min_rows == 1
+    assert ngram.adaptive and ngram.pipeline and ngram.greedy_budget_fixed and ngram.ngram_device
+    assert ngram.ngram_min_rows == 1 and ngram.large_batch_budget is None
+    fixed = resolve_plan(SpecConfig(tree="chain:8", adaptive=False), cuda, "ngram", "triton", 8)
+    assert not fixed.adaptive and fixed.pipeline and not fixed.greedy_budget_fixed
+    steered = resolve_plan(SpecConfig(tree="chain:8", adaptive=True), cuda, "ngram", "triton", 8)
+    assert steered.adaptive and not steered.pipeline
     none = resolve_plan(SpecConfig(), cuda, "none", "triton", 0)
     assert not none.adaptive and none.pipeline and none.padded
     eagle = resolve_plan(SpecConfig(tree="dynamic:31"), cuda, "eagle", "triton", 31)
