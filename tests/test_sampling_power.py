@@ -101,18 +101,21 @@ def chisquare_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue)
 
 
-def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None, prompt=PROMPT, setup=None):
+def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None, prompt=PROMPT, setup=None,
+           params=None):
     """Joint counts (V, V) of the first two tokens of n seeded requests, and the engine's statistics. ``pair``:
-    (target folder, target, draft: a model, "ngram" or None); ``setup(engine)`` runs before generating."""
+    (target folder, target, draft: a model, "ngram" or None); ``setup(engine)`` runs before generating;
+    ``params``: more SamplingParams fields (min_p, repetition_penalty)."""
     _, target, draft = pair
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, num_blocks=16384, block_size=2, max_batch_size=512,
                                                max_num_tokens=8192, policy="max_utilization",
                                                cuda_graphs=cuda_graphs))
     if setup is not None:
         setup(eng)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
-                             ignore_eos=True) for s in range(n)]
-    outs = eng.generate([prompt] * n, params)
+    more = params or {}
+    plist = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
+                            ignore_eos=True, **more) for s in range(n)]
+    outs = eng.generate([prompt] * n, plist)
     assert eng.all_blocks_free() and not any(o.error for o in outs)
     pairs = torch.tensor([o.token_ids[:2] for o in outs])  # (n, 2)
     joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
