@@ -123,6 +123,19 @@ def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None, pr
     return joint.view(VOCAB, VOCAB), eng.stats
 
 
+def check_with_control(label: str, joint: torch.Tensor, stats, p1: torch.Tensor, exact: torch.Tensor,
+                       wrong: torch.Tensor) -> None:
+    """The first token and the first two (``joint`` counts) pass the chi-square test against the exact ``p1`` and
+    ``exact``, fail it against the ``wrong`` joint distribution (the negative control), and speculation took
+    part (``stats``: some draft token was accepted)."""
+    p_first, p_joint, p_wrong = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact), chisquare_p(joint, wrong)
+    print(f"\n{label}: samples={int(joint.sum())} p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"p(control)={p_wrong:.3g} accepted={stats.accepted}")
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+    assert p_wrong < P_MIN, p_wrong
+    assert stats.accepted > 0
+
+
 @pytest.fixture(scope="module")
 def sampled(pair):
     return {c: sample(pair, *c, SAMPLES, 100_000 * i) for i, c in enumerate(CONFIGS)}
