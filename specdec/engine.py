@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from specdec.plan import LARGE_BATCH_ROWS, resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import SamplingParams, sample_seed
 from specdec.scheduler.request import Request
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
@@ -369,21 +369,24 @@ class SpecEngine:
         A prompt that fails validation, or a request that fails while running, yields an output
         with finish_reason "error" and the cause in ``error``; the other prompts run normally.
         Only final outputs are built (without ``use_tqdm``), so ``new_token_ids``/``new_text`` hold the
-        whole output.
+        whole output. A prompt with ``SamplingParams.n`` > 1 yields one output whose ``outputs`` are its n
+        samples' (``RequestOutput.of_samples``).
         """
         final: dict[str, RequestOutput] = {}
         order = []
         for out in self.stream(prompts, params, use_tqdm=use_tqdm, _order=order, _finals_only=not use_tqdm):
             if out.finished:
                 final[out.request_id] = out
-        return [final[i] for i in order]
+        return [final[rid] if rid in final else RequestOutput.of_samples(rid, [final[s] for s in sample_ids])
+                for rid, sample_ids in order]
 
     def stream(self, prompts, params=None, use_tqdm: bool = False, _order=None,
                _finals_only: bool = False) -> Iterator[RequestOutput]:
         """Yield incremental outputs (``new_token_ids``/``new_text``) of these prompts' requests.
 
         Only this call's requests are yielded, even when other streams drive the same engine, on this
-        thread or on others (``guard`` serialises their steps). A params entry of the wrong type raises
+        thread or on others (``guard`` serialises their steps). A prompt with ``SamplingParams.n`` > 1 runs as n
+        requests (``sample_requests``), each yielded under its own id. A params entry of the wrong type raises
         TypeError before anything is queued; if the submission fails half-way, or the consumer stops early,
         this call's requests are aborted.
         """
@@ -394,11 +397,13 @@ class SpecEngine:
         try:
             for prompt, p in zip(prompt_list, plist):
                 rid = str(next(self._ids))
-                order.append(rid)
+                samples = sample_requests(rid, SamplingParams() if p is None else p)
+                order.append((rid, [sid for sid, _ in samples]))
                 try:
-                    ids = self.prepare(prompt, SamplingParams() if p is None else p)  # tokenised outside the guard
+                    ids = self.prepare(prompt, samples[0][1])  # tokenised outside the guard
                     with self.guard:
-                        self.router.own(queue, self.add_request(ids, p, rid))
+                        for sid, sp in samples:  # (together: the scheduler lets them share the prompt's KV)
+                            self.router.own(queue, self.add_request(ids, sp, sid))
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))
@@ -509,6 +514,14 @@ def _itself(req: Request) -> Request:
 
 def _chunk_request(chunk) -> Request:
     return chunk.req
+
+
+def sample_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The (request id, params) of each request that serves ``params.n`` samples of one prompt: the request
+    itself when n is 1, else n requests ``{request_id}.{i}`` with n = 1 and sample i's seed (``sample_seed``)."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [(f"{request_id}.{i}", replace(params, n=1, seed=sample_seed(params.seed, i))) for i in range(params.n)]
 
 
 def _params_list(params, n: int) -> list[SamplingParams | None]:
