@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from specdec.plan import LARGE_BATCH_ROWS, resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
-from specdec.sampling_params import SamplingParams, sample_seed
+from specdec.sampling_params import SamplingParams, sample_requests
 from specdec.scheduler.request import Request
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
@@ -229,9 +229,13 @@ class SpecEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Validate and queue one request; bad input raises a ValueError naming the field.
 
-        Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request.
+        Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request. A request is one
+        sample: ``params.n`` > 1 is refused here (``generate``/``stream`` run n requests, ``sample_requests``).
         """
         params = SamplingParams() if params is None else params
+        if params.n != 1:
+            raise FieldError("SamplingParams", "n", "must be 1 for add_request, which queues one sample (generate "
+                             "and stream run n > 1 as n requests: sampling_params.sample_requests)", params.n)
         ids = self.prepare(prompt, params)
         eos = tuple(self.target.config.eos_token_ids)
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
@@ -514,14 +518,6 @@ def _itself(req: Request) -> Request:
 
 def _chunk_request(chunk) -> Request:
     return chunk.req
-
-
-def sample_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """The (request id, params) of each request that serves ``params.n`` samples of one prompt: the request
-    itself when n is 1, else n requests ``{request_id}.{i}`` with n = 1 and sample i's seed (``sample_seed``)."""
-    if params.n == 1:
-        return [(request_id, params)]
-    return [(f"{request_id}.{i}", replace(params, n=1, seed=sample_seed(params.seed, i))) for i in range(params.n)]
 
 
 def _params_list(params, n: int) -> list[SamplingParams | None]:

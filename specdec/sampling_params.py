@@ -6,7 +6,7 @@ import functools
 import hashlib
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.errors import FieldError
 
@@ -93,6 +93,14 @@ def sample_seed(seed: int | None, i: int) -> int | None:
         return seed
     digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def sample_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The (request id, params) of each request that serves ``params.n`` samples of one prompt: the request
+    itself when n is 1, else n requests ``{request_id}.{i}`` with n = 1 and sample i's seed (``sample_seed``)."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [(f"{request_id}.{i}", replace(params, n=1, seed=sample_seed(params.seed, i))) for i in range(params.n)]
 
 
 def _taking_max_tokens(init):

@@ -62,3 +62,20 @@ def test_samples_share_the_prompt_blocks(tiny_target):
     eng.generate([PROMPT], SamplingParams(temperature=1.0, n=4, max_tokens=6, ignore_eos=True))
     assert cache.stats.hit_tokens == 3 * 32, cache.stats  # samples 1..3 each reuse the 4 full blocks
     assert eng.all_blocks_free()
+
+
+def test_add_request_refuses_several_samples(tiny_target):
+    with pytest.raises(ValueError, match="n must be 1"):
+        _engine(tiny_target).add_request(PROMPT, SamplingParams(n=2))
+
+
+BAD_VALUES = [(dict(n=0), "n"), (dict(n=1.5), "n"), (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p"),
+              (dict(repetition_penalty=0), "repetition_penalty"),
+              (dict(repetition_penalty=float("nan")), "repetition_penalty")]
+
+
+@pytest.mark.parametrize("kwargs, field", BAD_VALUES)
+def test_bad_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"SamplingParams.{field} ") as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field

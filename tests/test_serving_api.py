@@ -124,12 +124,31 @@ def test_seeded_sampling_is_reproducible(client):
     assert a == b and a != c
 
 
+def test_n_returns_n_choices(client, server):
+    """n = 3 seeded samples: three choices (indexes 0..2), distinct at T = 1, the same again for the same seed,
+    usage counting every choice's tokens; chat too; every block free afterwards."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=4,
+              extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    assert [c.text for c in client.completions.create(**kw).choices] == [c.text for c in r.choices]
+    assert r.usage.completion_tokens == 3 * 12 and {c.finish_reason for c in r.choices} == {"length"}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
+        chat.choices[1].message.content  # greedy: identical copies
+    assert _idle_and_free(server[1])
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=100_000), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(n=2, stream=True), "n"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(logprobs=2), "logprobs"),
     (dict(prompt=""), "prompt"),
     (dict(stop=[""]), "stop"),
@@ -150,7 +169,7 @@ def test_bad_completion_request_is_400_naming_the_field(client, kwargs, field):
 @pytest.mark.parametrize("messages, kwargs, field", [
     ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "messages[0]"),
     ([], {}, "messages"),
-    ([{"role": "user", "content": "hi"}], dict(n=3), "n"),
+    ([{"role": "user", "content": "hi"}], dict(n=0), "n"),
     ([{"role": "user", "content": "hi"}], dict(presence_penalty=0.5), "presence_penalty"),
 ])
 def test_bad_chat_request_is_400_naming_the_field(client, messages, kwargs, field):

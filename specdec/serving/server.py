@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.outputs import RequestOutput
+from specdec.sampling_params import sample_requests
 from specdec.serving import protocol
 from specdec.serving.executor import Executor
 from specdec.serving.metrics import ServingMetrics
@@ -81,26 +82,29 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             ids = await asyncio.to_thread(executor.prepare, parsed.prompt, parsed.params)
         except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
             return _error(_refusal(err, chat, parsed.max_tokens_field))
-        rid = executor.enqueue(ids, parsed.params)
-        outputs = executor.astream(rid)
+        # n samples: n requests of the same prompt (the engine shares its KV), one choice each
+        rids = [executor.enqueue(ids, p) for _, p in sample_requests("", parsed.params)]
+        rid, samples = rids[0], [executor.astream(r) for r in rids]
         try:
-            ack = await _until(request, outputs.__anext__())  # admission, or the engine's refusal
+            acks = await _until(request, asyncio.gather(*[s.__anext__() for s in samples]))  # admission or refusal
         except _ClientGone:
-            await outputs.aclose()
+            await _close_all(samples)
             return Response(status_code=499)
-        if ack.finish_reason == "error":
-            await outputs.aclose()
-            return _error(_refusal(ack.error, chat, parsed.max_tokens_field))
+        refused = next((a for a in acks if a.finish_reason == "error"), None)
+        if refused is not None:
+            await _close_all(samples)
+            return _error(_refusal(refused.error, chat, parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
-        if parsed.stream:
-            return StreamingResponse(_events(rid, outputs, chat, parsed.include_usage, timing),
+        if parsed.stream:  # (one sample: the protocol refuses n > 1 with stream)
+            return StreamingResponse(_events(rid, samples[0], chat, parsed.include_usage, timing),
                                      media_type="text/event-stream")
         try:
-            final = await _until(request, _final(outputs, timing))
+            finals = await _until(request, asyncio.gather(*[_final(s, timing, a) for s, a in zip(samples, acks)]))
         except _ClientGone:
             timing.abandoned()
-            await outputs.aclose()
+            await _close_all(samples)
             return Response(status_code=499)
+        final = finals[0] if len(finals) == 1 else RequestOutput.of_samples(rid, finals)
         timing.report(final)
         if final.finish_reason == "error":
             return _error(protocol.BadRequest(None, str(final.error), 500))
@@ -153,7 +157,16 @@ class _Timing:
             self.metrics.observe_request("abort", self.arrival, self.first, time.perf_counter(), 0)
 
 
-async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> RequestOutput:
+async def _close_all(outputs: list) -> None:
+    for out in outputs:
+        await out.aclose()
+
+
+async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing, first: RequestOutput) -> RequestOutput:
+    """The final output of a request whose first output was ``first``."""
+    timing.saw(first)
+    if first.finished:
+        return first
     async for out in outputs:
         timing.saw(out)
         if out.finished:
