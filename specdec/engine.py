@@ -233,10 +233,10 @@ class SpecEngine:
         sample: ``params.n`` > 1 is refused here (``generate``/``stream`` run n requests, ``sample_requests``).
         """
         params = SamplingParams() if params is None else params
+        ids = self.prepare(prompt, params)
         if params.n != 1:
             raise FieldError("SamplingParams", "n", "must be 1 for add_request, which queues one sample (generate "
                              "and stream run n > 1 as n requests: sampling_params.sample_requests)", params.n)
-        ids = self.prepare(prompt, params)
         eos = tuple(self.target.config.eos_token_ids)
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))

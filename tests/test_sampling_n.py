@@ -79,3 +79,16 @@ def test_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"SamplingParams.{field} ") as err:
         SamplingParams(**kwargs)
     assert err.value.field == field
+
+
+def test_cli_prints_each_sample(tiny_dirs, tmp_path, capsys):
+    from serving_helpers import with_tokenizer
+
+    from specdec.cli import main
+
+    model = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
+    rc = main(["generate", "--model", str(model), "--draft", "ngram", "--device", "cpu", "--prompt", "abc", "--n", "2",
+               "--temperature", "1", "--seed", "3", "--min-p", "0.05", "--repetition-penalty", "1.2",
+               "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.startswith("[sample 0]\n") and "\n[sample 1]\n" in out
