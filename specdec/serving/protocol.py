@@ -1,8 +1,8 @@
 """OpenAI request bodies -> (prompt, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
-engine does not have (logprobs, frequency/presence penalties, tools, several streamed choices) is a
-``BadRequest`` naming the field. The sampling fields (n, repetition_penalty and min_p included) are checked
+engine does not have (logprobs, frequency/presence penalties, tools) is a ``BadRequest`` naming the
+field. The sampling fields (n, repetition_penalty and min_p included) are checked
 by ``SamplingParams`` itself.
 """
 
@@ -74,11 +74,7 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
 
 
 def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:
-    stream, include_usage = _stream_flags(body)
-    if stream and params.n > 1:
-        raise BadRequest("n", f"field 'n' must be 1 with 'stream' true (several choices are returned without "
-                              f"streaming), got {params.n}")
-    return ParsedRequest(prompt, params, stream, include_usage, field)
+    return ParsedRequest(prompt, params, *_stream_flags(body), field)
 
 
 def _max_tokens_field(body: dict) -> str:
@@ -214,13 +210,13 @@ def completion_body(rid: str, model: str, out: RequestOutput, chat: bool) -> dic
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None, chat: bool,
-               role: bool = False) -> dict:
-    """One server-sent event of a streaming response."""
+               role: bool = False, index: int = 0) -> dict:
+    """One server-sent event of a streaming response, for choice ``index``."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
 

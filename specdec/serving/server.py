@@ -95,8 +95,8 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             await _close_all(samples)
             return _error(_refusal(refused.error, chat, parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
-        if parsed.stream:  # (one sample: the protocol refuses n > 1 with stream)
-            return StreamingResponse(_events(rid, samples[0], chat, parsed.include_usage, timing),
+        if parsed.stream:
+            return StreamingResponse(_events(rid, samples, chat, parsed.include_usage, timing),
                                      media_type="text/event-stream")
         try:
             finals = await _until(request, asyncio.gather(*[_final(s, timing, a) for s, a in zip(samples, acks)]))
@@ -110,27 +110,35 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             return _error(protocol.BadRequest(None, str(final.error), 500))
         return JSONResponse(protocol.completion_body(rid, model_name, final, chat))
 
-    async def _events(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, include_usage: bool,
+    async def _events(rid: str, samples: list, chat: bool, include_usage: bool,
                       timing: _Timing) -> AsyncIterator[str]:
+        """The event stream of the samples' outputs (choice i: sample i), in the order they come."""
+        finals: dict[int, RequestOutput] = {}
+        merged = _merged(samples)
         try:
             if chat:
-                yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True))
-            async for out in outputs:
+                for i in range(len(samples)):
+                    yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True, index=i))
+            async for i, out in merged:
                 timing.saw(out)
                 if out.finish_reason == "error":
                     timing.report(out)
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
                 if out.new_text or out.finished:
-                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat))
+                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=i))
                 if out.finished:
-                    timing.report(out)
+                    finals[i] = out
+                if len(finals) == len(samples):
+                    final = finals[0] if len(finals) == 1 else RequestOutput.of_samples(rid, [finals[j] for j in
+                                                                                               range(len(finals))])
+                    timing.report(final)
                     if include_usage:
-                        yield _sse(protocol.usage_chunk(rid, model_name, out, chat))
+                        yield _sse(protocol.usage_chunk(rid, model_name, final, chat))
             yield "data: [DONE]\n\n"
         finally:  # also on disconnect: closing the stream cancels an unfinished request
             timing.abandoned()
-            await outputs.aclose()
+            await merged.aclose()
 
     return app
 
@@ -160,6 +168,32 @@ class _Timing:
 async def _close_all(outputs: list) -> None:
     for out in outputs:
         await out.aclose()
+
+
+async def _merged(samples: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(i, output) of every output of the samples' streams (``samples[i]``), as each arrives; closing it closes
+    them all (which cancels the unfinished requests)."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        async for out in samples[i]:
+            await arrived.put((i, out))
+        await arrived.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(samples))]
+    try:
+        running = len(samples)
+        while running:
+            i, out = await arrived.get()
+            if out is None:
+                running -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_all(samples)
 
 
 async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing, first: RequestOutput) -> RequestOutput:
