@@ -1,7 +1,8 @@
 """Sampling distributions and the lossless accept/reject rules of tree verification.
 
-Pure functions. `shape_probs` is the one place where temperature / top-k / top-p turn
-logits into the distribution that is sampled, for the target and the draft alike.
+Pure functions. `shape_probs` is the one place where temperature / top-k / top-p / min-p turn
+logits into the distribution that is sampled, for the target and the draft alike (a repetition penalty
+changes the logits before, ``repetition_penalty``).
 Verification follows ../shared/DESIGN.md ("Draft trees and verification"): at a node
 with target distribution p, children x_1..x_k drawn with distributions q_1..q_k are
 tried in order; x_i is accepted with probability min(1, p(x_i)/q_i(x_i)), and on
@@ -56,7 +57,7 @@ class AcceptResult(NamedTuple):
 # ---------------------------------------------------------------- sampling distribution
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
+def check_sampling(temperature: float, top_k: int | None, top_p: float, min_p: float = 0.0) -> None:
     """Raise ValueError naming the field when a sampling parameter is out of range."""
     if not 0.0 <= temperature < float("inf"):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
@@ -64,26 +65,29 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float) -> None:
         raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
 
 
 def shape_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = None,
-                top_p: float = 1.0) -> Tensor:
+                top_p: float = 1.0, min_p: float = 0.0) -> Tensor:
     """(..., V) logits -> (..., V) probabilities (float32 or wider) of the distribution to sample.
 
     temperature 0: one-hot on the argmax (the first index among equal maxima). Otherwise
     softmax(logits / temperature), restricted to the top_k most probable tokens, then to
-    the smallest set of most probable tokens whose mass is >= top_p, renormalized. Tokens are
+    the smallest set of most probable tokens whose mass is >= top_p, then to the tokens whose probability is
+    >= min_p times the most probable one's, renormalized. Tokens are
     ranked by their logits before the division (so a huge temperature that rounds the scaled
     values to ties cannot change which tokens are kept); equal logits are ranked by token id
     (lower id first), so the kept set is deterministic.
     """
-    check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p, min_p)
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
     vocab = x.shape[-1]
     if temperature == 0.0:
         return F.one_hot(x.argmax(-1), vocab).to(x.dtype)
     k = min(top_k or vocab, vocab)
-    if k == vocab and top_p >= 1.0:
+    if k == vocab and top_p >= 1.0 and min_p == 0.0:
         return torch.softmax(x / temperature, dim=-1)
     xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # (..., V) ranked by logit, then id
     xs = xs / temperature
@@ -92,8 +96,19 @@ def shape_probs(logits: Tensor, temperature: float = 1.0, top_k: int | None = No
     if top_p < 1.0:
         before = F.pad(probs.cumsum(-1)[..., :-1], (1, 0))  # mass of strictly more probable tokens
         probs = probs.masked_fill(before >= top_p, 0.0)  # keep while the mass before is < top_p
+    if min_p > 0.0:  # rank 0 is the most probable token; its share does not change with the renormalisation
+        probs = probs.masked_fill(probs < min_p * probs[..., :1], 0.0)
+    if top_p < 1.0 or min_p > 0.0:
         probs = probs / probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def repetition_penalty(logits: Tensor, present: Tensor, penalty: Tensor | float) -> Tensor:
+    """(..., V) logits with a repetition penalty (HF/vLLM semantics) on the tokens ``present`` (..., V) bool marks
+    (those of the context): a positive logit divided by ``penalty``, a negative one multiplied by it. Float32 or
+    wider, like ``shape_probs``; ``penalty`` a number or a tensor broadcast against the logits (1 = unchanged)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
+    return torch.where(present, torch.where(x > 0, x / penalty, x * penalty), x)
 
 
 # ---------------------------------------------------------------- one step of the rule

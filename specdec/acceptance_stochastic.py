@@ -58,16 +58,20 @@ class RowSampling(NamedTuple):
     temperature: Tensor  # (B,) float; 0 = greedy
     top_k: Tensor  # (B,) int64; 0 = off
     top_p: Tensor  # (B,) float in (0, 1]; 1 = off
-    filtered: bool = True  # host flag: False promises no row uses top-k/top-p (skips the sort)
+    filtered: bool = True  # host flag: False promises no row uses top-k/top-p/min-p (skips the sort)
     any_greedy: bool = True  # host flag: False promises no row has temperature 0 (skips the greedy rule)
+    min_p: Tensor | None = None  # (B,) float in [0, 1]; 0 = off; None: 0 for every row
 
 
 def sampling_rows(params: Sequence, device: torch.device | str) -> RowSampling:
-    """``RowSampling`` of SamplingParams-like objects (temperature, top_k, top_p): one host->device copy."""
-    host = torch.tensor([[p.temperature, p.top_k, p.top_p] for p in params], dtype=torch.float64).reshape(-1, 3)
-    dev = host.to(device)  # (B, 3)
-    filtered = any((p.top_k or 0) > 0 or p.top_p < 1.0 for p in params)
-    return RowSampling(dev[:, 0], dev[:, 1].long(), dev[:, 2], filtered, any(p.temperature == 0 for p in params))
+    """``RowSampling`` of SamplingParams-like objects (temperature, top_k, top_p, min_p if they have it): one
+    host->device copy."""
+    host = torch.tensor([[p.temperature, p.top_k, p.top_p, getattr(p, "min_p", 0.0)] for p in params],
+                        dtype=torch.float64).reshape(-1, 4)
+    dev = host.to(device)  # (B, 4)
+    filtered = any((p.top_k or 0) > 0 or p.top_p < 1.0 or getattr(p, "min_p", 0.0) > 0 for p in params)
+    return RowSampling(dev[:, 0], dev[:, 1].long(), dev[:, 2], filtered, any(p.temperature == 0 for p in params),
+                       dev[:, 3])
 
 
 def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) -> PaddedTrees:
@@ -134,7 +138,7 @@ def draw_uniforms(streams: Sequence[UniformStream | None], trees: Sequence[Draft
 
 def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:
     """``shape_probs`` with per-row parameters: (B, ..., V) logits -> (B, ..., V) probabilities (float32 or
-    wider), row b shaped with temperature[b], top_k[b], top_p[b]; the same values ``shape_probs`` gives.
+    wider), row b shaped with temperature[b], top_k[b], top_p[b], min_p[b]; the same values ``shape_probs`` gives.
 
     Inside the captured rule each op here is a kernel over (B, Q, V), so the host flags skip what no row needs
     (the sort without top-k/top-p, the one-hot without greedy rows), and per-row choices are folded into
@@ -155,7 +159,8 @@ def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:
 
 
 def _filtered(x: Tensor, t: Tensor, probs: Tensor, sampling: RowSampling) -> Tensor:
-    """``probs`` (softmax(x / t)) with the rows that use top-k or top-p replaced by their filtered distribution."""
+    """``probs`` (softmax(x / t)) with the rows that use top-k, top-p or min-p replaced by their filtered
+    distribution."""
     vocab = x.shape[-1]
     view = t.shape
     k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab).view(view)
@@ -166,8 +171,13 @@ def _filtered(x: Tensor, t: Tensor, probs: Tensor, sampling: RowSampling) -> Ten
     kept = torch.softmax((xs / t).masked_fill(rank >= k, float("-inf")), dim=-1)  # top-k
     reached = kept.cumsum(-1)[..., :-1] >= top_p  # (B, ..., V - 1): the mass up to rank j reaches top_p
     kept[..., 1:].masked_fill_(reached, 0.0)  # drop every token after the one that reaches it
-    kept = kept / torch.where(nucleus, kept.sum(-1, keepdim=True), 1.0)  # renormalised (x / 1 is x exactly)
-    filtered = (k < vocab) | nucleus
+    renorm = nucleus
+    if sampling.min_p is not None:  # below min_p times rank 0's probability (the most probable token): dropped
+        min_p = sampling.min_p.to(x.dtype).view(view)
+        kept = kept.masked_fill(kept < min_p * kept[..., :1], 0.0)  # (min_p 0 drops nothing)
+        renorm = renorm | (min_p > 0)
+    kept = kept / torch.where(renorm, kept.sum(-1, keepdim=True), 1.0)  # renormalised (x / 1 is x exactly)
+    filtered = (k < vocab) | renorm
     shaped = torch.empty_like(kept).scatter_(-1, order, kept)  # order is a permutation: every entry written
     return torch.where(filtered, shaped, probs)
 
@@ -298,7 +308,9 @@ def _check(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: 
         raise ValueError(f"trees.tokens must have shape (B, Q) = {(b, q)} like logits, got {tuple(trees.tokens.shape)}")
     if tuple(uniforms.shape) != (b, q) or uniforms.dtype != torch.float64:
         raise ValueError(f"uniforms must be (B, Q) = {(b, q)} float64, got {tuple(uniforms.shape)} {uniforms.dtype}")
-    for name in ("temperature", "top_k", "top_p"):
+    for name in ("temperature", "top_k", "top_p", "min_p"):
+        if getattr(sampling, name) is None:
+            continue
         shape = tuple(getattr(sampling, name).shape)
         if shape != (b,):
             raise ValueError(f"sampling.{name} must have shape (B,) = ({b},), got {shape}")

@@ -31,7 +31,7 @@ from specdec.plan import LARGE_BATCH_ROWS, resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import SamplingParams, sample_requests
 from specdec.scheduler.request import Request
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
@@ -230,10 +230,14 @@ class SpecEngine:
     def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Validate and queue one request; bad input raises a ValueError naming the field.
 
-        Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request.
+        Its outputs are not routed anywhere: the caller drives ``step()`` and reads the Request. A request is one
+        sample: ``params.n`` > 1 is refused here (``generate``/``stream`` run n requests, ``sample_requests``).
         """
         params = SamplingParams() if params is None else params
         ids = self.prepare(prompt, params)
+        if params.n != 1:
+            raise FieldError("SamplingParams", "n", "must be 1 for add_request, which queues one sample (generate "
+                             "and stream run n > 1 as n requests: sampling_params.sample_requests)", params.n)
         eos = tuple(self.target.config.eos_token_ids)
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
@@ -370,21 +374,24 @@ class SpecEngine:
         A prompt that fails validation, or a request that fails while running, yields an output
         with finish_reason "error" and the cause in ``error``; the other prompts run normally.
         Only final outputs are built (without ``use_tqdm``), so ``new_token_ids``/``new_text`` hold the
-        whole output.
+        whole output. A prompt with ``SamplingParams.n`` > 1 yields one output whose ``outputs`` are its n
+        samples' (``RequestOutput.of_samples``).
         """
         final: dict[str, RequestOutput] = {}
         order = []
         for out in self.stream(prompts, params, use_tqdm=use_tqdm, _order=order, _finals_only=not use_tqdm):
             if out.finished:
                 final[out.request_id] = out
-        return [final[i] for i in order]
+        return [final[rid] if rid in final else RequestOutput.of_samples(rid, [final[s] for s in sample_ids])
+                for rid, sample_ids in order]
 
     def stream(self, prompts, params=None, use_tqdm: bool = False, _order=None,
                _finals_only: bool = False) -> Iterator[RequestOutput]:
         """Yield incremental outputs (``new_token_ids``/``new_text``) of these prompts' requests.
 
         Only this call's requests are yielded, even when other streams drive the same engine, on this
-        thread or on others (``guard`` serialises their steps). A params entry of the wrong type raises
+        thread or on others (``guard`` serialises their steps). A prompt with ``SamplingParams.n`` > 1 runs as n
+        requests (``sample_requests``), each yielded under its own id. A params entry of the wrong type raises
         TypeError before anything is queued; if the submission fails half-way, or the consumer stops early,
         this call's requests are aborted.
         """
@@ -395,11 +402,13 @@ class SpecEngine:
         try:
             for prompt, p in zip(prompt_list, plist):
                 rid = str(next(self._ids))
-                order.append(rid)
+                samples = sample_requests(rid, SamplingParams() if p is None else p)
+                order.append((rid, [sid for sid, _ in samples]))
                 try:
-                    ids = self.prepare(prompt, SamplingParams() if p is None else p)  # tokenised outside the guard
+                    ids = self.prepare(prompt, samples[0][1])  # tokenised outside the guard
                     with self.guard:
-                        self.router.own(queue, self.add_request(ids, p, rid))
+                        for sid, sp in samples:  # (together: the scheduler lets them share the prompt's KV)
+                            self.router.own(queue, self.add_request(ids, sp, sid))
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))

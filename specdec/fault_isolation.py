@@ -104,7 +104,9 @@ def flag_overflow(outcome: torch.Tensor, logits, rows: Sequence[Request], sample
         x = full.view(b, q, full.shape[-1])[at]  # (S, Q, V)
     else:
         x = torch.stack([torch.nn.functional.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in sampled])
-    host = torch.tensor([[lengths[i], rows[i].params.temperature] for i in sampled], dtype=torch.float32).to(dev)
+    # (a greedy row, penalized, divides by 1: its argmax needs finite logits only)
+    host = torch.tensor([[lengths[i], rows[i].params.temperature or 1.0] for i in sampled],
+                        dtype=torch.float32).to(dev)
     real = torch.arange(q, device=dev) < host[:, :1]  # (S, Q)
     peak = torch.where(real, x.float().abs().amax(-1), 0.0).amax(-1)  # (S,) the largest |logit| of each row
     out = outcome.clone()

@@ -188,9 +188,10 @@ class FusedVerify:
 
     def outcome(self, key, reqs: list, fwd: ForwardResult, k: int) -> Tensor:
         """(B, Q + 3) outcome of the fused verify ``fwd`` of bucket ``key`` whose trees have ``k`` nodes each:
-        its greedy acceptance itself when every row is greedy, else with the sampled rows through the lossless
-        rule (``SampledRule.on_views``: the trees are read where the verify inputs hold them)."""
-        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        its greedy acceptance itself when every row is greedy, else with the sampled rows (and greedy ones with a
+        repetition penalty) through the lossless rule (``SampledRule.on_views``: the trees are read where the
+        verify inputs hold them)."""
+        sampled = [i for i, r in enumerate(reqs) if not r.params.plain_greedy]
         if not sampled:
             return fwd.accept
         graphs = self.runner.graphs

@@ -209,6 +209,8 @@ class PipelinedSteps:
         or None when the pipeline is off or a row lacks the blocks it would write (then nothing is queued)."""
         if not self.pipeline or self.fused is None or fwd.features is None or self.step_prefilled:
             return None  # (after a prefill the shared inputs changed, and a prefilled row may join the next step)
+        if any(r.params.penalized for r in reqs):  # a repetition penalty reads the committed tokens on the host
+            return None
         bs = self.runner.pool.block_size
         need = max(self.lookahead, 1)
         if any(len(r.blocks) * bs < len(r.tokens) + need for r in reqs):

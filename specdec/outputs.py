@@ -90,6 +90,7 @@ class RequestOutput:
     error: ValueError | None = None
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
+    samples: list[RequestOutput] | None = None  # SamplingParams.n > 1: every sample's output (this one is sample 0)
 
     @property
     def finished(self) -> bool:
@@ -97,8 +98,21 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape of the same output: one completion (``out.outputs[0].text``)."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        """vLLM's shape of the same output: one completion per sample (``out.outputs[i].text``)."""
+        samples = self.samples or [self]
+        return [CompletionOutput(i, s.text, s.token_ids, s.finish_reason) for i, s in enumerate(samples)]
+
+    @staticmethod
+    def of_samples(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
+        """One prompt's output from its n samples' final outputs: sample 0's fields (its error, or the first
+        sample's error), every sample in ``samples``, their statistics merged."""
+        first = samples[0]
+        stats = AcceptanceStats()
+        for s in samples:
+            stats.merge(s.stats)
+        error = next((s.error for s in samples if s.error is not None), None)
+        return RequestOutput(request_id, first.prompt_token_ids, first.token_ids, first.text, first.finish_reason,
+                             stats, error, first.new_token_ids, first.new_text, list(samples))
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,12 @@ greedy outcome, so the step still ends with one device->host read of a (B, Q + 3
 
 The captured rule serves trees whose children are deterministic (n-gram chains, trees an EAGLE draft grew
 by rank, empty trees: no draft distributions), so it is the single-draw form ``accept_deterministic_padded``,
-a fixed handful of ops over (B, Q, V) whatever the trees' shapes. No row is greedy inside the rule (greedy
-rows keep the verify graph's outcome); one host flag is part of the key: ``filtered`` (some row uses top-k or
-top-p: the sort). Trees with draft distributions take ``accept_stochastic_padded`` eagerly (``applies``).
+a fixed handful of ops over (B, Q, V) whatever the trees' shapes. No row is greedy inside the captured rule
+(greedy rows keep the verify graph's outcome); one host flag is part of the key: ``filtered`` (some row uses
+top-k, top-p or min-p: the sort). Rows with a repetition penalty (greedy ones too: their argmax is the
+penalized logits') run the same rule eagerly, with their context's tokens as one more input
+(``repetition_penalty.ContextPenalty``). Trees with draft distributions take ``accept_stochastic_padded``
+eagerly (``applies``).
 """
 
 from __future__ import annotations
@@ -31,13 +34,15 @@ from specdec.acceptance_stochastic import (
     tree_rows,
 )
 from specdec.lookahead import HostUpload
+from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.tree import DraftTree
 from specdec.uniform_stream import padded_uniforms
 
 _DET = MODE_CODE["deterministic"]
 _ONE_BITS = int(np.float64(1.0).view(np.int64))  # float64 1.0 as int64 bits: temperature and top_p of idle rows
-# columns after the 3 Q tree columns of a row of the step's int64 array
-_N, _KEY0, _KEY1, _COUNTER, _TOP_K, _SAMPLED, _TEMPERATURE, _TOP_P = range(8)
+# columns after the 3 Q tree columns of a row of the step's int64 array (the last three: float64 bits)
+_N, _KEY0, _KEY1, _COUNTER, _TOP_K, _SAMPLED, _TEMPERATURE, _TOP_P, _MIN_P = range(9)
+_COLUMNS = 9
 
 
 def applies(trees: Sequence[DraftTree]) -> bool:
@@ -46,7 +51,7 @@ def applies(trees: Sequence[DraftTree]) -> bool:
 
 
 def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], b: int, q: int) -> np.ndarray:
-    """(b, 3 q + 8) int64 inputs of the rule for the sampled rows ``sampled`` of ``rows``/``trees`` (other rows
+    """(b, 3 q + 9) int64 inputs of the rule for the sampled rows ``sampled`` of ``rows``/``trees`` (other rows
     idle: no tree, not sampled): each row's padded tree, then its ``sampling_array`` columns; each sampled row's
     stream advances by the n + 1 draws its tree uses."""
     tree_cols = np.zeros((b, 3 * q), dtype=np.int64)
@@ -58,10 +63,13 @@ def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int
     return np.concatenate([tree_cols, sampling_array(rows, draws, b)], 1)
 
 
-def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
+def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty: ContextPenalty | None = None,
+         any_greedy: bool = False) -> Tensor:
     """(B, Q + 3) outcome of a padded step: the sampled rows' from the lossless rule over ``logits`` (B * Q, V),
     the others' ``accept`` (B, Q + 3, the verify's greedy outcome; its last column, the finite flag, is kept
-    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 8) on the device. No host reads."""
+    for every row). ``inputs``: ``step_array``'s (B, 3 Q + 9) on the device. ``penalty``: the rows' repetition
+    penalty, applied to the logits first; ``any_greedy``: some sampled row has temperature 0 (a penalized greedy
+    row: its outcome is the penalized argmax's). No host reads."""
     b, q = accept.shape[0], accept.shape[1] - 3
 
     def col(j: int) -> Tensor:  # (B,) column j after the tree columns
@@ -70,43 +78,51 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool) -> Tens
     trees = PaddedTrees(inputs[:, :q], inputs[:, q:2 * q], inputs[:, 2 * q:3 * q], torch.full_like(inputs[:, :q], -1),
                         col(_N), torch.full_like(col(_N), _DET), None, q - 1, frozenset({"deterministic"}))
     sampling = RowSampling(col(_TEMPERATURE).view(torch.float64), col(_TOP_K), col(_TOP_P).view(torch.float64),
-                           filtered, any_greedy=False)
+                           filtered, any_greedy, col(_MIN_P).view(torch.float64))
     uniforms = padded_uniforms(col(_KEY0), col(_KEY1), col(_COUNTER), col(_N), q)  # (B, Q)
     x = logits.view(b, q, -1).float()  # (B, Q, V)
+    if penalty is not None:
+        x = penalty.apply(x, trees.tokens, trees.tree_mask)
     out = accept_deterministic_padded(x, trees, sampling, uniforms)  # (B, Q + 2)
     # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails
     real = torch.arange(q, device=x.device) < col(_N).view(-1, 1)  # (B, Q)
     peak = torch.where(real, x.abs().amax(-1), 0.0).amax(-1)  # (B,)
-    finite = accept[:, -1:] * torch.isfinite(peak / sampling.temperature.float()).view(-1, 1).to(accept.dtype)
+    t = sampling.temperature.float()
+    t = torch.where(t > 0, t, 1.0) if any_greedy else t  # a greedy row's argmax needs finite logits only
+    finite = accept[:, -1:] * torch.isfinite(peak / t).view(-1, 1).to(accept.dtype)
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, finite], 1), accept)
 
 
 def sampling_array(rows: Sequence, draws: dict[int, int], b: int) -> np.ndarray:
-    """(b, 8) int64 sampling columns of the rule: for each sampled row i (a key of ``draws``) the ``draws[i]``
-    uniforms it uses, its stream's key and counter, top-k, the sampled flag, and temperature and top-p as their
-    float64 bits; the stream advances by ``draws[i]``. Other rows are idle (temperature and top-p 1)."""
-    host = np.zeros((b, 8), dtype=np.int64)
-    host[:, _TEMPERATURE:] = _ONE_BITS
+    """(b, 9) int64 sampling columns of the rule: for each sampled row i (a key of ``draws``) the ``draws[i]``
+    uniforms it uses, its stream's key and counter, top-k, the sampled flag, and temperature, top-p and min-p as
+    their float64 bits; the stream advances by ``draws[i]`` (a greedy row, penalized, has none: key and counter
+    0, its draws unused). Other rows are idle (temperature and top-p 1, min-p 0)."""
+    host = np.zeros((b, _COLUMNS), dtype=np.int64)
+    host[:, _TEMPERATURE:_MIN_P] = _ONE_BITS
     for i, n in draws.items():
         p, s = rows[i].params, rows[i].stream
-        host[i, :_TEMPERATURE] = n, s.key0, s.key1, s.counter, p.top_k or 0, 1
-        host[i, _TEMPERATURE:] = np.array([p.temperature, p.top_p], dtype=np.float64).view(np.int64)
-        s.counter += n
+        key = (0, 0, 0) if s is None else (s.key0, s.key1, s.counter)
+        host[i, :_TEMPERATURE] = n, *key, p.top_k or 0, 1
+        host[i, _TEMPERATURE:] = np.array([p.temperature, p.top_p, p.min_p], dtype=np.float64).view(np.int64)
+        if s is not None:
+            s.counter += n
     return host
 
 
-def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtered: bool) -> Tensor:
+def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtered: bool, **options) -> Tensor:
     """``rule`` of a step whose trees are read from its verify inputs ``views`` (``StepViews`` of the bucket:
-    tokens, parents, tree masks) and whose sampling columns are ``inputs`` (B, 8) (``sampling_array``)."""
+    tokens, parents, tree masks) and whose sampling columns are ``inputs`` (B, 9) (``sampling_array``)."""
     b, q = accept.shape[0], accept.shape[1] - 3
     trees = torch.cat([views.ids.view(b, q), views.parents.view(b, q), views.tree_mask.view(b, q), inputs], 1)
-    return rule(trees, logits, accept, filtered)
+    return rule(trees, logits, accept, filtered, **options)
 
 
 class SampledRule:
     """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its
     first use into one memory pool shared by these graphs (replayed one at a time, each output read before
-    the next replay); eagerly elsewhere, or when the verify's outputs are not a captured graph's buffers."""
+    the next replay); eagerly elsewhere, when the verify's outputs are not a captured graph's buffers, or when a
+    row has a repetition penalty."""
 
     def __init__(self, device: torch.device | str, capture: bool | None = None) -> None:
         self.device = torch.device(device)
@@ -134,9 +150,14 @@ class SampledRule:
     def _run(self, kind: str, host: np.ndarray, fn, rows: Sequence, sampled: Sequence[int], logits: Tensor,
              accept: Tensor, captured: bool) -> Tensor:
         """``fn(inputs, logits=, accept=, filtered=)`` over the uploaded ``host``: replayed from the graph of
-        (``kind``, B, Q, filtered, output buffers) when capturing and ``captured``, else eagerly."""
-        filtered = any((rows[i].params.top_k or 0) > 0 or rows[i].params.top_p < 1.0 for i in sampled)
+        (``kind``, B, Q, filtered, output buffers) when capturing and ``captured``, else eagerly (with the
+        repetition penalty of the rows that have one)."""
+        filtered = any(rows[i].params.filtered for i in sampled)
         build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered)
+        penalized = penalized_rows(rows, sampled)
+        if penalized:
+            penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device)
+            return build(self.upload(host), penalty=penalty, any_greedy=any(rows[i].params.greedy for i in sampled))
         if not (self.capture and captured):
             return build(self.upload(host))
         b, q = accept.shape[0], accept.shape[1] - 3

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from specdec.errors import FieldError
 
@@ -26,6 +27,11 @@ class SamplingParams:
     ``stop_token_ids`` a
     sequence of token ids. Integers of any integral type (numpy included) are stored as int.
     ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back).
+    ``min_p`` (0 = off) drops, after temperature, top-k and top-p, the tokens whose probability is below min_p
+    times the most probable token's. ``repetition_penalty`` (1 = off) divides the positive raw logits (and
+    multiplies the negative ones) of every token in the prompt or the output so far, before temperature; greedy
+    rows take the argmax of the penalized logits. ``n`` samples of the prompt are returned as the ``outputs`` of
+    one ``RequestOutput``; with a seed, sample i draws from ``sample_seed(seed, i)``.
     """
 
     temperature: float = 0.0
@@ -36,6 +42,9 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    n: int = 1
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -52,10 +61,46 @@ class SamplingParams:
         set_(self, "stop", _stop_strings(self.stop))
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
+        set_(self, "min_p", _real(self.min_p, "min_p", "must be a number in [0, 1] (0 = off)", lambda p: 0 <= p <= 1))
+        set_(self, "repetition_penalty", _real(self.repetition_penalty, "repetition_penalty",
+                                               "must be a number > 0 (1 = off)", lambda r: r > 0))
+        set_(self, "n", _integer(self.n, "n", "must be an int >= 1", 1, None))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        """The logits are changed by a repetition penalty (which depends on each verify token's context)."""
+        return self.repetition_penalty != 1.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits: the steps' greedy fast paths (the verify's own argmax) serve it."""
+        return self.greedy and not self.penalized
+
+    @property
+    def filtered(self) -> bool:
+        """Some filter (top-k, top-p, min-p) drops tokens: the sampled rules need their sorting variant."""
+        return (self.top_k or 0) > 0 or self.top_p < 1.0 or self.min_p > 0
+
+
+def sample_seed(seed: int | None, i: int) -> int | None:
+    """The seed of sample i of a request seeded with ``seed`` (``SamplingParams.n``): the seed itself for sample
+    0, a hash of (seed, i) for the others; None (unseeded) stays None."""
+    if seed is None or i == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{i}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def sample_requests(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """The (request id, params) of each request that serves ``params.n`` samples of one prompt: the request
+    itself when n is 1, else n requests ``{request_id}.{i}`` with n = 1 and sample i's seed (``sample_seed``)."""
+    if params.n == 1:
+        return [(request_id, params)]
+    return [(f"{request_id}.{i}", replace(params, n=1, seed=sample_seed(params.seed, i))) for i in range(params.n)]
 
 
 def _taking_max_tokens(init):

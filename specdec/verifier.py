@@ -13,6 +13,7 @@ from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
 from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
+from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
@@ -146,8 +147,9 @@ class Verifier:
         """Results of a padded step of graph bucket ``key``: the graph's greedy acceptance, sampled rows replaced
         by the device rule (``_sampled_outcome``; one device->host read of the (B, Q + 3) outcome), or put
         through the host rule on their logits. ``read() -> (R, C)``: a greedy step's follow-up output (the outcome
-        rows, then the follow-up's columns), read instead and handed to ``follow.consume``."""
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        rows, then the follow-up's columns), read instead and handed to ``follow.consume``. Greedy rows with a
+        repetition penalty count as sampled here: their argmax is the penalized logits'."""
+        sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
         outcome = self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
@@ -263,18 +265,26 @@ def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: 
         picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index])  # (S, Q, V)
     dev = picked.device
     uniforms = draw_uniforms([r.stream for r in rows], trees, q, dev)
-    return accept_stochastic_padded(picked, pad_trees(trees, q, dev), sampling_rows([r.params for r in rows], dev),
-                                    uniforms)
+    padded = pad_trees(trees, q, dev)
+    penalized = penalized_rows(rows, range(len(rows)))
+    if penalized:
+        penalty = ContextPenalty.of(rows, penalized, len(rows), picked.shape[-1], dev)
+        picked = penalty.apply(picked, padded.tokens, padded.tree_mask)  # (S, Q, V)
+    return accept_stochastic_padded(picked, padded, sampling_rows([r.params for r in rows], dev), uniforms)
 
 
 def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
-    """The host acceptance rule of one row over its verify logits ((N+1) x V): greedy or the request's
-    sampling rule with its uniform stream."""
+    """The host acceptance rule of one row over its verify logits ((N+1) x V), after its repetition penalty:
+    greedy or the request's sampling rule with its uniform stream."""
     p = req.params
     lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
+    if p.penalized:
+        masks = torch.tensor([tree.verify_rows()[0]], dtype=torch.int64, device=lg.device)  # (1, N+1)
+        tokens = torch.tensor([[0, *tree.host.tokens]], dtype=torch.int64, device=lg.device)  # (1, N+1)
+        lg = ContextPenalty.of([req], [0], 1, lg.shape[-1], lg.device).apply(lg.unsqueeze(0), tokens, masks)[0]
     if p.greedy:
         return verify_greedy(tree, lg.argmax(-1))
-    probs = shape_probs(lg, p.temperature, p.top_k, p.top_p)  # (N+1, V)
+    probs = shape_probs(lg, p.temperature, p.top_k, p.top_p, p.min_p)  # (N+1, V)
     check_distribution(req, probs if tree.draft_dists is None else torch.cat([probs, tree.draft_dists]), "target")
     return verify_stochastic(tree, probs, req.stream)
 

@@ -53,7 +53,7 @@ class VerifyPipeline:
     def min_query(self, rows: list[Request]) -> int:
         """Queries per row of a verify over ``rows`` whose successor may be queued: the whole chain's (the queued
         verify runs in the same bucket, whatever its chains' lengths); 0 when nothing would be queued."""
-        return self.k + 1 if self.pipeline and all(r.params.greedy for r in rows) else 0
+        return self.k + 1 if self.pipeline and all(r.params.plain_greedy for r in rows) else 0
 
     def consume(self, rows: list[Request], host: list[list[int]]) -> None:
         """A step's read, before its commit: each row's length once committed (its tokens + m accepted + the
@@ -158,7 +158,7 @@ class DecodePipeline(VerifyPipeline):
     def launch(self, rows: list[Request], key, fwd):
         """After the graphed decode ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the next and return
         ``wait() -> (R, 4)``, this step's outcome read; None for sampled rows and eager steps."""
-        if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
+        if key is None or fwd.accept is None or not all(r.params.plain_greedy for r in rows):
             return None
         out = self._follow(rows, key, fwd.accept)
         wait = self.reader.start([out])

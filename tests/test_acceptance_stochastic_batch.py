@@ -70,7 +70,8 @@ def test_padded_rows_accept_nothing_and_change_nothing():
                        widen(padded.dist_index, -1), widen(padded.num_tokens, 0), widen(padded.child_mode),
                        padded.dists, padded.max_trials, padded.modes)
     both = accept_stochastic_padded(widen(lg), wide, sampling._replace(
-        temperature=widen(sampling.temperature), top_k=widen(sampling.top_k), top_p=widen(sampling.top_p)), widen(u))
+        temperature=widen(sampling.temperature), top_k=widen(sampling.top_k), top_p=widen(sampling.top_p),
+        min_p=widen(sampling.min_p)), widen(u))
     keep = order < n
     assert torch.equal(both[keep], alone)
     assert both[~keep][:, 0].tolist() == [0] * len(at)

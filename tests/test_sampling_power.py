@@ -101,23 +101,39 @@ def chisquare_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(scipy_stats.chisquare(counts.numpy(), expected.numpy()).pvalue)
 
 
-def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None, prompt=PROMPT, setup=None):
+def sample(pair, tree, temperature, top_k, top_p, n, seed0, cuda_graphs=None, prompt=PROMPT, setup=None,
+           params=None):
     """Joint counts (V, V) of the first two tokens of n seeded requests, and the engine's statistics. ``pair``:
-    (target folder, target, draft: a model, "ngram" or None); ``setup(engine)`` runs before generating."""
+    (target folder, target, draft: a model, "ngram" or None); ``setup(engine)`` runs before generating;
+    ``params``: more SamplingParams fields (min_p, repetition_penalty)."""
     _, target, draft = pair
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, num_blocks=16384, block_size=2, max_batch_size=512,
                                                max_num_tokens=8192, policy="max_utilization",
                                                cuda_graphs=cuda_graphs))
     if setup is not None:
         setup(eng)
-    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
-                             ignore_eos=True) for s in range(n)]
-    outs = eng.generate([prompt] * n, params)
+    more = params or {}
+    plist = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed0 + s, max_new_tokens=3,
+                            ignore_eos=True, **more) for s in range(n)]
+    outs = eng.generate([prompt] * n, plist)
     assert eng.all_blocks_free() and not any(o.error for o in outs)
     pairs = torch.tensor([o.token_ids[:2] for o in outs])  # (n, 2)
     joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
     joint.index_add_(0, pairs[:, 0] * VOCAB + pairs[:, 1], torch.ones(n, dtype=torch.float64))
     return joint.view(VOCAB, VOCAB), eng.stats
+
+
+def check_with_control(label: str, joint: torch.Tensor, stats, p1: torch.Tensor, exact: torch.Tensor,
+                       wrong: torch.Tensor) -> None:
+    """The first token and the first two (``joint`` counts) pass the chi-square test against the exact ``p1`` and
+    ``exact``, fail it against the ``wrong`` joint distribution (the negative control), and speculation took
+    part (``stats``: some draft token was accepted)."""
+    p_first, p_joint, p_wrong = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact), chisquare_p(joint, wrong)
+    print(f"\n{label}: samples={int(joint.sum())} p(first)={p_first:.3g} p(joint)={p_joint:.3g} "
+          f"p(control)={p_wrong:.3g} accepted={stats.accepted}")
+    assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint)
+    assert p_wrong < P_MIN, p_wrong
+    assert stats.accepted > 0
 
 
 @pytest.fixture(scope="module")

@@ -124,12 +124,51 @@ def test_seeded_sampling_is_reproducible(client):
     assert a == b and a != c
 
 
+def test_n_returns_n_choices(client, server):
+    """n = 3 seeded samples: three choices (indexes 0..2), distinct at T = 1, the same again for the same seed,
+    usage counting every choice's tokens; chat too; every block free afterwards."""
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=1.0, n=3, seed=4,
+              extra_body={"repetition_penalty": 1.2, "min_p": 0.05, "ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and len({c.text for c in r.choices}) == 3
+    assert [c.text for c in client.completions.create(**kw).choices] == [c.text for c in r.choices]
+    assert r.usage.completion_tokens == 3 * 12 and {c.finish_reason for c in r.choices} == {"length"}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
+        chat.choices[1].message.content  # greedy: identical copies
+    assert _idle_and_free(server[1])
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_n_streams_n_choices(client, server, chat):
+    """Streamed, each choice's chunks carry its index; joined, they are the non-streamed choices of the same seed;
+    the usage chunk counts every choice."""
+    kw = dict(model=MODEL, max_tokens=10, temperature=1.0, n=2, seed=9, extra_body={"ignore_eos": True})
+    if chat:
+        create, kw["messages"] = client.chat.completions.create, [{"role": "user", "content": "hi"}]
+    else:
+        create, kw["prompt"] = client.completions.create, PROMPTS[0]
+    chunks = list(create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts, reasons = ["", ""], [None, None]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += (choice.delta.content or "") if chat else choice.text
+            reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    whole = create(**kw).choices
+    assert texts == [c.message.content if chat else c.text for c in whole] and reasons == ["length"] * 2
+    assert chunks[-1].usage.completion_tokens == 2 * 10
+    assert _idle_and_free(server[1])
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=100_000), "max_tokens"),
-    (dict(n=2), "n"),
+    (dict(n=0), "n"),
+    (dict(extra_body={"min_p": 1.5}), "min_p"),
+    (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(logprobs=2), "logprobs"),
     (dict(prompt=""), "prompt"),
     (dict(stop=[""]), "stop"),
@@ -150,7 +189,7 @@ def test_bad_completion_request_is_400_naming_the_field(client, kwargs, field):
 @pytest.mark.parametrize("messages, kwargs, field", [
     ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "messages[0]"),
     ([], {}, "messages"),
-    ([{"role": "user", "content": "hi"}], dict(n=3), "n"),
+    ([{"role": "user", "content": "hi"}], dict(n=0), "n"),
     ([{"role": "user", "content": "hi"}], dict(presence_penalty=0.5), "presence_penalty"),
 ])
 def test_bad_chat_request_is_400_naming_the_field(client, messages, kwargs, field):
@@ -178,6 +217,20 @@ def test_disconnect_mid_stream_frees_every_block(server):
     metrics = httpx.get(f"{url}/metrics").text
     assert 'specdec_requests_finished_total{finish_reason="abort"} 2.0' in metrics
     assert "specdec_running_requests 0.0" in metrics and "specdec_kv_blocks_used 0.0" in metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_frees_every_sample(server, stream):
+    """A client that goes away while n = 3 samples run cancels all three."""
+    url, executor = server
+    body = {"prompt": PROMPTS[2], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "n": 3}
+    if stream:
+        with httpx.Client(timeout=30) as http:
+            assert stream_completion(http, url, body, disconnect_after=3).disconnected
+    else:
+        with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(f"{url}/v1/completions", json=body)
+    assert _idle_and_free(executor)
 
 
 def test_models_health_and_metrics(client, server):

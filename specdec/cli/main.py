@@ -25,7 +25,8 @@ def cmd_generate(args) -> int:
     name = args.draft or default_draft(args.model, device)
     tree = args.tree or default_tree(name, device)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                   seed=args.seed, max_new_tokens=args.max_new_tokens)
+                   seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
+                   repetition_penalty=args.repetition_penalty, n=args.n)
     config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
                    gpu_memory_utilization=args.gpu_memory_utilization)
     check_model("--model", args.model)
@@ -37,6 +38,8 @@ def cmd_generate(args) -> int:
     draft = name if name in ("ngram", "none") else load("--draft", name, dtype, device, target=target)
     engine = SpecEngine(None if draft == "none" else draft, target, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if params.n > 1:
+        return _print_samples(engine.generate([prompt], params)[0], engine, args.stats)
     final = None
     for out in engine.stream(prompt, params):
         if out.error is not None:
@@ -47,12 +50,29 @@ def cmd_generate(args) -> int:
         final = out
     sys.stdout.write("\n")
     if final is not None and args.stats:
-        s = final.stats
-        print(f"[{len(final.token_ids)} tokens, finish={final.finish_reason}, target forwards={s.target_forwards}, "
-              f"mean accepted length={s.mean_accepted_length:.2f}, acceptance rate={s.acceptance_rate:.2f}]",
-              file=sys.stderr)
-        print(f"[{engine.plan.describe()}]", file=sys.stderr)
+        _print_stats(final, engine)
     return 0
+
+
+def _print_samples(out, engine, stats: bool) -> int:
+    """``--n`` > 1: each sample's text after a ``[sample i]`` line, once all are done."""
+    if out.error is not None:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 2
+    for c in out.outputs:
+        print(f"[sample {c.index}]\n{c.text}")
+    if stats:
+        _print_stats(out, engine)
+    return 0
+
+
+def _print_stats(final, engine) -> None:
+    s = final.stats
+    tokens = sum(len(c.token_ids) for c in final.outputs)
+    print(f"[{tokens} tokens, finish={final.finish_reason}, target forwards={s.target_forwards}, "
+          f"mean accepted length={s.mean_accepted_length:.2f}, acceptance rate={s.acceptance_rate:.2f}]",
+          file=sys.stderr)
+    print(f"[{engine.plan.describe()}]", file=sys.stderr)
 
 
 def sampled_speed_note(device: str, temperature: float, draft: str) -> str | None:
@@ -85,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0 = off)")
     g.add_argument("--seed", type=int, default=None, help="seed of a sampled request (default: none, not reproducible)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this share of the likeliest token's probability (0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="penalty of the tokens already in the prompt or output (1 = off)")
+    g.add_argument("--n", type=int, default=1, help="independent samples of the prompt, printed one after another")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
     g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
     _add_model_args(g)

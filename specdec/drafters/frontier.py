@@ -21,7 +21,7 @@ from torch import Tensor
 
 from specdec.acceptance import shape_probs
 
-Shape = tuple[float, int, float] | None  # (temperature, top_k, top_p) of shape_probs; None: plain softmax
+Shape = tuple[float, int, float, float] | None  # (temperature, top_k, top_p, min_p) of shape_probs; None: softmax
 
 
 def shaped_probs(logits: Tensor, groups: list[tuple[Shape, int]]) -> Tensor:

@@ -132,7 +132,7 @@ class ModelDrafter(Drafter):
                 greedy += [(gi, parent, -1) for parent, _ in nodes]
                 greedy_logits += [lg for _, lg in nodes]
                 continue
-            q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p)  # (n, V)
+            q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p, p.min_p)  # (n, V)
             finite = torch.isfinite(q).all(-1, keepdim=True)  # (n, 1): a NaN q is not sampled, its row fails
             sampled += [(gi, parent, len(g.dist_rows) + j) for j, (parent, _) in enumerate(nodes)]
             g.dist_rows.extend(q.unbind(0))
@@ -201,7 +201,7 @@ class ModelDrafter(Drafter):
 
 def _shape(g: _Growth) -> Shape:
     p = g.req.params
-    return None if p.greedy else (p.temperature, p.top_k, p.top_p)
+    return None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
 
 
 def _shape_key(g: _Growth) -> tuple:

@@ -60,7 +60,7 @@ class DeviceNgram(VerifyPipeline):
         pipelined, the next step) and return ``wait() -> (R, Q + 4 + k)``, the follow-up's host read (the outcome
         rows first), to read instead of ``fwd.accept``; None when it does not apply (sampled rows, too few rows not
         yet on the device, a row longer than the history buffer, or an eager step)."""
-        if key is None or fwd.accept is None or not all(r.params.greedy for r in rows):
+        if key is None or fwd.accept is None or not all(r.params.plain_greedy for r in rows):
             return None
         _, b, q = key
         if max(len(r.tokens) for r in rows) + q > self.hist.shape[1]:  # the history rows hold no more (host path)

@@ -1,7 +1,9 @@
 """OpenAI request bodies -> (prompt, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
-engine does not have (n > 1, logprobs, penalties, tools) is a ``BadRequest`` naming the field.
+engine does not have (logprobs, frequency/presence penalties, tools) is a ``BadRequest`` naming the
+field. The sampling fields (n, repetition_penalty and min_p included) are checked
+by ``SamplingParams`` itself.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class BadRequest(ValueError):
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
-           "user", "ignore_eos"}
+           "user", "ignore_eos", "repetition_penalty", "min_p"}
 # accepted only at the value that means "off": these features do not exist here
 _OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logprobs": (None, False),
                "logit_bias": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
@@ -33,7 +35,8 @@ _OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0,
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos")  # -> SamplingParams
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
+                    "min_p")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
 
@@ -53,8 +56,7 @@ def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> Par
     _check_fields(body, COMPLETION_FIELDS, model)
     if "prompt" not in body:
         raise BadRequest("prompt", "field 'prompt' is required")
-    return ParsedRequest(_completion_prompt(body["prompt"]), _params(body, default_max_tokens),
-                         *_stream_flags(body))
+    return _parsed(_completion_prompt(body["prompt"]), _params(body, default_max_tokens), body)
 
 
 def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
@@ -67,8 +69,12 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with string 'role' and 'content'")
     field = _max_tokens_field(body)
-    return ParsedRequest([{"role": m["role"], "content": m["content"]} for m in msgs],
-                         _params(body, default_max_tokens, field), *_stream_flags(body), field)
+    return _parsed([{"role": m["role"], "content": m["content"]} for m in msgs],
+                   _params(body, default_max_tokens, field), body, field)
+
+
+def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:
+    return ParsedRequest(prompt, params, *_stream_flags(body), field)
 
 
 def _max_tokens_field(body: dict) -> str:
@@ -96,9 +102,6 @@ def _check_fields(body: Any, allowed: set[str], model: str) -> None:
     if body.get("model") not in (None, model):
         raise BadRequest("model", f"model {body.get('model')!r} is not served here; this server serves {model!r}",
                          status=404)
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise BadRequest("n", f"field 'n' must be 1 (one choice per request; send several requests), got {n!r}")
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise BadRequest("user", f"field 'user' must be a string of at most {MAX_USER_CHARS} characters, got "
@@ -186,32 +189,34 @@ def error_body(message: str, field: str | None, status: int) -> dict:
 
 
 def usage(out: RequestOutput) -> dict:
-    """OpenAI usage plus ``mean_accepted_length`` (tokens committed per target forward)."""
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+    """OpenAI usage plus ``mean_accepted_length`` (tokens committed per target forward); the completion tokens of
+    every choice."""
+    n_prompt, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
             "mean_accepted_length": out.stats.mean_accepted_length,
             "acceptance_rate": out.stats.acceptance_rate}
 
 
 def completion_body(rid: str, model: str, out: RequestOutput, chat: bool) -> dict:
-    """The non-streaming response for a finished request."""
+    """The non-streaming response for a finished request: one choice per sample (``RequestOutput.outputs``)."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "finish_reason": out.finish_reason}
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason} for c in out.outputs]
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                   for c in out.outputs]
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(out)}
+            "model": model, "choices": choices, "usage": usage(out)}
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None, chat: bool,
-               role: bool = False) -> dict:
-    """One server-sent event of a streaming response."""
+               role: bool = False, index: int = 0) -> dict:
+    """One server-sent event of a streaming response, for choice ``index``."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.outputs import RequestOutput
+from specdec.sampling_params import sample_requests
 from specdec.serving import protocol
 from specdec.serving.executor import Executor
 from specdec.serving.metrics import ServingMetrics
@@ -81,52 +82,63 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
             ids = await asyncio.to_thread(executor.prepare, parsed.prompt, parsed.params)
         except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
             return _error(_refusal(err, chat, parsed.max_tokens_field))
-        rid = executor.enqueue(ids, parsed.params)
-        outputs = executor.astream(rid)
+        # n samples: n requests of the same prompt (the engine shares its KV), one choice each
+        rids = [executor.enqueue(ids, p) for _, p in sample_requests("", parsed.params)]
+        rid, samples = rids[0], [executor.astream(r) for r in rids]
         try:
-            ack = await _until(request, outputs.__anext__())  # admission, or the engine's refusal
+            acks = await _until(request, asyncio.gather(*[s.__anext__() for s in samples]))  # admission or refusal
         except _ClientGone:
-            await outputs.aclose()
+            await _close_all(samples)
             return Response(status_code=499)
-        if ack.finish_reason == "error":
-            await outputs.aclose()
-            return _error(_refusal(ack.error, chat, parsed.max_tokens_field))
+        refused = next((a for a in acks if a.finish_reason == "error"), None)
+        if refused is not None:
+            await _close_all(samples)
+            return _error(_refusal(refused.error, chat, parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
         if parsed.stream:
-            return StreamingResponse(_events(rid, outputs, chat, parsed.include_usage, timing),
+            return StreamingResponse(_events(rid, samples, chat, parsed.include_usage, timing),
                                      media_type="text/event-stream")
         try:
-            final = await _until(request, _final(outputs, timing))
+            finals = await _until(request, asyncio.gather(*[_final(s, timing, a) for s, a in zip(samples, acks)]))
         except _ClientGone:
             timing.abandoned()
-            await outputs.aclose()
+            await _close_all(samples)
             return Response(status_code=499)
+        final = finals[0] if len(finals) == 1 else RequestOutput.of_samples(rid, finals)
         timing.report(final)
         if final.finish_reason == "error":
             return _error(protocol.BadRequest(None, str(final.error), 500))
         return JSONResponse(protocol.completion_body(rid, model_name, final, chat))
 
-    async def _events(rid: str, outputs: AsyncIterator[RequestOutput], chat: bool, include_usage: bool,
+    async def _events(rid: str, samples: list, chat: bool, include_usage: bool,
                       timing: _Timing) -> AsyncIterator[str]:
+        """The event stream of the samples' outputs (choice i: sample i), in the order they come."""
+        finals: dict[int, RequestOutput] = {}
+        merged = _merged(samples)
         try:
             if chat:
-                yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True))
-            async for out in outputs:
+                for i in range(len(samples)):
+                    yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True, index=i))
+            async for i, out in merged:
                 timing.saw(out)
                 if out.finish_reason == "error":
                     timing.report(out)
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
                 if out.new_text or out.finished:
-                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat))
+                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=i))
                 if out.finished:
-                    timing.report(out)
+                    finals[i] = out
+                if len(finals) == len(samples):
+                    final = finals[0] if len(finals) == 1 else RequestOutput.of_samples(rid, [finals[j] for j in
+                                                                                               range(len(finals))])
+                    timing.report(final)
                     if include_usage:
-                        yield _sse(protocol.usage_chunk(rid, model_name, out, chat))
+                        yield _sse(protocol.usage_chunk(rid, model_name, final, chat))
             yield "data: [DONE]\n\n"
         finally:  # also on disconnect: closing the stream cancels an unfinished request
             timing.abandoned()
-            await outputs.aclose()
+            await merged.aclose()
 
     return app
 
@@ -153,7 +165,42 @@ class _Timing:
             self.metrics.observe_request("abort", self.arrival, self.first, time.perf_counter(), 0)
 
 
-async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing) -> RequestOutput:
+async def _close_all(outputs: list) -> None:
+    for out in outputs:
+        await out.aclose()
+
+
+async def _merged(samples: list) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(i, output) of every output of the samples' streams (``samples[i]``), as each arrives; closing it closes
+    them all (which cancels the unfinished requests)."""
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        async for out in samples[i]:
+            await arrived.put((i, out))
+        await arrived.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(samples))]
+    try:
+        running = len(samples)
+        while running:
+            i, out = await arrived.get()
+            if out is None:
+                running -= 1
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close_all(samples)
+
+
+async def _final(outputs: AsyncIterator[RequestOutput], timing: _Timing, first: RequestOutput) -> RequestOutput:
+    """The final output of a request whose first output was ``first``."""
+    timing.saw(first)
+    if first.finished:
+        return first
     async for out in outputs:
         timing.saw(out)
         if out.finished:

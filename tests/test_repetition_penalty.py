@@ -1,0 +1,126 @@
+"""Repetition penalty (``SamplingParams.repetition_penalty``): greedy output with speculation equals target-only
+decoding with the same penalty and a plain reference loop over the full model's logits; each verify token's
+penalty set is its own context's; sampled output keeps the penalized target distribution (chi-square, with a
+negative control against the unpenalized one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sampling_power import VOCAB, check_with_control, pair, sample  # noqa: F401 (pair: the fixture)
+from test_spec_sampling import tiny_eagle  # noqa: F401 (the fixture)
+
+from specdec.acceptance import repetition_penalty, shape_probs
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.repetition_penalty import ContextPenalty
+from specdec.sampling_params import SamplingParams
+from specdec.tree import DraftTree
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PENALTY = 1.3
+NEW_TOKENS = 12
+PROMPTS = [[5, 9, 5, 9, 5, 9, 5], [17, 30, 41, 17, 30, 41, 17, 30], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 3, 4]]
+
+
+def _reference(model, prompt: list[int], penalty: float, n: int) -> list[int]:
+    """Greedy decoding, one full forward per token: argmax of the last position's logits after dividing the
+    positive logits (multiplying the negative ones) of every token seen so far by ``penalty``."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()  # (V,)
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[torch.tensor(tokens)] = True
+            logits = torch.where(seen & (logits > 0), logits / penalty, torch.where(seen, logits * penalty, logits))
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dirs["llama"]), dtype=torch.float32).eval()
+    return [_reference(hf, p, PENALTY, NEW_TOKENS) for p in PROMPTS]
+
+
+PADDED = dict(cuda_graphs=True)  # on the CPU: the padded steps (and the captured code) run eagerly
+PIPELINED = dict(cuda_graphs=True, pipeline=True)
+CONFIGS = [("none", {}), ("none", PADDED), ("none", PIPELINED), ("ngram", {}), ("ngram", PADDED),
+           ("ngram", dict(PIPELINED, ngram_device=True)), ("model", {}), ("model", PADDED), ("eagle", {}),
+           ("eagle", PADDED), ("eagle", PIPELINED)]
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=[f"{n}-{'-'.join(o) or 'packed'}" for n, o in CONFIGS])
+def test_greedy_with_penalty_equals_the_reference(tiny_target, tiny_draft, tiny_eagle, reference, name,  # noqa: F811
+                                                  options):
+    """Greedy, penalized rows batched with a plain greedy row and a sampled one: the penalized outputs equal the
+    reference loop (so target-only does too), and the plain row is unchanged by its neighbours."""
+    draft = {"none": None, "ngram": "ngram", "model": tiny_draft, "eagle": tiny_eagle}[name]
+    tree = "chain:3" if name in ("none", "ngram") else "topk:2x2"
+    eng = SpecEngine(draft, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
+                                                    **options))
+    penal = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, repetition_penalty=PENALTY)
+    plain = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    hot = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.8, seed=3)
+    outs = eng.generate([*PROMPTS, PROMPTS[0], PROMPTS[1]], [penal] * len(PROMPTS) + [plain, hot])
+    assert [o.token_ids for o in outs[:len(PROMPTS)]] == reference
+    alone = SpecEngine(None, tiny_target, SpecConfig(num_blocks=256, block_size=4)).generate([PROMPTS[0]], plain)
+    assert outs[len(PROMPTS)].token_ids == alone[0].token_ids != reference[0]  # the penalty changed something
+    assert eng.all_blocks_free()
+
+
+def test_each_verify_token_has_its_own_context():
+    """``ContextPenalty.at_tokens``: the row's context plus exactly the tokens on each verify token's path."""
+    tree = DraftTree.of_parents([7, 8, 9, 7], [-1, 0, -1, 2])  # root -> 7 -> 8, root -> 9 -> 7
+    masks, _ = tree.verify_rows()
+    present = torch.zeros(1, 12, dtype=torch.bool)
+    present[0, [1, 2]] = True
+    at = ContextPenalty(present, torch.ones(1)).at_tokens(torch.tensor([[0, 7, 8, 9, 7]]), torch.tensor([masks]))
+    want = [{1, 2}, {1, 2, 7}, {1, 2, 7, 8}, {1, 2, 9}, {1, 2, 9, 7}]
+    assert [set(row.nonzero().flatten().tolist()) for row in at[0]] == want
+
+
+def test_penalty_divides_positive_and_multiplies_negative_logits():
+    x = torch.tensor([2.0, -2.0, 3.0, -1.0])
+    got = repetition_penalty(x, torch.tensor([True, True, False, False]), 2.0)
+    assert got.tolist() == [1.0, -4.0, 3.0, -1.0]
+
+
+def _exact(logits, prompt, temperature, penalty):
+    """(p1 (V,), joint (V, V)) of the first two tokens after ``prompt`` with the penalty (1: none)."""
+    first, second = logits
+    seen = torch.zeros(VOCAB, dtype=torch.bool)
+    seen[torch.tensor(prompt)] = True
+    p1 = shape_probs(repetition_penalty(first, seen, penalty), temperature).double()  # (V,)
+    seen2 = seen.expand(VOCAB, VOCAB).clone()
+    seen2[torch.arange(VOCAB), torch.arange(VOCAB)] = True  # row x1: the context has x1 too
+    p2 = shape_probs(repetition_penalty(second, seen2, penalty), temperature).double()  # (V, V)
+    return p1, p1[:, None] * p2
+
+
+CHI_SAMPLES = 3000
+CHI_PENALTY = 1.8
+PENALTY_PROMPT = [1, 5, 1, 5, 1, 5, 1]  # few distinct tokens: the penalty moves the distribution a lot
+
+
+@pytest.fixture(scope="module")
+def penalty_logits(pair):  # noqa: F811
+    from test_sampling_power import _prompt_logits
+
+    return _prompt_logits(pair, PENALTY_PROMPT)
+
+
+@pytest.mark.parametrize("proposer,tree,graphs", [("model", "chain:2", None), ("model", "chain:2", True),
+                                                  ("ngram", "chain:3", True)])
+def test_penalized_sampling_follows_the_penalized_target(pair, penalty_logits, proposer, tree, graphs):  # noqa: F811
+    """CHI_SAMPLES seeded T=1 requests with a draft model (its sampled children through the host rule, or padded:
+    the device trial loop) or n-gram chains (padded steps, the sampled rule): the first two tokens follow the
+    penalized target distribution and fail the test against the unpenalized one."""
+    setup = pair if proposer == "model" else (pair[0], pair[1], "ngram")
+    joint, stats = sample(setup, tree, 1.0, 0, 1.0, CHI_SAMPLES, 7_000, cuda_graphs=graphs, prompt=PENALTY_PROMPT,
+                          params=dict(repetition_penalty=CHI_PENALTY))
+    p1, exact = _exact(penalty_logits, PENALTY_PROMPT, 1.0, CHI_PENALTY)
+    _, unpenalized = _exact(penalty_logits, PENALTY_PROMPT, 1.0, 1.0)
+    check_with_control(f"penalty {proposer} graphs={graphs}", joint, stats, p1, exact, unpenalized)
