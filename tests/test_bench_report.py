@@ -223,3 +223,23 @@ def test_environment_commit_outside_a_checkout(monkeypatch):
     assert environment_info()["git_commit"] == "f13ad5e-dirty"
     monkeypatch.delenv("SPECDEC_GIT_COMMIT")
     assert environment_info()["git_commit"] is None
+
+
+def test_plot_title_names_the_setup_and_depth_lines_do_not_overlap(records):
+    """The figure's title says target, draft, tree, device, dtype and date; several acceptance curves (equal ones
+    too) are drawn at different depth offsets with different markers, so none hides another."""
+    pytest.importorskip("matplotlib")
+    from specdec.benchmark.plot import _depth_axis, _figure, setup_line
+
+    report = build_report(records, env={"device": "TestGPU", "date": "2026-12-02"},
+                          config={"model": "smollm2-135m", "draft": "ngram", "tree": "chain:8", "dtype": "bfloat16"})
+    line = setup_line(report)
+    for part in ("smollm2-135m", "ngram", "chain:8", "TestGPU", "bfloat16", "2026-12-02"):
+        assert part in line, (part, line)
+    ax = _figure(6).subplots()
+    _depth_axis(ax, [("batch 1", [0.8, 0.5]), ("batch 4", [0.8, 0.5])])
+    first, second = ax.lines
+    assert list(first.get_ydata()) == list(second.get_ydata())
+    assert all(a != b for a, b in zip(first.get_xdata(), second.get_xdata()))
+    assert first.get_marker() != second.get_marker()
+    assert "date" in environment_info()

@@ -27,14 +27,30 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+MARKERS, LINESTYLES = ("o", "s", "^", "v", "D", "P"), ("-", "--", ":", "-.")
+
+
+def setup_line(report: dict) -> str:
+    """What a figure shows, for its title: target, draft, tree, device, dtype and date of the report's run."""
+    cfg, env = report.get("config") or {}, report.get("env") or {}
+    parts = [f"target {cfg.get('model') or cfg.get('target') or '?'}", f"draft {cfg.get('draft') or '?'}",
+             f"tree {cfg.get('tree') or '?'}", f"{env.get('device') or cfg.get('device') or '?'}",
+             f"{cfg.get('dtype') or '?'}", env.get("date") or "?"]
+    return " | ".join(str(p) for p in parts)
+
+
 def _depth_axis(ax, curves: list[tuple[str, list[float | None]]]) -> None:
-    """Acceptance by draft depth: bars for one curve, lines for several (one per batch size)."""
+    """Acceptance by draft depth: bars for one curve, lines for several (one per batch size), each with its own
+    marker and dash and shifted a little along the depth axis, so equal curves do not hide each other."""
     if len(curves) == 1:
         accs = curves[0][1]
         ax.bar(range(len(accs)), [a or 0.0 for a in accs], color="tab:blue")
     else:
-        for label, accs in curves:
-            ax.plot(range(len(accs)), [a if a is not None else float("nan") for a in accs], marker="o", label=label)
+        shift = 0.3 / len(curves)
+        for i, (label, accs) in enumerate(curves):
+            xs = [d + (i - (len(curves) - 1) / 2) * shift for d in range(len(accs))]
+            ax.plot(xs, [a if a is not None else float("nan") for a in accs], marker=MARKERS[i % len(MARKERS)],
+                    linestyle=LINESTYLES[i % len(LINESTYLES)], markersize=5, label=label)
         ax.legend(fontsize=8)
     depth = max(len(a) for _, a in curves)
     ax.set_xticks(range(depth), [str(d) for d in range(depth)])
@@ -54,8 +70,9 @@ def plot_report(report: dict, path: str | Path) -> Path:
     """
     sweep = report.get("sweep") or []
     if len(sweep) > 1:
-        return plot_sweep(sweep, path)
+        return plot_sweep(sweep, path, setup_line(report))
     fig = _figure(11)
+    fig.suptitle(setup_line(report), fontsize=9)
     ax_d, ax_s = fig.subplots(1, 2)
     _depth_axis(ax_d, [("overall", report["per_depth_acceptance"])])
     names = [*report["per_category"], "overall"]
@@ -76,9 +93,12 @@ def plot_report(report: dict, path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_sweep(sweep: list[dict], path: str | Path) -> Path:
-    """Tokens/s against batch size (left) and acceptance by depth per batch size (right); returns the path."""
+def plot_sweep(sweep: list[dict], path: str | Path, setup: str = "") -> Path:
+    """Tokens/s against batch size (left) and acceptance by depth per batch size (right), titled ``setup``
+    (``setup_line``); returns the path."""
     fig = _figure(12)
+    if setup:
+        fig.suptitle(setup, fontsize=9)
     ax_t, ax_d = fig.subplots(1, 2)
     sizes = [e["batch_size"] for e in sweep]
     for label, key, color, marker in SWEEP_SERIES:

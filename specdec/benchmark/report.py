@@ -40,6 +40,7 @@ Ratios whose denominator is zero and HF rates that were not measured are ``None`
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import platform
@@ -348,7 +349,7 @@ def environment_info() -> dict:
     ``torch``/``triton``/``transformers`` (installed versions or None), ``git_commit`` (HEAD of the
     checkout holding this package; outside a checkout, e.g. an installed wheel, the ``SPECDEC_GIT_COMMIT``
     environment variable, else None), ``git_dirty`` (bool or None),
-    ``python``, ``platform``.
+    ``python``, ``platform``, ``date`` (UTC, ISO).
     """
     device, cuda = None, None
     try:
@@ -372,4 +373,5 @@ def environment_info() -> dict:
         "git_dirty": None if status is None else bool(status),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
     }
