@@ -49,9 +49,12 @@ def test_seeded_samples_repeat_alone_and_in_a_batch(tiny_target):
     assert sample_seed(11, 0) == 11 and len({sample_seed(11, i) for i in range(3)}) == 3
 
 
-def test_greedy_n_gives_identical_copies(tiny_target):
-    out = _engine(tiny_target).generate([PROMPT], SamplingParams(n=3, max_tokens=6, ignore_eos=True))[0]
-    assert len(out.outputs) == 3 and len({tuple(s) for s in _samples(out)}) == 1
+def test_greedy_n_gives_identical_copies(tiny_target, tiny_draft):
+    """Greedy with n = 3 under speculation (n-gram, a draft model): three copies of target-only greedy output."""
+    want = _engine(tiny_target, None).generate([PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    for draft in ("ngram", tiny_draft):
+        out = _engine(tiny_target, draft).generate([PROMPT], SamplingParams(n=3, max_tokens=12, ignore_eos=True))[0]
+        assert _samples(out) == [want] * 3
 
 
 def test_samples_share_the_prompt_blocks(tiny_target):

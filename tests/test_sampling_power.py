@@ -313,3 +313,24 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
         assert p_joint < P_MIN
     else:
         assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
+
+
+@pytest.mark.parametrize("graphs", [None, True])
+def test_n_samples_of_one_request_follow_the_target(pair, target_logits, graphs):
+    """``SamplingParams(n=N)``: the N samples of one seeded request (run as N requests sharing the prompt) are N
+    independent draws of the target's distribution with the draft model speculating (packed host steps, and the
+    padded steps run eagerly): the first two tokens pass the chi-square test (N = SAMPLES // 2); the negative
+    control (the same counts against the target's distribution at T = 1.3 instead of 0.9) fails it."""
+    _, target, draft = pair
+    n = SAMPLES // 2
+    eng = SpecEngine(draft, target, SpecConfig(tree="chain:2", num_blocks=16384, block_size=2, max_batch_size=512,
+                                               max_num_tokens=8192, policy="max_utilization", cuda_graphs=graphs))
+    params = SamplingParams(temperature=0.9, top_k=6, seed=7, n=n, max_new_tokens=3, ignore_eos=True)
+    out = eng.generate([PROMPT], params)[0]
+    assert len(out.outputs) == n and eng.all_blocks_free()
+    pairs = torch.tensor([c.token_ids[:2] for c in out.outputs])  # (n, 2)
+    joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
+    joint.index_add_(0, pairs[:, 0] * VOCAB + pairs[:, 1], torch.ones(n, dtype=torch.float64))
+    p1, exact = exact_dists(target_logits, 0.9, 6, 1.0)
+    wrong = exact_dists(target_logits, 1.3, 6, 1.0)[1]
+    check_with_control(f"n={n} graphs={graphs}", joint.view(VOCAB, VOCAB), eng.stats, p1, exact, wrong)
