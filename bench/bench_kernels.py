@@ -7,13 +7,13 @@ small shapes so the torch references finish quickly.
 
 import pytest
 import torch
-from specdec.kernels.block_table import stage_block_tables, stage_block_tables_reference
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
 from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
-from specdec.kernels.random_inputs import parents_topk, random_paged_batch
 from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
 from specdec.kernels.topk import topk_small
+
+from tests.kernel_inputs import parents_topk, random_paged_batch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="Triton kernels are benchmarked on CUDA only")
@@ -101,18 +101,6 @@ def test_adopt_kv(benchmark, impl):
     src = (base + torch.arange(8, device=device) * 2).flatten()
     fn = adopt_kv if impl == "triton" else adopt_kv_reference
     _run(benchmark, lambda: fn(storage, offsets, widths, page, src, dst, max_token_elems=width), sync)
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_stage_block_tables(benchmark, impl):
-    device, _, big, sync = _setup(impl)
-    r, b, cols = (1024, 64, 512) if big else (64, 8, 32)
-    host = torch.randint(0, 10_000, (r, cols), dtype=torch.int32)
-    host = host.pin_memory() if big else host
-    rows = torch.randperm(r)[:b].to(device)
-    out = torch.empty(b, cols, dtype=torch.int32, device=device)
-    fn = stage_block_tables if impl == "triton" else stage_block_tables_reference
-    _run(benchmark, lambda: fn(host, rows, out), sync)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -2,13 +2,9 @@
 
 import pytest
 import torch
-from specdec.kernels.block_table import (
-    stage_block_tables,
-    stage_block_tables_reference,
-)
+from kernel_inputs import make_pool
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
-from specdec.kernels.random_inputs import make_pool
 
 
 def _store_case(t, hkv, d, page, device, dtype, seed):
@@ -98,25 +94,7 @@ def test_adopt_kv_overlapping_chain_and_padding():
 
 
 @pytest.mark.triton_interpreter
-@pytest.mark.parametrize("r,b,max_blocks", [(1, 1, 1), (10, 4, 7), (33, 33, 40)])
-def test_stage_block_tables(r, b, max_blocks):
-    gen = torch.Generator().manual_seed(r)
-    host = torch.randint(0, 1000, (r, max_blocks), generator=gen, dtype=torch.int32)
-    rows = torch.randperm(r, generator=gen)[:b]
-    out = torch.full((b + 2, max_blocks), -7, dtype=torch.int32)
-    expect = out.clone()
-    ref = stage_block_tables_reference(host, rows, expect)
-    got = stage_block_tables(host, rows, out)
-    assert torch.equal(got, ref) and torch.equal(out, expect)  # rows past B untouched
-
-
-@pytest.mark.triton_interpreter
 def test_bad_arguments_name_the_field():
-    host = torch.zeros(4, 3, dtype=torch.int32)
-    with pytest.raises(ValueError, match="host_table"):
-        stage_block_tables(host.long(), torch.arange(2), torch.zeros(2, 3, dtype=torch.int32))
-    with pytest.raises(ValueError, match="out has 1 rows"):
-        stage_block_tables(host, torch.arange(2), torch.zeros(1, 3, dtype=torch.int32))
     storage = torch.zeros(2, 64)
     with pytest.raises(ValueError, match="dst_slots"):
         adopt_kv(storage, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), 4,
@@ -127,7 +105,7 @@ def test_bad_arguments_name_the_field():
 
 
 @pytest.mark.gpu
-def test_gpu_store_adopt_stage():
+def test_gpu_store_adopt():
     pool, k, v, slots = _store_case(300, 8, 128, 16, "cuda", torch.bfloat16, seed=1)
     expect = pool.storage.clone()
     exp_k = expect.as_strided(pool.k_cache.shape, pool.k_cache.stride(), pool.k_cache.storage_offset())
@@ -146,9 +124,3 @@ def test_gpu_store_adopt_stage():
     adopt_kv(storage, seg_offsets.cuda(), seg_elems.cuda(), 16, src.cuda(), dst.cuda())
     assert torch.equal(storage, ref)
 
-    host = torch.randint(0, 10_000, (512, 256), dtype=torch.int32).pin_memory()
-    rows = torch.randperm(512)[:64].cuda()
-    out = torch.full((64, 256), -1, dtype=torch.int32, device="cuda")
-    assert torch.equal(stage_block_tables(host, rows, out), host[rows.cpu()].cuda())
-    with pytest.raises(ValueError, match="pinned"):
-        stage_block_tables(host.clone(), rows, out)  # pageable host memory

@@ -2,15 +2,15 @@
 
 import pytest
 import torch
-from specdec.kernels.paged_attention import (
-    paged_attention_reference,
-    paged_attention_triton,
-)
-from specdec.kernels.random_inputs import (
+from kernel_inputs import (
     parents_chain,
     parents_random,
     parents_topk,
     random_paged_batch,
+)
+from specdec.kernels.paged_attention import (
+    paged_attention_reference,
+    paged_attention_triton,
 )
 
 HEAD_DIM = 16

@@ -4,13 +4,13 @@ import os
 
 import pytest
 import torch
-from specdec.kernels.backend import TritonAttentionBackend, select_backend
-from specdec.kernels.random_inputs import (
+from kernel_inputs import (
     make_pool,
     parents_random,
     parents_topk,
     random_paged_batch,
 )
+from specdec.kernels.backend import TritonAttentionBackend, select_backend
 from specdec.kernels.rope_cache import (
     fused_rope_cache_write,
     fused_rope_cache_write_reference,

@@ -10,9 +10,9 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from kernel_inputs import parents_topk, random_paged_batch  # noqa: E402
 from specdec.kernels.arg_checks import is_interpreted  # noqa: E402
 from specdec.kernels.paged_attention import _paged_attn_kernel, paged_attention_triton  # noqa: E402
-from specdec.kernels.random_inputs import parents_topk, random_paged_batch  # noqa: E402
 from specdec.kvcache.allocator import BlockAllocator  # noqa: E402
 from specdec.kvcache.block_table import BlockTables  # noqa: E402
 from specdec.kvcache.radix_cache import RadixPrefixCache  # noqa: E402
