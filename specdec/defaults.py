@@ -25,7 +25,7 @@ GPU_MEMORY_UTILIZATION = 0.4
 def default_draft(target: str = DEFAULT_TARGET, device: str = "cpu") -> str:
     """The shipped draft when it is installed and ``target`` is its target, else n-gram lookup."""
     try:
-        from specdec.training import default_draft_available
+        from specdec.loading.default_draft import default_draft_available
     except ImportError:
         return "ngram"
     return DEFAULT_DRAFT if target == DEFAULT_TARGET and default_draft_available() else "ngram"

@@ -191,7 +191,7 @@ class SpecEngine:
         if self.draft is None:
             return _NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter
-        from specdec.training.eagle import EagleDraft
+        from specdec.models.eagle import EagleDraft
 
         if isinstance(self.draft.model, EagleDraft):
             from specdec.drafters.eagle_drafter import EagleDrafter
@@ -561,7 +561,7 @@ def _proposer_kind(draft, loaded: LoadedModel | None) -> str:
         return "none"
     if draft == "ngram":
         return "ngram"
-    from specdec.training.eagle import EagleDraft
+    from specdec.models.eagle import EagleDraft
 
     return "eagle" if isinstance(loaded.model, EagleDraft) else "draft"
 

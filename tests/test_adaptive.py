@@ -190,7 +190,7 @@ class Scripted(BudgetController):
 
 def _eagle(tiny_target):
     from specdec.loading.registry import LoadedModel
-    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+    from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
 
     shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
     model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 200, 2), seed=2).eval().requires_grad_(False)

@@ -43,7 +43,7 @@ def test_baselines_with_an_eagle_draft(tiny_target):
     assistant (``size mismatch for lm_head.weight``); now hf and hf_static run and hf_assisted is skipped, saying
     why."""
     from specdec.loading.registry import LoadedModel
-    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+    from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
 
     shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 100)
     vocab = torch.arange(100)  # a reduced draft vocabulary: its lm_head has fewer rows than the target's

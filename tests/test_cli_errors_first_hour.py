@@ -107,8 +107,8 @@ def test_swapped_draft_and_target_refused_at_construction(no_model_load):
 
 def test_an_eagle_draft_folder_is_no_target(no_model_load, tmp_path):
     from specdec import SpecEngine
+    from specdec.loading.default_draft import DRAFT_META
     from specdec.loading.roles import ModelRoleError
-    from specdec.training import DRAFT_META
 
     (tmp_path / DRAFT_META).write_text(json.dumps({"format": "specdec-draft", "version": 1, "kind": "eagle",
                                                    "target": "some/target"}))

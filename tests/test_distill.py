@@ -15,14 +15,14 @@ from specdec import training as drafts
 from specdec.cli import main
 from specdec.config import ModelConfig
 from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading.default_draft import load_default_draft, load_draft_folder
+from specdec.loading.draft_layers import target_layer_map
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.loading.registry import LoadedModel, build_model, load_model
 from specdec.sampling_params import SamplingParams
-from specdec.training import load_default_draft, load_draft_folder
 from specdec.training.dense_attention import dense_hidden
 from specdec.training.distill import DistillConfig
 from specdec.training.distill_data import describe_source, load_train_prompts, prompt_token_ids
-from specdec.training.layers import target_layer_map
 from specdec.training.training import batch_indices, lr_at
 
 STEPS = 40

@@ -20,10 +20,10 @@ from specdec.cli import main
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.errors import UnsupportedModelError
 from specdec.loading.registry import LoadedModel, build_model, load_model
+from specdec.models.eagle import EagleDraft, EagleShape, default_aux_layers, eagle_from_target
 from specdec.models.llama import ForwardContext
 from specdec.sampling_params import SamplingParams
 from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
-from specdec.training.eagle import EagleDraft, EagleShape, default_aux_layers, eagle_from_target
 from specdec.training.eagle_data import build_token_file, conversation_messages, coverage, load_token_file, top_vocab
 from specdec.training.eagle_train import EagleTrainConfig, batch_docs
 from specdec.training.eagle_unroll import unrolled_mask

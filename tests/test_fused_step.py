@@ -267,7 +267,7 @@ def test_device_best_nodes_and_ancestry_equal_the_host_trees():
 def test_shipped_draft_fused_equals_target_only(smollm2):
     """The shipped ``smollm2-135m-draft`` over SmolLM2-135M, float32: a dynamic tree cut to an adaptive budget
     below N, at batch 1 and 3 rows in a bucket of 4, fused every step, equal to target-only."""
-    from specdec.training import default_draft_available
+    from specdec.loading.default_draft import default_draft_available
 
     if not default_draft_available():
         pytest.skip("the shipped draft is not installed")

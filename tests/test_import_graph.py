@@ -91,6 +91,16 @@ def test_no_import_cycles():
     assert cycles == [], "import circles:\n" + "\n".join(cycles)
 
 
+def test_inference_never_imports_training():
+    """Only ``specdec distill`` (its CLI module) and the training package itself import ``specdec.training``: the
+    engine, drafters and loaders find the EAGLE draft model in ``specdec.models`` and draft folders in
+    ``specdec.loading``."""
+    graph = import_graph()
+    training = {m for m in graph if m == "specdec.training" or m.startswith("specdec.training.")}
+    users = {a for a, b in graph.edges if b in training and a not in training}
+    assert users == {"specdec.cli.distill"}, users
+
+
 def test_entry_points_import_in_a_fresh_interpreter():
     """The command-line and loading entry points import from scratch (no reliance on an earlier import)."""
     modules = ["specdec.cli", "specdec.cli.bench", "specdec.cli.distill", "specdec.training",

@@ -254,7 +254,7 @@ def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
     """A feature-conditioned (eagle) draft whose vocabulary leaves out tokens 2 and 5 (draft probability 0):
     the first two sampled tokens still follow the target exactly (top-k tree drawn without replacement)."""
     from specdec.loading.registry import LoadedModel
-    from specdec.training.eagle import EagleShape, eagle_from_target
+    from specdec.models.eagle import EagleShape, eagle_from_target
 
     target_dir, target, _ = pair
     model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
@@ -282,7 +282,7 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
     import specdec.acceptance_stochastic
     import specdec.verifier
     from specdec.loading.registry import LoadedModel
-    from specdec.training.eagle import EagleShape, eagle_from_target
+    from specdec.models.eagle import EagleShape, eagle_from_target
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host stochastic rule used on the device path")

@@ -12,8 +12,8 @@ import torch
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import LoadedModel
+from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
 from specdec.sampling_params import SamplingParams
-from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

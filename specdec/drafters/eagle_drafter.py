@@ -23,10 +23,10 @@ from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Gro
 from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth
 from specdec.lookahead import AdvanceGraphs, HostRead, HostUpload, PipelinedSteps
 from specdec.lookahead_ops import CAUSAL_BITS
+from specdec.models.eagle import EagleDraft
 from specdec.runner import RowInput, RowSlices
 from specdec.scheduler.request import Request
 from specdec.scheduler.step_inputs import PackedRows
-from specdec.training.eagle import EagleDraft
 from specdec.tree import DraftTree, TreeSpec
 
 

@@ -2,7 +2,7 @@
 
 Base models (``smollm2-135m``, Hugging Face folders, GGUF files) load through ``specdec.loading.base``;
 the draft folders written by ``specdec distill`` and the shipped default draft through
-``specdec.training``, which loads a draft's target with ``load_base_model`` (so no import circle).
+``specdec.loading.default_draft``, which loads a draft's target with ``load_base_model`` (so no import circle).
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ def load_model(
     dtype = resolve_dtype(dtype)
     name = model_name(name_or_path)
     if name == "smollm2-135m-draft":
-        from specdec.training import load_default_draft
+        from specdec.loading.default_draft import load_default_draft
 
         return load_default_draft(dtype=dtype, device=device, target=target)
     path = Path(name).expanduser()
     if path.is_dir():
-        from specdec.training import is_draft_folder, load_draft_folder
+        from specdec.loading.default_draft import is_draft_folder, load_draft_folder
 
         if is_draft_folder(path):
             return load_draft_folder(path, dtype=dtype, device=device, target=target)

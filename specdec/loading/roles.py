@@ -18,12 +18,12 @@ def eagle_draft_target(model) -> str | None:
     """The target recorded by an EAGLE-style draft (the shipped ``smollm2-135m-draft``, an eagle draft folder or
     a loaded EAGLE draft); None for anything else (a base model, a layer-copy draft, 'ngram', None)."""
     if isinstance(model, LoadedModel):
-        from specdec.training.eagle import EagleDraft
+        from specdec.models.eagle import EagleDraft
 
         return "its target" if isinstance(model.model, EagleDraft) else None
     if not isinstance(model, (str, Path)):
         return None
-    from specdec.training import DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_NAME, is_draft_folder, read_draft_meta
+    from specdec.loading.default_draft import DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_NAME, is_draft_folder, read_draft_meta
 
     path = DEFAULT_DRAFT_DIR if str(model) == DEFAULT_DRAFT_NAME else Path(model).expanduser()
     if not is_draft_folder(path):

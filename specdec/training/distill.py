@@ -130,7 +130,7 @@ def _device_name(device: str) -> str:
 def export(cfg: DistillConfig, target: LoadedModel, draft: LoadedModel, data: DistillData, layers: list[int],
            state: TrainState, wall: float) -> Path:
     """Write the draft folder into ``cfg.out``; returns the path of its ``model.safetensors``."""
-    from specdec.training.folder import save_draft_folder
+    from specdec.loading.draft_folder import save_draft_folder
 
     ref = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
     first, final = _ends(state.losses)
@@ -165,9 +165,9 @@ def _teacher(target: LoadedModel, cfg: DistillConfig) -> LoadedModel:
 def distill(cfg: DistillConfig) -> DistillResult:
     """Generate the data (or reuse ``data.pt``), train (or resume ``ckpt.pt``) and, once every step
     is done, export the draft folder into ``cfg.out``."""
+    from specdec.loading.draft_layers import draft_from_target, target_layer_map
     from specdec.loading.registry import load_model
     from specdec.training.distill_data import load_or_generate
-    from specdec.training.layers import draft_from_target, target_layer_map
     from specdec.training.training import train
 
     t0 = time.perf_counter()

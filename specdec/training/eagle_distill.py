@@ -42,7 +42,7 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
 
     ``target``: the already loaded ``cfg.target`` (in ``cfg.dtype`` on ``cfg.device``), else loaded here."""
     from specdec.loading.registry import load_model
-    from specdec.training.eagle import EagleShape, default_aux_layers, eagle_from_target
+    from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
 
     t0 = time.perf_counter()
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -62,7 +62,7 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
     record = _record(cfg, data, state, cov, num_train, num_val, time.perf_counter() - t0)
     folder = None
     if done:
-        from specdec.training.eagle_folder import save_eagle_folder
+        from specdec.loading.eagle_folder import save_eagle_folder
 
         ref = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
         save_eagle_folder(cfg.out, draft, target, ref, {"training": record}, DTYPES[cfg.save_dtype])

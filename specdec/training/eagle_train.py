@@ -199,8 +199,8 @@ def evaluate(cfg: EagleTrainConfig, target, draft, data: TokenFile, docs: list[i
 
 
 def save_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt, state: EagleState) -> None:
+    from specdec.models.eagle import trained_state
     from specdec.training.distill_data import atomic_save
-    from specdec.training.eagle import trained_state
 
     atomic_save({"config": config_record(cfg), "trained": trained_state(draft), "optimizer": opt.state_dict(),
                  "rng": rng_state(), "state": asdict(state)}, path)

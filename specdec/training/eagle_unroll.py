@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.base import AttentionBackend
+from specdec.models.eagle import EagleDraft
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
 from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
-from specdec.training.eagle import EagleDraft
 
 
 @dataclass

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from specdec.loading.base import LoadedModel
+from specdec.loading.draft_layers import trained_state
 from specdec.training.dense_attention import dense_hidden
 from specdec.training.distill_data import DistillData, atomic_save
-from specdec.training.layers import trained_state
 from specdec.training.schedule import report_losses, warmup_cosine
 
 if TYPE_CHECKING:

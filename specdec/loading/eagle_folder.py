@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.loading.base import LoadedModel
+from specdec.loading.draft_format import DRAFT_META, FORMAT, VERSION, check_shared, fingerprint
+from specdec.loading.draft_layers import shared_keys
 from specdec.loading.errors import UnsupportedModelError
-from specdec.training.eagle import EagleDraft, EagleShape, eagle_from_target, trained_state
-from specdec.training.folder_format import DRAFT_META, FORMAT, VERSION, check_shared, fingerprint
-from specdec.training.layers import shared_keys
+from specdec.models.eagle import EagleDraft, EagleShape, eagle_from_target, trained_state
 
 KIND = "eagle"
 

@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 from specdec.config import ModelConfig
 from specdec.loading.base import LoadedModel, build_model, resolve_dtype
+from specdec.loading.draft_format import DRAFT_META, FORMAT, VERSION, check_shared, fingerprint
+from specdec.loading.draft_layers import TRAINED_PREFIXES, shared_keys, trained_state
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
-from specdec.training.folder_format import DRAFT_META, FORMAT, VERSION, check_shared, fingerprint
-from specdec.training.layers import TRAINED_PREFIXES, shared_keys, trained_state
 
 HF_CONFIG_CLASSES = {"LlamaForCausalLM": "LlamaConfig", "Qwen2ForCausalLM": "Qwen2Config",
                      "MistralForCausalLM": "MistralConfig"}
@@ -110,7 +110,7 @@ def load_draft_folder(path: str | Path, dtype: torch.dtype | str = torch.float32
     if not isinstance(target, LoadedModel):
         target = load_base_model(target or meta["target"], dtype=dtype, device=device)
     if meta.get("kind") == "eagle":
-        from specdec.training.eagle_folder import load_eagle_folder
+        from specdec.loading.eagle_folder import load_eagle_folder
 
         return load_eagle_folder(path, meta, dtype, device, target)
     cfg = ModelConfig.from_hf(read_hf_config(path))

@@ -1,8 +1,8 @@
 """What every draft folder shares: the metadata file name, its format tag, and the fingerprints of the
 tensors a draft takes from its target (checked when loading, so a draft never runs on the wrong target).
 
-Both the plain draft folders (``specdec.training.folder``) and eagle folders
-(``specdec.training.eagle_folder``) use these.
+Both the plain draft folders (``specdec.loading.draft_folder``) and eagle folders
+(``specdec.loading.eagle_folder``) use these.
 """
 
 from __future__ import annotations
