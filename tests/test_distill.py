@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdec import training as drafts
 from specdec.cli import main
 from specdec.config import ModelConfig
 from specdec.engine import SpecConfig, SpecEngine
+from specdec.loading import default_draft as drafts
 from specdec.loading.default_draft import load_default_draft, load_draft_folder
 from specdec.loading.draft_layers import target_layer_map
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError

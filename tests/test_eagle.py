@@ -351,7 +351,7 @@ def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
 
 
 def test_default_draft_name_loads_an_eagle_folder(setup, monkeypatch):
-    from specdec import training as drafts
+    from specdec.loading import default_draft as drafts
     from specdec.defaults import CUDA_DRAFT_TREE, default_draft, default_tree
 
     root, _, target = setup
