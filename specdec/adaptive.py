@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from specdec.errors import FieldError
-from specdec.scheduler.cuda_graphs import BATCH_BUCKETS, QUERY_BUCKETS, bucket
+from specdec.graphs import BATCH_BUCKETS, QUERY_BUCKETS, bucket
 
 OTHER_SPIKE = 3.0  # a step's "other" seconds count at most this many times their running estimate
 DYNAMIC_LEVEL_WIDTH_DIVISOR = 6  # ModelDrafter adds max(1, min(DYNAMIC_BEAM_MAX, max_nodes // 6)) nodes per level

@@ -201,7 +201,7 @@ class SpecEngine:
 
     def _setup_graphs(self, bt_width: int):
         """Fuse projections and, when enabled, capture the graphed steps (returns the capture report)."""
-        from specdec.scheduler.cuda_graphs import GraphRunner
+        from specdec.graphs import GraphRunner
 
         for m in (self.target, self.draft):
             if m is not None and isinstance(m.model, LlamaForCausalLM):
@@ -364,7 +364,7 @@ class SpecEngine:
 
     def _route(self, reqs: list[Request]) -> None:
         for req in self.router.wanting(reqs):
-            out = _output(req, self.stopper)
+            out = request_output(req, self.stopper)
             if out.new_token_ids or out.finished:
                 self.router.deliver(req, out)
 
@@ -478,7 +478,7 @@ class _NoDraft(Drafter):
                         [None] * len(rows), queued)
 
 
-def _output(req: Request, stopper: StopChecker) -> RequestOutput:
+def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
     out_ids = req.tokens[len(req.prompt_ids):]  # a fresh list
     new_ids = out_ids[req.emitted_tokens:]
     if req.finished:

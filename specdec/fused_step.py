@@ -29,8 +29,8 @@ from torch import Tensor
 
 from specdec.graph_constants import graph_constant
 from specdec.runner import ForwardResult, RowSlices
-from specdec.scheduler.step_inputs import PackedRows, StepViews
-from specdec.tree import DraftTree, _depths_and_masks, _verify_rows
+from specdec.step_inputs import PackedRows, StepViews
+from specdec.tree import DraftTree, depths_and_masks, verify_rows_of
 
 
 class FusedOutcome(NamedTuple):
@@ -227,7 +227,7 @@ class TreeWriter:
         key = (b, q, b, n)
         entry = self.graphs.get(key)
         if entry is None:  # the bucket's input views are fixed buffers, so the graph may write them
-            from specdec.scheduler.cuda_graphs import capture_graph
+            from specdec.graphs import capture_graph
 
             src = out.clone()
             graph, kept = capture_graph(functools.partial(self._build, views, b, q, src, n), None, self.device)
@@ -287,7 +287,7 @@ def _skeleton(r: int, w: int, q: int, parents: tuple[int, ...] | None) -> _Skele
     moves = np.zeros(w, dtype=np.int64)
     moves[0] = 1
     if parents is not None:
-        depth, tokens[3], tokens[4] = _shape_rows(parents)
+        depth, tokens[3], tokens[4] = shape_rows(parents)
         tokens[1, :, 1:] = 1 + depth
         moves[:] = 1
     per_row = np.full((3, r), w, dtype=np.int64)
@@ -300,14 +300,14 @@ def _skeleton(r: int, w: int, q: int, parents: tuple[int, ...] | None) -> _Skele
 
 def shape_depth(parents: tuple[int, ...]) -> int:
     """``DraftTree.max_depth`` of the tree shape ``parents``."""
-    return int(_shape_rows(parents)[0].max()) + 1 if parents else 0
+    return int(shape_rows(parents)[0].max()) + 1 if parents else 0
 
 
 @functools.lru_cache(maxsize=256)
-def _shape_rows(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def shape_rows(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Node depths (n,), and the verify masks and parents of the root + nodes (n + 1,) of a tree shape."""
-    depth, masks = _depths_and_masks(parents)
-    verify_masks, verify_parents = _verify_rows(masks, list(parents))
+    depth, masks = depths_and_masks(parents)
+    verify_masks, verify_parents = verify_rows_of(masks, list(parents))
     return np.array(depth, dtype=np.int64), np.array(verify_masks, dtype=np.int64), np.array(verify_parents)
 
 

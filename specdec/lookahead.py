@@ -33,9 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.fused_step import _shape_rows
+from specdec.fused_step import shape_rows
 from specdec.lookahead_ops import advance_rows_reference
-from specdec.scheduler.step_inputs import StepViews
+from specdec.step_inputs import StepViews
 
 if TYPE_CHECKING:
     from specdec.drafters.base import Proposal
@@ -150,7 +150,7 @@ class AdvanceGraphs:
         key = (bv, qv, tokens.shape[0], n, bp, qp, feats.data_ptr(), pfeats.data_ptr(), node_offsets is None)
         entry = self.graphs.get(key)
         if entry is None:
-            from specdec.scheduler.cuda_graphs import capture_graph
+            from specdec.graphs import capture_graph
 
             # captured over a no-op outcome (nothing accepted: no KV moves); capturing runs it once, and that
             # run rewrites the verify rows it reads, so they are put back; everything else a real replay rewrites
@@ -269,5 +269,5 @@ class PipelinedSteps:
 def _node_offsets(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth); made
     outside any capture, so a graph that reads one keeps it (``AdvanceGraphs``' entries)."""
-    depth = _shape_rows(parents)[0]
+    depth = shape_rows(parents)[0]
     return torch.tensor([0] + (1 + depth).tolist(), dtype=torch.int64, device=device)

@@ -16,7 +16,7 @@ from torch import Tensor
 from specdec.graph_constants import graph_constant
 
 if TYPE_CHECKING:
-    from specdec.scheduler.step_inputs import StepViews
+    from specdec.step_inputs import StepViews
 
 
 # the tree mask of query j of a causal run of up to 64 queries (bits 0..j; bit 63 as the int64 sign): the draft

@@ -16,7 +16,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
 from specdec.scheduler.request import Request
-from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY, PackedRows
+from specdec.step_inputs import PREFILL, PREFILL_QUERY, PackedRows
 
 MAX_TREE_REGION = 64
 
@@ -114,7 +114,7 @@ class ModelRunner:
                 if r.tree_mask is None and region > MAX_TREE_REGION:
                     raise ValueError(f"tree batch row with a causal region of {region} > {MAX_TREE_REGION}")
                 masks += r.tree_mask if r.tree_mask is not None else causal_bits(region, n)
-            parts.append(np.asarray(_as_signed(masks), dtype=np.int64))
+            parts.append(np.asarray(as_signed(masks), dtype=np.int64))
         sizes = [len(x) for x in parts]
         dev = torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)  # (no stream sync)
         views = dev.split(sizes)
@@ -318,9 +318,9 @@ def _with_causal_mask(r: RowInput) -> RowInput:
 @functools.lru_cache(maxsize=1024)
 def _causal_signed(region_len: int, n_query: int) -> tuple[int, ...]:
     """``causal_bits`` as signed int64 values; shared (a tuple: read-only)."""
-    return tuple(_as_signed(causal_bits(region_len, n_query)))
+    return tuple(as_signed(causal_bits(region_len, n_query)))
 
 
-def _as_signed(masks: list[int]) -> list[int]:
+def as_signed(masks: list[int]) -> list[int]:
     """Bitmasks using bit 63 become negative int64 values (two's complement)."""
     return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]

@@ -168,7 +168,7 @@ class SampledRule:
         first use) after copying ``host`` into its inputs."""
         entry = self.graphs.get(key)
         if entry is None:
-            from specdec.scheduler.cuda_graphs import capture_graph
+            from specdec.graphs import capture_graph
 
             if self._pool is None and self.device.type == "cuda":
                 self._pool = torch.cuda.graph_pool_handle()

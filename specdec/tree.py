@@ -46,7 +46,7 @@ def _int_vector(name: str, t: object, n: int | None) -> Tensor:
     return t
 
 
-def _depths_and_masks(parents: Sequence[int]) -> tuple[list[int], list[int]]:
+def depths_and_masks(parents: Sequence[int]) -> tuple[list[int], list[int]]:
     """Depth (0 under the root) and ancestor bitmask (self included) of topologically ordered nodes."""
     depth: list[int] = []
     mask: list[int] = []
@@ -125,7 +125,7 @@ class DraftTree:
 
     def _check_values(self) -> None:
         h = self.host
-        depth, mask = _depths_and_masks(h.parents)
+        depth, mask = depths_and_masks(h.parents)
         _check_range("depth", h.depth, depth, "the parent's depth + 1")
         _check_range("ancestor_mask", h.ancestor_mask, mask, "the parent's mask | (1 << i)")
         vocab = None if self.draft_dists is None else self.draft_dists.shape[1]
@@ -216,7 +216,7 @@ class DraftTree:
         if not n:
             return cls.empty()
         plist = list(parents)
-        depth, masks = _depths_and_masks(plist)
+        depth, masks = depths_and_masks(plist)
         tree = object.__new__(cls)  # every other tensor is made on first use (``__getattr__``)
         tree.__dict__.update(draft_dists=None, child_mode="deterministic", dist_index=torch.full((n,), -1),
                              _host=HostView(list(tokens), plist, depth, masks, [-1] * n, _children(plist)))
@@ -251,7 +251,7 @@ class DraftTree:
         if device is None:
             device = tokens.device if isinstance(tokens, Tensor) else "cpu"
         plist = parents.tolist() if isinstance(parents, Tensor) else list(parents)
-        depth, mask = _depths_and_masks(plist)
+        depth, mask = depths_and_masks(plist)
         as_i64 = lambda v: torch.as_tensor(v, dtype=torch.int64).to(device).reshape(-1)
         dists = None if draft_dists is None else draft_dists.to(device)
         di = None if dist_index is None else as_i64(dist_index)
@@ -302,9 +302,9 @@ class DraftTree:
     def verify_rows(self) -> tuple[list[int], list[int]]:
         """Host twins of the verify token arrays: the values of ``verify_tree_mask`` as Python ints (bit 63
         as the int64 sign), and each verify token's parent verify index (-1 for the root)."""
-        rows = self.__dict__.get("_verify_rows")
+        rows = self.__dict__.get("verify_rows_of")
         if rows is None:  # a tree never changes: computed once
-            rows = self.__dict__["_verify_rows"] = _verify_rows(self.host.ancestor_mask, self.host.parents)
+            rows = self.__dict__["verify_rows_of"] = verify_rows_of(self.host.ancestor_mask, self.host.parents)
         return rows
 
     def to(self, device: torch.device | str) -> DraftTree:
@@ -319,7 +319,7 @@ _new_host = tuple.__new__  # HostView from a filled tuple, without the named con
 _LAZY_ARRAYS = ("tokens", "parents", "depth", "ancestor_mask")  # tensors a host-list tree makes on first use
 
 
-def _verify_rows(ancestor_mask: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
+def verify_rows_of(ancestor_mask: list[int], parents: list[int]) -> tuple[list[int], list[int]]:
     masks = [1] + [1 | (m << 1) for m in ancestor_mask]
     return [m - (1 << 64) if m >= 1 << 63 else m for m in masks], [-1] + [p + 1 for p in parents]
 
@@ -338,11 +338,11 @@ def _shape_parts(parents: tuple[int, ...]):
     """The arrays every deterministic tree of this (validated) shape shares: host lists, children, and the
     instance fields (tensors by field name, verify rows). At most 63 nodes, so every mask fits a signed int64."""
     plist = list(parents)
-    depth, masks = _depths_and_masks(plist)
+    depth, masks = depths_and_masks(plist)
     dist = [-1] * len(plist)
     arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
                       torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
-    fields = dict(draft_dists=None, child_mode="deterministic", _verify_rows=_verify_rows(masks, plist),
+    fields = dict(draft_dists=None, child_mode="deterministic", verify_rows_of=verify_rows_of(masks, plist),
                   _max_depth=max(depth, default=-1) + 1, **arrays)
     return plist, depth, masks, dist, _children(plist), fields
 
@@ -391,7 +391,7 @@ class TreeTemplate:
 
     @property
     def depth(self) -> tuple[int, ...]:
-        return tuple(_depths_and_masks(self.parents)[0])
+        return tuple(depths_and_masks(self.parents)[0])
 
     @property
     def ranks(self) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
-from specdec.scheduler.step_inputs import PackedRows
+from specdec.step_inputs import PackedRows
 from specdec.tree import DraftTree
 from specdec.uniform_stream import UniformStream
 

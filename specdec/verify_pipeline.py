@@ -116,7 +116,7 @@ class VerifyPipeline:
             return
         entry = self.advances.get((key, src_key))
         if entry is None:
-            from specdec.scheduler.cuda_graphs import capture_graph
+            from specdec.graphs import capture_graph
 
             buf = torch.zeros_like(tables)
             saved = inputs.dev.clone()  # capturing runs it once (over a zero table): the inputs are put back

@@ -12,7 +12,6 @@ from unittest.mock import patch
 
 import pytest
 import torch
-from specdec.scheduler.cuda_graphs import QUERY_BUCKETS
 
 from specdec.adaptive import (
     AdaptiveConfig,
@@ -27,6 +26,7 @@ from specdec.adaptive import (
 from specdec.drafters.ngram import NgramDrafter
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import FieldError
+from specdec.graphs import QUERY_BUCKETS
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -17,7 +17,7 @@ import torch
 
 from specdec.acceptance import shape_probs
 from specdec.drafters.frontier import FrontierLayout, pick_children, top_candidates
-from specdec.drafters.model_drafter import DYNAMIC_CANDIDATES, ModelDrafter, _Growth
+from specdec.drafters.model_drafter import DYNAMIC_CANDIDATES, Growth, ModelDrafter
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
 from specdec.tree import TreeSpec, template_from_spec
@@ -28,7 +28,7 @@ SHAPES = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temp
           SamplingParams(temperature=1.3, top_p=0.6), SamplingParams(temperature=0.9, top_k=5, top_p=0.8)]
 
 
-def host_rule(g: _Growth, beam: int, max_nodes: int) -> list[int]:
+def host_rule(g: Growth, beam: int, max_nodes: int) -> list[int]:
     """The former host implementation of one dynamic level (reference)."""
     budget = max_nodes - len(g.tokens)
     if budget <= 0 or not g.frontier:
@@ -46,7 +46,7 @@ def host_rule(g: _Growth, beam: int, max_nodes: int) -> list[int]:
     return [g.add(t, parent, s, -1) for s, parent, t in chosen]
 
 
-def per_node_rule(g: _Growth, child_count: dict[int, int], iid: bool) -> list[int]:
+def per_node_rule(g: Growth, child_count: dict[int, int], iid: bool) -> list[int]:
     """The former host implementation of one static level (reference)."""
     p, new = g.req.params, []
     for parent, lg in g.frontier:
@@ -73,8 +73,8 @@ def _drafter(spec: TreeSpec) -> ModelDrafter:
     return ModelDrafter(None, SimpleNamespace(device=torch.device("cpu")), spec)
 
 
-def _row(params: SamplingParams, prefilled: int, seed: int = 0) -> _Growth:
-    g = _Growth(SimpleNamespace(params=params, generator=torch.Generator().manual_seed(seed)), L=10)
+def _row(params: SamplingParams, prefilled: int, seed: int = 0) -> Growth:
+    g = Growth(SimpleNamespace(params=params, generator=torch.Generator().manual_seed(seed)), L=10)
     for t in range(prefilled):  # nodes from elsewhere: a smaller budget left
         g.add(t, -1, 1.0, -1)
     return g
@@ -87,7 +87,7 @@ def _logits(gen: torch.Generator, n: int, vocab: int, kind: str) -> torch.Tensor
     return torch.randn(n, vocab, generator=gen) * scale  # (n, V)
 
 
-def _grow_both(budget: int, vocab: int, kind: str, rows: int, seed: int) -> list[tuple[_Growth, _Growth]]:
+def _grow_both(budget: int, vocab: int, kind: str, rows: int, seed: int) -> list[tuple[Growth, Growth]]:
     """Grow the same rows with the drafter's device rule and with host_rule, checking every level."""
     gen = torch.Generator().manual_seed(seed)
     drafter = _drafter(TreeSpec("dynamic", budget=budget))
@@ -229,7 +229,7 @@ def test_engine_dynamic_trees_equal_host_rule(tiny_target, tiny_draft):
     device_rule = drafter._expand_dynamic
 
     def checked(grows):
-        refs = [_Growth(g.req, g.L, list(g.tokens), list(g.parents), list(g.masks), list(g.depth),
+        refs = [Growth(g.req, g.L, list(g.tokens), list(g.parents), list(g.masks), list(g.depth),
                         list(g.score), frontier=list(g.frontier)) for g in grows]
         new = device_rule(grows)
         for g, ref, nodes in zip(grows, refs, new, strict=True):

@@ -184,8 +184,8 @@ def test_padded_step_eagle_equals_target_only(setup, tree, monkeypatch):
     """With the graph path's padded buffers (on the CPU: eager replay), the verify step returns the target
     features and every draft forward (catch-up and tree levels) goes through the padded buffers; greedy
     output still equals target-only."""
-    from specdec.scheduler.cuda_graphs import GraphRunner
-    from specdec.scheduler.step_inputs import PREFILL
+    from specdec.graphs import GraphRunner
+    from specdec.step_inputs import PREFILL
 
     root, _, target = setup
     draft = load_model(root / "full", target=target)
@@ -351,8 +351,8 @@ def test_catch_up_state_equals_a_dense_forward_over_the_whole_sequence(setup):
 
 
 def test_default_draft_name_loads_an_eagle_folder(setup, monkeypatch):
-    from specdec.loading import default_draft as drafts
     from specdec.defaults import CUDA_DRAFT_TREE, default_draft, default_tree
+    from specdec.loading import default_draft as drafts
 
     root, _, target = setup
     monkeypatch.setattr(drafts, "DEFAULT_DRAFT_DIR", root / "full")

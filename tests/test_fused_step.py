@@ -11,17 +11,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from specdec.scheduler.cuda_graphs import GraphRunner
-from specdec.scheduler.step_inputs import StepInputs, _offsets
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
 
 from specdec.drafters.eagle_device import DeviceDraftProgram
 from specdec.drafters.eagle_drafter import best_nodes
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.fused_step import ancestry, best_nodes_on_device
+from specdec.graphs import GraphRunner
 from specdec.loading.registry import load_model
 from specdec.sampling_params import SamplingParams
-from specdec.tree import _depths_and_masks
+from specdec.step_inputs import StepInputs, _offsets
+from specdec.tree import depths_and_masks
 from specdec.verifier import _packed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -146,7 +146,7 @@ class _StandInGraph:
 
 def _stand_in_capture(monkeypatch) -> list:
     """Make ``capture_graph`` return ``_StandInGraph``s; the returned list collects each capture's outputs."""
-    import specdec.scheduler.cuda_graphs as cg
+    import specdec.graphs as cg
 
     captured = []
 
@@ -259,7 +259,7 @@ def test_device_best_nodes_and_ancestry_equal_the_host_trees():
         for i in range(rows):
             tree = best_nodes(tokens[i].tolist(), parents[i], ranks[i], n)
             assert tok[i].tolist() == tree.host.tokens and par[i].tolist() == tree.host.parents
-            d, masks = _depths_and_masks(tree.host.parents)
+            d, masks = depths_and_masks(tree.host.parents)
             assert depth[i].tolist() == d and anc[i].tolist() == masks
     assert int(ancestry(torch.tensor([parents[-1]]), m)[1][0, -1]) == (1 << 63) - 1  # bits 0..62
 

@@ -101,6 +101,17 @@ def test_inference_never_imports_training():
     assert users == {"specdec.cli.distill"}, users
 
 
+def test_no_module_imports_another_modules_private_names():
+    """``from X import _name`` across modules of the package: a private name is for its own module."""
+    private = []
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specdec"):
+                private += [f"{name}: from {node.module} import {a.name}" for a in node.names
+                            if a.name.startswith("_") and not a.name.startswith("__")]
+    assert private == [], "\n".join(private)
+
+
 def test_entry_points_import_in_a_fresh_interpreter():
     """The command-line and loading entry points import from scratch (no reliance on an earlier import)."""
     modules = ["specdec.cli", "specdec.cli.bench", "specdec.cli.distill", "specdec.training",

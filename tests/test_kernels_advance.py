@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from specdec.scheduler.step_inputs import StepInputs
 
 from specdec.lookahead_ops import advance_rows_reference
+from specdec.step_inputs import StepInputs
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (["cuda"] if torch.cuda.is_available()
                                                                            else [])

@@ -13,7 +13,6 @@ import os
 
 import pytest
 import torch
-from specdec.scheduler.step_inputs import StepInputs, _offsets
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
 from test_fused_step import _host_inputs
 
@@ -23,6 +22,7 @@ from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 from specdec.plan import LARGE_BATCH_NODES, resolve_plan
 from specdec.sampling_params import SamplingParams
+from specdec.step_inputs import StepInputs, _offsets
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -331,8 +331,7 @@ def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
     does, and each replay runs it again over the graph's own input copies): capturing over a no-op outcome and
     putting the verify rows back leaves every step as the eager one, so output equals target-only; one graph per
     shape, replayed at the later queued steps; a static tree's entry keeps the node offsets its graph reads."""
-    import specdec.scheduler.cuda_graphs as cg
-
+    import specdec.graphs as cg
     from specdec.lookahead import AdvanceGraphs
 
     class StandIn:

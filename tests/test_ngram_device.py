@@ -295,9 +295,8 @@ def _checked_queued(monkeypatch) -> tuple[list[int], list, list[int]]:
     the adopting rows' trees: the whole bucket (padding rows, query starts) when all its rows adopt it, else those
     rows. Returns ([adopted steps checked], [mismatches], [adoptions by some rows]); the mismatches are collected
     (asserted by the caller: the engine isolates a step's errors)."""
-    from specdec.scheduler.step_inputs import StepInputs
-
     from specdec import verify_pipeline
+    from specdec.step_inputs import StepInputs
     from specdec.verifier import QueuedVerify, Verifier, _packed
 
     built, checked, wrong, partial = {}, [0], [], [0]

@@ -148,8 +148,8 @@ def test_generate_builds_only_final_outputs_while_a_stream_alongside_gets_every_
     import specdec.engine as engine_mod
 
     built = []
-    output = engine_mod._output
-    monkeypatch.setattr(engine_mod, "_output", lambda req, stopper: built.append(req.request_id) or
+    output = engine_mod.request_output
+    monkeypatch.setattr(engine_mod, "request_output", lambda req, stopper: built.append(req.request_id) or
                         output(req, stopper))
     outs = engine.generate(P1, PARAMS)
     assert [o.token_ids for o in outs] == [reference[tuple(p)] for p in P1]

@@ -104,7 +104,7 @@ def _stand_in_capture(build, pool, device):
 def test_graph_path_equals_eager_with_a_stand_in_graph(monkeypatch):
     """The captured path reads each step's inputs from its one upload and the verify's fixed output buffers
     (rewritten in place between steps): one graph per bucket and filter flag, replayed, equal to eager."""
-    import specdec.scheduler.cuda_graphs as cg
+    import specdec.graphs as cg
 
     monkeypatch.setattr(cg, "capture_graph", _stand_in_capture)
     graphed = SampledRule("cpu", capture=True)
@@ -135,7 +135,7 @@ def stand_in_verify_graphs(monkeypatch, eng) -> dict:
     """CUDA stood in for ``eng``: every verify bucket counts as captured and its replays rewrite one set of
     output tensors per bucket (as a graph's replays do); the sampled rule captures stand-in graphs. Returns the
     replays per bucket."""
-    import specdec.scheduler.cuda_graphs as cg
+    import specdec.graphs as cg
 
     graphs, outs, replays = eng.runner.graphs, {}, {}
 

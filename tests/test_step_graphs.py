@@ -12,14 +12,14 @@ import random
 import numpy as np
 import pytest
 import torch
-from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket, query_buckets_for
-from specdec.scheduler.step_inputs import StepInputs
 
 from specdec.acceptance import verify_greedy
 from specdec.acceptance_batched import accept_greedy_padded, unpack_greedy
 from specdec.engine import SpecConfig, SpecEngine
+from specdec.graphs import QUERY_BUCKETS, bucket, query_buckets_for
 from specdec.runner import RowInput
 from specdec.sampling_params import SamplingParams
+from specdec.step_inputs import StepInputs
 from specdec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -232,9 +232,8 @@ def test_long_prompts_prefill_as_graphed_pieces(tiny_target, monkeypatch, draft,
     """Prompts longer than a verify bucket are prefilled as 64-token causal pieces, the rows of padded prefill
     steps (several pieces of one prompt in one step), never eagerly; chunked (max_num_tokens 100) or not, the
     output equals eager target-only decoding."""
-    from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY
-
     from specdec.runner import ModelRunner
+    from specdec.step_inputs import PREFILL, PREFILL_QUERY
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 64, 65, 200)]
@@ -289,7 +288,7 @@ def test_capture_graph_holds_the_garbage_collector(monkeypatch):
     import contextlib
     import gc
 
-    import specdec.scheduler.cuda_graphs as cg
+    import specdec.graphs as cg
 
     seen = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)

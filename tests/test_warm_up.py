@@ -11,11 +11,11 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
-import specdec.scheduler.cuda_graphs as cg
 import torch
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
 from test_sampled_rule import stand_in_verify_graphs
 
+import specdec.graphs as cg
 from specdec.adaptive import make_controller
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model

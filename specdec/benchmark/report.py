@@ -235,7 +235,7 @@ def build_report(records: Iterable[Any], env: dict, config: dict,
 # ---------------------------------------------------------------------------------------- output
 
 
-def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+def format_cell(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
@@ -249,20 +249,20 @@ def format_table(report: dict) -> str:
     for name, s in rows:
         ll, dv = s["lossless"], s["lossless"]["divergence"]
         table.append((
-            name, str(s["num_prompts"]), _fmt(s["acceptance_rate"], ".3f"),
-            _fmt(s["mean_accepted_length"]), _fmt(s["target_forwards_per_token"], ".3f"),
-            _fmt(s["spec_tokens_per_s"], ".1f"), _fmt(s["target_only_tokens_per_s"], ".1f"),
-            _fmt(s["hf_tokens_per_s"], ".1f"), _fmt(s["hf_static_tokens_per_s"], ".1f"),
-            _fmt(s["hf_assisted_tokens_per_s"], ".1f"), _fmt(s["speedup"], ".2f", "x"),
-            _fmt(s["speedup_vs_hf"], ".2f", "x"), _fmt(s["speedup_vs_hf_static"], ".2f", "x"),
-            _fmt(s["speedup_vs_hf_assisted"], ".2f", "x"), f"{ll['identical']}/{ll['checked']}",
+            name, str(s["num_prompts"]), format_cell(s["acceptance_rate"], ".3f"),
+            format_cell(s["mean_accepted_length"]), format_cell(s["target_forwards_per_token"], ".3f"),
+            format_cell(s["spec_tokens_per_s"], ".1f"), format_cell(s["target_only_tokens_per_s"], ".1f"),
+            format_cell(s["hf_tokens_per_s"], ".1f"), format_cell(s["hf_static_tokens_per_s"], ".1f"),
+            format_cell(s["hf_assisted_tokens_per_s"], ".1f"), format_cell(s["speedup"], ".2f", "x"),
+            format_cell(s["speedup_vs_hf"], ".2f", "x"), format_cell(s["speedup_vs_hf_static"], ".2f", "x"),
+            format_cell(s["speedup_vs_hf_assisted"], ".2f", "x"), f"{ll['identical']}/{ll['checked']}",
             str(dv["numerical_tie"]), str(dv["mismatch"] + dv["unclassified"]),
         ))
     depth = max((len(s["per_depth_acceptance"]) for _, s in rows), default=0)
     dtable = [("category", *[f"d{d}" for d in range(depth)])]
     for name, s in rows:
         accs = s["per_depth_acceptance"]
-        dtable.append((name, *[_fmt(accs[d], ".3f") if d < len(accs) else "-" for d in range(depth)]))
+        dtable.append((name, *[format_cell(accs[d], ".3f") if d < len(accs) else "-" for d in range(depth)]))
     env = report.get("env") or {}
     head = [f"device: {env.get('device', '?')}  commit: {env.get('git_commit') or '?'}"]
     legend = ("mal = mean accepted length (tokens per target forward); rates are tokens/s; hfs = transformers "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdec.benchmark.report import _fmt, render_table
+from specdec.benchmark.report import format_cell, render_table
 
 
 def format_sweep(report: dict) -> str:
@@ -16,11 +16,11 @@ def format_sweep(report: dict) -> str:
               "vs hfs", "identical", "tie", "mism")]
     for e in sweep:
         dv = e["lossless"]["divergence"]
-        table.append((str(e["batch_size"]), str(e["num_prompts"]), _fmt(e["mean_accepted_length"]),
-                      _fmt(e["spec_tokens_per_s"], ".1f"), _fmt(e["target_only_tokens_per_s"], ".1f"),
-                      _fmt(e["hf_tokens_per_s"], ".1f"), _fmt(e["hf_static_tokens_per_s"], ".1f"),
-                      _fmt(e["hf_assisted_tokens_per_s"], ".1f"), _fmt(e["speedup"], ".2f", "x"),
-                      _fmt(e["speedup_vs_hf"], ".2f", "x"), _fmt(e["speedup_vs_hf_static"], ".2f", "x"),
+        table.append((str(e["batch_size"]), str(e["num_prompts"]), format_cell(e["mean_accepted_length"]),
+                      format_cell(e["spec_tokens_per_s"], ".1f"), format_cell(e["target_only_tokens_per_s"], ".1f"),
+                      format_cell(e["hf_tokens_per_s"], ".1f"), format_cell(e["hf_static_tokens_per_s"], ".1f"),
+                      format_cell(e["hf_assisted_tokens_per_s"], ".1f"), format_cell(e["speedup"], ".2f", "x"),
+                      format_cell(e["speedup_vs_hf"], ".2f", "x"), format_cell(e["speedup_vs_hf_static"], ".2f", "x"),
                       f"{e['lossless']['identical']}/{e['lossless']['checked']}", str(dv["numerical_tie"]),
                       str(dv["mismatch"] + dv["unclassified"])))
     return "\n".join(["batch-size sweep", *render_table(table)]) + "\n"

@@ -26,10 +26,10 @@ import torch
 
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
+from specdec.graphs import bucket, capture_graph
 from specdec.models.llama import ForwardContext
-from specdec.scheduler.cuda_graphs import bucket, capture_graph
-from specdec.scheduler.step_inputs import PackedRows, StepInputs
-from specdec.tree import TreeTemplate, _depths_and_masks
+from specdec.step_inputs import PackedRows, StepInputs
+from specdec.tree import TreeTemplate, depths_and_masks
 
 
 class _Level(NamedTuple):
@@ -50,7 +50,7 @@ def levels_of(template: TreeTemplate, device) -> list[_Level]:
     depth, ranks, parents = template.depth, template.ranks, template.parents
     if list(depth) != sorted(depth):
         raise ValueError(f"template parents {parents} are not in level order")
-    _, masks = _depths_and_masks(list(parents))
+    _, masks = depths_and_masks(list(parents))
     out, start = [], 0
     while start < len(parents):
         d = depth[start]
@@ -67,7 +67,7 @@ def levels_of(template: TreeTemplate, device) -> list[_Level]:
     return out
 
 
-class _Catch(NamedTuple):
+class CatchUp(NamedTuple):
     """What the catch-up forward leaves for the tree levels of bucket ``b``."""
 
     b: int
@@ -179,12 +179,12 @@ class DeviceDraftProgram:
         logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
         p = self._plans[b]  # every level's slots and positions, computed once
         slots, pos = self.backend.tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs)
-        return self._grow(_Catch(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends))
+        return self._grow(CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends))
 
-    def _grow(self, c: _Catch) -> torch.Tensor:
+    def _grow(self, c: CatchUp) -> torch.Tensor:
         raise NotImplementedError
 
-    def _forward(self, c: _Catch, level: int, toks: torch.Tensor, masks: torch.Tensor,
+    def _forward(self, c: CatchUp, level: int, toks: torch.Tensor, masks: torch.Tensor,
                  feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft forward of the n nodes per row of forwarded ``level`` (the plan's levels): target ids ``toks``
         (b, n) at the level's region indices (slot of position len(tokens) + index), at the level's depth,
@@ -211,7 +211,7 @@ class DeviceTreeLoop(DeviceDraftProgram):
                          [(lv.nodes, lv.depth, lv.end) for lv in self.levels[:-1]])
         self._masks = {b: [lv.masks.repeat(b) for lv in self.levels] for b in batch_buckets}  # (b*n,) each
 
-    def _grow(self, c: _Catch) -> torch.Tensor:
+    def _grow(self, c: CatchUp) -> torch.Tensor:
         m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
         for i, lv in enumerate(self.levels):

@@ -19,14 +19,14 @@ import torch
 
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
-from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, ModelDrafter, _Growth
+from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, Growth, ModelDrafter
 from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth
 from specdec.lookahead import AdvanceGraphs, HostRead, HostUpload, PipelinedSteps
 from specdec.lookahead_ops import CAUSAL_BITS
 from specdec.models.eagle import EagleDraft
 from specdec.runner import RowInput, RowSlices
 from specdec.scheduler.request import Request
-from specdec.scheduler.step_inputs import PackedRows
+from specdec.step_inputs import PackedRows
 from specdec.tree import DraftTree, TreeSpec
 
 
@@ -177,7 +177,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         GraphRunner): the static template's levels, or a dynamic tree of ``device_shape(spec)``."""
         from specdec.drafters.eagle_device import DeviceTreeLoop
         from specdec.drafters.eagle_dynamic import DeviceDynamicTree, device_shape
-        from specdec.scheduler.cuda_graphs import QUERY_BUCKETS, bucket
+        from specdec.graphs import QUERY_BUCKETS, bucket
 
         dev, pool, backend = self.runner.device, self.runner.pool, self.runner.backend
         shape = device_shape(self.spec) if self._template is None else None
@@ -380,7 +380,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
             self.features.store([req for req, _ in live], [req.num_computed_draft - 1 for req, _ in live],
                                 [res.features for _, res in live])
 
-    def _catch_up(self, grows: list[_Growth]) -> None:
+    def _catch_up(self, grows: list[Growth]) -> None:
         reqs = [g.req for g in grows]
         spans = _Spans.of(reqs)
         aux = self.features.gather(self.features.sources(reqs, spans.bt, spans.begins, spans.valid)[spans.valid])
@@ -392,7 +392,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
             g.hidden[-1] = h
             g.frontier = [(-1, lg)]
 
-    def _forward_level(self, live: list[tuple[_Growth, list[int]]]) -> None:
+    def _forward_level(self, live: list[tuple[Growth, list[int]]]) -> None:
         rows = [RowInput(g.req, [g.tokens[i] for i in nodes], [g.L + g.depth[i] for i in nodes], g.L,
                          g.L + len(g.tokens), [g.masks[i] for i in nodes], want_logits="none")
                 for g, nodes in live]

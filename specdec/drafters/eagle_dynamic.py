@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specdec.drafters.eagle_device import DeviceDraftProgram, _Catch
+from specdec.drafters.eagle_device import CatchUp, DeviceDraftProgram
 from specdec.tree import MAX_TREE_NODES, TreeSpec
 from specdec.tree_ops import choose, select_level
 
@@ -159,7 +159,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
                          [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
 
-    def _grow(self, c: _Catch) -> Tensor:
+    def _grow(self, c: CatchUp) -> Tensor:
         m, k = self.model, self.shape.width
         state = c.state  # (b, K or 1, hidden): the draft states of the level before (first: the root)
 

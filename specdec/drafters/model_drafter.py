@@ -27,7 +27,7 @@ DYNAMIC_MAX_DEPTH = 10
 
 
 @dataclass
-class _Growth:
+class Growth:
     """A row's tree while it grows: level-ordered nodes and the frontier's draft logits."""
 
     req: Request
@@ -81,7 +81,7 @@ class ModelDrafter(Drafter):
     def propose(self, rows: list[Request]) -> Proposal:
         if not rows:
             return Proposal([], [])
-        grows = [_Growth(r, len(r.tokens)) for r in rows]
+        grows = [Growth(r, len(r.tokens)) for r in rows]
         self._catch_up(grows)
         for level in range(self._max_depth):
             new = self._expand_level(grows)
@@ -93,7 +93,7 @@ class ModelDrafter(Drafter):
             self._forward_level(live)
         return Proposal([self._tree(g) for g in grows], [frozenset(g.computed) for g in grows])
 
-    def _catch_up(self, grows: list[_Growth]) -> None:
+    def _catch_up(self, grows: list[Growth]) -> None:
         """Draft KV up to each row's last token; the root's draft logits become the frontier."""
         rows = [g.req for g in grows]
         catch_up = [RowInput(r, r.tokens[r.num_computed_draft:], list(range(r.num_computed_draft, len(r.tokens))),
@@ -102,7 +102,7 @@ class ModelDrafter(Drafter):
             g.req.num_computed_draft = g.L
             g.frontier = [(-1, lg)]
 
-    def _forward_level(self, live: list[tuple[_Growth, list[int]]]) -> None:
+    def _forward_level(self, live: list[tuple[Growth, list[int]]]) -> None:
         inputs = [RowInput(g.req, [g.tokens[i] for i in nodes], [g.L + g.depth[i] for i in nodes], g.L,
                            g.L + len(g.tokens), [g.masks[i] for i in nodes], want_logits="all")
                   for g, nodes in live]
@@ -110,11 +110,11 @@ class ModelDrafter(Drafter):
             g.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
             g.computed.update(nodes)
 
-    def _expand_level(self, grows: list[_Growth]) -> list[list[int]]:
+    def _expand_level(self, grows: list[Growth]) -> list[list[int]]:
         """Add every row's next level; return each row's new node indices."""
         return (self._expand_dynamic if self._template is None else self._expand_static)(grows)
 
-    def _expand_static(self, grows: list[_Growth]) -> list[list[int]]:
+    def _expand_static(self, grows: list[Growth]) -> list[list[int]]:
         """Add the template's children of every frontier node: a greedy row's most probable draft
         tokens (equal probabilities: lower id first), a sampled row's draws from its shaped draft
         distribution (i.i.d. for chains, without replacement for trees). One device->host read."""
@@ -149,13 +149,13 @@ class ModelDrafter(Drafter):
             new[gi] += [grows[gi].add(t, parent, 0.0, row) for t in toks[:self._child_count[parent]]]
         return new
 
-    def _static_nodes(self, g: _Growth) -> list[tuple[int, torch.Tensor]]:
+    def _static_nodes(self, g: Growth) -> list[tuple[int, torch.Tensor]]:
         """g's frontier nodes (node, logits) that get children this level."""
         if len(g.tokens) >= self.node_budget:
             return []
         return [(parent, lg) for parent, lg in g.frontier if self._child_count.get(parent, 0)]
 
-    def _expand_dynamic(self, grows: list[_Growth]) -> list[list[int]]:
+    def _expand_dynamic(self, grows: list[Growth]) -> list[list[int]]:
         """Add each row's next dynamic-tree level: its best min(beam, budget left) candidates over
         (frontier nodes x DYNAMIC_CANDIDATES) by cumulative draft probability (``frontier`` says the
         order and the tie rule). All rows are selected on the device and read with one copy."""
@@ -186,7 +186,7 @@ class ModelDrafter(Drafter):
             g.front_score = picked[r, :len(chosen), 2]
         return new
 
-    def _tree(self, g: _Growth) -> DraftTree:
+    def _tree(self, g: Growth) -> DraftTree:
         dev = self.runner.device
         if not g.tokens:
             return DraftTree.empty(dev)
@@ -199,12 +199,12 @@ class ModelDrafter(Drafter):
             g.dist_index if sampled else None, mode, device=dev)
 
 
-def _shape(g: _Growth) -> Shape:
+def _shape(g: Growth) -> Shape:
     p = g.req.params
     return None if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
 
 
-def _shape_key(g: _Growth) -> tuple:
+def _shape_key(g: Growth) -> tuple:
     shape = _shape(g)
     return (0,) if shape is None else (1, *shape)
 

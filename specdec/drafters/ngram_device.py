@@ -99,7 +99,7 @@ class DeviceNgram(VerifyPipeline):
         views, the verify graph's outcome buffer ``accept`` and a rows buffer padded with -1)."""
         entry = self.graphs.get((b, q))
         if entry is None:
-            from specdec.scheduler.cuda_graphs import capture_graph
+            from specdec.graphs import capture_graph
 
             views = self.runner.graphs.inputs.views(b, q)
             rows_buf = torch.full((b,), -1, dtype=torch.int64, device=self.hist.device)  # -1: nothing is written

@@ -22,8 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specdec.engine import SpecEngine
-from specdec.engine import _output as request_output
+from specdec.engine import SpecEngine, request_output
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request

@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from specdec.scheduler.step_inputs import PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
 
 from specdec.attention.base import AttnMetadata
 from specdec.models.llama import ForwardContext
+from specdec.step_inputs import PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
 
 log = logging.getLogger(__name__)
 
@@ -213,12 +213,12 @@ class GraphRunner:
         return costs
 
     def _fill_timing_rows(self, b: int, q: int, context: int) -> None:
-        from specdec.runner import _as_signed, causal_bits
+        from specdec.runner import as_signed, causal_bits
 
         bs, width = self.pool.block_size, self.inputs.width
         nblk = min(-(-(context + q) // bs), width)
         row = _TimingRow([1] * q, list(range(context, context + q)), context, context + q,
-                         _as_signed(causal_bits(q, q)) if q > 1 else None, [-1] + list(range(q - 1)))
+                         as_signed(causal_bits(q, q)) if q > 1 else None, [-1] + list(range(q - 1)))
         bt = np.zeros((b, width), dtype=np.int32)
         bt[:, :nblk] = np.arange(nblk) % self.pool.num_blocks
         self.inputs.fill(b, q, [row] * b, [[-1] * q] * b, bt)
