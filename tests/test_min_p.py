@@ -71,3 +71,20 @@ def test_min_p_sampling_follows_the_min_p_target(pair, target_logits, proposer, 
     _, plain = exact_dists(logits, 1.0, 0, 1.0)
     assert (exact == 0).sum() > (plain == 0).sum(), "min-p drops nothing here: the test would see nothing"
     check_with_control(f"min_p {proposer} graphs={graphs}", joint, stats, p1, exact, plain)
+
+
+@pytest.mark.parametrize("draft", ["ngram", "model"])
+def test_greedy_rows_with_min_p_equal_target_only(pair, draft):  # noqa: F811
+    """Greedy (temperature 0) ignores min_p, as in vLLM: with speculation on, rows asking for min_p 0.5 give
+    target-only greedy output, in one batch with sampled min_p rows (which must not disturb them)."""
+    from specdec.engine import SpecConfig, SpecEngine
+
+    _, target, model = pair
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:]]
+    greedy = SamplingParams(max_new_tokens=10, ignore_eos=True, min_p=0.5)
+    plain = SpecEngine(None, target, SpecConfig(block_size=2)).generate(prompts, SamplingParams(max_new_tokens=10,
+                                                                                               ignore_eos=True))
+    sampled = SamplingParams(max_new_tokens=10, ignore_eos=True, temperature=1.0, min_p=0.2, seed=3)
+    eng = SpecEngine(model if draft == "model" else "ngram", target, SpecConfig(tree="chain:2", block_size=2))
+    outs = eng.generate(prompts + prompts, [greedy] * 3 + [sampled] * 3)
+    assert [o.token_ids for o in outs[:3]] == [o.token_ids for o in plain]
