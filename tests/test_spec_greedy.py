@@ -222,8 +222,10 @@ def test_smollm2_spec_greedy_equals_target_only(smollm2, smollm2_target_only, ch
                                                 smollm2_new_tokens, tree):
     draft = truncate_layers(smollm2, 4)
     eng = SpecEngine(draft, smollm2, SpecConfig(tree=tree, num_blocks=256))
-    outs = eng.generate(chat_prompt_ids, SamplingParams(max_new_tokens=smollm2_new_tokens))
-    for i, (out, ref) in enumerate(zip(outs, smollm2_target_only, strict=True)):
+    half = len(chat_prompt_ids) // 2  # (the first four questions; the shipped draft's tests take all eight)
+    prompts, refs = chat_prompt_ids[:half], smollm2_target_only[:half]
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=smollm2_new_tokens))
+    for i, (out, ref) in enumerate(zip(outs, refs, strict=True)):
         assert out.token_ids == ref.token_ids, f"prompt {i}"
         assert out.finish_reason == ref.finish_reason
     assert eng.stats.drafted > 0 and eng.stats.accepted > 0
