@@ -85,10 +85,6 @@ class ModelRunner:
         self.device = torch.device(device)
         self.graphs = None  # a GraphRunner once the engine enables the static-buffer step
 
-    def slots(self, req: Request, logical: range | list[int]) -> list[int]:
-        bs = self.pool.block_size
-        return [req.blocks[p // bs] * bs + p % bs for p in logical]
-
     def build(self, rows: list[RowInput]) -> tuple[AttnMetadata, torch.Tensor, torch.Tensor]:
         """Metadata, token ids (T,) and positions (T,) of the packed rows. The per-token arrays are built with
         numpy and reach the device in one non-blocking copy, so building a step never waits for the GPU work
@@ -231,7 +227,8 @@ class ModelRunner:
         self.sync_tables(r.req for r in rows)
         if q > 1:
             rows = [r if r.tree_mask is not None else _with_causal_mask(r) for r in rows]
-        slots = [self.slots(r.req, range(r.seq_len - len(r.token_ids), r.seq_len)) for r in rows]
+        bs = self.pool.block_size
+        slots = [_row_slots(r.req.blocks, r.seq_len - len(r.token_ids), r.seq_len, bs).tolist() for r in rows]
         return rows, slots, self.tables.host_rows([r.req.bt_row for r in rows])
 
     def _replay(self, key, rows: list[RowInput], features=None):

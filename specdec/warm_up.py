@@ -54,17 +54,18 @@ def warm_up(engine) -> float:
     buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
     # a queued step's advance graph is keyed by its row count; every other graph by the batch bucket only
     counts = range(1, cfg.max_batch_size + 1) if plan.pipeline else sorted(buckets | {cfg.max_batch_size})
+    # greedy steps: the budget the engine gives them (pipelined: fixed, else the controller's choice)
+    greedy_budget = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
     try:
         for rows in counts:
-            # greedy steps: the budget the engine gives them (pipelined: fixed, else the controller's choice)
-            engine.adaptive = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
+            engine.adaptive = greedy_budget
             engine.generate([prompt] * rows, greedy)
             for nodes in sampled_budgets:  # a step with a sampled row: any budget the controller may choose
                 engine.adaptive = None if controller is None else FixedBudget(nodes)
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
                 if rows in buckets or rows == cfg.max_batch_size:  # the sampled rule per batch bucket, top-p on
                     engine.generate([prompt] * rows, sampled[1])
-        engine.adaptive = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
+        engine.adaptive = greedy_budget
         vocab, limit = engine.target.config.vocab_size, engine.target.config.max_position_embeddings
         mixed = [[(7 * i + j) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(MIXED_LENGTHS)
                  if n + WARM_UP_TOKENS + engine.drafter.lookahead < limit]

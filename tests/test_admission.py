@@ -24,6 +24,18 @@ def _requests(n: int) -> list[Request]:
     return [Request(str(i), [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4, ignore_eos=True)) for i in range(n)]
 
 
+def _full_batch(min_free: int, max_wait: int, requests: int, finished: int) -> Scheduler:
+    """A scheduler of 8 rows after ``requests`` requests came and 8 were admitted, then ``finished`` of them
+    ended (nothing scheduled since)."""
+    sched = _scheduler(min_free, max_wait)
+    for req in _requests(requests):
+        sched.add(req)
+    sched.schedule()
+    for _ in range(finished):
+        sched.finish(sched.running[0], "length")
+    return sched
+
+
 def test_waiting_requests_join_once_enough_rows_are_free():
     sched = _scheduler(min_free=3, max_wait=100)
     for req in _requests(12):
@@ -45,11 +57,7 @@ def test_waiting_requests_join_once_enough_rows_are_free():
 
 
 def test_a_request_is_held_back_at_most_admit_max_wait_steps():
-    sched = _scheduler(min_free=4, max_wait=3)
-    for req in _requests(12):
-        sched.add(req)
-    sched.schedule()
-    sched.finish(sched.running[0], "length")
+    sched = _full_batch(min_free=4, max_wait=3, requests=12, finished=1)
     steps = 0
     while len(sched.waiting) == 4:
         sched.schedule()
@@ -58,12 +66,7 @@ def test_a_request_is_held_back_at_most_admit_max_wait_steps():
 
 
 def test_fewer_waiting_than_the_group_size_join_as_soon_as_they_fit():
-    sched = _scheduler(min_free=4, max_wait=100)
-    for req in _requests(10):
-        sched.add(req)
-    sched.schedule()
-    sched.finish(sched.running[0], "length")
-    sched.finish(sched.running[0], "length")
+    sched = _full_batch(min_free=4, max_wait=100, requests=10, finished=2)
     sched.schedule()
     assert not sched.waiting  # two wait, two rows free
 
