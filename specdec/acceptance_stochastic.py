@@ -245,6 +245,35 @@ def accept_deterministic_padded(logits: Tensor, trees: PaddedTrees, sampling: Ro
     return _deterministic_outcome(shape_probs_rows(logits, sampling), trees, uniforms)  # (greedy rows: the argmax)
 
 
+def accept_deterministic_walk(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor,
+                              levels: int) -> Tensor:  # (B, Q + 2) int64, ``accept_stochastic_padded``'s layout
+    """``accept_deterministic_padded``'s outcome, drawing only where the walk goes: round d shapes and samples the
+    target distribution at every row's depth-d path node (B, V), so the filtering sort covers B * (levels + 1)
+    distributions instead of B * Q. ``levels`` is a host bound on the trees' levels below the root (a row still
+    walking after levels + 1 rounds would have no bonus token: the caller vouches for the bound)."""
+    b, q, _ = _check(logits, trees, sampling, uniforms)
+    idx = torch.arange(q, device=logits.device)  # (Q,)
+    rows = torch.arange(b, device=logits.device)  # (B,)
+    is_node = (idx.view(1, -1) < trees.num_tokens.view(-1, 1)) & (trees.parents >= 0)  # (B, Q)
+    cur = torch.zeros(b, dtype=torch.int64, device=logits.device)  # (B,) the row's current node (0: the root)
+    live = torch.ones(b, dtype=torch.bool, device=logits.device)  # (B,) the row's walk goes on
+    bonus = torch.zeros_like(cur)
+    on_path = torch.zeros(b, q, dtype=torch.bool, device=logits.device)
+    for _ in range(levels + 1):
+        probs = shape_probs_rows(logits[rows, cur], sampling)  # (B, V) at the current nodes
+        y = _sample(probs, uniforms.gather(1, cur.view(-1, 1))).view(-1)  # (B,) the draw there
+        match = is_node & (trees.parents == cur.view(-1, 1)) & (trees.tokens == y.view(-1, 1))  # (B, Q)
+        child = torch.where(match, idx, q).min(-1).values  # (B,) the first child drawn; q = none
+        found = live & (child < q)
+        bonus = torch.where(live & ~found, y, bonus)
+        on_path |= found.view(-1, 1) & (idx.view(1, -1) == child.view(-1, 1))
+        cur = torch.where(found, child, cur)
+        live = found
+    count = on_path.sum(1, keepdim=True)  # (B, 1)
+    order = torch.where(on_path, idx, idx + q).argsort(dim=1)  # (B, Q) path indices first, in depth order
+    return torch.cat([count, bonus.view(-1, 1), order], dim=1)
+
+
 def _deterministic_outcome(probs: Tensor, trees: PaddedTrees, uniforms: Tensor) -> Tensor:
     """(B, Q + 2) single-draw outcome: verify token j draws y_j from probs[:, j] with uniforms[:, j] (the root's is
     column 0, node c's column c + 1: ``walk_deterministic``'s coins), then the greedy walk follows the children

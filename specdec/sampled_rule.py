@@ -31,6 +31,7 @@ from specdec.acceptance_stochastic import (
     PaddedTrees,
     RowSampling,
     accept_deterministic_padded,
+    accept_deterministic_walk,
     tree_rows,
 )
 from specdec.lookahead import HostUpload
@@ -43,6 +44,10 @@ _ONE_BITS = int(np.float64(1.0).view(np.int64))  # float64 1.0 as int64 bits: te
 # columns after the 3 Q tree columns of a row of the step's int64 array (the last three: float64 bits)
 _N, _KEY0, _KEY1, _COUNTER, _TOP_K, _SAMPLED, _TEMPERATURE, _TOP_P, _MIN_P = range(9)
 _COLUMNS = 9
+# draw along the walk (levels + 1 rounds over (B, V)) when that shapes at most this share of the Q distributions
+# per row that drawing at every verify token shapes: each round is a dozen launches, so a walk nearly as long as
+# the tree costs more than one pass over (B, Q, V)
+WALK_MAX_SHARE = 0.5
 
 
 def applies(trees: Sequence[DraftTree]) -> bool:
@@ -64,12 +69,13 @@ def step_array(rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int
 
 
 def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty: ContextPenalty | None = None,
-         any_greedy: bool = False) -> Tensor:
+         any_greedy: bool = False, levels: int | None = None) -> Tensor:
     """(B, Q + 3) outcome of a padded step: the sampled rows' from the lossless rule over ``logits`` (B * Q, V),
     the others' ``accept`` (B, Q + 3, the verify's greedy outcome; its last column, the finite flag, is kept
     for every row). ``inputs``: ``step_array``'s (B, 3 Q + 9) on the device. ``penalty``: the rows' repetition
     penalty, applied to the logits first; ``any_greedy``: some sampled row has temperature 0 (a penalized greedy
-    row: its outcome is the penalized argmax's). No host reads."""
+    row: its outcome is the penalized argmax's); ``levels``: a bound on the trees' levels below the root, which
+    lets the rule draw only along the walk (``accept_deterministic_walk``; not with a penalty). No host reads."""
     b, q = accept.shape[0], accept.shape[1] - 3
 
     def col(j: int) -> Tensor:  # (B,) column j after the tree columns
@@ -80,17 +86,27 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
     sampling = RowSampling(col(_TEMPERATURE).view(torch.float64), col(_TOP_K), col(_TOP_P).view(torch.float64),
                            filtered, any_greedy, col(_MIN_P).view(torch.float64))
     uniforms = padded_uniforms(col(_KEY0), col(_KEY1), col(_COUNTER), col(_N), q)  # (B, Q)
-    x = logits.view(b, q, -1).float()  # (B, Q, V)
-    if penalty is not None:
-        x = penalty.apply(x, trees.tokens, trees.tree_mask)
-    out = accept_deterministic_padded(x, trees, sampling, uniforms)  # (B, Q + 2)
+    x = logits.view(b, q, -1)  # (B, Q, V)
+    if levels is not None and penalty is None:
+        out = accept_deterministic_walk(x, trees, sampling, uniforms, levels)  # (B, Q + 2)
+    else:
+        x = x.float()
+        if penalty is not None:
+            x = penalty.apply(x, trees.tokens, trees.tree_mask)
+        out = accept_deterministic_padded(x, trees, sampling, uniforms)
     # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails
     real = torch.arange(q, device=x.device) < col(_N).view(-1, 1)  # (B, Q)
-    peak = torch.where(real, x.abs().amax(-1), 0.0).amax(-1)  # (B,)
+    peak = torch.where(real, x.abs().amax(-1).float(), 0.0).amax(-1)  # (B,) (the max of |x| is exact in x's dtype)
     t = sampling.temperature.float()
     t = torch.where(t > 0, t, 1.0) if any_greedy else t  # a greedy row's argmax needs finite logits only
     finite = accept[:, -1:] * torch.isfinite(peak / t).view(-1, 1).to(accept.dtype)
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, finite], 1), accept)
+
+
+def walk_levels(levels: int | None, q: int) -> int | None:
+    """``levels`` (a bound on the trees' levels below the root) when the rule should draw along the walk in a
+    bucket of ``q`` verify tokens per row, else None (one draw at every verify token)."""
+    return levels if levels is not None and levels + 1 <= WALK_MAX_SHARE * q else None
 
 
 def sampling_array(rows: Sequence, draws: dict[int, int], b: int) -> np.ndarray:
@@ -119,7 +135,7 @@ def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtere
 
 
 class SampledRule:
-    """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its
+    """``rule`` as one CUDA graph replay per (B, Q, filtered, walk levels, verify output buffers) on CUDA, captured at its
     first use into one memory pool shared by these graphs (replayed one at a time, each output read before
     the next replay); eagerly elsewhere, when the verify's outputs are not a captured graph's buffers, or when a
     row has a repetition penalty."""
@@ -140,20 +156,21 @@ class SampledRule:
                          captured)
 
     def on_views(self, rows: Sequence, sampled: Sequence[int], n: int, views, logits: Tensor, accept: Tensor,
-                 captured: bool) -> Tensor:
+                 captured: bool, levels: int | None = None) -> Tensor:
         """``__call__`` for a step whose verify inputs ``views`` hold every row's tree of ``n - 1`` nodes (a fused
-        step: the trees never reached the host)."""
+        step: the trees never reached the host) with at most ``levels`` levels below the root (None: unknown)."""
         host = sampling_array(rows, dict.fromkeys(sampled, n), accept.shape[0])
         return self._run("views", host, functools.partial(rule_on_views, views=views), rows, sampled, logits,
-                         accept, captured)
+                         accept, captured, levels)
 
     def _run(self, kind: str, host: np.ndarray, fn, rows: Sequence, sampled: Sequence[int], logits: Tensor,
-             accept: Tensor, captured: bool) -> Tensor:
-        """``fn(inputs, logits=, accept=, filtered=)`` over the uploaded ``host``: replayed from the graph of
-        (``kind``, B, Q, filtered, output buffers) when capturing and ``captured``, else eagerly (with the
-        repetition penalty of the rows that have one)."""
+             accept: Tensor, captured: bool, levels: int | None = None) -> Tensor:
+        """``fn(inputs, logits=, accept=, filtered=, levels=)`` over the uploaded ``host``: replayed from the graph
+        of (``kind``, B, Q, filtered, walk levels, output buffers) when capturing and ``captured``, else eagerly
+        (with the repetition penalty of the rows that have one)."""
         filtered = any(rows[i].params.filtered for i in sampled)
-        build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered)
+        levels = walk_levels(levels, accept.shape[1] - 3)
+        build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered, levels=levels)
         penalized = penalized_rows(rows, sampled)
         if penalized:
             penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device)
@@ -161,7 +178,7 @@ class SampledRule:
         if not (self.capture and captured):
             return build(self.upload(host))
         b, q = accept.shape[0], accept.shape[1] - 3
-        return self._replay((kind, b, q, filtered, logits.data_ptr(), accept.data_ptr()), host, build)
+        return self._replay((kind, b, q, filtered, levels, logits.data_ptr(), accept.data_ptr()), host, build)
 
     def _replay(self, key, host: np.ndarray, build) -> Tensor:
         """Replay the graph of ``key`` (``build(inputs)`` captured over an input buffer shaped like ``host`` on

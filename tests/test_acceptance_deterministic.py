@@ -148,6 +148,34 @@ def test_accept_stochastic_padded_takes_the_single_draw_rule_for_deterministic_r
     assert _mismatches(rules.accept_stochastic_padded, torch.float64, False) == []
 
 
+def _levels(trees: PaddedTrees) -> int:
+    """The batch's most levels below the root: a node's level is its tree mask's bit count (itself, its ancestors
+    and the root) minus 1."""
+    bits = sum(((trees.tree_mask >> j) & 1) for j in range(trees.tree_mask.shape[1]))  # (B, Q)
+    return int(bits.max()) - 1 if bits.numel() else 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("slack", [0, 2])
+def test_walk_equals_the_host_walk(dtype, slack):
+    """Drawing only along the walk (``levels`` rounds over (B, V)) gives the host walk's outcome, with the batch's
+    exact depth bound and with a looser one."""
+
+    def walk(logits, trees, sampling, u):
+        return rules.accept_deterministic_walk(logits, trees, sampling, u, _levels(trees) + slack)
+
+    assert _mismatches(walk, dtype, adversarial=slack == 2) == []
+
+
+def test_walk_with_a_short_bound_is_caught():
+    """Negative control: a walk cut one level short of the deepest tree misses deep paths' bonus tokens."""
+
+    def short(logits, trees, sampling, u):
+        return rules.accept_deterministic_walk(logits, trees, sampling, u, max(_levels(trees) - 1, 0))
+
+    assert len(_mismatches(short, torch.float64, False)) > CASES // 10
+
+
 def test_a_shifted_uniform_is_caught():
     """Negative control: drawing at verify token j with column j + 1's uniform (wrapping) differs on most batches."""
 

@@ -80,6 +80,26 @@ def test_rule_equals_the_padded_rule_with_greedy_rows_kept(chains):
     assert deepest >= 2 and moved >= 6  # deep paths, and sampled rows really sample
 
 
+def test_rule_drawing_along_the_walk_equals_drawing_everywhere():
+    """With a bound on the trees' levels the rule draws only along each row's walk; its outcome is the same, and a
+    bound one level short of the deepest accepted path (negative control) loses that row's bonus token."""
+    from specdec.sampled_rule import rule, step_array
+
+    deep, short_differs = 0, 0
+    for seed in range(20):
+        rows, trees, logits, accept = _case(seed)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        inputs = torch.from_numpy(step_array(rows, trees, sampled, accept.shape[0], Q))
+        want = rule(inputs, logits, accept, filtered=True)
+        levels = max(t.max_depth for t in trees)
+        assert torch.equal(rule(inputs, logits, accept, filtered=True, levels=levels), want), seed
+        deepest = int(want[sampled, 0].max())
+        if deepest >= 1:
+            deep += 1
+            short_differs += not torch.equal(rule(inputs, logits, accept, filtered=True, levels=deepest - 1), want)
+    assert deep >= 10 and short_differs >= deep * 2 // 3
+
+
 def test_applies_to_trees_without_draft_distributions():
     dists = torch.full((3, 4), 0.25)
     drawn = DraftTree.from_parents([1, 2], [-1, 0], dists, [0, 1], "iid")
