@@ -108,5 +108,46 @@ def test_verify_step(benchmark, device, batch, nodes):
     benchmark.extra_info.update(batch=batch, nodes=nodes, tokens_verified_per_step=batch * (nodes + 1))
 
 
+def _level_tree(nodes: int, levels: int, vocab: int, g: torch.Generator) -> DraftTree:
+    """A tree of ``nodes`` random tokens spread over ``levels`` levels, each node's parent on the level above."""
+    per = [nodes // levels + (i < nodes % levels) for i in range(levels)]
+    parents, start = [], -1
+    for d, width in enumerate(per):
+        above = list(range(start, start + per[d - 1])) if d else [-1]
+        parents += [above[i % len(above)] for i in range(width)]
+        start = len(parents) - width
+    return DraftTree.from_parents(torch.randint(vocab, (nodes,), generator=g).tolist(), parents)
+
+
+@pytest.mark.parametrize("walk", [False, True], ids=["every_token", "walk"])
+@pytest.mark.parametrize("device,batch", GPU_CASES + [("cpu", 4)])
+def test_sampled_rule(benchmark, device, batch, walk):
+    """The lossless rule of a step whose rows all sample (T = 0.7, top-p 0.9) over 31-node trees of 5 levels
+    (the shipped draft's CUDA default shape), drawing at every verify token or only along the walk; on CUDA a
+    captured graph's replay, over bf16 logits of the real vocabulary."""
+    from types import SimpleNamespace
+
+    from specdec.sampled_rule import SampledRule
+    from specdec.uniform_stream import UniformStream
+
+    vocab, q, nodes, levels = (49152, 32, 31, 5) if device == "cuda" else (512, 16, 15, 3)
+    g = torch.Generator().manual_seed(0)
+    trees = [_level_tree(nodes, levels, vocab, g) for _ in range(batch)]
+    logits = (3.0 * torch.randn(batch * q, vocab, generator=g)).to(device, torch.bfloat16 if device == "cuda"
+                                                                   else torch.float32)
+    accept = torch.zeros(batch, q + 3, dtype=torch.int64, device=device)
+    rows = [SimpleNamespace(params=SamplingParams(temperature=0.7, top_p=0.9, seed=i), stream=UniformStream(i))
+            for i in range(batch)]
+    rule = SampledRule(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        rule(rows, trees, range(batch), logits, accept, captured=True, levels=levels if walk else None)
+        sync()
+
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP)
+    benchmark.extra_info.update(batch=batch, verify_tokens=q, levels=levels, walk=walk)
+
+
 def _dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"

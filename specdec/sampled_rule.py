@@ -148,12 +148,13 @@ class SampledRule:
         self._pool = None
 
     def __call__(self, rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], logits: Tensor,
-                 accept: Tensor, captured: bool) -> Tensor:
+                 accept: Tensor, captured: bool, levels: int | None = None) -> Tensor:
         """(B, Q + 3) outcome of the step whose verify wrote ``logits`` (B * Q, V) and ``accept`` (B, Q + 3), its
-        sampled rows ``sampled`` through the rule; ``captured``: those are a captured verify graph's outputs."""
+        sampled rows ``sampled`` through the rule; ``captured``: those are a captured verify graph's outputs;
+        ``levels``: a bound on the sampled trees' levels below the root (None: draw at every verify token)."""
         b, q = accept.shape[0], accept.shape[1] - 3
         return self._run("trees", step_array(rows, trees, sampled, b, q), rule, rows, sampled, logits, accept,
-                         captured)
+                         captured, levels)
 
     def on_views(self, rows: Sequence, sampled: Sequence[int], n: int, views, logits: Tensor, accept: Tensor,
                  captured: bool, levels: int | None = None) -> Tensor:

@@ -239,6 +239,38 @@ def test_gpu_captured_rule_equals_eager_and_cpu():
 
 
 @gpu
+def test_gpu_walk_equals_every_token_at_real_size():
+    """The real vocabulary, bf16 logits, 16 rows of 31-node trees over 5 levels that the target often agrees with
+    (deep paths): the captured rule drawing along the walk gives the outcome of drawing at every verify token."""
+    from specdec.sampled_rule import rule, step_array
+
+    vocab, q, b = 49152, 32, 16
+    g = torch.Generator().manual_seed(0)
+    same = total = deep = 0
+    for seed in range(4):
+        trees, rows = [], []
+        logits = 2.0 * torch.randn(b, q, vocab, generator=g)
+        for i in range(b):
+            parents = [-1] * 6 + [j % 6 for j in range(6)] + [6 + j % 6 for j in range(6)] + \
+                      [12 + j % 6 for j in range(6)] + [18 + j % 6 for j in range(7)]
+            tokens = torch.randint(vocab, (31,), generator=g).tolist()
+            for j, p in enumerate(parents):
+                logits[i, p + 1, tokens[j]] += 12.0 * (j % 6 == 0)  # the first child of each level: likely drawn
+            trees.append(DraftTree.from_parents(tokens, parents))
+            rows.append(SimpleNamespace(params=SamplingParams(temperature=0.7, top_p=0.9, seed=i),
+                                        stream=UniformStream(seed * 100 + i)))
+        lg = logits.view(b * q, vocab).to("cuda", torch.bfloat16)
+        accept = torch.zeros(b, q + 3, dtype=torch.int64, device="cuda")
+        inputs = torch.from_numpy(step_array(rows, trees, range(b), b, q)).cuda()
+        want = rule(inputs, lg, accept, filtered=True).cpu()
+        got = rule(inputs, lg, accept, filtered=True, levels=5).cpu()
+        same += (got == want).all(1).sum().item()
+        total += b
+        deep += (want[:, 0] >= 3).sum().item()
+    assert same >= 0.99 * total and deep >= total // 4, (same, total, deep)
+
+
+@gpu
 @pytest.mark.parametrize("draft", ["ngram", None])
 def test_gpu_engine_graphed_sampling_equals_eager(tiny_dirs, draft):
     """float32 on the GPU: the engine with CUDA graphs (the captured sampled rule, whatever the sampled row count)
