@@ -2,8 +2,8 @@
 
 Some graphs of a padded step are captured on their first use, because their keys depend on what a step
 holds: a queued step's advance per row count, a dynamic tree's writer per budget, the sampled rule per
-(bucket, filter flag). Captured in the middle of a user's first requests they made the first round of a
-new engine several times slower than the next ones. ``warm_up`` drives short synthetic requests through
+(bucket, filter flag). Captured in the middle of a user's first requests they would make those requests
+several times slower than later ones. ``warm_up`` drives short synthetic requests through
 ``SpecEngine.generate`` at every row count, greedy and sampled (with and without top-p), under every budget
 the engine may choose, so those graphs exist when the first request arrives; then it forgets everything
 the synthetic requests left behind (statistics, drafted text, cached prefixes, the blocks they held).
