@@ -18,6 +18,8 @@ from specdec.kernels.arg_checks import (
     next_pow2,
 )
 
+from specdec.attention.torch_backend import write_kv
+
 
 @triton.jit
 def _rotate_store(src, dst, cos, sin, heads_ok, offs_h, offs_d, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -89,12 +91,7 @@ def fused_rope_cache_write_reference(
         return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(qkv.dtype)
 
     q, k, v = rotate(q), rotate(k), v.clone()
-    keep = slot_mapping >= 0  # (T,)
-    slots = slot_mapping[keep]
-    page = k_cache.shape[1]
-    blocks, offsets = torch.div(slots, page, rounding_mode="floor"), slots % page
-    k_cache[blocks, offsets] = k[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = v[keep].to(v_cache.dtype)
+    write_kv(k, v, k_cache, v_cache, slot_mapping)
     if out is None:
         return q, k, v
     return tuple(o.copy_(x) for o, x in zip(out, (q, k, v), strict=True))

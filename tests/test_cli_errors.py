@@ -101,10 +101,12 @@ def test_pipeline_and_adaptive_flags_reach_the_engine_config(monkeypatch):
 
 def test_sampling_with_a_draft_on_cuda_gets_a_speed_note():
     """``specdec generate`` warns (on stderr) only when it samples with a draft on CUDA, where sampled speculation
-    measured slower than target-only decoding."""
+    may not beat target-only decoding; the note names the target-only flag and states no speed figures."""
     from specdec.cli.main import sampled_speed_note
 
-    assert "--draft none" in sampled_speed_note("cuda", 0.7, "smollm2-135m-draft")
+    note = sampled_speed_note("cuda", 0.7, "smollm2-135m-draft")
+    assert "--draft none" in note and "target-only" in note
+    assert not any(ch.isdigit() for ch in note), note  # figures go stale; bench/RESULTS.md holds them
     assert "--draft none" in sampled_speed_note("cuda:0", 0.7, "ngram")
     assert sampled_speed_note("cuda", 0.0, "ngram") is None  # greedy
     assert sampled_speed_note("cuda", 0.7, "none") is None  # target-only already

@@ -65,6 +65,23 @@ class SharedNgrams:
                 return None
         return owners[found >> 32], found & 0xFFFFFFFF
 
+    def follow(self, probes, k: int) -> list[int] | None:
+        """The up to ``k`` tokens after the latest occurrence of the first n-gram of ``probes`` ((n, n-gram)
+        pairs, longest first) that the table holds, or None when it holds none of them. ``get`` inlined: it runs
+        up to max_n times per row-step."""
+        new, old = self.new, self.old
+        for n, gram in probes:
+            hit = new.get(gram)
+            if hit is not None:
+                owners = self.new_owners
+            elif old and (hit := old.get(gram)) is not None:  # ``old`` is empty until the first turn-over
+                owners = self.old_owners
+            else:
+                continue
+            start = hit & 0xFFFFFFFF
+            return owners[hit >> 32][start + n:start + n + k]
+        return None
+
     def clear(self) -> None:
         self.new, self.old, self.new_owners, self.old_owners = {}, {}, {}, {}
 
@@ -149,18 +166,10 @@ class NgramIndex:
                     break
         shared = self.shared
         if shared is not None and use_shared:
-            new, old = shared.new, shared.old  # ``SharedNgrams.get``, inlined (up to max_n lookups per row-step)
-            for n in range(top, max(found, shared.min_n - 1), -1):  # longer than the own match only
-                gram = suffix[top - n:]
-                hit = new.get(gram)
-                if hit is not None:
-                    owners = shared.new_owners
-                elif old and (hit := old.get(gram)) is not None:  # ``old`` is empty until the first turn-over
-                    owners = shared.old_owners
-                else:
-                    continue
-                start = hit & 0xFFFFFFFF
-                return owners[hit >> 32][start + n:start + n + k]
+            longer = range(top, max(found, shared.min_n - 1), -1)  # longer than the own match only
+            hit = shared.follow(((n, suffix[top - n:]) for n in longer), k)
+            if hit is not None:
+                return hit
         return out
 
     def lookup_unrolled(self, tokens: list[int], k: int, use_shared: bool = True) -> list[int]:
@@ -209,17 +218,9 @@ class NgramIndex:
                 found = 1
         out = tokens[start + found:start + found + k] if found else []
         if shared is not None and use_shared and found < 4:  # a longer match in the shared table wins
-            new, old = shared.new, shared.old
-            for n, gram in _SHARED_PROBES[found](g4, g3, g2):
-                hit = new.get(gram)
-                if hit is not None:
-                    owners = shared.new_owners
-                elif old and (hit := old.get(gram)) is not None:
-                    owners = shared.old_owners
-                else:
-                    continue
-                start = hit & 0xFFFFFFFF
-                return owners[hit >> 32][start + n:start + n + k]
+            hit = shared.follow(_SHARED_PROBES[found](g4, g3, g2), k)
+            if hit is not None:
+                return hit
         return out
 
 
