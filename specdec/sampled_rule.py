@@ -44,10 +44,10 @@ _ONE_BITS = int(np.float64(1.0).view(np.int64))  # float64 1.0 as int64 bits: te
 # columns after the 3 Q tree columns of a row of the step's int64 array (the last three: float64 bits)
 _N, _KEY0, _KEY1, _COUNTER, _TOP_K, _SAMPLED, _TEMPERATURE, _TOP_P, _MIN_P = range(9)
 _COLUMNS = 9
-# draw along the walk (levels + 1 rounds over (B, V)) when that shapes at most this share of the Q distributions
-# per row that drawing at every verify token shapes: each round is a dozen launches, so a walk nearly as long as
-# the tree costs more than one pass over (B, Q, V)
-WALK_MAX_SHARE = 0.5
+# draw along the walk (levels + 1 rounds over (B, V)) when that leaves at least this many of the B * Q target
+# distributions unshaped: each round costs a fixed set of launches (the sort's among them), so at a batch of one
+# the single pass over (B, Q, V) is cheaper (bench_steps.py::test_sampled_rule)
+WALK_MIN_SAVED = 96
 
 
 def applies(trees: Sequence[DraftTree]) -> bool:
@@ -103,10 +103,10 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, finite], 1), accept)
 
 
-def walk_levels(levels: int | None, q: int) -> int | None:
+def walk_levels(levels: int | None, b: int, q: int) -> int | None:
     """``levels`` (a bound on the trees' levels below the root) when the rule should draw along the walk in a
-    bucket of ``q`` verify tokens per row, else None (one draw at every verify token)."""
-    return levels if levels is not None and levels + 1 <= WALK_MAX_SHARE * q else None
+    bucket of ``b`` rows of ``q`` verify tokens, else None (one draw at every verify token)."""
+    return levels if levels is not None and b * (q - levels - 1) >= WALK_MIN_SAVED else None
 
 
 def sampling_array(rows: Sequence, draws: dict[int, int], b: int) -> np.ndarray:
@@ -170,7 +170,7 @@ class SampledRule:
         of (``kind``, B, Q, filtered, walk levels, output buffers) when capturing and ``captured``, else eagerly
         (with the repetition penalty of the rows that have one)."""
         filtered = any(rows[i].params.filtered for i in sampled)
-        levels = walk_levels(levels, accept.shape[1] - 3)
+        levels = walk_levels(levels, accept.shape[0], accept.shape[1] - 3)
         build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered, levels=levels)
         penalized = penalized_rows(rows, sampled)
         if penalized:
