@@ -15,25 +15,31 @@ from specdec.cli import main
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 from specdec.sampling_params import SamplingParams
-from specdec.training.eagle_data import build_token_file, load_token_file
+from specdec.training.eagle_data import build_token_file
 from specdec.training.eagle_regen import RegenConfig, assistant_runs, cut_token_file, regenerate_token_file
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 NEW = 12
 ENGINE = SpecConfig(max_batch_size=8, num_blocks=256, block_size=8)
-REGEN = RegenConfig(max_new_tokens=NEW, temperature=0.0, max_turns=2, max_docs=12, chunk=5)
+REGEN = RegenConfig(max_new_tokens=NEW, temperatures=(0.0,), max_turns=2, max_docs=12, chunk=5)
+
+
+def make_regen(root, n: int, max_len: int, cfg: RegenConfig):
+    """The tiny target in ``root/target``, the token file ``root/text.npz`` of ``n`` fake ShareGPT conversations
+    (``max_len`` tokens at most) and its regenerated file ``root/regen.npz``: (target, text, regen)."""
+    _save_tiny_target(root / "target")
+    _fake_sharegpt(root / "sharegpt.json", n=n)
+    target = load_model(root / "target")
+    text = build_token_file(root / "text.npz", target.tokenizer, "train", 10**6, max_len, root / "sharegpt.json",
+                            "tiny")
+    return target, text, regenerate_token_file(target, text, root / "regen.npz", cfg, ENGINE)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("regen")
-    _save_tiny_target(root / "target")
-    _fake_sharegpt(root / "sharegpt.json", n=16)
-    target = load_model(root / "target")
-    build_token_file(root / "text.npz", target.tokenizer, "train", 10**6, 200, root / "sharegpt.json", "tiny")
-    regen = regenerate_token_file(target, root / "text.npz", root / "regen.npz", REGEN, ENGINE)
-    return root, target, load_token_file(root / "text.npz"), regen
+    return root, *make_regen(root, 16, 200, REGEN)
 
 
 def _segments(ids: np.ndarray, mask: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
@@ -88,7 +94,7 @@ def test_regenerated_file_trains_with_the_eagle_trainer(setup):
 
 def test_time_budget_stops_after_a_chunk_and_options_are_checked(setup):
     root, target, text, _ = setup
-    cfg = RegenConfig(max_new_tokens=4, temperature=0.7, max_docs=9, chunk=3, time_budget=1e-9)
+    cfg = RegenConfig(max_new_tokens=4, temperatures=(0.7,), max_docs=9, chunk=3, time_budget=1e-9)
     part = regenerate_token_file(target, text, root / "part.npz", cfg, ENGINE)
     assert part.num_docs == 3 and part.meta["regenerated"]["source_docs_considered"] == 9
     with pytest.raises(ValueError, match="max_turns"):

@@ -14,6 +14,7 @@ from specdec.training.eagle_data import TokenFile, coverage, load_token_file, to
 from specdec.training.eagle_train import EagleState, EagleTrainConfig, config_record, evaluate, split_docs, train
 
 COVERAGE_SIZES = (4096, 8192, 16384, 24576, 32768)
+RUN_ONLY = ("out", "resume", "tokens", "run_seconds", "stop_after")  # options that do not shape the draft
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     data = load_token_file(cfg.tokens)
+    if data.meta.get("prompts_only"):
+        raise ValueError(f"{cfg.tokens} holds prompts only (each reply cut to its closing tokens): regenerate its "
+                         "replies first (specdec distill --kind eagle --regenerate)")
     target = target or load_model(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tcfg = target.config
     num_train, num_val = split_docs(data, cfg.val_docs)
@@ -64,7 +68,7 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
     if done:
         from specdec.loading.eagle_folder import save_eagle_folder
 
-        ref = str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target
+        ref = cfg.target_name or (str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target)
         save_eagle_folder(cfg.out, draft, target, ref, {"training": record}, DTYPES[cfg.save_dtype])
         folder = Path(cfg.out)
     return EagleResult(folder, record, state)
@@ -77,17 +81,33 @@ def _record(cfg: EagleTrainConfig, data: TokenFile, state: EagleState, cov: dict
     device = f"{cfg.device} ({torch.cuda.get_device_name(cfg.device)})" if cfg.device.startswith("cuda") \
         else cfg.device
     return {
-        "kind": "eagle", "data": data.meta, "train_conversations": num_train, "val_conversations": num_val,
-        "draft_vocab": cov, "options": {k: v for k, v in config_record(cfg).items()
-                                        if k not in ("out", "resume", "tokens")},
+        "kind": "eagle", "data": data_record(data.meta), "train_conversations": num_train,
+        "val_conversations": num_val, "draft_vocab": cov,
+        "options": {k: v for k, v in config_record(cfg).items() if k not in RUN_ONLY},
         "tokens_file": Path(cfg.tokens).name,
         "steps": state.step, "planned_steps": state.planned, "tokens_seen": state.tokens_seen,
-        "loss": f"sum over {cfg.unroll} unrolled steps (weights {cfg.step_decay}^k) of KL(target || draft) over "
-                f"the draft vocabulary, {cfg.loss_on} tokens",
+        "loss": loss_text(cfg),
         "loss_curve": loss_curve(state.losses), "val": state.val, "device": device,
         "precision": "bf16 autocast, fp32 master weights" if cfg.autocast else "float32",
         "train_seconds": round(state.train_seconds, 2), "wall_seconds_this_run": round(wall, 2),
     }
+
+
+def loss_text(cfg: EagleTrainConfig) -> str:
+    """The training loss in words, for the record."""
+    kl = "KL(target || draft) over the draft vocabulary"
+    if cfg.sampled_weight:
+        t = cfg.loss_temperature
+        kl = f"{1 - cfg.sampled_weight:g} x {kl} + {cfg.sampled_weight:g} x the same KL at temperature {t:g}"
+    return f"sum over {cfg.unroll} unrolled steps (weights {cfg.step_decay}^k) of {kl}, {cfg.loss_on} tokens"
+
+
+def data_record(meta: dict) -> dict:
+    """A token file's metadata for the record: per-conversation lists (``source_docs``, ``turns``) become counts."""
+    out = {k: v for k, v in meta.items() if not isinstance(v, list)}
+    if "turns" in meta:
+        out["replies"] = int(sum(meta["turns"]))
+    return out
 
 
 def summary_line(res: EagleResult) -> str:

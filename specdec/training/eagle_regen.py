@@ -2,11 +2,13 @@
 
 ``regenerate_token_file`` reads a token file (``training.eagle_data``), keeps each conversation's
 user turns (and system turn) as they are and replaces its assistant replies, one turn after the
-other, with what the target alone generates for the conversation so far. The target's tokens are
+other, with what the target alone generates for the conversation so far, once per asked temperature
+(0: greedy), so the draft learns the contexts of greedy and of sampled requests. The target's tokens are
 the loss-masked tokens of the new file; the end-of-turn tokens that close a reply the target did not
 end itself, and the newline after each reply, stay unmasked context. ``cut_token_file`` writes the
 original text of the same conversations cut to the same turns, so the two files differ only in who
-wrote the replies.
+wrote the replies. ``prompt_token_file`` keeps only what regeneration reads (the user turns and each
+reply's closing tokens): a far smaller file to carry to the machine that regenerates.
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from specdec.training.eagle_data import TokenFile, load_token_file, save_token_f
 @dataclass(frozen=True)
 class RegenConfig:
     """How replies are regenerated. ``max_len``: a turn is generated only if the conversation so far
-    plus ``max_new_tokens`` fits (None: the source file's ``max_len``). ``time_budget``: no new chunk
-    of ``chunk`` conversations starts once it would end past these seconds (None: no limit)."""
+    plus ``max_new_tokens`` fits (None: the source file's ``max_len``). ``temperatures``: one new conversation per
+    source conversation and temperature (0: greedy; sampled ones use ``top_p``). ``time_budget``: no new chunk of
+    ``chunk`` source conversations starts once it would end past these seconds (None: no limit)."""
 
     max_new_tokens: int = 256
-    temperature: float = 0.7
+    temperatures: tuple[float, ...] = (0.7,)
     top_p: float = 0.9
     seed: int = 0
     max_turns: int = 1
@@ -43,7 +46,9 @@ class RegenConfig:
         for name in ("max_docs", "max_len"):
             value = getattr(self, name)
             _require(value is None or (_is_int(value) and value >= 1), name, "None or an int >= 1", value)
-        _require(self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        object.__setattr__(self, "temperatures", tuple(self.temperatures))
+        _require(len(self.temperatures) >= 1 and all(t >= 0 for t in self.temperatures), "temperatures",
+                 "one or more numbers >= 0 (0 = greedy)", self.temperatures)
         _require(0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         _require(_is_int(self.seed) and self.seed >= 0, "seed", "an int >= 0", self.seed)
         _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
@@ -77,6 +82,7 @@ class _Doc:
     mask: list[bool]
     turn: int = 0  # the source turn generated next; -1 once finished
     replies: int = 0
+    variant: int = 0  # which of the config's temperatures writes the replies
 
 
 def _turn_end(ids: np.ndarray, run: tuple[int, int], eos: set[int]) -> list[int] | None:
@@ -109,17 +115,18 @@ def _append_reply(doc: _Doc, gen: list[int], eos: set[int], cfg: RegenConfig, ma
 def _params(cfg: RegenConfig, doc: _Doc):
     from specdec.sampling_params import SamplingParams
 
-    seed = (cfg.seed * 1_000_003 + doc.index) * 64 + doc.turn  # the same sample whatever the chunking
-    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p if cfg.temperature else 1.0, seed=seed,
-                          max_new_tokens=cfg.max_new_tokens)
+    seed = ((cfg.seed * 1_000_003 + doc.index) * 64 + doc.turn) * 16 + doc.variant  # the same whatever the chunking
+    t = cfg.temperatures[doc.variant]
+    return SamplingParams(temperature=t, top_p=cfg.top_p if t else 1.0, seed=seed, max_new_tokens=cfg.max_new_tokens)
 
 
-def _eos_ids(target) -> set[int]:
-    eos = set(target.config.eos_token_ids)
-    if target.tokenizer is not None and target.tokenizer.eos_token_id is not None:
-        eos.add(int(target.tokenizer.eos_token_id))
+def eos_ids(tokenizer, config=None) -> set[int]:
+    """The end-of-turn ids of a target (its config's EOS ids and its tokenizer's); ValueError when there is none."""
+    eos = set(config.eos_token_ids) if config is not None else set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
     if not eos:
-        raise ValueError(f"target {target.name!r} has no EOS token id: a reply's end cannot be found")
+        raise ValueError("the target has no EOS token id: a reply's end cannot be found")
     return eos
 
 
@@ -129,8 +136,9 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
     are the target's own (``SpecEngine`` target-only, ``engine_config`` a ``SpecConfig``).
 
     A conversation is kept when its first reply fits (prompt + ``max_new_tokens`` <= max_len); later
-    turns follow while they fit, up to ``cfg.max_turns``. ``meta["source_docs"]`` and
-    ``meta["turns"]`` say which source conversation each new one is and how many replies it has."""
+    turns follow while they fit, up to ``cfg.max_turns``. Each kept conversation appears once per temperature
+    of ``cfg``, side by side. ``meta["source_docs"]``, ``meta["turns"]`` and ``meta["temperatures"]`` say which
+    source conversation each new one is, how many replies it has and at which temperature they were written."""
     from tqdm.auto import tqdm
 
     from specdec.engine import SpecConfig, SpecEngine
@@ -138,25 +146,27 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
     cfg = cfg or RegenConfig()
     data = src if isinstance(src, TokenFile) else load_token_file(src)
     max_len = cfg.max_len or int(data.meta.get("max_len", 1024))
-    eos = _eos_ids(target)
+    eos = eos_ids(target.tokenizer, target.config)
     todo = []
     for i in range(data.num_docs if cfg.max_docs is None else min(cfg.max_docs, data.num_docs)):
         ids, mask = data.doc(i)
         runs = assistant_runs(mask)
         if runs and 0 < runs[0][0] <= max_len - cfg.max_new_tokens:
-            todo.append(_Doc(i, ids, runs, ids[:runs[0][0]].tolist(), [False] * runs[0][0]))
+            todo += [_Doc(i, ids, runs, ids[:runs[0][0]].tolist(), [False] * runs[0][0], variant=v)
+                     for v in range(len(cfg.temperatures))]
     if not todo:
         raise ValueError(f"no conversation of the source has a first user turn of <= "
                          f"{max_len - cfg.max_new_tokens} tokens (max_len - max_new_tokens)")
     engine = SpecEngine(None, target, engine_config or SpecConfig())
     t0, done, finish = time.perf_counter(), [], {}
+    chunk_docs = cfg.chunk * len(cfg.temperatures)
     with tqdm(total=len(todo), desc="regenerate replies", unit="conv") as bar:
-        for c in range(0, len(todo), cfg.chunk):
+        for c in range(0, len(todo), chunk_docs):
             elapsed = time.perf_counter() - t0
-            per_chunk = elapsed / (c // cfg.chunk) if c else 0.0
+            per_chunk = elapsed / (c // chunk_docs) if c else 0.0
             if cfg.time_budget is not None and c and elapsed + per_chunk > cfg.time_budget:
                 break
-            chunk = todo[c:c + cfg.chunk]
+            chunk = todo[c:c + chunk_docs]
             while active := [d for d in chunk if d.turn >= 0]:  # one round per turn
                 outs = engine.generate([d.out for d in active], [_params(cfg, d) for d in active])
                 for d, o in zip(active, outs):
@@ -169,13 +179,17 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
     seconds = time.perf_counter() - t0
     docs = [(np.asarray(d.out, dtype=np.uint16), np.asarray(d.mask, dtype=bool)) for d in done]
     generated = int(sum(m.sum() for _, m in docs))
-    meta = {**data.meta, "source": f"{data.meta.get('source', 'token file')}; assistant replies regenerated by "
+    per_t = {str(t): sum(d.variant == v for d in done) for v, t in enumerate(cfg.temperatures)}
+    kept = {k: v for k, v in data.meta.items() if k != "prompts_only"}
+    meta = {**kept, "source": f"{data.meta.get('source', 'token file')}; assistant replies regenerated by "
                                    "the target", "target": target.name, "max_len": max_len,
             "num_docs": len(docs), "num_tokens": int(sum(len(i) for i, _ in docs)),
             "regenerated": {**asdict(cfg), "seconds": round(seconds, 2), "generated_tokens": generated,
                             "tokens_per_s": round(generated / max(seconds, 1e-9), 1), "finish": finish,
-                            "source_docs_considered": len(todo)},
-            "source_docs": [d.index for d in done], "turns": [d.replies for d in done]}
+                            "source_docs_considered": len(todo) // len(cfg.temperatures),
+                            "docs_per_temperature": per_t},
+            "source_docs": [d.index for d in done], "turns": [d.replies for d in done],
+            "temperatures": [cfg.temperatures[d.variant] for d in done]}
     save_token_file(out_path, docs, meta)
     return load_token_file(out_path)
 
@@ -198,4 +212,33 @@ def cut_token_file(src: str | Path | TokenFile, out_path: str | Path, docs: list
             "num_docs": len(out), "num_tokens": int(sum(len(i) for i, _ in out)), "source_docs": list(docs),
             "turns": list(turns)}
     save_token_file(out_path, out, meta)
+    return load_token_file(out_path)
+
+
+def prompt_token_file(src: str | Path | TokenFile, out_path: str | Path, eos: set[int], max_turns: int) -> TokenFile:
+    """Write (and return) what ``regenerate_token_file`` reads of ``src``: every conversation, in order, cut after
+    its ``max_turns``-th reply, each reply reduced to its closing tokens (its last EOS and what follows it); a reply
+    without an EOS (cut by the source's max_len) keeps its first token and ends the conversation. Regenerating at
+    most ``max_turns`` turns from this file gives what regenerating from ``src`` gives."""
+    data = src if isinstance(src, TokenFile) else load_token_file(src)
+    if not (_is_int(max_turns) and max_turns >= 1):
+        raise ValueError(f"max_turns must be an int >= 1, got {max_turns!r}")
+    docs = []
+    for i in range(data.num_docs):
+        ids, mask = data.doc(i)
+        out_ids, out_mask, prev = [], [], 0
+        for a, b in assistant_runs(mask)[:max_turns]:
+            end = _turn_end(ids, (a, b), eos)
+            reply = ids[a:a + 1].tolist() if end is None else end
+            out_ids += ids[prev:a].tolist() + reply
+            out_mask += [False] * (a - prev) + [True] * len(reply)
+            prev = b
+            if end is None:
+                break
+        docs.append((np.asarray(out_ids or ids.tolist(), dtype=np.uint16),
+                     np.asarray(out_mask or mask.tolist(), dtype=bool)))
+    meta = {**data.meta, "source": f"{data.meta.get('source', 'token file')}; replies cut to their closing tokens "
+                                   f"(prompts for regenerating up to {max_turns} turns)", "prompts_only": True,
+            "num_docs": len(docs), "num_tokens": int(sum(len(d) for d, _ in docs))}
+    save_token_file(out_path, docs, meta)
     return load_token_file(out_path)

@@ -3,9 +3,12 @@
 Conversations of the token file (``training.eagle_data``) are grouped into batches of at most
 ``batch_tokens`` padded tokens; the target prefills each batch (teacher distributions over the
 draft vocabulary and the features), the draft runs ``unroll`` steps (``training.eagle_unroll``) and
-AdamW minimises the KL. Batch ``s`` and the learning rate of step ``s`` are pure functions of
-(seed, s) and the planned step count, so a run resumed from ``OUT/ckpt.pt`` continues exactly.
-With ``time_budget`` the planned step count is fixed after ``PROBE_STEPS`` timed steps and stored.
+AdamW minimises the KL (``eagle_unroll.LossMix``: at temperature 1, optionally mixed with the KL at a
+sampling temperature). Batch ``s`` and the learning rate of step ``s`` are pure functions of (seed, s)
+and the planned step count, so a run resumed from ``OUT/ckpt.pt`` continues exactly. With
+``time_budget`` (seconds over all runs) the planned step count is fixed after ``PROBE_STEPS`` timed
+steps and stored; ``run_seconds`` ends one run early (checkpointed), so a budget can be spent over
+several runs.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from specdec.training.schedule import check_counts, check_optimizer_fields, repo
 PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
 LOG_EVERY = 10
 MUST_MATCH = ("target", "tokens", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len", "batch_tokens",
-              "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "val_docs", "loss_on")
+              "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "val_docs", "loss_on",
+              "loss_temperature", "sampled_weight")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class EagleTrainConfig:
     out: str
     tokens: str
     target: str = "smollm2-135m"
+    target_name: str | None = None  # the target the folder names (default: target, a path resolved)
     draft_vocab: int = 24576  # the most frequent target tokens; ~98% of held-out ShareGPT assistant tokens
     aux_layers: tuple[int, ...] | None = None
     unroll: int = 3
@@ -42,6 +47,9 @@ class EagleTrainConfig:
     batch_tokens: int = 16384
     steps: int = 2000
     time_budget: float | None = None
+    run_seconds: float | None = None
+    loss_temperature: float = 0.7
+    sampled_weight: float = 0.0
     lr: float = 1e-3
     warmup_steps: int | None = None
     min_lr_ratio: float = 0.1
@@ -65,6 +73,10 @@ class EagleTrainConfig:
         _require(0 < self.step_decay <= 1, "step_decay", "in (0, 1]", self.step_decay)
         _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
                  self.time_budget)
+        _require(self.run_seconds is None or self.run_seconds > 0, "run_seconds", "None or seconds > 0",
+                 self.run_seconds)
+        _require(self.loss_temperature > 0, "loss_temperature", "a number > 0", self.loss_temperature)
+        _require(0 <= self.sampled_weight <= 1, "sampled_weight", "in [0, 1]", self.sampled_weight)
         check_optimizer_fields(self, _require)
         _require(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
         _require(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
@@ -72,6 +84,12 @@ class EagleTrainConfig:
     @property
     def autocast(self) -> bool:
         return self.device.startswith("cuda") and self.dtype != "float32"
+
+    @property
+    def mix(self):
+        from specdec.training.eagle_unroll import LossMix
+
+        return LossMix(self.loss_temperature, self.sampled_weight)
 
 
 def _require(ok: bool, name: str, rule: str, value) -> None:
@@ -180,22 +198,28 @@ def check_resumable(path: Path, old: dict, cfg: EagleTrainConfig) -> None:
         raise ValueError(f"cannot resume {path}: options differ (checkpoint, asked): {diff}")
 
 
+VAL_FIELDS = {"kl": 5, "top1": 4, "kl_t": 5, "overlap_t": 4}  # per-step validation figures and their rounding
+
+
 def evaluate(cfg: EagleTrainConfig, target, draft, data: TokenFile, docs: list[int]) -> dict:
-    """Per unrolled step over ``docs``: mean KL and top-1 agreement with the teacher."""
+    """Per unrolled step over ``docs``: mean KL and top-1 agreement with the teacher, and at ``loss_temperature``
+    the mean KL and the mean overlap sum min(p_T, q_T) (``eagle_unroll.UnrolledLoss``)."""
     from specdec.training.eagle_unroll import teacher_forward, unrolled_loss
 
-    kl, top1, count = np.zeros(cfg.unroll), np.zeros(cfg.unroll), np.zeros(cfg.unroll)
+    sums, count = {k: np.zeros(cfg.unroll) for k in VAL_FIELDS}, np.zeros(cfg.unroll)
     rows_per_batch = max(1, cfg.batch_tokens // cfg.max_len)
     with torch.no_grad(), torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.autocast):
         for i in range(0, len(docs), rows_per_batch):
             ids, valid = make_rows(data, docs[i:i + rows_per_batch], cfg.max_len, cfg.loss_on, cfg.device)
-            out = unrolled_loss(draft, teacher_forward(target, draft, ids), ids, valid, cfg.unroll, cfg.step_decay)
+            out = unrolled_loss(draft, teacher_forward(target, draft, ids), ids, valid, cfg.unroll, cfg.step_decay,
+                                cfg.mix, measure=True)
             n = np.array([float(c) for c in out.count])
-            kl += np.array([float(x) for x in out.kl]) * n
-            top1 += np.array([float(x) for x in out.top1]) * n
+            for k in VAL_FIELDS:
+                sums[k] += np.array([float(x) for x in getattr(out, k)]) * n
             count += n
     count = np.maximum(count, 1)
-    return {"kl": (kl / count).round(5).tolist(), "top1": (top1 / count).round(4).tolist()}
+    record = {k: (sums[k] / count).round(r).tolist() for k, r in VAL_FIELDS.items()}
+    return {**record, "temperature": cfg.loss_temperature}
 
 
 def save_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt, state: EagleState) -> None:
@@ -219,7 +243,8 @@ def load_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt) -> EagleState
 
 
 def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
-    """Train ``draft`` until the planned step count (or ``stop_after``); checkpoints in ``cfg.out``.
+    """Train ``draft`` until the planned step count (or ``stop_after``, or ``run_seconds`` of this run); checkpoints
+    in ``cfg.out``.
 
     Documents ``[0, num_train)`` are trained on; the tail gives the validation record at the end.
     """
@@ -248,7 +273,7 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
                                    cfg.loss_on, cfg.device)
             with torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.autocast):
                 out = unrolled_loss(draft, teacher_forward(target, draft, ids), ids, valid, cfg.unroll,
-                                    cfg.step_decay)
+                                    cfg.step_decay, cfg.mix)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             if cfg.grad_clip:
@@ -266,10 +291,17 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
                 if state.step >= PROBE_STEPS:
                     state.planned = plan_steps(cfg, state.step, base + time.perf_counter() - t0, times[-10:])
                     bar.total, budget_open = state.planned, False
-            saving = state.step % cfg.ckpt_every == 0 or state.step >= min(state.planned, cfg.stop_after or 1 << 60)
+            out_of_time = cfg.run_seconds is not None and time.perf_counter() - t0 >= cfg.run_seconds
+            if out_of_time and state.step < state.planned:
+                print(f"distill: --run-seconds {cfg.run_seconds:g} reached at step {state.step}/{state.planned}; "
+                      "--resume continues")
+            saving = out_of_time or state.step % cfg.ckpt_every == 0 or \
+                state.step >= min(state.planned, cfg.stop_after or 1 << 60)
             if saving or state.step % LOG_EVERY == 0:
                 report_losses(state.losses, pending, bar, "loss", LOG_EVERY)
             if saving:
                 state.train_seconds = base + time.perf_counter() - t0
                 save_checkpoint(ckpt, cfg, draft, opt, state)
+            if out_of_time:
+                break
     return state

@@ -85,37 +85,78 @@ def shift_right(x: torch.Tensor, b: int, s: int) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], 1).reshape(b * s, -1)
 
 
+@dataclass(frozen=True)
+class LossMix:
+    """The loss at a position: ``(1 - sampled_weight) * KL(p || q) + sampled_weight * KL(p_T || q_T)``, where p and
+    q are the target's and the draft's next-token distributions over the draft vocabulary and ``x_T`` is
+    ``softmax(logits / temperature)``: the distributions a request sampled at that temperature compares (the
+    drafter shapes its q with the request's temperature). ``sampled_weight`` 0 is the plain KL."""
+
+    temperature: float = 1.0
+    sampled_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"LossMix.temperature must be > 0, got {self.temperature!r}")
+        if not 0 <= self.sampled_weight <= 1:
+            raise ValueError(f"LossMix.sampled_weight must be in [0, 1], got {self.sampled_weight!r}")
+
+
 @dataclass
 class UnrolledLoss:
-    """Weighted mean KL over steps (the training loss), and per step: mean KL, top-1 agreement, count."""
+    """Weighted mean loss over steps (what training minimises), and per step: mean KL at temperature 1, top-1
+    agreement with the target, count; with ``measure``, also per step the mean KL at the mix's temperature and the
+    mean overlap sum_x min(p_T(x), q_T(x)) (the chance that one draft token sampled at that temperature is
+    accepted)."""
 
     loss: torch.Tensor
     kl: list[torch.Tensor]
     top1: list[torch.Tensor]
     count: list[torch.Tensor]
+    kl_t: list[torch.Tensor] = field(default_factory=list)
+    overlap_t: list[torch.Tensor] = field(default_factory=list)
+
+
+def _kl(t_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || draft) per row (n,) of log-probabilities (n, N)."""
+    return (t_logp.exp() * (t_logp - logp)).sum(-1)
 
 
 def unrolled_loss(draft: EagleDraft, teacher: TeacherOut, ids: torch.Tensor, valid: torch.Tensor, unroll: int,
-                  decay: float) -> UnrolledLoss:
-    """KL(teacher || draft) at the ``valid`` (B, S) positions for steps 0..unroll-1, step k weighted
-    ``decay ** k`` (weights normalised to sum 1)."""
+                  decay: float, mix: LossMix = LossMix(), measure: bool = False) -> UnrolledLoss:
+    """The ``mix`` loss at the ``valid`` (B, S) positions for steps 0..unroll-1, step k weighted ``decay ** k``
+    (weights normalised to sum 1); step k scores only positions >= k (its features exist)."""
     b, s = ids.shape
     positions = torch.arange(s, device=ids.device).repeat(b)  # (B*S,)
     ctx = ForwardContext(UnrolledBackend(), UnrolledBatch(b, s), [(None, None)])
     g = shift_right(draft.fuse(teacher.aux), b, s)  # (B*S, hidden)
-    t_prob, t_top = teacher.logp.exp(), teacher.logp.argmax(-1)  # (B*S, N), (B*S,)
-    weights = [decay**k for k in range(unroll)]
-    loss, kls, tops, counts = 0.0, [], [], []
+    rows = valid.reshape(-1).nonzero().squeeze(1)  # (n,) the scored positions
+    pos = positions[rows]  # (n,)
+    t_logp = teacher.logp[rows]  # (n, N)
+    t_top = t_logp.argmax(-1)  # (n,)
+    sampled = mix.sampled_weight > 0 or measure
+    t_logp_t = torch.log_softmax(t_logp / mix.temperature, -1) if sampled else None  # (n, N)
+    weights = [decay**k / sum(decay**j for j in range(unroll)) for k in range(unroll)]
+    out = UnrolledLoss(torch.zeros((), device=ids.device), [], [], [])
     for k in range(unroll):
         h = draft(ids.reshape(-1), positions, ctx, g)  # (B*S, hidden)
-        logp = torch.log_softmax(draft.compute_logits(h), -1)  # (B*S, N)
-        ok = (valid & (torch.arange(s, device=ids.device) >= k)).reshape(-1).float()  # (B*S,)
+        logits = draft.compute_logits(h[rows])  # (n, N)
+        logp = torch.log_softmax(logits, -1)  # (n, N)
+        ok = (pos >= k).float()  # (n,)
         n = ok.sum().clamp_min(1)
-        kl_tok = (t_prob * (teacher.logp - logp)).sum(-1)  # (B*S,)
-        kl = (kl_tok * ok).sum() / n
-        loss = loss + weights[k] / sum(weights) * kl
-        kls.append(kl.detach())
-        tops.append(((logp.argmax(-1) == t_top).float() * ok).sum().detach() / n)
-        counts.append(n.detach())
+        kl = (_kl(t_logp, logp) * ok).sum() / n
+        loss = kl
+        if sampled:
+            logp_t = torch.log_softmax(logits / mix.temperature, -1)  # (n, N)
+            kl_t = (_kl(t_logp_t, logp_t) * ok).sum() / n
+            loss = (1 - mix.sampled_weight) * kl + mix.sampled_weight * kl_t
+            if measure:
+                out.kl_t.append(kl_t.detach())
+                overlap = torch.minimum(t_logp_t.exp(), logp_t.exp()).sum(-1)  # (n,)
+                out.overlap_t.append((overlap * ok).sum().detach() / n)
+        out.loss = out.loss + weights[k] * loss
+        out.kl.append(kl.detach())
+        out.top1.append(((logp.argmax(-1) == t_top).float() * ok).sum().detach() / n)
+        out.count.append(n.detach())
         g = shift_right(h, b, s)
-    return UnrolledLoss(loss, kls, tops, counts)
+    return out

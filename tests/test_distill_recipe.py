@@ -1,0 +1,192 @@
+"""The eagle training recipe of ``specdec distill``: the loss at a sampling temperature, replies regenerated greedily
+and sampled, prompt-only files, exact resume across runs cut by time, the record and the measurement of a draft.
+
+The tiny 4-layer target and fake ShareGPT of ``test_eagle`` (character-level tokenizer, ``<|im_end|>`` is the EOS).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_eagle import TRAIN_ARGS
+from test_eagle_regen import ENGINE, make_regen
+
+from specdec.cli import main
+from specdec.engine import SpecEngine
+from specdec.models.eagle import EagleShape, eagle_from_target
+from specdec.sampling_params import SamplingParams
+from specdec.training.eagle_data import load_token_file
+from specdec.training.eagle_measure import better_everywhere
+from specdec.training.eagle_regen import RegenConfig, assistant_runs, eos_ids, prompt_token_file, regenerate_token_file
+from specdec.training.eagle_unroll import LossMix, TeacherOut, unrolled_loss
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+NEW = 10
+REGEN = RegenConfig(max_new_tokens=NEW, temperatures=(0.0, 0.9), max_turns=2, chunk=4)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recipe")
+    return root, *make_regen(root, 24, 160, REGEN)
+
+
+def _args(**change) -> list[str]:
+    args = [*TRAIN_ARGS]
+    for flag, value in change.items():
+        args[args.index(flag) + 1] = value
+    return args
+
+
+def _teacher_and_draft(target, seed: int = 0):
+    """A random teacher (features and log-probabilities over a 16-token draft vocabulary) and a fresh draft."""
+    g = torch.Generator().manual_seed(seed)
+    shape = EagleShape((0, 2, 3), 16)
+    draft = eagle_from_target(target.model, shape, torch.arange(16) * 3, dtype=torch.float32, seed=seed)
+    b, s, h = 2, 9, target.config.hidden_size
+    logp = torch.log_softmax(3 * torch.randn(b * s, 16, generator=g), -1)  # (B*S, N)
+    teacher = TeacherOut(torch.randn(b * s, 3 * h, generator=g), logp)
+    ids = torch.randint(0, 60, (b, s), generator=g)
+    valid = torch.rand(b, s, generator=g) < 0.7
+    return draft, teacher, ids, valid
+
+
+def test_loss_mix_is_the_weighted_sum_of_the_two_kls(setup):
+    _, target, _, _ = setup
+    draft, teacher, ids, valid = _teacher_and_draft(target)
+    plain = unrolled_loss(draft, teacher, ids, valid, 3, 0.8)
+    both = unrolled_loss(draft, teacher, ids, valid, 3, 0.8, LossMix(0.5, 1.0), measure=True)
+    half = unrolled_loss(draft, teacher, ids, valid, 3, 0.8, LossMix(0.5, 0.25))
+    weights = torch.tensor([0.8**k for k in range(3)]) / sum(0.8**k for k in range(3))
+    kl, kl_t = torch.stack(plain.kl), torch.stack(both.kl_t)
+    torch.testing.assert_close(plain.loss, (weights * kl).sum(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(both.loss, (weights * kl_t).sum(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(half.loss, 0.75 * plain.loss + 0.25 * both.loss, rtol=1e-6, atol=1e-7)
+    assert not torch.allclose(kl, kl_t)  # a sharper temperature weighs the distributions differently
+    # step 0 by hand, at the scored positions: KL of softmax(logits / 0.5) and the overlap sum min(p_T, q_T)
+    from specdec.models.llama import ForwardContext
+    from specdec.training.eagle_unroll import UnrolledBackend, UnrolledBatch, shift_right
+
+    rows = valid.reshape(-1)
+    ctx = ForwardContext(UnrolledBackend(), UnrolledBatch(2, 9), [(None, None)])
+    g = shift_right(draft.fuse(teacher.aux), 2, 9)
+    logits = draft.compute_logits(draft(ids.reshape(-1), torch.arange(9).repeat(2), ctx, g))[rows]
+    p_t, q_t = torch.softmax(teacher.logp[rows] / 0.5, -1), torch.softmax(logits / 0.5, -1)
+    torch.testing.assert_close(both.kl_t[0], (p_t * (p_t.log() - q_t.log())).sum(-1).mean(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(both.overlap_t[0], torch.minimum(p_t, q_t).sum(-1).mean(), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="sampled_weight"):
+        LossMix(0.7, 1.5)
+
+
+def test_replies_are_regenerated_greedily_and_sampled(setup):
+    _, target, _, regen = setup
+    temps = regen.meta["temperatures"]
+    assert temps[:4] == [0.0, 0.9, 0.0, 0.9] and regen.meta["source_docs"][0] == regen.meta["source_docs"][1]
+    assert regen.meta["regenerated"]["docs_per_temperature"] == {"0.0": regen.num_docs // 2, "0.9": regen.num_docs // 2}
+    greedy_prompts, greedy_replies, differ = [], [], 0
+    for i in range(0, regen.num_docs, 2):
+        (g_ids, g_mask), (s_ids, s_mask) = regen.doc(i), regen.doc(i + 1)
+        a, b = assistant_runs(g_mask)[0]
+        assert s_ids[:a].tolist() == g_ids[:a].tolist()  # the same prompt
+        greedy_prompts.append(g_ids[:a].tolist())
+        greedy_replies.append(g_ids[a:b].tolist())
+        differ += s_ids[a:assistant_runs(s_mask)[0][1]].tolist() != g_ids[a:b].tolist()
+    outs = SpecEngine(None, target, ENGINE).generate(greedy_prompts, SamplingParams(max_new_tokens=NEW))
+    assert [o.token_ids for o in outs] == greedy_replies
+    assert differ >= len(greedy_prompts) // 2  # sampled replies are not the greedy ones
+
+
+def test_prompt_only_file_regenerates_the_same_conversations(setup):
+    root, target, text, regen = setup
+    eos = eos_ids(target.tokenizer, target.config)
+    prompts = prompt_token_file(text, root / "prompts.npz", eos, 2)
+    assert prompts.num_docs == text.num_docs and len(prompts.tokens) < 0.8 * len(text.tokens)
+    assert prompts.meta["prompts_only"]
+    again = regenerate_token_file(target, prompts, root / "again.npz", REGEN, ENGINE)
+    assert np.array_equal(again.tokens, regen.tokens) and np.array_equal(again.assistant, regen.assistant)
+    assert "prompts_only" not in again.meta and again.meta["turns"] == regen.meta["turns"]
+    assert max(regen.meta["turns"]) == 2
+    out = root / "refused"
+    assert main(["distill", "--target", str(root / "target"), "--tokens", str(root / "prompts.npz"),
+                 *_args(**{"--steps": "2"}), "--out", str(out)]) == 2  # a prompt-only file is not training data
+
+
+def _ckpt(folder):
+    return torch.load(folder / "ckpt.pt", weights_only=False)
+
+
+def test_runs_cut_by_time_resume_exactly_and_the_record_says_how(setup):
+    root, _, _, _ = setup
+    base = ["distill", "--target", str(root / "target"), "--tokens", str(root / "regen.npz"),
+            *_args(**{"--steps": "8", "--unroll": "5", "--ckpt-every": "100"}), "--sampled-weight", "0.5",
+            "--loss-temperature", "0.6", "--target-name", "tiny-target"]
+    assert main([*base, "--out", str(root / "whole")]) == 0
+    cut, runs = root / "cut", 0
+    while not (cut / "model.safetensors").exists():
+        assert main([*base, "--out", str(cut), "--resume", "--run-seconds", "1e-9"]) == 0  # one step a run
+        runs += 1
+        assert _ckpt(cut)["state"]["step"] == runs
+    assert runs == 8
+    whole, parts = _ckpt(root / "whole"), _ckpt(cut)
+    assert parts["state"]["losses"] == whole["state"]["losses"]
+    for name, w in whole["trained"].items():
+        assert torch.equal(parts["trained"][name], w), name
+    for name, w in whole["optimizer"]["state"].items():
+        assert torch.equal(parts["optimizer"]["state"][name]["exp_avg_sq"], w["exp_avg_sq"])
+    meta = json.loads((cut / "specdec_draft.json").read_text())
+    rec = meta["training"]
+    assert meta["target"] == "tiny-target" and rec["options"]["sampled_weight"] == 0.5
+    assert "run_seconds" not in rec["options"] and "temperature 0.6" in rec["loss"]
+    assert len(rec["val"][-1]["overlap_t"]) == 5 and all(0 < x <= 1 for x in rec["val"][-1]["overlap_t"])
+    assert rec["data"]["replies"] == sum(load_token_file(root / "regen.npz").meta["turns"])
+    assert not any(isinstance(v, list) for v in rec["data"].values())  # per-conversation lists left out
+    args = [*base, "--out", str(cut), "--resume"]
+    args[args.index("--sampled-weight") + 1] = "0.25"
+    assert main(args) == 2  # another loss is another run
+
+
+def test_cli_regenerates_and_measures(setup, tmp_path):
+    root, target, _, _ = setup
+    eos = eos_ids(target.tokenizer, target.config)
+    prompt_token_file(root / "text.npz", tmp_path / "p.npz", eos, 1)
+    tiny = ["--target", str(root / "target"), "--device", "cpu"]
+    assert main(["distill", "--kind", "eagle", *tiny, "--regenerate", str(tmp_path / "p.npz"), "--write-tokens",
+                 str(tmp_path / "r.npz"), "--regen-temperatures", "0,0.7", "--regen-new-tokens", "6",
+                 "--regen-batch", "8"]) == 0
+    r = load_token_file(tmp_path / "r.npz")
+    assert r.meta["temperatures"][:2] == [0.0, 0.7] and max(r.meta["turns"]) == 1
+    assert main(["distill", "--target", str(root / "target"), "--tokens", str(tmp_path / "r.npz"),
+                 *_args(**{"--steps": "3", "--val-docs": "2"}), "--out", str(tmp_path / "d")]) == 0
+    prompts = tmp_path / "sets.json"
+    prompts.write_text(json.dumps({"a": [[1, 30, 31, 32, 2]] * 2, "b": [[1, 33, 34, 2, 1, 40]]}))
+    assert main(["distill", "--kind", "eagle", *tiny, "--measure", str(prompts), "--out", str(tmp_path / "d"),
+                 "--compare", str(root / "cut"), "--tree", "chain:2,dynamic:6", "--measure-new-tokens", "8",
+                 "--json", str(tmp_path / "m.json")]) == 0
+    report = json.loads((tmp_path / "m.json").read_text())
+    assert len(report["draft"]) == len(report["compare"]) == 2 * 2 * 2  # trees x sets x temperatures
+    assert all(r["mean_accepted_length"] >= 1 for r in report["draft"] + report["compare"])
+    assert report["better_everywhere"] == better_everywhere(report["draft"], report["compare"])
+    measured = json.loads((tmp_path / "d" / "specdec_draft.json").read_text())["training"]["measured"]
+    assert measured[-1]["results"] == report["draft"]
+    assert main(["distill", "--kind", "eagle", *tiny, "--regen-seconds", "5", "--out", "x", "--tokens", "y"]) == 2
+    assert main(["distill", "--kind", "eagle", *tiny, "--measure", str(prompts), "--split", "train"]) == 2
+
+
+def test_better_everywhere_needs_every_pair():
+    new = [{"set": "a", "temperature": 0.0, "tree": "t", "mean_accepted_length": 3.0},
+           {"set": "a", "temperature": 0.7, "tree": "t", "mean_accepted_length": 2.5}]
+    old = [{**new[0], "mean_accepted_length": 2.9}, {**new[1], "mean_accepted_length": 2.5}]
+    assert not better_everywhere(new, old)  # equal is not better
+    old[1]["mean_accepted_length"] = 2.4
+    assert better_everywhere(new, old) and not better_everywhere(new, [])
+
+
+def test_help_shows_no_missing_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["distill", "--help"])
+    text = capsys.readouterr().out
+    assert "MISSING" not in text and "object at 0x" not in text and "--run-seconds" in text
