@@ -15,20 +15,20 @@ PREFER_CHOICES = ("auto", "torch", "triton")
 class TritonAttentionBackend(AttentionBackend):
     """Stores K/V with one Triton launch, then runs ``paged_attention_triton`` (sliding window included).
 
-    The kernel modules are imported when the backend is built, not when this module is: whether
-    Triton compiles or interprets a kernel is fixed when its module is imported
-    (TRITON_INTERPRET), so merely calling ``select_backend`` never decides it.
+    The attention kernels' modules are imported when the backend is built, not when this module is: whether
+    Triton compiles or interprets a kernel is fixed when its module is imported (TRITON_INTERPRET), so merely
+    calling ``select_backend`` never decides it. The other kernels' modules hold the ops the models, drafters
+    and graphs call (``kernels/norm_act.py``, ...; ``uses_triton`` picks their kernels), so they are imported
+    with ``specdec``.
     """
 
     name = "triton"
+    uses_triton = True
     wants_rope_tables = False  # the fused RoPE kernel reads the full cos/sin tables by position
 
     def __init__(self) -> None:
-        from specdec.kernels.greedy_accept import greedy_accept
-        from specdec.kernels.greedy_head import greedy_head
         from specdec.kernels.kv_store import store_kv_triton
         from specdec.kernels.ngram_follow import ngram_follow
-        from specdec.kernels.norm_act import add_rmsnorm, embed_feature_norm, silu_mul
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
         from specdec.kernels.topk import takes, topk_logprobs, topk_small
@@ -38,8 +38,6 @@ class TritonAttentionBackend(AttentionBackend):
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._add_rmsnorm, self._silu_mul, self._embed_feature_norm = add_rmsnorm, silu_mul, embed_feature_norm
-        self._greedy_head, self._greedy_accept = greedy_head, greedy_accept
         self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
         self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
         self._tree_level, self._tree_width, self._tree_slots = tree_level, MAX_WIDTH, tree_slots
@@ -52,22 +50,6 @@ class TritonAttentionBackend(AttentionBackend):
         q, _, _ = self._rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
                                    nh, nkv, hd)
         return self.attend(q, k_cache, v_cache, meta, scale, sliding_window)
-
-    def add_rmsnorm(self, x, residual, weight, eps):
-        return self._add_rmsnorm(x, residual, weight, eps)
-
-    def embed_feature_norm(self, ids, table, g, w_e, w_f, eps_e, eps_f):
-        """``embed_feature_norm``: the embedding row, both norms and their concatenation in one launch."""
-        return self._embed_feature_norm(ids, table, g, w_e, w_f, eps_e, eps_f)
-
-    def silu_mul(self, gate_up):
-        return self._silu_mul(gate_up)
-
-    def greedy_head(self, logits):
-        return self._greedy_head(logits)
-
-    def greedy_accept(self, tokens, parents, tree_mask, target_argmax, finite, num_tokens):
-        return self._greedy_accept(tokens, parents, tree_mask, target_argmax, finite, num_tokens)
 
     def topk(self, x, k):
         """``topk_small`` (two launches at most) over the rows of ``x`` (..., N) when it takes them (``takes``:

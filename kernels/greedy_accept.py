@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
-from specdec.acceptance_batched import greedy_step_outcome  # noqa: F401 - the reference
+from specdec.acceptance_batched import greedy_step_outcome
 
 
 @triton.jit
@@ -56,8 +56,8 @@ def _greedy_accept_kernel(tok_ptr, par_ptr, mask_ptr, am_ptr, fin_ptr, num_ptr, 
     tl.store(out + Q + 2, finite.to(tl.int64))
 
 
-def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor, target_argmax: torch.Tensor,
-                  finite: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+def greedy_accept_triton(tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.Tensor,
+                         target_argmax: torch.Tensor, finite: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
     """Same promise as ``greedy_step_outcome`` ((B, Q) inputs, Q <= 64 -> (B, Q + 3) int64), in one launch."""
     check_tensor("tokens", tokens, shape=(None, None), dtypes=(torch.int64,))
     b, q = tokens.shape
@@ -73,3 +73,10 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, tree_mask: torch.
         args = [t.contiguous() for t in (tokens, parents, tree_mask, target_argmax, finite, num_tokens)]
         _greedy_accept_kernel[(b,)](*args, out, Q=q, QP=max(2, next_pow2(q)), num_warps=2 if q <= 16 else 4)
     return out
+
+
+def greedy_accept(tokens, parents, tree_mask, target_argmax, finite, num_tokens, *, use_triton: bool) -> torch.Tensor:
+    """A graphed step's greedy outcome (B, Q + 3): ``greedy_accept_triton`` when ``use_triton`` (the Triton
+    backend), ``acceptance_batched.greedy_step_outcome`` otherwise."""
+    op = greedy_accept_triton if use_triton else greedy_step_outcome
+    return op(tokens, parents, tree_mask, target_argmax, finite, num_tokens)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
 
-from specdec.models.layer_ops import greedy_head_reference  # noqa: F401 - the reference
+from specdec.models.layer_ops import greedy_head_reference
 
 _NO_INDEX = 2**31 - 1
 
@@ -42,7 +42,7 @@ def _greedy_head_kernel(x_ptr, arg_ptr, fin_ptr, n_cols, stride, BLOCK: tl.const
     tl.store(fin_ptr + row, tl.min(finite, axis=0).to(tl.int1))
 
 
-def greedy_head(logits: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_head_triton(logits: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """Same promise as ``greedy_head_reference`` ((T, V) -> argmax (T,) int64, finite (T,) bool), one
     launch with one program per row."""
     check_tensor("logits", logits, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -56,3 +56,9 @@ def greedy_head(logits: torch.Tensor, block: int = 2048) -> tuple[torch.Tensor, 
         _greedy_head_kernel[(t,)](logits, arg, finite, v, logits.stride(0), BLOCK=block, NO_INDEX=_NO_INDEX,
                                   num_warps=8 if block >= 2048 else 4)
     return arg, finite
+
+
+def greedy_head(logits: torch.Tensor, *, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(T, V) logits -> each row's argmax (T,) int64 (first maximum) and whether the row is finite (T,) bool:
+    ``greedy_head_triton`` when ``use_triton`` (the Triton backend), ``greedy_head_reference`` otherwise."""
+    return greedy_head_triton(logits) if use_triton else greedy_head_reference(logits)

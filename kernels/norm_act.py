@@ -4,6 +4,9 @@ EAGLE draft's input (its token embedding and its feature, each RMS-normed, side 
 Each replaces several torch launches per layer (RMSNorm alone is ~7 in eager torch), which is
 what a CUDA-graph replay of a small model spends its time on. Both compute in float32 and
 round once to the input dtype, like their torch references in ``specdec.models.layer_ops``.
+
+The models call the ops ``add_rmsnorm``, ``embed_feature_norm`` and ``silu_mul``: the kernel on the Triton
+backend, the reference otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 
-from specdec.models.layer_ops import (  # noqa: F401 - the references
+from specdec.models.layer_ops import (
     add_rmsnorm_reference,
     embed_feature_norm_reference,
     silu_mul_reference,
@@ -54,7 +57,7 @@ def _silu_mul_kernel(
     tl.store(out_ptr + t * stride_o + offs, act * u, mask=ok)
 
 
-def add_rmsnorm(
+def add_rmsnorm_triton(
     x: torch.Tensor,  # (T, H)
     residual: torch.Tensor | None,  # (T, H) or None
     weight: torch.Tensor,  # (H,)
@@ -106,7 +109,7 @@ def _embed_feature_norm_kernel(
     tl.store(out_ptr + t * stride_o + half * HIDDEN + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def embed_feature_norm(ids: torch.Tensor, table: torch.Tensor, g: torch.Tensor, w_e: torch.Tensor,
+def embed_feature_norm_triton(ids: torch.Tensor, table: torch.Tensor, g: torch.Tensor, w_e: torch.Tensor,
                        w_f: torch.Tensor, eps_e: float, eps_f: float) -> torch.Tensor:  # (T, 2H)
     """Same promise as ``embed_feature_norm_reference``, in one launch (the embedding row read in place)."""
     check_tensor("table", table, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
@@ -126,7 +129,7 @@ def embed_feature_norm(ids: torch.Tensor, table: torch.Tensor, g: torch.Tensor, 
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
     """Same promise as ``silu_mul_reference``, in one launch."""
     check_tensor("gate_up", gate_up, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_launchable(_silu_mul_kernel, gate_up.device)
@@ -140,3 +143,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # (T, 2I) -> (T, I)
     block = min(1024, next_pow2(n))
     _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block)
     return out
+
+
+def add_rmsnorm(x, residual, weight, eps, *, use_triton: bool):
+    """(weight * rmsnorm(x + residual), x + residual); residual None means x alone: ``add_rmsnorm_triton`` when
+    ``use_triton`` (the Triton backend), ``add_rmsnorm_reference`` otherwise."""
+    return (add_rmsnorm_triton if use_triton else add_rmsnorm_reference)(x, residual, weight, eps)
+
+
+def embed_feature_norm(ids, table, g, w_e, w_f, eps_e, eps_f, *, use_triton: bool):
+    """(T,) token ids, (V, H) embedding table, (T, H) features -> (T, 2H): each RMS-normed with its weight, side
+    by side: ``embed_feature_norm_triton`` (one launch) when ``use_triton``, the reference otherwise."""
+    op = embed_feature_norm_triton if use_triton else embed_feature_norm_reference
+    return op(ids, table, g, w_e, w_f, eps_e, eps_f)
+
+
+def silu_mul(gate_up: torch.Tensor, *, use_triton: bool) -> torch.Tensor:  # (T, 2I) -> (T, I)
+    """silu(gate) * up of (T, 2I) gate | up: ``silu_mul_triton`` when ``use_triton``, the reference otherwise."""
+    return (silu_mul_triton if use_triton else silu_mul_reference)(gate_up)

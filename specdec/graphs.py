@@ -2,7 +2,7 @@
 
 Every graphed forward reads the persistent inputs of ``StepInputs`` and writes a fixed-size
 output: logits of every padded token and, for the target, the greedy acceptance of the whole
-batch (the backend's ``greedy_head`` and ``greedy_accept``: ``greedy_step_outcome``). Capture goes
+batch (``kernels.greedy_head`` and ``kernels.greedy_accept``: ``greedy_step_outcome``). Capture goes
 largest bucket first into one shared memory pool; replay = fill the inputs (one copy),
 ``graph.replay()``. A step whose shape fits no bucket runs eagerly. Without CUDA (tests) the same
 padded step runs eagerly over the same buffers, so everything but the capture itself is exercised
@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from specdec.attention.base import AttnMetadata
+from specdec.kernels.greedy_accept import greedy_accept
+from specdec.kernels.greedy_head import greedy_head
 from specdec.models.llama import ForwardContext
 from specdec.step_inputs import PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
 
@@ -266,7 +268,8 @@ class GraphRunner:
         # The target's logits stay in the model's dtype (what its LM head computes): greedy rows need only
         # the argmax and finite check of one fused pass; rows that sample read float32 copies of theirs.
         logits = model.compute_logits(hidden, dtype=None)  # (B*Q, V)
-        argmax, finite = self.backend.greedy_head(logits)  # (B*Q,), (B*Q,)
-        accept = self.backend.greedy_accept(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q),
-                                            argmax.view(b, q), finite.view(b, q), v.num_tokens)  # (B, Q + 3)
+        triton = self.backend.uses_triton
+        argmax, finite = greedy_head(logits, use_triton=triton)  # (B*Q,), (B*Q,)
+        accept = greedy_accept(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax.view(b, q),
+                               finite.view(b, q), v.num_tokens, use_triton=triton)  # (B, Q + 3)
         return GraphOutput(logits, accept, aux)

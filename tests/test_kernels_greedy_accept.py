@@ -8,7 +8,7 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernel in the interpret
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from specdec.kernels.greedy_accept import greedy_accept  # noqa: E402
+from specdec.kernels.greedy_accept import greedy_accept, greedy_accept_triton  # noqa: E402
 
 from specdec.acceptance_batched import greedy_step_outcome  # noqa: E402
 
@@ -40,9 +40,11 @@ def _batch(b: int, q: int, vocab: int, seed: int):
 def test_greedy_accept_equals_the_reference(q):
     for seed in range(3):
         args = _batch(6, q, vocab=2 if q > 2 else 3, seed=seed * 100 + q)
-        got, want = greedy_accept(*args), greedy_step_outcome(*args)
+        got, want = greedy_accept_triton(*args), greedy_step_outcome(*args)
         assert got.shape == (6, q + 3)
         assert torch.equal(got, want), (got, want)
+        assert torch.equal(greedy_accept(*args, use_triton=True), got)  # the op: the kernel on the Triton backend
+        assert torch.equal(greedy_accept(*args, use_triton=False), want)
     if q > 2:  # the batches exercised acceptance: some row took a node (a test that could fail)
         assert any(int(greedy_step_outcome(*_batch(6, q, 2, s * 100 + q))[:, 0].max()) > 0 for s in range(3))
 
@@ -50,8 +52,8 @@ def test_greedy_accept_equals_the_reference(q):
 def test_greedy_accept_bad_arguments():
     args = _batch(2, 4, 2, 0)
     with pytest.raises(ValueError, match="1 .. 64 columns"):
-        greedy_accept(torch.zeros(2, 65, dtype=torch.int64, device=DEVICE), *args[1:])
+        greedy_accept_triton(torch.zeros(2, 65, dtype=torch.int64, device=DEVICE), *args[1:])
     with pytest.raises(ValueError, match="finite must have dtype"):
-        greedy_accept(*args[:4], args[4].long(), args[5])
+        greedy_accept_triton(*args[:4], args[4].long(), args[5])
     with pytest.raises(ValueError, match="num_tokens must have shape"):
-        greedy_accept(*args[:5], args[5][:1])
+        greedy_accept_triton(*args[:5], args[5][:1])

@@ -8,7 +8,7 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernel in the interpret
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from specdec.kernels.greedy_head import greedy_head  # noqa: E402
+from specdec.kernels.greedy_head import greedy_head, greedy_head_triton  # noqa: E402
 
 from specdec.models.layer_ops import greedy_head_reference  # noqa: E402
 
@@ -35,7 +35,7 @@ def _logits(t, v, dtype, seed):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_head_matches_reference(t, v, block, dtype):
     x = _logits(t, v, dtype, seed=t + v)
-    arg, finite = greedy_head(x, block=block)
+    arg, finite = greedy_head_triton(x, block=block)
     want_arg, want_finite = greedy_head_reference(x)
     assert arg.dtype == torch.int64 and finite.dtype == torch.bool
     assert torch.equal(finite, want_finite)
@@ -51,19 +51,26 @@ def test_greedy_head_matches_reference(t, v, block, dtype):
 def test_greedy_head_flags_rows_with_nan_or_inf(bad):
     x = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     x[1, 257] = bad  # in the partial last block of 128
-    _, finite = greedy_head(x, block=128)
+    _, finite = greedy_head_triton(x, block=128)
     assert finite.tolist() == [True, False, True]
 
 
 def test_greedy_head_strided_rows_and_bad_arguments():
     wide = torch.randn(4, 512, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     view = wide[:, :300]  # row stride 512, last dim contiguous
-    assert torch.equal(greedy_head(view, block=128)[0], view.argmax(-1))
+    assert torch.equal(greedy_head_triton(view, block=128)[0], view.argmax(-1))
     with pytest.raises(ValueError, match="logits must have shape"):
-        greedy_head(wide[0])
+        greedy_head_triton(wide[0])
     with pytest.raises(ValueError, match="logits must have dtype"):
-        greedy_head(wide.long())
+        greedy_head_triton(wide.long())
     with pytest.raises(ValueError, match="1 .. "):
-        greedy_head(wide[:, :0])
-    arg, finite = greedy_head(wide[:0])
+        greedy_head_triton(wide[:, :0])
+    arg, finite = greedy_head_triton(wide[:0])
     assert arg.shape == (0,) and finite.shape == (0,)
+
+
+def test_greedy_head_op_runs_the_kernel_on_the_triton_backend_and_the_reference_otherwise():
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    for use_triton, want in ((True, greedy_head_triton), (False, greedy_head_reference)):
+        got, expect = greedy_head(x, use_triton=use_triton), want(x)
+        assert torch.equal(got[0], expect[0]) and torch.equal(got[1], expect[1])

@@ -68,6 +68,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     wants_rope_tables: bool = True  # qkv_attention reads cos/sin gathered once per forward (ctx.rope_cs)
+    uses_triton: bool = False  # the ops around attention (``specdec.kernels``) run their Triton kernels
 
     @abstractmethod
     def forward(
@@ -104,37 +105,6 @@ class AttentionBackend(ABC):
         cos, sin = rope_cs if rope_cs is not None else rope.gather(positions)
         return self.forward(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, meta, scale,
                             sliding_window)
-
-    def add_rmsnorm(self, x, residual, weight, eps):
-        """(weight * rmsnorm(x + residual), x + residual); residual None means x alone."""
-        from specdec.models.layer_ops import add_rmsnorm_reference
-
-        return add_rmsnorm_reference(x, residual, weight, eps)
-
-    def embed_feature_norm(self, ids, table, g, w_e, w_f, eps_e, eps_f):
-        """(T,) token ids, (V, H) embedding table, (T, H) features -> (T, 2H): each RMS-normed with its weight
-        (``add_rmsnorm``), side by side."""
-        from specdec.models.layer_ops import embed_feature_norm_reference
-
-        return embed_feature_norm_reference(ids, table, g, w_e, w_f, eps_e, eps_f)
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(T, 2I) gate | up -> (T, I) silu(gate) * up."""
-        from specdec.models.layer_ops import silu_mul_reference
-
-        return silu_mul_reference(gate_up)
-
-    def greedy_head(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(T, V) logits -> each row's argmax (T,) int64 (first maximum) and whether the row is finite (T,) bool."""
-        from specdec.models.layer_ops import greedy_head_reference
-
-        return greedy_head_reference(logits)
-
-    def greedy_accept(self, tokens, parents, tree_mask, target_argmax, finite, num_tokens) -> torch.Tensor:
-        """A graphed step's greedy outcome (B, Q + 3): ``acceptance_batched.greedy_step_outcome``."""
-        from specdec.acceptance_batched import greedy_step_outcome
-
-        return greedy_step_outcome(tokens, parents, tree_mask, target_argmax, finite, num_tokens)
 
     def topk(self, x: torch.Tensor, k: int):  # (..., N) -> values, indices (..., k)
         """The k largest entries of each row of ``x`` over its last dimension, best first (``torch.topk``:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
+from specdec.kernels.norm_act import add_rmsnorm, embed_feature_norm
 from specdec.models.llama import DecoderLayer, ForwardContext, LlamaForCausalLM, RMSNorm
 from specdec.models.rope import RotaryEmbedding
 
@@ -102,7 +103,7 @@ class EagleDraft(nn.Module):
         """(``forward``, ``compute_logits(forward, ctx.backend, dtype)``) with the layer's last add inside the
         final norm (``add_rmsnorm`` of out and residual gives both): one launch fewer, the same values."""
         out, residual = self._layer(input_ids, positions, ctx, g)
-        normed, hidden = ctx.backend.add_rmsnorm(out, residual, self.norm.weight, self.norm.eps)
+        normed, hidden = add_rmsnorm(out, residual, self.norm.weight, self.norm.eps, use_triton=ctx.backend.uses_triton)
         logits = self.lm_head(normed)
         return hidden, logits if dtype is None else logits.to(dtype)
 
@@ -110,9 +111,9 @@ class EagleDraft(nn.Module):
                g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The decoder layer's (out, residual) (T, hidden) each: ``forward`` is their sum."""
         # the embedding row and both norms: one launch on the Triton backend, the autograd reference in training
-        x = self.in_proj(ctx.backend.embed_feature_norm(input_ids, self.embed_tokens.weight, g, self.embed_norm.weight,
-                                                        self.feature_norm.weight, self.embed_norm.eps,
-                                                        self.feature_norm.eps))  # (T, hidden)
+        x = self.in_proj(embed_feature_norm(input_ids, self.embed_tokens.weight, g, self.embed_norm.weight,
+                                            self.feature_norm.weight, self.embed_norm.eps, self.feature_norm.eps,
+                                            use_triton=ctx.backend.uses_triton))  # (T, hidden)
         ctx.rope_cs = self.rope.gather(positions) if ctx.backend.wants_rope_tables else None
         return self.layer(x, None, positions, self.rope, ctx)
 
@@ -121,8 +122,10 @@ class EagleDraft(nn.Module):
         """Logits over the draft vocabulary (T, N) in ``dtype`` (None: the head's own, no cast launch);
         ``backend``: whose norm to use (the device programs pass theirs, so the Triton backend's fused norm
         replaces ~7 small kernels)."""
-        normed = self.norm(hidden) if backend is None else backend.add_rmsnorm(hidden, None, self.norm.weight,
-                                                                               self.norm.eps)[0]
+        if backend is None:
+            normed = self.norm(hidden)
+        else:
+            normed = add_rmsnorm(hidden, None, self.norm.weight, self.norm.eps, use_triton=backend.uses_triton)[0]
         logits = self.lm_head(normed)
         return logits if dtype is None else logits.to(dtype)
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from specdec.attention.base import AttentionBackend, AttnMetadata
 from specdec.config import ModelConfig
+from specdec.kernels.norm_act import add_rmsnorm, silu_mul
 from specdec.models.layer_ops import add_rmsnorm_reference
 from specdec.models.rope import RotaryEmbedding
 
@@ -92,7 +93,7 @@ class MLP(nn.Module):
         if not _fused_valid(self.gate_proj, self.gate_up_weight):
             return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = nn.functional.linear(x, self.gate_up_weight)  # (T, 2I)
-        return self.down_proj(ctx.backend.silu_mul(gate_up))  # (T, hidden)
+        return self.down_proj(silu_mul(gate_up, use_triton=ctx.backend.uses_triton))  # (T, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -105,11 +106,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rope, ctx):
         """(x, residual) -> (x, residual): the layer's output is x + residual (summed by the next norm)."""
-        b = ctx.backend
-        h, residual = b.add_rmsnorm(x, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+        norm_in, norm_post, triton = self.input_layernorm, self.post_attention_layernorm, ctx.backend.uses_triton
+        h, residual = add_rmsnorm(x, residual, norm_in.weight, norm_in.eps, use_triton=triton)
         x = self.self_attn(h, positions, rope, ctx)
-        h, residual = b.add_rmsnorm(x, residual, self.post_attention_layernorm.weight,
-                                    self.post_attention_layernorm.eps)
+        h, residual = add_rmsnorm(x, residual, norm_post.weight, norm_post.eps, use_triton=triton)
         return self.mlp(h, ctx), residual
 
 
@@ -157,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
             if i in aux_layers:
                 aux[i] = x + residual  # the layer's output
         norm = self.model.norm
-        hidden = ctx.backend.add_rmsnorm(x, residual, norm.weight, norm.eps)[0]
+        hidden = add_rmsnorm(x, residual, norm.weight, norm.eps, use_triton=ctx.backend.uses_triton)[0]
         return hidden, torch.cat([aux[i] for i in aux_layers], -1) if aux_layers else None
 
     def compute_logits(self, hidden: torch.Tensor, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
