@@ -235,6 +235,18 @@ def _redraw_the_bonus(monkeypatch) -> None:
         return torch.cat([m, again, out[:, 2:]], 1)
 
     monkeypatch.setattr(rules, "_deterministic_outcome", wrong)
+    walk = rules.accept_deterministic_walk
+
+    def wrong_walk(logits, trees, sampling, u, levels):  # the same mistake where the rule draws along the walk
+        out = walk(logits, trees, sampling, u, levels)  # (B, Q + 2)
+        m = out[:, :1]
+        last = torch.where(m > 0, out.gather(1, (m + 1).clamp(max=out.shape[1] - 1)), 0)  # (B, 1) the path's end
+        p = rules.shape_probs_rows(logits[torch.arange(len(last)), last.view(-1)], sampling)  # (B, V)
+        again = rules._sample(p, (u.gather(1, last) + 0.5) % 1.0)  # (B, 1)
+        return torch.cat([m, again, out[:, 2:]], 1)
+
+    monkeypatch.setattr(rules, "accept_deterministic_walk", wrong_walk)
+    monkeypatch.setattr("specdec.sampled_rule.accept_deterministic_walk", wrong_walk)
 
 
 def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):
