@@ -31,16 +31,10 @@ class TritonAttentionBackend(AttentionBackend):
         from specdec.kernels.ngram_follow import ngram_follow
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
-        from specdec.kernels.topk import takes, topk_logprobs, topk_small
-        from specdec.kernels.tree_choose import MAX_NODES, MAX_WIDTH, tree_choose, tree_level
-        from specdec.kernels.tree_slots import tree_slots
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._topk, self._topk_takes, self._topk_logprobs = topk_small, takes, topk_logprobs
-        self._tree_choose, self._tree_nodes = tree_choose, MAX_NODES
-        self._tree_level, self._tree_width, self._tree_slots = tree_level, MAX_WIDTH, tree_slots
         self._ngram_follow = ngram_follow
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
@@ -50,24 +44,6 @@ class TritonAttentionBackend(AttentionBackend):
         q, _, _ = self._rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
                                    nh, nkv, hd)
         return self.attend(q, k_cache, v_cache, meta, scale, sliding_window)
-
-    def topk(self, x, k):
-        """``topk_small`` (two launches at most) over the rows of ``x`` (..., N) when it takes them (``takes``:
-        k <= 16, float): ties go to the lower index, NaN ranks first. ``torch.topk`` otherwise."""
-        if not self._topk_takes(x, k):
-            return torch.topk(x, k, dim=-1)
-        return self._rows(self._topk, x, k)
-
-    def topk_logprobs(self, x, k):
-        """``topk_logprobs`` (the same launches as ``topk``, no log_softmax launch) when ``takes`` (x, k): the
-        columns of ``topk`` of the logits, their log probabilities in float32. The torch path otherwise."""
-        if not self._topk_takes(x, k):
-            return super().topk_logprobs(x, k)
-        return self._rows(self._topk_logprobs, x, k)
-
-    def tree_slots(self, seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size):
-        """``tree_slots``: every forwarded node's slot and position in one launch."""
-        return self._tree_slots(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
 
     def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
         """``advance_rows``: a pipelined step's integer inputs in one launch."""
@@ -80,26 +56,6 @@ class TritonAttentionBackend(AttentionBackend):
         if max_n > 4:
             return super().ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
         return self._ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
-
-    def tree_level(self, score, top_val, top_idx, masks, bits):
-        """``tree_level`` (one launch; ties: the lower candidate) for float32 scores of width <= MAX_WIDTH, the
-        torch ``select_level`` otherwise."""
-        if score.shape[-1] > self._tree_width or score.dtype != torch.float32 or top_val.dtype != torch.float32:
-            return super().tree_level(score, top_val, top_idx, masks, bits)
-        return self._tree_level(score, top_val, top_idx, masks, bits)
-
-    def tree_choose(self, scores, tokens, parents, n):
-        """``tree_choose`` (one launch) for rows of at most MAX_NODES nodes, the torch ``choose`` otherwise."""
-        if scores.shape[-1] > self._tree_nodes:
-            return super().tree_choose(scores, tokens, parents, n)
-        return self._tree_choose(scores, tokens, parents, n)
-
-    @staticmethod
-    def _rows(fn, x, k):
-        """``fn`` over the rows of ``x`` (..., N) flattened to (R, N), its (R, k) outputs viewed (..., k)."""
-        flat = x.reshape(-1, x.shape[-1])  # (R, N)
-        top = fn(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
-        return type(top)(top.values.view(*x.shape[:-1], k), top.indices.view(*x.shape[:-1], k))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

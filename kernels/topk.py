@@ -14,9 +14,12 @@ How: each value becomes an int32 key whose integer order is that rule's float or
 the complement of its column as one int64, so one integer max per round finds the best value and,
 among equals, the lowest column; the value returned is read back from ``x`` at that column.
 
-``topk_logprobs`` picks the same columns of logits and returns their log probabilities: each block
+``topk_logprobs_small`` picks the same columns of logits and returns their log probabilities: each block
 program also keeps its max and sum of exp(x - max), the last launch combines them into the row's
 logsumexp, so a log_softmax launch (and its float copy of the row) is not needed before the top-k.
+
+The drafters call the ops ``topk`` and ``topk_logprobs``: on the Triton backend these kernels over the rows of
+any (..., N) tensor they take (``takes``), ``torch.topk`` otherwise.
 """
 
 from __future__ import annotations
@@ -142,7 +145,7 @@ def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # 
     return _launch(x, k, block, False)
 
 
-def topk_logprobs(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # (R, N) -> (R, k) x2
+def topk_logprobs_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # (R, N) -> (R, k) x2
     """``topk_small``'s columns of logits ``x`` (R, N) with their log probabilities, float32: values
     ``log_softmax(x.float())`` at those columns (== ``topk_logprobs_reference`` up to float rounding), in the
     same launches (each block also sums its exponentials). A row holding NaN or +inf has NaN values."""
@@ -190,6 +193,32 @@ def topk_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
 
 
 def topk_logprobs_reference(x: torch.Tensor, k: int) -> TopK:  # (..., N) -> (..., k) x2
-    """``topk_logprobs``'s promise in torch: ``topk_reference``'s columns, ``log_softmax(x.float())`` there."""
+    """``topk_logprobs_small``'s promise in torch: ``topk_reference``'s columns, ``log_softmax(x.float())`` there."""
     idx = topk_reference(x, k).indices
     return TopK(torch.log_softmax(x.float(), dim=-1).gather(-1, idx), idx)
+
+
+def topk(x: torch.Tensor, k: int, *, use_triton: bool):  # (..., N) -> values, indices (..., k)
+    """The k largest entries of each row of ``x`` over its last dimension, best first: ``topk_small`` (two
+    launches at most; ties go to the lower index, NaN ranks first) when ``use_triton`` (the Triton backend) and
+    it takes the rows (``takes``: k <= MAX_K, float); ``torch.topk`` otherwise (no promised order among equal
+    values)."""
+    if not (use_triton and takes(x, k)):
+        return torch.topk(x, k, dim=-1)
+    return _rows(topk_small, x, k)
+
+
+def topk_logprobs(x: torch.Tensor, k: int, *, use_triton: bool):  # (..., N) -> values float32, indices (..., k)
+    """The k most probable columns of each row of logits ``x`` and their log probabilities (float32):
+    ``topk_logprobs_small`` (``topk``'s launches, no log_softmax launch) when ``use_triton`` and ``takes``
+    (x, k); ``torch.topk(torch.log_softmax(x.float(), -1), k)`` otherwise."""
+    if not (use_triton and takes(x, k)):
+        return torch.topk(torch.log_softmax(x.float(), dim=-1), k, dim=-1)
+    return _rows(topk_logprobs_small, x, k)
+
+
+def _rows(fn, x: torch.Tensor, k: int) -> TopK:
+    """``fn`` over the rows of ``x`` (..., N) flattened to (R, N), its (R, k) outputs viewed (..., k)."""
+    flat = x.reshape(-1, x.shape[-1])  # (R, N)
+    top = fn(flat if flat.stride(-1) == 1 else flat.contiguous(), k)  # (R, k) each
+    return TopK(top.values.view(*x.shape[:-1], k), top.indices.view(*x.shape[:-1], k))

@@ -7,6 +7,9 @@ NaN first), which ``torch.topk`` does not promise on ties.
 
 ``tree_choose`` takes the tree's best nodes (``choose``).
 
+The dynamic device program calls the ops ``tree_level`` and ``tree_choose``: these kernels on the Triton backend
+for the shapes they take, the torch references otherwise.
+
 The torch version sorts twice and scatters and gathers: about fifteen small launches at the end of
 every dynamic draft program. Here one program per row holds the row's M <= ``MAX_NODES`` nodes and
 compares every pair: a node's rank is how many nodes come before it (a higher score, or an equal
@@ -23,7 +26,7 @@ import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 from specdec.kernels.topk import order_key
 
-from specdec.tree_ops import choose, select_level  # noqa: F401 - the references
+from specdec.tree_ops import choose, select_level
 
 MAX_NODES = 256  # one program compares M x M pairs in registers
 MAX_WIDTH = 16  # tree_level: one program holds a row's K * K candidates
@@ -52,8 +55,8 @@ def _tree_level_kernel(score_ptr, val_ptr, idx_ptr, mask_ptr, bits_ptr, s_out, p
         tl.store(m_out + out, tl.load(mask_ptr + row * K + parent) | tl.load(bits_ptr + i))
 
 
-def tree_level(score: torch.Tensor, top_val: torch.Tensor, top_idx: torch.Tensor, masks: torch.Tensor,
-               bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def tree_level_triton(score: torch.Tensor, top_val: torch.Tensor, top_idx: torch.Tensor, masks: torch.Tensor,
+                      bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``select_level`` in one launch: score (b, K) float32, top_val (b, K, K) float32, top_idx (b, K, K)
     int64, masks (b, K) int64, bits (K,) int64 (K <= MAX_WIDTH) -> (scores, parent positions, draft ids,
     bitmasks) (b, K) each; equal candidates: the lower candidate index first (the module docstring)."""
@@ -93,7 +96,7 @@ def _tree_choose_kernel(scores_ptr, tokens_ptr, parents_ptr, out_ptr, m, n, M_P:
     tl.store(out + 2 * n, rank.to(tl.int64), mask=chosen)
 
 
-def tree_choose(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
+def tree_choose_triton(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
     """``choose`` in one launch: each row's best ``n`` of the (b, M) ``scores`` (float; M <= MAX_NODES) as
     (b, 3, n) int64: ``tokens`` (b, M) int64 of the chosen in level order, their parent's place among the
     chosen (``parents`` (b, M) int64: region index, -1 the root; -1 also when the parent is not chosen),
@@ -112,3 +115,19 @@ def tree_choose(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tenso
         _tree_choose_kernel[(b,)](scores.contiguous(), tokens.contiguous(), parents.contiguous(), out, m, n,
                                   M_P=max(16, next_pow2(m)), num_warps=4)
     return out
+
+
+def tree_level(score, top_val, top_idx, masks, bits, *, use_triton: bool):
+    """A dynamic tree's next level (scores, parent positions, draft ids, bitmasks; (b, K) each): ``tree_level_triton``
+    (one launch; ties: the lower candidate) when ``use_triton`` (the Triton backend) for float32 scores of width
+    <= MAX_WIDTH, the torch ``select_level`` otherwise."""
+    fits = score.shape[-1] <= MAX_WIDTH and score.dtype == torch.float32 and top_val.dtype == torch.float32
+    return (tree_level_triton if use_triton and fits else select_level)(score, top_val, top_idx, masks, bits)
+
+
+def tree_choose(scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int, *,
+                use_triton: bool) -> torch.Tensor:
+    """A dynamic tree's best ``n`` nodes per row as (b, 3, n) int64: ``tree_choose_triton`` (one launch) when
+    ``use_triton`` for rows of at most MAX_NODES nodes, the torch ``choose`` otherwise."""
+    fits = scores.shape[-1] <= MAX_NODES
+    return (tree_choose_triton if use_triton and fits else choose)(scores, tokens, parents, n)

@@ -1,4 +1,4 @@
-"""Where a device draft program's tree nodes go, in one launch (reference: ``specdec.tree_ops.tree_slots``).
+"""Where a device draft program's tree nodes go, in one launch (reference: ``specdec.tree_ops.tree_slots_reference``).
 
 After the catch-up forward every forwarded tree node's KV slot and position follow from its row's length
 and block table: slot of logical position len(tokens) + region index, position len(tokens) + depth.
@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor
 
-from specdec.tree_ops import tree_slots_reference  # noqa: F401 - the reference
+from specdec.tree_ops import tree_slots_reference
 
 BLOCK = 128
 
@@ -31,8 +31,8 @@ def _tree_slots_kernel(seq_lens_ptr, num_tokens_ptr, bt_ptr, rows_ptr, nodes_ptr
     tl.store(pos_ptr + i, length + tl.load(depths_ptr + i, mask=ok, other=0), mask=ok)
 
 
-def tree_slots(seq_lens: torch.Tensor, num_tokens: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
-               nodes: torch.Tensor, depths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_slots_triton(seq_lens: torch.Tensor, num_tokens: torch.Tensor, block_tables: torch.Tensor, rows: torch.Tensor,
+                      nodes: torch.Tensor, depths: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``tree_slots_reference`` in one launch: all int64; seq_lens, num_tokens (b,), block_tables (b, W)
     contiguous, rows, nodes, depths (T,) -> slots, positions (T,)."""
     b = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
@@ -54,3 +54,11 @@ def tree_slots(seq_lens: torch.Tensor, num_tokens: torch.Tensor, block_tables: t
         _tree_slots_kernel[(triton.cdiv(t, BLOCK),)](seq_lens, num_tokens, block_tables, rows, nodes, depths, slots,
                                                      pos, t, block_tables.shape[1], block_size, BLOCK=BLOCK)
     return slots, pos
+
+
+def tree_slots(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size: int, *,
+               use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV slots and positions (T,) of a device program's tree nodes: ``tree_slots_triton`` (one launch) when
+    ``use_triton`` (the Triton backend), ``tree_slots_reference`` otherwise."""
+    op = tree_slots_triton if use_triton else tree_slots_reference
+    return op(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)

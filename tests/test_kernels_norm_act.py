@@ -98,7 +98,8 @@ def test_ops_run_the_kernel_on_the_triton_backend_and_the_reference_otherwise():
     ids = torch.tensor([3, 0, 7, 1, 2], device=DEVICE)
     args = {add_rmsnorm: (x, res, w, 1e-5), silu_mul: (torch.cat([x, res], -1),),
             embed_feature_norm: (ids, torch.cat([x, res]), x, w, w, 1e-5, 1e-6)}
-    kernels = {add_rmsnorm: add_rmsnorm_triton, silu_mul: silu_mul_triton, embed_feature_norm: embed_feature_norm_triton}
+    kernels = {add_rmsnorm: add_rmsnorm_triton, silu_mul: silu_mul_triton,
+               embed_feature_norm: embed_feature_norm_triton}
     refs = {add_rmsnorm: add_rmsnorm_reference, silu_mul: silu_mul_reference,
             embed_feature_norm: embed_feature_norm_reference}
     for op, a in args.items():

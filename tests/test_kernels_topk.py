@@ -9,16 +9,15 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from specdec.kernels.backend import TritonAttentionBackend  # noqa: E402
 from specdec.kernels.topk import (  # noqa: E402
     MAX_K,
+    topk,
     topk_logprobs,
     topk_logprobs_reference,
+    topk_logprobs_small,
     topk_reference,
     topk_small,
 )
-
-from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN, INF = float("nan"), float("inf")
@@ -85,15 +84,15 @@ def test_row_stride_and_empty_batch():
     assert out.values.shape == (0, 3) and out.indices.shape == (0, 3)
 
 
-def test_backends_dispatch_topk():
-    """The Triton backend flattens leading dims and follows the tie rule; past MAX_K it is torch.topk."""
+def test_topk_op_dispatch():
+    """On the Triton backend the op flattens leading dims and follows the tie rule; past MAX_K it is torch.topk."""
     x = _tied_rows(6, 200, torch.float32, seed=3).view(2, 3, 200)
-    tri, ref = TritonAttentionBackend().topk(x, 4), topk_reference(x, 4)
+    tri, ref = topk(x, 4, use_triton=True), topk_reference(x, 4)
     assert tri.values.shape == (2, 3, 4)
     _assert_same(tri, ref)
-    wide = TritonAttentionBackend().topk(x, MAX_K + 1)
+    wide = topk(x, MAX_K + 1, use_triton=True)
     assert torch.equal(wide.values.nan_to_num(), torch.topk(x, MAX_K + 1).values.nan_to_num())
-    ours = TorchAttentionBackend().topk(x, 4)
+    ours = topk(x, 4, use_triton=False)
     assert torch.equal(ours.values.nan_to_num(), ref.values.nan_to_num())
 
 
@@ -110,7 +109,7 @@ def test_topk_logprobs_equals_reference(r, n, block, k, dtype):
     """Tied, -inf, NaN (row 0) and +inf (last row: NaN log probabilities) rows, one and two launches."""
     x = _tied_rows(r, n, dtype, seed=2 * n + k)
     x[1] = (torch.randn(n) * 3).to(x)  # a row of distinct finite values: log probabilities of every size
-    got = topk_logprobs(x, k, block=block)
+    got = topk_logprobs_small(x, k, block=block)
     want = topk_logprobs_reference(x, k)
     _assert_close_logprobs(got, want)
     assert not got.values[1].isnan().any() and torch.equal(got.indices, topk_small(x, k, block=block).indices)
@@ -119,22 +118,22 @@ def test_topk_logprobs_equals_reference(r, n, block, k, dtype):
 def test_topk_logprobs_of_a_row_of_minus_inf_is_nan():
     x = torch.full((2, 300), -INF, device=DEVICE)
     x[1, 7] = 1.0  # one finite column: log probability 0, the rest -inf
-    got = topk_logprobs(x, 2, block=64)
+    got = topk_logprobs_small(x, 2, block=64)
     assert got.values[0].isnan().all() and got.values[1].tolist() == [0.0, -INF]
     assert got.indices[1].tolist() == [7, 0]
 
 
-def test_backends_dispatch_topk_logprobs():
-    """Both backends: log_softmax's top-k (the torch backend exactly); the Triton one flattens leading dims."""
+def test_topk_logprobs_op_dispatch():
+    """Both ways: log_softmax's top-k (the torch path exactly); the Triton one flattens leading dims."""
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(2, 3, 500, generator=g) * 4).to(DEVICE)
     want = torch.topk(torch.log_softmax(x, dim=-1), 4)
-    ours = TorchAttentionBackend().topk_logprobs(x, 4)
+    ours = topk_logprobs(x, 4, use_triton=False)
     assert torch.equal(ours.indices, want.indices) and torch.equal(ours.values, want.values)
-    tri = TritonAttentionBackend().topk_logprobs(x, 4)
+    tri = topk_logprobs(x, 4, use_triton=True)
     assert tri.values.shape == (2, 3, 4)
     _assert_close_logprobs(tri, topk_logprobs_reference(x, 4))
-    wide = TritonAttentionBackend().topk_logprobs(x, MAX_K + 1)  # past MAX_K: the torch path
+    wide = topk_logprobs(x, MAX_K + 1, use_triton=True)  # past MAX_K: the torch path
     assert torch.equal(wide.values, torch.topk(torch.log_softmax(x, dim=-1), MAX_K + 1).values)
 
 
@@ -170,5 +169,5 @@ def test_draft_vocabulary_on_gpu(r, k):
     x = (torch.randn(r, 24576, generator=g) * 4).to(torch.bfloat16)
     got = topk_small(x.cuda(), k)
     _assert_same(type(got)(got.values.cpu(), got.indices.cpu()), topk_reference(x, k))
-    got = topk_logprobs(x.cuda(), k)
+    got = topk_logprobs_small(x.cuda(), k)
     _assert_close_logprobs(type(got)(got.values.cpu(), got.indices.cpu()), topk_logprobs_reference(x, k))

@@ -8,10 +8,8 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
-from specdec.kernels.backend import TritonAttentionBackend  # noqa: E402
-from specdec.kernels.tree_slots import tree_slots  # noqa: E402
+from specdec.kernels.tree_slots import tree_slots, tree_slots_triton  # noqa: E402
 
-from specdec.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from specdec.tree_ops import tree_slots_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,20 +33,20 @@ def _case(b: int, n: int, levels: int, bs: int, width: int, seed: int):
 @pytest.mark.parametrize("b,n,levels,bs,width", [(1, 10, 4, 16, 8), (3, 2, 2, 4, 12), (8, 10, 4, 256, 2)])
 def test_tree_slots_equals_reference(b, n, levels, bs, width):
     args = _case(b, n, levels, bs, width, seed=b * n)
-    slots, pos = tree_slots(*args)
+    slots, pos = tree_slots_triton(*args)
     want_slots, want_pos = tree_slots_reference(*args)
     assert torch.equal(slots, want_slots) and torch.equal(pos, want_pos)
     if b > 1:  # the padded row stores nothing
         assert (slots[args[3] == 1] == -1).all() and (slots[args[3] != 1] >= 0).all()
-    both = [be.tree_slots(*args) for be in (TritonAttentionBackend(), TorchAttentionBackend())]
+    both = [tree_slots(*args, use_triton=use_triton) for use_triton in (True, False)]  # the op, both ways
     assert all(torch.equal(x, y) for x, y in zip(*both))
 
 
 def test_bad_arguments_name_the_field():
     args = _case(2, 3, 1, 4, 4, seed=0)
     with pytest.raises(ValueError, match="block_size"):
-        tree_slots(*args[:-1], 0)
+        tree_slots_triton(*args[:-1], 0)
     with pytest.raises(ValueError, match="nodes must have shape"):
-        tree_slots(*args[:4], args[4][:-1], *args[5:])
+        tree_slots_triton(*args[:4], args[4][:-1], *args[5:])
     with pytest.raises(ValueError, match="block_tables must be contiguous"):
-        tree_slots(*args[:2], args[2].t().contiguous().t(), *args[3:])
+        tree_slots_triton(*args[:2], args[2].t().contiguous().t(), *args[3:])

@@ -106,17 +106,6 @@ class AttentionBackend(ABC):
         return self.forward(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, meta, scale,
                             sliding_window)
 
-    def topk(self, x: torch.Tensor, k: int):  # (..., N) -> values, indices (..., k)
-        """The k largest entries of each row of ``x`` over its last dimension, best first (``torch.topk``:
-        no promised order among equal values)."""
-        return torch.topk(x, k, dim=-1)
-
-    def tree_slots(self, seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size):
-        """The KV slots and positions (T,) of a device program's tree nodes: ``tree_ops.tree_slots_reference``."""
-        from specdec.tree_ops import tree_slots_reference
-
-        return tree_slots_reference(seq_lens, num_tokens, block_tables, rows, nodes, depths, block_size)
-
     def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
         """A pipelined step's integer inputs from the previous verify's outcome:
         ``specdec.lookahead_ops.advance_rows_reference``."""
@@ -130,21 +119,3 @@ class AttentionBackend(ABC):
         from specdec.drafters.ngram_ops import ngram_follow_reference
 
         return ngram_follow_reference(hist, rows, ids, positions, accept, k, max_n, min_n)
-
-    def tree_level(self, score, top_val, top_idx, masks, bits):
-        """A dynamic tree's next level (scores, parent positions, draft ids, bitmasks; (b, K) each):
-        ``specdec.tree_ops.select_level``."""
-        from specdec.tree_ops import select_level
-
-        return select_level(score, top_val, top_idx, masks, bits)
-
-    def tree_choose(self, scores: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, n: int) -> torch.Tensor:
-        """A dynamic tree's best ``n`` nodes per row as (b, 3, n) int64: ``specdec.tree_ops.choose``."""
-        from specdec.tree_ops import choose
-
-        return choose(scores, tokens, parents, n)
-
-    def topk_logprobs(self, x: torch.Tensor, k: int):  # (..., N) -> values float32, indices (..., k)
-        """The k most probable columns of each row of logits ``x`` and their log probabilities (float32):
-        ``torch.topk(torch.log_softmax(x.float(), -1), k)``."""
-        return torch.topk(torch.log_softmax(x.float(), dim=-1), k, dim=-1)

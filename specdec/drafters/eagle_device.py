@@ -27,6 +27,8 @@ import torch
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.graphs import bucket, capture_graph
+from specdec.kernels.topk import topk
+from specdec.kernels.tree_slots import tree_slots
 from specdec.models.llama import ForwardContext
 from specdec.step_inputs import PackedRows, StepInputs
 from specdec.tree import TreeTemplate, depths_and_masks
@@ -178,7 +180,8 @@ class DeviceDraftProgram:
         # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
         logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
         p = self._plans[b]  # every level's slots and positions, computed once
-        slots, pos = self.backend.tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs)
+        slots, pos = tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs,
+                                use_triton=self.backend.uses_triton)
         return self._grow(CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends))
 
     def _grow(self, c: CatchUp) -> torch.Tensor:
@@ -215,7 +218,7 @@ class DeviceTreeLoop(DeviceDraftProgram):
         m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
         for i, lv in enumerate(self.levels):
-            top = self.backend.topk(logits, lv.children).indices  # (b, n_prev, c)
+            top = topk(logits, lv.children, use_triton=self.backend.uses_triton).indices  # (b, n_prev, c)
             toks = m.vocab_ids[top[:, lv.parent_local, lv.rank]]  # (b, n): target ids
             tokens.append(toks)
             if i + 1 == len(self.levels):

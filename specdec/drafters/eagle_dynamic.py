@@ -20,6 +20,7 @@ min(B, K * D) nodes; ``dynamic:B:KxD`` names the shape (see ``device_shape``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.eagle_device import CatchUp, DeviceDraftProgram
+from specdec.kernels.topk import topk_logprobs
+from specdec.kernels.tree_choose import tree_choose, tree_level
 from specdec.tree import MAX_TREE_NODES, TreeSpec
 from specdec.tree_ops import choose, select_level
 
@@ -51,9 +54,9 @@ class GrowOps(NamedTuple):
     """How ``grow`` ranks: ``children`` takes each row's K most probable children as (log probabilities,
     draft ids) from what ``expand`` returns (and from the root's); ``level`` is ``select_level`` (the level's
     best of the K * K candidates) and ``pick(scores, tokens, parents, n)`` is ``choose``. A device program
-    passes its backend's."""
+    passes the ops of ``kernels/topk.py`` and ``kernels/tree_choose.py`` (the kernels on the Triton backend)."""
 
-    children: TopK = torch_topk  # on log probabilities; a backend's ``topk_logprobs`` reads logits
+    children: TopK = torch_topk  # on log probabilities; the op ``topk_logprobs`` reads logits
     level: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor]] = select_level
     pick: Callable[[Tensor, Tensor, Tensor, int], Tensor] = choose
 
@@ -154,7 +157,8 @@ class DeviceDynamicTree(DeviceDraftProgram):
         k = shape.width
         self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
         self._consts = grow_consts(shape, dev)
-        self._ops = GrowOps(backend.topk_logprobs, backend.tree_level, backend.tree_choose)
+        self._ops = GrowOps(*(functools.partial(op, use_triton=backend.uses_triton)
+                              for op in (topk_logprobs, tree_level, tree_choose)))
         self._mask0 = {b: self._consts.bits[0].repeat(b) for b in batch_buckets}  # (b*K,) level 0's masks
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
                          [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
