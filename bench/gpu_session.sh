@@ -12,15 +12,17 @@
 #   5 (.whl .gpu, after 3)             bash bench/gpu_session.sh plan t07 0.7   (and plan t10 1.0)
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
+# Training a draft (bench/README.md, "Training the default draft"): here `bash bench/gpu_session.sh distill_prep`
+# (.data/distill/prompts.npz), run 1 also carries .data/distill, then `distill 1` and `distill 2` in two runs.
 # Rounds: tests (the GPU tests of the step), plan NAME TEMPERATURE (ENGINES, default the CUDA defaults, cold and
 # interleaved at batch 1, 16 and 64, or BATCHES), suites (the pytest-benchmark suites of bench/, compared with
 # bench/baselines), profile (bench/gpu_profile.py: wall time against kernel time per step).
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile | distill 1|2}
 OUT=${OUT:-/tmp/out}
-MODEL=/tmp/model.gguf
+MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
 D="$OUT/$stage${2:+_$2}"
 
@@ -39,6 +41,15 @@ prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt fi
   rmdir "$tmp"
   "$py" -P bench/gpu_interleaved.py --prompts .gpu/mtbench_ids.json
   ls -la .stage3/* .whl
+}
+
+distill_prep() {  # on the CPU machine: the ShareGPT train split's prompts for regenerating replies (user turns, each
+                 # reply cut to its closing tokens, DISTILL_TURNS turns), ~10 MB, into .data/distill/prompts.npz
+  local py=${PYTHON:-python3}
+  mkdir -p .data/distill
+  "$py" -P -m specdec.cli distill --kind eagle --write-tokens .data/distill/prompts.npz --prompts-only \
+    --max-turns "${DISTILL_TURNS:-3}" --max-len 4096 --num-tokens 1000000000 || return 1
+  ls -la .data/distill
 }
 
 install() {  # the carried wheels into /tmp/site; Python runs with -P so the checkout's folders do not shadow them
@@ -90,6 +101,41 @@ plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES (default plan) cold and
   done
 }
 
+distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on and measure (2); see bench/README.md
+  local part=$1 work=${DISTILL_WORK:-/tmp/distill} left
+  local sd=(python3 -P -m specdec.cli distill --kind eagle --target "$MODEL" --device "${DEVICE:-cuda}")
+  mkdir -p "$work"
+  export TQDM_MININTERVAL=${TQDM_MININTERVAL:-20} PYTHONUNBUFFERED=1
+  if [ "$part" = 1 ] && [ ! -f "$work/regen.npz" ]; then
+    local prompts=${DISTILL_PROMPTS:-$root/.data/distill/prompts.npz}
+    [ -f "$prompts" ] || prompts="$work/prompts.npz"
+    timeout "${REGEN_LIMIT:-330}" "${sd[@]}" --regenerate "$prompts" --write-tokens "$work/regen.npz" --max-len 1024 \
+      --max-turns "${DISTILL_TURNS:-3}" --regen-temperatures "${REGEN_TEMPERATURES:-0,0.7}" \
+      --regen-new-tokens "${REGEN_NEW_TOKENS:-256}" --regen-seconds "${REGEN_SECONDS:-170}" \
+      --regen-batch "${REGEN_BATCH:-128}" > "$D/regen.log" 2>&1
+    echo "regen exit $?"; grep "^distill" "$D/regen.log"
+    [ -f "$work/regen.npz" ] && split -b 15000000 -d "$work/regen.npz" "$OUT/regen.npz.part"  # kept if the machine goes
+  fi
+  [ -f "$work/regen.npz" ] || { echo "no $work/regen.npz: run distill 1 first"; return 1; }
+  # this run's training seconds: what is left of DISTILL_LIMIT after loading (~40 s) and, in part 2, the measurement
+  left=$(( ${DISTILL_LIMIT:-560} - SECONDS - 40 - (part == 2 ? ${MEASURE_RESERVE:-200} : 0) ))
+  [ "$left" -gt 10 ] || { echo "only ${left}s left for training; run distill $part again"; return 1; }
+  timeout $(( left + 120 )) "${sd[@]}" --dtype "${DTYPE:-bfloat16}" --tokens "$work/regen.npz" --out "$work/draft" \
+    --target-name "${TARGET_NAME:-smollm2-135m}" --resume --run-seconds "$left" --time-budget "${TRAIN_SECONDS:-480}" \
+    --steps 1000000 --warmup-steps 100 --unroll "${UNROLL:-6}" --step-decay "${STEP_DECAY:-0.8}" \
+    --sampled-weight "${SAMPLED_WEIGHT:-0.5}" --loss-temperature 0.7 --draft-vocab "${DRAFT_VOCAB:-24576}" \
+    --batch-tokens "${BATCH_TOKENS:-32768}" --max-len 1024 --val-docs 64 --ckpt-every 500 \
+    > "$D/train_$part.log" 2>&1
+  echo "train exit $?"; grep "^distill" "$D/train_$part.log"
+  [ "$part" = 2 ] || return 0
+  [ -f "$work/draft/model.safetensors" ] || { echo "training not finished: run distill 2 again"; return 1; }
+  timeout "${MEASURE_LIMIT:-300}" "${sd[@]}" --measure "${MEASURE_SETS:-$root/.gpu/mtbench_ids.json}" \
+    --out "$work/draft" ${COMPARE:+--compare "$COMPARE"} --tree "${TREES:-dynamic:31,dynamic:31:6x8}" \
+    --measure-new-tokens "${MEASURE_NEW_TOKENS:-128}" --json "$D/measure.json" > "$D/measure.log" 2>&1
+  echo "measure exit $?"; grep "^measure" "$D/measure.log"
+  mkdir -p "$D/draft" && cp "$work/draft/model.safetensors" "$work/draft/specdec_draft.json" "$D/draft/"
+}
+
 suites() {  # the pytest-benchmark suites, compared with the committed baseline of this machine kind when there is one
   mkdir -p "$D/baselines" && cp -r "$root"/bench/baselines/. "$D/baselines/" 2>/dev/null
   local compare=()
@@ -102,10 +148,12 @@ suites() {  # the pytest-benchmark suites, compared with the committed baseline 
 }
 
 [ "$stage" = prep ] && { prep; exit; }
+[ "$stage" = distill_prep ] && { distill_prep; exit; }
 mkdir -p "$D"
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
+    [ -d "$root/.data/distill" ] && mkdir -p /tmp/distill && cp "$root"/.data/distill/*.npz /tmp/distill/
     rm -rf "${OUT:?}/$stage"
     ;;
   tests)  # (.whl, the model assembled, or .stage3/p_02 with piece 02) the GPU tests of the step: graphs, EAGLE, the
@@ -138,6 +186,14 @@ case "$stage" in
     [ -f "$MODEL" ] || assemble
     install
     suites
+    pack
+    ;;
+  distill)  # distill 1 | distill 2 (.whl .gpu; the model assembled or .stage3/p_02; .data/distill carried in an
+            # earlier run): 1 regenerates replies (REGEN_SECONDS) and trains (what is left of DISTILL_LIMIT), 2 trains
+            # on to TRAIN_SECONDS in all and measures the draft against COMPARE (bench/README.md lists the variables)
+    [ -e "$MODEL" ] || assemble
+    [ -n "${NO_INSTALL:-}" ] || install
+    COMPARE=${COMPARE-smollm2-135m-draft} distill_round "${2:?distill 1|2}"
     pack
     ;;
   *)
