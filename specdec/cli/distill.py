@@ -88,8 +88,8 @@ def add_distill_parser(sub, add_model_args) -> None:
         help="[eagle] no new chunk of conversations is regenerated past these seconds (default: none)")
     add("--regen-batch", type=int, default=None, help="[eagle] engine rows while regenerating (default: 64)")
     add("--measure", default=None, metavar="PROMPTS[,PROMPTS]",
-        help="[eagle] measure the draft folder --out: mean accepted length on these prompt sets (.json of token "
-             "ids by set, or .jsonl prompt files), written into its record (default: none)")
+        help="[eagle] measure the draft folder --out: mean accepted length on these prompt sets (mtbench, sharegpt, "
+             ".jsonl prompt files, .json of token ids by set), written into its record (default: none)")
     add("--compare", default=None, metavar="DRAFT",
         help="[eagle] with --measure: measure this draft too and say whether --out is better everywhere")
     add("--tree", default=None, help="[eagle] with --measure: tree(s), comma list (default: dynamic:31)")

@@ -43,9 +43,9 @@ class MeasureConfig:
 
 def load_prompt_sets(paths: list[str], tokenizer, limit: int | None = None) -> dict[str, list[list[int]]]:
     """Prompt token ids by set name from ``paths``: a ``.json`` of token-id lists by set (``bench/gpu_interleaved.py
-    --prompts`` writes one) or a ``.jsonl`` prompt file (one set named by the file's stem, chat-rendered with
-    ``tokenizer``); at most ``limit`` prompts per set."""
-    from specdec.benchmark.data import load_prompt_file
+    --prompts`` writes one), a ``.jsonl`` prompt file (one set named by the file's stem) or ``mtbench`` /
+    ``sharegpt`` (its evaluation split), chat-rendered with ``tokenizer``; at most ``limit`` prompts per set."""
+    from specdec.benchmark.data import load_dataset, load_prompt_file
     from specdec.prompts import to_prompt_ids
 
     sets: dict[str, list[list[int]]] = {}
@@ -53,10 +53,12 @@ def load_prompt_sets(paths: list[str], tokenizer, limit: int | None = None) -> d
         if path.suffix == ".json":
             for name, ids in json.loads(path.read_text()).items():
                 sets[name] = [list(map(int, x)) for x in ids]
-        elif path.suffix == ".jsonl":
-            sets[path.stem] = [to_prompt_ids(p.to_messages(), tokenizer) for p in load_prompt_file(path)]
+        elif path.suffix == ".jsonl" or str(path) in ("mtbench", "sharegpt"):
+            prompts = load_prompt_file(path) if path.suffix else load_dataset(str(path), limit)
+            sets[path.stem] = [to_prompt_ids(p.to_messages(), tokenizer) for p in prompts]
         else:
-            raise ValueError(f"prompt set {path} must be a .json of token ids by set or a .jsonl prompt file")
+            raise ValueError(f"prompt set {path} must be a .json of token ids by set, a .jsonl prompt file, "
+                             "mtbench or sharegpt")
     if not sets or not all(sets.values()):
         raise ValueError(f"no prompts in {paths}")
     return {k: v[:limit] for k, v in sets.items()}
