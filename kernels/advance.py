@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
-from specdec.lookahead_ops import advance_rows_reference, causal_masks  # noqa: F401 - the reference
+from specdec.lookahead_ops import advance_rows_reference, causal_masks
 
 
 @triton.jit
@@ -94,8 +94,8 @@ def _advance_rows_kernel(
         tl.store(pbt_ptr + row * bt_width + w, b, mask=w_ok)
 
 
-def advance_rows(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tensor, bt: torch.Tensor, pv, bp: int,
-                 qp: int, block_size: int, n: int, node_offsets: torch.Tensor | None):
+def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tensor, bt: torch.Tensor, pv,
+                        bp: int, qp: int, block_size: int, n: int, node_offsets: torch.Tensor | None):
     """Same promise as ``advance_rows_reference`` (same arguments and return), in one launch."""
     r = tokens.shape[0]
     dev = tokens.device
@@ -120,3 +120,10 @@ def advance_rows(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tenso
             n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv), QPP=next_pow2(qp), NP=next_pow2(n + 1),
             WP=min(next_pow2(w), 256), STATIC=node_offsets is not None, num_warps=1)
     return fsrc, src, dst
+
+
+def advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, *, use_triton: bool):
+    """A pipelined step's integer inputs from the previous verify's outcome: ``advance_rows_triton`` (one launch)
+    when ``use_triton`` (the Triton backend), ``advance_rows_reference`` otherwise."""
+    op = advance_rows_triton if use_triton else advance_rows_reference
+    return op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)

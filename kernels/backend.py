@@ -28,14 +28,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         from specdec.kernels.kv_store import store_kv_triton
-        from specdec.kernels.ngram_follow import ngram_follow
         from specdec.kernels.paged_attention import paged_attention_triton
         from specdec.kernels.rope_cache import fused_rope_cache_write
 
         self._store = store_kv_triton
         self._attend = paged_attention_triton
         self._rope_store = fused_rope_cache_write
-        self._ngram_follow = ngram_follow
 
     def qkv_attention(self, qkv, positions, rope, rope_cs, k_cache, v_cache, meta: AttnMetadata, scale, heads,
                       sliding_window=None):
@@ -44,18 +42,6 @@ class TritonAttentionBackend(AttentionBackend):
         q, _, _ = self._rope_store(qkv, positions, rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping,
                                    nh, nkv, hd)
         return self.attend(q, k_cache, v_cache, meta, scale, sliding_window)
-
-    def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
-        """``advance_rows``: a pipelined step's integer inputs in one launch."""
-        from specdec.kernels.advance import advance_rows
-
-        return advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
-
-    def ngram_follow(self, hist, rows, ids, positions, accept, k, max_n, min_n):
-        """``ngram_follow``: the device n-gram step in one launch (max_n <= 4; longer: the reference)."""
-        if max_n > 4:
-            return super().ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
-        return self._ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttnMetadata, scale, sliding_window=None):
         self._store(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
-from specdec.drafters.ngram_ops import ngram_follow_reference  # noqa: F401 - the reference
+from specdec.drafters.ngram_ops import ngram_follow_reference
 
 # A match's score in the kernel is n * 2**40 + start (the longest n wins, then the latest start); 2**40 is written
 # out there as the literal 1099511627776, which Triton compiles as an int64 constant (the form tested on the GPU).
@@ -71,8 +71,8 @@ def _ngram_follow_kernel(
     tl.store(out + Q + 4 + kk, chain, mask=kk < K)
 
 
-def ngram_follow(hist: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-                 accept: torch.Tensor, k: int, max_n: int = 4, min_n: int = 1) -> torch.Tensor:
+def ngram_follow_triton(hist: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+                        accept: torch.Tensor, k: int, max_n: int = 4, min_n: int = 1) -> torch.Tensor:
     """``ngram_follow_reference`` (same arguments and result) in one launch; ``max_n`` <= 4. Fixed buffers
     (``rows`` padded with -1) make it capturable in a CUDA graph."""
     r, q = ids.shape
@@ -96,3 +96,12 @@ def ngram_follow(hist: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor, posi
         BLOCK=1024 if dev.type == "cuda" else 64,
     )
     return out
+
+
+def ngram_follow(hist, rows, ids, positions, accept, k: int, max_n: int = 4, min_n: int = 1, *,
+                 use_triton: bool) -> torch.Tensor:
+    """The device n-gram step (extend each row's history by the verify's outcome, look up its next chain):
+    ``ngram_follow_triton`` (one launch) when ``use_triton`` (the Triton backend) and max_n <= 4,
+    ``ngram_follow_reference`` otherwise."""
+    op = ngram_follow_triton if use_triton and max_n <= 4 else ngram_follow_reference
+    return op(hist, rows, ids, positions, accept, k, max_n, min_n)

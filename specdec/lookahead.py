@@ -116,7 +116,7 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     with the catch-up of each row's accepted path and bonus token. ``pool``: the accepted path's KV moves in
     it. ``node_offsets`` (n + 1,): a static tree's root and node positions relative to the root (None: a
     dynamic tree, whose node positions the tree writer derives from the root's). ``rows_op``: what writes the
-    integer inputs (``advance_rows_reference``, or the one-launch Triton ``kernels.advance.advance_rows``)."""
+    integer inputs (``advance_rows_reference``, or the one-launch Triton ``kernels.advance.advance_rows_triton``)."""
     op = rows_op or advance_rows_reference
     fsrc, src, dst = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
     pool.move_slots(src, dst)
@@ -134,7 +134,7 @@ class AdvanceGraphs:
 
     def __init__(self, device: torch.device, rows_op=None, capture: bool | None = None) -> None:
         self.device = torch.device(device)
-        self.rows_op = rows_op  # ``advance``'s integer part (the attention backend's ``advance_rows``)
+        self.rows_op = rows_op  # ``advance``'s integer part (``kernels.advance.advance_rows``)
         self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
         self.graphs: dict[tuple, tuple] = {}
 

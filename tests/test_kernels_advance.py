@@ -42,7 +42,7 @@ def _state(g, dev, r, bv, qv, bp, qp, n, width, bs):
                                                      (5, 8, 8, 8, 16, 7, True), (2, 2, 64, 2, 16, 63, False),
                                                      (4, 4, 8, 4, 4, 3, True)])
 def test_advance_rows_equals_the_reference(dev, r, bv, qv, bp, qp, n, static):
-    from specdec.kernels.advance import advance_rows
+    from specdec.kernels.advance import advance_rows_triton
 
     g = torch.Generator().manual_seed(r * 100 + qv + qp + n)
     width, bs = 24, 8
@@ -54,19 +54,42 @@ def test_advance_rows_equals_the_reference(dev, r, bv, qv, bp, qp, n, static):
         got_p.dev.copy_(program.dev)
         want = advance_rows_reference(verify.views(bv, qv), bv, qv, accept, tokens, bt, program.views(bp, qp), bp, qp,
                                       bs, n, offsets)
-        got = advance_rows(got_v.views(bv, qv), bv, qv, accept, tokens, bt, got_p.views(bp, qp), bp, qp, bs, n,
-                           offsets)
+        got = advance_rows_triton(got_v.views(bv, qv), bv, qv, accept, tokens, bt, got_p.views(bp, qp), bp, qp, bs,
+                                  n, offsets)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
         assert torch.equal(got_v.dev, verify.dev) and torch.equal(got_p.dev, program.dev)
         assert (want[1] >= 0).any() or not accept[:, 0].any()  # some path moved (unless nothing was accepted)
 
 
-def test_advance_rows_refuses_rows_past_the_buckets():
+@pytest.mark.parametrize("dev", DEVICES)
+def test_advance_rows_op_is_the_kernel_or_the_reference(dev):
+    """The op: the kernel with ``use_triton`` (the Triton backend), the reference without; both equal it."""
     from specdec.kernels.advance import advance_rows
+
+    r, bv, qv, bp, qp, n, width, bs = 3, 4, 16, 4, 8, 9, 24, 8
+    verify, program, accept, tokens, bt = _state(torch.Generator().manual_seed(7), dev, r, bv, qv, bp, qp, n, width,
+                                                 bs)
+    want_v, want_p = StepInputs(bv, qv, width, dev), StepInputs(bp, qp, width, dev)
+    want_v.dev.copy_(verify.dev)
+    want_p.dev.copy_(program.dev)
+    want = advance_rows_reference(want_v.views(bv, qv), bv, qv, accept, tokens, bt, want_p.views(bp, qp), bp, qp, bs,
+                                  n, None)
+    for use_triton in (True, False):
+        got_v, got_p = StepInputs(bv, qv, width, dev), StepInputs(bp, qp, width, dev)
+        got_v.dev.copy_(verify.dev)
+        got_p.dev.copy_(program.dev)
+        got = advance_rows(got_v.views(bv, qv), bv, qv, accept, tokens, bt, got_p.views(bp, qp), bp, qp, bs, n, None,
+                           use_triton=use_triton)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert torch.equal(got_v.dev, want_v.dev) and torch.equal(got_p.dev, want_p.dev)
+
+
+def test_advance_rows_refuses_rows_past_the_buckets():
+    from specdec.kernels.advance import advance_rows_triton
 
     verify, program = StepInputs(2, 8, 4, "cpu"), StepInputs(2, 8, 4, "cpu")
     with pytest.raises(ValueError, match="do not fit"):
-        advance_rows(verify.views(2, 8), 2, 8, torch.zeros(3, 11, dtype=torch.int64),
-                     torch.zeros(3, 7, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64),
-                     program.views(2, 8), 2, 8, 8, 7, None)
+        advance_rows_triton(verify.views(2, 8), 2, 8, torch.zeros(3, 11, dtype=torch.int64),
+                            torch.zeros(3, 7, dtype=torch.int64), torch.zeros(3, 4, dtype=torch.int64),
+                            program.views(2, 8), 2, 8, 8, 7, None)

@@ -270,11 +270,11 @@ def test_pipelined_engine_under_the_serving_executor(tiny):
 def test_pipelined_steps_with_the_advance_kernel(tiny):
     """The queued steps' integer inputs from the one-launch ``kernels/advance.py`` (interpreted on the CPU; the
     rest of the step on the torch backend): greedy output equals target-only decoding, most steps queued."""
-    from specdec.kernels.advance import advance_rows
+    from specdec.kernels.advance import advance_rows_triton
 
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
-    eng.drafter.advance.rows_op = advance_rows
+    eng.drafter.advance.rows_op = advance_rows_triton
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert eng.drafter.paths["ahead"] >= eng.drafter.paths["fused"] // 2 > 0
 
@@ -351,7 +351,7 @@ def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
     if cfg["device"] != "cpu":
         pytest.skip("a stand-in for the CUDA graph; on CUDA the real graphs run in the other tests")
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, **cfg))
-    eng.drafter.advance = graphs = AdvanceGraphs(eng.runner.device, eng.runner.backend.advance_rows, capture=True)
+    eng.drafter.advance = graphs = AdvanceGraphs(eng.runner.device, eng.drafter.advance.rows_op, capture=True)
     monkeypatch.setattr(eng.runner.graphs, "captured", lambda key: True)  # as on CUDA (the forwards stay eager)
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert graphs.graphs and sum(g.replays for g, *_ in graphs.graphs.values()) >= eng.drafter.paths["ahead"] > 0

@@ -46,7 +46,7 @@ def _case(rng: random.Random, dev: str, rows: int, q: int, vocab: int, longest: 
 def test_kernel_equals_reference(dev, q, k, max_n, min_n, vocab):
     """Same history writes and the same (outcome, count, chain) rows; small vocabularies make matches of every
     length, continuations cut by the history's end, and rows without any match; padding rows (-1) are skipped."""
-    from specdec.kernels.ngram_follow import ngram_follow
+    from specdec.kernels.ngram_follow import ngram_follow, ngram_follow_triton
 
     rng = random.Random(q * 100 + k * 10 + max_n + vocab)
     longest, width = (3000, 3100) if dev == "cuda" else (150, 170)  # several of the kernel's 1024-token tiles
@@ -56,9 +56,15 @@ def test_kernel_equals_reference(dev, q, k, max_n, min_n, vocab):
             rows[-1] = -1  # a bucket's padding row: nothing written, a zero output row
         ref_hist = hist.clone()
         ref = ngram_follow_reference(ref_hist, rows, ids, positions, accept, k, max_n, min_n)
-        out = ngram_follow(hist, rows, ids, positions, accept, k, max_n, min_n)
+        out = ngram_follow_triton(hist, rows, ids, positions, accept, k, max_n, min_n)
         assert torch.equal(hist, ref_hist)
         assert torch.equal(out, ref)
+    for use_triton, long_n in ((True, 4), (True, 5), (False, 4)):  # the op: past max_n 4 the reference
+        hist, rows, ids, positions, accept = _case(rng, dev, 3, q, vocab, longest, width)
+        ref_hist = hist.clone()
+        ref = ngram_follow_reference(ref_hist, rows, ids, positions, accept, k, long_n, min_n)
+        out = ngram_follow(hist, rows, ids, positions, accept, k, long_n, min_n, use_triton=use_triton)
+        assert torch.equal(hist, ref_hist) and torch.equal(out, ref)
 
 
 def test_reference_extends_the_history_then_looks_up():

@@ -59,7 +59,7 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     monkeypatch.setattr(cg, "capture_graph", _stand_in)  # (outputs that are tuples too)
     eng.adaptive = make_controller(True, eng.device, eng.drafter, None)  # CUDA: the controller for sampled steps
     eng.plan = dataclasses.replace(eng.plan, adaptive=True, greedy_budget_fixed=True)
-    eng.drafter.advance = advance = AdvanceGraphs(eng.device, eng.runner.backend.advance_rows, capture=True)
+    eng.drafter.advance = advance = AdvanceGraphs(eng.device, eng.drafter.advance.rows_op, capture=True)
     writer = eng.drafter.fused.writer
     writer.capture = True
     rule = eng.verifier.sampled_rule

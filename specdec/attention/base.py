@@ -105,17 +105,3 @@ class AttentionBackend(ABC):
         cos, sin = rope_cs if rope_cs is not None else rope.gather(positions)
         return self.forward(rotate(q, cos, sin), rotate(k, cos, sin), v, k_cache, v_cache, meta, scale,
                             sliding_window)
-
-    def advance_rows(self, vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets):
-        """A pipelined step's integer inputs from the previous verify's outcome:
-        ``specdec.lookahead_ops.advance_rows_reference``."""
-        from specdec.lookahead_ops import advance_rows_reference
-
-        return advance_rows_reference(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
-
-    def ngram_follow(self, hist, rows, ids, positions, accept, k, max_n, min_n):
-        """The device n-gram step (extend each row's history by the verify's outcome, look up its next chain):
-        ``specdec.drafters.ngram_ops.ngram_follow_reference``."""
-        from specdec.drafters.ngram_ops import ngram_follow_reference
-
-        return ngram_follow_reference(hist, rows, ids, positions, accept, k, max_n, min_n)

@@ -11,6 +11,7 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, Growth, ModelDrafter
 from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth
+from specdec.kernels.advance import advance_rows
 from specdec.lookahead import AdvanceGraphs, HostRead, HostUpload, PipelinedSteps
 from specdec.lookahead_ops import CAUSAL_BITS
 from specdec.models.eagle import EagleDraft
@@ -160,7 +162,8 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         self.pipeline = False  # queue each fused step's successor before reading it (``enable_pipeline``)
         self.ahead = None  # the queued step (``lookahead.Ahead``)
         self.reader = HostRead(runner.device)
-        self.advance = AdvanceGraphs(runner.device, runner.backend.advance_rows)  # a queued step's inputs
+        rows_op = functools.partial(advance_rows, use_triton=runner.backend.uses_triton)
+        self.advance = AdvanceGraphs(runner.device, rows_op)  # a queued step's inputs
         self.upload = HostUpload(runner.device)  # a queued step's block tables
 
     @property

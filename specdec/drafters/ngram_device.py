@@ -5,7 +5,7 @@ writes the new tokens' n-grams after it: host work on every step's critical path
 makes a host n-gram step dearer than a decode step at large batches.
 
 Here each row's token history also lives in a device buffer (one row per block-table row). Right behind a
-graphed verify, one launch (the backend's ``ngram_follow``) appends each row's accepted tokens and bonus token
+graphed verify, one launch (``kernels.ngram_follow``) appends each row's accepted tokens and bonus token
 to its history and looks up the row's next chain there; the chains come back in the step's one device-to-host
 read, beside the verify's outcome, and the drafter proposes them at the next step without a lookup. A row
 whose history is behind (a new request, or after steps that did not run this) is caught up by one upload.
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.kernels.ngram_follow import ngram_follow
 from specdec.plan import NGRAM_DEVICE_MIN_ROWS
 from specdec.scheduler.request import Request
 from specdec.verify_pipeline import VerifyPipeline
@@ -82,9 +83,8 @@ class DeviceNgram(VerifyPipeline):
             return self._replay(b, q, rows, accept)
         views = self.runner.graphs.inputs.views(b, q)
         bt_rows = self.upload(np.fromiter((req.bt_row for req in rows), np.int64, r))
-        return self.runner.backend.ngram_follow(self.hist, bt_rows, views.ids.view(b, q)[:r],
-                                                views.positions.view(b, q)[:r], accept[:r], self.k,
-                                                self.max_n, self.min_n)
+        return ngram_follow(self.hist, bt_rows, views.ids.view(b, q)[:r], views.positions.view(b, q)[:r], accept[:r],
+                            self.k, self.max_n, self.min_n, use_triton=self.runner.backend.uses_triton)
 
     def _room(self, rows: list[Request], q: int) -> bool:
         """The history rows hold what a queued step appends (two verifies' worth past the rows' tokens)."""
@@ -103,8 +103,8 @@ class DeviceNgram(VerifyPipeline):
 
             views = self.runner.graphs.inputs.views(b, q)
             rows_buf = torch.full((b,), -1, dtype=torch.int64, device=self.hist.device)  # -1: nothing is written
-            run = functools.partial(self.runner.backend.ngram_follow, self.hist, rows_buf, views.ids.view(b, q),
-                                    views.positions.view(b, q), accept, self.k, self.max_n, self.min_n)
+            run = functools.partial(ngram_follow, self.hist, rows_buf, views.ids.view(b, q), views.positions.view(b, q),
+                                    accept, self.k, self.max_n, self.min_n, use_triton=self.runner.backend.uses_triton)
             graph, out = capture_graph(run, None, self.hist.device)
             entry = self.graphs[(b, q)] = [graph, rows_buf, out, None]
         graph, rows_buf, out, last = entry
