@@ -1,8 +1,8 @@
-"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.lookahead.advance``), the
-``advance_rows`` of the torch attention backend; on the Triton backend one launch (``kernels/advance.py``).
+"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.lookahead.advance``): what
+the op ``kernels.advance.advance_rows`` runs on the torch backend; on the Triton backend it is one launch.
 
-Kept apart from ``specdec.lookahead`` (which drives the drafter) so the attention backends, which dispatch it,
-import it without importing the drafters.
+Kept apart from ``specdec.lookahead`` (which drives the drafter) so ``kernels/advance.py``, whose op dispatches to
+it, imports it without importing the drafters.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Torch references of the device draft programs' fused tree steps (each a backend method, one Triton launch
-on the Triton backend): where the nodes go (``tree_slots_reference``), each dynamic level's best candidates
-(``select_level``) and the dynamic tree's best nodes (``choose``).
+"""Torch references of the device draft programs' fused tree steps (each an op of ``specdec.kernels``, one
+Triton launch on the Triton backend): where the nodes go (``tree_slots_reference``), each dynamic level's best
+candidates (``select_level``) and the dynamic tree's best nodes (``choose``).
 
-Kept apart from the drafters (which grow the trees) so the attention backends, which dispatch these, import
+Kept apart from the drafters (which grow the trees) so the kernel modules, whose ops dispatch to these, import
 them without importing the drafters.
 """
 

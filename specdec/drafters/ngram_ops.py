@@ -2,8 +2,8 @@
 graphed verify's greedy outcome extends each row's token history in a device buffer, and the row's next chain
 is looked up there with the semantics of ``specdec.drafters.ngram.ngram_lookup``.
 
-Kept apart from ``specdec.drafters.ngram_device`` (which drives it) so the attention backends, which dispatch
-it, import it without importing the drafters' machinery.
+Kept apart from ``specdec.drafters.ngram_device`` (which drives it) so ``kernels/ngram_follow.py``, whose op
+dispatches to it, imports it without importing the drafters' machinery.
 """
 
 from __future__ import annotations

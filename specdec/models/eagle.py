@@ -79,7 +79,7 @@ class EagleDraft(nn.Module):
 
     def fuse_projections(self) -> EagleDraft:
         """Fuse its decoder layer's q/k/v and gate/up projections for inference, like
-        ``LlamaForCausalLM.fuse``: one GEMM each instead of three and two, and the backend's fused SiLU-mul
+        ``LlamaForCausalLM.fuse``: one GEMM each instead of three and two, and the fused SiLU-mul op
         (the projections stay views, so state_dict and training, which uses them, are unchanged)."""
         self.layer.self_attn.fuse()
         self.layer.mlp.fuse()
@@ -120,7 +120,7 @@ class EagleDraft(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, backend=None,
                        dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """Logits over the draft vocabulary (T, N) in ``dtype`` (None: the head's own, no cast launch);
-        ``backend``: whose norm to use (the device programs pass theirs, so the Triton backend's fused norm
+        ``backend``: whose norm to use (the device programs pass theirs, so on the Triton backend the fused norm
         replaces ~7 small kernels)."""
         if backend is None:
             normed = self.norm(hidden)
