@@ -103,10 +103,11 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
     return torch.where((col(_SAMPLED) > 0).view(-1, 1), torch.cat([out, finite], 1), accept)
 
 
-def walk_levels(levels: int | None, b: int, q: int) -> int | None:
+def walk_levels(levels: int | None, b: int, q: int, min_saved: float = WALK_MIN_SAVED) -> int | None:
     """``levels`` (a bound on the trees' levels below the root) when the rule should draw along the walk in a
-    bucket of ``b`` rows of ``q`` verify tokens, else None (one draw at every verify token)."""
-    return levels if levels is not None and b * (q - levels - 1) >= WALK_MIN_SAVED else None
+    bucket of ``b`` rows of ``q`` verify tokens (leaving at least ``min_saved`` distributions unshaped), else
+    None (one draw at every verify token)."""
+    return levels if levels is not None and b * (q - levels - 1) >= min_saved else None
 
 
 def sampling_array(rows: Sequence, draws: dict[int, int], b: int) -> np.ndarray:
@@ -146,6 +147,7 @@ class SampledRule:
         self.upload = HostUpload(self.device)
         self.graphs: dict[tuple, tuple] = {}
         self._pool = None
+        self.walk_min_saved = WALK_MIN_SAVED  # (inf: never walk, the bench's comparison)
 
     def __call__(self, rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], logits: Tensor,
                  accept: Tensor, captured: bool, levels: int | None = None) -> Tensor:
@@ -170,7 +172,7 @@ class SampledRule:
         of (``kind``, B, Q, filtered, walk levels, output buffers) when capturing and ``captured``, else eagerly
         (with the repetition penalty of the rows that have one)."""
         filtered = any(rows[i].params.filtered for i in sampled)
-        levels = walk_levels(levels, accept.shape[0], accept.shape[1] - 3)
+        levels = walk_levels(levels, accept.shape[0], accept.shape[1] - 3, self.walk_min_saved)
         build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered, levels=levels)
         penalized = penalized_rows(rows, sampled)
         if penalized:
