@@ -12,9 +12,8 @@ program per row.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.lookahead_ops import advance_rows_reference, causal_masks
 

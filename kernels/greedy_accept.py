@@ -8,9 +8,8 @@ costs a launch gap of its own; here one program per row does it all over at most
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.acceptance_batched import greedy_step_outcome
 

@@ -10,9 +10,8 @@ rows that sample convert theirs to float32.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.models.layer_ops import greedy_head_reference
 

@@ -9,9 +9,8 @@ handful of tiles; done on the host with dictionaries this was the n-gram step's 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.drafters.ngram_ops import ngram_follow_reference
 

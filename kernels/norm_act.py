@@ -12,9 +12,8 @@ backend, the reference otherwise.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.models.layer_ops import (
     add_rmsnorm_reference,

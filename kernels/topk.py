@@ -27,9 +27,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
+from specdec.kernels.triton_import import tl, triton
 
 MAX_K = 16
 MAX_COLS = 1 << 17  # the merge keeps every row's cdiv(N, block) * k candidates in one program

@@ -21,10 +21,9 @@ its place among the chosen (level order) is how many chosen nodes precede it. Sc
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2
 from specdec.kernels.topk import order_key
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.tree_ops import choose, select_level
 

@@ -8,9 +8,8 @@ In torch that is about a dozen small launches (gathers by row, divide, modulo, w
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor
+from specdec.kernels.triton_import import tl, triton
 
 from specdec.tree_ops import tree_slots_reference
 

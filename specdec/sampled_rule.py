@@ -136,8 +136,8 @@ def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtere
 
 
 class SampledRule:
-    """``rule`` as one CUDA graph replay per (B, Q, filtered, walk levels, verify output buffers) on CUDA, captured at its
-    first use into one memory pool shared by these graphs (replayed one at a time, each output read before
+    """``rule`` as one CUDA graph replay per (B, Q, filtered, walk levels, verify output buffers) on CUDA, captured
+    at its first use into one memory pool shared by these graphs (replayed one at a time, each output read before
     the next replay); eagerly elsewhere, when the verify's outputs are not a captured graph's buffers, or when a
     row has a repetition penalty."""
 

