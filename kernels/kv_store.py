@@ -35,15 +35,9 @@ def _store_kv_kernel(
     tl.store(vc, v.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv_reference(
-    k: torch.Tensor,  # (T, Hkv, D)
-    v: torch.Tensor,  # (T, Hkv, D)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
-    slot_mapping: torch.Tensor,  # (T,) int64
-) -> None:
-    """Store token t's K/V at physical slot ``slot_mapping[t]``; tokens with a negative slot are skipped."""
-    write_kv(k, v, k_cache, v_cache, slot_mapping)
+# the kernel's torch reference is the torch backend's store (same signature: k, v, k_cache, v_cache, slot_mapping;
+# tokens with a negative slot are skipped)
+store_kv_reference = write_kv
 
 
 def store_kv_triton(
