@@ -52,8 +52,9 @@ def add_bench_parser(sub, add_model_args) -> None:
 
 TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a draft model {CUDA_DRAFT_TREE} on CUDA, " \
             "else chain:4)"
-PIPELINE_HELP = "pipelined greedy steps: fused EAGLE steps (at the tree's full size) and n-gram steps with device " \
-    "lookups (auto: on for CUDA; --adaptive on turns it off); on also pipelines target-only decoding"
+PIPELINE_HELP = "pipelined greedy steps (each step queued on the device before the host reads the previous one): " \
+    "target-only decoding, fused EAGLE steps and n-gram steps with device lookups (auto: on for CUDA with CUDA " \
+    "graphs; --adaptive on turns it off for drafts)"
 
 
 def engine_mode(engine) -> dict:
