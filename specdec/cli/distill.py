@@ -45,7 +45,7 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--temperature", type=float, default=None, help="[layers] data generation (0 = greedy)")
     add("--gen-batch-size", type=int, default=None, help="[layers] engine batch for generation")
     add("--batch-size", type=int, default=None, help="[layers] sequences per training step")
-    add("--tokens", default=None, help="[eagle] token file (.npz) written by --write-tokens")
+    add("--tokens", default=None, help="[eagle] token file (.npz) written by --write-tokens (required to train)")
     add("--draft-vocab", type=int, default=None, help="[eagle] draft vocabulary size N (most frequent tokens)")
     add("--aux-layers", type=_int_list, default=None, metavar="I,J,K",
         help="[eagle] target layers whose outputs the draft reads (default low, middle, high)")
