@@ -91,7 +91,8 @@ def add_distill_parser(sub, add_model_args) -> None:
         help="[eagle] measure the draft folder --out: mean accepted length on these prompt sets (mtbench, sharegpt, "
              ".jsonl prompt files, .json of token ids by set), written into its record (default: none)")
     add("--compare", default=None, metavar="DRAFT",
-        help="[eagle] with --measure: measure this draft too and say whether --out is better everywhere")
+        help="[eagle] with --measure: measure this draft too and say whether --out is better everywhere "
+             "(default: none)")
     add("--tree", default=None, help="[eagle] with --measure: tree(s), comma list (default: dynamic:31)")
     add("--measure-temperatures", type=_float_list, default=None, metavar="T,T",
         help="[eagle] with --measure: temperatures, 0 = greedy (default: 0,0.7)")
