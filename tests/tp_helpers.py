@@ -1,0 +1,99 @@
+"""Running a function on N gloo ranks (spawned processes) for the tensor-parallel tests, with a deadline.
+
+``run_ranks(fn, size, *args)`` starts ``size`` processes; each joins a gloo group on a free local port and
+returns ``fn(rank, size, *args)``. It gives back the ranks' results in rank order, raises with the failing
+rank's traceback, and kills every process still alive at the deadline (no test hangs on a lost rank).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+GROUP_TIMEOUT = timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(fn, size: int, *args, timeout: float = 90.0) -> list:
+    """``[fn(0, size, *args), ..., fn(size - 1, size, *args)]``, each run in its own process of a gloo group."""
+    ctx = mp.get_context("forkserver")  # ranks fork from one clean server that imported the engine once
+    ctx.set_forkserver_preload(["specdec.engine", "torch._dynamo", "tp_helpers"])  # (_dynamo: meta-device init)
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, args, results), daemon=True)
+             for rank in range(size)]
+    for p in procs:
+        p.start()
+    got: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < size:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in got and p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel ranks {dead} exited without a result" if dead else
+                                       f"tensor-parallel ranks gave no result within {timeout} s "
+                                       f"(have ranks {sorted(got)})") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [got[r] for r in range(size)]
+
+
+def _rank_main(fn, rank: int, size: int, port: int, args, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=GROUP_TIMEOUT)
+        try:
+            results.put((rank, True, fn(rank, size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # reported to the parent, which raises it
+        results.put((rank, False, traceback.format_exc()))
+
+
+def sharded_logits_diff(rank: int, size: int, models: list, prompts: list[list[int]]) -> list[float]:
+    """For each whole model (a ``LlamaForCausalLM``, sent by the parent so that no rank imports transformers): max
+    |logits of the rank's sharded model - the whole model's| over the prompts (fused projections, float32)."""
+    from specdec.models.tensor_parallel import TensorParallel, shard_model
+    from specdec.training.dense_attention import dense_hidden
+
+    tp = TensorParallel.current(size)
+    diffs = []
+    for whole in models:
+        whole.fuse()
+        part = shard_model(whole, tp).fuse()
+        worst = 0.0
+        with torch.inference_mode():
+            for ids in prompts:
+                x = torch.tensor([ids])
+                want = whole.compute_logits(dense_hidden(whole, x)[0])  # (S, V)
+                got = part.compute_logits(dense_hidden(part, x)[0])  # (S, V)
+                assert got.shape == want.shape, (got.shape, want.shape)
+                worst = max(worst, (got - want).abs().max().item())
+        diffs.append(worst)
+    return diffs
