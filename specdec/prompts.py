@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 PROMPT_FORMS = ("a str, a list/tuple of int token ids, a 1-D integer tensor or array, or a list of chat "
                 "messages ({role, content} dicts)")
@@ -29,9 +29,24 @@ def as_prompt_list(prompts) -> list:
     """One prompt (text, token ids, chat messages) or a batch of them (a list, a 2-D tensor) -> a list."""
     if isinstance(prompts, str) or is_chat(prompts) or (is_token_ids(prompts) and len(prompts) > 0):
         return [prompts]
+    _check_batch(prompts)
+    return list(prompts)
+
+
+def _check_batch(prompts) -> None:
+    """PromptError for a value that iterates but is no batch of prompts: a single chat message, bytes, or an
+    array that is neither one prompt (1-D) nor a batch (2-D) of integer token ids."""
+    if isinstance(prompts, (bytes, bytearray, memoryview)):
+        raise PromptError(f"prompts must be one prompt or a list of prompts, got {type(prompts).__name__}: "
+                          "decode it to a str")
+    if isinstance(prompts, Mapping):
+        raise PromptError("prompts is one chat message (a dict); a chat prompt is a list of messages: "
+                          "[{'role': ..., 'content': ...}]")
+    if _is_array(prompts) and (prompts.ndim not in (1, 2) or not _integer_dtype(prompts)):
+        raise PromptError(f"a tensor or array of prompts must hold integer token ids, 1-D (one prompt) or 2-D "
+                          f"(a batch), got {_describe(prompts)}{' (0-d)' if prompts.ndim == 0 else ''}")
     if not isinstance(prompts, Iterable):
         raise PromptError(f"prompts must be one prompt or a list of prompts, got {type(prompts).__name__}")
-    return list(prompts)
 
 
 def to_prompt_ids(prompt, tokenizer) -> list[int]:
