@@ -13,7 +13,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # the largest values the engine can hold: every row of the batch has a block-table row (int32, one entry per
 # block of the model's longest sequence) and a row in each persistent step buffer, allocated at start
 UPPER_BOUNDS = {"block_size": 1024, "max_batch_size": 4096, "max_num_tokens": 1 << 20, "ngram_max_n": 64,
-                "num_blocks": 1 << 24}
+                "num_blocks": 1 << 24, "tensor_parallel_size": 1024}
 
 
 def check_spec_config(cfg) -> None:
@@ -29,7 +29,7 @@ def check_spec_config(cfg) -> None:
             template_from_spec(cfg.tree)
     except ValueError as err:
         raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
-    for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n"):
+    for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n", "tensor_parallel_size"):
         _positive_int(cfg, name, optional=False, hi=UPPER_BOUNDS[name])
     _positive_int(cfg, "admit_min_free", optional=True, why=" or None (auto)", hi=cfg.max_batch_size)
     _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)", hi=UPPER_BOUNDS["num_blocks"])

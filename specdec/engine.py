@@ -69,6 +69,7 @@ class SpecConfig:
     fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
     pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
     admit_min_free: int | None = None  # waiting requests join running ones once this many rows are free
+    tensor_parallel_size: int = 1  # > 1: this process is one rank of the target's tensor-parallel group
     # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan``
     # decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
 
@@ -95,6 +96,10 @@ class SpecEngine:
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)
+        if cfg.tensor_parallel_size > 1:  # this rank's part of the target (docs/parallel.md)
+            from specdec.parallel import shard_target
+
+            self.target = shard_target(self.target, draft, cfg)
         self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device,
                                                                                 self.target)
         if self.draft is not None:

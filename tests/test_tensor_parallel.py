@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import run_ranks, sharded_logits_diff
+from tp_helpers import engine_runs, passes, run_ranks, sharded_logits_diff
 
 from specdec.config import ModelConfig
+from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import FieldError
 from specdec.loading.registry import load_model
 from specdec.models.tensor_parallel import check_split, kv_heads_of, local_config, shard_state
+from specdec.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 200, 17], [3] * 11 + [250, 4], [7]]
 
@@ -65,3 +67,37 @@ def test_sharded_logits_equal_whole_model(tiny_factory):
     diffs = run_ranks(sharded_logits_diff, 2, [load_model(f).model for f in folders], PROMPTS)
     for rank in diffs:
         assert all(d < 1e-5 for d in rank), diffs
+
+
+GEN_PROMPTS = [[(7 * i + 3) % 250 + 1 for i in range(n)] for n in (5, 23, 41, 12)]
+RUNS = [(None, dict(block_size=4, num_blocks=128, max_num_tokens=16)),  # chunked prefill
+        (None, dict(block_size=4, num_blocks=20, policy="max_utilization")),  # preemption
+        ("ngram", dict(tree="chain:3", block_size=4, num_blocks=128, max_num_tokens=16))]
+
+
+def test_tp2_greedy_equals_tp1(tiny_target):
+    """Greedy tokens of 2 ranks equal one process's, target-only (chunked prefill, preemption, prefix-cache hits)
+    and n-gram (drafting from the first pass's text, so tokens are accepted)."""
+    want = []
+    for draft, options in RUNS:
+        eng = SpecEngine(draft, tiny_target, SpecConfig(**options))
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+        want.append([[o.token_ids for o in eng.generate(GEN_PROMPTS, params)] for _ in range(passes(draft))])
+    ranks = run_ranks(engine_runs, 2, tiny_target.model, RUNS, GEN_PROMPTS, 16)
+    for rank, got in enumerate(ranks):
+        for (tokens, free, preempted, accepted), expect, (draft, options) in zip(got, want, RUNS):
+            assert tokens == expect, (rank, draft, options)
+            assert free, (rank, draft, options)
+            assert preempted or options.get("policy") != "max_utilization", "the pool was meant to preempt"
+            assert accepted or draft is None, "the n-gram drafter was meant to have tokens accepted"
+
+
+def test_tp_config_checked(tiny_target):
+    with pytest.raises(FieldError, match="tensor_parallel_size must be an int >= 1"):
+        SpecConfig(tensor_parallel_size=0)
+    with pytest.raises(FieldError, match="needs a torch.distributed process group"):
+        SpecEngine(None, tiny_target, SpecConfig(tensor_parallel_size=2))
+    with pytest.raises(FieldError, match="draft models are not sharded yet"):
+        SpecEngine(tiny_target, tiny_target, SpecConfig(tensor_parallel_size=2))
+    with pytest.raises(FieldError, match="adaptive=True"):
+        SpecEngine(None, tiny_target, SpecConfig(tensor_parallel_size=2, adaptive=True))

@@ -97,3 +97,44 @@ def sharded_logits_diff(rank: int, size: int, models: list, prompts: list[list[i
                 worst = max(worst, (got - want).abs().max().item())
         diffs.append(worst)
     return diffs
+
+
+def passes(draft) -> int:
+    """How often ``engine_runs`` generates: twice with an n-gram drafter (so that it drafts from the first
+    pass's text and tokens are accepted), else once."""
+    return 2 if draft == "ngram" else 1
+
+
+def engine_runs(rank: int, size: int, model, runs: list[tuple], prompts: list[list[int]], max_new: int) -> list:
+    """For each (drafter argument, SpecConfig options) in ``runs``: a tensor-parallel engine of ``size`` ranks over
+    ``model`` (a whole ``LlamaForCausalLM``) generates ``prompts`` greedily (``max_new`` tokens, EOS ignored),
+    ``passes(draft)`` times (later times from cached prefixes, and with an n-gram drafter from the first time's
+    text). Returns per run
+    (token ids per prompt of each time, whether all blocks are free after, the number of preemptions, the number
+    of draft tokens accepted)."""
+    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.loading.base import LoadedModel
+    from specdec.sampling_params import SamplingParams
+
+    target = LoadedModel("tiny", model, None, model.config)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    out = []
+    for draft, options in runs:
+        eng = SpecEngine(draft, target, SpecConfig(tensor_parallel_size=size, **options))
+        assert eng.pool.specs[0].num_kv_heads == max(1, model.config.num_kv_heads // size)  # the rank's heads
+        preempted = _count_preemptions(eng.scheduler)
+        tokens = [[o.token_ids for o in eng.generate(prompts, params)] for _ in range(passes(draft))]
+        out.append((tokens, eng.all_blocks_free(), len(preempted), eng.stats.accepted))
+    return out
+
+
+def _count_preemptions(scheduler) -> list:
+    """From now on, the ids of the requests ``scheduler`` preempts (as conftest's ``count_preemptions``)."""
+    seen, preempt = [], scheduler.preempt
+
+    def counting(req):
+        seen.append(req.request_id)
+        return preempt(req)
+
+    scheduler.preempt = counting
+    return seen

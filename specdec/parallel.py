@@ -1,0 +1,58 @@
+"""The engine's side of tensor parallelism (docs/parallel.md): what a ``tensor_parallel_size`` > 1 engine
+supports, and this rank's part of the target.
+
+Every rank builds the same engine and is driven with the same requests in the same order; the scheduler,
+the allocator, the prefix cache and the stop checks are deterministic, and every rank's logits are the same
+bytes after the collectives, so every rank schedules the same batches and commits the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from specdec.errors import FieldError
+from specdec.loading.base import LoadedModel
+from specdec.models.llama import LlamaForCausalLM
+from specdec.models.tensor_parallel import TensorParallel, shard_model
+
+
+def shard_target(target: LoadedModel, draft, cfg) -> LoadedModel:
+    """This rank's part of ``target`` for an engine with options ``cfg`` (a SpecConfig with
+    ``tensor_parallel_size`` > 1) and drafter argument ``draft``; its ``config`` is the rank's shape (its KV
+    heads size the pool). FieldError naming ``tensor_parallel_size`` when the combination is not supported or
+    the target does not split; also seeds torch's global RNG from rank 0 (``sync_global_seed``)."""
+    size = cfg.tensor_parallel_size
+    _check_supported(cfg, draft)
+    if not isinstance(target.model, LlamaForCausalLM):
+        raise FieldError("SpecConfig", "tensor_parallel_size", "> 1 needs a Llama-family target", size)
+    tp = TensorParallel.current(size)
+    part = shard_model(target.model, tp)
+    sync_global_seed(tp)
+    return LoadedModel(target.name, part, target.tokenizer, part.config)
+
+
+def sync_global_seed(tp: TensorParallel) -> None:
+    """Seed torch's global RNG on every rank with a seed drawn on rank 0: an unseeded sampled request draws its
+    seed from it (``verifier.request_randomness``), and every rank draws in the same order, so the ranks'
+    requests get the same seeds."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    dist.broadcast(seed, src=0, group=tp.group)  # (gloo: a CPU tensor)
+    torch.manual_seed(int(seed.item()))
+
+
+def _check_supported(cfg, draft) -> None:
+    """FieldError for what a tensor-parallel engine cannot do yet: a draft model, a device other than the CPU,
+    and the options whose per-rank timing or graphs would need rank 0's decisions broadcast."""
+    size = cfg.tensor_parallel_size
+
+    def refuse(why: str) -> None:
+        raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 {why}", size)
+
+    if draft is not None and draft != "ngram":
+        refuse("supports target-only and n-gram decoding for now (draft models are not sharded yet)")
+    if torch.device(cfg.device).type != "cpu":
+        refuse(f"runs on the CPU (gloo) for now, got device {cfg.device!r}")
+    for name in ("cuda_graphs", "pipeline", "adaptive"):
+        if getattr(cfg, name):
+            refuse(f"does not support {name}=True yet")
