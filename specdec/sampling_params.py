@@ -15,6 +15,12 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
 # a temperature below this samples as greedy (it is stored as 0): float32 logits divided by a smaller one can
 # overflow to infinity, and the distribution it asks for is the argmax up to float32 rounding anyway
 GREEDY_TEMPERATURE_FLOOR = 1e-5
+# a top_p below this is stored as it: float32 rounds 1e-300 to 0, which drops every token, and any top_p below the
+# largest probability (>= 1 / vocab) keeps just the most probable token anyway
+TOP_P_FLOOR = 1e-30
+# repetition_penalty bounds: logits divided or multiplied by a penalty outside them overflow float32
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
+MAX_N = 128  # samples of one prompt (OpenAI's limit): each is a request of its own
 
 
 @dataclass(frozen=True)
@@ -22,7 +28,8 @@ class SamplingParams:
     """How one request samples and when it stops. Validated (types included) at construction.
 
     temperature 0 means greedy; a temperature below ``GREEDY_TEMPERATURE_FLOOR`` is stored as 0 (greedy), so
-    every proposer and the server decode it the same way. top_k 0 (or -1, as in vLLM; stored as 0) and top_p 1.0
+    every proposer and the server decode it the same way; a top_p below ``TOP_P_FLOOR`` is stored as it (the same
+    kept token). top_k 0 (or -1, as in vLLM; stored as 0) and top_p 1.0
     disable those filters. ``stop`` is one string or a sequence of strings (needs a model with a tokenizer);
     ``stop_token_ids`` a
     sequence of token ids. Integers of any integral type (numpy included) are stored as int.
@@ -52,7 +59,8 @@ class SamplingParams:
                                         lambda t: t >= 0))
         if self.temperature < GREEDY_TEMPERATURE_FLOOR:
             set_(self, "temperature", 0.0)
-        set_(self, "top_p", _real(self.top_p, "top_p", "must be a number in (0, 1]", lambda p: 0 < p <= 1))
+        set_(self, "top_p", max(TOP_P_FLOOR, _real(self.top_p, "top_p", "must be a number in (0, 1]",
+                                                   lambda p: 0 < p <= 1)))
         set_(self, "top_k", max(0, _integer(self.top_k, "top_k", "must be an int >= -1 (0 or -1 = off)", -1, None)))
         set_(self, "max_new_tokens", _integer(self.max_new_tokens, "max_new_tokens", "must be an int >= 1", 1, None))
         if self.seed is not None:
@@ -62,9 +70,11 @@ class SamplingParams:
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
         set_(self, "min_p", _real(self.min_p, "min_p", "must be a number in [0, 1] (0 = off)", lambda p: 0 <= p <= 1))
-        set_(self, "repetition_penalty", _real(self.repetition_penalty, "repetition_penalty",
-                                               "must be a number > 0 (1 = off)", lambda r: r > 0))
-        set_(self, "n", _integer(self.n, "n", "must be an int >= 1", 1, None))
+        lo, hi = REPETITION_PENALTY_RANGE
+        rule = f"must be a number in [{lo:g}, {hi:g}] (1 = off)"
+        set_(self, "repetition_penalty", _real(self.repetition_penalty, "repetition_penalty", rule,
+                                               lambda r: lo <= r <= hi))
+        set_(self, "n", _integer(self.n, "n", f"must be an int in [1, {MAX_N}]", 1, MAX_N))
 
     @property
     def greedy(self) -> bool:

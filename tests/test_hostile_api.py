@@ -39,3 +39,33 @@ def test_a_value_that_is_no_prompt_batch_is_refused_whole(engine, prompts, words
         assert all(w in str(info.value) for w in words), str(info.value)
         assert not engine.scheduler.has_work and engine.all_blocks_free()
     assert engine.generate(PROMPT, PARAMS)[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("draft", [None, "ngram", "model"])
+def test_a_top_p_below_float32_range_keeps_the_most_probable_token(engine, tiny_draft, draft):
+    """top_p 1e-300 is 0 in float32: every token was dropped and the request failed with 'not finite at
+    temperature 1.0'. Any top_p below the largest probability keeps just the argmax, as greedy does."""
+    eng = engine if draft is None else SpecEngine(tiny_draft if draft == "model" else draft, engine.target,
+                                                  SpecConfig(tree="chain:3", num_blocks=64, block_size=8))
+    greedy = eng.generate(PROMPT, PARAMS)[0]
+    for top_p in (1e-300, 1e-46, 1e-10):
+        out = eng.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, top_p=top_p, seed=1))[0]
+        assert (out.finish_reason, out.token_ids) == ("length", greedy.token_ids), (top_p, out.error)
+    assert eng.all_blocks_free()
+
+
+def test_repetition_penalties_float32_cannot_hold_are_refused_by_name(engine):
+    """1e-39 divided the logits into infinity: a sampled request failed blaming its temperature."""
+    for rp in (1e-39, 1e-300, 1e39, 1e300):
+        with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[1e-30, 1e\+30\]"):
+            SamplingParams(repetition_penalty=rp)
+    for rp in (1e-30, 1e30):  # the bounds run
+        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, repetition_penalty=rp))[0]
+        assert out.finish_reason == "length", (rp, out.error)
+
+
+def test_a_sample_count_no_engine_serves_is_refused_at_once():
+    """n = 10**9 built 10**9 requests (the server took 6 GB and never answered)."""
+    with pytest.raises(ValueError, match=r"SamplingParams.n must be an int in \[1, 128\]"):
+        SamplingParams(n=10**9)
+    assert SamplingParams(n=128).n == 128
