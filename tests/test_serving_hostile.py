@@ -90,6 +90,14 @@ BAD = [
     ("completions", json.dumps(_completion(user=5)), 400, "user", "string"),
     ("chat", json.dumps(_chat(user={"id": 1})), 400, "user", "string"),
     ("completions", "x" * (DEFAULT_MAX_REQUEST_BYTES + 1), 413, None, "--max-request-bytes"),
+    # ran as [1]: one level of nesting is a batch of one prompt, two are no prompt at all
+    ("completions", json.dumps(_completion(prompt=[[[5, 6]]])), 400, "prompt", "list of token ids"),
+    ("completions", json.dumps(_completion(prompt=[True, 5])), 400, "prompt", "list of token ids"),
+    # 0 == False and True == 1 in Python: logprobs=0 (the sampled token's logprob) was dropped silently
+    ("completions", json.dumps(_completion(logprobs=0)), 400, "logprobs", "not supported"),
+    ("completions", json.dumps(_completion(best_of=True)), 400, "best_of", "not supported"),
+    ("chat", json.dumps(_chat(top_logprobs=False)), 400, "top_logprobs", "not supported"),
+    ("completions", json.dumps(_completion(stream_options=[])), 400, "stream_options", "object"),  # was ignored
 ]
 
 

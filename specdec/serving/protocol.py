@@ -94,7 +94,7 @@ def _check_fields(body: Any, allowed: set[str], model: str) -> None:
         raise BadRequest(None, "the request body must be a JSON object")
     for key, value in body.items():
         if key in _OFF_VALUES:
-            if value not in _OFF_VALUES[key]:
+            if not _is_off(value, _OFF_VALUES[key]):
                 raise BadRequest(key, f"field '{key}' is not supported by this server (allowed: "
                                       f"{[v for v in _OFF_VALUES[key] if v is not None] or 'null'})")
         elif key not in allowed:
@@ -108,16 +108,22 @@ def _check_fields(body: Any, allowed: set[str], model: str) -> None:
                                  f"{_short(user)}")
 
 
-def _completion_prompt(prompt: Any) -> Any:
+def _is_off(value: Any, off_values: tuple) -> bool:
+    """``value`` is one of ``off_values`` and of its type: 0 is not False (``logprobs`` 0 of a completion asks
+    for the sampled token's logprob) and True is not 1."""
+    return any(value is None if off is None else type(value) is type(off) and value == off for off in off_values)
+
+
+def _completion_prompt(prompt: Any, nested: bool = False) -> Any:
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt", "field 'prompt' must not be empty")
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return _completion_prompt(prompt[0])
-    if isinstance(prompt, list) and len(prompt) > 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) and not nested:
+        return _completion_prompt(prompt[0], nested=True)  # a batch of one prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise BadRequest("prompt", "field 'prompt' holds several prompts; send one prompt per request")
     raise BadRequest("prompt", "field 'prompt' must be a string or a list of token ids")
 
@@ -151,9 +157,11 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise BadRequest("stream", f"field 'stream' must be a boolean, got {stream!r}")
-    opts = body.get("stream_options") or {}
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
     if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
-        raise BadRequest("stream_options", "field 'stream_options' may only hold 'include_usage'")
+        raise BadRequest("stream_options", f"field 'stream_options' must be an object that may only hold "
+                                           f"'include_usage', got {_short(opts)}")
     include = opts.get("include_usage", False)
     if not isinstance(include, bool):
         raise BadRequest("stream_options", "stream_options.include_usage must be a boolean")
