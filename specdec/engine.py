@@ -96,14 +96,14 @@ class SpecEngine:
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
         self.target = _as_loaded(target, dtype, self.device)
-        if cfg.tensor_parallel_size > 1:  # this rank's part of the target (docs/parallel.md)
-            from specdec.parallel import shard_target
-
-            self.target = shard_target(self.target, draft, cfg)
         self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device,
                                                                                 self.target)
         if self.draft is not None:
             _check_same_vocab(self.draft, self.target)
+        if cfg.tensor_parallel_size > 1:  # this rank's part of each model (docs/parallel.md)
+            from specdec.parallel import shard_models
+
+            self.target, self.draft = shard_models(self.target, self.draft, cfg)
         backend = _backend(cfg, self.device)
         proposer = _proposer_kind(draft, self.draft)
         self.plan = resolve_plan(cfg, self.device, proposer, backend.name,

@@ -14,22 +14,31 @@ import torch.distributed as dist
 from specdec.errors import FieldError
 from specdec.loading.base import LoadedModel
 from specdec.models.llama import LlamaForCausalLM
-from specdec.models.tensor_parallel import TensorParallel, shard_model
+from specdec.models.tensor_parallel import TensorParallel, check_split, shard_model
 
 
-def shard_target(target: LoadedModel, draft, cfg) -> LoadedModel:
-    """This rank's part of ``target`` for an engine with options ``cfg`` (a SpecConfig with
-    ``tensor_parallel_size`` > 1) and drafter argument ``draft``; its ``config`` is the rank's shape (its KV
-    heads size the pool). FieldError naming ``tensor_parallel_size`` when the combination is not supported or
-    the target does not split; also seeds torch's global RNG from rank 0 (``sync_global_seed``)."""
+def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[LoadedModel, LoadedModel | None]:
+    """This rank's parts of ``target`` and of the Llama ``draft`` model (None: target-only or n-gram) for an
+    engine with options ``cfg`` (a SpecConfig with ``tensor_parallel_size`` > 1); each part's ``config`` is the
+    rank's shape (its KV heads size the pool). FieldError naming ``tensor_parallel_size`` when the combination
+    is not supported or a model does not split; also seeds torch's global RNG from rank 0
+    (``sync_global_seed``)."""
     size = cfg.tensor_parallel_size
-    _check_supported(cfg, draft)
-    if not isinstance(target.model, LlamaForCausalLM):
-        raise FieldError("SpecConfig", "tensor_parallel_size", "> 1 needs a Llama-family target", size)
+    _check_supported(cfg)
+    for role, loaded in (("target", target), ("draft", draft)):
+        if loaded is not None and not isinstance(loaded.model, LlamaForCausalLM):
+            raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 needs a Llama-family {role} (an EAGLE "
+                             "draft is not sharded yet)", size)
     tp = TensorParallel.current(size)
-    part = shard_model(target.model, tp)
+    parts = [None if m is None else _shard(m, tp, role) for m, role in ((target, "target"), (draft, "draft"))]
     sync_global_seed(tp)
-    return LoadedModel(target.name, part, target.tokenizer, part.config)
+    return parts[0], parts[1]
+
+
+def _shard(loaded: LoadedModel, tp: TensorParallel, role: str) -> LoadedModel:
+    check_split(loaded.config, tp.size, role)
+    part = shard_model(loaded.model, tp)
+    return LoadedModel(loaded.name, part, loaded.tokenizer, part.config)
 
 
 def sync_global_seed(tp: TensorParallel) -> None:
@@ -41,16 +50,14 @@ def sync_global_seed(tp: TensorParallel) -> None:
     torch.manual_seed(int(seed.item()))
 
 
-def _check_supported(cfg, draft) -> None:
-    """FieldError for what a tensor-parallel engine cannot do yet: a draft model, a device other than the CPU,
-    and the options whose per-rank timing or graphs would need rank 0's decisions broadcast."""
+def _check_supported(cfg) -> None:
+    """FieldError for what a tensor-parallel engine cannot do yet: a device other than the CPU, and the options
+    whose per-rank timing or graphs would need rank 0's decisions broadcast."""
     size = cfg.tensor_parallel_size
 
     def refuse(why: str) -> None:
         raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 {why}", size)
 
-    if draft is not None and draft != "ngram":
-        refuse("supports target-only and n-gram decoding for now (draft models are not sharded yet)")
     if torch.device(cfg.device).type != "cpu":
         refuse(f"runs on the CPU (gloo) for now, got device {cfg.device!r}")
     for name in ("cuda_graphs", "pipeline", "adaptive"):

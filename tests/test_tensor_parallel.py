@@ -70,22 +70,25 @@ def test_sharded_logits_equal_whole_model(tiny_factory):
 
 
 GEN_PROMPTS = [[(7 * i + 3) % 250 + 1 for i in range(n)] for n in (5, 23, 41, 12)]
-RUNS = [(None, dict(block_size=4, num_blocks=128, max_num_tokens=16)),  # chunked prefill
-        (None, dict(block_size=4, num_blocks=20, policy="max_utilization")),  # preemption
-        ("ngram", dict(tree="chain:3", block_size=4, num_blocks=128, max_num_tokens=16))]
+RUNS = {"target_ngram": [(None, dict(block_size=4, num_blocks=128, max_num_tokens=16)),  # chunked prefill
+                         (None, dict(block_size=4, num_blocks=20, policy="max_utilization")),  # preemption
+                         ("ngram", dict(tree="chain:3", block_size=4, num_blocks=128, max_num_tokens=16))],
+        "draft": [("model", dict(tree="chain:4", block_size=4, num_blocks=128, max_num_tokens=16)),
+                  ("model", dict(tree="topk:2x3", block_size=4, num_blocks=40, policy="max_utilization"))]}
 
 
-def test_tp2_greedy_equals_tp1(tiny_target):
-    """Greedy tokens of 2 ranks equal one process's, target-only (chunked prefill, preemption, prefix-cache hits)
-    and n-gram (drafting from the first pass's text, so tokens are accepted)."""
-    want = []
-    for draft, options in RUNS:
-        eng = SpecEngine(draft, tiny_target, SpecConfig(**options))
+@pytest.mark.parametrize("which", sorted(RUNS))
+def test_tp2_greedy_equals_tp1(tiny_target, tiny_draft, which):
+    """Greedy tokens of 2 ranks equal one process's, target-only (chunked prefill, preemption), n-gram (drafting
+    from the first pass's text, so tokens are accepted; prefix-cache hits) and a draft model (chain, tree)."""
+    runs, want = RUNS[which], []
+    for draft, options in runs:
+        eng = SpecEngine(tiny_draft if draft == "model" else draft, tiny_target, SpecConfig(**options))
         params = SamplingParams(max_new_tokens=16, ignore_eos=True)
         want.append([[o.token_ids for o in eng.generate(GEN_PROMPTS, params)] for _ in range(passes(draft))])
-    ranks = run_ranks(engine_runs, 2, tiny_target.model, RUNS, GEN_PROMPTS, 16)
+    ranks = run_ranks(engine_runs, 2, (tiny_target.model, tiny_draft.model), runs, GEN_PROMPTS, 16)
     for rank, got in enumerate(ranks):
-        for (tokens, free, preempted, accepted), expect, (draft, options) in zip(got, want, RUNS):
+        for (tokens, free, preempted, accepted), expect, (draft, options) in zip(got, want, runs):
             assert tokens == expect, (rank, draft, options)
             assert free, (rank, draft, options)
             assert preempted or options.get("policy") != "max_utilization", "the pool was meant to preempt"
@@ -97,7 +100,5 @@ def test_tp_config_checked(tiny_target):
         SpecConfig(tensor_parallel_size=0)
     with pytest.raises(FieldError, match="needs a torch.distributed process group"):
         SpecEngine(None, tiny_target, SpecConfig(tensor_parallel_size=2))
-    with pytest.raises(FieldError, match="draft models are not sharded yet"):
-        SpecEngine(tiny_target, tiny_target, SpecConfig(tensor_parallel_size=2))
     with pytest.raises(FieldError, match="adaptive=True"):
         SpecEngine(None, tiny_target, SpecConfig(tensor_parallel_size=2, adaptive=True))

@@ -105,22 +105,25 @@ def passes(draft) -> int:
     return 2 if draft == "ngram" else 1
 
 
-def engine_runs(rank: int, size: int, model, runs: list[tuple], prompts: list[list[int]], max_new: int) -> list:
-    """For each (drafter argument, SpecConfig options) in ``runs``: a tensor-parallel engine of ``size`` ranks over
-    ``model`` (a whole ``LlamaForCausalLM``) generates ``prompts`` greedily (``max_new`` tokens, EOS ignored),
-    ``passes(draft)`` times (later times from cached prefixes, and with an n-gram drafter from the first time's
-    text). Returns per run
-    (token ids per prompt of each time, whether all blocks are free after, the number of preemptions, the number
-    of draft tokens accepted)."""
+def engine_runs(rank: int, size: int, models: tuple, runs: list[tuple], prompts: list[list[int]],
+                max_new: int) -> list:
+    """For each (drafter argument, SpecConfig options) in ``runs`` ("model": the draft model): a tensor-parallel
+    engine of ``size`` ranks over ``models`` (the whole target and draft ``LlamaForCausalLM``) generates
+    ``prompts`` greedily (``max_new`` tokens, EOS ignored), ``passes(draft)`` times (later times from cached
+    prefixes, and with an n-gram drafter from the first time's text). Returns per run (token ids per prompt of
+    each time, whether all blocks are free after, the number of preemptions, the number of draft tokens
+    accepted)."""
     from specdec.engine import SpecConfig, SpecEngine
     from specdec.loading.base import LoadedModel
     from specdec.sampling_params import SamplingParams
 
+    model, draft_model = models
     target = LoadedModel("tiny", model, None, model.config)
+    loaded = {"model": LoadedModel("tiny-draft", draft_model, None, draft_model.config)}
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     out = []
     for draft, options in runs:
-        eng = SpecEngine(draft, target, SpecConfig(tensor_parallel_size=size, **options))
+        eng = SpecEngine(loaded.get(draft, draft), target, SpecConfig(tensor_parallel_size=size, **options))
         assert eng.pool.specs[0].num_kv_heads == max(1, model.config.num_kv_heads // size)  # the rank's heads
         preempted = _count_preemptions(eng.scheduler)
         tokens = [[o.token_ids for o in eng.generate(prompts, params)] for _ in range(passes(draft))]
