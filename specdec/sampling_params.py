@@ -31,8 +31,8 @@ class SamplingParams:
     every proposer and the server decode it the same way; a top_p below ``TOP_P_FLOOR`` is stored as it (the same
     kept token). top_k 0 (or -1, as in vLLM; stored as 0) and top_p 1.0
     disable those filters. ``stop`` is one string or a sequence of strings (needs a model with a tokenizer);
-    ``stop_token_ids`` a
-    sequence of token ids. Integers of any integral type (numpy included) are stored as int.
+    ``stop_token_ids`` a sequence of token ids; None (vLLM's default) is none for both. Integers of any integral
+    type (numpy included) are stored as int.
     ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back).
     ``min_p`` (0 = off) drops, after temperature, top-k and top-p, the tokens whose probability is below min_p
     times the most probable token's. ``repetition_penalty`` (1 = off) divides the positive raw logits (and
@@ -151,7 +151,9 @@ def _integer(value, name: str, rule: str, lo: int, hi: int | None) -> int:
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
-    rule = "must be a non-empty string or a list/tuple of non-empty strings"
+    rule = "must be None, a non-empty string or a list/tuple of non-empty strings"
+    if stop is None:  # vLLM's default
+        return ()
     if isinstance(stop, str):
         stop = (stop,)
     _check(isinstance(stop, (list, tuple)), "stop", rule, stop)
@@ -160,6 +162,8 @@ def _stop_strings(stop) -> tuple[str, ...]:
 
 
 def _token_ids(ids) -> tuple[int, ...]:
-    rule = "must be a list/tuple of ints >= 0"
+    rule = "must be None or a list/tuple of ints >= 0"
+    if ids is None:  # vLLM's default
+        return ()
     _check(isinstance(ids, (list, tuple)), "stop_token_ids", rule, ids)
     return tuple(_integer(t, "stop_token_ids", rule, 0, None) for t in ids)

@@ -69,3 +69,10 @@ def test_a_sample_count_no_engine_serves_is_refused_at_once():
     with pytest.raises(ValueError, match=r"SamplingParams.n must be an int in \[1, 128\]"):
         SamplingParams(n=10**9)
     assert SamplingParams(n=128).n == 128
+
+
+def test_stop_and_stop_token_ids_of_none_mean_none():
+    """vLLM's defaults (``stop=None``, ``stop_token_ids=None``) were refused as 'must be a non-empty string'."""
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert (params.stop, params.stop_token_ids) == ((), ())
+    assert params == SamplingParams()
