@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+MAX_SHOWN_CHARS = 200  # of a refused value's repr in a FieldError (a client may send megabytes)
+
 
 class FieldError(ValueError):
     """A configuration field has a bad type or value. ``owner`` and ``field`` name it (the CLI maps
     them back to the command-line argument); the message says what is allowed and what was given."""
 
     def __init__(self, owner: str, field: str, rule: str, value: object) -> None:
-        super().__init__(f"{owner}.{field} {rule}, got {value!r}")
+        shown = repr(value)
+        shown = shown if len(shown) <= MAX_SHOWN_CHARS else f"{shown[:MAX_SHOWN_CHARS - 3]}..."
+        super().__init__(f"{owner}.{field} {rule}, got {shown}")
         self.owner, self.field = owner, field
 
 

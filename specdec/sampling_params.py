@@ -21,6 +21,8 @@ TOP_P_FLOOR = 1e-30
 # repetition_penalty bounds: logits divided or multiplied by a penalty outside them overflow float32
 REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 MAX_N = 128  # samples of one prompt (OpenAI's limit): each is a request of its own
+# stop strings: every step checks each against the output on the engine's thread
+MAX_STOPS, MAX_STOP_CHARS = 128, 4096  # strings, characters in all
 
 
 @dataclass(frozen=True)
@@ -71,10 +73,10 @@ class SamplingParams:
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
         set_(self, "min_p", _real(self.min_p, "min_p", "must be a number in [0, 1] (0 = off)", lambda p: 0 <= p <= 1))
         lo, hi = REPETITION_PENALTY_RANGE
-        rule = f"must be a number in [{lo:g}, {hi:g}] (1 = off)"
+        rule = f"must be a number > 0 (1 = off) in [{lo:g}, {hi:g}]"
         set_(self, "repetition_penalty", _real(self.repetition_penalty, "repetition_penalty", rule,
                                                lambda r: lo <= r <= hi))
-        set_(self, "n", _integer(self.n, "n", f"must be an int in [1, {MAX_N}]", 1, MAX_N))
+        set_(self, "n", _integer(self.n, "n", f"must be an int >= 1 and <= {MAX_N}", 1, MAX_N))
 
     @property
     def greedy(self) -> bool:
@@ -151,13 +153,15 @@ def _integer(value, name: str, rule: str, lo: int, hi: int | None) -> int:
 
 
 def _stop_strings(stop) -> tuple[str, ...]:
-    rule = "must be None, a non-empty string or a list/tuple of non-empty strings"
+    rule = (f"must be None, a non-empty string or a list/tuple of non-empty strings (at most {MAX_STOPS} strings "
+            f"of at most {MAX_STOP_CHARS} characters in all)")
     if stop is None:  # vLLM's default
         return ()
     if isinstance(stop, str):
         stop = (stop,)
-    _check(isinstance(stop, (list, tuple)), "stop", rule, stop)
+    _check(isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOPS, "stop", rule, stop)
     _check(all(isinstance(s, str) and s for s in stop), "stop", rule, stop)
+    _check(sum(map(len, stop)) <= MAX_STOP_CHARS, "stop", rule, stop)
     return tuple(stop)
 
 
