@@ -21,14 +21,14 @@ import torch
 
 from specdec.loading.base import DTYPES, LoadedModel
 from specdec.training.distill_data import DataSpec, DistillData
-from specdec.training.schedule import check_counts, check_optimizer_fields
+from specdec.training.schedule import RunOptions, check_counts, check_optimizer_fields
 from specdec.training.training import TrainState
 
 TRAINING_FILES = ("data.pt", "ckpt.pt")  # in OUT next to the draft, but not part of it
 
 
 @dataclass(frozen=True)
-class DistillConfig:
+class DistillConfig(RunOptions):
     """Options of one run (``specdec distill --help`` explains each); validated at construction."""
 
     out: str
@@ -46,16 +46,7 @@ class DistillConfig:
     batch_size: int = 32
     lr: float = 5e-4
     warmup_steps: int | None = None  # None: min(100, steps // 10)
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     ckpt_every: int = 500
-    stop_after: int | None = None
-    seed: int = 0
-    resume: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"
-    save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         check_counts(self, _require, ("layers", "num_prompts", "response_tokens", "max_prompt_tokens",
@@ -73,11 +64,6 @@ class DistillConfig:
         check_optimizer_fields(self, _require)
         _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype)
         _require(self.save_dtype in DTYPES, "save_dtype", f"one of {sorted(DTYPES)}", self.save_dtype)
-
-    @property
-    def autocast(self) -> bool:
-        """bf16 autocast for the training forwards: on CUDA unless ``dtype`` is float32."""
-        return self.device.startswith("cuda") and self.dtype != "float32"
 
     @property
     def num_val(self) -> int:

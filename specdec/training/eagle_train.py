@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from specdec.training.eagle_data import TokenFile
-from specdec.training.schedule import check_counts, check_optimizer_fields, report_losses, warmup_cosine
+from specdec.training.schedule import (
+    RunOptions,
+    check_counts,
+    check_optimizer_fields,
+    report_losses,
+    warmup_cosine,
+)
 
 PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
 LOG_EVERY = 10
@@ -32,7 +38,7 @@ MUST_MATCH = ("target", "tokens", "draft_vocab", "aux_layers", "unroll", "step_d
 
 
 @dataclass(frozen=True)
-class EagleTrainConfig:
+class EagleTrainConfig(RunOptions):
     """Options of one eagle-draft run (``specdec distill --help``); validated at construction."""
 
     out: str
@@ -52,18 +58,9 @@ class EagleTrainConfig:
     sampled_weight: float = 0.0
     lr: float = 1e-3
     warmup_steps: int | None = None
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
     ckpt_every: int = 200
-    stop_after: int | None = None
     val_docs: int = 32
     loss_on: str = "assistant"
-    seed: int = 0
-    resume: bool = False
-    device: str = "cpu"
-    dtype: str = "float32"
-    save_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         check_counts(self, _require, ("draft_vocab", "unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
@@ -80,10 +77,6 @@ class EagleTrainConfig:
         check_optimizer_fields(self, _require)
         _require(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
         _require(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
-
-    @property
-    def autocast(self) -> bool:
-        return self.device.startswith("cuda") and self.dtype != "float32"
 
     @property
     def mix(self):

@@ -5,8 +5,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """The run-control options both training configs share (keyword-only: each config's own fields come first);
+    ``check_optimizer_fields`` validates them with the rest of the optimiser's."""
+
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    stop_after: int | None = None
+    seed: int = 0
+    resume: bool = False
+    device: str = "cpu"
+    dtype: str = "float32"
+    save_dtype: str = "bfloat16"
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 autocast for the training forwards: on CUDA unless ``dtype`` is float32."""
+        return self.device.startswith("cuda") and self.dtype != "float32"
 
 
 def check_counts(cfg, require: Callable[[bool, str, str, object], None], names: tuple[str, ...]) -> None:
