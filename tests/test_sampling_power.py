@@ -329,18 +329,23 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
 
 @pytest.mark.parametrize("graphs", [None, True])
 def test_n_samples_of_one_request_follow_the_target(pair, target_logits, graphs):
-    """``SamplingParams(n=N)``: the N samples of one seeded request (run as N requests sharing the prompt) are N
+    """``SamplingParams(n=...)``: the samples of seeded requests (each run as n requests sharing the prompt) are
     independent draws of the target's distribution with the draft model speculating (packed host steps, and the
-    padded steps run eagerly): the first two tokens pass the chi-square test (N = SAMPLES // 2); the negative
-    control (the same counts against the target's distribution at T = 1.3 instead of 0.9) fails it."""
+    padded steps run eagerly): the first two tokens of about SAMPLES // 2 samples (requests of n = 125, each with
+    its own seed: n is at most 128) pass the chi-square test; the negative control (the same counts against the
+    target's distribution at T = 1.3 instead of 0.9) fails it."""
     _, target, draft = pair
-    n = SAMPLES // 2
+    per = 125  # samples per request (n is at most 128)
+    requests = max(1, SAMPLES // 2 // per)
+    n = per * requests
     eng = SpecEngine(draft, target, SpecConfig(tree="chain:2", num_blocks=16384, block_size=2, max_batch_size=512,
                                                max_num_tokens=8192, policy="max_utilization", cuda_graphs=graphs))
-    params = SamplingParams(temperature=0.9, top_k=6, seed=7, n=n, max_new_tokens=3, ignore_eos=True)
-    out = eng.generate([PROMPT], params)[0]
-    assert len(out.outputs) == n and eng.all_blocks_free()
-    pairs = torch.tensor([c.token_ids[:2] for c in out.outputs])  # (n, 2)
+    params = [SamplingParams(temperature=0.9, top_k=6, seed=7 + i, n=per, max_new_tokens=3,
+                             ignore_eos=True) for i in range(requests)]
+    outs = eng.generate([PROMPT] * requests, params)
+    samples = [c for out in outs for c in out.outputs]
+    assert len(samples) == n and eng.all_blocks_free()
+    pairs = torch.tensor([c.token_ids[:2] for c in samples])  # (n, 2)
     joint = torch.zeros(VOCAB * VOCAB, dtype=torch.float64)
     joint.index_add_(0, pairs[:, 0] * VOCAB + pairs[:, 1], torch.ones(n, dtype=torch.float64))
     p1, exact = exact_dists(target_logits, 0.9, 6, 1.0)
