@@ -19,8 +19,6 @@ except ImportError:
     class _Missing:
         """Any attribute is another stand-in; ``jit`` returns the function it decorates; calling one raises."""
 
-        constexpr = object
-
         def __init__(self, name: str) -> None:
             self._name = name
 
