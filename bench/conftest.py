@@ -14,9 +14,9 @@ import pytest
 import torch
 
 # `python -m pytest` puts the checkout first on sys.path, where kernels/ (installed as specdec.kernels)
-# would shadow PyPI's `kernels`, which transformers imports (tests/conftest.py does the same)
+# would shadow PyPI's `kernels`, which transformers imports: the checkout goes last (as in tests/conftest.py)
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT] + [str(_ROOT)]  # last
 
 
 @pytest.fixture(scope="session")

@@ -20,9 +20,9 @@ import torch
 
 # The checkout's kernels/, kvcache/ and scheduler/ install as specdec.kernels, ...; `python -m pytest` puts the
 # working directory (the checkout) first on sys.path, where kernels/ would shadow PyPI's `kernels`, which
-# transformers imports. Tests import the installed names only.
+# transformers imports. The checkout goes last: `bench` still imports from it, `kernels` from site-packages.
 _ROOT = Path(__file__).resolve().parent.parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT] + [str(_ROOT)]  # last
 
 if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
