@@ -92,18 +92,18 @@ print(eng.plan.attention_backend, len(out.token_ids))
 """
 
 
-def test_runs_without_triton(tiny_dirs):
+def test_runs_without_triton(tiny_dirs, tmp_path):
     """Without Triton installed the package imports, the engine takes the torch backend and generates; a kernel
     module's stand-in refuses a launch with an error naming Triton."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", NO_TRITON, str(tiny_dirs["llama"])], env=env,
-                         capture_output=True, text=True, timeout=120)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["torch", "6"]
     probe = NO_TRITON.split("from specdec")[0] + (
         "from specdec.kernels.triton_import import AVAILABLE, triton\n"
         "assert not AVAILABLE\n"
         "try:\n    triton.cdiv(3, 2)\nexcept ImportError as e:\n    print(e)\n")
-    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=60)
     assert "needs Triton" in run.stdout, run.stderr[-2000:]
