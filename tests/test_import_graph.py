@@ -112,10 +112,11 @@ def test_no_module_imports_another_modules_private_names():
     assert private == [], "\n".join(private)
 
 
-def test_entry_points_import_in_a_fresh_interpreter():
-    """The command-line and loading entry points import from scratch (no reliance on an earlier import)."""
+def test_entry_points_import_in_a_fresh_interpreter(tmp_path):
+    """The command-line and loading entry points import from scratch (no reliance on an earlier import), outside
+    the checkout (whose kernels/ would shadow PyPI's kernels, which transformers imports)."""
     modules = ["specdec.cli", "specdec.cli.bench", "specdec.cli.distill", "specdec.training",
                "specdec.loading.registry", "specdec.benchmark.report", "specdec.benchmark.plot"]
     code = "; ".join(f"import {m}" for m in modules)
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
