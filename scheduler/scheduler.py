@@ -188,12 +188,17 @@ class Scheduler:
     def _can_admit(self, req: Request) -> bool:
         if self.cfg.policy is CapacityPolicy.GUARANTEED_NO_EVICT:
             reserved = sum(max(0, self._max_blocks(r) - len(live_blocks(r.blocks))) for r in self.running)
-            return self._free_blocks() - reserved >= self._max_blocks(req)
-        return self._free_blocks() >= min(self.blocks_for(len(req.tokens) + self.lookahead), self._max_blocks(req))
+            return self._has_free_blocks(reserved + self._max_blocks(req))
+        return self._has_free_blocks(min(self.blocks_for(len(req.tokens) + self.lookahead), self._max_blocks(req)))
 
-    def _free_blocks(self) -> int:
-        evictable = self.prefix_cache.num_evictable() if self.prefix_cache is not None else 0
-        return self.allocator.num_free + evictable
+    def _has_free_blocks(self, need: int) -> bool:
+        """Whether ``need`` blocks are free or can be freed by evicting cached prefixes. The cache is walked
+        only when the free list alone falls short: counting its evictable blocks visits every cached node,
+        and admitting a batch of requests one by one would walk it once per request."""
+        free = self.allocator.num_free
+        if free >= need or self.prefix_cache is None:
+            return free >= need
+        return free + self.prefix_cache.num_evictable() >= need
 
     def allocator_grow(self, req: Request, num_positions: int) -> None:
         """Give ``req`` blocks covering ``num_positions`` logical positions (may raise OutOfBlocks)."""

@@ -93,3 +93,43 @@ def test_outputs_do_not_depend_on_grouped_admission(tiny_target, draft):
                          num_blocks=200, block_size=8)
         outs.append([o.token_ids for o in SpecEngine(draft, tiny_target, cfg).generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+def _cached_prefix_scheduler(num_blocks: int):
+    """A scheduler of ``num_blocks`` blocks with a prefix cache (block size 4) holding one finished request's
+    2 prompt blocks, so that only eviction frees them."""
+    from specdec.kvcache.radix_cache import RadixPrefixCache
+
+    alloc = BlockAllocator(num_blocks)
+    sched = Scheduler(SchedulerConfig(max_batch_size=8), alloc, BlockTables(8, 64), 4, 0,
+                      RadixPrefixCache(alloc, 4))
+    first = Request("a", list(range(10, 19)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    sched.add(first)
+    sched.schedule()
+    first.num_computed = first.num_computed_draft = len(first.tokens) - 1
+    sched.prefix_cache.insert(first)
+    sched.finish(first, "length")
+    assert sched.prefix_cache.num_evictable() == 2 and alloc.num_free == num_blocks - 2
+    return sched, alloc
+
+
+@pytest.mark.parametrize("num_blocks, admitted", [(5, True), (4, False)])
+def test_admission_counts_cached_blocks_it_can_evict(num_blocks, admitted, monkeypatch):
+    """A request needing 5 blocks (16 prompt + 3 new tokens, block size 4) is admitted when the free list and the
+    evictable cached prefix together hold them, and waits when they do not; while the free list alone suffices,
+    the cache is not walked."""
+    sched, alloc = _cached_prefix_scheduler(num_blocks)
+    walks = []
+    count = sched.prefix_cache.num_evictable
+    monkeypatch.setattr(sched.prefix_cache, "num_evictable", lambda: walks.append(1) or count())
+    small = Request("s", [1, 2, 3], SamplingParams(max_new_tokens=1, ignore_eos=True))  # 1 block: the free list has it
+    sched.add(small)
+    sched.schedule()
+    assert small in sched.running and not walks
+    sched.finish(small, "length")
+    big = Request("b", list(range(40, 56)), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    sched.add(big)
+    sched.schedule()
+    assert (big in sched.running) == admitted and walks
+    if admitted:
+        assert len(big.blocks) == 4 and len(sched.prefix_cache) < 2  # prefill blocks taken by evicting
