@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.graphs import CAPTURED
 from specdec.loading.registry import load_model
 
 CUDA = torch.cuda.is_available()
@@ -140,6 +141,14 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False)
     return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall}
 
 
+def counted_generate(engine, prompts, params, batch: int, continuous: bool) -> tuple[float, int, float]:
+    """``user_generate``'s tok/s, with the CUDA graphs captured during the run and their seconds (graphs engine
+    start did not capture: they cost the first requests)."""
+    graphs, seconds = CAPTURED.graphs, CAPTURED.seconds
+    tok_per_s = user_generate(engine, prompts, params, batch, continuous)["tok_per_s"]
+    return tok_per_s, CAPTURED.graphs - graphs, CAPTURED.seconds - seconds
+
+
 def write_prompts(path: str) -> None:
     """The prompt file: the 80 MT-bench first turns and the first 200 ShareGPT-eval first turns of at most
     1,024 tokens, in SmolLM2's chat template (run on the CPU)."""
@@ -154,12 +163,17 @@ def write_prompts(path: str) -> None:
     log(", ".join(f"{len(v)} {k}" for k, v in ids.items()) + f" prompts -> {path}")
 
 
-def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int) -> dict[str, list[float]]:
-    """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines)."""
+def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int,
+           late: dict | None = None) -> dict[str, list[float]]:
+    """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines).
+    ``late[name]``, when given, gets each round's (graphs captured, seconds) of that engine."""
     names, out = list(engines), {name: [] for name in engines}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            out[name].append(user_generate(engines[name], prompts, params, batch, continuous)["tok_per_s"])
+            tok_per_s, graphs, seconds = counted_generate(engines[name], prompts, params, batch, continuous)
+            out[name].append(tok_per_s)
+            if late is not None:
+                late.setdefault(name, []).append((graphs, round(seconds, 4)))
     return out
 
 
@@ -198,17 +212,21 @@ def main() -> None:
                     engines[name].verifier.sampled_rule.walk_min_saved = float("inf")
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
-            runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1))
+            late: dict = {}
+            runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1), late)
             key = f"b{b}_{'continuous' if continuous else 'waves'}"
             entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v),
                                        "first_over_later": v[0] / statistics.median(v[1:]) if len(v) > 1 else None,
                                        "mean_accepted_length": engines[name].stats.mean_accepted_length,
                                        "plan": engines[name].plan.as_dict(),
                                        "graphs": getattr(engines[name].graph_report, "graphs", 0),
-                                       "capture_s": getattr(engines[name].graph_report, "seconds", 0.0)}
+                                       "capture_s": getattr(engines[name].graph_report, "seconds", 0.0),
+                                       "late_captures": late[name]}
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
-                f"{n} {e['first_over_later']:.2f}" for n, e in entry.items() if e["first_over_later"]))
+                f"{n} {e['first_over_later']:.2f} (graphs captured per round "
+                f"{[g for g, _ in e['late_captures']]}, {sum(s for _, s in e['late_captures']):.2f} s)"
+                for n, e in entry.items() if e["first_over_later"]))
             for name in [n for n in entry if n != "target_only"]:
                 ratios = [s / t for s, t in zip(runs[name], runs["target_only"])]
                 entry[name]["ratio_runs"] = ratios

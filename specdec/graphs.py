@@ -35,6 +35,18 @@ QUERY_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MAX_TREE_REGION = 64  # one int64 bitmask per query
 
 
+@dataclass
+class CaptureCount:
+    """Every ``capture_graph`` call of this process: how many, and the seconds they took (warm-up forward, sync and
+    capture). A benchmark reads it around a timed run: a capture there is one that engine start did not make."""
+
+    graphs: int = 0
+    seconds: float = 0.0
+
+
+CAPTURED = CaptureCount()
+
+
 def query_buckets_for(max_query: int) -> tuple[int, ...]:
     """Query buckets of a model whose steps have at most ``max_query`` tokens per row: the ``QUERY_BUCKETS``
     below it, then ``max_query`` itself (a chain:8 verify of 9 tokens per row pads to 9, not to 16)."""
@@ -55,6 +67,7 @@ def capture_graph(forward, pool, device) -> tuple[torch.cuda.CUDAGraph, object]:
     of a capture, would free its graphs and pinned buffers there and invalidate the capture (seen once on the
     H200: cudaErrorStreamCaptureInvalidated on the fifth engine of one process). Lazy captures (a pipelined
     step's advance, the tree writer, the n-gram follow-up) are held like the start-up ones."""
+    start = time.perf_counter()
     forward()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
@@ -66,6 +79,8 @@ def capture_graph(forward, pool, device) -> tuple[torch.cuda.CUDAGraph, object]:
     finally:
         if was_enabled:
             gc.enable()
+    CAPTURED.graphs += 1
+    CAPTURED.seconds += time.perf_counter() - start
     return graph, out
 
 

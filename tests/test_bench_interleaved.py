@@ -33,5 +33,6 @@ def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
     for e in entry.values():
         assert len(e["tok_per_s_runs"]) == 2 and e["median"] > 0 and e["first_over_later"] > 0
         assert isinstance(e["plan"], dict) and "graphs" in e and "capture_s" in e
+        assert e["late_captures"] == [[0, 0.0], [0, 0.0]]  # nothing is captured on the CPU, in no round
     assert len(entry["ngram"]["ratio_runs"]) == 2 and entry["ngram"]["speedup"] > 0
     assert entry["ngram"]["mean_accepted_length"] >= 1.0

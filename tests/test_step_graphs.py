@@ -317,3 +317,17 @@ def test_capture_graph_holds_the_garbage_collector(monkeypatch):
         assert not gc.isenabled()
     finally:
         gc.enable() if was else gc.disable()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_capture_graph_counts_every_capture_gpu():
+    """``graphs.CAPTURED`` counts each capture and its seconds (the bench reads it around timed rounds)."""
+    from specdec.graphs import CAPTURED, capture_graph
+
+    x = torch.zeros(4, device="cuda")
+    graphs, seconds = CAPTURED.graphs, CAPTURED.seconds
+    graph, out = capture_graph(lambda: x + 1, None, x.device)
+    x.fill_(2)
+    graph.replay()
+    assert out.tolist() == [3.0] * 4
+    assert CAPTURED.graphs == graphs + 1 and CAPTURED.seconds > seconds
