@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tp_helpers import engine_runs, passes, run_ranks, sharded_logits_diff
+from tp_helpers import engine_runs, passes, run_ranks, sampled_runs, sharded_logits_diff
 
 from specdec.config import ModelConfig
 from specdec.engine import SpecConfig, SpecEngine
@@ -93,6 +93,27 @@ def test_tp2_greedy_equals_tp1(tiny_target, tiny_draft, which):
             assert free, (rank, draft, options)
             assert preempted or options.get("policy") != "max_utilization", "the pool was meant to preempt"
             assert accepted or draft is None, "the n-gram drafter was meant to have tokens accepted"
+
+
+SAMPLED_RUNS = [("model", dict(tree="topk:2x2", block_size=4, num_blocks=128, max_num_tokens=16))]
+
+
+def test_tp2_sampled_equals_tp1(tiny_target, tiny_draft):
+    """Seeded sampled rows (T=0.7 top-p 0.9, T=1.0) batched with a greedy row: 2 ranks give one process's tokens
+    with a draft model (a static tree's deterministic children; chunked prefill); an unseeded row gets the same seed
+    on both ranks (torch's global RNG seeded from rank 0). (n-gram drafts sampled: test_tensor_parallel_cli.py.)"""
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.9, seed=11),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=12),
+              SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7)]  # unseeded: ranks agree only
+    want = []
+    for draft, options in SAMPLED_RUNS:
+        eng = SpecEngine(tiny_draft if draft == "model" else draft, tiny_target, SpecConfig(**options))
+        want.append([o.token_ids for o in eng.generate(GEN_PROMPTS, params)])
+    ranks = run_ranks(sampled_runs, 2, (tiny_target.model, tiny_draft.model), SAMPLED_RUNS, GEN_PROMPTS, params)
+    for (got0, free0), (got1, free1), expect, run in zip(*ranks, want, SAMPLED_RUNS):
+        assert got0[:3] == expect[:3] and got0 == got1, run
+        assert free0 and free1, run
 
 
 def test_tp_config_checked(tiny_target):

@@ -141,3 +141,37 @@ def _count_preemptions(scheduler) -> list:
 
     scheduler.preempt = counting
     return seen
+
+
+def cli_rank(rank: int, size: int, argv: list[str]) -> tuple[int, str]:
+    """``specdec ARGV`` run as rank ``rank`` of ``size`` (torchrun's environment variables, the group already
+    joined): (exit status, what it printed to stdout)."""
+    import contextlib
+    import io
+
+    from specdec.cli.main import main
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(size))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def sampled_runs(rank: int, size: int, models: tuple, runs: list[tuple], prompts: list[list[int]],
+                 params: list) -> list:
+    """For each (drafter argument, SpecConfig options) in ``runs`` ("model": the draft model): a tensor-parallel
+    engine of ``size`` ranks over ``models`` generates ``prompts`` with ``params`` (one SamplingParams per prompt,
+    together in one batch). Returns per run (token ids per prompt, whether all blocks are free after)."""
+    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.loading.base import LoadedModel
+
+    model, draft_model = models
+    target = LoadedModel("tiny", model, None, model.config)
+    loaded = {"model": LoadedModel("tiny-draft", draft_model, None, draft_model.config)}
+    out = []
+    for draft, options in runs:
+        eng = SpecEngine(loaded.get(draft, draft), target, SpecConfig(tensor_parallel_size=size, **options))
+        tokens = [o.token_ids for o in eng.generate(prompts, params)]
+        out.append((tokens, eng.all_blocks_free()))
+    return out

@@ -17,6 +17,7 @@ PIPELINE_CHOICES = {"auto": None, "on": True, "off": False}  # --pipeline -> Spe
 
 def add_bench_parser(sub, add_model_args) -> None:
     from specdec.cli.common import add_max_tokens_arg, add_target_arg
+    from specdec.cli.parallel import add_parallel_args
 
     b = sub.add_parser("bench", help="acceptance + speed report on a prompt set")
     add_target_arg(b)
@@ -46,6 +47,7 @@ def add_bench_parser(sub, add_model_args) -> None:
     b.add_argument("--plot", default=None, help="write a plot of the report here, e.g. bench.png (default: none)")
     b.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, torch on the CPU")
+    add_parallel_args(b)
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
@@ -99,13 +101,24 @@ def cmd_bench(args) -> int:
         write_json,
     )
     from specdec.benchmark.sweep import format_sweep
-    from specdec.cli.checks import build, check_dataset, check_model, check_positive, load
+    from specdec.cli.checks import UsageError, build, check_dataset, check_model, check_positive, load
     from specdec.cli.common import device_dtype
-    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.cli.parallel import (
+        TP_FLAG,
+        build_engine,
+        check_parallel,
+        check_split_before_loading,
+        launch_tensor_parallel,
+    )
+    from specdec.engine import SpecConfig
     from specdec.prompts import to_prompt_ids
     from specdec.sampling_params import SamplingParams
 
     device, dtype = device_dtype(args)  # every argument is checked before a model loads
+    check_parallel(args, device, "bench")
+    if args.tensor_parallel_size > 1 and args.baseline == "hf":
+        raise UsageError("--baseline", f"hf runs transformers in one process; leave it out with {TP_FLAG} "
+                                       f"{args.tensor_parallel_size}")
     batch_sizes = parse_batch_sizes(args.batch_size)
     hf_configs = parse_hf_configs(args.hf_configs)
     check_positive("--num-prompts", args.num_prompts, allow_none=True)
@@ -114,16 +127,22 @@ def cmd_bench(args) -> int:
     tree = args.tree or default_tree(draft_name, device)
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
                 max_batch_size=max(64, *batch_sizes), pipeline=PIPELINE_CHOICES[args.pipeline],
-                adaptive=ADAPTIVE_CHOICES[args.adaptive], gpu_memory_utilization=args.gpu_memory_utilization)
+                adaptive=ADAPTIVE_CHOICES[args.adaptive], gpu_memory_utilization=args.gpu_memory_utilization,
+                tensor_parallel_size=args.tensor_parallel_size)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    max_new_tokens=args.max_new_tokens)
     check_model("--model", args.model)
     check_model("--draft", draft_name, extra=("ngram",))
+    check_split_before_loading("--model", args.model, args.tensor_parallel_size)
+    check_split_before_loading("--draft", draft_name, args.tensor_parallel_size)
+    code = launch_tensor_parallel(args)  # the ranks' processes run this command; None: this is one of them
+    if code is not None:
+        return code
     prompts = load_dataset(args.dataset, args.num_prompts)
     target = load("--model", args.model, dtype, device)
     draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, device, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
-    engines = (SpecEngine(draft, target, cfg), SpecEngine(None, target, cfg))
+    engines = (build_engine(draft, target, cfg), build_engine(None, target, cfg))
     hf = None
     if args.baseline == "hf":
         from specdec.benchmark.hf import HFBaselines

@@ -17,26 +17,33 @@ from specdec.cli.common import device_dtype as _device_dtype
 def cmd_generate(args) -> int:
     from specdec.cli.bench import PIPELINE_CHOICES
     from specdec.cli.checks import build, check_model, load
+    from specdec.cli.parallel import build_engine, check_parallel, check_split_before_loading, launch_tensor_parallel
     from specdec.defaults import default_draft, default_tree
-    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.engine import SpecConfig
     from specdec.sampling_params import SamplingParams
 
     device, dtype = _device_dtype(args)  # every argument is checked before a model loads
+    check_parallel(args, device, "generate")
     name = args.draft or default_draft(args.model, device)
     tree = args.tree or default_tree(name, device)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, n=args.n)
     config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
-                   gpu_memory_utilization=args.gpu_memory_utilization)
+                   gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
+    check_split_before_loading("--model", args.model, args.tensor_parallel_size)
+    check_split_before_loading("--draft", name, args.tensor_parallel_size)
+    code = launch_tensor_parallel(args)  # the ranks' processes run this command; None: this is one of them
+    if code is not None:
+        return code
     note = sampled_speed_note(device, args.temperature, name)
     if note:
         print(note, file=sys.stderr)
     target = load("--model", args.model, dtype, device)
     draft = name if name in ("ngram", "none") else load("--draft", name, dtype, device, target=target)
-    engine = SpecEngine(None if draft == "none" else draft, target, config)
+    engine = build_engine(None if draft == "none" else draft, target, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if params.n > 1:
         return _print_samples(engine.generate([prompt], params)[0], engine, args.stats)
@@ -86,6 +93,7 @@ def sampled_speed_note(device: str, temperature: float, draft: str) -> str | Non
 
 def build_parser() -> argparse.ArgumentParser:
     from specdec.cli.bench import PIPELINE_CHOICES, PIPELINE_HELP, TREE_HELP, add_bench_parser
+    from specdec.cli.parallel import add_parallel_args
 
     parser = CommandParser(prog="specdec", description="Lossless speculative decoding engine")
     parser.add_argument("--version", action="version", version=f"specdec {_version()}")
@@ -111,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n", type=int, default=1, help="independent samples of the prompt, printed one after another")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
     g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
+    add_parallel_args(g)
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -143,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.loading.errors import ModelNotFoundError
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what tensor-parallel ranks run again
     try:
         return args.func(args)
     except (ValueError, ModelNotFoundError) as err:

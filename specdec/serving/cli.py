@@ -16,6 +16,7 @@ def add_serve_parsers(sub, add_model_args) -> None:
     """Register ``serve`` and ``bench-serve`` on the ``specdec`` subcommand parser."""
     from specdec.cli.bench import TREE_HELP
     from specdec.cli.common import TARGET_HELP, add_max_tokens_arg, add_target_arg
+    from specdec.cli.parallel import add_parallel_args
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
@@ -39,6 +40,7 @@ def add_serve_parsers(sub, add_model_args) -> None:
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse (413) request bodies longer than this, before parsing them (default: 2 MiB)")
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
+    add_parallel_args(s)
     add_model_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -70,9 +72,11 @@ def add_serve_parsers(sub, add_model_args) -> None:
 
 
 def cmd_serve(args) -> int:
-    """Check every argument and bind the port, then load the models and serve on the bound socket."""
+    """Check every argument and bind the port, then load the models (in each replica's process with
+    --data-parallel-size M > 1) and serve on the bound socket."""
     from specdec.cli.checks import UsageError, build, check_model, check_positive, load
     from specdec.cli.common import device_dtype
+    from specdec.cli.parallel import check_parallel
     from specdec.defaults import default_draft, default_tree
     from specdec.engine import SpecConfig, SpecEngine
 
@@ -81,6 +85,7 @@ def cmd_serve(args) -> int:
         raise UsageError("serve", _MISSING.format(", ".join(missing)))
     args.model = serve_model(args)
     device, dtype = device_dtype(args)  # every argument is checked before a model loads
+    check_parallel(args, device, "serve")
     args.draft = args.draft or default_draft(args.model, device)
     args.tree = args.tree or default_tree(args.draft, device)
     check_positive("--default-max-tokens", args.default_max_tokens)
@@ -92,6 +97,12 @@ def cmd_serve(args) -> int:
     check_model("--model", args.model)
     check_model("--draft", args.draft, extra=("ngram", "none"))
     sock = bind_socket(args.host, args.port)
+    if args.data_parallel_size > 1:
+        try:
+            _serve_replicas(cfg, args, sock)
+        finally:
+            sock.close()
+        return 0
     try:
         target = load("--model", args.model, dtype, device)
         draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device,
@@ -114,19 +125,46 @@ def serve_model(args) -> str:
 
 
 def _serve(engine, args, sock) -> None:
+    from specdec.serving.executor import Executor
+
+    with Executor(engine) as executor:
+        _run_server(executor, args, sock, f"{engine.pool.num_blocks} KV blocks")
+
+
+def _serve_replicas(cfg, args, sock) -> None:
+    """--data-parallel-size M: M engine processes (replica i on cuda:i, or all on the CPU with its cores shared)
+    behind one server."""
+    from dataclasses import replace
+
+    from specdec.cli.common import cpu_threads
+    from specdec.serving.data_parallel import DataParallelExecutor
+    from specdec.serving.replica_process import EngineRecipe, start_replicas
+
+    size, cuda = args.data_parallel_size, cfg.device.startswith("cuda")
+    threads = None if cuda else max(1, cpu_threads(args.threads) // size)
+    draft = None if args.draft == "none" else args.draft
+    recipes = [EngineRecipe(draft, args.model, replace(cfg, device=f"cuda:{i}" if cuda else cfg.device), threads)
+               for i in range(size)]
+    print(f"starting {size} replicas ...", file=sys.stderr)
+    replicas = start_replicas(recipes)  # (a replica that fails to start raises with its traceback)
+    with DataParallelExecutor(replicas, replicas[0].info.block_size) as executor:
+        blocks = " + ".join(str(r.info.num_blocks) for r in replicas)
+        _run_server(executor, args, sock, f"{size} replicas on {', '.join(r.info.device for r in replicas)}, "
+                                          f"{blocks} KV blocks")
+
+
+def _run_server(executor, args, sock, what: str) -> None:
     import uvicorn
 
-    from specdec.serving.executor import Executor
     from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     name = args.served_model_name or args.model
-    with Executor(engine) as executor:
-        app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens,
-                        max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
-                        else args.max_request_bytes)
-        print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {engine.pool.num_blocks} KV blocks) "
-              f"on http://{args.host}:{args.port}", file=sys.stderr)
-        uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens,
+                    max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
+                    else args.max_request_bytes)
+    print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {what}) on http://{args.host}:{args.port}",
+          file=sys.stderr)
+    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
 
 
 def bind_socket(host: str, port: int):

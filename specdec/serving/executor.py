@@ -9,14 +9,12 @@ took part in) ends with ``finish_reason == "error"``; the loop and the other req
 
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,16 +24,13 @@ from specdec.engine import SpecEngine, request_output
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request
+from specdec.serving.request_streams import Channel, RequestStreams
 
 log = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
     """An engine step raised; the requests running in it were ended (their KV freed)."""
-
-
-class UnknownRequest(KeyError):
-    """No live or unread request has this id."""
 
 
 @dataclass(frozen=True)
@@ -65,39 +60,12 @@ class Load(NamedTuple):
     kv_blocks_total: int
 
 
-class _Channel:
-    """Carries one request's outputs from the loop thread to its consumer.
-
-    Bound to the asyncio loop that was running when the request was enqueued, if any; then the
-    consumer awaits, otherwise it blocks on a thread-safe queue.
-    """
-
-    def __init__(self) -> None:
-        try:
-            self.loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = None
-        self.items: asyncio.Queue | queue.SimpleQueue = asyncio.Queue() if self.loop else queue.SimpleQueue()
-        self.done = False  # set by the consumer once it read the final output
-
-    def put(self, out: RequestOutput) -> bool:
-        """Deliver ``out``; False when the consumer's event loop is gone (the request should end)."""
-        if self.loop is None:
-            self.items.put(out)
-            return True
-        try:
-            self.loop.call_soon_threadsafe(self.items.put_nowait, out)
-        except RuntimeError:  # the loop was closed
-            return False
-        return True
-
-
 @dataclass
 class _Live:
     """Loop-thread bookkeeping of one admitted request."""
 
     req: Request
-    channel: _Channel
+    channel: Channel
     drafted: int = 0
     accepted: int = 0
     num_output: int = 0
@@ -107,7 +75,7 @@ class _Live:
 _STOP = object()
 
 
-class Executor:
+class Executor(RequestStreams):
     """``enqueue(prompt, params) -> id``; ``stream(id)`` / ``astream(id)`` / ``result(id)`` / ``aresult(id)``;
     ``cancel(id)``; ``iteration_stats()``. Use as a context manager or call ``shutdown()``.
 
@@ -118,11 +86,9 @@ class Executor:
     """
 
     def __init__(self, engine: SpecEngine, stats_history: int = 1024) -> None:
+        super().__init__()
         self.engine = engine
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._channels: dict[str, _Channel] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
         self._live: dict[str, _Live] = {}
         self._stats: deque[IterationStats] = deque(maxlen=stats_history)
         self._listeners: list[Callable[[IterationStats], None]] = []
@@ -135,19 +101,8 @@ class Executor:
 
     # ------------------------------------------------------------------ caller side (any thread)
 
-    def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue one request and return its id. Its outputs go to the calling thread, or to the
-        calling coroutine's event loop when called from one. A text or chat prompt is tokenised on the
-        loop thread: pass ``prepare``'s token ids to keep that off it."""
-        if not self._thread.is_alive():
-            raise RuntimeError("the executor was shut down; create a new one")
-        rid = request_id or f"req-{next(self._ids)}"
-        with self._lock:
-            if rid in self._channels:
-                raise ValueError(f"request_id {rid!r} is already in use")
-            channel = self._channels[rid] = _Channel()
+    def _submit(self, rid: str, prompt, params: SamplingParams | None, channel: Channel) -> None:
         self._inbox.put(("add", rid, prompt, params, channel))
-        return rid
 
     def prepare(self, prompt, params: SamplingParams | None = None) -> list[int]:
         """``prompt``'s token ids, checked as the engine checks a request (a ValueError naming the field), on the
@@ -158,46 +113,6 @@ class Executor:
     def cancel(self, request_id: str) -> None:
         """End a request early (finish_reason "abort") and free its KV; a finished one is left alone."""
         self._inbox.put(("cancel", request_id))
-
-    def stream(self, request_id: str, timeout: float | None = None) -> Iterator[RequestOutput]:
-        """Outputs of a request enqueued from a thread, up to and including the final one."""
-        channel = self._channel(request_id, asyncio_bound=False)
-        try:
-            while True:
-                try:
-                    out = channel.items.get(timeout=timeout)
-                except queue.Empty:
-                    raise TimeoutError(f"no output for request {request_id!r} within {timeout} s") from None
-                yield out
-                if out.finished:
-                    return
-        finally:  # a reader that stops early cancels its request
-            self._close(request_id)
-
-    async def astream(self, request_id: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of a request enqueued from a coroutine, up to and including the final one."""
-        channel = self._channel(request_id, asyncio_bound=True)
-        try:
-            while True:
-                out = await channel.items.get()
-                yield out
-                if out.finished:
-                    return
-        finally:  # a reader that stops early (or is cancelled) cancels its request
-            self._close(request_id)
-
-    def result(self, request_id: str, timeout: float | None = None) -> RequestOutput:
-        """Block until the request finishes; its final output (full text and token ids)."""
-        for out in self.stream(request_id, timeout):
-            if out.finished:
-                return out
-        raise RuntimeError(f"request {request_id!r} ended without a final output")
-
-    async def aresult(self, request_id: str) -> RequestOutput:
-        async for out in self.astream(request_id):
-            if out.finished:
-                return out
-        raise RuntimeError(f"request {request_id!r} ended without a final output")
 
     def run_on_loop(self, fn: Callable[[SpecEngine], Any], timeout: float | None = 60.0) -> Any:
         """Run ``fn(engine)`` on the loop thread between steps and return its result (or raise its exception,
@@ -236,22 +151,6 @@ class Executor:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    def _channel(self, request_id: str, asyncio_bound: bool) -> _Channel:
-        with self._lock:
-            channel = self._channels.get(request_id)
-        if channel is None:
-            raise UnknownRequest(request_id)
-        if (channel.loop is not None) != asyncio_bound:
-            where = "a coroutine (use astream/aresult)" if channel.loop else "a thread (use stream/result)"
-            raise RuntimeError(f"request {request_id!r} was enqueued from {where}")
-        return channel
-
-    def _close(self, request_id: str) -> None:
-        """The reader is done with a request: forget its channel and cancel it (no-op once finished)."""
-        with self._lock:
-            self._channels.pop(request_id, None)
-        self.cancel(request_id)
 
     # ------------------------------------------------------------------ loop thread
 
@@ -316,7 +215,7 @@ class Executor:
         for live in list(self._live.values()):
             self._deliver(live)
 
-    def _add(self, rid: str, prompt, params, channel: _Channel) -> None:
+    def _add(self, rid: str, prompt, params, channel: Channel) -> None:
         try:
             with self.engine.guard:
                 req = self.engine.add_request(prompt, params, rid)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import sample_requests
 from specdec.serving import protocol
+from specdec.serving.data_parallel import DataParallelExecutor
 from specdec.serving.executor import Executor
 from specdec.serving.metrics import ServingMetrics
 
@@ -35,9 +36,10 @@ class _ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
 
 
-def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int = 256,
+def build_app(executor: Executor | DataParallelExecutor, model_name: str, default_chat_max_tokens: int = 256,
               metrics: ServingMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The FastAPI application serving ``executor``'s engine under the name ``model_name``. A body over
+    """The FastAPI application serving ``executor``'s engine (or data-parallel replicas) under the name
+    ``model_name``. A body over
     ``max_request_bytes`` is refused (413) before it is parsed; prompts are tokenised off the engine's loop."""
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
@@ -49,9 +51,10 @@ def build_app(executor: Executor, model_name: str, default_chat_max_tokens: int 
 
     @app.get("/health")
     async def health() -> Response:
+        replicas = {"replicas": executor.status()} if isinstance(executor, DataParallelExecutor) else {}
         if not executor.alive:
-            return JSONResponse({"status": "engine loop stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "engine loop stopped"} | replicas, status_code=503)
+        return JSONResponse({"status": "ok"} | replicas)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,0 +1,169 @@
+"""``--tensor-parallel-size`` and ``--data-parallel-size`` of ``specdec generate``, ``serve`` and ``bench``: their
+checks (numbers, devices, heads that split) and the launch of tensor-parallel ranks (docs/parallel.md).
+
+Tensor parallelism runs one process per rank, as ``torchrun`` does: under ``torchrun --nproc-per-node N`` (RANK,
+WORLD_SIZE, MASTER_ADDR and MASTER_PORT set) the command joins the group and runs as its rank; started plainly
+it starts its N ranks itself (``python -m specdec.cli`` with the same arguments and those variables) and waits
+for them. Every rank runs the same command on the same inputs; rank 0's output is the command's.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from specdec.cli.checks import UsageError, check_positive
+
+TP_FLAG, DP_FLAG = "--tensor-parallel-size", "--data-parallel-size"
+_GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait that long for another's model load or a slow step
+_QUIET_ON_OTHER_RANKS = ("json_out", "json", "plot")  # files only rank 0 writes
+
+
+def add_parallel_args(p) -> None:
+    p.add_argument(TP_FLAG, "-tp", dest="tensor_parallel_size", type=int, default=1,
+                   help="split the models over N processes (Megatron-style; CPU/gloo for now): started by this "
+                        "command, or run it under torchrun --nproc-per-node N")
+    p.add_argument(DP_FLAG, "-dp", dest="data_parallel_size", type=int, default=1,
+                   help="engine replicas (serve: M processes behind one server, one GPU each on CUDA)")
+
+
+def check_parallel(args, device: str, command: str) -> None:
+    """UsageError naming the flag when the sizes are not positive, when ``command`` does not run replicas, or when
+    this machine cannot hold them (the GPUs needed, naming the numbers)."""
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
+    check_positive(TP_FLAG, tp)
+    check_positive(DP_FLAG, dp)
+    if dp > 1 and command != "serve":
+        raise UsageError(DP_FLAG, f"replicas serve many requests: use `specdec serve {DP_FLAG} {dp}` (and "
+                                  f"`specdec bench-serve` to load it); `specdec {command}` runs one engine, got {dp}")
+    if tp > 1 and command == "serve":
+        raise UsageError(TP_FLAG, "specdec serve runs one process per engine for now (its ranks would need each "
+                                  f"step's requests broadcast from the server); use {DP_FLAG}, or `specdec generate "
+                                  f"/ bench {TP_FLAG} {tp}`, got {tp}")
+    if tp > 1 and not device.startswith("cpu"):
+        raise UsageError(TP_FLAG, f"> 1 runs on the CPU (gloo) for now; pass --device cpu (got --device {device}), "
+                                  f"got {tp}")
+    if device.startswith("cuda") and dp * tp > 1:
+        import torch
+
+        if ":" in device:
+            raise UsageError("--device", f"{device!r} names one GPU; replicas take cuda:0 .. cuda:{dp * tp - 1}: "
+                                         f"pass --device cuda")
+        have = torch.cuda.device_count()
+        if dp * tp > have:
+            raise UsageError(DP_FLAG, f"{dp} replicas x {tp} GPUs each need {dp * tp} GPUs; this machine has {have}")
+
+
+def check_split_before_loading(flag: str, name: str, size: int) -> None:
+    """For a Hugging Face folder, the tensor-parallel split check on its config.json (no weights read): UsageError
+    naming --tensor-parallel-size and the model's numbers. Other forms are checked when their rank loads them."""
+    if size == 1 or not (Path(name).expanduser() / "config.json").is_file():
+        return
+    from specdec.config import ModelConfig
+    from specdec.errors import FieldError
+    from specdec.loading.hf import read_hf_config
+    from specdec.models.tensor_parallel import check_split
+
+    try:
+        cfg = ModelConfig.from_hf(read_hf_config(Path(name).expanduser()))
+        check_split(cfg, size, "draft" if flag == "--draft" else "target")
+    except FieldError as err:
+        raise UsageError(TP_FLAG, str(err)) from None
+
+
+def build_engine(draft, target, config):
+    """``SpecEngine(draft, target, config)``; a model that does not split over the ranks is a UsageError naming
+    --tensor-parallel-size (and the model's numbers)."""
+    from specdec.engine import SpecEngine
+    from specdec.errors import FieldError
+
+    try:
+        return SpecEngine(draft, target, config)
+    except FieldError as err:
+        if err.field != "tensor_parallel_size":
+            raise
+        raise UsageError(TP_FLAG, str(err)) from None
+
+
+def launch_tensor_parallel(args) -> int | None:
+    """Run the command on its tensor-parallel ranks. Inside a group's process (torchrun's or ours): join the group
+    (gloo) and return None, so that the caller goes on as this rank (ranks other than 0 print nothing and write no
+    files). Otherwise: start the ranks, wait, and return the command's exit status (0 when every rank ended 0,
+    else the first failing rank's, after its error output)."""
+    size = args.tensor_parallel_size
+    if size == 1:
+        return None
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _join_group(args, size)
+        return None
+    return start_ranks([sys.executable, "-m", "specdec.cli", *args.argv], size)
+
+
+def _join_group(args, size: int) -> None:
+    import torch.distributed as dist
+
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world != size:
+        raise UsageError(TP_FLAG, f"is {size} but the launcher started {world} processes (torchrun --nproc-per-node "
+                                  f"must equal it)")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=_GROUP_TIMEOUT)
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
+        for name in _QUIET_ON_OTHER_RANKS:
+            if getattr(args, name, None):
+                setattr(args, name, None)
+
+
+def start_ranks(command: list[str], size: int) -> int:
+    """``size`` processes running ``command`` as ranks 0..size-1 of a local group (torchrun's environment variables):
+    rank 0's output goes to this terminal, the others' error output only when they fail. A rank that fails ends the
+    others (they would wait for it in a collective). The exit status: 0, or the first failing rank's."""
+    import tempfile
+    import time
+
+    from specdec.cli.common import cpu_threads
+
+    port, threads = _free_port(), str(max(1, cpu_threads() // size))
+    procs, logs = [], []
+    for rank in range(size):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.setdefault("OMP_NUM_THREADS", threads)
+        log = tempfile.TemporaryFile("w+") if rank else None
+        logs.append(log)
+        procs.append(subprocess.Popen(command, env=env,
+                                      stdout=subprocess.DEVNULL if rank else None, stderr=log))
+    try:
+        while True:
+            codes = [p.poll() for p in procs]  # (every process polled: a list, not a short-circuiting any())
+            if all(c is not None for c in codes) or any(codes):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+            p.wait()
+    codes = [p.returncode for p in procs]
+    failed = next((r for r, c in enumerate(codes) if c > 0), None)  # (< 0: a signal, ours or another's)
+    if failed:  # rank 0 printed its own error; another rank's is shown here
+        logs[failed].seek(0)
+        print(f"[rank {failed}] {logs[failed].read().rstrip()}", file=sys.stderr)
+    for log in logs[1:]:
+        log.close()
+    if failed is None and any(codes):
+        print(f"error: a tensor-parallel rank was killed (exit codes {codes})", file=sys.stderr)
+        return 1
+    return 0 if failed is None else codes[failed]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,105 @@
+"""Data-parallel replicas behind the real server (docs/parallel.md): two engine processes, the openai client. Every
+stream (streamed and not, greedy and seeded sampled) equals the same request run alone in one engine, both
+replicas serve, and once drained no replica holds a KV block. The router's choices are checked on their own."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from serving_helpers import with_tokenizer
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.outputs import RequestOutput
+from specdec.sampling_params import SamplingParams
+from specdec.serving.data_parallel import DataParallelExecutor, Router, held_blocks
+from specdec.serving.replica_process import EngineRecipe, ReplicaValueError, portable, start_replicas
+from specdec.serving.server import ServerThread, build_app
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+MODEL = "tiny"
+CONFIG = SpecConfig(tree="chain:4", num_blocks=96, max_batch_size=4)  # requests queue behind the batch cap
+SHARED = "The quick brown fox jumps over the lazy dog; "  # longer than one block: routed with affinity
+PROMPTS = ["Hello there, tell me a story.", "abc", SHARED + "again", SHARED + "and then", "x" * 40, "Once upon"]
+# (prompt index, stream, temperature, seed): greedy and seeded sampled rows, streamed and not
+JOBS = [(i, i % 2 == 0, 0.0 if i < 3 else 0.7, 11 + i) for i in range(len(PROMPTS))] + [
+    (0, False, 0.7, 5), (2, True, 0.0, 0), (3, False, 1.0, 7), (5, True, 0.7, 9)]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_dirs, tmp_path_factory):
+    return with_tokenizer(tiny_dirs["llama"], tmp_path_factory.mktemp("dp") / "llama")
+
+
+@pytest.fixture(scope="module")
+def dp_server(target_dir, tiny_dirs):
+    """(url, executor) of a server over 2 replica processes (tiny draft model, chain:4), one torch thread each."""
+    recipe = EngineRecipe(str(tiny_dirs["llama_draft"]), str(target_dir), CONFIG, threads=1)
+    replicas = start_replicas([recipe, recipe], context="forkserver")
+    executor = DataParallelExecutor(replicas, block_size=replicas[0].info.block_size)
+    srv = ServerThread(build_app(executor, MODEL)).start()
+    yield srv.url, executor
+    srv.stop()
+    executor.shutdown()
+
+
+def _params(temperature: float, seed: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=16, temperature=temperature, seed=seed if temperature else None)
+
+
+def _ask(client: openai.OpenAI, job: tuple) -> str:
+    i, stream, temperature, seed = job
+    kw = dict(model=MODEL, prompt=PROMPTS[i], max_tokens=16, temperature=temperature, seed=seed)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+
+
+def test_dp2_streams_equal_one_replica_and_free_every_block(dp_server, target_dir, tiny_draft):
+    url, executor = dp_server
+    engine = SpecEngine(tiny_draft, str(target_dir), CONFIG)  # one replica, each request alone
+    want = [engine.generate(PROMPTS[i], _params(t, s))[0].text for i, _, t, s in JOBS]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with ThreadPoolExecutor(len(JOBS)) as pool:  # all at once: both replicas batch and queue
+        got = list(pool.map(lambda job: _ask(client, job), JOBS))
+    assert got == want
+    health = httpx.get(f"{url}/health").json()
+    assert health["status"] == "ok" and len(health["replicas"]) == 2
+    assert all(r["routed"] > 0 and r["outstanding_requests"] == 0 for r in health["replicas"]), health
+    assert sum(r["routed"] for r in health["replicas"]) == len(JOBS)
+    assert executor.run_on_replicas(held_blocks) == [0, 0]
+    assert executor.run_on_replicas(SpecEngine.all_blocks_free) == [True, True]
+
+
+def test_dp_refusal_names_the_field(dp_server):
+    """A request a replica refuses comes back as the same 400 a single engine gives (its FieldError crossed)."""
+    client = openai.OpenAI(base_url=dp_server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=10**6)
+    err = portable(ValueError("plain"))
+    assert type(err) is ValueError
+    from specdec.errors import FieldError
+
+    crossed = portable(FieldError("SamplingParams", "top_p", "must be in (0, 1]", 2))
+    assert isinstance(crossed, ReplicaValueError) and crossed.field == "top_p" and "top_p" in str(crossed)
+
+
+def test_router_balances_and_keeps_prefix_affinity():
+    router = Router(2, block_size=4, affinity_slack=8)
+    shared = [1, 2, 3, 4]
+    a = router.route(shared + [9], 10, [True, True])
+    b = router.route([5, 6, 7, 8, 9], 10, [True, True])  # a new prefix: the idle replica
+    assert (a.replica, b.replica) == (0, 1)
+    assert router.route(shared + [7], 10, [True, True]).replica == 0  # its home, as busy as replica 1
+    far = router.route(shared + [8], 10, [True, True])  # now 30 tokens busier than replica 1: balance wins
+    assert far.replica == 1 and router.route(shared, 2, [True, True]).replica == 1  # the prefix moved with it
+    assert router.route([1, 2], 1, [True, True]).replica == 0  # shorter than a block: least loaded
+    assert router.route([5, 6, 7, 8], 1, [False, True]).replica == 1  # a stopped replica is skipped
+    before = list(router.tokens)
+    router.progress(b, RequestOutput("b", [5, 6, 7, 8, 9], [3, 3], "", None, None))  # prefilled, 2 generated
+    assert router.tokens[1] == before[1] - 5 - 2
+    router.finish(b)
+    router.finish(b)  # once only
+    assert router.tokens[1] == before[1] - 15 and router.requests[1] == 3

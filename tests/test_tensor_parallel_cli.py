@@ -1,0 +1,73 @@
+"""``--tensor-parallel-size`` / ``--data-parallel-size`` on the command line (docs/parallel.md): the checks that
+name the numbers, ``specdec generate`` run as 2 gloo ranks printing what one process prints, and the launcher
+that starts the ranks itself (rank 0's output kept, a failing rank ending the others)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from serving_helpers import with_tokenizer
+from tp_helpers import cli_rank, run_ranks
+
+from specdec.cli.main import main
+from specdec.cli.parallel import start_ranks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_dirs, tmp_path_factory):
+    return str(with_tokenizer(tiny_dirs["llama"], tmp_path_factory.mktemp("tp_cli") / "llama"))
+
+
+def _generate(model: str, *extra: str) -> list[str]:
+    return ["generate", "--model", model, "--prompt", "hello world, hello", "--max-new-tokens", "12", "--device",
+            "cpu", *extra]
+
+
+def test_generate_on_two_ranks_prints_what_one_process_prints(model_dir, capsys):
+    """A seeded sampled request with n-gram drafts: rank 0 prints one process's text, rank 1 nothing."""
+    argv = _generate(model_dir, "--draft", "ngram", "--temperature", "0.7", "--seed", "5")
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+    ranks = run_ranks(cli_rank, 2, [*argv, "--tensor-parallel-size", "2"])
+    assert ranks == [(0, want), (0, "")] and want.strip()
+
+
+@pytest.mark.parametrize("extra, flag, says", [
+    (("--tensor-parallel-size", "3"), "--tensor-parallel-size", "num_heads (4)"),
+    (("--tensor-parallel-size", "0"), "--tensor-parallel-size", "got 0"),
+    (("--data-parallel-size", "2"), "--data-parallel-size", "specdec serve --data-parallel-size 2"),
+])
+def test_parallel_flags_refused_naming_the_numbers(model_dir, capsys, extra, flag, says):
+    assert main(_generate(model_dir, "--draft", "none", *extra)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: ") and says in err, err
+
+
+def test_serve_refuses_tensor_parallel_and_cuda_counts(capsys, monkeypatch):
+    assert main(["serve", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
+    assert "--data-parallel-size" in capsys.readouterr().err
+    import torch
+
+    from specdec.cli import parallel
+    from specdec.cli.checks import UsageError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = type("Args", (), {"tensor_parallel_size": 1, "data_parallel_size": 2})()
+    with pytest.raises(UsageError, match="2 replicas x 1 GPUs each need 2 GPUs; this machine has 1"):
+        parallel.check_parallel(args, "cuda", "serve")
+    with pytest.raises(UsageError, match="--device: 'cuda:1' names one GPU"):
+        parallel.check_parallel(args, "cuda:1", "serve")
+
+
+def test_launcher_keeps_rank0_output_and_ends_the_group_on_a_failure(tmp_path, monkeypatch, capfd):
+    monkeypatch.chdir(tmp_path)  # (a fresh interpreter never starts in the checkout: its kernels/ shadows PyPI's)
+    say = "import os; e = os.environ; print('rank', e['RANK'], 'of', e['WORLD_SIZE'], e['MASTER_PORT'] > '0')"
+    assert start_ranks([sys.executable, "-c", say], 2) == 0
+    assert capfd.readouterr().out == "rank 0 of 2 True\n"
+    fail = ("import os, sys, time\nif os.environ['RANK'] == '1': sys.exit('rank 1 broke')\ntime.sleep(60)")
+    t0 = time.monotonic()
+    assert start_ranks([sys.executable, "-c", fail], 2) == 1
+    assert time.monotonic() - t0 < 30  # rank 0 was ended, not waited for
+    assert "[rank 1] rank 1 broke" in capfd.readouterr().err
