@@ -28,7 +28,7 @@ def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[L
     for role, loaded in (("target", target), ("draft", draft)):
         if loaded is not None and not isinstance(loaded.model, LlamaForCausalLM):
             raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 needs a Llama-family {role} (an EAGLE "
-                             "draft is not sharded yet)", size)
+                             "draft is not sharded yet: draft with 'ngram' or a Llama-family draft model)", size)
     tp = TensorParallel.current(size)
     parts = [None if m is None else _shard(m, tp, role) for m, role in ((target, "target"), (draft, "draft"))]
     sync_global_seed(tp)
