@@ -1,4 +1,4 @@
-"""The integer inputs of a pipelined step (``specdec.lookahead``) in one launch (reference:
+"""The integer inputs of a pipelined step (``specdec.pipeline``) in one launch (reference:
 ``specdec.lookahead_ops.advance_rows_reference``).
 
 From verify K's greedy outcome each row gets the draft program's catch-up rows (its accepted path's tokens and

@@ -333,8 +333,9 @@ class BudgetController:
         t1 = time.perf_counter()
         results = verifier.verify_proposal(rows, proposal)
         t2 = time.perf_counter()
-        if proposal.fused is not None:  # the verify ran inside ``propose``: split the step at the draft's share
-            t1 = t0 + min(proposal.fused.draft_seconds, t2 - t0)
+        seconds = None if proposal.device is None else proposal.device.draft_seconds
+        if seconds is not None:  # the draft program ran on the device, timed there: split the step at its share
+            t1 = t0 + min(seconds, t2 - t0)
         query = 1 + max_nodes(proposal.trees)
         self.observe(len(rows), query, [len(r.accepted_nodes) for r in results], t1 - t0, t2 - t1)
         self._timed = (batch_key(len(rows)), query > 1, t2 - t0)

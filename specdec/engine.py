@@ -120,10 +120,7 @@ class SpecEngine:
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
         self.adaptive = make_controller(plan.adaptive, self.device, self.drafter, self.runner.graphs)
-        if plan.pipeline and proposer == "eagle":
-            self.drafter.enable_pipeline()  # before the scheduler reads the drafter's lookahead
-        elif plan.pipeline:
-            self.drafter.pipelined = True  # (likewise)
+        self.drafter.pipelined = plan.pipeline  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
             self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
@@ -134,13 +131,10 @@ class SpecEngine:
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         if plan.ngram_device:
             self._device_ngram(max_blocks * cfg.block_size)
-        if proposer == "none" and plan.pipeline:
-            from specdec.verify_pipeline import DecodePipeline
-
-            self.drafter.queue = self.verifier.followup = DecodePipeline(self.runner, self.drafter)
         if plan.fused_verify:
-            self.drafter.fuse_verify(self.verifier)
-            self._prepare_fused()
+            self._fuse_verify()
+        self.pipeline = self._make_pipeline() if plan.pipeline else None
+        self.proposer = self.pipeline or self.drafter  # propose(rows): adopts a queued step when pipelined
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
         self.router = Router()
@@ -159,14 +153,34 @@ class SpecEngine:
         cfg, drafter = self.config, self.drafter
         drafter.device_chains = self.verifier.followup = DeviceNgram(
             self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
-            min_rows=self.plan.ngram_min_rows, drafter=drafter)
+            min_rows=self.plan.ngram_min_rows)
 
-    def _prepare_fused(self) -> None:
-        """Capture a dynamic EAGLE program's tree-building graphs at start (``FusedVerify.prepare``) for every
-        budget a step may use, counted in the graph report."""
-        fused = getattr(self.drafter, "fused", None)
-        if fused is None:
+    def _make_pipeline(self):
+        """The overlap of each step's host work with the next step's device work (``plan.pipeline``): one
+        ``StepPipeline`` with the proposer's hook."""
+        from specdec.pipeline import ChainAhead, DecodeFollow, EagleAhead, StepPipeline
+
+        if self.plan.proposer == "eagle":
+            hook = EagleAhead(self.drafter)
+        else:  # n-gram chains looked up on the device, or target-only decoding
+            if self.verifier.followup is None:
+                self.verifier.followup = DecodeFollow(self.runner)
+            hook = ChainAhead(self.drafter, self.runner, self.drafter.max_nodes, self.verifier.followup)
+        self.verifier.pipeline = StepPipeline(self.runner, self.drafter, self.verifier, hook)
+        return self.verifier.pipeline
+
+    def _fuse_verify(self) -> None:
+        """Verify the EAGLE device program's trees from the device (``fused_step.FusedVerify``, the verifier's), and
+        capture a dynamic program's tree-building graphs at start (``FusedVerify.prepare``) for every budget a step
+        may use, counted in the graph report."""
+        from specdec.fused_step import FusedVerify
+
+        shape = self.drafter.program_shape()
+        if shape is None:
             return
+        nodes, levels, dynamic = shape
+        self.verifier.fused = fused = FusedVerify(self.verifier, nodes, levels, dynamic)
+        self.drafter.fused_verify = True
         start = time.perf_counter()
         # (only greedy steps are fused)
         plan = self.plan
@@ -319,10 +333,10 @@ class SpecEngine:
             return []
         plan = self.plan
         if self.adaptive is not None and not (plan.greedy_budget_fixed and all(r.params.greedy for r in rows)):
-            return self.adaptive.speculate(rows, self.drafter, self.verifier)
+            return self.adaptive.speculate(rows, self.proposer, self.verifier)
         if plan.greedy_budget_fixed:  # whatever the controller chose for sampled rows
             self.drafter.budget = plan.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
-        proposal: Proposal = self.drafter.propose(rows)
+        proposal: Proposal = self.proposer.propose(rows)
         return self.verifier.verify_proposal(rows, proposal)
 
     def _prefill(self, batch: StepBatch) -> list[Request]:
@@ -464,11 +478,8 @@ class SpecEngine:
 
 
 class _NoDraft(Drafter):
-    """Target-only decoding: empty trees, so each verify forward commits one token. Pipelined (``pipelined``, with
-    ``queue`` a ``DecodePipeline``), a step adopts the decode the previous one queued on the device."""
-
-    pipelined = False
-    queue = None
+    """Target-only decoding: empty trees, so each verify forward commits one token (pipelined, a step may adopt the
+    decode the previous one queued on the device: ``specdec.pipeline``)."""
 
     @property
     def lookahead(self) -> int:
@@ -478,9 +489,8 @@ class _NoDraft(Drafter):
     def propose(self, rows):
         from specdec.tree import DraftTree
 
-        queued = None if self.queue is None or self.queue.ahead is None else self.queue.adopt(rows)
         return Proposal([DraftTree.empty(r.generator.device if r.generator else "cpu") for r in rows],
-                        [None] * len(rows), queued)
+                        [None] * len(rows))
 
 
 def request_output(req: Request, stopper: StopChecker) -> RequestOutput:

@@ -1,15 +1,14 @@
-"""An EAGLE step whose verify forward runs right behind the draft program, with no host read between.
+"""The verify of an EAGLE step whose trees are still on the device, launched right behind the draft program.
 
-The device draft program (``drafters/eagle_device.py``) leaves each row's tree on the device. Instead of
-reading the trees, packing the verify rows on the host and only then launching the verify, the host
-writes what it knows before the trees exist (per row: the pending token, its position and every query's
-KV slot, the row lengths and block table, laid out for the verify bucket of ``n`` nodes per row) and a
-few tensor ops write the tree-dependent parts (node tokens, positions, ancestor masks, parents) into the
-verify bucket's device inputs; the verify forward (a graph replay on CUDA) follows at once. The host then
-reads the trees and the batch's greedy acceptance in one copy and builds the ``DraftTree`` objects and
-``VerifyResult`` rows from them as the unfused path does. When the step has sampled rows, the sampled
-rule runs right behind the verify too, reading the trees from the verify's inputs (``FusedVerify.outcome``),
-so the one read carries every row's outcome.
+The device draft program (``drafters/eagle_device.py``) leaves each row's tree on the device, and the drafter
+proposes them as a ``DeviceDraft`` without reading them. ``Verifier.verify_proposal`` then launches the verify
+with no host read between: the host writes what it knows before the trees exist (per row: the pending token,
+its position and every query's KV slot, the row lengths and block table, laid out for the verify bucket of
+``n`` nodes per row), a few tensor ops write the tree-dependent parts (node tokens, positions, ancestor masks,
+parents) into the verify bucket's device inputs (``FusedVerify``), and the verify forward (a graph replay on
+CUDA) follows at once. When the step has sampled rows, the sampled rule runs right behind the verify too,
+reading the trees from the verify's inputs (``FusedVerify.outcome``). The host reads the trees and every row's
+outcome in one copy and builds the ``VerifyResult`` rows from them (``_from_fused`` in ``specdec.verifier``).
 
 Every tree of such a step has exactly ``n`` nodes (the adaptive budget ``n`` keeps each row's best n
 nodes of the program's N, a static template its first n), so the verify bucket is chosen for n + 1
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.drafters.base import Proposal
 from specdec.graph_constants import graph_constant
 from specdec.runner import ForwardResult, RowSlices
 from specdec.step_inputs import PackedRows, StepViews
@@ -42,21 +42,26 @@ class FusedOutcome(NamedTuple):
     tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
     max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
     features: RowSlices | None  # the verify's target features per row (gathered after the results)
-    draft_seconds: float  # the draft program's share of the step (the adaptive budget's timing)
     in_order: bool = False  # ``features`` row i holds the pending token's and the accepted path's features as
-    #                         its first m + 1 entries (``lookahead.advance`` gathered them); False: the verify's
+    #                         its first m + 1 entries (``pipeline.advance`` gathered them); False: the verify's
     #                         queries (0, then 1 + each accepted node)
-    kv_moved: bool = False  # the accepted paths' KV already moved on the device (``lookahead.advance``)
+    kv_moved: bool = False  # the accepted paths' KV already moved on the device (``pipeline.advance``)
 
 
 class FusedTrees(Sequence):
     """The ``DraftTree`` of each row of a fused step, built only when asked for (the results need none):
     ``tokens`` (R, n) and ``parents`` (R, n) host arrays (-1: the root; topological order), or one shape
-    ``parents`` (a tuple of n) shared by every row."""
+    ``parents`` (a tuple of n) shared by every row. A device proposal's trees are known once its step is read:
+    made empty, they are ``fill``-ed by the verifier."""
 
-    def __init__(self, tokens: np.ndarray, parents: np.ndarray | tuple[int, ...]) -> None:
+    def __init__(self, tokens: np.ndarray | None = None, parents: np.ndarray | tuple[int, ...] = ()) -> None:
         self.tokens, self.parents = tokens, parents
         self._trees: dict[int, DraftTree] = {}
+
+    def fill(self, tokens: np.ndarray, parents: np.ndarray | tuple[int, ...]) -> None:
+        """The trees as the step's read gave them (see the class docstring)."""
+        self.tokens, self.parents = tokens, parents
+        self._trees.clear()
 
     @property
     def num_nodes(self) -> int:
@@ -93,6 +98,32 @@ class StepClock:
 
     def seconds(self, start, end) -> float:
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class DeviceDraft:
+    """An EAGLE proposal whose trees are still on the device: the draft program's output ``out`` for ``reqs``
+    ((R, 3, N) tokens, parents and score ranks of a dynamic tree; (R, N) tokens of the static template whose
+    ``parents`` it is, else None), kept under budget ``n``, verified in graph bucket ``key``. ``bt`` (R, W): the
+    rows' host block tables, synced by the catch-up (None: the verify's skeleton is already on the device, written
+    from the step before: ``pipeline.EagleAhead``). ``clock`` marks ``start`` and ``drafted`` time the program.
+    ``carried``: where the step before's features (pending token and accepted path, in order) now are, when this
+    step was queued behind it (its catch-up inputs hold them)."""
+
+    def __init__(self, reqs: list, key: tuple, out: Tensor, n: int, bt: np.ndarray | None,
+                 parents: tuple[int, ...] | None, clock: StepClock, start, drafted,
+                 carried: RowSlices | None = None) -> None:
+        self.reqs, self.key, self.out, self.n, self.bt, self.parents = reqs, key, out, n, bt, parents
+        self.clock, self.start, self.drafted, self.carried = clock, start, drafted, carried
+
+    @property
+    def draft_seconds(self) -> float:
+        """The draft program's share of the step (read after the step's read, so it never waits)."""
+        return self.clock.seconds(self.start, self.drafted)
+
+    def proposal(self, rows: int, device=None) -> Proposal:
+        """The proposal of ``rows`` trees on the device (``device``: what carries them, by default this draft); its
+        trees are filled once the step is read."""
+        return Proposal(FusedTrees(), [frozenset()] * rows, self if device is None else device)
 
 
 class FusedVerify:
@@ -170,7 +201,7 @@ class FusedVerify:
     def relaunch(self, key, r: int, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor | None,
                                                                    Tensor | None]:
         """The verify of bucket ``key`` over the first ``r`` rows' trees that the program's output ``out`` (r, ...)
-        keeps under budget ``n``, its skeleton already on the device (``lookahead.advance``): the kept trees are
+        keeps under budget ``n``, its skeleton already on the device (``pipeline.advance``): the kept trees are
         written into the inputs and the forward replays. Returns its result, the kept tokens and parents ((r, k)
         device; parents None for a static template, whose shape the skeleton already holds) and the trees'
         max depths ((r, 1); None for a static template)."""
@@ -185,6 +216,23 @@ class FusedVerify:
         k = tokens.shape[1]
         fwd = self.runner._graphed_result(self.runner.graphs.replay(key), q, [k + 1] * r, ["all"] * r)
         return fwd, tokens, parents, top
+
+    def launch_draft(self, draft: DeviceDraft) -> tuple[ForwardResult, Tensor, Tensor | tuple[int, ...],
+                                                        Tensor | None]:
+        """The verify of the trees ``draft`` keeps: its result, their tokens (R, k) and parents ((R, k) on the
+        device, or the static template's first k) and max depths ((R, 1); None for a static template), device
+        tensors the verify does not overwrite."""
+        k = min(draft.n, draft.out.shape[-1])
+        if draft.bt is None:  # queued behind the step before: the skeleton is already on the device
+            fwd, tokens, parents, top = self.relaunch(draft.key, len(draft.reqs), draft.out, draft.n)
+        elif draft.parents is None:
+            fwd, tokens, parents, top = self.launch_program(draft.key, draft.reqs, draft.out, draft.n, draft.bt)
+        else:
+            # the program's output lives in the graphs' shared memory pool, where the verify graph's own
+            # intermediates may reuse it: the kept trees are copied out before the verify replays
+            tokens, parents, top = draft.out[:, :k].clone(), draft.parents[:k], None
+            fwd = self.launch(draft.key, draft.reqs, tokens, parents, draft.bt)
+        return fwd, tokens, draft.parents[:k] if parents is None else parents, top
 
     def outcome(self, key, reqs: list, fwd: ForwardResult, k: int) -> Tensor:
         """(B, Q + 3) outcome of the fused verify ``fwd`` of bucket ``key`` whose trees have ``k`` nodes each:

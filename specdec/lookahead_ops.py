@@ -1,7 +1,7 @@
-"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.lookahead.advance``): what
+"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.pipeline.advance``): what
 the op ``kernels.advance.advance_rows`` runs on the torch backend; on the Triton backend it is one launch.
 
-Kept apart from ``specdec.lookahead`` (which drives the drafter) so ``kernels/advance.py``, whose op dispatches to
+Kept apart from ``specdec.pipeline`` (which drives the drafter) so ``kernels/advance.py``, whose op dispatches to
 it, imports it without importing the drafters.
 """
 

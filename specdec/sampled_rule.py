@@ -34,7 +34,7 @@ from specdec.acceptance_stochastic import (
     accept_deterministic_walk,
     tree_rows,
 )
-from specdec.lookahead import HostUpload
+from specdec.pipeline import HostUpload
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.tree import DraftTree
 from specdec.uniform_stream import padded_uniforms

@@ -13,8 +13,10 @@ from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
 from specdec.acceptance_batched import unpack_greedy
 from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
 from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
+from specdec.fused_step import DeviceDraft, FusedOutcome, shape_depth
+from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
-from specdec.runner import ModelRunner, RowInput
+from specdec.runner import ModelRunner, RowInput, RowSlices
 from specdec.sampled_rule import SampledRule, applies
 from specdec.scheduler.request import Request
 from specdec.step_inputs import PackedRows
@@ -30,21 +32,7 @@ class VerifyResult(NamedTuple):
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
     features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
-    kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.lookahead)
-
-
-class QueuedVerify(NamedTuple):
-    """A graphed verify queued on the device before the host read the previous step (``drafters.ngram_device``):
-    its rows in order, graph bucket ``key``, forward output ``fwd`` (its ``accept`` rewritten by the bucket's next
-    replay), the follow-up's device output ``out`` and ``wait() -> (R, C)`` its host read. A drafter hands it over
-    as ``Proposal.fused`` when it adopts it."""
-
-    rows: list
-    key: tuple
-    fwd: object
-    out: torch.Tensor
-    wait: object
-    sel: np.ndarray | None = None  # adopted for some of its rows: each adopting row's row here (None: all, in order)
+    kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.pipeline)
 
 
 class VerifyResults(list):
@@ -67,10 +55,13 @@ class Verifier:
 
     def __init__(self, target, runner: ModelRunner, aux_layers: tuple[int, ...] = ()) -> None:
         self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
-        # device work queued right behind a graphed verify whose output is read with the outcome (``launch(rows,
-        # key, fwd)`` -> ``wait() -> (R, Q + 3 + ...)`` or None, ``consume(rows, host_rows)``), which may queue the
-        # next verify too (``queue``, ``min_query``; adopted as a ``QueuedVerify``): ``drafters.ngram_device``
+        # device work launched right behind a graphed greedy verify and read with its outcome (``launch(rows, key,
+        # fwd)`` -> (R, Q + 3 + ...) device output or None, ``follow``, ``consume(rows, host_rows)``, ``source``):
+        # ``drafters.ngram_device.DeviceNgram``, or ``pipeline.DecodeFollow`` for pipelined target-only decoding
         self.followup = None
+        self.fused = None  # a ``fused_step.FusedVerify``: the verify of trees still on the device (``DeviceDraft``)
+        self.pipeline = None  # a ``pipeline.StepPipeline``: queues the next step behind each verify launched here
+        self.reader = HostRead(runner.device)  # the one read of a step launched here (two in flight at most)
         self.sampled_rule = SampledRule(runner.device)  # the sampled rows of a padded step, graphed on CUDA
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
@@ -82,25 +73,78 @@ class Verifier:
             fwd = self.runner.forward(0, self.target, [self._row(r, t) for r, t in zip(rows, trees)],
                                       self.aux_layers)
         if fwd.accept is not None:  # padded step: every row's outcome on the device
-            follow = self.followup
-            read = None if follow is None else follow.launch(rows, key, fwd)
-            results = self._from_device(rows, trees, draft_computed, fwd, key, read, follow)
+            step = self._read_behind(rows, key, fwd)
+            results = self._from_device(rows, trees, draft_computed, fwd, key, step, self._queue(rows, step))
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
         return self._with_features(results, fwd)
 
     def verify_proposal(self, rows: list[Request], proposal) -> list[VerifyResult]:
-        """``verify`` of a drafter's ``Proposal``; a fused one (``specdec.fused_step``: greedy rows whose verify
-        already ran with the draft) is finished from its acceptance rows, with the same results."""
-        fused = proposal.fused
-        if fused is None:
+        """``verify`` of a proposer's ``Proposal``, then the acceptance rule, with the step's one read. Trees still
+        on the device (``fused_step.DeviceDraft``) are verified right behind their draft, with no host read between;
+        a step queued on the device (``pipeline.QueuedStep``, adopted) is read. Either way the next step may be
+        queued behind it first (``pipeline``)."""
+        device = proposal.device
+        if device is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
-        if isinstance(fused, QueuedVerify):  # already on the device: queue its successor, then read it
-            self.followup.queue(rows, fused.key, fused.out, fused.sel)
-            read = fused.wait if fused.sel is None else lambda: fused.wait()[fused.sel]
-            return self._from_device(rows, proposal.trees, proposal.draft_computed, fused.fwd, fused.key, read,
-                                     self.followup)
-        return _from_fused(rows, proposal.draft_computed, fused)
+        step = device if isinstance(device, QueuedStep) else self.launch_queued(rows, device.key, device.n, device)
+        queued = self._queue(rows, step)
+        if step.trees is not None:  # an EAGLE step: its trees and outcome come with the read
+            return self._fused_results(rows, proposal, step, queued)
+        return self._from_device(rows, proposal.trees, proposal.draft_computed, step.fwd, step.key, step, queued)
+
+    def launch_queued(self, rows: list[Request], key, n: int, draft: DeviceDraft | None) -> QueuedStep:
+        """Launch the verify of bucket ``key`` over ``rows`` whose inputs are on the device, and start its read:
+        the trees ``draft`` keeps under budget ``n`` (then its lossless rule for sampled rows too), or (None) a
+        verify whose inputs a queued step's writer filled whole (then the follow-up launch behind it)."""
+        r = len(rows)
+        if draft is not None:
+            fwd, tokens, parents, top = self.fused.launch_draft(draft)
+            accept = self.fused.outcome(key, rows, fwd, tokens.shape[1])  # (B, Q + 3): sampled rows through the rule
+            reads = [tokens] + ([] if isinstance(parents, tuple) else [parents, top]) + [accept[:r]]
+            return QueuedStep(rows, key, n, fwd, accept, self.reader.start(reads), (tokens, parents, top), draft)
+        fwd = self.runner.graphs.replay(key)
+        out = self.followup.follow(rows, key, fwd.accept)
+        return QueuedStep(rows, key, n, fwd, out, self.reader.start([out]))
+
+    def _read_behind(self, rows: list[Request], key, fwd) -> QueuedStep | None:
+        """The step of a graphed verify ``fwd`` (bucket ``key``) when a follow-up runs behind it and is read with
+        its outcome (all rows plain greedy), else None (the outcome alone is read)."""
+        if self.followup is None or key is None or not all(r.params.plain_greedy for r in rows):
+            return None
+        out = self.followup.launch(rows, key, fwd)
+        return None if out is None else QueuedStep(rows, key, None, fwd, out, self.reader.start([out]))
+
+    def _queue(self, rows: list[Request], step: QueuedStep | None) -> QueuedStep | None:
+        """The step queued behind ``step`` (launched, its read started), if the pipeline queued one."""
+        return None if step is None or self.pipeline is None else self.pipeline.queue(rows, step)
+
+    def _fused_results(self, rows: list[Request], proposal, step: QueuedStep, queued: QueuedStep | None):
+        """Results of an EAGLE step whose trees were on the device, from its read (per row: the kept trees' tokens,
+        their parents and max depth unless they share a static shape, then the outcome). ``queued``: the step
+        queued behind it, which is told the rows' lengths; its catch-up inputs then hold this step's features,
+        and this step's accepted KV already moved on the device."""
+        host = step.read()  # (R, C): the step's one device->host read
+        tokens, parents, _ = step.trees
+        r, k = host.shape[0], tokens.shape[1]
+        shared = isinstance(parents, tuple)
+        if shared:
+            host_parents, depth = parents, np.full(r, shape_depth(parents), dtype=np.int64)
+        else:  # the depths came with the read (computed where the trees were written)
+            host_parents, depth = host[:, k:2 * k], host[:, 2 * k]
+        accept = host[:, k if shared else 2 * k + 1:]  # (R, Q + 3)
+        carried = None if queued is None else queued.draft.carried
+        if queued is not None:
+            queued.assume(rows, accept[:, 0])
+        feats = step.fwd.features
+        if carried is not None:  # the verify's features are being overwritten: the next catch-up's inputs hold them
+            feats = carried
+        elif feats is not None and step.sel is not None:
+            feats = RowSlices(feats.table, [feats.starts[i] for i in step.sel], [feats.lengths[i] for i in step.sel])
+        proposal.trees.fill(host[:, :k], host_parents)
+        moved = carried is not None
+        outcome = FusedOutcome(accept, host[:, :k], depth, feats, in_order=moved, kv_moved=moved)
+        return _from_fused(rows, proposal.draft_computed, outcome)
 
     @staticmethod
     def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
@@ -120,8 +164,8 @@ class Verifier:
         when no graph holds it."""
         lengths = [len(t.host.tokens) + 1 for t in trees]
         longest = max(lengths)
-        if self.followup is not None:  # a step whose successor is queued runs in the bucket the successor needs
-            longest = max(longest, self.followup.min_query(rows))
+        if self.pipeline is not None:  # a step whose successor is queued runs in the bucket the successor needs
+            longest = max(longest, self.pipeline.min_query(rows))
         key = self.runner.packed_key(0, len(rows), longest, self.aux_layers)
         if key is None:
             return None, None
@@ -142,22 +186,25 @@ class Verifier:
                                         tree.num_nodes, tree.max_depth, dc))
         return results
 
-    def _from_device(self, rows: list[Request], trees: list[DraftTree], draft_computed, fwd, key, read=None,
-                     follow=None) -> list[VerifyResult]:
+    def _from_device(self, rows: list[Request], trees: list[DraftTree], draft_computed, fwd, key,
+                     step: QueuedStep | None = None, queued: QueuedStep | None = None) -> list[VerifyResult]:
         """Results of a padded step of graph bucket ``key``: the graph's greedy acceptance, sampled rows replaced
         by the device rule (``_sampled_outcome``; one device->host read of the (B, Q + 3) outcome), or put
-        through the host rule on their logits. ``read() -> (R, C)``: a greedy step's follow-up output (the outcome
-        rows, then the follow-up's columns), read instead and handed to ``follow.consume``. Greedy rows with a
-        repetition penalty count as sampled here: their argmax is the penalized logits'."""
+        through the host rule on their logits. ``step``: the step when a follow-up ran behind its verify; its read
+        (the outcome rows, then the follow-up's columns) is read instead and handed to ``followup.consume``;
+        ``queued``: the step queued behind it, told the rows' lengths. Greedy rows with a repetition penalty count
+        as sampled here: their argmax is the penalized logits'."""
         sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
         outcome = self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
-        if read is None:
+        if step is None:
             host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         else:
-            full, width = read().tolist(), accept.shape[1]  # the same read, the follow-up's columns after each row
-            follow.consume(rows, full)
+            full, width = step.read().tolist(), accept.shape[1]  # the same read, the follow-up's columns after each
+            self.followup.consume(rows, full)
+            if queued is not None:
+                queued.assume(rows, np.fromiter((row[0] for row in full), np.int64, len(full)))
             host = [row[:width] for row in full]
         check_finite_flags(rows, [row[-1] for row in host], "target")
         results = []

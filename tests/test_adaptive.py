@@ -296,7 +296,7 @@ def run_timed(ctrl: BudgetController, rows: int, steps: int, host_per_row: dict[
 
         def propose(self, reqs):
             return SimpleNamespace(trees=[SimpleNamespace(num_nodes=self.budget)] * len(reqs), draft_computed=None,
-                                   fused=None)
+                                   device=None)
 
     class Verifier:
         def verify_proposal(self, reqs, proposal):
@@ -349,8 +349,8 @@ def test_a_proposal_right_after_plain_steps_does_not_set_the_draft_cost():
 
 
 def test_fused_step_is_timed_as_its_draft_share_then_the_verify():
-    """A fused proposal (its verify ran inside ``propose``) counts its draft program's share as drafting and
-    the rest of ``propose`` plus ``verify_proposal`` as the verify."""
+    """A device proposal (its draft program timed on the device, its verify launched by ``verify_proposal``) counts
+    the program's share as drafting and the rest of ``propose`` plus ``verify_proposal`` as the verify."""
     now = [0.0]
 
     class Drafter:
@@ -359,7 +359,7 @@ def test_fused_step_is_timed_as_its_draft_share_then_the_verify():
         def propose(self, reqs):
             now[0] += 1.5e-3
             return SimpleNamespace(trees=[SimpleNamespace(num_nodes=self.budget)] * len(reqs), draft_computed=None,
-                                   fused=SimpleNamespace(draft_seconds=0.5e-3))
+                                   device=SimpleNamespace(draft_seconds=0.5e-3))
 
     class Verifier:
         def verify_proposal(self, reqs, proposal):

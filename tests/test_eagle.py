@@ -229,14 +229,14 @@ def test_device_tree_loop_proposes_the_host_paths_trees(setup, tree):
         assert eng.drafter.device_loop is not None
         if not device_loop:
             eng.drafter.device_loop = None
-        trees, propose = [], eng.drafter.propose
+        trees, verify = [], eng.verifier.verify_proposal
 
-        def spy(rows, propose=propose, trees=trees):
-            prop = propose(rows)
+        def spy(rows, prop, verify=verify, trees=trees):  # (a device proposal's trees are known once verified)
+            results = verify(rows, prop)
             trees.append([t.host.tokens for t in prop.trees])
-            return prop
+            return results
 
-        eng.drafter.propose = spy
+        eng.verifier.verify_proposal = spy
         if device_loop:
             calls = []
             replay = eng.drafter.device_loop.replay  # every program run (queued pipelined steps call it alone)
@@ -265,16 +265,16 @@ def test_device_dynamic_tree_equals_target_only(setup, tree, shape):
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, max_batch_size=8, cuda_graphs=True, adaptive=False, **cfg))
     loop = eng.drafter.device_loop
     assert isinstance(loop, DeviceDynamicTree) and tuple(loop.shape) == shape
-    pipelined = shape[2] + 1 if eng.drafter.pipeline else 0  # a queued step's rows reserve a path + bonus more
+    pipelined = shape[2] + 1 if eng.drafter.pipelined else 0  # a queued step's rows reserve a path + bonus more
     assert eng.scheduler.lookahead == max(shape[2], shape[0] * (shape[1] - 1)) + pipelined
-    sizes, calls, propose, run = [], [], eng.drafter.propose, loop.run
+    sizes, calls, verify, run = [], [], eng.verifier.verify_proposal, loop.run
 
-    def spy(rows):
-        prop = propose(rows)
+    def spy(rows, prop):  # (a device proposal's trees are known once verified)
+        results = verify(rows, prop)
         sizes.extend((t.num_nodes, all(p < i for i, p in enumerate(t.host.parents))) for t in prop.trees)
-        return prop
+        return results
 
-    eng.drafter.propose = spy
+    eng.verifier.verify_proposal = spy
     loop.run = lambda *a: calls.append(1) or run(*a)
     spec = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in spec] == want

@@ -105,7 +105,7 @@ def test_verify_features_are_gathered_packed_and_stored_as_per_row():
     accept[:, -1] = 1
     reqs = [SimpleNamespace(params=SamplingParams(), request_id=str(i), bt_row=(2 * i) % 7, finished=False,
                             num_computed_draft=10 + i) for i in range(r)]
-    fused = _from_fused(reqs, [frozenset()] * r, FusedOutcome(accept, tokens, np.full(r, 3), table, 0.0))
+    fused = _from_fused(reqs, [frozenset()] * r, FusedOutcome(accept, tokens, np.full(r, 3), table))
     for got in (packed, fused):
         assert isinstance(got, VerifyResults)
         assert [x._replace(features=None) for x in got] == [x._replace(features=None) for x in results]

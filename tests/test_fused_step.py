@@ -1,5 +1,6 @@
-"""Fused greedy EAGLE steps (``specdec/fused_step.py``): the verify forward is launched right behind the
-device draft program, its inputs built on the device from the program's output.
+"""Fused greedy EAGLE steps (``specdec/fused_step.py``): the drafter proposes the device program's trees on the
+device and the verifier launches the verify forward right behind the program, its inputs built on the device from
+the program's output.
 
 The target is the 4-layer random Llama of ``test_eagle`` with a briefly trained EAGLE draft; on the CPU the
 padded graph steps run eagerly over the same buffers (``cuda_graphs=True``). One test uses the shipped
@@ -61,7 +62,7 @@ def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monk
     element, those the host path packs for the same trees; the output equals target-only."""
     draft, target, want = tiny
     eng = _engine(draft, target, tree)
-    checked = _check_fused_inputs(eng, want, monkeypatch, (None, min(5, eng.drafter.fused.nodes - 2), 0))
+    checked = _check_fused_inputs(eng, want, monkeypatch, (None, min(5, eng.verifier.fused.nodes - 2), 0))
     assert {1, 3} <= set(checked)
     assert eng.stats.accepted > 0
 
@@ -80,19 +81,19 @@ def _check_fused_inputs(eng: SpecEngine, want, monkeypatch, budgets) -> list[int
     monkeypatch.setattr(GraphRunner, "_forward", snapshot)
     if eng.runner.graphs.graphs:  # captured verify graphs replay without calling _forward
         monkeypatch.setattr(eng.runner.graphs, "graphs", {})
-    checked, propose = [], eng.drafter.propose
+    checked, verify = [], eng.verifier.verify_proposal
 
-    def compare(rows):
-        prop = propose(rows)
-        assert prop.fused is not None
+    def compare(rows, prop):
+        assert prop.device is not None  # the trees are on the device: the verifier launches their verify
+        results = verify(rows, prop)
         key, ref = _host_inputs(eng, rows, prop.trees)
         got_key, got = seen.pop("verify")
         assert got_key == key and torch.equal(got[:ref.numel()], ref)
         checked.append(len(rows))
-        return prop
+        return results
 
-    monkeypatch.setattr(eng.drafter, "propose", compare)
-    before, steps_before = dict(eng.drafter.paths), eng.drafter.fused.steps  # (CUDA: the warm-up's steps)
+    monkeypatch.setattr(eng.verifier, "verify_proposal", compare)
+    before, steps_before = dict(eng.drafter.paths), eng.verifier.fused.steps  # (CUDA: the warm-up's steps)
     for budget in budgets:
         eng.drafter.budget = budget
         for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
@@ -100,7 +101,7 @@ def _check_fused_inputs(eng: SpecEngine, want, monkeypatch, budgets) -> list[int
             assert [o.token_ids for o in got] == [want[PROMPTS.index(p)] for p in prompts]
             assert eng.all_blocks_free()
     paths = {k: eng.drafter.paths[k] - before.get(k, 0) for k in ("fused", "device", "host")}
-    assert paths["fused"] == paths["device"] == len(checked) == eng.drafter.fused.steps - steps_before
+    assert paths["fused"] == paths["device"] == len(checked) == eng.verifier.fused.steps - steps_before
     assert paths["host"] == 0
     return checked
 
@@ -113,18 +114,18 @@ def _captured_vs_eager(draft, target, want, monkeypatch, **cfg) -> dict:
     trees, writers, steps = {}, {}, {}
     for capture in (True, False):
         eng = _engine(draft, target, "dynamic:16", **cfg)
-        writer = writers[capture] = eng.drafter.fused.writer
+        writer = writers[capture] = eng.verifier.fused.writer
         writer.capture = capture
         if not capture:
             writer.graphs.clear()  # the engine captured some at start (``FusedVerify.prepare``)
-        seen, propose = trees.setdefault(capture, []), eng.drafter.propose
+        seen, verify = trees.setdefault(capture, []), eng.verifier.verify_proposal
 
-        def spy(rows, propose=propose, seen=seen):
-            prop = propose(rows)
+        def spy(rows, prop, verify=verify, seen=seen):  # (a device proposal's trees are known once verified)
+            results = verify(rows, prop)
             seen.append([(t.host.tokens, t.host.parents) for t in prop.trees])
-            return prop
+            return results
 
-        eng.drafter.propose = spy
+        eng.verifier.verify_proposal = spy
         with monkeypatch.context() as m:
             steps[capture] = len(_check_fused_inputs(eng, want, m, (None, 5, 0)))
         assert bool(writer.graphs) == capture
@@ -165,7 +166,7 @@ def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
     eager building's trees and verify inputs (``_captured_vs_eager``); rows short of their bucket stay eager."""
     _stand_in_capture(monkeypatch)
     draft, target, want = tiny
-    assert not _engine(draft, target, "dynamic:16").drafter.fused.writer.capture  # on the CPU: eager
+    assert not _engine(draft, target, "dynamic:16").verifier.fused.writer.capture  # on the CPU: eager
     writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
     keys = {(b, r, n) for b, _, r, n in writer.graphs}
     assert keys >= {(1, 1, 5), (1, 1, 0), (1, 1, 16)} and all(b == r for b, r, _ in keys)  # 3 rows of 4: eager
@@ -178,7 +179,7 @@ def test_tree_writer_graphs_are_captured_at_start(tiny, monkeypatch):
     captured = _stand_in_capture(monkeypatch)
     draft, target, want = tiny
     eng = _engine(draft, target, "dynamic:16")
-    fused = eng.drafter.fused
+    fused = eng.verifier.fused
     assert fused.prepare([16]) == 0  # the CPU writer builds eagerly: nothing to capture
     fused.writer.capture = True
     buckets = eng.runner.graphs.batch_buckets
@@ -240,7 +241,7 @@ def test_no_host_read_between_the_draft_program_and_the_verify(tiny, fused, monk
     if fused:
         assert all(b == [] for b in between) and eng.drafter.paths["fused"] == steps
     else:
-        assert all(len(b) > 0 for b in between) and eng.drafter.fused is None
+        assert all(len(b) > 0 for b in between) and eng.verifier.fused is None
 
 
 def test_device_best_nodes_and_ancestry_equal_the_host_trees():
@@ -278,7 +279,7 @@ def test_shipped_draft_fused_equals_target_only(smollm2):
     want = [o.token_ids for o in SpecEngine(None, smollm2, SpecConfig(**cfg)).generate(prompts, params)]
     eng = _engine(draft, smollm2, "dynamic:31", **cfg)
     eng.drafter.budget = 7
-    assert eng.drafter.fused.nodes == 31
+    assert eng.verifier.fused.nodes == 31
     assert [o.token_ids for o in eng.generate(prompts[:1], params)] == want[:1]
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
     assert eng.drafter.paths["fused"] == eng.drafter.paths["device"] > 0 and eng.stats.accepted > 0
@@ -328,7 +329,7 @@ def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  #
     ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
     target, draft, cfg, want = _on_gpu(setup)
     started = _engine(draft, target, "dynamic:16", **cfg)
-    writer = started.drafter.fused.writer
+    writer = started.verifier.fused.writer
     assert writer.capture and {(b, n) for b, _, _, n in writer.graphs} >= {
         (b, 16) for b in started.runner.graphs.batch_buckets}  # captured at start (``FusedVerify.prepare``)
     writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
@@ -345,14 +346,14 @@ def test_gpu_fused_step_with_captured_graphs(setup, tree):  # noqa: F811 - the f
     for fused in (True, False):
         eng = _engine(draft, target, tree, fused_verify=fused, **cfg)
         assert len(eng.drafter.device_loop.graphs) > 0 and eng.graph_report.graphs > 0
-        seen, propose = trees.setdefault(fused, []), eng.drafter.propose
+        seen, verify = trees.setdefault(fused, []), eng.verifier.verify_proposal
 
-        def spy(rows, propose=propose, seen=seen):
-            prop = propose(rows)
+        def spy(rows, prop, verify=verify, seen=seen):  # (a device proposal's trees are known once verified)
+            results = verify(rows, prop)
             seen.append([t.host.tokens for t in prop.trees])
-            return prop
+            return results
 
-        eng.drafter.propose = spy
+        eng.verifier.verify_proposal = spy
         for budget in (None, 5):
             eng.drafter.budget = budget
             for prompts in ([PROMPTS[0]], PROMPTS[1:4]):
@@ -374,19 +375,15 @@ def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
     for fused in (True, False):
         eng = _engine(draft, target, tree, fused_verify=fused)
         steps, trees = runs.setdefault(fused, ([], []))
-        propose, verify = eng.drafter.propose, eng.verifier.verify_proposal
+        verify = eng.verifier.verify_proposal
 
-        def spy_propose(rows, propose=propose, trees=trees):
-            prop = propose(rows)
-            trees.append([(t.host.tokens, t.host.parents, t.num_nodes, t.max_depth) for t in prop.trees])
-            return prop
-
-        def spy_verify(rows, proposal, verify=verify, steps=steps):
-            results = verify(rows, proposal)
+        def spy_verify(rows, proposal, verify=verify, steps=steps, trees=trees):
+            results = verify(rows, proposal)  # (a device proposal's trees are known once verified)
+            trees.append([(t.host.tokens, t.host.parents, t.num_nodes, t.max_depth) for t in proposal.trees])
             steps.append([(r._replace(features=None), r.features.tolist()) for r in results])
             return results
 
-        eng.drafter.propose, eng.verifier.verify_proposal = spy_propose, spy_verify
+        eng.verifier.verify_proposal = spy_verify
         outputs = []
         for budget in (None, 5, 0):
             eng.drafter.budget = budget
@@ -432,18 +429,18 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     still equals target-only (``specdec.graph_constants`` keeps what a capture read; ``AdvanceGraphs`` keeps
     the offsets it was captured with)."""
     from specdec.fused_step import _ancestry_start
-    from specdec.lookahead import _node_offsets
     from specdec.lookahead_ops import causal_masks
+    from specdec.pipeline import _node_offsets
 
     target, draft, cfg, want = _on_gpu(setup)
     eng = _engine(draft, target, tree, pipeline=True, **cfg)
-    assert eng.drafter.pipeline
+    assert eng.drafter.pipelined
     assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == want  # every graph captured by now
     assert eng.drafter.paths["ahead"] > 0
     dev = torch.device("cuda", torch.cuda.current_device())
     # what the captured graphs hold: the tree writer's start masks, or the offsets in AdvanceGraphs' entries
     held = _ancestry_start.held if tree.startswith("dynamic") else [
-        entry[4] for entry in eng.drafter.advance.graphs.values() if entry[4] is not None]
+        entry[2] for entry in eng.pipeline.hook.advance.graphs.values()]  # (each entry keeps its builder)
     assert held and causal_masks.held
     junk = []
     for i in range(80):  # 80 (R, n) shapes for a cache of 64, 64 query counts for 16, 40 chains for 32

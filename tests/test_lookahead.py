@@ -1,5 +1,5 @@
-"""Pipelined fused EAGLE steps (``specdec/lookahead.py``): each fused step queues its successor, built on the
-device from its outcome, before the host reads it; the next engine step adopts it.
+"""Pipelined fused EAGLE steps (``specdec/pipeline.py``, ``EagleAhead``): each fused step queues its successor,
+built on the device from its outcome, before the host reads it; the next engine step adopts it.
 
 The target is the 4-layer random Llama of ``test_eagle`` with a briefly trained EAGLE draft (it accepts
 paths of several nodes, so the accepted KV really moves); on the CPU the padded graph steps run eagerly over
@@ -20,6 +20,7 @@ from specdec.adaptive import BudgetController, budget_options
 from specdec.drafters.eagle_drafter import _Spans
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
+from specdec.pipeline import QueuedStep
 from specdec.plan import LARGE_BATCH_NODES, resolve_plan
 from specdec.sampling_params import SamplingParams
 from specdec.step_inputs import StepInputs, _offsets
@@ -54,7 +55,7 @@ def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree)
     runs = {}
     for pipeline in (True, False):
         eng = SpecEngine(draft, target, SpecConfig(tree=tree, **{**cfg, "pipeline": pipeline}))
-        assert eng.drafter.pipeline == pipeline
+        assert eng.drafter.pipelined == pipeline
         steps = runs.setdefault(pipeline, [])
         verify = eng.verifier.verify_proposal
 
@@ -86,7 +87,7 @@ def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree)
 
 
 def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
-    """The inputs ``lookahead.advance`` and the tree writer build on the device for the queued step (the draft
+    """The inputs ``pipeline.advance`` and the tree writer build on the device for the queued step (the draft
     program's catch-up rows and target features, the verify's rows) equal, element by element, what the host
     builds for the same rows once the previous step is committed."""
     draft, target, want, cfg = tiny
@@ -94,7 +95,8 @@ def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
     d, loop = eng.drafter, eng.drafter.device_loop
     graphs = eng.runner.graphs
     queued = []
-    relaunch = d.fused.relaunch
+    fused = eng.verifier.fused
+    relaunch = fused.relaunch
 
     def snapshot(key, r, out, n):  # the device inputs of the queued step, as its verify reads them
         res = relaunch(key, r, out, n)
@@ -104,19 +106,22 @@ def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
                        loop.features[:b * loop.q].clone()))
         return res
 
-    monkeypatch.setattr(d.fused, "relaunch", snapshot)
-    take = d._take_ahead
-    checked = []
+    monkeypatch.setattr(fused, "relaunch", snapshot)
+    pipe, verify = eng.pipeline, eng.verifier.verify_proposal
+    propose = pipe.propose
+    checked, pending = [], []
 
     def compare(rows):
-        exact = [id(r) for r in rows] == [id(r) for r in d.ahead.reqs]
+        if pipe.ahead is None:
+            return propose(rows)
+        exact = [id(r) for r in rows] == [id(r) for r in pipe.ahead.rows]
         key, verify_in, program_in, program_feats = queued[-1]
         # the host's catch-up for the committed rows: what the unpipelined step would run now
         spans = _Spans.of(rows, loop.q)
         packed, bt, src = d._catch_up_rows(rows, spans, loop.q)
         host_feats = torch.stack([d.features.data[torch.from_numpy(row)] for row in src])  # (R, q, kH)
-        prop = take(rows)
-        if prop is None or not exact:
+        prop = propose(rows)
+        if not isinstance(prop.device, QueuedStep) or not exact:
             return prop
         b = key[1]
         ref = StepInputs(b, loop.q, loop.inputs.width, eng.runner.device)
@@ -124,13 +129,21 @@ def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
         _assert_same_inputs(program_in, ref.dev[:program_in.numel()], b, loop.q, loop.inputs.width)
         feats = program_feats.view(b, loop.q, -1)
         assert torch.equal(feats[:len(rows)], host_feats.to(feats.dtype)) and not feats[len(rows):].any()
-        got_key, ref_verify = _host_inputs(eng, rows, prop.trees)
-        assert got_key == key
-        _assert_same_inputs(verify_in, ref_verify, key[1], key[2], graphs.inputs.width)
-        checked.append(len(rows))
+        pending.append((prop, key, verify_in))
         return prop
 
-    monkeypatch.setattr(d, "_take_ahead", compare)
+    def compare_verify(rows, prop):
+        results = verify(rows, prop)  # (the adopted step's trees are known once it is read)
+        if pending and pending[-1][0] is prop:
+            _, key, verify_in = pending.pop()
+            got_key, ref_verify = _host_inputs(eng, rows, prop.trees)
+            assert got_key == key
+            _assert_same_inputs(verify_in, ref_verify, key[1], key[2], graphs.inputs.width)
+            checked.append(len(rows))
+        return results
+
+    monkeypatch.setattr(pipe, "propose", compare)
+    monkeypatch.setattr(eng.verifier, "verify_proposal", compare_verify)
     outs = eng.generate(PROMPTS[:4], PARAMS)
     assert [o.error for o in outs] == [None] * 4
     assert [o.token_ids for o in outs] == want
@@ -157,16 +170,16 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
         return SpecEngine(draft, target, SpecConfig(tree="topk:2x3", **{**cfg, **fields}))
 
     on, off, adaptive, unfused = engine(), engine(pipeline=False), engine(adaptive=True), engine(fused_verify=False)
-    assert on.drafter.pipeline and on.adaptive is None and not off.drafter.pipeline
-    assert not adaptive.drafter.pipeline and adaptive.adaptive is not None and not unfused.drafter.pipeline
+    assert on.drafter.pipelined and on.adaptive is None and not off.drafter.pipelined
+    assert not adaptive.drafter.pipelined and adaptive.adaptive is not None and not unfused.drafter.pipelined
     assert not adaptive.plan.greedy_budget_fixed and not on.plan.greedy_budget_fixed
     assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
     # the defaults: on CUDA pipelined, the controller only for steps with sampled rows; on the CPU neither
     auto = engine(pipeline=None, adaptive=None)
-    assert auto.drafter.pipeline is cuda and (auto.adaptive is not None) is cuda
+    assert auto.drafter.pipelined is cuda and (auto.adaptive is not None) is cuda
     assert auto.plan.greedy_budget_fixed is cuda
     assert auto.plan.greedy_budget_fixed is cuda
-    assert engine(pipeline=True, adaptive=None).drafter.pipeline
+    assert engine(pipeline=True, adaptive=None).drafter.pipelined
     from specdec.cli.bench import engine_mode  # what ``specdec bench`` reports of it
 
     assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "greedy_budget_fixed": False,
@@ -274,7 +287,7 @@ def test_pipelined_steps_with_the_advance_kernel(tiny):
 
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
-    eng.drafter.advance.rows_op = advance_rows_triton
+    eng.pipeline.hook.rows_op = advance_rows_triton
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert eng.drafter.paths["ahead"] >= eng.drafter.paths["fused"] // 2 > 0
 
@@ -327,12 +340,13 @@ def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
 
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
 def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
-    """``AdvanceGraphs``' CUDA path run with a stand-in graph (capturing runs the build once, as the real capture
-    does, and each replay runs it again over the graph's own input copies): capturing over a no-op outcome and
-    putting the verify rows back leaves every step as the eager one, so output equals target-only; one graph per
-    shape, replayed at the later queued steps; a static tree's entry keeps the node offsets its graph reads."""
+    """``AdvanceGraphs``' CUDA path (the EAGLE hook's) run with a stand-in graph (capturing runs the build once, as
+    the real capture does, and each replay runs it again over the graph's own input copies): capturing over a no-op
+    outcome and putting the verify rows back leaves every step as the eager one, so output equals target-only; one
+    graph per shape, replayed at the later queued steps; a static tree's entry keeps the node offsets its graph
+    reads."""
     import specdec.graphs as cg
-    from specdec.lookahead import AdvanceGraphs
+    from specdec.pipeline import AdvanceGraphs
 
     class StandIn:
         def __init__(self, build):
@@ -351,9 +365,13 @@ def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
     if cfg["device"] != "cpu":
         pytest.skip("a stand-in for the CUDA graph; on CUDA the real graphs run in the other tests")
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, **cfg))
-    eng.drafter.advance = graphs = AdvanceGraphs(eng.runner.device, eng.drafter.advance.rows_op, capture=True)
+    eng.pipeline.hook.advance = graphs = AdvanceGraphs(eng.runner.device, capture=True)
     monkeypatch.setattr(eng.runner.graphs, "captured", lambda key: True)  # as on CUDA (the forwards stay eager)
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert graphs.graphs and sum(g.replays for g, *_ in graphs.graphs.values()) >= eng.drafter.paths["ahead"] > 0
-    assert all((entry[4] is not None) == tree.startswith("topk") for entry in graphs.graphs.values())
+
+    def offsets(build):  # the node offsets the entry's builder (what its graph was captured from) holds
+        return dict(zip(build.__code__.co_freevars, (c.cell_contents for c in build.__closure__)))["offsets"]
+
+    assert all((offsets(entry[2]) is not None) == tree.startswith("topk") for entry in graphs.graphs.values())
 

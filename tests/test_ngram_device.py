@@ -213,20 +213,20 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
         chains.clear()  # (after the warm-up's steps)
         assert [r.token_ids for r in eng.generate(prompts, params)] == [r.token_ids for r in ref]
         proposed[device, pipeline] = list(chains)
-        follow = eng.verifier.followup
+        follow, pipe = eng.verifier.followup, eng.pipeline
         if device is None:  # pipelined, the device lookup serves every batch size (unpipelined: from 8 rows)
             assert follow.launches > 0 and follow.min_rows == (1 if pipeline is None else 8)
-            assert (follow.adopted > follow.launches // 3) if pipeline is None else follow.queued == 0
-            assert follow.advances or pipeline is False  # the queued steps' inputs were written by a graph
+            assert (pipe.adopted > follow.launches // 3) if pipeline is None else pipe is None
+            assert pipeline is False or pipe.hook.advance.graphs  # the queued steps' inputs were written by a graph
     assert proposed[None, None] == proposed[None, False] == proposed[False, None]
     eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
                                                  ngram_device=True, **base))
     assert eng.generate([prompts[0]], params[0])[0].token_ids == ref[0].token_ids
-    assert eng.verifier.followup.adopted > 0
+    assert eng.pipeline.adopted > 0
     decode = SpecEngine(None, target, SpecConfig(cuda_graphs=True, pipeline=True, **base))  # pipelined target-only
     assert [r.token_ids for r in decode.generate(prompts, params)] == [r.token_ids for r in ref]
-    assert decode.verifier.followup.adopted > decode.verifier.followup.launches // 2
-    assert decode.verifier.followup.advances  # the queued steps' inputs were written by a graph
+    assert decode.pipeline.adopted > decode.verifier.followup.launches // 2
+    assert decode.pipeline.hook.advance.graphs  # the queued steps' inputs were written by a graph
 
 
 def test_a_history_row_taken_over_is_uploaded_again():
@@ -301,20 +301,20 @@ def _checked_queued(monkeypatch) -> tuple[list[int], list, list[int]]:
     the adopting rows' trees: the whole bucket (padding rows, query starts) when all its rows adopt it, else those
     rows. Returns ([adopted steps checked], [mismatches], [adoptions by some rows]); the mismatches are collected
     (asserted by the caller: the engine isolates a step's errors)."""
-    from specdec import verify_pipeline
+    from specdec import pipeline
     from specdec.step_inputs import StepInputs
-    from specdec.verifier import QueuedVerify, Verifier, _packed
+    from specdec.verifier import Verifier, _packed
 
     built, checked, wrong, partial = {}, [0], [], [0]
-    advance, verify_proposal = verify_pipeline.ngram_advance_reference, Verifier.verify_proposal
+    advance, verify_proposal = pipeline.ngram_advance_reference, Verifier.verify_proposal
 
     def recorded_advance(views, b, q, out, tables, bs):
         advance(views, b, q, out, tables, bs)
         built[(0, b, q)] = {name: getattr(views, name).clone() for name in views._fields}
 
     def compared(self, rows, proposal):
-        queued = proposal.fused
-        if isinstance(queued, QueuedVerify):  # what the host would have packed for these rows' trees
+        queued = proposal.device
+        if isinstance(queued, pipeline.QueuedStep):  # what the host would have packed for these rows' trees
             _, b, q = queued.key
             bt = self.runner.tables.host_rows([r.bt_row for r in rows])
             lengths = [len(t.host.tokens) + 1 for t in proposal.trees]
@@ -336,7 +336,7 @@ def _checked_queued(monkeypatch) -> tuple[list[int], list, list[int]]:
             partial[0] += some
         return verify_proposal(self, rows, proposal)
 
-    monkeypatch.setattr(verify_pipeline, "ngram_advance_reference", recorded_advance)
+    monkeypatch.setattr(pipeline, "ngram_advance_reference", recorded_advance)
     monkeypatch.setattr(Verifier, "verify_proposal", compared)
     return checked, wrong, partial
 
@@ -359,15 +359,15 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
         assert eng.drafter.pipelined == engine_mode(eng)["pipelined"] == pipeline
         outs[pipeline] = [r.token_ids for r in eng.generate(prompts, params)]
         proposed[pipeline] = list(chains)
-        follow = eng.verifier.followup
+        pipe = eng.pipeline
         assert wrong == [], wrong[:2]
         if pipeline:
-            assert follow.adopted == checked[0] > len(proposed[True]) // 2
+            assert pipe.adopted == checked[0] > len(proposed[True]) // 2
             assert partial[0] > 0  # rows finished: the others adopted the queued verify, and its successor queued
             # (the last step's successor is left queued: no step came to adopt or drop it)
-            assert follow.queued - follow.adopted - follow.dropped in (0, 1)
+            assert pipe.queued - pipe.adopted - pipe.dropped in (0, 1)
         else:
-            assert follow.queued == follow.adopted == 0
+            assert pipe is None and eng.verifier.followup.launches > 0
     assert outs[True] == outs[False] == ref
     assert proposed[True] == proposed[False]
     assert eng.all_blocks_free()
@@ -383,9 +383,8 @@ def test_pipelined_target_only_decoding(tiny_target, monkeypatch):
                                                    cuda_graphs=True, pipeline=True))
     assert eng.drafter.lookahead == 1  # the queued step writes the pending token's KV one position on
     assert [r.token_ids for r in eng.generate(prompts, params)] == ref
-    follow = eng.verifier.followup
     assert wrong == [], wrong[:2]
-    assert follow.adopted == checked[0] > sum(len(r) for r in ref) // 8 and partial[0] > 0
+    assert eng.pipeline.adopted == checked[0] > sum(len(r) for r in ref) // 8 and partial[0] > 0
     assert eng.all_blocks_free()
     auto = SpecEngine(None, tiny_target, SpecConfig(num_blocks=64, block_size=8, cuda_graphs=True))
     assert auto.verifier.followup is None and auto.drafter.lookahead == 0  # opt-in for now (not on by default)

@@ -76,9 +76,9 @@ def test_concurrent_streams_equal_requests_run_alone(server):
         time.sleep(0.05)
     assert executor.run_on_loop(lambda e: e.all_blocks_free())
     assert max(s.num_waiting for s in executor.iteration_stats()) > 0  # the queue really filled
-    follow = executor.run_on_loop(lambda e: e.verifier.followup)
-    if follow is not None:  # steps queued on the device, kept and dropped, through preemptions
-        assert follow.launches > 100 and preempted and follow.adopted > 50 and follow.dropped > 0
+    follow, pipe = executor.run_on_loop(lambda e: (e.verifier.followup, e.pipeline))
+    if pipe is not None:  # steps queued on the device, kept and dropped, through preemptions
+        assert follow.launches > 100 and preempted and pipe.adopted > 50 and pipe.dropped > 0
     if hasattr(follow, "chains"):  # the n-gram engine: its lookups ran on the device, right
         assert len(checked) > 100 and all(checked)
 

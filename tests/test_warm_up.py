@@ -19,7 +19,7 @@ import specdec.graphs as cg
 from specdec.adaptive import make_controller
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
-from specdec.lookahead import AdvanceGraphs
+from specdec.pipeline import AdvanceGraphs
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -59,8 +59,8 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     monkeypatch.setattr(cg, "capture_graph", _stand_in)  # (outputs that are tuples too)
     eng.adaptive = make_controller(True, eng.device, eng.drafter, None)  # CUDA: the controller for sampled steps
     eng.plan = dataclasses.replace(eng.plan, adaptive=True, greedy_budget_fixed=True)
-    eng.drafter.advance = advance = AdvanceGraphs(eng.device, eng.drafter.advance.rows_op, capture=True)
-    writer = eng.drafter.fused.writer
+    eng.pipeline.hook.advance = advance = AdvanceGraphs(eng.device, capture=True)
+    writer = eng.verifier.fused.writer
     writer.capture = True
     rule = eng.verifier.sampled_rule
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from specdec.scheduler.request import Request
@@ -10,12 +11,14 @@ from specdec.tree import DraftTree
 
 
 class Proposal(NamedTuple):
-    """Trees for the rows, and per row the nodes whose draft KV was written (None: no draft KV); ``fused``:
-    the verify already ran with the draft (``specdec.fused_step.FusedOutcome``; ``Verifier.verify_proposal``)."""
+    """Trees for the rows, and per row the nodes whose draft KV was written (None: no draft KV). ``device``: the
+    trees are still on the device (a ``fused_step.DeviceDraft``: ``trees`` is filled once the verify that
+    ``Verifier.verify_proposal`` launches behind the draft is read), or they belong to a step already queued on
+    the device (a ``pipeline.QueuedStep``, adopted by ``pipeline.StepPipeline``); None: host trees."""
 
-    trees: list[DraftTree]
+    trees: Sequence[DraftTree]
     draft_computed: list[frozenset[int] | None]
-    fused: object | None = None
+    device: object | None = None
 
 
 class Drafter(ABC):
@@ -27,6 +30,7 @@ class Drafter(ABC):
 
     target_features: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE-style)
     step_prefilled: bool = False  # the engine's current step ran a prefill (set by the engine every step)
+    pipelined: bool = False  # steps are queued one step early (``specdec.pipeline``): set before ``lookahead`` is read
 
     @property
     def node_budget(self) -> int:

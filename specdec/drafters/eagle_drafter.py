@@ -11,7 +11,6 @@ catch-up recomputes the accepted tokens with the target's features (``draft_comp
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from typing import NamedTuple
 
@@ -21,12 +20,10 @@ import torch
 from specdec.adaptive import template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, Growth, ModelDrafter
-from specdec.fused_step import FusedOutcome, FusedTrees, shape_depth
-from specdec.kernels.advance import advance_rows
-from specdec.lookahead import AdvanceGraphs, HostRead, HostUpload, PipelinedSteps
+from specdec.fused_step import DeviceDraft, StepClock
 from specdec.lookahead_ops import CAUSAL_BITS
 from specdec.models.eagle import EagleDraft
-from specdec.runner import RowInput, RowSlices
+from specdec.runner import RowInput
 from specdec.scheduler.request import Request
 from specdec.step_inputs import PackedRows
 from specdec.tree import DraftTree, TreeSpec
@@ -114,7 +111,7 @@ class FeatureTable:
         slots = [r.bt_row for r in reqs]
         bt, lengths = np.array(slots, dtype=np.int64), np.array(sizes, dtype=np.int64)  # (R,)
         dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
-        # non_blocking: a blocking upload would wait for every queued step (``specdec.lookahead``)
+        # non_blocking: a blocking upload would wait for every queued step (``specdec.pipeline``)
         where = torch.from_numpy(dst).to(self.data.device, non_blocking=True)
         self.data.index_copy_(0, where, rows.to(self.data.dtype))
         self.start[bt], self.count[bt] = starts, lengths
@@ -141,7 +138,7 @@ class _Spans(NamedTuple):
         return cls(bt, begins, ends, np.arange(width) < sizes[:, None])
 
 
-class EagleDrafter(PipelinedSteps, ModelDrafter):
+class EagleDrafter(ModelDrafter):
     """Chains, static top-k trees and dynamic trees from an ``EagleDraft`` sharing the pool."""
 
     def __init__(self, model: EagleDraft, runner, spec: TreeSpec, vocab_size: int) -> None:
@@ -154,17 +151,12 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
                                      next(model.parameters()).dtype, runner.device,  # the device program's dtype
                                      blocks=runner.pool.num_blocks, block_size=runner.pool.block_size)
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
-        self.fused = None  # a FusedVerify once ``fuse_verify``: device-program steps launch the verify too
+        self.fused_verify = False  # device-program steps propose their trees on the device (``DeviceDraft``)
+        self.clock = StepClock(runner.device)  # times the draft program of a device proposal
         self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels);
-        #                                  "fused": device proposals whose verify ran with them; "ahead": fused
-        #                                  steps queued one step early and adopted (``specdec.lookahead``),
+        #                                  "fused": device proposals verified from the device; "ahead": steps
+        #                                  queued one step early and adopted (``pipeline.EagleAhead``),
         #                                  "dropped": queued steps not adopted
-        self.pipeline = False  # queue each fused step's successor before reading it (``enable_pipeline``)
-        self.ahead = None  # the queued step (``lookahead.Ahead``)
-        self.reader = HostRead(runner.device)
-        rows_op = functools.partial(advance_rows, use_triton=runner.backend.uses_triton)
-        self.advance = AdvanceGraphs(runner.device, rows_op)  # a queued step's inputs
-        self.upload = HostUpload(runner.device)  # a queued step's block tables
 
     @property
     def lookahead(self) -> int:
@@ -173,7 +165,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         committed, so its rows reserve that much more."""
         shape = getattr(self.device_loop, "shape", None)
         own = self.max_nodes if shape is None else max(self.max_nodes, shape.region)
-        return own + (self.max_nodes + 1 if self.pipeline else 0)
+        return own + (self.max_nodes + 1 if self.pipelined else 0)
 
     def enable_device_loop(self, graphs) -> None:
         """Draft greedy batches with one device program per batch bucket (captured with ``graphs``, the engine's
@@ -194,23 +186,17 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
                                               catch_up, graphs.inputs.width, dev)
         graphs.programs.append(self.device_loop)
 
-    def fuse_verify(self, verifier) -> None:
-        """Verify the device program's greedy batches in the same launch (``specdec.fused_step``) with
-        ``verifier``, when a graph bucket holds the verify; needs ``enable_device_loop`` first."""
-        from specdec.fused_step import FusedVerify
-
+    def program_shape(self) -> tuple[int, int, bool] | None:
+        """The device program's trees: nodes per row (N), levels below the root, and whether they are dynamic
+        (the fused verify's shape, ``fused_step.FusedVerify``); None without a device program."""
         loop = self.device_loop
-        if loop is not None:
-            if self._template is None:
-                self.fused = FusedVerify(verifier, loop.shape.nodes, loop.shape.depth, dynamic=True)
-            else:
-                self.fused = FusedVerify(verifier, self._template.num_nodes, len(loop.levels))
+        if loop is None:
+            return None
+        if self._template is None:
+            return loop.shape.nodes, loop.shape.depth, True
+        return self._template.num_nodes, len(loop.levels), False
 
     def propose(self, rows: list[Request]) -> Proposal:
-        if self.ahead is not None:
-            adopted = self._take_ahead(rows)
-            if adopted is not None:
-                return adopted
         loop = self.device_loop
         if loop is not None and rows:
             spans = _Spans.of(rows, loop.q)
@@ -223,18 +209,22 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         return super().propose(rows)
 
     def _propose_on_device(self, reqs: list[Request], spans: _Spans, b: int) -> Proposal:
+        """The device program's trees: left on the device (a ``DeviceDraft``, verified right behind the program)
+        when a verify bucket holds them, else read (one read) and proposed as host trees."""
         loop = self.device_loop
         rows, bt, src = self._catch_up_rows(reqs, spans, loop.q)
         padded = np.full(b * loop.q, self.features.zero, dtype=np.int64)  # (b * q,) padding reads the zero row
         padded[:src.size] = src.ravel()
-        n, fused = self.node_budget, self.fused
-        key = None if fused is None else fused.key(len(reqs), min(n, fused.nodes))
-        start = None if key is None else fused.clock.mark()
+        n = self.node_budget
+        key = self._verify_key(len(reqs), n)
+        start = None if key is None else self.clock.mark()
         src = torch.from_numpy(padded).to(self.runner.device, non_blocking=True)
         out = loop.run(b, rows, bt, self.features.data, src)[:len(reqs)]
         self._consumed(reqs, spans)
         if key is not None:
-            return self._verify_fused(key, reqs, out, n, start, bt)
+            self.paths["fused"] += 1
+            parents = None if self._template is None else self._template.parents
+            return DeviceDraft(reqs, key, out, n, bt, parents, self.clock, start, self.clock.mark()).proposal(len(reqs))
         host = out.tolist()  # the one read
         if self._template is None:  # (rows, 3, N): tokens, parents, score ranks
             trees = [best_nodes(*row, n) for row in host]
@@ -242,64 +232,13 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
             trees = template_trees(host, self._template, n)
         return Proposal(trees, [frozenset()] * len(reqs))
 
-    def _verify_fused(self, key, reqs: list[Request], out: torch.Tensor, n: int, start, bt: np.ndarray) -> Proposal:
-        """Launch the verify (bucket ``key``) of the program's trees ``out`` (rows first) under budget ``n`` right
-        behind the program (started at clock mark ``start``; ``bt`` (R, W): the rows' block tables, synced by
-        the catch-up), queue the next step behind it when the pipeline may (``_launch_ahead``), then read the
-        kept trees and the acceptance with one copy: a proposal of ``FusedTrees`` (built only if asked for) and
-        the ``FusedOutcome``."""
-        fused = self.fused
-        self.paths["fused"] += 1
-        # the program's output lives in the graphs' shared memory pool, where the verify graph's own
-        # intermediates may reuse it: the kept trees are copied out before the verify replays
-        drafted = fused.clock.mark()
-        if self._template is None:  # tokens, parents (R, k) and max depths (R, 1) on the device
-            fwd, tokens, parents, top = fused.launch_program(key, reqs, out, n, bt)
-        else:  # tokens (R, k) on the device, parents the template's first k (a host tuple)
-            k = min(n, out.shape[1])
-            tokens, parents, top = out[:, :k].clone(), self._template.parents[:k], None
-            fwd = fused.launch(key, reqs, tokens, parents, bt)
-        accept = fused.outcome(key, reqs, fwd, tokens.shape[1])  # (B, Q + 3): sampled rows through the rule
-        wait = self.reader.start(self._read_list(tokens, parents, top, accept[:len(reqs)]))
-        lengths = np.fromiter((len(r.tokens) for r in reqs), np.int64, len(reqs))
-        ahead = self._launch_ahead(key, reqs, n, fwd, tokens, parents, bt, accept)
-        return self._fused_proposal(wait(), tokens.shape[1], parents, fwd, fused.clock.seconds(start, drafted),
-                                    ahead, lengths)
-
-    @staticmethod
-    def _read_list(tokens, parents, top, accept) -> list[torch.Tensor]:
-        """What a fused step's one read carries per row: [tokens, parents, max depth (dynamic trees), accept]."""
-        return [tokens] + ([] if isinstance(parents, tuple) else [parents, top]) + [accept]
-
-    def _fused_proposal(self, host: np.ndarray, k: int, parents, fwd, draft_seconds: float, ahead, lengths,
-                        sel: np.ndarray | None = None) -> Proposal:
-        """The proposal of a fused step from its host read ``host`` (R, C) (per row: ``_read_list``'s columns):
-        rows ``sel`` of it (None: all). ``ahead``: the next step was queued behind it (then the step's features
-        are those ``lookahead.advance`` gathered for the next catch-up, and its KV moved on the device), and it
-        is told the lengths its rows will have (``lengths`` + accepted + 1)."""
-        if ahead is not None:
-            ahead.lengths = lengths + host[:, -(fwd.accept.shape[1])] + 1
-        if sel is not None:
-            host = host[sel]
-        r = host.shape[0]
-        host_tokens = host[:, :k]
-        shared = isinstance(parents, tuple)
-        if shared:
-            host_parents, depth = parents, np.full(r, shape_depth(parents), dtype=np.int64)
-        else:  # the depths came with the read (computed where the trees were written)
-            host_parents, depth = host[:, k:2 * k], host[:, 2 * k]
-        rows = range(r) if sel is None else sel.tolist()
-        if ahead is not None:  # the verify's features are being overwritten: the next catch-up's inputs hold them
-            loop = self.device_loop
-            feats = RowSlices(loop.features, [i * loop.q for i in rows], [loop.q] * r)
-        elif fwd.features is not None:
-            f = fwd.features
-            feats = f if sel is None else RowSlices(f.table, [f.starts[i] for i in rows], [f.lengths[i] for i in rows])
-        else:
-            feats = None
-        outcome = FusedOutcome(host[:, k if shared else 2 * k + 1:], host_tokens, depth, feats, draft_seconds,
-                               in_order=ahead is not None, kv_moved=ahead is not None)
-        return Proposal(FusedTrees(host_tokens, host_parents), [frozenset()] * r, outcome)
+    def _verify_key(self, rows: int, n: int):
+        """The graph bucket of the verify of ``rows`` device trees under budget ``n``, or None (then the trees are
+        read and proposed from the host): only with ``fused_verify``."""
+        shape = self.program_shape() if self.fused_verify else None
+        if shape is None:
+            return None
+        return self.runner.packed_key(0, rows, min(n, shape[0]) + 1, self.target_features)
 
     def _catch_up_rows(self, reqs: list[Request], spans: _Spans, q: int) -> tuple[PackedRows, np.ndarray, np.ndarray]:
         """Catch-up rows of each request's span laid out for ``q`` queries per row (causal masks; ``spans`` is
@@ -344,7 +283,7 @@ class EagleDrafter(PipelinedSteps, ModelDrafter):
         self._consumed(reqs, spans)
         return hidden, logits, [0] + np.cumsum(spans.ends - spans.begins).tolist()
 
-    def _consumed_through(self, reqs: list[Request]) -> None:
+    def consumed_through(self, reqs: list[Request]) -> None:
         """``_consumed`` of a catch-up that reached each request's length (a pipelined step's, on the device)."""
         self._consumed(reqs, _Spans.of(reqs, 0))
 

@@ -248,8 +248,6 @@ class NgramDrafter(Drafter):
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._prune_at = 64
         self.device_chains = None  # a ``DeviceNgram`` (the engine sets it): chains looked up on the device
-        self.pipelined = False  # the device queues each greedy step's successor (the engine sets it, before the
-        #                         scheduler reads ``lookahead``)
 
     @property
     def lookahead(self) -> int:
@@ -289,7 +287,6 @@ class NgramDrafter(Drafter):
         """A chain of at most ``node_budget`` tokens per row (empty chains without a lookup when it is 0)."""
         k, n = self.node_budget, len(rows)
         device = self.device_chains
-        queued = None if device is None or device.ahead is None else device.adopt(rows)  # its verify already ran
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
         get, drafts = self._index.get, []
@@ -306,5 +303,5 @@ class NgramDrafter(Drafter):
             # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
             # seeded output does not depend on what else the engine has served
             drafts.append(lookup(index, tokens, k if room >= k else max(room, 0), params.greedy))
-        # host trees: verification reads their host view; a queued verify ran these chains (``DeviceNgram.adopt``)
-        return Proposal(DraftTree.chains(drafts), [None] * n, queued)
+        # host trees: verification reads their host view (a queued step adopted in their place verified these chains)
+        return Proposal(DraftTree.chains(drafts), [None] * n)

@@ -11,9 +11,9 @@ read, beside the verify's outcome, and the drafter proposes them at the next ste
 whose history is behind (a new request, or after steps that did not run this) is caught up by one upload.
 
 Pipelined (``SpecConfig.pipeline``, on by default on CUDA), the step after is queued right behind the follow-up
-(``specdec.verify_pipeline``): its inputs are written on the device from the outcome and the chains (the bonus
-token, then the chain cut to the tokens still to come), and its verify and follow-up replay before the host reads
-this step, so the host commits this step while the GPU runs the next.
+(``specdec.pipeline``, ``ChainAhead``): its inputs are written on the device from the outcome and the chains (the
+bonus token, then the chain cut to the tokens still to come), and its verify and follow-up replay before the host
+reads this step, so the host commits this step while the GPU runs the next.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
@@ -32,23 +32,23 @@ import torch
 from torch import Tensor
 
 from specdec.kernels.ngram_follow import ngram_follow
+from specdec.pipeline import HostUpload
 from specdec.plan import NGRAM_DEVICE_MIN_ROWS
 from specdec.scheduler.request import Request
-from specdec.verify_pipeline import VerifyPipeline
 
 
-class DeviceNgram(VerifyPipeline):
-    """The device histories and the follow-up launch of an ``NgramDrafter`` (``Verifier.followup``), and,
-    pipelined, the queued verifies (``verify_pipeline.VerifyPipeline``).
+class DeviceNgram:
+    """The device histories and the follow-up launch of an ``NgramDrafter`` (``Verifier.followup``).
 
     ``chains``: per request, (the token count its chain was looked up at, the chain); the drafter proposes a
-    chain when the request still has that many tokens."""
+    chain when the request still has that many tokens. ``launches`` counts follow-up launches."""
 
     def __init__(self, runner, max_rows: int, max_len: int, k: int, max_n: int, min_n: int,
-                 min_rows: int = NGRAM_DEVICE_MIN_ROWS, drafter=None) -> None:
-        # drafter: the ``NgramDrafter`` when pipelined (its budget, lookahead and step_prefilled flag)
-        super().__init__(runner, drafter, k, drafter is not None and drafter.pipelined)
-        self.max_n, self.min_n, self.min_rows = max_n, min_n, min_rows
+                 min_rows: int = NGRAM_DEVICE_MIN_ROWS) -> None:
+        self.runner, self.k, self.max_n, self.min_n, self.min_rows = runner, k, max_n, min_n, min_rows
+        self.upload = HostUpload(runner.device)
+        self.capture = runner.device.type == "cuda"  # the follow-up behind a captured verify is a graph replay
+        self.launches = 0
         self.hist = torch.zeros(max_rows, max_len, dtype=torch.int32, device=runner.device)  # (rows, W) tokens
         self.held: dict[Request, int] = {}  # request -> tokens its history row holds (while it owns the row)
         self.owner: list[Request | None] = [None] * max_rows  # block-table row -> the request whose history it holds
@@ -56,11 +56,11 @@ class DeviceNgram(VerifyPipeline):
         self.graphs: dict[tuple[int, int], list] = {}  # (b, q) -> [graph, rows buffer, output, the rows it holds]
         self._prune_at = 4 * max_rows
 
-    def launch(self, rows: list[Request], key, fwd):
-        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: queue the follow-up (and,
-        pipelined, the next step) and return ``wait() -> (R, Q + 4 + k)``, the follow-up's host read (the outcome
-        rows first), to read instead of ``fwd.accept``; None when it does not apply (sampled rows, too few rows not
-        yet on the device, a row longer than the history buffer, or an eager step)."""
+    def launch(self, rows: list[Request], key, fwd) -> Tensor | None:
+        """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: launch the follow-up and
+        return its output (R, Q + 4 + k) on the device (the outcome rows first), to read instead of ``fwd.accept``;
+        None when it does not apply (sampled rows, too few rows not yet on the device, a row longer than the history
+        buffer, or an eager step)."""
         if key is None or fwd.accept is None or not all(r.params.plain_greedy for r in rows):
             return None
         _, b, q = key
@@ -69,12 +69,9 @@ class DeviceNgram(VerifyPipeline):
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
         self._catch_up(rows)
-        out = self._follow(rows, key, fwd.accept)
-        wait = self.reader.start([out])
-        self.queue(rows, key, out)
-        return wait
+        return self.follow(rows, key, fwd.accept)
 
-    def _follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
+    def follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
         """The follow-up of the verify of bucket ``key`` whose outcome is ``accept``: (R, Q + 4 + k) on the device."""
         _, b, q = key
         r = len(rows)
@@ -86,11 +83,12 @@ class DeviceNgram(VerifyPipeline):
         return ngram_follow(self.hist, bt_rows, views.ids.view(b, q)[:r], views.positions.view(b, q)[:r], accept[:r],
                             self.k, self.max_n, self.min_n, use_triton=self.runner.backend.uses_triton)
 
-    def _room(self, rows: list[Request], q: int) -> bool:
+    def room(self, rows: list[Request], q: int) -> bool:
         """The history rows hold what a queued step appends (two verifies' worth past the rows' tokens)."""
         return max(len(r.tokens) for r in rows) + 2 * q <= self.hist.shape[1]
 
-    def _source(self, key) -> Tensor | None:
+    def source(self, key) -> Tensor | None:
+        """The follow-up graph's whole output behind the verify of bucket ``key`` (a fixed buffer), or None."""
         entry = self.graphs.get(key[1:])
         return None if entry is None else entry[2]  # the follow-up graph's whole output
 
@@ -138,7 +136,6 @@ class DeviceNgram(VerifyPipeline):
         """Record, from the follow-up's output read as ``host`` (row i: the outcome [m, bonus, ...], then
         [count, tokens...]), each row's chain and what its history holds: its tokens before the step (called before
         the commit) + m accepted + the bonus token (``committed`` corrects it when the commit was cut short)."""
-        super().consume(rows, host)
         held, chains = self.held, self.chains
         for req, row in zip(rows, host):
             n, c = len(req.tokens) + row[0] + 1, len(row) - 1 - self.k  # c: the count's column

@@ -1,0 +1,421 @@
+"""Pipelined steps: the next step's device work is queued before the host reads this one's.
+
+A padded greedy step ends with one device-to-host read; the host then commits the accepted tokens, applies
+stop rules and routes outputs while the device waits, and only then prepares the next step. But what the next
+step's device work needs is already on the device after this step's verify: each row's accepted path, bonus
+token and length, the rows' block tables, and (EAGLE) the kept trees and the verify's target features, or
+(n-gram) the next chains the follow-up launch looked up. So right behind verify K and the start of its read,
+``StepPipeline.queue`` writes step K + 1's inputs on the device from K's outcome (the proposer's ``hook``),
+has the verifier launch its verify, and starts its read. The host waits only for K's read and commits K while
+the device runs K + 1.
+
+At the next engine step ``StepPipeline.propose`` adopts the queued step (a ``QueuedStep``) when its rows are
+among the queued ones, each at the length the device assumed, under the same budget; otherwise it is dropped
+(and its sampled rows' draws given back): it wrote KV only past every live row's committed length, in blocks the
+rows still hold (the drafter's ``lookahead`` reserves them), so nothing it wrote is read.
+
+One mechanism for every proposer; the hooks differ only in how they write the next step's inputs:
+- ``EagleAhead``: the accepted path's KV moves to its final slots, the draft program's catch-up rows are the
+  path's tokens and the bonus token with the verify's features as inputs, the next verify's skeleton puts the
+  bonus token at L + m as the root; then the draft program replays (``lookahead_ops``, ``kernels/advance.py``);
+- ``ChainAhead`` (n-gram chains looked up on the device, and target-only decoding with no chain): the next
+  verify's whole bucket from the outcome and the chains (``ngram_ops.ngram_advance_reference``).
+Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
+them), so outputs are the same with and without the pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from specdec.drafters.ngram_ops import ngram_advance_reference
+from specdec.fused_step import DeviceDraft, shape_rows
+from specdec.kernels.advance import advance_rows
+from specdec.lookahead_ops import advance_rows_reference
+from specdec.runner import RowSlices
+from specdec.step_inputs import StepViews
+
+if TYPE_CHECKING:
+    from specdec.drafters.base import Proposal
+    from specdec.scheduler.request import Request
+
+
+class _PinnedPair:
+    """Two pinned int64 host buffers used in turn, each guarded by the event recorded after the copy that used
+    it (CUDA only): a buffer is handed out again only once that copy is done."""
+
+    def __init__(self) -> None:
+        self._bufs: list[Tensor] = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+        self._events = [torch.cuda.Event() for _ in range(2)]
+        self._turn = 0
+
+    def take(self, shape: torch.Size | tuple[int, ...], numel: int) -> tuple[Tensor, torch.cuda.Event]:
+        """The next buffer viewed as ``shape`` (``numel`` elements) and the event to record after its copy."""
+        i = self._turn
+        self._turn ^= 1
+        self._events[i].synchronize()
+        if self._bufs[i].numel() < numel:
+            self._bufs[i] = torch.empty(max(numel, 4096), dtype=torch.int64, pin_memory=True)
+        return self._bufs[i][:numel].view(shape), self._events[i]
+
+
+class HostRead:
+    """Device-to-host copies into pinned buffers (CUDA), two in flight at most: ``start`` queues a copy,
+    the returned ``wait`` gives the host array once that copy is done, without waiting for later work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._pinned = _PinnedPair() if device.type == "cuda" else None
+
+    def start(self, tensors: list[Tensor]):
+        """Queue the copy of ``tensors`` (int64, (R, *) each) joined along dim 1; returns ``wait() -> (R, C)``."""
+        joined = torch.cat(tensors, 1) if len(tensors) > 1 else tensors[0]
+        if self._pinned is None:
+            host = joined.numpy().copy()
+            return lambda: host
+        buf, event = self._pinned.take(joined.shape, joined.numel())
+        buf.copy_(joined, non_blocking=True)
+        event.record()
+
+        def wait() -> np.ndarray:
+            event.synchronize()
+            return buf.numpy().copy()
+
+        return wait
+
+
+class HostUpload:
+    """Host int64 arrays to the device through two pinned buffers (CUDA: a non-blocking copy, no per-call pinning,
+    no stream sync); a tensor over the array elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._pinned = _PinnedPair() if self.device.type == "cuda" else None
+
+    def __call__(self, array: np.ndarray) -> Tensor:
+        if self._pinned is None:
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+        host, event = self._pinned.take(array.shape, array.size)
+        host.numpy()[...] = array
+        out = host.to(self.device, non_blocking=True)
+        event.record()
+        return out
+
+
+class QueuedStep:
+    """A verify launched on the device whose host read is pending: its ``rows`` (in order), graph bucket ``key``,
+    node budget ``n``, forward result ``fwd`` (device outputs, valid until the bucket's next verify), ``outcome``
+    (R', C) on the device ([m, bonus, path..., finite] per row, then any follow-up columns: what the read returns
+    and what a successor is built from) and ``wait() -> (R, C)`` its read. ``trees``: an EAGLE step's kept trees
+    on the device (tokens, parents, max depths; ``DeviceDraft.launched``), ``draft``: its ``DeviceDraft``.
+    ``draws``: each sampled row's uniform stream and its counter before this step's draws (put back when the step
+    is dropped). ``lengths`` (R,): each row's length once the step before is committed (set by ``assume``);
+    ``sel``: adopted by some of its rows, each adopting row's row here (None: all, in order)."""
+
+    def __init__(self, rows: list, key: tuple, n: int, fwd, outcome: Tensor, wait, trees=None,
+                 draft: DeviceDraft | None = None) -> None:
+        self.rows, self.key, self.n, self.fwd, self.outcome, self.wait = rows, key, n, fwd, outcome, wait
+        self.trees, self.draft = trees, draft
+        self.draws: list = []
+        self.lengths: np.ndarray | None = None
+        self.sel: np.ndarray | None = None
+
+    @property
+    def draft_seconds(self) -> float | None:
+        """Its draft program's device time (an EAGLE step), None when it has none."""
+        return None if self.draft is None else self.draft.draft_seconds
+
+    def assume(self, rows: list[Request], accepted: np.ndarray) -> None:
+        """The step before, over ``rows`` (this step's rows), was read: ``accepted`` (R,) tokens each commits, so
+        each row will be ``len(tokens) + accepted + 1`` long."""
+        self.lengths = np.fromiter((len(r.tokens) for r in rows), np.int64, len(rows)) + accepted + 1
+
+    def read(self) -> np.ndarray:
+        """The host read, the adopting rows' rows only."""
+        host = self.wait()
+        return host if self.sel is None else host[self.sel]
+
+    def give_back_draws(self, kept: list) -> None:
+        """Put back the draws of the rows not in ``kept`` (their queued step is not used)."""
+        ids = {id(req) for req in kept}
+        for req, counter in self.draws:
+            if id(req) not in ids:
+                req.stream.counter = counter
+
+
+class StepPipeline:
+    """The overlap of one step's host work with the next step's device work, wrapped around the proposer of every
+    kind: the step proposes through it (``propose`` adopts the queued step or asks the drafter; ``budget`` is the
+    drafter's), and the verifier calls ``queue`` right behind each verify it launches. ``hook``: the proposer's part
+    (``EagleAhead`` or ``ChainAhead``). Counts ``queued``, ``adopted``, ``dropped``."""
+
+    def __init__(self, runner, drafter, verifier, hook) -> None:
+        self.runner, self.drafter, self.verifier, self.hook = runner, drafter, verifier, hook
+        self.upload = HostUpload(runner.device)  # a queued step's block tables
+        self.ahead: QueuedStep | None = None
+        self.queued = self.adopted = self.dropped = 0
+
+    @property
+    def budget(self) -> int | None:
+        """The drafter's node budget for this step (``Drafter.budget``)."""
+        return self.drafter.budget
+
+    @budget.setter
+    def budget(self, nodes: int | None) -> None:
+        self.drafter.budget = nodes
+
+    def propose(self, rows: list[Request]) -> Proposal:
+        """The proposal of this step: the queued step when ``adopt`` takes it, else the drafter's."""
+        queued = None if self.ahead is None else self.adopt(rows)
+        return self.drafter.propose(rows) if queued is None else self.hook.proposal(rows, queued)
+
+    def adopt(self, rows: list[Request]) -> QueuedStep | None:
+        """The queued step when ``rows`` are all among its rows (others may have finished, failed or been
+        preempted), each with the length the device assumed, under the same budget (``sel`` set when they are not
+        exactly its rows in order); else None, and it is dropped."""
+        a, self.ahead = self.ahead, None
+        at = {id(req): i for i, req in enumerate(a.rows)}
+        sel = [at.get(id(req), -1) for req in rows]
+        if (not rows or min(sel) < 0 or a.lengths is None or a.n != self.drafter.node_budget
+                or any(len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel))):
+            self.dropped += 1
+            a.give_back_draws([])
+            self.hook.dropped()
+            return None
+        a.give_back_draws(rows)
+        self.adopted += 1
+        if sel != list(range(len(a.rows))):
+            a.sel = np.asarray(sel)
+        return a
+
+    def min_query(self, rows: list[Request]) -> int:
+        """Queries per row a verify over ``rows`` needs so that its successor may be queued in its bucket."""
+        return self.hook.min_query(rows)
+
+    def queue(self, rows: list[Request], step: QueuedStep) -> QueuedStep | None:
+        """Queue the step after ``step`` (launched, its read started) for ``rows`` (its rows, or those of them
+        that adopted it), built on the device, with its verify and read; returns it (also ``ahead``), or None when
+        nothing is queued: after a prefill (the shared inputs changed, and a prefilled row joins the next step),
+        when a row lacks the KV blocks the queued step writes, or when the hook declines."""
+        drafter = self.drafter
+        if drafter.step_prefilled:
+            return None
+        bs, need = self.runner.pool.block_size, drafter.lookahead
+        if any(len(r.blocks) * bs < len(r.tokens) + need for r in rows) or not self.hook.may_queue(rows, step):
+            return None
+        draws = [(req, req.stream.counter) for req in rows if not req.params.greedy]
+        nxt = self.hook.write_next(rows, step, self.upload)
+        if nxt is None:
+            return None
+        key, draft = nxt
+        self.ahead = queued = self.verifier.launch_queued(rows, key, drafter.node_budget, draft)
+        queued.draws = draws  # (its sampled rows drew their next uniforms when its rule was launched)
+        self.queued += 1
+        return queued
+
+
+class AdvanceGraphs:
+    """A queued step's input writer as one CUDA graph replay per key on CUDA (eagerly it is tens of small launches,
+    and the host launching them was the pipelined step's bottleneck at batch 1), eagerly elsewhere. A graph reads
+    its own copies of the per-step tensors; the rest are the same buffers every step."""
+
+    def __init__(self, device: torch.device, capture: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
+        self.graphs: dict[tuple, tuple] = {}
+
+    def __call__(self, key: tuple, build, copied: tuple[Tensor, ...], inputs, capture: bool = True) -> None:
+        """``build(*copied)``, as the replay of ``key``'s graph when capturing. ``inputs``: the ``StepInputs``
+        ``build`` writes; capturing runs it once over a zero copy of ``copied`` (nothing accepted: no KV moves),
+        and that run's writes to ``inputs`` are put back. The entry keeps ``build`` (and what it binds, such as a
+        static tree's node offsets) alive as long as its graph."""
+        if not (self.capture and capture):
+            build(*copied)
+            return
+        entry = self.graphs.get(key)
+        if entry is None:
+            from specdec.graphs import capture_graph
+
+            own = tuple(torch.zeros_like(t) for t in copied)
+            saved = inputs.dev.clone()
+            try:
+                graph, _ = capture_graph(functools.partial(build, *own), None, self.device)
+            finally:  # (also when capturing fails, e.g. out of memory: the step is retried on these rows)
+                inputs.dev.copy_(saved)
+            entry = self.graphs[key] = (graph, own, build)
+        graph, own, _ = entry
+        for mine, t in zip(own, copied):
+            mine.copy_(t)
+        graph.replay()
+
+
+class EagleAhead:
+    """The EAGLE drafter's part of a queued step: writes step K + 1's draft-program catch-up and verify skeleton
+    from step K's outcome (``advance``) and replays the draft program; adopted, its rows' draft KV is computed."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        runner = drafter.runner
+        self.rows_op = functools.partial(advance_rows, use_triton=runner.backend.uses_triton)
+        self.advance = AdvanceGraphs(runner.device)
+
+    def min_query(self, rows: list[Request]) -> int:
+        return 0  # (only fused steps are queued; their bucket is the tree's)
+
+    def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
+        """Only behind a fused step (trees on the device, target features) adopted by all its rows, and not for a
+        row with a repetition penalty (it reads the committed tokens on the host)."""
+        return (step.trees is not None and step.sel is None and step.fwd.features is not None
+                and not any(r.params.penalized for r in rows))
+
+    def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, DeviceDraft]:
+        d = self.drafter
+        runner, loop = d.runner, d.device_loop
+        r, (_, b, q) = len(rows), step.key
+        bt = step.draft.bt if step.draft is not None and step.draft.bt is not None else None
+        if bt is None:
+            runner.sync_tables(rows)
+            bt = runner.tables.host_rows([req.bt_row for req in rows])
+        tokens, parents, _ = step.trees
+        offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, runner.device)
+        inputs, pool, bs, k = runner.graphs.inputs, runner.pool, runner.pool.block_size, tokens.shape[1]
+        vv, pv, feats, pfeats = inputs.views(b, q), loop.inputs.views(b, loop.q), step.fwd.features.table, loop.features
+
+        def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:
+            advance(vv, b, q, acc, tok, feats, table, pv, b, loop.q, pfeats, pool, bs, k, offsets, self.rows_op)
+
+        key = (b, q, r, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
+        self.advance(key, build, (step.outcome[:r], tokens, upload(bt)), inputs, runner.graphs.captured(step.key))
+        start = d.clock.mark()
+        out = loop.replay(b)[:r]
+        carried = RowSlices(loop.features, [i * loop.q for i in range(r)], [loop.q] * r)
+        return step.key, DeviceDraft(rows, step.key, out, step.n, None, parents if offsets is not None else None,
+                                     d.clock, start, d.clock.mark(), carried)
+
+    def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
+        """The proposal of an adopted queued step: its draft ran on the device (its catch-up covered the rows)."""
+        d = self.drafter
+        d.consumed_through(rows)
+        d.paths["ahead"] += 1
+        d.paths["fused"] += 1
+        return queued.draft.proposal(len(rows), queued)
+
+    def dropped(self) -> None:
+        self.drafter.paths["dropped"] += 1
+
+
+class ChainAhead:
+    """The part of a queued step for chains known on the device: the n-gram drafter's device lookups (``follow``,
+    a ``drafters.ngram_device.DeviceNgram``: the next chain comes from its follow-up launch) and target-only
+    decoding (``follow`` a ``DecodeFollow``: no chain, the bonus token alone); ``k``: the chains' length (0:
+    decoding). It writes
+    the next verify's whole bucket from the outcome and the chains, and the rows' lengths, block tables and length
+    limits: the bonus token, then the chain cut to the tokens still to come."""
+
+    def __init__(self, drafter, runner, k: int, follow) -> None:
+        self.drafter, self.runner, self.k, self.follow = drafter, runner, k, follow
+        self.advance = AdvanceGraphs(runner.device)
+
+    def min_query(self, rows: list[Request]) -> int:
+        """The whole chain's queries (the queued verify runs in the same bucket, whatever its chains' lengths) when
+        every row is plain greedy; else 0."""
+        return self.k + 1 if all(r.params.plain_greedy for r in rows) else 0
+
+    def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
+        """Behind a verify of the whole chain under the full budget, of plain greedy rows, with room in the n-gram
+        histories for what the queued step appends."""
+        return (self.drafter.node_budget == self.k and step.key[2] == self.k + 1
+                and all(r.params.plain_greedy for r in rows) and self.follow.room(rows, step.key[2]))
+
+    def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, None] | None:
+        """Write the next verify of ``rows`` into its bucket: ``step``'s own, or a smaller one when only some of its
+        rows go on (None when none fits)."""
+        key = step.key if step.sel is None else self.runner.packed_key(0, len(rows), self.k + 1)
+        if key is None or key[2] != step.key[2]:
+            return None
+        r, (_, b, q) = len(rows), key
+        bt = self.runner.tables.host_rows([req.bt_row for req in rows])
+        tables = np.zeros((b, bt.shape[1] + 4), dtype=np.int64)  # (padding rows: zeros, not live)
+        tables[:r, :-4] = bt
+        tables[:r, -4] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]  # largest length
+        tables[:r, -3] = [len(req.tokens) for req in rows]  # length at the verify of ``step``
+        tables[:r, -2] = np.arange(r) if step.sel is None else step.sel  # row of ``step``'s outcome
+        tables[:r, -1] = 1
+        graphs, bs = self.runner.graphs, self.runner.pool.block_size
+        views = graphs.inputs.views(b, q)
+        source = self.follow.source(step.key) if self.advance.capture and graphs.captured(key) else None
+        if source is None:  # eagerly, from the outcome as read
+            ngram_advance_reference(views, b, q, step.outcome, upload(tables), bs)
+        else:  # a graph per (bucket, source bucket), reading the source's fixed buffer whole
+            build = functools.partial(ngram_advance_reference, views, b, q, source, block_size=bs)
+            self.advance((key, step.key), build, (upload(tables),), graphs.inputs)
+        return key, None
+
+    def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
+        """The drafter's chains (those the device looked up, which the queued verify holds), already verified."""
+        return self.drafter.propose(rows)._replace(device=queued)
+
+    def dropped(self) -> None:
+        """(nothing to undo: the host keeps no state for a queued chain step)"""
+
+
+class DecodeFollow:
+    """The ``Verifier.followup`` of pipelined target-only decoding: nothing runs behind a decode's verify; its outcome
+    is read, and the queued decode is built from it (``ChainAhead``). ``launches`` counts the steps read so."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.launches = runner, 0
+
+    def launch(self, rows: list[Request], key, fwd) -> Tensor:
+        return self.follow(rows, key, fwd.accept)
+
+    def follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
+        self.launches += 1
+        return accept[:len(rows)]  # the outcome itself: no chain
+
+    def consume(self, rows: list[Request], host: list[list[int]]) -> None:
+        """(nothing to record: the next decode's input is the bonus token)"""
+
+    def room(self, rows: list[Request], q: int) -> bool:
+        return True
+
+    def source(self, key) -> Tensor | None:
+        """The captured verify's outcome buffer of bucket ``key``, or None."""
+        graph = self.runner.graphs.graphs.get(key)
+        return None if graph is None else graph[1].accept
+
+
+@torch.inference_mode()
+def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor, bt: Tensor,
+            pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
+            node_offsets: Tensor | None, rows_op=None) -> None:
+    """Write an EAGLE step K + 1's device inputs from verify K's outcome, for the first R rows.
+
+    ``vv``: verify K's bucket (bv, qv) views (its root positions give the rows' lengths; rewritten with the
+    next verify's skeleton); ``accept`` (R, qv + 3) its outcome; ``tokens`` (R, n) the kept trees' node
+    tokens; ``feats`` (bv * qv, k * H) the verify's target features; ``bt`` (R, W) int64 the rows' current
+    block tables. ``pv``/``pfeats``: the draft program's bucket (bp, qp) views and feature buffer, written
+    with the catch-up of each row's accepted path and bonus token. ``pool``: the accepted path's KV moves in
+    it. ``node_offsets`` (n + 1,): a static tree's root and node positions relative to the root (None: a
+    dynamic tree, whose node positions the tree writer derives from the root's). ``rows_op``: what writes the
+    integer inputs (``advance_rows_reference``, or the one-launch Triton ``kernels.advance.advance_rows_triton``)."""
+    op = rows_op or advance_rows_reference
+    fsrc, src, dst = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+    pool.move_slots(src, dst)
+    # catch-up input j reads the target features of position L + j - 1 (verify query ``fsrc``, -1: none)
+    r, width = tokens.shape[0], feats.shape[1]
+    rows = torch.arange(r, device=feats.device)[:, None] * qv
+    picked = feats.index_select(0, (rows + fsrc.clamp(min=0)).flatten()).view(r, qp, width)
+    pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where((fsrc >= 0)[..., None], picked, 0).to(pfeats.dtype)
+
+
+@functools.lru_cache(maxsize=32)
+def _node_offsets(parents: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """(n + 1,) positions of a static tree's root and nodes relative to the root's (0, then 1 + depth); made
+    outside any capture, so a graph that reads one keeps it (``AdvanceGraphs``' entries keep their builder)."""
+    depth = shape_rows(parents)[0]
+    return torch.tensor([0] + (1 + depth).tolist(), dtype=torch.int64, device=device)
