@@ -325,11 +325,12 @@ class BudgetController:
             best += 1
         return self.options[best]
 
-    def speculate(self, rows: list, drafter, verifier) -> list:
-        """One draft -> verify step of ``rows`` under the budget chosen for them; learns from its timings."""
-        drafter.budget = self.choose(len(rows))
+    def speculate(self, rows: list, proposer, verifier) -> list:
+        """One propose -> verify step of ``rows`` under the budget chosen for them (``proposer.budget``: the drafter,
+        or the pipeline wrapped around it); learns from its timings."""
+        proposer.budget = self.choose(len(rows))
         t0 = time.perf_counter()
-        proposal = drafter.propose(rows)
+        proposal = proposer.propose(rows)
         t1 = time.perf_counter()
         results = verifier.verify_proposal(rows, proposal)
         t2 = time.perf_counter()

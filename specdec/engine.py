@@ -309,35 +309,59 @@ class SpecEngine:
         ``error``); the step goes on for the others. Outputs go to the stream that owns a request.
         """
         t0 = time.perf_counter()
-        batch: StepBatch = self.scheduler.schedule()
-        if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
-            self._fail_stuck()
-        prefilled = self._prefill(batch)
-        self.drafter.step_prefilled = bool(prefilled)  # a pipelined drafter does not queue from changed inputs
-        if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
-            self.adaptive.timing_valid = not prefilled
-        rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)
-        commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
-        self.drafter.accepted(rows, results)
-        for req in rows:
-            if req.finished:
-                self.stats.merge(req.stats)
+        batch, prefilled = self._schedule()  # schedule, then the prefill chunks' forward
+        rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)  # propose -> verify -> accept
+        self._commit(rows, results)  # commit
         progressed = list(dict.fromkeys(prefilled + rows + self.scheduler.take_failed()))
         self._route(progressed)
         if self.adaptive is not None and rows:  # the whole step, routing included, is what a budget costs
             self.adaptive.observe_step(time.perf_counter() - t0)
         return progressed
 
+    def _schedule(self) -> tuple[StepBatch, list[Request]]:
+        """``scheduler.schedule()`` and the forward of its prefill chunks (target, then the draft's KV or features):
+        the batch and the prefilled requests."""
+        batch = self.scheduler.schedule()
+        if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
+            self._fail_stuck()
+        prefilled = self._prefill(batch)
+        self.drafter.step_prefilled = bool(prefilled)  # a pipelined step does not queue from changed inputs
+        if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
+            self.adaptive.timing_valid = not prefilled
+        return batch, prefilled
+
     def _speculate(self, rows: list[Request]) -> list:
+        """propose -> verify -> accept for the decode rows, under this step's budget: the proposer's trees (device
+        tensors, or the step the pipeline queued for them), then one target forward over them with the acceptance
+        rule for greedy and sampled rows and the step's one read. With the budget controller choosing, the same two
+        calls run timed (``BudgetController.speculate``)."""
         if not rows:
             return []
-        plan = self.plan
-        if self.adaptive is not None and not (plan.greedy_budget_fixed and all(r.params.greedy for r in rows)):
-            return self.adaptive.speculate(rows, self.proposer, self.verifier)
-        if plan.greedy_budget_fixed:  # whatever the controller chose for sampled rows
-            self.drafter.budget = plan.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
+        controller = self._budget(rows)
+        if controller is not None:
+            return controller.speculate(rows, self.proposer, self.verifier)
         proposal: Proposal = self.proposer.propose(rows)
         return self.verifier.verify_proposal(rows, proposal)
+
+    def _budget(self, rows: list[Request]):
+        """Set this step's node budget by the plan; returns the controller when it chooses the budget (it does for
+        every step, or only for steps with sampled rows where greedy steps keep the fixed one, ``large_batch_budget``
+        above ``LARGE_BATCH_ROWS`` rows), else None."""
+        plan = self.plan
+        if self.adaptive is not None and not (plan.greedy_budget_fixed and all(r.params.greedy for r in rows)):
+            return self.adaptive
+        if plan.greedy_budget_fixed:  # whatever the controller chose for sampled rows
+            self.drafter.budget = plan.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
+        return None
+
+    def _commit(self, rows: list[Request], results: list) -> None:
+        """``commit_accepted`` (adopt the accepted KV, stop rules, free blocks), then the drafter's bookkeeping
+        (features, histories) and the finished requests' statistics."""
+        commit_accepted(self.scheduler, self.stopper, self.pool, rows, results)
+        self.drafter.accepted(rows, results)
+        for req in rows:
+            if req.finished:
+                self.stats.merge(req.stats)
 
     def _prefill(self, batch: StepBatch) -> list[Request]:
         chunks, _ = run_isolated(batch.prefill, _chunk_request, self._prefill_chunks, self._fail)

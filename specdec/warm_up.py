@@ -31,10 +31,10 @@ class FixedBudget:
     def __init__(self, nodes: int | None) -> None:
         self.nodes = nodes
 
-    def speculate(self, rows: list, drafter, verifier) -> list:
-        """One draft -> verify step of ``rows`` at the fixed budget."""
-        drafter.budget = self.nodes
-        return verifier.verify_proposal(rows, drafter.propose(rows))
+    def speculate(self, rows: list, proposer, verifier) -> list:
+        """One propose -> verify step of ``rows`` at the fixed budget."""
+        proposer.budget = self.nodes
+        return verifier.verify_proposal(rows, proposer.propose(rows))
 
     def observe_step(self, seconds: float) -> None:
         """Nothing to learn."""
