@@ -111,7 +111,7 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
     [ -f "$prompts" ] || prompts="$work/prompts.npz"
     timeout "${REGEN_LIMIT:-330}" "${sd[@]}" --regenerate "$prompts" --write-tokens "$work/regen.npz" --max-len 1024 \
       --max-turns "${DISTILL_TURNS:-3}" --regen-temperatures "${REGEN_TEMPERATURES:-0,0.7}" \
-      --regen-new-tokens "${REGEN_NEW_TOKENS:-256}" --regen-seconds "${REGEN_SECONDS:-170}" \
+      --regen-new-tokens "${REGEN_NEW_TOKENS:-256}" --regen-seconds "${REGEN_SECONDS:-270}" \
       --regen-batch "${REGEN_BATCH:-256}" > "$D/regen.log" 2>&1
     echo "regen exit $?"; grep "^distill" "$D/regen.log"
     [ -f "$work/regen.npz" ] && split -b 15000000 -d "$work/regen.npz" "$OUT/regen.npz.part"  # kept if the machine goes

@@ -97,6 +97,13 @@ def test_time_budget_stops_after_a_chunk_and_options_are_checked(setup):
     cfg = RegenConfig(max_new_tokens=4, temperatures=(0.7,), max_docs=9, chunk=3, time_budget=1e-9)
     part = regenerate_token_file(target, text, root / "part.npz", cfg, ENGINE)
     assert part.num_docs == 3 and part.meta["regenerated"]["source_docs_considered"] == 9
+    # the budget counts from ``started`` (the caller's start, loading included): 1 h, of which 1 h had passed
+    import time
+
+    cfg = RegenConfig(max_new_tokens=4, temperatures=(0.7,), max_docs=9, chunk=3, time_budget=3600.0)
+    assert regenerate_token_file(target, text, root / "all.npz", cfg, ENGINE).num_docs == 9
+    late = regenerate_token_file(target, text, root / "late.npz", cfg, ENGINE, started=time.perf_counter() - 3600)
+    assert late.num_docs == 3
     with pytest.raises(ValueError, match="max_turns"):
         RegenConfig(max_turns=0)
     with pytest.raises(ValueError, match="top_p"):

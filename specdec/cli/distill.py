@@ -85,7 +85,8 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--top-p", type=float, default=None, help="[eagle] top-p of sampled replies and measurements (default: 0.9)")
     add("--regen-new-tokens", type=int, default=None, help="[eagle] most tokens per regenerated reply (default: 256)")
     add("--regen-seconds", type=float, default=None,
-        help="[eagle] no new chunk of conversations is regenerated past these seconds (default: none)")
+        help="[eagle] no new chunk of conversations is regenerated past these seconds of the run, loading "
+             "included (default: none)")
     add("--regen-batch", type=int, default=None, help="[eagle] engine rows while regenerating (default: 64)")
     add("--measure", default=None, metavar="PROMPTS[,PROMPTS]",
         help="[eagle] measure the draft folder --out: mean accepted length on these prompt sets (mtbench, sharegpt, "
@@ -226,10 +227,13 @@ def _check_eagle_mode(args) -> None:
 
 
 def _regenerate(args) -> int:
+    import time
+
     from specdec.engine import SpecConfig
     from specdec.loading.registry import load_model
     from specdec.training.eagle_regen import RegenConfig, regenerate_token_file
 
+    started = time.perf_counter()  # --regen-seconds counts loading and the engine's warm-up too
     device, dtype = device_dtype(args)
     cfg = RegenConfig(**{k: v for k, v in {
         "max_new_tokens": args.regen_new_tokens, "temperatures": args.regen_temperatures, "top_p": args.top_p,
@@ -238,7 +242,7 @@ def _regenerate(args) -> int:
     batch = args.regen_batch or 64
     engine = SpecConfig(device=device, dtype=dtype, max_batch_size=batch, max_num_tokens=max(2048, 16 * batch))
     target = load_model(args.target or "smollm2-135m", dtype=dtype, device=device)
-    data = regenerate_token_file(target, args.regenerate, args.write_tokens, cfg, engine)
+    data = regenerate_token_file(target, args.regenerate, args.write_tokens, cfg, engine, started)
     r = data.meta["regenerated"]
     print(f"distill: regenerated {data.num_docs} conversations ({r['docs_per_temperature']} by temperature) of "
           f"{r['source_docs_considered']} in {r['seconds']:.0f}s: {r['generated_tokens']} reply tokens, "

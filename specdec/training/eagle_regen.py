@@ -131,14 +131,17 @@ def eos_ids(tokenizer, config=None) -> set[int]:
 
 
 def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | Path,
-                          cfg: RegenConfig | None = None, engine_config=None) -> TokenFile:
+                          cfg: RegenConfig | None = None, engine_config=None,
+                          started: float | None = None) -> TokenFile:
     """Write (and return) a token file of ``src``'s conversations, in order, whose assistant replies
     are the target's own (``SpecEngine`` target-only, ``engine_config`` a ``SpecConfig``).
 
     A conversation is kept when its first reply fits (prompt + ``max_new_tokens`` <= max_len); later
     turns follow while they fit, up to ``cfg.max_turns``. Each kept conversation appears once per temperature
     of ``cfg``, side by side. ``meta["source_docs"]``, ``meta["turns"]`` and ``meta["temperatures"]`` say which
-    source conversation each new one is, how many replies it has and at which temperature they were written."""
+    source conversation each new one is, how many replies it has and at which temperature they were written.
+    ``started``: the ``time.perf_counter()`` from which ``cfg.time_budget`` counts (default: when generation starts;
+    a caller that loaded the target gives its own start, so that loading and the engine's warm-up count too)."""
     from tqdm.auto import tqdm
 
     from specdec.engine import SpecConfig, SpecEngine
@@ -162,9 +165,9 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
     chunk_docs = cfg.chunk * len(cfg.temperatures)
     with tqdm(total=len(todo), desc="regenerate replies", unit="conv") as bar:
         for c in range(0, len(todo), chunk_docs):
-            elapsed = time.perf_counter() - t0
-            per_chunk = elapsed / (c // chunk_docs) if c else 0.0
-            if cfg.time_budget is not None and c and elapsed + per_chunk > cfg.time_budget:
+            now = time.perf_counter()
+            per_chunk = (now - t0) / (c // chunk_docs) if c else 0.0
+            if cfg.time_budget is not None and c and now - (started or t0) + per_chunk > cfg.time_budget:
                 break
             chunk = todo[c:c + chunk_docs]
             while active := [d for d in chunk if d.turn >= 0]:  # one round per turn
