@@ -69,6 +69,12 @@ def test_dp2_streams_equal_one_replica_and_free_every_block(dp_server, target_di
     assert health["status"] == "ok" and len(health["replicas"]) == 2
     assert all(r["routed"] > 0 and r["outstanding_requests"] == 0 for r in health["replicas"]), health
     assert sum(r["routed"] for r in health["replicas"]) == len(JOBS)
+    routed = [r["routed"] for r in health["replicas"]]
+    n3 = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0.7, seed=3, n=3)
+    alone = engine.generate(PROMPTS[1], SamplingParams(max_new_tokens=16, temperature=0.7, seed=3, n=3))[0]
+    assert [c.text for c in n3.choices] == [c.text for c in alone.outputs]
+    after = [r["routed"] for r in httpx.get(f"{url}/health").json()["replicas"]]
+    assert sorted(a - b for a, b in zip(after, routed)) == [0, 3]  # the samples share one replica (and its KV)
     assert executor.run_on_replicas(held_blocks) == [0, 0]
     assert executor.run_on_replicas(SpecEngine.all_blocks_free) == [True, True]
 
@@ -97,6 +103,7 @@ def test_router_balances_and_keeps_prefix_affinity():
     assert far.replica == 1 and router.route(shared, 2, [True, True]).replica == 1  # the prefix moved with it
     assert router.route([1, 2], 1, [True, True]).replica == 0  # shorter than a block: least loaded
     assert router.route([5, 6, 7, 8], 1, [False, True]).replica == 1  # a stopped replica is skipped
+    assert router.route([5, 6, 7, 8], 99, [True, True], beside=a).replica == 0  # another sample of a's prompt
     before = list(router.tokens)
     router.progress(b, RequestOutput("b", [5, 6, 7, 8, 9], [3, 3], "", None, None))  # prefilled, 2 generated
     assert router.tokens[1] == before[1] - 5 - 2

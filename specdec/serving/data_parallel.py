@@ -49,9 +49,10 @@ class Router:
         self._homes: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def route(self, prompt_ids: list[int] | None, max_tokens: int, alive: list[bool]) -> _Ticket:
+    def route(self, prompt_ids: list[int] | None, max_tokens: int, alive: list[bool],
+              beside: _Ticket | None = None) -> _Ticket:
         """Pick a replica among the ``alive`` ones for a prompt (token ids; None: text, routed by load only) and
-        count the request against it."""
+        count the request against it; with ``beside``, that ticket's replica (another sample of the prompt)."""
         candidates = [i for i, ok in enumerate(alive) if ok]
         if not candidates:
             raise RuntimeError("no replica is running")
@@ -62,6 +63,7 @@ class Router:
             home = self._homes.get(key) if key is not None else None
             slack = max(self.affinity_slack, prompt_tokens)
             pick = home if home in candidates and self.tokens[home] - self.tokens[least] <= slack else least
+            pick = beside.replica if beside is not None and beside.replica in candidates else pick
             if key is not None:
                 self._homes[key] = pick
                 self._homes.move_to_end(key)
@@ -115,11 +117,15 @@ class DataParallelExecutor(OutputReaders):
         alive = [r for r in self.replicas if r.alive] or self.replicas
         return alive[next(self._prepare_turn) % len(alive)].prepare(prompt, params)
 
-    def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Route one request to a replica (token ids route with prefix affinity) and queue it there."""
+    def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                beside: str | None = None) -> str:
+        """Route one request to a replica (token ids route with prefix affinity; ``beside``: the replica of that
+        live request) and queue it there."""
         params = params or SamplingParams()
         ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
-        ticket = self.router.route(ids, params.max_new_tokens, [r.alive for r in self.replicas])
+        with self._lock:
+            near = self._tickets.get(beside) if beside is not None else None
+        ticket = self.router.route(ids, params.max_new_tokens, [r.alive for r in self.replicas], near)
         with self._lock:
             if request_id is not None and request_id in self._tickets:
                 self.router.finish(ticket)
@@ -132,6 +138,12 @@ class DataParallelExecutor(OutputReaders):
         with self._lock:
             self._tickets[rid] = ticket
         return rid
+
+    def enqueue_samples(self, prompt, params: list[SamplingParams]) -> list[str]:
+        """One request per sample of ``prompt`` (``params[i]``: sample i's), all on one replica, where they share
+        the prompt's KV; their ids."""
+        first = self.enqueue(prompt, params[0])
+        return [first] + [self.enqueue(prompt, p, beside=first) for p in params[1:]]
 
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[RequestOutput]:
         ticket, replica = self._owner(request_id)

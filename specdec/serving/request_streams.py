@@ -110,6 +110,10 @@ class RequestStreams(OutputReaders):
         self._submit(rid, prompt, params, channel)
         return rid
 
+    def enqueue_samples(self, prompt, params: list[SamplingParams]) -> list[str]:
+        """One request per sample of ``prompt`` (``params[i]``: sample i's), queued together; their ids."""
+        return [self.enqueue(prompt, p) for p in params]
+
     def stream(self, request_id: str, timeout: float | None = None) -> Iterator[RequestOutput]:
         """Outputs of a request enqueued from a thread, up to and including the final one."""
         channel = self._channel(request_id, asyncio_bound=False)

@@ -86,7 +86,7 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
             return _error(_refusal(err, chat, parsed.max_tokens_field))
         # n samples: n requests of the same prompt (the engine shares its KV), one choice each
-        rids = [executor.enqueue(ids, p) for _, p in sample_requests("", parsed.params)]
+        rids = executor.enqueue_samples(ids, [p for _, p in sample_requests("", parsed.params)])
         rid, samples = rids[0], [executor.astream(r) for r in rids]
         try:
             acks = await _until(request, asyncio.gather(*[s.__anext__() for s in samples]))  # admission or refusal
