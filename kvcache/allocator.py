@@ -26,6 +26,7 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self._refcount = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
+        self.frees = 0  # ``free`` calls so far: a caller that counted what is freeable knows when to count again
 
     @property
     def num_free(self) -> int:
@@ -54,6 +55,7 @@ class BlockAllocator:
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks reaching zero return to the free list."""
+        self.frees += 1
         for b in blocks:
             if self._refcount[b] <= 0:
                 raise ValueError(f"block {b} freed twice")

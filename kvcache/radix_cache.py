@@ -68,6 +68,9 @@ class CacheStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
+EVICT_SLACK = 32  # an eviction that walks the cache frees 1/32 of it beyond what was asked (``make_room``)
+
+
 class RadixPrefixCache:
     """Shares the KV of full prompt/output blocks between requests with a common prefix.
 
@@ -318,9 +321,14 @@ class RadixPrefixCache:
         return count
 
     def make_room(self, n: int) -> None:
-        """Evict least-recently-used cache-only leaves until ``allocator.num_free >= n`` or none is left."""
+        """Evict least-recently-used cache-only leaves until ``allocator.num_free >= n`` or none is left.
+
+        Finding the leaves walks the whole cache, so when it must evict it frees ``EVICT_SLACK`` of the cache
+        beyond ``n`` too: once a full pool is mostly cache, the allocations that follow find free blocks without
+        walking it again (one walk per block would make every step cost the size of the cache)."""
         if self.allocator.num_free >= n:
             return
+        n += self._num_nodes // EVICT_SLACK
         heap = [(x.last_use, x.seq, x) for x in self._nodes() if not x.children and self._cache_only(x)]
         heapq.heapify(heap)
         while heap and self.allocator.num_free < n:

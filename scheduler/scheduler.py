@@ -83,6 +83,7 @@ class Scheduler:
         self.failed: list[Request] = []  # failed since the engine last took them (take_failed)
         self._arrivals = 0
         self._held = 0  # consecutive steps that held back the waiting requests (grouped admission)
+        self._short: tuple[int, int] | None = None  # (allocator.frees, free blocks) when the cache fell short
 
     def add(self, req: Request) -> None:
         req.arrival = self._arrivals
@@ -192,13 +193,24 @@ class Scheduler:
         return self._has_free_blocks(min(self.blocks_for(len(req.tokens) + self.lookahead), self._max_blocks(req)))
 
     def _has_free_blocks(self, need: int) -> bool:
-        """Whether ``need`` blocks are free or can be freed by evicting cached prefixes. The cache is walked
-        only when the free list alone falls short: counting its evictable blocks visits every cached node,
-        and admitting a batch of requests one by one would walk it once per request."""
-        free = self.allocator.num_free
-        if free >= need or self.prefix_cache is None:
+        """Whether ``need`` blocks are free, evicting cached prefixes for them where that makes them free.
+
+        Counting the cache's evictable blocks visits every cached node, so it happens only when the free list
+        falls short, and the eviction then frees a slack beyond ``need`` (``RadixPrefixCache.make_room``): with a
+        pool full of cached prefixes (a long-running server), admitting request after request walks the cache
+        once per slack, not once per request. A count that fell short is not repeated until a block is released
+        (nothing else can make more blocks free or evictable)."""
+        alloc, cache = self.allocator, self.prefix_cache
+        free = alloc.num_free
+        if free >= need or cache is None:
             return free >= need
-        return free + self.prefix_cache.num_evictable() >= need
+        if self._short == (alloc.frees, free):
+            return False
+        if free + cache.num_evictable() < need:
+            self._short = (alloc.frees, free)
+            return False
+        cache.make_room(need)
+        return True
 
     def allocator_grow(self, req: Request, num_positions: int) -> None:
         """Give ``req`` blocks covering ``num_positions`` logical positions (may raise OutOfBlocks)."""

@@ -133,3 +133,48 @@ def test_admission_counts_cached_blocks_it_can_evict(num_blocks, admitted, monke
     assert (big in sched.running) == admitted and walks
     if admitted:
         assert len(big.blocks) == 4 and len(sched.prefix_cache) < 2  # prefill blocks taken by evicting
+
+
+def test_a_pool_full_of_cached_prefixes_is_not_walked_per_admission(monkeypatch):
+    """600 finished requests leave 600 cached blocks in a pool of 700; admitting 300 more (2 blocks each) needs
+    eviction, but the cache is walked once per ~10 requests, not twice per request: each eviction frees a slack
+    (``EVICT_SLACK``). While nothing is released, a count that fell short is not repeated."""
+    from specdec.kvcache.radix_cache import RadixPrefixCache
+
+    alloc = BlockAllocator(700)
+    sched = Scheduler(SchedulerConfig(max_batch_size=8), alloc, BlockTables(8, 128), 4, 0, RadixPrefixCache(alloc, 4))
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    for i in range(600):
+        req = Request(f"c{i}", [1000 + i, 1, 2, 3, 4], params)  # its first block is its own
+        sched.add(req)
+        sched.schedule()
+        req.num_computed = req.num_computed_draft = 4
+        sched.prefix_cache.insert(req)
+        sched.finish(req, "length")
+    assert len(sched.prefix_cache) == 600 and alloc.num_free == 100
+    walks = []
+    nodes = sched.prefix_cache._nodes
+    monkeypatch.setattr(sched.prefix_cache, "_nodes", lambda: walks.append(1) or nodes())
+    for i in range(300):
+        req = Request(f"n{i}", [5000 + i, 7, 7, 7, 7, 7, 7, 7, 7], params)  # 3 blocks at most, 2 cached after
+        sched.add(req)
+        sched.schedule()
+        assert req in sched.running
+        req.num_computed = req.num_computed_draft = 8
+        sched.prefix_cache.insert(req)
+        sched.finish(req, "length")
+    assert len(walks) <= 80  # (without the slack, a count and an eviction per request: ~500)
+    assert alloc.num_free + sched.prefix_cache.num_evictable() == 700  # nothing lost
+
+    # a pool held by running requests: a waiting request is counted short once, then not again until a release
+    for i in range(8):  # 91 blocks each: 7 fit in the pool, the 8th waits
+        sched.add(Request(f"r{i}", list(range(10000 + 400 * i, 10000 + 400 * i + 360)), params))
+    sched.schedule()
+    assert len(sched.running) == 7 and len(sched.waiting) == 1
+    walks.clear()
+    for _ in range(5):
+        sched.schedule()
+    assert not walks and len(sched.waiting) == 1
+    sched.finish(sched.running[0], "length")  # a release: checked again, and now it fits
+    sched.schedule()
+    assert not sched.waiting
