@@ -141,12 +141,34 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False)
     return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall}
 
 
-def counted_generate(engine, prompts, params, batch: int, continuous: bool) -> tuple[float, int, float]:
-    """``user_generate``'s tok/s, with the CUDA graphs captured during the run and their seconds (graphs engine
-    start did not capture: they cost the first requests)."""
-    graphs, seconds = CAPTURED.graphs, CAPTURED.seconds
+class TritonCompiles:
+    """Names of the Triton kernels compiled in this process, in order (Triton's post-compile hook; an empty list
+    where Triton or the hook is missing). A compile during a timed round is one engine start did not trigger."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        try:
+            from triton import knobs
+        except ImportError:
+            return
+        previous = knobs.runtime.jit_post_compile_hook
+
+        def hook(*args, **kwargs):
+            self.names.append(getattr(kwargs.get("fn"), "name", "?"))
+            return previous(*args, **kwargs) if previous else None
+
+        knobs.runtime.jit_post_compile_hook = hook
+
+
+COMPILES = TritonCompiles()
+
+
+def counted_generate(engine, prompts, params, batch: int, continuous: bool) -> tuple[float, int, float, list[str]]:
+    """``user_generate``'s tok/s, with the CUDA graphs captured during the run and their seconds, and the Triton
+    kernels compiled during it (what engine start did not capture or compile costs the first requests)."""
+    graphs, seconds, compiled = CAPTURED.graphs, CAPTURED.seconds, len(COMPILES.names)
     tok_per_s = user_generate(engine, prompts, params, batch, continuous)["tok_per_s"]
-    return tok_per_s, CAPTURED.graphs - graphs, CAPTURED.seconds - seconds
+    return tok_per_s, CAPTURED.graphs - graphs, CAPTURED.seconds - seconds, COMPILES.names[compiled:]
 
 
 def write_prompts(path: str) -> None:
@@ -166,14 +188,15 @@ def write_prompts(path: str) -> None:
 def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int,
            late: dict | None = None) -> dict[str, list[float]]:
     """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines).
-    ``late[name]``, when given, gets each round's (graphs captured, seconds) of that engine."""
+    ``late[name]``, when given, gets each round's (graphs captured, seconds, Triton kernels compiled) of that
+    engine."""
     names, out = list(engines), {name: [] for name in engines}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            tok_per_s, graphs, seconds = counted_generate(engines[name], prompts, params, batch, continuous)
+            tok_per_s, graphs, seconds, compiled = counted_generate(engines[name], prompts, params, batch, continuous)
             out[name].append(tok_per_s)
             if late is not None:
-                late.setdefault(name, []).append((graphs, round(seconds, 4)))
+                late.setdefault(name, []).append((graphs, round(seconds, 4), compiled))
     return out
 
 
@@ -225,8 +248,12 @@ def main() -> None:
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
                 f"{n} {e['first_over_later']:.2f} (graphs captured per round "
-                f"{[g for g, _ in e['late_captures']]}, {sum(s for _, s in e['late_captures']):.2f} s)"
+                f"{[g for g, _, _ in e['late_captures']]}, {sum(s for _, s, _ in e['late_captures']):.2f} s; "
+                f"Triton compiles per round {[len(c) for _, _, c in e['late_captures']]})"
                 for n, e in entry.items() if e["first_over_later"]))
+            for n, e in entry.items():  # which kernels compiled during timed rounds (first round: engine start missed)
+                if any(c for _, _, c in e["late_captures"]):
+                    log(f"interleaved {key}: {n} compiled {[sorted(set(c)) for _, _, c in e['late_captures']]}")
             for name in [n for n in entry if n != "target_only"]:
                 ratios = [s / t for s, t in zip(runs[name], runs["target_only"])]
                 entry[name]["ratio_runs"] = ratios

@@ -8,6 +8,7 @@ import importlib
 import json
 import sys
 
+import pytest
 from serving_helpers import with_tokenizer
 
 
@@ -33,6 +34,21 @@ def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
     for e in entry.values():
         assert len(e["tok_per_s_runs"]) == 2 and e["median"] > 0 and e["first_over_later"] > 0
         assert isinstance(e["plan"], dict) and "graphs" in e and "capture_s" in e
-        assert e["late_captures"] == [[0, 0.0], [0, 0.0]]  # nothing is captured on the CPU, in no round
+        assert e["late_captures"] == [[0, 0.0, []], [0, 0.0, []]]  # on the CPU nothing is captured or compiled
     assert len(entry["ngram"]["ratio_runs"]) == 2 and entry["ngram"]["speedup"] > 0
     assert entry["ngram"]["mean_accepted_length"] >= 1.0
+
+
+def test_triton_compiles_are_named_through_the_post_compile_hook(monkeypatch):
+    """The bench's compile log chains Triton's post-compile hook: a compile appends the kernel's name and calls the
+    hook that was there before."""
+    knobs = pytest.importorskip("triton").knobs
+    import types
+
+    from bench.gpu_interleaved import TritonCompiles
+
+    seen = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", lambda **kw: seen.append(kw["key"]))
+    compiles = TritonCompiles()
+    knobs.runtime.jit_post_compile_hook(key=7, fn=types.SimpleNamespace(name="paged_attention"))
+    assert compiles.names == ["paged_attention"] and seen == [7]
