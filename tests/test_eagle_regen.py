@@ -112,6 +112,32 @@ def test_time_budget_stops_after_a_chunk_and_options_are_checked(setup):
         cut_token_file(text, root / "bad.npz", [0], [99])
 
 
+def test_an_interrupted_regeneration_writes_its_finished_chunks(setup, monkeypatch):
+    """SIGTERM (a time limit; the CLI turns it into KeyboardInterrupt) in the middle of the second chunk: the first
+    chunk's conversations are written and marked interrupted; with no finished chunk the interrupt goes on."""
+    from specdec.engine import SpecEngine
+
+    root, target, text, _ = setup
+    generate, calls = SpecEngine.generate, []
+
+    def interrupted_after(n):
+        def gen(self, *args, **kwargs):
+            calls.append(1)
+            if len(calls) > n:
+                raise KeyboardInterrupt
+            return generate(self, *args, **kwargs)
+        return gen
+
+    cfg = RegenConfig(max_new_tokens=4, temperatures=(0.7,), max_docs=9, chunk=3)
+    monkeypatch.setattr(SpecEngine, "generate", interrupted_after(1))  # chunk 1 is one turn round: then stopped
+    part = regenerate_token_file(target, text, root / "cut.npz", cfg, ENGINE)
+    assert part.num_docs == 3 and part.meta["regenerated"]["interrupted"] is True
+    calls.clear()
+    monkeypatch.setattr(SpecEngine, "generate", interrupted_after(0))
+    with pytest.raises(KeyboardInterrupt):
+        regenerate_token_file(target, text, root / "none.npz", cfg, ENGINE)
+
+
 def test_a_reply_that_ends_itself_is_followed_by_the_newline_only():
     from specdec.training.eagle_regen import _append_reply, _Doc
 

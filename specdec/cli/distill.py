@@ -226,7 +226,12 @@ def _check_eagle_mode(args) -> None:
                              f"{' or '.join('--' + o.replace('_', '-') for o in owners)}")
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _regenerate(args) -> int:
+    import signal
     import time
 
     from specdec.engine import SpecConfig
@@ -234,6 +239,7 @@ def _regenerate(args) -> int:
     from specdec.training.eagle_regen import RegenConfig, regenerate_token_file
 
     started = time.perf_counter()  # --regen-seconds counts loading and the engine's warm-up too
+    signal.signal(signal.SIGTERM, _interrupt)  # a time limit's SIGTERM still writes the finished conversations
     device, dtype = device_dtype(args)
     cfg = RegenConfig(**{k: v for k, v in {
         "max_new_tokens": args.regen_new_tokens, "temperatures": args.regen_temperatures, "top_p": args.top_p,

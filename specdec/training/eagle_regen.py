@@ -163,22 +163,30 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
     engine = SpecEngine(None, target, engine_config or SpecConfig())
     t0, done, finish = time.perf_counter(), [], {}
     chunk_docs = cfg.chunk * len(cfg.temperatures)
+    interrupted = False
     with tqdm(total=len(todo), desc="regenerate replies", unit="conv") as bar:
-        for c in range(0, len(todo), chunk_docs):
-            now = time.perf_counter()
-            per_chunk = (now - t0) / (c // chunk_docs) if c else 0.0
-            if cfg.time_budget is not None and c and now - (started or t0) + per_chunk > cfg.time_budget:
-                break
-            chunk = todo[c:c + chunk_docs]
-            while active := [d for d in chunk if d.turn >= 0]:  # one round per turn
-                outs = engine.generate([d.out for d in active], [_params(cfg, d) for d in active])
-                for d, o in zip(active, outs):
-                    if o.error is not None:
-                        raise o.error
-                    finish[o.finish_reason] = finish.get(o.finish_reason, 0) + 1
-                    _append_reply(d, list(o.token_ids), eos, cfg, max_len)
-            done += chunk
-            bar.update(len(chunk))
+        try:
+            for c in range(0, len(todo), chunk_docs):
+                now = time.perf_counter()
+                per_chunk = (now - t0) / (c // chunk_docs) if c else 0.0
+                if cfg.time_budget is not None and c and now - (started or t0) + per_chunk > cfg.time_budget:
+                    break
+                chunk = todo[c:c + chunk_docs]
+                while active := [d for d in chunk if d.turn >= 0]:  # one round per turn
+                    outs = engine.generate([d.out for d in active], [_params(cfg, d) for d in active])
+                    for d, o in zip(active, outs):
+                        if o.error is not None:
+                            raise o.error
+                        finish[o.finish_reason] = finish.get(o.finish_reason, 0) + 1
+                        _append_reply(d, list(o.token_ids), eos, cfg, max_len)
+                done += chunk
+                bar.update(len(chunk))
+        except KeyboardInterrupt:  # (the CLI turns SIGTERM into this): the finished chunks are still written
+            if not done:
+                raise
+            interrupted = True
+            print(f"distill: regeneration interrupted; writing the {len(done)} conversations of finished chunks",
+                  flush=True)
     seconds = time.perf_counter() - t0
     docs = [(np.asarray(d.out, dtype=np.uint16), np.asarray(d.mask, dtype=bool)) for d in done]
     generated = int(sum(m.sum() for _, m in docs))
@@ -189,7 +197,7 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
             "num_docs": len(docs), "num_tokens": int(sum(len(i) for i, _ in docs)),
             "regenerated": {**asdict(cfg), "seconds": round(seconds, 2), "generated_tokens": generated,
                             "tokens_per_s": round(generated / max(seconds, 1e-9), 1), "finish": finish,
-                            "source_docs_considered": len(todo) // len(cfg.temperatures),
+                            "source_docs_considered": len(todo) // len(cfg.temperatures), "interrupted": interrupted,
                             "docs_per_temperature": per_t},
             "source_docs": [d.index for d in done], "turns": [d.replies for d in done],
             "temperatures": [cfg.temperatures[d.variant] for d in done]}
