@@ -20,6 +20,10 @@ One mechanism for every proposer; the hooks differ only in how they write the ne
   bonus token at L + m as the root; then the draft program replays (``lookahead_ops``, ``kernels/advance.py``);
 - ``ChainAhead`` (n-gram chains looked up on the device, and target-only decoding with no chain): the next
   verify's whole bucket from the outcome and the chains (``ngram_ops.ngram_advance_reference``).
+Steps with sampled rows (not with a repetition penalty) are queued by both: the sampled rule runs right behind the
+verify, the next step is built from its outcome, and the queued step's sampled rows draw their uniforms when it
+is queued (``QueuedStep.draws``; given back when it is dropped, and, for chains the device cut shorter than the
+bucket, those not used when it is adopted).
 Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
 them), so outputs are the same with and without the pipeline.
 """
@@ -138,6 +142,14 @@ class QueuedStep:
         """The host read, the adopting rows' rows only."""
         host = self.wait()
         return host if self.sel is None else host[self.sel]
+
+    def settle_draws(self, rows: list, used: list[int]) -> None:
+        """The adopting ``rows`` keep the ``used`` draws (per row) of what they drew when the step was queued (a
+        chain the device cut shorter than its bucket uses fewer than that)."""
+        start = {id(req): counter for req, counter in self.draws}
+        for req, n in zip(rows, used):
+            if id(req) in start:
+                req.stream.counter = start[id(req)] + n
 
     def give_back_draws(self, kept: list) -> None:
         """Put back the draws of the rows not in ``kept`` (their queued step is not used)."""
@@ -314,7 +326,8 @@ class ChainAhead:
     decoding (``follow`` a ``DecodeFollow``: no chain, the bonus token alone); ``k``: the chains' length (0:
     decoding). It writes
     the next verify's whole bucket from the outcome and the chains, and the rows' lengths, block tables and length
-    limits: the bonus token, then the chain cut to the tokens still to come."""
+    limits: the bonus token, then the chain cut to the tokens still to come. Sampled rows' outcome is the sampled
+    rule's, written into the verify's outcome buffer before the follow-up reads it (``Verifier.launch_queued``)."""
 
     def __init__(self, drafter, runner, k: int, follow) -> None:
         self.drafter, self.runner, self.k, self.follow = drafter, runner, k, follow
@@ -322,14 +335,18 @@ class ChainAhead:
 
     def min_query(self, rows: list[Request]) -> int:
         """The whole chain's queries (the queued verify runs in the same bucket, whatever its chains' lengths) when
-        every row is plain greedy; else 0."""
-        return self.k + 1 if all(r.params.plain_greedy for r in rows) else 0
+        no row has a repetition penalty, and for a step with sampled rows only under the full budget (the controller
+        may choose a smaller one for them: nothing is queued then, and the verify keeps its own bucket); else 0."""
+        if any(r.params.penalized for r in rows):
+            return 0
+        return self.k + 1 if all(r.params.greedy for r in rows) or self.drafter.node_budget == self.k else 0
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
-        """Behind a verify of the whole chain under the full budget, of plain greedy rows, with room in the n-gram
-        histories for what the queued step appends."""
+        """Behind a verify of the whole chain under the full budget, of rows greedy or sampled but without a
+        repetition penalty (a queued step would need the penalty of tokens not committed yet), with room in the
+        n-gram histories for what the queued step appends."""
         return (self.drafter.node_budget == self.k and step.key[2] == self.k + 1
-                and all(r.params.plain_greedy for r in rows) and self.follow.room(rows, step.key[2]))
+                and not any(r.params.penalized for r in rows) and self.follow.room(rows, step.key[2]))
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, None] | None:
         """Write the next verify of ``rows`` into its bucket: ``step``'s own, or a smaller one when only some of its
@@ -356,8 +373,11 @@ class ChainAhead:
         return key, None
 
     def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
-        """The drafter's chains (those the device looked up, which the queued verify holds), already verified."""
-        return self.drafter.propose(rows)._replace(device=queued)
+        """The drafter's chains (those the device looked up, which the queued verify holds), already verified; its
+        sampled rows keep the draws their chains used (node count + 1)."""
+        proposal = self.drafter.propose(rows)._replace(device=queued)
+        queued.settle_draws(rows, [len(t.host.tokens) + 1 for t in proposal.trees])
+        return proposal
 
     def dropped(self) -> None:
         """(nothing to undo: the host keeps no state for a queued chain step)"""

@@ -127,10 +127,16 @@ def sampling_array(rows: Sequence, draws: dict[int, int], b: int) -> np.ndarray:
     return host
 
 
-def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtered: bool, **options) -> Tensor:
+def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtered: bool, ragged: bool = False,
+                  **options) -> Tensor:
     """``rule`` of a step whose trees are read from its verify inputs ``views`` (``StepViews`` of the bucket:
-    tokens, parents, tree masks) and whose sampling columns are ``inputs`` (B, 9) (``sampling_array``)."""
+    tokens, parents, tree masks) and whose sampling columns are ``inputs`` (B, 9) (``sampling_array``).
+    ``ragged``: a row's verify tokens are its ``views.num_tokens`` when fewer than its count in ``inputs`` (chains
+    cut on the device), which then sets its uniforms' columns (the bonus token's is the last draw it uses)."""
     b, q = accept.shape[0], accept.shape[1] - 3
+    if ragged:
+        n = torch.minimum(inputs[:, _N], views.num_tokens.view(-1)[:b])  # (B,)
+        inputs = torch.cat([inputs[:, :_N], n.view(-1, 1), inputs[:, _N + 1:]], 1)
     trees = torch.cat([views.ids.view(b, q), views.parents.view(b, q), views.tree_mask.view(b, q), inputs], 1)
     return rule(trees, logits, accept, filtered, **options)
 
@@ -159,11 +165,15 @@ class SampledRule:
                          captured, levels)
 
     def on_views(self, rows: Sequence, sampled: Sequence[int], n: int, views, logits: Tensor, accept: Tensor,
-                 captured: bool, levels: int | None = None) -> Tensor:
+                 captured: bool, levels: int | None = None, ragged: bool = False) -> Tensor:
         """``__call__`` for a step whose verify inputs ``views`` hold every row's tree of ``n - 1`` nodes (a fused
-        step: the trees never reached the host) with at most ``levels`` levels below the root (None: unknown)."""
+        step: the trees never reached the host) with at most ``levels`` levels below the root (None: unknown).
+        ``ragged``: at most ``n - 1`` nodes, each row's count in ``views`` (a queued chain step: the chains were cut
+        on the device); each sampled row's stream still advances by ``n``, and the step's adopter gives back what
+        its chain did not use (``QueuedStep.settle_draws``)."""
         host = sampling_array(rows, dict.fromkeys(sampled, n), accept.shape[0])
-        return self._run("views", host, functools.partial(rule_on_views, views=views), rows, sampled, logits,
+        return self._run("chains" if ragged else "views", host,
+                         functools.partial(rule_on_views, views=views, ragged=ragged), rows, sampled, logits,
                          accept, captured, levels)
 
     def _run(self, kind: str, host: np.ndarray, fn, rows: Sequence, sampled: Sequence[int], logits: Tensor,

@@ -73,8 +73,9 @@ class Verifier:
             fwd = self.runner.forward(0, self.target, [self._row(r, t) for r, t in zip(rows, trees)],
                                       self.aux_layers)
         if fwd.accept is not None:  # padded step: every row's outcome on the device
-            step = self._read_behind(rows, key, fwd)
-            results = self._from_device(rows, trees, draft_computed, fwd, key, step, self._queue(rows, step))
+            outcome = self._outcome(rows, trees, fwd, key)
+            step = self._read_behind(rows, key, fwd, outcome)
+            results = self._from_device(rows, trees, draft_computed, fwd, outcome, step, self._queue(rows, step))
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
         return self._with_features(results, fwd)
@@ -91,27 +92,50 @@ class Verifier:
         queued = self._queue(rows, step)
         if step.trees is not None:  # an EAGLE step: its trees and outcome come with the read
             return self._fused_results(rows, proposal, step, queued)
-        return self._from_device(rows, proposal.trees, proposal.draft_computed, step.fwd, step.key, step, queued)
+        # (a queued chain step's sampled rows went through the rule when it was launched: its read holds them)
+        return self._from_device(rows, proposal.trees, proposal.draft_computed, step.fwd, step.fwd.accept, step,
+                                 queued)
 
     def launch_queued(self, rows: list[Request], key, n: int, draft: DeviceDraft | None) -> QueuedStep:
         """Launch the verify of bucket ``key`` over ``rows`` whose inputs are on the device, and start its read:
         the trees ``draft`` keeps under budget ``n`` (then its lossless rule for sampled rows too), or (None) a
-        verify whose inputs a queued step's writer filled whole (then the follow-up launch behind it)."""
+        verify whose inputs a queued step's writer filled whole (then the lossless rule for sampled rows, over the
+        chains the writer put in the inputs, and the follow-up launch behind it)."""
         r = len(rows)
         if draft is not None:
             fwd, tokens, parents, top = self.fused.launch_draft(draft)
             accept = self.fused.outcome(key, rows, fwd, tokens.shape[1])  # (B, Q + 3): sampled rows through the rule
             reads = [tokens] + ([] if isinstance(parents, tuple) else [parents, top]) + [accept[:r]]
             return QueuedStep(rows, key, n, fwd, accept, self.reader.start(reads), (tokens, parents, top), draft)
-        fwd = self.runner.graphs.replay(key)
+        graphs = self.runner.graphs
+        fwd = graphs.replay(key)
+        sampled = [i for i, req in enumerate(rows) if not req.params.greedy]
+        if sampled:  # each chain at most q - 1 nodes, cut on the device: the rule reads its length from the inputs
+            views = graphs.inputs.views(key[1], key[2])
+            _write(fwd.accept, self.sampled_rule.on_views(rows, sampled, key[2], views, fwd.logits, fwd.accept,
+                                                          graphs.captured(key), ragged=True))
         out = self.followup.follow(rows, key, fwd.accept)
         return QueuedStep(rows, key, n, fwd, out, self.reader.start([out]))
 
-    def _read_behind(self, rows: list[Request], key, fwd) -> QueuedStep | None:
-        """The step of a graphed verify ``fwd`` (bucket ``key``) when a follow-up runs behind it and is read with
-        its outcome (all rows plain greedy), else None (the outcome alone is read)."""
-        if self.followup is None or key is None or not all(r.params.plain_greedy for r in rows):
+    def _outcome(self, rows: list[Request], trees: list[DraftTree], fwd, key) -> torch.Tensor | None:
+        """(B, Q + 3) outcome of a padded step of graph bucket ``key``: the verify's greedy acceptance, its sampled
+        rows (and greedy ones with a repetition penalty: their argmax is the penalized logits') through the device
+        rule (``_sampled_outcome``); None when those take the host rule."""
+        sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
+        return self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
+
+    def _read_behind(self, rows: list[Request], key, fwd, outcome: torch.Tensor | None) -> QueuedStep | None:
+        """The step of a graphed verify ``fwd`` (bucket ``key``, its step's ``outcome``) when a follow-up runs behind
+        it and is read with its outcome, else None (the outcome alone is read). The follow-up runs behind plain
+        greedy rows, and when pipelined behind sampled rows too (not with a repetition penalty: a queued step would
+        need the penalty of tokens not committed yet); their outcome is the rule's, written into the verify's
+        outcome buffer, which the follow-up and a queued step's writer read."""
+        if self.followup is None or key is None or outcome is None:
             return None
+        if not all(r.params.plain_greedy for r in rows):
+            if self.pipeline is None or any(r.params.penalized for r in rows):
+                return None
+            _write(fwd.accept, outcome)
         out = self.followup.launch(rows, key, fwd)
         return None if out is None else QueuedStep(rows, key, None, fwd, out, self.reader.start([out]))
 
@@ -186,16 +210,15 @@ class Verifier:
                                         tree.num_nodes, tree.max_depth, dc))
         return results
 
-    def _from_device(self, rows: list[Request], trees: list[DraftTree], draft_computed, fwd, key,
-                     step: QueuedStep | None = None, queued: QueuedStep | None = None) -> list[VerifyResult]:
-        """Results of a padded step of graph bucket ``key``: the graph's greedy acceptance, sampled rows replaced
-        by the device rule (``_sampled_outcome``; one device->host read of the (B, Q + 3) outcome), or put
-        through the host rule on their logits. ``step``: the step when a follow-up ran behind its verify; its read
-        (the outcome rows, then the follow-up's columns) is read instead and handed to ``followup.consume``;
-        ``queued``: the step queued behind it, told the rows' lengths. Greedy rows with a repetition penalty count
-        as sampled here: their argmax is the penalized logits'."""
+    def _from_device(self, rows: list[Request], trees: list[DraftTree], draft_computed, fwd,
+                     outcome: torch.Tensor | None, step: QueuedStep | None = None,
+                     queued: QueuedStep | None = None) -> list[VerifyResult]:
+        """Results of a padded step from its ``outcome`` (``_outcome``; one device->host read of the (B, Q + 3)
+        outcome), its sampled rows put through the host rule on their logits when it is None. ``step``: the step
+        when a follow-up ran behind its verify; its read (the outcome rows, then the follow-up's columns) is read
+        instead and handed to ``followup.consume``; ``queued``: the step queued behind it, told the rows' lengths.
+        Greedy rows with a repetition penalty count as sampled here: their argmax is the penalized logits'."""
         sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
-        outcome = self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
         if step is None:
@@ -245,6 +268,12 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
+
+
+@torch.inference_mode()
+def _write(accept: torch.Tensor, outcome: torch.Tensor) -> None:
+    """A step's ``outcome`` (B, Q + 3) into its verify's outcome buffer ``accept`` (an inference tensor)."""
+    accept.copy_(outcome)
 
 
 def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult]:

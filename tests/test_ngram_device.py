@@ -229,6 +229,32 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
     assert decode.pipeline.hook.advance.graphs  # the queued steps' inputs were written by a graph
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_pipelined_sampled_rows_with_captured_graphs(tiny_dirs):
+    """float32 on CUDA, graphs captured, 16 rows of which a third seeded and sampled (T=0.7 top-p 0.9, T=1.0):
+    pipelined n-gram and target-only steps give the unpipelined engines' tokens, adopt queued steps, and the queued
+    steps' rule is a captured graph (kind "chains") whose outcome the follow-up graph and the writer's graph read."""
+    from specdec.loading.registry import load_model
+
+    target = load_model(tiny_dirs["llama"], device="cuda")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(30, 60), ignore_eos=True, seed=i,
+                             **({} if i % 3 else dict(temperature=0.7, top_p=0.9) if i % 2 else dict(temperature=1.0)))
+              for i in range(len(prompts))]
+    base = dict(num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16,
+                admit_min_free=1, cuda_graphs=True, adaptive=False)
+    for proposer, extra in (("ngram", dict(tree="chain:8", ngram_shared=False, ngram_device=True)), (None, {})):
+        outs = {}
+        for pipeline in (False, True):
+            eng = SpecEngine(proposer, target, SpecConfig(pipeline=pipeline, **extra, **base))
+            outs[pipeline] = _generated(eng, prompts, params)
+            assert eng.all_blocks_free()
+        assert outs[True] == outs[False]
+        assert eng.pipeline.adopted > 0 and eng.pipeline.hook.advance.graphs
+        assert any(key[0] == "chains" for key in eng.verifier.sampled_rule.graphs)
+
+
 def test_a_history_row_taken_over_is_uploaded_again():
     """Request A's history sits in block-table row 0; A is preempted and B takes row 0; when A gets row 0 back, its
     whole history is uploaded again (B's tokens there are not taken for A's); a commit cut short (a stop) keeps
@@ -388,3 +414,78 @@ def test_pipelined_target_only_decoding(tiny_target, monkeypatch):
     assert eng.all_blocks_free()
     auto = SpecEngine(None, tiny_target, SpecConfig(num_blocks=64, block_size=8, cuda_graphs=True))
     assert auto.verifier.followup is None and auto.drafter.lookahead == 0  # opt-in for now (not on by default)
+
+
+def _sampled_case(tiny_target):
+    """``_stop_case``'s eight requests (lengths 12-29, one stopped early by a token; four at a time, so rows finish
+    at different steps and new rows join) with four of them seeded and sampled: T=0.7 top-p 0.9 and T=1.0."""
+    prompts, params, ref = _stop_case(tiny_target)
+    for i, (t, p) in zip((0, 3, 5, 6), ((0.7, 0.9), (1.0, 1.0), (0.7, 0.9), (1.0, 1.0))):
+        params[i] = SamplingParams(max_new_tokens=params[i].max_new_tokens, temperature=t, top_p=p, seed=10 + i,
+                                   ignore_eos=True)
+    return prompts, params, ref
+
+
+def _sampled_engine(target, proposer: str | None, pipeline: bool) -> SpecEngine:
+    if proposer == "ngram":
+        return _engine(target, True, pipeline=pipeline)
+    return SpecEngine(None, target, SpecConfig(num_blocks=256, block_size=8, max_batch_size=4, prefix_cache=False,
+                                               cuda_graphs=True, pipeline=pipeline))
+
+
+def _generated(eng: SpecEngine, prompts, params) -> list[list[int]]:
+    """The requests' tokens, none failed."""
+    got = eng.generate(prompts, params)
+    assert [r.error for r in got] == [None] * len(got)
+    return [r.token_ids for r in got]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", None])
+def test_pipelined_sampled_rows_equal_unpipelined_ones(tiny_target, monkeypatch, proposer):
+    """Steps with seeded sampled rows are pipelined too (n-gram chains on the device, and target-only decoding): the
+    queued step's rule draws its rows' uniforms when it is queued, its advance reads the rule's bonus token, a
+    dropped step gives the draws back and an adopted one those its chains did not use, so every request's tokens
+    equal the unpipelined engine's, greedy rows target-only's, with rows joining, finishing and stopping on a token;
+    batches of sampled rows only adopt queued steps, whose inputs are exactly what the host packs."""
+    prompts, params, ref = _sampled_case(tiny_target)
+    checked, wrong, partial = _checked_queued(monkeypatch)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    outs = {}
+    for pipeline in (False, True):
+        eng = _sampled_engine(tiny_target, proposer, pipeline)
+        outs[pipeline] = _generated(eng, prompts, params)
+        adopted = 0 if eng.pipeline is None else eng.pipeline.adopted
+        alone = [params[i] for i in sampled]
+        outs[pipeline, "sampled"] = [r.token_ids for r in eng.generate([prompts[i] for i in sampled], alone)]
+        if pipeline:  # the batch of sampled rows alone was pipelined
+            assert eng.pipeline.adopted > adopted + sum(p.max_new_tokens for p in alone) // 8
+        assert wrong == [], wrong[:2]
+        assert eng.all_blocks_free()
+    assert outs[True] == outs[False]
+    assert outs[True, "sampled"] == outs[False, "sampled"] == [outs[True][i] for i in sampled]
+    assert [outs[True][i] for i in range(len(ref)) if i not in sampled] == [
+        ref[i] for i in range(len(ref)) if i not in sampled]
+    assert checked[0] > 0 and partial[0] > 0
+
+
+@pytest.mark.parametrize("proposer", ["ngram", None])
+def test_a_row_with_a_repetition_penalty_stays_unpipelined(tiny_target, proposer):
+    """A row with a repetition penalty (sampled or greedy) queues no step while it is in the batch (a queued step
+    would need the penalty of tokens not committed yet), and gives the unpipelined engine's tokens beside pipelined
+    greedy and sampled rows."""
+    prompts, params, _ = _sampled_case(tiny_target)
+    params[1] = SamplingParams(max_new_tokens=params[1].max_new_tokens, temperature=0.7, top_p=0.9, seed=3,
+                               repetition_penalty=1.3, ignore_eos=True)
+    params[2] = SamplingParams(max_new_tokens=30, repetition_penalty=1.2, ignore_eos=True)
+    outs = {}
+    for pipeline in (False, True):
+        eng = _sampled_engine(tiny_target, proposer, pipeline)
+        outs[pipeline] = _generated(eng, prompts, params)
+        outs[pipeline, "alone"] = [r.token_ids for r in eng.generate(prompts[1:3], params[1:3])]
+        if pipeline:
+            queued = eng.pipeline.queued
+            eng.generate(prompts[1:3], params[1:3])
+            assert eng.pipeline.queued == queued
+        assert eng.all_blocks_free()
+    assert outs[True] == outs[False]
+    assert outs[True, "alone"] == outs[False, "alone"] == outs[True][1:3]

@@ -58,10 +58,11 @@ class DeviceNgram:
 
     def launch(self, rows: list[Request], key, fwd) -> Tensor | None:
         """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: launch the follow-up and
-        return its output (R, Q + 4 + k) on the device (the outcome rows first), to read instead of ``fwd.accept``;
-        None when it does not apply (sampled rows, too few rows not yet on the device, a row longer than the history
-        buffer, or an eager step)."""
-        if key is None or fwd.accept is None or not all(r.params.plain_greedy for r in rows):
+        return its output (R, Q + 4 + k) on the device (the outcome rows first), to read instead of ``fwd.accept``
+        (sampled rows' outcome already there: the verifier launches this behind them only when pipelined); None when
+        it does not apply (a row with a repetition penalty, too few rows not yet on the device, a row longer than
+        the history buffer, or an eager step)."""
+        if key is None or fwd.accept is None or any(r.params.penalized for r in rows):
             return None
         _, b, q = key
         if max(len(r.tokens) for r in rows) + q > self.hist.shape[1]:  # the history rows hold no more (host path)
