@@ -48,6 +48,7 @@ class Request:
     emitted_tokens: int = 0  # output tokens already streamed
     emitted_chars: int = 0
     detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text
+    stop_scan: int = 0  # characters of the output text already searched for stop strings (StopChecker)
 
     def __post_init__(self) -> None:
         if not self.tokens:

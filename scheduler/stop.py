@@ -46,6 +46,20 @@ class StopChecker:
             st[0], st[1] = st[1], num_output
         return st[2]
 
+    def _text_with_tail(self, req: Request) -> tuple[str, int]:
+        """The output's whole text, as a full decode gives it, decoded incrementally (``running_text``, plus the
+        text of trailing tokens that end in an incomplete character), and the length of its part later tokens
+        cannot change. Each call decodes a few tokens, so checking stop strings after every token of a long
+        output costs time proportional to its length, not to its square."""
+        stable = self.running_text(req)
+        st, base = req.detok, len(req.prompt_ids)
+        if st[1] == len(req.tokens) - base:
+            return stable, len(stable)
+        decode = (self.tokenizer if self._backend is None else self._backend).decode
+        start, read = base + st[0], base + st[1]
+        prefix_text = decode(req.tokens[start:read], skip_special_tokens=True)
+        return stable + decode(req.tokens[start:], skip_special_tokens=True)[len(prefix_text):], len(stable)
+
     def append(self, req: Request, token: int) -> str | None:
         """Append one token; return a finish reason if the request must stop after it."""
         req.tokens.append(token)
@@ -55,8 +69,10 @@ class StopChecker:
         if token in p.stop_token_ids:
             return "stop"
         if p.stop:
-            text = self.decode(req.output_ids)
-            cut = _first_stop(text, p.stop)
+            text, stable = self._text_with_tail(req)
+            # only text that can hold a stop string not seen before: the earlier text was searched already
+            cut = _first_stop(text, p.stop, max(0, req.stop_scan - max(map(len, p.stop)) + 1))
+            req.stop_scan = stable
             if cut is not None:
                 req.text = text[:cut]
                 return "stop"
@@ -99,8 +115,9 @@ class StopChecker:
         req.text = self.decode(req.output_ids)
 
 
-def _first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
+    """Where the first stop string found in ``text[start:]`` begins, or None."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

@@ -61,3 +61,45 @@ def test_extend_equals_appending_one_by_one():
                 break
         assert checker.extend(many, tokens) == (reason, n)
         assert many.tokens == one.tokens
+
+
+def _stop_reference(tok, prompt: list[int], ids: list[int], stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """Where appending ``ids`` one by one first stops on a stop string, by a full decode after every token:
+    (tokens appended, the text before the stop), or None."""
+    for i in range(len(ids)):
+        text = tok.decode(ids[:i + 1], skip_special_tokens=True)
+        hits = [j for j in (text.find(s) for s in stops) if j >= 0]
+        if hits:
+            return i + 1, text[:min(hits)]
+    return None
+
+
+def test_stop_strings_are_found_as_a_full_decode_finds_them_in_time_linear_in_the_output(smollm2):
+    """Stop strings (multi-byte characters split across tokens, a stop inside one token, stops spanning tokens)
+    stop at the token and with the text a full decode after every token gives; the tokens decoded per appended
+    token stay bounded instead of growing with the output."""
+    import random
+
+    tok = smollm2.tokenizer
+    checker = StopChecker(tok)
+    decoded = []
+    backend_decode = checker._backend.decode
+    checker._backend = type("Counting", (), {"decode": lambda self, ids, **kw: decoded.append(len(ids)) or
+                                             backend_decode(ids, **kw)})()
+    rng = random.Random(1)
+    body = " ".join(TEXTS) * 3
+    cases = [("😀👍", "世界"), ("return x", "ö"), ("wörld!",), ("«gui",), ("never there",), ("\n\n", "  lead")]
+    for stops in cases:
+        for _ in range(3):
+            start = rng.randrange(len(body) // 2)
+            ids = tok.encode(body[start:], add_special_tokens=False)
+            req = Request("r", [1], SamplingParams(stop=list(stops), max_new_tokens=10_000))
+            decoded.clear()
+            got = None
+            for i, t in enumerate(ids):
+                if checker.append(req, t) == "stop":
+                    got = (i + 1, req.text)
+                    break
+            assert got == _stop_reference(tok, [1], ids, stops), (stops, start)
+            n = got[0] if got else len(ids)
+            assert sum(decoded) <= 12 * n  # a full decode per token would be ~n * n / 2
