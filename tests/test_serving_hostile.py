@@ -98,6 +98,7 @@ BAD = [
     ("completions", json.dumps(_completion(best_of=True)), 400, "best_of", "not supported"),
     ("chat", json.dumps(_chat(top_logprobs=False)), 400, "top_logprobs", "not supported"),
     ("completions", json.dumps(_completion(stream_options=[])), 400, "stream_options", "object"),  # was ignored
+    ("chat", json.dumps(_chat(stream_options={"include_usage": True})), 400, "stream_options", "'stream': true"),
     # checked at every step on the engine's thread: 0.35 s per token of every stream
     ("completions", json.dumps(_completion(stop=[f"#{i}" for i in range(150_000)])), 400, "stop", "at most 128"),
 ]

@@ -165,6 +165,8 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     include = opts.get("include_usage", False)
     if not isinstance(include, bool):
         raise BadRequest("stream_options", "stream_options.include_usage must be a boolean")
+    if opts and not stream:  # (OpenAI and vLLM refuse it too: a non-streamed reply has no chunks to add usage to)
+        raise BadRequest("stream_options", "field 'stream_options' is only allowed with 'stream': true")
     return bool(stream), include
 
 
