@@ -19,8 +19,10 @@ WARM_UP_TOKENS = 4  # new tokens per synthetic request: a prefill step, then dec
 PROMPT_TOKENS = 8
 # prompts of mixed lengths, run once greedy and once sampled: the eager forwards (a draft's prefill, the rows
 # that skip a graph) hand Triton token counts and lengths of every class its kernels specialise on (1, a
-# multiple of 16, any other), so none of those kernels is compiled during the first requests
-MIXED_LENGTHS = (1, 13, 16, 17, 40, 96, 161)
+# multiple of 16, any other), and key ranges long enough for attention to split them (its partial-output variant
+# and the kernel that combines the splits, per split count), so none of those kernels is compiled during the first
+# requests (lengths past the model's maximum are left out)
+MIXED_LENGTHS = (1, 13, 16, 17, 40, 96, 161, 300, 600, 1200, 2400)
 
 
 class FixedBudget:

@@ -83,3 +83,29 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     assert eng.drafter.paths["ahead"] > 0 and eng.adaptive.chosen
     assert graphs() == after  # nothing captured on first use
     assert eng.all_blocks_free()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("proposer", [None, "ngram", "draft"])
+def test_gpu_first_long_requests_compile_no_triton_kernel(tiny_factory, proposer):
+    """On CUDA the warm-up at construction leaves nothing for the first requests to compile: prompts of up to
+    3,000 tokens (long key ranges, where attention splits its keys and a second kernel combines the splits),
+    greedy and sampled, batched, compile no Triton kernel while they run."""
+    from triton import knobs
+
+    target = str(tiny_factory("long_target", max_position_embeddings=4096))
+    draft = {None: None, "ngram": "ngram",
+             "draft": str(tiny_factory("long_draft", seed=3, num_hidden_layers=1, max_position_embeddings=4096))}
+    eng = SpecEngine(draft[proposer], target, SpecConfig(device="cuda", dtype="bfloat16", max_batch_size=8,
+                                                         tree="chain:4", kv_memory_bytes=256 << 20))
+    assert eng.plan.warm_up
+    prompts = [[(5 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((3000, 2100, 1300, 700, 33))]
+    compiled, previous = [], knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(getattr(kw.get("fn"), "name", "?"))
+    try:
+        for params in (SamplingParams(max_new_tokens=24, ignore_eos=True),
+                       SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)):
+            assert all(o.error is None for o in eng.generate(prompts, params))
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
+    assert compiled == [], sorted(set(compiled))
