@@ -83,7 +83,7 @@ class Scheduler:
         self.failed: list[Request] = []  # failed since the engine last took them (take_failed)
         self._arrivals = 0
         self._held = 0  # consecutive steps that held back the waiting requests (grouped admission)
-        self._short: tuple[int, int] | None = None  # (allocator.frees, free blocks) when the cache fell short
+        self._short: tuple[int, int, int] | None = None  # see _has_free_blocks
 
     def add(self, req: Request) -> None:
         req.arrival = self._arrivals
@@ -198,16 +198,17 @@ class Scheduler:
         Counting the cache's evictable blocks visits every cached node, so it happens only when the free list
         falls short, and the eviction then frees a slack beyond ``need`` (``RadixPrefixCache.make_room``): with a
         pool full of cached prefixes (a long-running server), admitting request after request walks the cache
-        once per slack, not once per request. A count that fell short is not repeated until a block is released
-        (nothing else can make more blocks free or evictable)."""
+        once per slack, not once per request. A count that fell short is not repeated for as many blocks or more
+        until a block is released (nothing else can make more blocks free or evictable)."""
         alloc, cache = self.allocator, self.prefix_cache
         free = alloc.num_free
         if free >= need or cache is None:
             return free >= need
-        if self._short == (alloc.frees, free):
+        short = self._short  # (frees, free blocks, need) of the last count that fell short
+        if short is not None and short[0] == alloc.frees and free <= short[1] and need >= short[2]:
             return False
         if free + cache.num_evictable() < need:
-            self._short = (alloc.frees, free)
+            self._short = (alloc.frees, free, need)
             return False
         cache.make_room(need)
         return True

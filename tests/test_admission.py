@@ -166,6 +166,19 @@ def test_a_pool_full_of_cached_prefixes_is_not_walked_per_admission(monkeypatch)
     assert len(walks) <= 80  # (without the slack, a count and an eviction per request: ~500)
     assert alloc.num_free + sched.prefix_cache.num_evictable() == 700  # nothing lost
 
+    # a count that fell short for a big request does not refuse a smaller one behind it (no block freed between)
+    huge = Request("huge", list(range(20000, 20000 + 3000)), params)  # 751 blocks: more than the pool
+    sched.add(huge)
+    sched.schedule()
+    assert huge in sched.waiting
+    sched.abort(huge)
+    need = alloc.num_free + 5  # more than the free list holds, fewer than eviction frees
+    fits = Request("fits", list(range(30000, 30000 + 4 * need - 2)), params)
+    sched.add(fits)
+    sched.schedule()
+    assert fits in sched.running
+    sched.finish(fits, "length")
+
     # a pool held by running requests: a waiting request is counted short once, then not again until a release
     for i in range(8):  # 91 blocks each: 7 fit in the pool, the 8th waits
         sched.add(Request(f"r{i}", list(range(10000 + 400 * i, 10000 + 400 * i + 360)), params))
