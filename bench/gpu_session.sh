@@ -160,7 +160,7 @@ case "$stage" in
           # sampled rule, fused and pipelined steps, n-gram on the device, the warm-up
     [ -f "$MODEL" ] || assemble
     install
-    GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-240}" tests/test_step_graphs.py tests/test_eagle.py \
+    GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-300}" tests/test_step_graphs.py tests/test_eagle.py \
       tests/test_sampled_rule.py tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py \
       tests/test_warm_up.py
     pack
