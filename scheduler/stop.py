@@ -25,13 +25,18 @@ class StopChecker:
         """The output's text so far, decoded incrementally: each call decodes only the tokens added
         since the last one, with a few earlier tokens as context (so spaces and merges render as in a
         full decode). An incomplete UTF-8 character at the end waits for its next token."""
+        return self._decode_new(req)[0]
+
+    def _decode_new(self, req: Request) -> tuple[str, str]:
+        """``running_text``, and the text of the trailing tokens it holds back because they end in an incomplete
+        character ("" when none): together, what a full decode of the output gives."""
         if self.tokenizer is None:
-            return ""
+            return "", ""
         st = req.detok  # [prefix_offset, read_offset, text], offsets into the output
         ids, base = req.tokens, len(req.prompt_ids)  # slices of tokens: no copy of the whole output
         num_output = len(ids) - base
         if st[1] == num_output:
-            return st[2]
+            return st[2], ""
         decode = (self.tokenizer if self._backend is None else self._backend).decode  # ``self.decode``'s call
         start, read = base + st[0], base + st[1]
         if read - start == 1:  # the previous call's one new token (target-only steps, rows that accepted nothing)
@@ -41,24 +46,12 @@ class StopChecker:
         else:
             prefix_text = decode(ids[start:read], skip_special_tokens=True)
         new_text = decode(ids[start:], skip_special_tokens=True)
+        tail = new_text[len(prefix_text):]
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            st[2] += new_text[len(prefix_text):]
+            st[2] += tail
             st[0], st[1] = st[1], num_output
-        return st[2]
-
-    def _text_with_tail(self, req: Request) -> tuple[str, int]:
-        """The output's whole text, as a full decode gives it, decoded incrementally (``running_text``, plus the
-        text of trailing tokens that end in an incomplete character), and the length of its part later tokens
-        cannot change. Each call decodes a few tokens, so checking stop strings after every token of a long
-        output costs time proportional to its length, not to its square."""
-        stable = self.running_text(req)
-        st, base = req.detok, len(req.prompt_ids)
-        if st[1] == len(req.tokens) - base:
-            return stable, len(stable)
-        decode = (self.tokenizer if self._backend is None else self._backend).decode
-        start, read = base + st[0], base + st[1]
-        prefix_text = decode(req.tokens[start:read], skip_special_tokens=True)
-        return stable + decode(req.tokens[start:], skip_special_tokens=True)[len(prefix_text):], len(stable)
+            return st[2], ""
+        return st[2], tail
 
     def append(self, req: Request, token: int) -> str | None:
         """Append one token; return a finish reason if the request must stop after it."""
@@ -69,10 +62,11 @@ class StopChecker:
         if token in p.stop_token_ids:
             return "stop"
         if p.stop:
-            text, stable = self._text_with_tail(req)
+            stable, tail = self._decode_new(req)  # a few tokens decoded, not the whole output (linear, not square)
+            text = stable + tail
             # only text that can hold a stop string not seen before: the earlier text was searched already
             cut = _first_stop(text, p.stop, max(0, req.stop_scan - max(map(len, p.stop)) + 1))
-            req.stop_scan = stable
+            req.stop_scan = len(stable)
             if cut is not None:
                 req.text = text[:cut]
                 return "stop"

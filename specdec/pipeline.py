@@ -288,7 +288,7 @@ class EagleAhead:
         d = self.drafter
         runner, loop = d.runner, d.device_loop
         r, (_, b, q) = len(rows), step.key
-        bt = step.draft.bt if step.draft is not None and step.draft.bt is not None else None
+        bt = None if step.draft is None else step.draft.bt
         if bt is None:
             runner.sync_tables(rows)
             bt = runner.tables.host_rows([req.bt_row for req in rows])
