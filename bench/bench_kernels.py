@@ -9,10 +9,13 @@ import pytest
 import torch
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
+from specdec.kernels.nucleus import filtered_probs
 from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
 from specdec.kernels.topk import topk_small
 
+from specdec.acceptance_stochastic import sampling_rows
+from specdec.sampling_params import SamplingParams
 from tests.kernel_inputs import parents_topk, random_paged_batch
 
 CUDA = torch.cuda.is_available()
@@ -111,3 +114,20 @@ def test_topk_draft_vocabulary(benchmark, impl, k):
     x = torch.randn(4, 24576 if big else 2048, device=device, dtype=dtype)
     fn = topk_small if impl == "triton" else (lambda x, k: torch.topk(x, k, dim=-1))
     _run(benchmark, lambda: fn(x, k), sync)
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("batch,tokens", [(16, 32), (64, 16)])
+@pytest.mark.parametrize("spread", [1.0, 2.0, 4.0])
+def test_nucleus_filter(benchmark, impl, batch, tokens, spread):
+    """The sampled rule's top-p filter (T 0.7, top-p 0.9) over (B, Q, 49,152) logits: the sort-free kernel against
+    the sort-based reference, both given the float32 copy of bf16 logits as ``_filtered`` is. spread: the logits'
+    standard deviation; the top-p set holds about 21,000 tokens at 1, 3,000 at 2 and tens at 4."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(batch, tokens, 49152, generator=g, device="cuda") * spread).to(torch.bfloat16).float()
+    sampling = sampling_rows([SamplingParams(temperature=0.7, top_p=0.9)] * batch, "cuda")
+    t = sampling.temperature.float().view(-1, 1, 1)  # (B, 1, 1)
+    probs = torch.softmax(x / t, dim=-1)  # (B, Q, V)
+    _run(benchmark, lambda: filtered_probs(x, t, probs, sampling, use_triton=impl == "triton"),
+         torch.cuda.synchronize)
