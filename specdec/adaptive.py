@@ -365,21 +365,156 @@ class BudgetController:
     def mean_budget(self, rows: int | None = None, since: Counter | None = None) -> float | None:
         """Mean chosen budget over steps of ``rows`` rows (all steps when None), counted after the
         ``since`` snapshot of ``chosen``; None when there were none."""
-        counts = self.chosen - (since or Counter())
-        picked = [(n, c) for (r, n), c in counts.items() if rows is None or r == rows]
-        steps = sum(c for _, c in picked)
-        return sum(n * c for n, c in picked) / steps if steps else None
+        return mean_budget(self.chosen, rows, since)
 
 
-def make_controller(enabled: bool | None, device, drafter, graphs) -> BudgetController | None:
+def mean_budget(chosen: Counter, rows: int | None = None, since: Counter | None = None) -> float | None:
+    """Mean budget of the steps counted in ``chosen`` ((rows, nodes) -> steps) over steps of ``rows`` rows (all
+    steps when None), counted after the ``since`` snapshot; None when there were none."""
+    counts = chosen - (since or Counter())
+    picked = [(n, c) for (r, n), c in counts.items() if rows is None or r == rows]
+    steps = sum(c for _, c in picked)
+    return sum(n * c for n, c in picked) / steps if steps else None
+
+
+@dataclass(frozen=True)
+class EpochConfig:
+    """epoch_steps: timed steps a budget is held before it is judged; hold_epochs: epochs the best budget is held
+    between two probes of a neighbour; margin: how much more tokens per second a budget must measure than plain
+    decoding (budget 0) to be held instead; alpha: weight of a new epoch's rate against the budget's earlier
+    ones; max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
+    prefill are not)."""
+
+    epoch_steps: int = 16
+    hold_epochs: int = 8
+    margin: float = 0.03
+    alpha: float = 0.5
+    max_epoch_steps: int = 64
+
+
+class _Epochs:
+    """One (batch bucket, kind) of ``EpochBudget``: the budget held (an index into the options), the epoch under
+    way and each budget's measured rate (tokens per second, None until measured)."""
+
+    def __init__(self, n: int) -> None:
+        self.rates: list[float | None] = [None] * n
+        self.to_measure = list(range(n - 1, -1, -1))  # every budget once, the full one first
+        self.held = self.to_measure.pop(0)
+        self.best = self.held
+        self.steps = self.timed = 0
+        self.tokens = self.seconds = 0.0
+        self.since_probe = 0
+        self.probe_up = True
+
+
+class EpochBudget:
+    """The node budget of a pipelined engine's steps: for each batch bucket and kind of step (all rows greedy, or
+    some sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is
+    built under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user
+    gets from it: tokens committed per wall second of whole engine steps (host work, the overlap and the reads
+    included), averaged over its epochs. Every budget is measured once, the full tree first; then the best is
+    held, and every ``hold_epochs`` epochs a budget next to it (above and below in turn) is measured again, so a
+    change in acceptance or cost moves the choice. Budget 0 (plain decoding) is chosen unless another measures
+    ``margin`` more tokens per second, so speculating is not slower than decoding by more than the measurements
+    err. Same interface as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+
+    def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
+        self.config = config or EpochConfig()
+        self.options = sorted(options)
+        if not self.options or self.options[0].nodes != 0:
+            raise ValueError("EpochBudget needs budget 0 (plain decoding) among its options")
+        self.states: dict[tuple[int, bool], _Epochs] = {}
+        self.chosen: Counter = Counter()  # (rows, nodes) -> steps
+        self.timing_valid = True  # False: this step ran a prefill, so its wall time is not the budget's
+        self._step: tuple[_Epochs, int] | None = None  # the last speculate's state and tokens committed
+
+    def key(self, rows: list) -> tuple[int, bool]:
+        """(batch bucket, whether every row is greedy): the budgets are chosen apart for each."""
+        return batch_key(len(rows)), all(r.params.greedy for r in rows)
+
+    def choose(self, rows: list) -> int:
+        """The node budget of a step over ``rows``: the one its bucket holds."""
+        state = self.states.get(self.key(rows))
+        if state is None:
+            state = self.states[self.key(rows)] = _Epochs(len(self.options))
+        nodes = self.options[state.held].nodes
+        self.chosen[(len(rows), nodes)] += 1
+        self._step = (state, 0)
+        return nodes
+
+    def speculate(self, rows: list, proposer, verifier) -> list:
+        """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
+        proposer.budget = self.choose(rows)
+        results = verifier.verify_proposal(rows, proposer.propose(rows))
+        self._step = (self._step[0], sum(len(r.accepted_nodes) + 1 for r in results))
+        return results
+
+    def observe_step(self, seconds: float) -> None:
+        """Wall seconds of the whole engine step whose rows ``speculate`` ran last."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        state, tokens = step
+        state.steps += 1
+        if self.timing_valid:
+            state.timed += 1
+            state.tokens += tokens
+            state.seconds += seconds
+        cfg = self.config
+        if state.timed >= cfg.epoch_steps or (state.steps >= cfg.max_epoch_steps and state.timed):
+            self._end_epoch(state)
+        elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
+            state.steps = 0
+
+    def _end_epoch(self, state: _Epochs) -> None:
+        cfg, i = self.config, state.held
+        rate = state.tokens / max(state.seconds, 1e-9)
+        old = state.rates[i]
+        state.rates[i] = rate if old is None else old + cfg.alpha * (rate - old)
+        state.steps = state.timed = 0
+        state.tokens = state.seconds = 0.0
+        state.best = self._best(state)
+        if state.to_measure:
+            state.held = state.to_measure.pop(0)
+            return
+        if state.held != state.best:  # a probe ended: back to the best
+            state.held, state.since_probe = state.best, 0
+            return
+        state.since_probe += 1
+        if state.since_probe >= cfg.hold_epochs:  # probe a neighbour of the best, above and below in turn
+            up, down = state.best + 1, state.best - 1
+            order = (up, down) if state.probe_up else (down, up)
+            state.probe_up = not state.probe_up
+            state.held = next((j for j in order if 0 <= j < len(self.options)), state.best)
+            state.since_probe = 0
+
+    def _best(self, state: _Epochs) -> int:
+        rates = state.rates
+        known = [j for j, r in enumerate(rates) if r is not None]
+        best = max(known, key=rates.__getitem__)
+        if rates[0] is not None and rates[best] <= rates[0] * (1 + self.config.margin):
+            return 0
+        return best
+
+    def mean_budget(self, rows: int | None = None, since: Counter | None = None) -> float | None:
+        """Mean chosen budget over steps of ``rows`` rows (all steps when None), after the ``since`` snapshot."""
+        return mean_budget(self.chosen, rows, since)
+
+
+def make_controller(enabled: bool | None, device, drafter, graphs, epochs: bool = False,
+                    ) -> BudgetController | EpochBudget | None:
     """The engine's controller, or None (adaptive off, or a drafter with nothing to draft). ``enabled``
     None is on for CUDA only: there a step's cost depends on the batch enough to matter and graph
     timings are steady; on the CPU tree shapes stay fixed by default, so acceptance statistics (never
-    greedy output, which no budget changes) are reproducible run to run. With captured graphs the
-    verify costs start from their measured replay times."""
+    greedy output, which no budget changes) are reproducible run to run. ``epochs`` (a pipelined engine):
+    an ``EpochBudget`` over the drafter's budgets; else a ``BudgetController``, whose verify costs start from
+    the captured graphs' measured replay times."""
     want = enabled if enabled is not None else device.type == "cuda"
     if not want or drafter.max_nodes == 0:
         return None
+    if epochs:
+        buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
+        return EpochBudget(_undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n))
     table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
     buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
     return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)

@@ -27,7 +27,7 @@ from specdec.loading.roles import check_roles
 from specdec.memory_budget import gpu_kv_budget
 from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput
-from specdec.plan import LARGE_BATCH_ROWS, resolve_plan
+from specdec.plan import resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
@@ -119,7 +119,8 @@ class SpecEngine:
         self.runner = ModelRunner(self.pool, self.tables, backend, self.device)
         self.drafter = self._make_drafter(draft)
         self.graph_report = self._setup_graphs(max_blocks)
-        self.adaptive = make_controller(plan.adaptive, self.device, self.drafter, self.runner.graphs)
+        self.adaptive = make_controller(plan.adaptive, self.device, self.drafter, self.runner.graphs,
+                                        epochs=plan.budget_epochs)
         self.drafter.pipelined = plan.pipeline  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(
@@ -182,10 +183,7 @@ class SpecEngine:
         self.verifier.fused = fused = FusedVerify(self.verifier, nodes, levels, dynamic)
         self.drafter.fused_verify = True
         start = time.perf_counter()
-        # (only greedy steps are fused)
-        plan = self.plan
-        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive and not plan.greedy_budget_fixed \
-            else [self.drafter.node_budget] + ([plan.large_batch_budget] if plan.large_batch_budget else [])
+        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive else [self.drafter.node_budget]
         n = fused.prepare(budgets)
         if n and self.graph_report is not None:
             self.graph_report.graphs += n
@@ -333,26 +331,15 @@ class SpecEngine:
     def _speculate(self, rows: list[Request]) -> list:
         """propose -> verify -> accept for the decode rows, under this step's budget: the proposer's trees (device
         tensors, or the step the pipeline queued for them), then one target forward over them with the acceptance
-        rule for greedy and sampled rows and the step's one read. With the budget controller choosing, the same two
-        calls run timed (``BudgetController.speculate``)."""
+        rule for greedy and sampled rows and the step's one read. With a budget controller (``plan.adaptive``) the
+        same two calls run under the budget it chooses (``BudgetController.speculate`` at every step, or a pipelined
+        engine's ``EpochBudget``), else under the tree's full budget."""
         if not rows:
             return []
-        controller = self._budget(rows)
-        if controller is not None:
-            return controller.speculate(rows, self.proposer, self.verifier)
+        if self.adaptive is not None:
+            return self.adaptive.speculate(rows, self.proposer, self.verifier)
         proposal: Proposal = self.proposer.propose(rows)
         return self.verifier.verify_proposal(rows, proposal)
-
-    def _budget(self, rows: list[Request]):
-        """Set this step's node budget by the plan; returns the controller when it chooses the budget (it does for
-        every step, or only for steps with sampled rows where greedy steps keep the fixed one, ``large_batch_budget``
-        above ``LARGE_BATCH_ROWS`` rows), else None."""
-        plan = self.plan
-        if self.adaptive is not None and not (plan.greedy_budget_fixed and all(r.params.greedy for r in rows)):
-            return self.adaptive
-        if plan.greedy_budget_fixed:  # whatever the controller chose for sampled rows
-            self.drafter.budget = plan.large_batch_budget if len(rows) > LARGE_BATCH_ROWS else None
-        return None
 
     def _commit(self, rows: list[Request], results: list) -> None:
         """``commit_accepted`` (adopt the accepted KV, stop rules, free blocks), then the drafter's bookkeeping

@@ -12,9 +12,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 PROPOSERS = ("none", "ngram", "draft", "eagle")
-# an auto-budget pipelined engine's greedy steps of more rows than this keep a dynamic tree's best
-# LARGE_BATCH_NODES nodes (a full tree's verify costs more than its extra tokens bring at large batches)
-LARGE_BATCH_ROWS, LARGE_BATCH_NODES = 16, 15
 NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined n-gram steps of fewer rows look chains up on the host (shared table)
 ADMIT_GROUP_FRACTION = 8  # pipelined engines admit waiting requests once max_batch_size // 8 rows are free
 
@@ -28,9 +25,10 @@ class EnginePlan:
     launch the verify in the same program. ``ngram_device``: n-gram chains looked up on the device from
     ``ngram_min_rows`` rows. ``adaptive``: the per-step tree budget controller (0 nodes: plain decoding, where
     speculating does not pay). ``pipeline``: each greedy step queues its successor on the device before the host
-    reads it. ``greedy_budget_fixed``: pipelined greedy steps keep the fixed budget (the controller chooses only
-    for steps with sampled rows), with ``large_batch_budget`` nodes above ``LARGE_BATCH_ROWS`` rows (None: the
-    full tree). ``warm_up``: every step shape runs once at construction (``specdec.warm_up``), so the graphs
+    reads it. ``budget_epochs``: a pipelined engine's budget is held per batch bucket and kind of step (greedy, or
+    with sampled rows) for epochs of steps, chosen by measured tokens per second (``adaptive.EpochBudget``), so
+    queued steps stay valid; an unpipelined engine's controller chooses at every step. ``warm_up``: every step
+    shape runs once at construction (``specdec.warm_up``), so the graphs
     captured on first use exist before the first request.
     ``admit_min_free``: waiting requests join running ones once this many rows are free (or the queue's head
     waited 8 steps): a pipelined step's queued successor is dropped whenever a row joins, so pipelined engines
@@ -48,8 +46,7 @@ class EnginePlan:
     ngram_min_rows: int
     adaptive: bool
     pipeline: bool
-    greedy_budget_fixed: bool
-    large_batch_budget: int | None
+    budget_epochs: bool
     warm_up: bool = False
     admit_min_free: int = 1
 
@@ -66,7 +63,7 @@ class EnginePlan:
         tree = "" if self.proposer == "none" else f" {self.tree}"
         flags = [name for name in ("padded", "device_program", "fused_verify", "ngram_device", "adaptive",
                                    "pipeline", "warm_up") if getattr(self, name)]
-        extra = f", above {LARGE_BATCH_ROWS} rows {self.large_batch_budget} nodes" if self.large_batch_budget else ""
+        extra = ", budget per batch bucket by measured epochs" if self.budget_epochs else ""
         extra += f", admits once {self.admit_min_free} rows are free" if self.admit_min_free > 1 else ""
         return (f"plan: {self.proposer}{tree} on {self.device} {self.dtype}, attention {self.attention_backend}; "
                 f"{' '.join(flags) or 'eager'}{extra}")
@@ -83,26 +80,25 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
                          f"(attention_backend='auto' or 'triton'), got {cfg.attention_backend!r}")
     device_program = padded and proposer == "eagle"
     fused = cfg.fused_verify and device_program
-    # the controller: on CUDA for every proposer (pipelined greedy steps keep a fixed budget: ``fixed`` below)
+    # the controller: on CUDA for every proposer (pipelined engines hold budgets for epochs: ``epochs`` below)
     adaptive = cfg.adaptive if cfg.adaptive is not None else cuda and proposer in ("draft", "eagle", "ngram")
     adaptive = adaptive and max_nodes > 0
     want_pipeline = cfg.pipeline if cfg.pipeline is not None else cuda
     want_ngram_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
     ngram_device = bool(want_ngram_device and proposer == "ngram" and padded)
-    if proposer == "eagle":  # queued fused steps: they need a fixed budget for greedy steps
+    if proposer == "eagle":  # queued fused steps: a budget held for epochs (a per-step choice drops them)
         pipeline = want_pipeline and fused and cfg.adaptive is not True
-    elif proposer == "ngram":  # (likewise: the controller then chooses only for steps with sampled rows)
+    elif proposer == "ngram":  # (likewise)
         pipeline = want_pipeline and ngram_device and cfg.adaptive is not True
     elif proposer == "none":
         pipeline = want_pipeline and padded
     else:
         pipeline = False
     pipeline = bool(pipeline)
-    fixed = pipeline and adaptive
-    large = LARGE_BATCH_NODES if fixed and cfg.tree_spec.kind == "dynamic" and max_nodes > LARGE_BATCH_NODES else None
+    epochs = pipeline and adaptive
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
     warm = cuda and padded  # (on the CPU nothing is captured, so there is nothing to warm up)
     admit = cfg.admit_min_free or (max(1, cfg.max_batch_size // ADMIT_GROUP_FRACTION) if pipeline else 1)
     return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
-                      bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(fixed),
-                      large, bool(warm), admit)
+                      bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(epochs),
+                      bool(warm), admit)

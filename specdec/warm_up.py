@@ -49,25 +49,22 @@ def warm_up(engine) -> float:
     plan, cfg = engine.plan, engine.config
     prompt = [t % engine.target.config.vocab_size for t in range(1, PROMPT_TOKENS + 1)]
     controller = engine.adaptive
-    sampled_budgets = [None] if controller is None else sorted({o.nodes for o in controller.options})
+    budgets = [None] if controller is None else sorted({o.nodes for o in controller.options})
     greedy = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
     sampled = [SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, temperature=1.0, top_p=top_p, seed=i)
                for i, top_p in enumerate((1.0, 0.9))]  # without and with top-p: the rule's two graphs
     buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
     # a queued step's advance graph is keyed by its row count; every other graph by the batch bucket only
     counts = range(1, cfg.max_batch_size + 1) if plan.pipeline else sorted(buckets | {cfg.max_batch_size})
-    # greedy steps: the budget the engine gives them (pipelined: fixed, else the controller's choice)
-    greedy_budget = None if plan.greedy_budget_fixed or controller is None else FixedBudget(None)
     try:
         for rows in counts:
-            engine.adaptive = greedy_budget
-            engine.generate([prompt] * rows, greedy)
-            for nodes in sampled_budgets:  # a step with a sampled row: any budget the controller may choose
+            for nodes in budgets:  # all-greedy steps and steps with a sampled row, at any budget the engine may use
                 engine.adaptive = None if controller is None else FixedBudget(nodes)
+                engine.generate([prompt] * rows, greedy)
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
                 if rows in buckets or rows == cfg.max_batch_size:  # the sampled rule per batch bucket, top-p on
                     engine.generate([prompt] * rows, sampled[1])
-        engine.adaptive = greedy_budget
+        engine.adaptive = None if controller is None else FixedBudget(None)
         vocab, limit = engine.target.config.vocab_size, engine.target.config.max_position_embeddings
         mixed = [[(7 * i + j) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(MIXED_LENGTHS)
                  if n + WARM_UP_TOKENS + engine.drafter.lookahead < limit]

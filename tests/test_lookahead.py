@@ -16,12 +16,11 @@ import torch
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
 from test_fused_step import _host_inputs
 
-from specdec.adaptive import BudgetController, budget_options
+from specdec.adaptive import EpochBudget, EpochConfig, make_controller
 from specdec.drafters.eagle_drafter import _Spans
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 from specdec.pipeline import QueuedStep
-from specdec.plan import LARGE_BATCH_NODES, resolve_plan
 from specdec.sampling_params import SamplingParams
 from specdec.step_inputs import StepInputs, _offsets
 
@@ -172,21 +171,19 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
     on, off, adaptive, unfused = engine(), engine(pipeline=False), engine(adaptive=True), engine(fused_verify=False)
     assert on.drafter.pipelined and on.adaptive is None and not off.drafter.pipelined
     assert not adaptive.drafter.pipelined and adaptive.adaptive is not None and not unfused.drafter.pipelined
-    assert not adaptive.plan.greedy_budget_fixed and not on.plan.greedy_budget_fixed
+    assert not adaptive.plan.budget_epochs and not on.plan.budget_epochs
     assert on.scheduler.lookahead == off.scheduler.lookahead + on.drafter.max_nodes + 1
-    # the defaults: on CUDA pipelined, the controller only for steps with sampled rows; on the CPU neither
+    # the defaults: on CUDA pipelined, budgets held per batch bucket for epochs; on the CPU neither
     auto = engine(pipeline=None, adaptive=None)
     assert auto.drafter.pipelined is cuda and (auto.adaptive is not None) is cuda
-    assert auto.plan.greedy_budget_fixed is cuda
-    assert auto.plan.greedy_budget_fixed is cuda
+    assert auto.plan.budget_epochs is cuda and isinstance(auto.adaptive, EpochBudget) is cuda
     assert engine(pipeline=True, adaptive=None).drafter.pipelined
     from specdec.cli.bench import engine_mode  # what ``specdec bench`` reports of it
 
-    assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "greedy_budget_fixed": False,
-                               "large_batch_budget": None, "plan": on.plan.as_dict()}
-    assert engine_mode(adaptive) == {"pipelined": False, "adaptive_on": True, "greedy_budget_fixed": False,
-                                     "large_batch_budget": None, "plan": adaptive.plan.as_dict()}
-    assert engine_mode(auto)["large_batch_budget"] is None  # a static tree keeps its size at every batch size
+    assert engine_mode(on) == {"pipelined": True, "adaptive_on": False, "budget_epochs": False,
+                               "plan": on.plan.as_dict()}
+    assert engine_mode(adaptive) == {"pipelined": False, "adaptive_on": True, "budget_epochs": False,
+                                     "plan": adaptive.plan.as_dict()}
     assert (engine(pipeline=False, adaptive=None).adaptive is not None) is cuda  # adaptive as before
     from specdec.errors import FieldError
 
@@ -194,65 +191,28 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
         SpecConfig(pipeline="yes")
 
 
-class _Recording(BudgetController):
-    """The adaptive controller choosing the smallest tree every time, recording whether each step it was asked
-    to choose for had a sampled row."""
-
-    def __init__(self, options):
-        super().__init__(options)
-        self.sampled_steps: list[bool] = []
-
-    def choose(self, rows: int) -> int:
-        self.last = self.options[1]
-        self.chosen[(rows, self.last.nodes)] += 1
-        return self.last.nodes
-
-    def speculate(self, rows, drafter, verifier):
-        self.sampled_steps.append(any(not r.params.greedy for r in rows))
-        return super().speculate(rows, drafter, verifier)
-
-
-def test_pipelined_greedy_steps_keep_the_full_budget_beside_the_controller(tiny):
-    """CUDA's default (``pipeline`` and ``adaptive`` None): the controller chooses budgets only for steps with
-    sampled rows; greedy steps run pipelined at the tree's full size even right after the controller chose a
-    smaller one, and greedy output equals target-only (set up here on the CPU, where the defaults are off;
-    seeded sampled output follows the budgets, so only its length is checked)."""
+def test_pipelined_steps_hold_each_buckets_budget_for_epochs(tiny):
+    """CUDA's default (``pipeline`` and ``adaptive`` None, set up here on the CPU): an ``EpochBudget`` holds one
+    budget per (batch bucket, greedy or not) for epochs of steps, trying every budget of the tree; greedy output
+    equals target-only whatever it holds, sampled output is as long as asked, and queued steps are adopted within
+    an epoch (a budget change drops the one queued step)."""
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
-    eng.adaptive = ctrl = _Recording(budget_options(eng.drafter))
-    eng.plan = dataclasses.replace(eng.plan, greedy_budget_fixed=True)
-    budgets, propose = [], eng.drafter.propose
-    eng.drafter.propose = lambda rows: budgets.append((rows[0].params.greedy, eng.drafter.node_budget)) or propose(rows)
+    eng.adaptive = ctrl = make_controller(True, eng.device, eng.drafter, None, epochs=True)
+    ctrl.config = EpochConfig(epoch_steps=2, hold_epochs=2)
+    eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
+    steps, propose = [], eng.drafter.propose
+    eng.drafter.propose = lambda rows: steps.append((ctrl.key(rows), eng.drafter.node_budget)) or propose(rows)
     sampled = [SamplingParams(max_new_tokens=12, temperature=0.8, seed=5 + i, ignore_eos=True) for i in range(2)]
-    for _ in range(2):  # greedy after sampled: the controller's last choice must not carry over
+    for _ in range(3):
         assert [len(o.token_ids) for o in eng.generate(PROMPTS[:2], sampled)] == [12, 12]
         assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
-    assert ctrl.sampled_steps and all(ctrl.sampled_steps)  # never asked about an all-greedy step
-    assert {n for greedy, n in budgets if not greedy} == {ctrl.options[1].nodes} != {eng.drafter.max_nodes}
-    assert {n for greedy, n in budgets if greedy} == {eng.drafter.max_nodes}
-    assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
-
-
-def test_large_batches_keep_the_smaller_dynamic_budget(tiny, monkeypatch):
-    """The auto budget of pipelined greedy steps: a dynamic tree's full size up to ``LARGE_BATCH_ROWS`` rows, its
-    best ``LARGE_BATCH_NODES`` above (here 2 rows and 15 of dynamic:16's nodes, so 4 requests that end at different
-    steps cross the line both ways); greedy output equals target-only, queued steps are still adopted, and a static
-    tree keeps its full size."""
-    import specdec.engine as engine_mod
-
-    monkeypatch.setattr(engine_mod, "LARGE_BATCH_ROWS", 2)
-    draft, target, want, cfg = tiny
-    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
-    cuda = resolve_plan(eng.config, torch.device("cuda"), "eagle", "triton", 16)  # CUDA's auto, used on the CPU
-    assert cuda.greedy_budget_fixed and cuda.large_batch_budget == LARGE_BATCH_NODES == 15
-    eng.plan = dataclasses.replace(eng.plan, greedy_budget_fixed=True, large_batch_budget=15)
-    seen, propose = set(), eng.drafter.propose
-    eng.drafter.propose = lambda rows: seen.add((len(rows) > 2, eng.drafter.node_budget)) or propose(rows)
-    assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
-    assert seen == {(True, 15), (False, 16)}
-    assert eng.drafter.paths["ahead"] > 0 and eng.all_blocks_free()
-    static = SpecConfig(tree="topk:2x3", **{**cfg, "adaptive": None})
-    assert resolve_plan(static, torch.device("cuda"), "eagle", "triton", 6).large_batch_budget is None
+    nodes = {o.nodes for o in ctrl.options}
+    assert len(nodes) > 2 and 0 in nodes and eng.drafter.max_nodes in nodes
+    greedy4 = [n for key, n in steps if key == (4, True)]
+    assert set(greedy4) == nodes  # every budget measured in the bucket that ran long enough
+    assert {key[1] for key, _ in steps} == {True, False}
+    assert eng.pipeline.adopted > 0 and eng.all_blocks_free()
 
 
 def test_pipelined_engine_under_the_serving_executor(tiny):

@@ -289,25 +289,24 @@ def test_a_history_row_taken_over_is_uploaded_again():
 
 def test_plan_rules_on_cuda_and_cpu():
     """``resolve_plan``'s auto rules, checked without a GPU: on CUDA the controller for every proposer (target-only
-    has nothing to budget), choosing only for steps with sampled rows where greedy steps are pipelined (n-gram,
-    EAGLE), every proposer but a Llama draft pipelined, n-gram chains on the device from one row when pipelined;
+    has nothing to budget), holding budgets for epochs where steps are pipelined (n-gram, EAGLE), every proposer but
+    a Llama draft pipelined, n-gram chains on the device from one row when pipelined;
     on the CPU all of it off; explicit options win."""
     from specdec.engine import SpecConfig
     from specdec.plan import NGRAM_DEVICE_MIN_ROWS, resolve_plan
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     ngram = resolve_plan(SpecConfig(tree="chain:8"), cuda, "ngram", "triton", 8)
-    assert ngram.adaptive and ngram.pipeline and ngram.greedy_budget_fixed and ngram.ngram_device
-    assert ngram.ngram_min_rows == 1 and ngram.large_batch_budget is None
+    assert ngram.adaptive and ngram.pipeline and ngram.budget_epochs and ngram.ngram_device
+    assert ngram.ngram_min_rows == 1
     fixed = resolve_plan(SpecConfig(tree="chain:8", adaptive=False), cuda, "ngram", "triton", 8)
-    assert not fixed.adaptive and fixed.pipeline and not fixed.greedy_budget_fixed
+    assert not fixed.adaptive and fixed.pipeline and not fixed.budget_epochs
     steered = resolve_plan(SpecConfig(tree="chain:8", adaptive=True), cuda, "ngram", "triton", 8)
     assert steered.adaptive and not steered.pipeline
     none = resolve_plan(SpecConfig(), cuda, "none", "triton", 0)
     assert not none.adaptive and none.pipeline and none.padded
     eagle = resolve_plan(SpecConfig(tree="dynamic:31"), cuda, "eagle", "triton", 31)
-    assert eagle.adaptive and eagle.pipeline and eagle.fused_verify and eagle.greedy_budget_fixed
-    assert eagle.large_batch_budget == 15
+    assert eagle.adaptive and eagle.pipeline and eagle.fused_verify and eagle.budget_epochs
     draft = resolve_plan(SpecConfig(tree="topk:2x3"), cuda, "draft", "triton", 6)
     assert draft.adaptive and not draft.pipeline and not draft.device_program
     for proposer, nodes in (("none", 0), ("ngram", 8), ("eagle", 31)):

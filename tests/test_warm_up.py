@@ -57,8 +57,8 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     assert not eng.plan.warm_up  # (on the CPU it is off by default; CUDA's defaults set up by hand below)
     stand_in_verify_graphs(monkeypatch, eng)
     monkeypatch.setattr(cg, "capture_graph", _stand_in)  # (outputs that are tuples too)
-    eng.adaptive = make_controller(True, eng.device, eng.drafter, None)  # CUDA: the controller for sampled steps
-    eng.plan = dataclasses.replace(eng.plan, adaptive=True, greedy_budget_fixed=True)
+    eng.adaptive = make_controller(True, eng.device, eng.drafter, None, epochs=True)  # CUDA: budgets by epochs
+    eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
     eng.pipeline.hook.advance = advance = AdvanceGraphs(eng.device, capture=True)
     writer = eng.verifier.fused.writer
     writer.capture = True

@@ -9,7 +9,6 @@ import torch
 
 from specdec.benchmark.hf import HF_PARTS
 from specdec.defaults import CUDA_DRAFT_TREE, default_draft, default_tree
-from specdec.plan import LARGE_BATCH_ROWS
 
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
 PIPELINE_CHOICES = {"auto": None, "on": True, "off": False}  # --pipeline -> SpecConfig.pipeline
@@ -62,8 +61,8 @@ PIPELINE_HELP = "pipelined greedy steps (each step queued on the device before t
 def engine_mode(engine) -> dict:
     """How a speculative engine resolved its auto options: its plan, under ``plan`` and the summary keys."""
     plan = engine.plan
-    return {"pipelined": plan.pipeline, "adaptive_on": plan.adaptive, "greedy_budget_fixed": plan.greedy_budget_fixed,
-            "large_batch_budget": plan.large_batch_budget, "plan": plan.as_dict()}
+    return {"pipelined": plan.pipeline, "adaptive_on": plan.adaptive, "budget_epochs": plan.budget_epochs,
+            "plan": plan.as_dict()}
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -164,10 +163,8 @@ def cmd_bench(args) -> int:
         probe = entry["probe_s"] = probes.get(entry["batch_size"])
         entry["disturbed"] = probe is not None and disturbance_note(entry["batch_size"], *probe) is not None
     print(format_table(report))
-    large = config["large_batch_budget"]
     print(f"steps: {'pipelined' if config['pipelined'] else 'not pipelined'}, adaptive budget "
-          f"{'for sampled steps only' if config['greedy_budget_fixed'] else 'on' if config['adaptive_on'] else 'off'}"
-          + (f"; greedy steps of more than {LARGE_BATCH_ROWS} rows keep {large} nodes" if large else ""))
+          f"{'per batch bucket, by epochs' if config['budget_epochs'] else 'on' if config['adaptive_on'] else 'off'}")
     print(budget_line(report), end="")
     print(format_sweep(report), end="")
     if args.json_out:

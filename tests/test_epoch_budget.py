@@ -1,0 +1,94 @@
+"""The pipelined engine's budget policy (``adaptive.EpochBudget``) on made-up step timings, without a model.
+
+Each test drives ``choose`` / ``observe_step`` the way ``SpecEngine.step`` does (through a stand-in of
+``speculate``'s bookkeeping: tokens committed per step) with rates chosen here, and checks which budget each
+(batch bucket, kind) holds.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specdec.adaptive import BudgetOption, EpochBudget, EpochConfig
+
+OPTIONS = [BudgetOption(n, d, 1) for n, d in ((0, 0), (3, 2), (7, 3), (15, 4))]
+
+
+def rows_of(n: int, greedy: bool = True) -> list:
+    return [SimpleNamespace(params=SimpleNamespace(greedy=greedy if i == 0 else True)) for i in range(n)]
+
+
+def step(ctrl: EpochBudget, rows: list, rate_of, valid: bool = True) -> int:
+    """One engine step: the budget held for ``rows``, committing rate_of(nodes) tokens per second over 1 ms."""
+    nodes = ctrl.choose(rows)
+    ctrl._step = (ctrl._step[0], rate_of(nodes) * 1e-3)
+    ctrl.timing_valid = valid
+    ctrl.observe_step(1e-3)
+    return nodes
+
+
+def run(ctrl, rows, rate_of, steps) -> list[int]:
+    return [step(ctrl, rows, rate_of) for _ in range(steps)]
+
+
+def test_every_budget_is_measured_full_first_then_the_best_is_held():
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=4, hold_epochs=100))
+    rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 1700.0}
+    held = run(ctrl, rows_of(16), rates.__getitem__, 4 * 4 + 40)
+    assert held[:16] == [15] * 4 + [7] * 4 + [3] * 4 + [0] * 4  # each budget one epoch, full tree first
+    assert set(held[16:]) == {7}  # then the fastest, for whole epochs
+
+
+def test_plain_decoding_unless_a_budget_beats_it_by_the_margin():
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=2, hold_epochs=100, margin=0.05))
+    held = run(ctrl, rows_of(64), {0: 1000.0, 3: 1040.0, 7: 1020.0, 15: 900.0}.__getitem__, 8 + 20)
+    assert set(held[8:]) == {0}
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=2, hold_epochs=100, margin=0.05))
+    held = run(ctrl, rows_of(64), {0: 1000.0, 3: 1060.0, 7: 1020.0, 15: 900.0}.__getitem__, 8 + 20)
+    assert set(held[8:]) == {3}
+
+
+def test_neighbours_are_probed_and_a_drift_moves_the_choice():
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=2, hold_epochs=3, alpha=1.0))
+    rates = {0: 1000.0, 3: 1500.0, 7: 2000.0, 15: 1200.0}
+    held = run(ctrl, rows_of(8), lambda n: rates[n], 8 + 60)
+    assert 15 in held[8:] and 3 in held[8:]  # both neighbours of 7 probed, an epoch each
+    assert held[8:].count(7) > 0.6 * len(held[8:])
+    rates[3] = 3000.0  # the text changed: smaller trees pay now
+    held = run(ctrl, rows_of(8), lambda n: rates[n], 60)
+    assert ctrl.options[ctrl.states[ctrl.key(rows_of(8))].best].nodes == 3
+    assert held[-30:].count(3) > 0.6 * 30  # held, but for the probes of its neighbours
+
+
+def test_buckets_and_kinds_are_chosen_apart():
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=2, hold_epochs=100))
+    greedy = {0: 1000.0, 3: 1200.0, 7: 1500.0, 15: 2000.0}
+    sampled = {0: 1000.0, 3: 900.0, 7: 800.0, 15: 700.0}
+    for _ in range(12):
+        step(ctrl, rows_of(1), greedy.__getitem__)
+        step(ctrl, rows_of(1, greedy=False), sampled.__getitem__)
+        step(ctrl, rows_of(33), sampled.__getitem__)  # (bucket 64)
+    assert ctrl.key(rows_of(1)) == (1, True) and ctrl.key(rows_of(1, greedy=False)) == (1, False)
+    assert ctrl.choose(rows_of(1)) == 15
+    assert ctrl.choose(rows_of(1, greedy=False)) == 0
+    assert ctrl.choose(rows_of(40)) == 0
+    assert ctrl.mean_budget(1) is not None and ctrl.chosen[(33, 15)] == 2
+
+
+def test_steps_with_a_prefill_are_not_timed_and_an_untimed_epoch_starts_over():
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=2, hold_epochs=100, max_epoch_steps=5))
+    rows = rows_of(4)
+    for _ in range(12):  # only prefill steps: the full budget stays held, nothing measured
+        assert step(ctrl, rows, lambda n: 1e6, valid=False) == 15
+    state = ctrl.states[ctrl.key(rows)]
+    assert state.rates == [None] * 4
+    step(ctrl, rows, lambda n: 1000.0)
+    step(ctrl, rows, lambda n: 1000.0)
+    assert state.rates[3] == pytest.approx(1000.0) and state.held == 2
+
+
+def test_budget_zero_is_required():
+    with pytest.raises(ValueError, match="budget 0"):
+        EpochBudget(OPTIONS[1:])
