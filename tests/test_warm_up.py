@@ -101,7 +101,8 @@ def test_gpu_first_long_requests_compile_no_triton_kernel(tiny_factory, proposer
     assert eng.plan.warm_up
     prompts = [[(5 * i + 3 * j) % 250 + 3 for j in range(n)] for i, n in enumerate((3000, 2100, 1300, 700, 33))]
     compiled, previous = [], knobs.runtime.jit_post_compile_hook
-    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(getattr(kw.get("fn"), "name", "?"))
+    # each compile's kernel and specialisation (argument types, constexprs, alignment): what the warm-up missed
+    knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw.get("repr") or kw.get("fn").name)
     try:
         for params in (SamplingParams(max_new_tokens=24, ignore_eos=True),
                        SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)):
