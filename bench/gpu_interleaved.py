@@ -142,7 +142,8 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False)
 
 
 class TritonCompiles:
-    """Names of the Triton kernels compiled in this process, in order (Triton's post-compile hook; an empty list
+    """The Triton kernels compiled in this process, in order, each named with its specialisation (argument types,
+    constexprs, alignment: Triton's post-compile hook's repr; an empty list
     where Triton or the hook is missing). A compile during a timed round is one engine start did not trigger."""
 
     def __init__(self) -> None:
@@ -154,7 +155,7 @@ class TritonCompiles:
         previous = knobs.runtime.jit_post_compile_hook
 
         def hook(*args, **kwargs):
-            self.names.append(getattr(kwargs.get("fn"), "name", "?"))
+            self.names.append(kwargs.get("repr") or getattr(kwargs.get("fn"), "name", "?"))  # with its specialisation
             return previous(*args, **kwargs) if previous else None
 
         knobs.runtime.jit_post_compile_hook = hook
