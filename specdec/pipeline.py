@@ -19,7 +19,10 @@ One mechanism for every proposer; the hooks differ only in how they write the ne
   path's tokens and the bonus token with the verify's features as inputs, the next verify's skeleton puts the
   bonus token at L + m as the root; then the draft program replays (``lookahead_ops``, ``kernels/advance.py``);
 - ``ChainAhead`` (n-gram chains looked up on the device, and target-only decoding with no chain): the next
-  verify's whole bucket from the outcome and the chains (``ngram_ops.ngram_advance_reference``).
+  verify's whole bucket from the outcome and the chains (``ngram_ops.ngram_advance_reference``), under any node
+  budget n from 0 (a decode step; its follow-up still extends the device n-gram histories) to the longest chain:
+  a step verifies in the bucket of n + 1 queries (``min_query``) and its successor is built there, each chain cut
+  to n tokens, exactly the chains the drafter proposes under that budget.
 Steps with sampled rows (not with a repetition penalty) are queued by both: the sampled rule runs right behind the
 verify, the next step is built from its outcome, and the queued step's sampled rows draw their uniforms when it
 is queued (``QueuedStep.draws``; given back when it is dropped, and, for chains the device cut shorter than the
@@ -323,42 +326,50 @@ class EagleAhead:
 class ChainAhead:
     """The part of a queued step for chains known on the device: the n-gram drafter's device lookups (``follow``,
     a ``drafters.ngram_device.DeviceNgram``: the next chain comes from its follow-up launch) and target-only
-    decoding (``follow`` a ``DecodeFollow``: no chain, the bonus token alone); ``k``: the chains' length (0:
-    decoding). It writes
-    the next verify's whole bucket from the outcome and the chains, and the rows' lengths, block tables and length
-    limits: the bonus token, then the chain cut to the tokens still to come. Sampled rows' outcome is the sampled
-    rule's, written into the verify's outcome buffer before the follow-up reads it (``Verifier.launch_queued``)."""
+    decoding (``follow`` a ``DecodeFollow``: no chain, the bonus token alone); ``k``: the longest chain (the
+    drafter's ``max_nodes``; 0: decoding). Under a node budget n (0..k) a step verifies in the bucket of n + 1
+    queries, and the step queued behind it is built in the same bucket: the bonus token, then the chain cut to n
+    tokens and to the tokens still to come (n = 0: a decode step, whose follow-up still extends the device
+    histories). It writes the next verify's whole bucket from the outcome and the chains, and the rows' lengths,
+    block tables and length limits. Sampled rows' outcome is the sampled rule's, written into the verify's outcome
+    buffer before the follow-up reads it (``Verifier.launch_queued``)."""
 
     def __init__(self, drafter, runner, k: int, follow) -> None:
         self.drafter, self.runner, self.k, self.follow = drafter, runner, k, follow
         self.advance = AdvanceGraphs(runner.device)
 
+    @property
+    def nodes(self) -> int:
+        """This step's node budget: the most chain tokens its verify and the one queued behind it hold."""
+        return min(self.drafter.node_budget, self.k)
+
     def min_query(self, rows: list[Request]) -> int:
-        """The whole chain's queries (the queued verify runs in the same bucket, whatever its chains' lengths) when
-        no row has a repetition penalty, and for a step with sampled rows only under the full budget (the controller
-        may choose a smaller one for them: nothing is queued then, and the verify keeps its own bucket); else 0."""
-        if any(r.params.penalized for r in rows):
-            return 0
-        return self.k + 1 if all(r.params.greedy for r in rows) or self.drafter.node_budget == self.k else 0
+        """The budget's queries (n + 1: the queued verify runs in the same bucket, whatever its chains' lengths)
+        when no row has a repetition penalty, greedy and sampled rows alike; else 0 (nothing is queued, and the
+        verify keeps its own bucket)."""
+        return 0 if any(r.params.penalized for r in rows) else self.nodes + 1
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
-        """Behind a verify of the whole chain under the full budget, of rows greedy or sampled but without a
-        repetition penalty (a queued step would need the penalty of tokens not committed yet), with room in the
-        n-gram histories for what the queued step appends."""
-        return (self.drafter.node_budget == self.k and step.key[2] == self.k + 1
-                and not any(r.params.penalized for r in rows) and self.follow.room(rows, step.key[2]))
+        """Behind a verify in its budget's bucket, of rows greedy or sampled but without a repetition penalty (a
+        queued step would need the penalty of tokens not committed yet), with room in the n-gram histories for what
+        the queued step appends."""
+        key = self.runner.packed_key(0, len(step.rows), self.nodes + 1)
+        return (key is not None and step.key[2] == key[2] and not any(r.params.penalized for r in rows)
+                and self.follow.room(rows, step.key[2]))
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, None] | None:
         """Write the next verify of ``rows`` into its bucket: ``step``'s own, or a smaller one when only some of its
         rows go on (None when none fits)."""
-        key = step.key if step.sel is None else self.runner.packed_key(0, len(rows), self.k + 1)
+        n = self.nodes
+        key = step.key if step.sel is None else self.runner.packed_key(0, len(rows), n + 1)
         if key is None or key[2] != step.key[2]:
             return None
         r, (_, b, q) = len(rows), key
         bt = self.runner.tables.host_rows([req.bt_row for req in rows])
-        tables = np.zeros((b, bt.shape[1] + 4), dtype=np.int64)  # (padding rows: zeros, not live)
-        tables[:r, :-4] = bt
-        tables[:r, -4] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]  # largest length
+        tables = np.zeros((b, bt.shape[1] + 5), dtype=np.int64)  # (padding rows: zeros, not live)
+        tables[:r, :-5] = bt
+        tables[:r, -5] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]  # largest length
+        tables[:r, -4] = n  # most chain tokens
         tables[:r, -3] = [len(req.tokens) for req in rows]  # length at the verify of ``step``
         tables[:r, -2] = np.arange(r) if step.sel is None else step.sel  # row of ``step``'s outcome
         tables[:r, -1] = 1

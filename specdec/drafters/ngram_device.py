@@ -11,9 +11,11 @@ read, beside the verify's outcome, and the drafter proposes them at the next ste
 whose history is behind (a new request, or after steps that did not run this) is caught up by one upload.
 
 Pipelined (``SpecConfig.pipeline``, on by default on CUDA), the step after is queued right behind the follow-up
-(``specdec.pipeline``, ``ChainAhead``): its inputs are written on the device from the outcome and the chains (the
-bonus token, then the chain cut to the tokens still to come), and its verify and follow-up replay before the host
-reads this step, so the host commits this step while the GPU runs the next.
+(``specdec.pipeline``, ``ChainAhead``), under whatever node budget the step has: its inputs are written on the
+device from the outcome and the chains (the bonus token, then the chain cut to the budget and to the tokens still to
+come), and its verify and follow-up replay before the host reads this step, so the host commits this step while the
+GPU runs the next. The follow-up always looks up chains of the longest length (``k``), so a decode step (budget 0)
+keeps the histories current and the next budget's chains are ready.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more

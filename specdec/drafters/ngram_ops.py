@@ -51,20 +51,22 @@ def ngram_advance_reference(views, b: int, q: int, out: Tensor, tables: Tensor, 
     committed.
 
     ``out`` (S, q + 4 + k): the follow-up's rows ([m, bonus, path..., finite, c, chain...]) of a verify with q
-    queries per row, or (S, q + 3): a verify's outcome alone (no chain: decoding). ``tables`` (b, W + 4) int64,
-    per bucket row: its block table, its largest length (prompt + max_new_tokens), its length L at that verify
-    (the pending token at L - 1), its row of ``out``, and 1 for a row of the next verify (its first R rows), 0
-    for padding. Row r's next verify is its bonus token at L + m (the pending token), then its chain cut to the
-    tokens still to come (``NgramDrafter``'s rule: min(c, end - (L + m + 1) - 1, q - 1)), a causal run. The
-    shapes are the buckets', so one capture serves any R. No host reads."""
+    queries per row, or (S, q + 3): a verify's outcome alone (no chain: decoding). ``tables`` (b, W + 5) int64,
+    per bucket row: its block table, its largest length (prompt + max_new_tokens), the most chain tokens its next
+    verify holds (the step's node budget, at most q - 1), its length L at that verify (the pending token at L - 1),
+    its row of ``out``, and 1 for a row of the next verify (its first R rows), 0 for padding. Row r's next verify
+    is its bonus token at L + m (the pending token), then its chain cut to the budget and to the tokens still to
+    come (``NgramDrafter``'s rule: min(c, budget, end - (L + m + 1) - 1)), a causal run. The shapes are the
+    buckets', so one capture serves any R and any budget of the bucket. No host reads."""
     dev = out.device
-    bt, ends, lengths = tables[:, :-4], tables[:, -4], tables[:, -3]
+    bt, ends, most, lengths = tables[:, :-5], tables[:, -5], tables[:, -4], tables[:, -3]
     live = (tables[:, -1] > 0)[:, None]  # (b, 1)
     o = out.index_select(0, tables[:, -2])  # (b, q + 4 + k) each row's outcome and chain
     root = lengths + o[:, 0]  # (b,) the bonus token's position: L + m
     k = o.shape[1] - q - 4  # chain columns (-1: an outcome alone)
     found = o[:, q + 3] if k >= 0 else torch.zeros_like(root)  # (b,) the chain's length
-    c = torch.minimum(found, (ends - root - 2).clamp(min=0)).clamp(max=q - 1)  # (b,) chain tokens kept
+    room = (ends - root - 2).clamp(min=0)  # (b,) tokens still to come after the bonus token
+    c = torch.minimum(torch.minimum(found, room), most).clamp(max=q - 1)  # (b,) chain tokens kept
     j = torch.arange(q, device=dev)
     valid = (j <= c[:, None]) & live  # (b, q) the bonus token and the kept chain
     chain = torch.cat([o[:, 1:2], o[:, q + 4:q + 4 + min(max(k, 0), q - 1)]], 1)  # the bonus token, then the chain
