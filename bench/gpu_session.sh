@@ -12,8 +12,9 @@
 #   5 (.whl .gpu, after 3)             bash bench/gpu_session.sh plan t07 0.7   (and plan t10 1.0)
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
-# Training a draft (bench/README.md, "Training the default draft"): here `bash bench/gpu_session.sh distill_prep`
-# (.data/distill/prompts.npz), run 1 also carries .data/distill, then `distill 1` and `distill 2` in two runs.
+# Training a draft (bench/README.md, "Training the default draft"): run 1 also carries .data/distill/regen.npz (the
+# target's replies; else .data/distill/prompts.npz from `bash bench/gpu_session.sh distill_prep`, regenerated in
+# `distill 1`), then `distill 1` and `distill 2` in two runs; INIT_FROM (default smollm2-135m-draft) is warm-started.
 # Rounds: tests (the GPU tests of the step), plan NAME TEMPERATURE (ENGINES, default the CUDA defaults, cold and
 # interleaved at batch 1, 16 and 64, or BATCHES), suites (the pytest-benchmark suites of bench/, compared with
 # bench/baselines), profile (bench/gpu_profile.py: wall time against kernel time per step).
@@ -102,10 +103,12 @@ plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES (default plan) cold and
 }
 
 distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on and measure (2); see bench/README.md
-  local part=$1 work=${DISTILL_WORK:-/tmp/distill} left
+  local part=$1 work=${DISTILL_WORK:-/tmp/distill} init=${INIT_FROM-smollm2-135m-draft} left
   local sd=(python3 -P -m specdec.cli distill --kind eagle --target "$MODEL" --device "${DEVICE:-cuda}")
   mkdir -p "$work"
   export TQDM_MININTERVAL=${TQDM_MININTERVAL:-20} PYTHONUNBUFFERED=1
+  [ -f "$work/regen.npz" ] || [ ! -f "$root/.data/distill/regen.npz" ] || cp "$root/.data/distill/regen.npz" "$work/"
+  [ -f "$work/regen.npz" ] && echo "regen: training on $work/regen.npz ($(du -m "$work/regen.npz" | cut -f1) MB)"
   if [ "$part" = 1 ] && [ ! -f "$work/regen.npz" ]; then
     local prompts=${DISTILL_PROMPTS:-$root/.data/distill/prompts.npz}
     [ -f "$prompts" ] || prompts="$work/prompts.npz"
@@ -120,12 +123,13 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
   # this run's training seconds: what is left of DISTILL_LIMIT after loading (~40 s) and, in part 2, the measurement
   left=$(( ${DISTILL_LIMIT:-560} - SECONDS - 40 - (part == 2 ? ${MEASURE_RESERVE:-200} : 0) ))
   [ "$left" -gt 10 ] || { echo "only ${left}s left for training; run distill $part again"; return 1; }
+  echo "train: from ${init:-a fresh draft}, peak lr ${LR:-the default}, ${left}s of TRAIN_SECONDS ${TRAIN_SECONDS:-480}"
   timeout $(( left + 120 )) "${sd[@]}" --dtype "${DTYPE:-bfloat16}" --tokens "$work/regen.npz" --out "$work/draft" \
     --target-name "${TARGET_NAME:-smollm2-135m}" --resume --run-seconds "$left" --time-budget "${TRAIN_SECONDS:-480}" \
     --steps 1000000 --warmup-steps 100 --unroll "${UNROLL:-6}" --step-decay "${STEP_DECAY:-0.8}" \
-    --sampled-weight "${SAMPLED_WEIGHT:-0.5}" --loss-temperature 0.7 --draft-vocab "${DRAFT_VOCAB:-24576}" \
-    --batch-tokens "${BATCH_TOKENS:-32768}" --max-len 1024 --val-docs 64 --ckpt-every 500 \
-    > "$D/train_$part.log" 2>&1
+    --sampled-weight "${SAMPLED_WEIGHT:-0.5}" --loss-temperature 0.7 --batch-tokens "${BATCH_TOKENS:-32768}" \
+    --max-len 1024 --val-docs 64 --ckpt-every 500 ${init:+--init-from "$init"} ${LR:+--lr "$LR"} \
+    ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} > "$D/train_$part.log" 2>&1
   echo "train exit $?"; grep "^distill" "$D/train_$part.log"
   [ "$part" = 2 ] || return 0
   [ -f "$work/draft/model.safetensors" ] || { echo "training not finished: run distill 2 again"; return 1; }
@@ -188,9 +192,10 @@ case "$stage" in
     suites
     pack
     ;;
-  distill)  # distill 1 | distill 2 (.whl .gpu; the model assembled or .stage3/p_02; .data/distill carried in an
-            # earlier run): 1 regenerates replies (REGEN_SECONDS) and trains (what is left of DISTILL_LIMIT), 2 trains
-            # on to TRAIN_SECONDS in all and measures the draft against COMPARE (bench/README.md lists the variables)
+  distill)  # distill 1 | distill 2 (.whl .gpu; the model assembled or .stage3/p_02; .data/distill/regen.npz or
+            # prompts.npz carried in an earlier run): 1 regenerates replies (REGEN_SECONDS) unless regen.npz came, and
+            # trains (what is left of DISTILL_LIMIT), 2 trains on to TRAIN_SECONDS in all and measures the draft
+            # against COMPARE (bench/README.md lists the variables)
     [ -e "$MODEL" ] || assemble
     [ -n "${NO_INSTALL:-}" ] || install
     COMPARE=${COMPARE-smollm2-135m-draft} distill_round "${2:?distill 1|2}"

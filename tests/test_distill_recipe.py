@@ -1,5 +1,6 @@
 """The eagle training recipe of ``specdec distill``: the loss at a sampling temperature, replies regenerated greedily
-and sampled, prompt-only files, exact resume across runs cut by time, the record and the measurement of a draft.
+and sampled, prompt-only files, exact resume across runs cut by time, the record and the measurement of a draft, and
+warm starts from a trained draft (``--init-from``).
 
 The tiny 4-layer target and fake ShareGPT of ``test_eagle`` (character-level tokenizer, ``<|im_end|>`` is the EOS).
 """
@@ -11,16 +12,21 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from test_distill import _save_tiny_target
 from test_eagle import TRAIN_ARGS
 from test_eagle_regen import ENGINE, make_regen
 
 from specdec.cli import main
 from specdec.engine import SpecEngine
+from specdec.loading.registry import load_model
 from specdec.models.eagle import EagleShape, eagle_from_target
 from specdec.sampling_params import SamplingParams
 from specdec.training.eagle_data import load_token_file
+from specdec.training.eagle_distill import draft_vocabulary
 from specdec.training.eagle_measure import better_everywhere
 from specdec.training.eagle_regen import RegenConfig, assistant_runs, eos_ids, prompt_token_file, regenerate_token_file
+from specdec.training.eagle_train import LR, WARM_LR, EagleTrainConfig, evaluate, split_docs
 from specdec.training.eagle_unroll import LossMix, TeacherOut, unrolled_loss
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -174,6 +180,82 @@ def test_cli_regenerates_and_measures(setup, tmp_path):
     assert measured[-1]["results"] == report["draft"]
     assert main(["distill", "--kind", "eagle", *tiny, "--regen-seconds", "5", "--out", "x", "--tokens", "y"]) == 2
     assert main(["distill", "--kind", "eagle", *tiny, "--measure", str(prompts), "--split", "train"]) == 2
+
+
+@pytest.fixture(scope="module")
+def warm(setup):
+    """A draft trained 3 steps on the ShareGPT replies (30-token vocabulary, stored in float32), then warm starts
+    from it on the regenerated replies: 4 steps in one run, and in two runs cut after step 2."""
+    root, _, _, _ = setup
+    init = root / "init"
+    args = _args(**{"--steps": "3", "--draft-vocab": "30"})
+    assert main(["distill", "--target", str(root / "target"), "--tokens", str(root / "text.npz"), *args,
+                 "--save-dtype", "float32", "--out", str(init)]) == 0
+    base = _warm_args(root, init)
+    assert main([*base, "--out", str(root / "warm")]) == 0
+    assert main([*base, "--out", str(root / "warm_cut"), "--stop-after", "2"]) == 0
+    assert main([*base, "--out", str(root / "warm_cut"), "--resume"]) == 0
+    return init, base
+
+
+def _warm_args(root, init) -> list[str]:
+    args = _args(**{"--steps": "4"})
+    del args[args.index("--draft-vocab"):args.index("--draft-vocab") + 2]
+    return ["distill", "--target", str(root / "target"), "--tokens", str(root / "regen.npz"), *args,
+            "--init-from", str(init)]
+
+
+def test_warm_start_begins_from_the_drafts_weights_and_vocabulary(setup, warm):
+    root, target, _, regen = setup
+    init, _ = warm
+    draft = load_model(init, target=target).model
+    cfg = EagleTrainConfig(out="unused", tokens="unused", unroll=3, max_len=96, batch_tokens=384, val_docs=4)
+    num_train, num_val = split_docs(regen, cfg.val_docs)
+    direct = evaluate(cfg, target.model, draft, regen, list(range(num_train, num_train + num_val)))
+    assert _ckpt(root / "warm")["state"]["val"] == [{"step": 0, **direct}]  # the draft itself: its weights loaded
+    kept = _ckpt(root / "warm")["trained"]["vocab_ids"]
+    assert torch.equal(kept, draft.vocab_ids) and len(kept) == 30
+    fresh, _ = draft_vocabulary(regen, num_train, target.config.vocab_size, 30)  # what a fresh draft would pick
+    assert kept.tolist() != fresh.tolist()
+
+
+def test_warm_start_resumes_exactly_and_the_record_names_the_draft(setup, warm):
+    root, _, _, _ = setup
+    init, _ = warm
+    whole, parts = _ckpt(root / "warm"), _ckpt(root / "warm_cut")
+    assert parts["state"]["losses"] == whole["state"]["losses"] and parts["state"]["val"] == whole["state"]["val"]
+    for name, w in whole["trained"].items():
+        assert torch.equal(parts["trained"][name], w), name
+    meta = json.loads((root / "warm_cut" / "specdec_draft.json").read_text())
+    rec, started = meta["training"], json.loads((init / "specdec_draft.json").read_text())
+    assert meta["draft_vocab"] == 30 and meta["aux_layers"] == started["aux_layers"]
+    assert rec["init_from"]["name"] == str(init) and rec["options"]["init_from"] == str(init)
+    assert rec["init_from"]["training"]["steps"] == 3 and rec["init_from"]["draft_vocab"] == 30
+    assert rec["init_from"]["training"]["val"] == started["training"]["val"][-1]
+    assert 0 < rec["draft_vocab"]["coverage_of_kept_vocab"] <= 1 and rec["options"]["lr"] == 3e-3
+    assert [v["step"] for v in rec["val"]] == [0, 4]
+
+
+def test_warm_start_refuses_another_vocabulary_layers_or_target(setup, warm, capsys):
+    root, _, _, _ = setup
+    init, base = warm
+    out = ["--out", str(root / "refused")]
+    assert main([*base, *out, "--draft-vocab", "40"]) == 2
+    assert "--draft-vocab 40 conflicts" in (err := capsys.readouterr().err) and "draft_vocab is 30" in err
+    assert main([*base, *out, "--aux-layers", "0,1,3"]) == 2
+    assert "--aux-layers 0,1,3 conflicts" in (err := capsys.readouterr().err) and "aux_layers is 0,2,3" in err
+    _save_tiny_target(root / "other", seed=5)
+    other = [*base, *out]
+    other[other.index("--target") + 1] = str(root / "other")
+    assert main(other) == 2
+    err = capsys.readouterr().err
+    assert f"trained for target {str((root / 'target').resolve())!r}, not {str((root / 'other').resolve())!r}" in err
+    weights = root / "other" / "model.safetensors"
+    save_file({k: 1.5 * v for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    assert main([*other, "--target-name", str((root / "target").resolve())]) == 2  # the name alone is not enough
+    assert "other model.embed_tokens.weight values" in capsys.readouterr().err
+    assert EagleTrainConfig(out="o", tokens="t").lr == LR and EagleTrainConfig(out="o", tokens="t", init_from="d").lr \
+        == WARM_LR < LR
 
 
 def test_better_everywhere_needs_every_pair():

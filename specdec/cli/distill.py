@@ -13,8 +13,8 @@ from specdec.training.distill import DistillConfig, distill, summary_line
 
 LAYER_ONLY = ("layers", "init_layers", "data", "num_prompts", "val_prompts", "response_tokens", "max_prompt_tokens",
               "temperature", "gen_batch_size", "batch_size", "write_prompts")
-EAGLE_ONLY = ("tokens", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len", "batch_tokens", "time_budget",
-              "val_docs", "loss_on", "write_tokens", "num_tokens", "split", "target_name", "run_seconds",
+EAGLE_ONLY = ("tokens", "init_from", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len", "batch_tokens",
+              "time_budget", "val_docs", "loss_on", "write_tokens", "num_tokens", "split", "target_name", "run_seconds",
               "loss_temperature", "sampled_weight", "prompts_only", "max_turns", "regenerate", "regen_temperatures",
               "top_p", "regen_new_tokens", "regen_seconds", "regen_batch", "measure", "compare", "tree",
               "measure_temperatures", "measure_new_tokens", "measure_prompts", "json")
@@ -27,6 +27,8 @@ SHARED = {"max_turns": ("prompts_only", "regenerate"), "top_p": ("regenerate", "
 
 def add_distill_parser(sub, add_model_args) -> None:
     """Register ``specdec distill`` on the CLI's subparsers (options left unset take the kind's defaults)."""
+    from specdec.training.eagle_train import DRAFT_VOCAB, LR, WARM_LR
+
     p = sub.add_parser("distill", help="train a draft model for a target (layer copy or EAGLE-style head)")
     add = p.add_argument
     add("--kind", default="layers", choices=["layers", "eagle"],
@@ -46,9 +48,16 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--gen-batch-size", type=int, default=None, help="[layers] engine batch for generation")
     add("--batch-size", type=int, default=None, help="[layers] sequences per training step")
     add("--tokens", default=None, help="[eagle] token file (.npz) written by --write-tokens (required to train)")
-    add("--draft-vocab", type=int, default=None, help="[eagle] draft vocabulary size N (most frequent tokens)")
+    add("--init-from", default=None, metavar="DRAFT",
+        help="[eagle] start from this trained eagle draft of the same target (a draft folder or smollm2-135m-draft) "
+             "instead of a fresh one: its weights, draft vocabulary and aux layers; --lr defaults lower "
+             "(default: none, a fresh draft)")
+    add("--draft-vocab", type=int, default=None,
+        help=f"[eagle] draft vocabulary size N (most frequent tokens) (default: {DRAFT_VOCAB}, with --init-from "
+             "the draft's)")
     add("--aux-layers", type=_int_list, default=None, metavar="I,J,K",
-        help="[eagle] target layers whose outputs the draft reads (default low, middle, high)")
+        help="[eagle] target layers whose outputs the draft reads (default: low, middle, high; with --init-from "
+             "the draft's)")
     add("--unroll", type=int, default=None, help="[eagle] unrolled drafting steps per training position")
     add("--step-decay", type=float, default=None, help="[eagle] loss weight of step k is decay**k")
     add("--max-len", type=int, default=None, help="[eagle] tokens per conversation (training / tokenising)")
@@ -103,7 +112,9 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--json", default=None, metavar="PATH", help="[eagle] with --measure: write the figures here "
                                                      "(default: not written)")
     add("--steps", type=int, default=None, help="training steps")
-    add("--lr", type=float, default=None, help="peak learning rate")
+    add("--lr", type=float, default=None,
+        help=f"peak learning rate (default: layers {DistillConfig.lr:g}, eagle {LR:g}, eagle with --init-from "
+             f"{WARM_LR:g}: a lower peak keeps what the draft learnt)")
     add("--warmup-steps", type=int, default=None, help="default min(100, steps / 10)")
     add("--min-lr-ratio", type=float, default=None, help="final lr / lr (cosine decay)")
     add("--weight-decay", type=float, default=None, help="AdamW weight decay")

@@ -144,11 +144,11 @@ def trained_state(model: EagleDraft) -> dict[str, torch.Tensor]:
 
 def eagle_from_target(target: LlamaForCausalLM, shape: EagleShape, vocab_ids: torch.Tensor,
                       state: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None,
-                      seed: int = 0) -> EagleDraft:
+                      seed: int = 0, trainable: bool | None = None) -> EagleDraft:
     """An eagle draft on ``target``: embeddings shared (frozen), LM head = the target's rows
     ``vocab_ids`` (frozen), own tensors from ``state`` or freshly initialised (decoder layer copied
     from the target's last layer, projections random with ``seed``). Own tensors are ``dtype``
-    (default the target's) and require grad only when freshly initialised."""
+    (default the target's) and require grad when ``trainable`` (default: only when freshly initialised)."""
     cfg = target.config
     vocab_ids = vocab_ids.to(torch.int64)
     if vocab_ids.numel() != shape.draft_vocab or vocab_ids.min() < 0 or vocab_ids.max() >= cfg.vocab_size:
@@ -165,9 +165,10 @@ def eagle_from_target(target: LlamaForCausalLM, shape: EagleShape, vocab_ids: to
     model.vocab_ids = vocab_ids.to(dev)
     model.rope = RotaryEmbedding(model.config).to(dev)
     own = state if state is not None else _fresh_state(target, model, seed)
+    trainable = state is None if trainable is None else trainable
     for name in [n for n, _ in model.named_parameters()]:
         if name.startswith(TRAINED_PREFIXES):
-            _set_param(model, name, own[name].to(device=dev, dtype=dtype), state is None)
+            _set_param(model, name, own[name].to(device=dev, dtype=dtype), trainable)
     return model
 
 

@@ -1,4 +1,4 @@
-"""One eagle-draft distillation run: token file -> draft vocabulary -> training -> draft folder."""
+"""One eagle-draft distillation run: token file -> draft vocabulary (or a warm start's) -> training -> draft folder."""
 
 from __future__ import annotations
 
@@ -26,16 +26,21 @@ class EagleResult:
     state: EagleState
 
 
-def draft_vocabulary(data: TokenFile, num_train: int, vocab_size: int, n: int) -> tuple[np.ndarray, dict]:
-    """The ``n`` most frequent assistant tokens of the training conversations, and the coverage
-    (share of assistant tokens inside the top-k set) on the held-out conversations for several k."""
+def draft_vocabulary(data: TokenFile, num_train: int, vocab_size: int, n: int,
+                     kept: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+    """The ``n`` most frequent assistant tokens of the training conversations (or ``kept``, a warm start's
+    vocabulary), and the coverage (share of assistant tokens inside the top-k set) on the held-out conversations
+    for several k (and of ``kept``)."""
     split = int(data.offsets[num_train])
     train_tok = data.tokens[:split][data.assistant[:split]]
     held = data.tokens[split:][data.assistant[split:]]
-    vocab = top_vocab(train_tok, vocab_size, n)
+    vocab = top_vocab(train_tok, vocab_size, n) if kept is None else kept
     sizes = sorted({*(k for k in COVERAGE_SIZES if k < vocab_size), n})
     cov = {str(k): round(coverage(held, top_vocab(train_tok, vocab_size, k)), 5) for k in sizes}
-    return vocab, {"held_out_assistant_tokens": int(len(held)), "coverage": cov}
+    record = {"held_out_assistant_tokens": int(len(held)), "coverage": cov}
+    if kept is not None:
+        record["coverage_of_kept_vocab"] = round(coverage(held, kept), 5)
+    return vocab, record
 
 
 def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
@@ -44,6 +49,7 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
     ``target``: the already loaded ``cfg.target`` (in ``cfg.dtype`` on ``cfg.device``), else loaded here."""
     from specdec.loading.registry import load_model
     from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
+    from specdec.training.eagle_init import init_record, load_init, settle_config
 
     t0 = time.perf_counter()
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
@@ -54,11 +60,16 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
                          "replies first (specdec distill --kind eagle --regenerate)")
     target = target or load_model(cfg.target, dtype=DTYPES[cfg.dtype], device=cfg.device)
     tcfg = target.config
+    ref = cfg.target_name or (str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target)
+    init = load_init(cfg.init_from, target, ref) if cfg.init_from else None
+    cfg = settle_config(cfg, init) if init else cfg
     num_train, num_val = split_docs(data, cfg.val_docs)
-    vocab, cov = draft_vocabulary(data, num_train, tcfg.vocab_size, min(cfg.draft_vocab, tcfg.vocab_size))
+    vocab, cov = draft_vocabulary(data, num_train, tcfg.vocab_size, min(cfg.draft_vocab, tcfg.vocab_size),
+                                  init.vocab_ids.numpy() if init else None)
     shape = EagleShape(cfg.aux_layers or default_aux_layers(tcfg.num_layers), len(vocab))
-    draft = eagle_from_target(target.model, shape, torch.from_numpy(vocab), dtype=torch.float32, seed=cfg.seed)
-    state = train(cfg, target.model, draft, data)
+    draft = eagle_from_target(target.model, shape, torch.from_numpy(vocab), init.state if init else None,
+                              torch.float32, cfg.seed, trainable=True)
+    state = train(cfg, target.model, draft, data, init_record(init) if init else None)
     done = state.step >= state.planned
     val_docs = list(range(num_train, num_train + num_val))
     if done and val_docs:
@@ -68,7 +79,6 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
     if done:
         from specdec.loading.eagle_folder import save_eagle_folder
 
-        ref = cfg.target_name or (str(Path(cfg.target).resolve()) if Path(cfg.target).exists() else cfg.target)
         save_eagle_folder(cfg.out, draft, target, ref, {"training": record}, DTYPES[cfg.save_dtype])
         folder = Path(cfg.out)
     return EagleResult(folder, record, state)
@@ -81,7 +91,8 @@ def _record(cfg: EagleTrainConfig, data: TokenFile, state: EagleState, cov: dict
     device = f"{cfg.device} ({torch.cuda.get_device_name(cfg.device)})" if cfg.device.startswith("cuda") \
         else cfg.device
     return {
-        "kind": "eagle", "data": data_record(data.meta), "train_conversations": num_train,
+        "kind": "eagle", **({"init_from": state.init} if state.init else {}), "data": data_record(data.meta),
+        "train_conversations": num_train,
         "val_conversations": num_val, "draft_vocab": cov,
         "options": {k: v for k, v in config_record(cfg).items() if k not in RUN_ONLY},
         "tokens_file": Path(cfg.tokens).name,
@@ -116,8 +127,11 @@ def summary_line(res: EagleResult) -> str:
     if s.losses:
         k = max(1, min(20, len(s.losses) // 5))
         line += f" | loss {np.mean(s.losses[:k]):.4f} -> {np.mean(s.losses[-k:]):.4f}"
+    if s.init:
+        line += f" | from {s.init['name']}"
     if s.val:
-        line += f" | val top-1 per step {s.val[-1]['top1']}"
+        first = f"{s.val[0]['top1']} at step 0 -> " if s.val[0]["step"] == 0 and len(s.val) > 1 else ""
+        line += f" | val top-1 per step {first}{s.val[-1]['top1']}"
     if res.folder is None:
         return line + " | stopped before the last step: continue with --resume"
     size = sum(f.stat().st_size for f in res.folder.iterdir() if f.name in ("model.safetensors",

@@ -8,7 +8,8 @@ sampling temperature). Batch ``s`` and the learning rate of step ``s`` are pure 
 and the planned step count, so a run resumed from ``OUT/ckpt.pt`` continues exactly. With
 ``time_budget`` (seconds over all runs) the planned step count is fixed after ``PROBE_STEPS`` timed
 steps and stored; ``run_seconds`` ends one run early (checkpointed), so a budget can be spent over
-several runs.
+several runs. ``init_from`` starts from a trained eagle draft (``training.eagle_init``) instead of a fresh one, at
+a lower default peak learning rate; its validation figures before the first step open the record.
 """
 
 from __future__ import annotations
@@ -32,9 +33,12 @@ from specdec.training.schedule import (
 
 PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
 LOG_EVERY = 10
-MUST_MATCH = ("target", "tokens", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len", "batch_tokens",
-              "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "val_docs", "loss_on",
-              "loss_temperature", "sampled_weight")
+DRAFT_VOCAB = 24576  # the most frequent target tokens; ~98% of held-out ShareGPT assistant tokens
+LR = 1e-3  # peak learning rate of a fresh draft
+WARM_LR = 3e-4  # of a warm start: a trained draft's weights survive the first steps of a new loss and data
+MUST_MATCH = ("target", "tokens", "init_from", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len",
+              "batch_tokens", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "val_docs",
+              "loss_on", "loss_temperature", "sampled_weight")
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,9 @@ class EagleTrainConfig(RunOptions):
     tokens: str
     target: str = "smollm2-135m"
     target_name: str | None = None  # the target the folder names (default: target, a path resolved)
-    draft_vocab: int = 24576  # the most frequent target tokens; ~98% of held-out ShareGPT assistant tokens
-    aux_layers: tuple[int, ...] | None = None
+    init_from: str | None = None  # a trained eagle draft (folder or registered name) to start from
+    draft_vocab: int | None = None  # default DRAFT_VOCAB, or init_from's
+    aux_layers: tuple[int, ...] | None = None  # default low, middle, high, or init_from's
     unroll: int = 3
     step_decay: float = 0.8
     max_len: int = 1024
@@ -56,14 +61,22 @@ class EagleTrainConfig(RunOptions):
     run_seconds: float | None = None
     loss_temperature: float = 0.7
     sampled_weight: float = 0.0
-    lr: float = 1e-3
+    lr: float | None = None  # default LR, or WARM_LR with init_from
     warmup_steps: int | None = None
     ckpt_every: int = 200
     val_docs: int = 32
     loss_on: str = "assistant"
 
     def __post_init__(self) -> None:
-        check_counts(self, _require, ("draft_vocab", "unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
+        if self.draft_vocab is None and self.init_from is None:
+            object.__setattr__(self, "draft_vocab", DRAFT_VOCAB)
+        if self.lr is None:
+            object.__setattr__(self, "lr", LR if self.init_from is None else WARM_LR)
+        check_counts(self, _require, ("unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
+        _require(self.draft_vocab is None or isinstance(self.draft_vocab, int) and self.draft_vocab >= 1,
+                 "draft_vocab", "an int >= 1 (None: init_from's)", self.draft_vocab)
+        _require(self.init_from is None or isinstance(self.init_from, str) and self.init_from.strip() != "",
+                 "init_from", "None or a draft folder or registered draft name", self.init_from)
         if self.aux_layers is not None:
             object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
         _require(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}", self.batch_tokens)
@@ -92,7 +105,8 @@ def _require(ok: bool, name: str, rule: str, value) -> None:
 
 @dataclass
 class EagleState:
-    """Progress: steps done, planned steps, per-step loss, validation records, seconds over all runs."""
+    """Progress: steps done, planned steps, per-step loss, validation records, seconds over all runs, and the
+    record of the draft the run started from (``eagle_init.init_record``; None for a fresh draft)."""
 
     step: int = 0
     planned: int = 0
@@ -100,6 +114,7 @@ class EagleState:
     val: list[dict] = field(default_factory=list)
     train_seconds: float = 0.0
     tokens_seen: int = 0
+    init: dict | None = None
 
 
 @lru_cache(maxsize=4)
@@ -223,9 +238,19 @@ def save_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt, state: EagleS
                  "rng": rng_state(), "state": asdict(state)}, path)
 
 
-def load_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt) -> EagleState:
+def load_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt, init: dict | None = None) -> EagleState:
+    """The state of checkpoint ``path``, its weights and optimiser moments loaded over ``draft`` and ``opt``; ValueError
+    when its options, draft vocabulary or start draft (``init``, its file digest) are not this run's."""
     ckpt = torch.load(path, weights_only=False, map_location="cpu")
     check_resumable(path, ckpt["config"], cfg)
+    vocab = ckpt["trained"].get("vocab_ids")
+    if vocab is not None and not torch.equal(vocab, draft.vocab_ids.cpu()):
+        raise ValueError(f"cannot resume {path}: its draft vocabulary is not this run's (the token file or the "
+                         "--init-from draft changed)")
+    started = (ckpt["state"].get("init") or {}).get("sha256")
+    if init is not None and started != init["sha256"]:
+        raise ValueError(f"cannot resume {path}: the --init-from draft {init['name']} is not the one the run started "
+                         f"from (model.safetensors sha256 {init['sha256']}, checkpoint {started})")
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name in ckpt["trained"]:
@@ -235,11 +260,12 @@ def load_checkpoint(path: Path, cfg: EagleTrainConfig, draft, opt) -> EagleState
     return EagleState(**ckpt["state"])
 
 
-def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
+def train(cfg: EagleTrainConfig, target, draft, data: TokenFile, init: dict | None = None) -> EagleState:
     """Train ``draft`` until the planned step count (or ``stop_after``, or ``run_seconds`` of this run); checkpoints
-    in ``cfg.out``.
+    in ``cfg.out``. ``init``: the record of the trained draft ``draft`` starts from (``cfg.init_from``).
 
-    Documents ``[0, num_train)`` are trained on; the tail gives the validation record at the end.
+    Documents ``[0, num_train)`` are trained on; the tail gives the validation record at the end (and, for a warm
+    start, before the first step).
     """
     from tqdm.auto import tqdm
 
@@ -248,12 +274,14 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile) -> EagleState:
     ckpt = Path(cfg.out) / "ckpt.pt"
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state = EagleState(planned=cfg.steps)
+    state = EagleState(planned=cfg.steps, init=init)
     if cfg.resume and ckpt.is_file():
-        state = load_checkpoint(ckpt, cfg, draft, opt)
+        state = load_checkpoint(ckpt, cfg, draft, opt, init)
     elif cfg.resume:
         print(f"distill: --resume but {ckpt} does not exist; training from step 0")
-    num_train, _ = split_docs(data, cfg.val_docs)
+    num_train, num_val = split_docs(data, cfg.val_docs)
+    if init is not None and state.step == 0 and num_val:
+        state.val.append({"step": 0, **evaluate(cfg, target, draft, data, list(range(num_train, num_train + num_val)))})
     lengths = tuple(min(int(n), cfg.max_len) for n in data.lengths()[:num_train])
     budget_open = cfg.time_budget is not None and state.step < PROBE_STEPS
     t0, base, pending, times = time.perf_counter(), state.train_seconds, [], []
