@@ -7,6 +7,7 @@ small shapes so the torch references finish quickly.
 
 import pytest
 import torch
+from specdec.kernels.gumbel_choice import choose_tokens_reference, choose_tokens_triton
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
 from specdec.kernels.nucleus import filtered_probs
@@ -131,3 +132,21 @@ def test_nucleus_filter(benchmark, impl, batch, tokens, spread):
     probs = torch.softmax(x / t, dim=-1)  # (B, Q, V)
     _run(benchmark, lambda: filtered_probs(x, t, probs, sampling, use_triton=impl == "triton"),
          torch.cuda.synchronize)
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("batch,tokens", [(16, 32), (64, 16)])
+@pytest.mark.parametrize("with_kept", [False, True])
+def test_gumbel_choice(benchmark, impl, batch, tokens, with_kept):
+    """The sampled rule's choice over (B * Q, 49,152) bf16 logits, every row sampled at T 0.7 (keyed Gumbel noise
+    in float64): the one-launch kernel against the torch reference; with_kept: a kept set of ~5% of the tokens."""
+    rows, v = batch * tokens, 49152
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(rows, v, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    t = torch.full((rows,), 0.7, dtype=torch.float64, device="cuda")
+    key0, key1 = torch.randint(0, 2**32, (2, rows), generator=g, device="cuda")
+    position = torch.arange(rows, device="cuda") + 100
+    kept = torch.rand(rows, v, generator=g, device="cuda") < 0.05 if with_kept else None
+    fn = choose_tokens_triton if impl == "triton" else choose_tokens_reference
+    _run(benchmark, lambda: fn(x, t, key0, key1, position, kept), torch.cuda.synchronize)

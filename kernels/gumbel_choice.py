@@ -1,0 +1,208 @@
+"""The target's token at each verify position, greedy or sampled, as one argmax: the sampled rule's core.
+
+A sampled row's token at sequence position s is the argmax over the kept tokens (its top-k / top-p / min-p set)
+of x / T + G(s, v), where G(s, v) is Gumbel noise that depends only on the request's key, the position s and
+the token id v. By the Gumbel-max trick that token is distributed exactly as softmax(x / T) restricted to the
+kept set and renormalised, so sampling this way is target-only sampling; and since the noise is a function of
+(key, s, v) and not of a draw counter, a request's tokens are one function of its seed and the target's
+distributions, whatever the tree that verified them, the batch, the budget or the pipelining. A draft token at
+s is accepted when it equals that argmax, which accepts a deterministic child x with probability p(x), after
+rejected siblings x1.. with p(x) / (1 - p(x1) - ...): the rejection rule's own rates.
+
+The noise: per (row, position) a sub-key of two 32-bit words (``uniform_stream.hash_words`` of the request's
+key at word indices 2 s and 2 s + 1), then per token v the 53-bit float64 uniform ``uniforms_at(sub-key, v)``
+and G = -log(-log(u)) in float64 (u = 0, probability 2^-53, gives -inf: the token is not chosen). Greedy rows
+(temperature 0) take the plain argmax (first index among equal maxima) of x, as the greedy rule does.
+
+``choose_tokens_reference`` is the torch computation; ``choose_tokens`` is the op the rule calls.
+
+The kernel (``choose_tokens_triton``): one program per row walks the vocabulary in blocks, hashing in uint32
+(wrapping multiply-add and logical shifts are the reference's masked int64 arithmetic) and taking the logs in
+float64, and keeps a running (best score, first column) per lane, reduced at the end to the lowest column
+among the lanes holding the maximum. ``gumbel_noise_triton`` writes the same noise, to compare it bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
+from specdec.kernels.triton_import import tl, triton
+from torch import Tensor
+
+from specdec.uniform_stream import MASK32, hash_words, uniforms_at
+
+_NO_INDEX = 2**31 - 1
+DEFAULT_BLOCK = 1024
+# uniform_stream's PCG constants (LCG multiplier and increment, RXS-M-XS multiplier); the tests compare the noise
+_PCG_MUL: tl.constexpr = tl.constexpr(747796405)
+_PCG_INC: tl.constexpr = tl.constexpr(2891336453)
+_PCG_OUT: tl.constexpr = tl.constexpr(277803737)
+
+
+def noise_keys(key0: Tensor, key1: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
+    """The two 32-bit words (int64) keying the noise of sequence ``position`` of the requests keyed (key0, key1);
+    all three int64, broadcast together."""
+    s = (2 * position) & MASK32
+    return hash_words(key0, key1, s), hash_words(key0, key1, s + 1)
+
+
+def gumbel_noise(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
+    """Float64 Gumbel noise G(position, token) of the requests keyed (key0, key1): key0, key1, position (...,)
+    int64 per row, ``tokens`` (..., N) or (N,) int64 token ids -> (..., N) float64."""
+    k0, k1 = noise_keys(key0, key1, position)
+    u = uniforms_at(k0[..., None], k1[..., None], tokens)  # (..., N)
+    return -torch.log(-torch.log(u))
+
+
+def choose_tokens_reference(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                            kept: Tensor | None = None) -> Tensor:
+    """(R,) int64 token chosen for each row of logits ``x`` (R, V): the argmax of x where ``temperature`` (R,)
+    is 0, else the argmax of x / temperature + G(position, v) over the tokens ``kept`` (R, V) bool marks (None:
+    all), G the row's Gumbel noise (``gumbel_noise`` of key0, key1, position: (R,) int64). A row whose every
+    token is dropped, or whose scores are all -inf or NaN, chooses token 0."""
+    v = x.shape[-1]
+    xs = x.to(torch.float64)
+    t = temperature.to(torch.float64).view(-1, 1)
+    sampled = t > 0
+    noise = gumbel_noise(key0, key1, position, torch.arange(v, device=x.device))  # (R, V)
+    score = torch.where(sampled, xs / torch.where(sampled, t, 1.0) + noise, xs)
+    if kept is not None:
+        score = score.masked_fill(~kept & sampled, float("-inf"))
+    inf = float("inf")
+    score = torch.nan_to_num(score, nan=-inf, posinf=inf, neginf=-inf)  # only NaN changes: it never wins
+    return score.argmax(-1)
+
+
+@triton.jit
+def _pcg(v):
+    """``uniform_stream._pcg`` on uint32 values: the multiply-add wraps modulo 2**32, the shifts are logical."""
+    state = v * _PCG_MUL + _PCG_INC
+    word = ((state >> ((state >> 28) + 4)) ^ state) * _PCG_OUT
+    return (word >> 22) ^ word
+
+
+@triton.jit
+def _hash_words(key0, key1, index):
+    """``uniform_stream.hash_words`` on uint32 key words and indices."""
+    return _pcg(_pcg(_pcg(index) ^ key0) ^ key1)
+
+
+@triton.jit
+def _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos):
+    """``noise_keys`` of one row as two uint32 words (the int64 inputs taken modulo 2**32)."""
+    k0 = tl.load(key0_ptr + row * stride_key0).to(tl.uint32)
+    k1 = tl.load(key1_ptr + row * stride_key1).to(tl.uint32)
+    s = (tl.load(pos_ptr + row * stride_pos) * 2).to(tl.uint32)
+    return _hash_words(k0, k1, s), _hash_words(k0, k1, s + 1)
+
+
+@triton.jit
+def _gumbel(sub0, sub1, cols):
+    """Float64 Gumbel noise of token ids ``cols`` (int32) under a row's sub-key (uint32 words): ``gumbel_noise``."""
+    word = cols.to(tl.uint32) * 2
+    hi = _hash_words(sub0, sub1, word).to(tl.uint64)
+    lo = _hash_words(sub0, sub1, word + 1).to(tl.uint64)
+    u = ((hi << 21) | (lo >> 11)).to(tl.float64) * 1.1102230246251565e-16  # 53 bits * 2**-53, exact
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, out_ptr, n_cols,
+                   stride_x, stride_kept, stride_t, stride_key0, stride_key1, stride_pos,
+                   HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    t = tl.load(t_ptr + row * stride_t).to(tl.float64)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float64)
+    best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
+    if t > 0:  # sampled: x / T + G over the kept tokens
+        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + lanes
+            ok = cols < n_cols
+            if HAS_KEPT:
+                ok = ok & (tl.load(kept_ptr + row * stride_kept + cols, mask=ok, other=0) != 0)
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
+            score = x / t + _gumbel(sub0, sub1, cols)
+            better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
+            best = tl.where(better, score, best)
+            best_i = tl.where(better, cols, best_i)
+    else:  # greedy: x itself
+        for start in range(0, n_cols, BLOCK):
+            cols = start + lanes
+            ok = cols < n_cols
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
+            better = (x > best) & ok
+            best = tl.where(better, x, best)
+            best_i = tl.where(better, cols, best_i)
+    top = tl.max(best, axis=0)
+    # the first column holding the maximum; a row where no lane improved on -inf chooses column 0
+    first = tl.min(tl.where((best == top) & (best_i != NO_INDEX), best_i, NO_INDEX), axis=0)
+    tl.store(out_ptr + row, tl.where(first == NO_INDEX, 0, first).to(tl.int64))
+
+
+@triton.jit
+def _noise_kernel(key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_tokens,
+                  stride_key0, stride_key1, stride_pos, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n_tokens
+    sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+    tokens = tl.load(tok_ptr + i, mask=ok, other=0).to(tl.int32)
+    tl.store(out_ptr + row * n_tokens + i, _gumbel(sub0, sub1, tokens), mask=ok)
+
+
+def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, device: torch.device) -> None:
+    for name, t in (("key0", key0), ("key1", key1), ("position", position)):
+        check_tensor(name, t, shape=(rows,), dtypes=(torch.int64,), device=device)
+
+
+def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK) -> Tensor:
+    """Same promise as ``choose_tokens_reference`` (the same tokens; on CUDA the same noise bit for bit), one
+    launch with one program per row. x (R, V) float16/bfloat16/float32, last dim contiguous (any row stride);
+    temperature (R,) float; key0, key1, position (R,) int64 (any stride); kept None or (R, V) bool, last dim
+    contiguous. ``block`` (a power of two >= 16): the columns a program reads at a time."""
+    check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_launchable(_choose_kernel, x.device)
+    r, v = x.shape
+    if not 1 <= v < _NO_INDEX:
+        raise ValueError(f"x must have 1 .. {_NO_INDEX - 1} columns, got {v}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    check_tensor("temperature", temperature, shape=(r,), dtypes=(*FLOAT_DTYPES, torch.float64), device=x.device)
+    _check_row_keys(key0, key1, position, r, x.device)
+    if kept is not None:
+        check_tensor("kept", kept, shape=(r, v), dtypes=(torch.bool,), device=x.device, last_dim_contiguous=True)
+    out = torch.empty(r, dtype=torch.int64, device=x.device)
+    if r:
+        _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, out, v,
+                             x.stride(0), 0 if kept is None else kept.stride(0), temperature.stride(0),
+                             key0.stride(0), key1.stride(0), position.stride(0),
+                             HAS_KEPT=kept is not None, BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=4)
+    return out
+
+
+def gumbel_noise_triton(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, block: int = 1024) -> Tensor:
+    """``gumbel_noise`` for (R,) rows and (N,) token ids in [0, 2**31) -> (R, N) float64: the kernel's noise, on
+    CUDA bit for bit the reference's."""
+    check_launchable(_noise_kernel, key0.device)
+    check_tensor("key0", key0, shape=(None,))
+    r = key0.shape[0]
+    _check_row_keys(key0, key1, position, r, key0.device)
+    check_tensor("tokens", tokens, shape=(None,), dtypes=(torch.int64,), device=key0.device)
+    n = tokens.shape[0]
+    out = torch.empty((r, n), dtype=torch.float64, device=key0.device)  # (R, N)
+    if r and n:
+        _noise_kernel[(r, triton.cdiv(n, block))](key0, key1, position, tokens.contiguous(), out, n,
+                                                  key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block)
+    return out
+
+
+def choose_tokens(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                  kept: Tensor | None = None, *, use_triton: bool = False) -> Tensor:
+    """``choose_tokens_triton`` when ``use_triton`` (the Triton backend), ``choose_tokens_reference`` otherwise:
+    the same tokens."""
+    fn = choose_tokens_triton if use_triton else choose_tokens_reference
+    return fn(x, temperature, key0, key1, position, kept)

@@ -1,0 +1,187 @@
+"""The Gumbel-max choice kernel against its torch reference, and the reference's sampling statistics."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # CPU: run the Triton kernel in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from scipy import stats  # noqa: E402
+from specdec.kernels.gumbel_choice import (  # noqa: E402
+    choose_tokens,
+    choose_tokens_reference,
+    choose_tokens_triton,
+    gumbel_noise,
+    gumbel_noise_triton,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+INF, NAN = float("inf"), float("nan")
+# (key0, key1, position) seeds of the exactness tests; positions include the 32-bit wrap of word 2 s (+ 1)
+KEY_SETS = [0, 1]
+ODD_POSITIONS = [0, 2**31 - 1, 2**31, 2**40 + 3]
+
+
+def _keys(rows, seed, device=DEVICE):
+    g = torch.Generator().manual_seed(1000 + seed)
+    key0 = torch.randint(0, 2**32, (rows,), generator=g)
+    key1 = torch.randint(0, 2**32, (rows,), generator=g)
+    position = torch.randint(0, 2**20, (rows,), generator=g)
+    position[:len(ODD_POSITIONS)] = torch.tensor(ODD_POSITIONS)[:rows]
+    return key0.to(device), key1.to(device), position.to(device)
+
+
+def _batch(v, dtype, seed):
+    """(10, v) logits (a strided view of a wider tensor), temperatures mixing greedy and sampled rows, a kept mask
+    (strided too) and special rows: ties, -inf, NaN, +inf, all -inf, nothing kept."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(20, v + 37, generator=g) * 3).to(DEVICE, dtype)
+    x = wide[::2, 5:5 + v]  # (10, v), row stride 2 (v + 37)
+    x[0] = -1.0
+    x[0, [3, v // 2, v - 1]] = 4.0  # greedy ties: column 3 wins
+    x[1, :] = -INF  # all -inf, sampled: column 0
+    x[2, v - 1] = 50.0  # sampled, the maximum in the last partial block
+    x[3, [1, 7, v - 2]] = NAN  # greedy with NaN: NaN never wins
+    x[4, [0, 9]] = NAN  # sampled with NaN
+    x[5, :v // 3] = -INF  # sampled, a third of the tokens impossible
+    x[6, [4, v - 3]] = INF  # greedy with two +inf: the first
+    x[7, :] = NAN  # all NaN, sampled: column 0
+    temperature = torch.tensor([0.0, 0.7, 1.0, 0.0, 0.5, 2.0, 0.0, 1.0, 0.3, 1e-3], dtype=torch.float64)
+    wide_kept = (torch.rand(10, 2 * v, generator=g) < 0.3).to(DEVICE)
+    kept = wide_kept[:, v:]  # (10, v), row stride 2 v
+    kept[8] = False  # sampled, nothing kept: column 0
+    kept[0] = False  # greedy rows ignore kept
+    kept[2, v - 1] = True
+    return x, temperature.to(DEVICE), kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_kept", [False, True])
+@pytest.mark.parametrize("keys", KEY_SETS)
+def test_kernel_matches_reference(dtype, with_kept, keys):
+    x, temperature, kept = _batch(300, dtype, seed=keys)
+    kept = kept if with_kept else None
+    key0, key1, position = _keys(10, keys)
+    got = choose_tokens_triton(x, temperature, key0, key1, position, kept, block=128)
+    want = choose_tokens_reference(x, temperature, key0, key1, position, kept)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert got[0].item() == 3 and got[1].item() == 0 and got[6].item() == 4 and got[7].item() == 0
+    assert got[3].item() not in (1, 7, 298) and got[4].item() not in (0, 9)
+    if with_kept:
+        assert got[8].item() == 0
+    else:
+        assert got[2].item() == 299 and got[5].item() >= 100
+
+
+def test_kernel_one_block_fp16_and_other_strides():
+    """A vocabulary smaller than the block, float16, and per-row inputs of stride 0 (expanded) and 2."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 50, generator=g) * 2).to(torch.float16).to(DEVICE)
+    temperature = torch.tensor([0.7, 0.0, 1.0, 0.9, 9.0, 9.0, 1.5, 0.0], device=DEVICE)[::2]  # float32, stride 2
+    key0 = torch.tensor([123456789], device=DEVICE).expand(4)  # stride 0
+    key1 = torch.tensor([2**32 - 1], device=DEVICE).expand(4)
+    position = torch.arange(4, device=DEVICE) + 17
+    got = choose_tokens_triton(x, temperature, key0, key1, position, block=64)
+    assert torch.equal(got, choose_tokens_reference(x, temperature, key0, key1, position))
+
+
+def test_kernel_noise_is_the_reference_noise():
+    key0, key1, position = _keys(4, 7)
+    tokens = torch.arange(600, device=DEVICE)
+    got = gumbel_noise_triton(key0, key1, position, tokens, block=256)
+    want = gumbel_noise(key0, key1, position, tokens)
+    if DEVICE == "cuda":
+        assert torch.equal(got, want)
+    else:  # numpy's float64 log (the interpreter's) and torch's CPU one may differ in the last bit
+        torch.testing.assert_close(got, want, rtol=1e-15, atol=1e-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_kept", [False, True])
+def test_kernel_matches_reference_at_real_size(with_kept):
+    """512 rows of SmolLM2's 49,152 bf16 logits, a quarter greedy; the noise bit for bit."""
+    rows, v = 512, 49152
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(rows, v, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    temperature = torch.where(torch.arange(rows, device="cuda") % 4 == 0, 0.0, 0.7).double()
+    kept = torch.rand(rows, v, generator=g, device="cuda") < 0.05 if with_kept else None
+    key0, key1, position = _keys(rows, 11)
+    got = choose_tokens_triton(x, temperature, key0, key1, position, kept)
+    assert torch.equal(got, choose_tokens_reference(x, temperature, key0, key1, position, kept))
+    tokens = torch.arange(v, device="cuda")
+    assert torch.equal(gumbel_noise_triton(key0, key1, position, tokens), gumbel_noise(key0, key1, position, tokens))
+
+
+def test_choose_tokens_runs_the_kernel_with_use_triton_and_the_reference_without():
+    x, temperature, kept = _batch(300, torch.float32, seed=9)
+    key0, key1, position = _keys(10, 9)
+    want = choose_tokens_reference(x, temperature, key0, key1, position, kept)
+    for use_triton in (True, False):
+        assert torch.equal(choose_tokens(x, temperature, key0, key1, position, kept, use_triton=use_triton), want)
+
+
+def test_kernel_bad_arguments():
+    x = torch.zeros(3, 40, device=DEVICE)
+    t = torch.ones(3, device=DEVICE)
+    key0, key1, position = _keys(3, 0)
+    with pytest.raises(ValueError, match="x must have dtype"):
+        choose_tokens_triton(x.long(), t, key0, key1, position)
+    with pytest.raises(ValueError, match="x must have stride 1"):
+        choose_tokens_triton(x.t(), t, key0, key1, position)
+    with pytest.raises(ValueError, match="temperature must have shape"):
+        choose_tokens_triton(x, t[:2], key0, key1, position)
+    with pytest.raises(ValueError, match="key1 must have dtype"):
+        choose_tokens_triton(x, t, key0, key1.int(), position)
+    with pytest.raises(ValueError, match="kept must have shape"):
+        choose_tokens_triton(x, t, key0, key1, position, torch.ones(3, 41, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="block must be"):
+        choose_tokens_triton(x, t, key0, key1, position, block=100)
+    assert choose_tokens_triton(x[:0], t[:0], key0[:0], key1[:0], position[:0]).shape == (0,)
+
+
+# ---------------------------------------------------------------- the reference's statistics
+
+LOGITS = torch.tensor([2.0, 1.4, 1.0, 0.5, 0.0, -0.3, -1.0, -2.0])
+PAIRS = 20000
+
+
+def _choices(temperature, kept=None, shift=0):
+    """The reference's choices for LOGITS over PAIRS (key, position) pairs: 100 keys x 200 positions (+ shift)."""
+    g = torch.Generator().manual_seed(42)
+    keys = torch.randint(0, 2**32, (2, 100), generator=g)
+    key0, key1 = (k.repeat_interleave(PAIRS // 100) for k in keys)
+    position = torch.arange(PAIRS // 100).repeat(100) + shift
+    x = LOGITS.expand(PAIRS, -1)
+    t = torch.full((PAIRS,), temperature, dtype=torch.float64)
+    kept = None if kept is None else kept.expand(PAIRS, -1)
+    return choose_tokens_reference(x, t, key0, key1, position, kept)
+
+
+def _p_value(choices, probs):
+    counts = torch.bincount(choices, minlength=len(probs)).double()
+    keep = probs > 0
+    assert counts[~keep].sum() == 0
+    return stats.chisquare(counts[keep].numpy(), (probs[keep] * PAIRS).numpy()).pvalue
+
+
+def test_choices_follow_softmax_over_temperature_and_not_softmax():
+    choices = _choices(0.7)
+    assert _p_value(choices, torch.softmax(LOGITS.double() / 0.7, -1)) > 1e-3
+    assert _p_value(choices, torch.softmax(LOGITS.double(), -1)) < 1e-6  # the negative control: T = 1
+
+
+def test_choices_over_a_kept_set_follow_the_renormalised_distribution():
+    kept = torch.zeros(8, dtype=torch.bool)
+    kept[:3] = True
+    probs = torch.softmax(LOGITS.double() / 0.7, -1) * kept
+    assert _p_value(_choices(0.7, kept), probs / probs.sum()) > 1e-3
+
+
+def test_choices_at_neighbouring_positions_are_independent():
+    here, there = _choices(0.7).double(), _choices(0.7, shift=1).double()
+    assert not torch.equal(here, there)
+    assert abs(torch.corrcoef(torch.stack([here, there]))[0, 1].item()) < 0.04  # ~4 sigma of 1 / sqrt(PAIRS)
+    p = torch.softmax(LOGITS.double() / 0.7, -1)
+    assert abs((here == there).double().mean().item() - (p * p).sum().item()) < 0.02
