@@ -119,12 +119,12 @@ def _level_tree(nodes: int, levels: int, vocab: int, g: torch.Generator) -> Draf
     return DraftTree.from_parents(torch.randint(vocab, (nodes,), generator=g).tolist(), parents)
 
 
-@pytest.mark.parametrize("walk", [False, True], ids=["every_token", "walk"])
+@pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["plain", "top_p"])
 @pytest.mark.parametrize("device,batch", GPU_CASES + [("cpu", 4)])
-def test_sampled_rule(benchmark, device, batch, walk):
-    """The lossless rule of a step whose rows all sample (T = 0.7, top-p 0.9) over 31-node trees of 5 levels
-    (the shipped draft's CUDA default shape), drawing at every verify token or only along the walk; on CUDA a
-    captured graph's replay, over bf16 logits of the real vocabulary."""
+def test_sampled_rule(benchmark, device, batch, top_p):
+    """The lossless rule of a step whose rows all sample (T = 0.7, with and without top-p 0.9) over 31-node trees
+    of 5 levels (the shipped draft's CUDA default shape): the token choice at every verify token and the walk;
+    on CUDA a captured graph's replay, over bf16 logits of the real vocabulary, the choice's Triton kernel."""
     from types import SimpleNamespace
 
     from specdec.sampled_rule import SampledRule
@@ -136,17 +136,17 @@ def test_sampled_rule(benchmark, device, batch, walk):
     logits = (3.0 * torch.randn(batch * q, vocab, generator=g)).to(device, torch.bfloat16 if device == "cuda"
                                                                    else torch.float32)
     accept = torch.zeros(batch, q + 3, dtype=torch.int64, device=device)
-    rows = [SimpleNamespace(params=SamplingParams(temperature=0.7, top_p=0.9, seed=i), stream=UniformStream(i))
-            for i in range(batch)]
-    rule = SampledRule(device)
+    rows = [SimpleNamespace(params=SamplingParams(temperature=0.7, top_p=top_p, seed=i), stream=UniformStream(i),
+                            tokens=[1] * (100 + i)) for i in range(batch)]
+    rule = SampledRule(device, use_triton=device == "cuda")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
-        rule(rows, trees, range(batch), logits, accept, captured=True, levels=levels if walk else None)
+        rule(rows, trees, range(batch), logits, accept, captured=True)
         sync()
 
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP)
-    benchmark.extra_info.update(batch=batch, verify_tokens=q, levels=levels, walk=walk)
+    benchmark.extra_info.update(batch=batch, verify_tokens=q, top_p=top_p)
 
 
 def _dtype(device: str) -> str:

@@ -84,10 +84,6 @@ ENGINE_SETS = {
                  "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "pipeline": False},
                  "ngram_pipelined": {"draft": "ngram", "pipeline": True},
                  "ngram_unpipelined": {"draft": "ngram", "pipeline": False}},
-    # the sampled rule drawing along the walk (the default) against drawing at every verify token
-    "sampled_walk": {"target_only": {"draft": None},
-                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
-                     "eagle_every_token": {"draft": "eagle", "tree": "dynamic:31", "rule_walk": False}},
     # the speculative defaults against target-only for sampled rows (with TEMPERATURE)
     "sampled": {"target_only": {"draft": None},
                 "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
@@ -226,14 +222,12 @@ def main() -> None:
                 if ONLY and name not in ONLY and name != "target_only":
                     continue
                 fields = {"tree": "chain:8", **fields}
-                draft, walk = fields.pop("draft"), fields.pop("rule_walk", True)
+                draft = fields.pop("draft")
                 if draft == "eagle":
                     draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV,
                                                         target=target)
                 engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
                                                                      prefix_cache=False, **KV, **fields))
-                if not walk:
-                    engines[name].verifier.sampled_rule.walk_min_saved = float("inf")
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}

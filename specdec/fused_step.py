@@ -245,7 +245,7 @@ class FusedVerify:
         graphs = self.runner.graphs
         views = graphs.inputs.views(key[1], key[2])
         return self.verifier.sampled_rule.on_views(reqs, sampled, k + 1, views, fwd.logits.logits, fwd.accept,
-                                                   graphs.captured(key), levels=min(k, self.levels))
+                                                   graphs.captured(key))
 
     def _tables(self, reqs: list, bt):
         """``bt``, or the rows' block tables (R, W) synced now."""

@@ -10,8 +10,8 @@ has the verifier launch its verify, and starts its read. The host waits only for
 the device runs K + 1.
 
 At the next engine step ``StepPipeline.propose`` adopts the queued step (a ``QueuedStep``) when its rows are
-among the queued ones, each at the length the device assumed, under the same budget; otherwise it is dropped
-(and its sampled rows' draws given back): it wrote KV only past every live row's committed length, in blocks the
+among the queued ones, each at the length the device assumed, under the same budget; otherwise it is dropped:
+it wrote KV only past every live row's committed length, in blocks the
 rows still hold (the drafter's ``lookahead`` reserves them), so nothing it wrote is read.
 
 One mechanism for every proposer; the hooks differ only in how they write the next step's inputs:
@@ -24,9 +24,8 @@ One mechanism for every proposer; the hooks differ only in how they write the ne
   a step verifies in the bucket of n + 1 queries (``min_query``) and its successor is built there, each chain cut
   to n tokens, exactly the chains the drafter proposes under that budget.
 Steps with sampled rows (not with a repetition penalty) are queued by both: the sampled rule runs right behind the
-verify, the next step is built from its outcome, and the queued step's sampled rows draw their uniforms when it
-is queued (``QueuedStep.draws``; given back when it is dropped, and, for chains the device cut shorter than the
-bucket, those not used when it is adopted).
+verify (its choices read each row's positions from the queued inputs), and the next step is built from its
+outcome.
 Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
 them), so outputs are the same with and without the pipeline.
 """
@@ -119,15 +118,13 @@ class QueuedStep:
     (R', C) on the device ([m, bonus, path..., finite] per row, then any follow-up columns: what the read returns
     and what a successor is built from) and ``wait() -> (R, C)`` its read. ``trees``: an EAGLE step's kept trees
     on the device (tokens, parents, max depths; ``DeviceDraft.launched``), ``draft``: its ``DeviceDraft``.
-    ``draws``: each sampled row's uniform stream and its counter before this step's draws (put back when the step
-    is dropped). ``lengths`` (R,): each row's length once the step before is committed (set by ``assume``);
+    ``lengths`` (R,): each row's length once the step before is committed (set by ``assume``);
     ``sel``: adopted by some of its rows, each adopting row's row here (None: all, in order)."""
 
     def __init__(self, rows: list, key: tuple, n: int, fwd, outcome: Tensor, wait, trees=None,
                  draft: DeviceDraft | None = None) -> None:
         self.rows, self.key, self.n, self.fwd, self.outcome, self.wait = rows, key, n, fwd, outcome, wait
         self.trees, self.draft = trees, draft
-        self.draws: list = []
         self.lengths: np.ndarray | None = None
         self.sel: np.ndarray | None = None
 
@@ -145,21 +142,6 @@ class QueuedStep:
         """The host read, the adopting rows' rows only."""
         host = self.wait()
         return host if self.sel is None else host[self.sel]
-
-    def settle_draws(self, rows: list, used: list[int]) -> None:
-        """The adopting ``rows`` keep the ``used`` draws (per row) of what they drew when the step was queued (a
-        chain the device cut shorter than its bucket uses fewer than that)."""
-        start = {id(req): counter for req, counter in self.draws}
-        for req, n in zip(rows, used):
-            if id(req) in start:
-                req.stream.counter = start[id(req)] + n
-
-    def give_back_draws(self, kept: list) -> None:
-        """Put back the draws of the rows not in ``kept`` (their queued step is not used)."""
-        ids = {id(req) for req in kept}
-        for req, counter in self.draws:
-            if id(req) not in ids:
-                req.stream.counter = counter
 
 
 class StepPipeline:
@@ -198,10 +180,8 @@ class StepPipeline:
         if (not rows or min(sel) < 0 or a.lengths is None or a.n != self.drafter.node_budget
                 or any(len(req.tokens) != a.lengths[i] for req, i in zip(rows, sel))):
             self.dropped += 1
-            a.give_back_draws([])
             self.hook.dropped()
             return None
-        a.give_back_draws(rows)
         self.adopted += 1
         if sel != list(range(len(a.rows))):
             a.sel = np.asarray(sel)
@@ -222,15 +202,13 @@ class StepPipeline:
         bs, need = self.runner.pool.block_size, drafter.lookahead
         if any(len(r.blocks) * bs < len(r.tokens) + need for r in rows) or not self.hook.may_queue(rows, step):
             return None
-        draws = [(req, req.stream.counter) for req in rows if not req.params.greedy]
         nxt = self.hook.write_next(rows, step, self.upload)
         if nxt is None:
             return None
         key, draft = nxt
-        self.ahead = queued = self.verifier.launch_queued(rows, key, drafter.node_budget, draft)
-        queued.draws = draws  # (its sampled rows drew their next uniforms when its rule was launched)
+        self.ahead = self.verifier.launch_queued(rows, key, drafter.node_budget, draft)
         self.queued += 1
-        return queued
+        return self.ahead
 
 
 class AdvanceGraphs:
@@ -384,11 +362,8 @@ class ChainAhead:
         return key, None
 
     def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
-        """The drafter's chains (those the device looked up, which the queued verify holds), already verified; its
-        sampled rows keep the draws their chains used (node count + 1)."""
-        proposal = self.drafter.propose(rows)._replace(device=queued)
-        queued.settle_draws(rows, [len(t.host.tokens) + 1 for t in proposal.trees])
-        return proposal
+        """The drafter's chains (those the device looked up, which the queued verify holds), already verified."""
+        return self.drafter.propose(rows)._replace(device=queued)
 
     def dropped(self) -> None:
         """(nothing to undo: the host keeps no state for a queued chain step)"""

@@ -9,15 +9,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdec.acceptance import shape_probs, verify_greedy, verify_stochastic
+from specdec.acceptance import shape_probs, verify_greedy
 from specdec.acceptance_batched import unpack_greedy
-from specdec.acceptance_stochastic import accept_stochastic_padded, draw_uniforms, pad_trees, sampling_rows
+from specdec.acceptance_stochastic import pad_trees, sampling_rows
 from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
 from specdec.fused_step import DeviceDraft, FusedOutcome, shape_depth
+from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.runner import ModelRunner, RowInput, RowSlices
-from specdec.sampled_rule import SampledRule, applies
+from specdec.sampled_rule import SampledRule, accept_sampled, verify_positions
 from specdec.scheduler.request import Request
 from specdec.step_inputs import PackedRows
 from specdec.tree import DraftTree
@@ -42,11 +43,9 @@ class VerifyResults(list):
     packed_features: torch.Tensor | None = None
 
 
-# Trees with draft distributions (a Llama draft's sampled children) take the device trial loop from this many
-# sampled rows of a padded step, the host rule below it: the loop is hundreds of small launches whatever the
-# batch, the host rule a few per row. Deterministic trees always take ``SampledRule`` (a graph replay when the
-# verify is captured, else the same few ops eagerly). All paths draw the same uniforms from each request's
-# ``UniformStream``, so a seeded request's tokens do not depend on the path.
+# A padded step whose logits are per-row tensors (not one (B * Q, V) output) runs the sampled rule eagerly over
+# them from this many sampled rows, the host rule (a few launches per row) below it. Every path chooses each
+# token with the same keyed noise (``kernels.gumbel_choice``), so a seeded request's tokens do not depend on it.
 DEVICE_SAMPLED_MIN_ROWS = 8
 
 
@@ -62,7 +61,8 @@ class Verifier:
         self.fused = None  # a ``fused_step.FusedVerify``: the verify of trees still on the device (``DeviceDraft``)
         self.pipeline = None  # a ``pipeline.StepPipeline``: queues the next step behind each verify launched here
         self.reader = HostRead(runner.device)  # the one read of a step launched here (two in flight at most)
-        self.sampled_rule = SampledRule(runner.device)  # the sampled rows of a padded step, graphed on CUDA
+        # the sampled rows of a padded step, graphed on CUDA
+        self.sampled_rule = SampledRule(runner.device, use_triton=runner.backend.uses_triton)
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""
@@ -243,13 +243,13 @@ class Verifier:
 
     def _sampled_outcome(self, rows: list[Request], trees: list[DraftTree], sampled: list[int], fwd, key):
         """(B, Q + 3) outcome of a padded step with the ``sampled`` rows through the device rule, or None when
-        they take the host rule: ``SampledRule`` whenever no sampled tree has draft distributions (replayed when
-        the verify is a captured graph), whatever the row count; otherwise the trial loop eagerly from
-        ``DEVICE_SAMPLED_MIN_ROWS`` sampled rows on."""
+        they take the host rule: ``SampledRule`` when the step's logits are one (B * Q, V) tensor (replayed when
+        the verify is a captured graph), whatever the row count; otherwise the same rule eagerly over the rows'
+        logits from ``DEVICE_SAMPLED_MIN_ROWS`` sampled rows on."""
         full = getattr(fwd.logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped it
         graphs = self.runner.graphs
         captured = key is not None and graphs is not None and graphs.captured(key)
-        if isinstance(full, torch.Tensor) and applies([trees[i] for i in sampled]):
+        if isinstance(full, torch.Tensor):
             return self.sampled_rule(rows, trees, sampled, full, fwd.accept, captured)
         if len(sampled) < DEVICE_SAMPLED_MIN_ROWS:
             return None
@@ -332,26 +332,25 @@ def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: 
 
 
 def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: list[int], q: int) -> torch.Tensor:
-    """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step with Q = q."""
-    full = getattr(logits, "logits", None)  # the step's (B * Q, V) output, unless a caller re-wrapped the rows
-    if isinstance(full, torch.Tensor):
-        rows_at = torch.tensor(index, dtype=torch.int64).to(full.device, non_blocking=True)  # (no stream sync)
-        picked = full.view(-1, q, full.shape[-1])[rows_at].float()  # (S, Q, V); the step keeps the model's dtype
-    else:
-        picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index])  # (S, Q, V)
+    """(S, Q + 2) device acceptance of the sampled rows ``index`` of a padded step with Q = q whose logits are
+    per-row tensors (``sampled_rule.accept_sampled``)."""
+    picked = torch.stack([F.pad(logits[i], (0, 0, 0, q - logits[i].shape[0])) for i in index]).float()  # (S, Q, V)
     dev = picked.device
-    uniforms = draw_uniforms([r.stream for r in rows], trees, q, dev)
     padded = pad_trees(trees, q, dev)
     penalized = penalized_rows(rows, range(len(rows)))
     if penalized:
         penalty = ContextPenalty.of(rows, penalized, len(rows), picked.shape[-1], dev)
         picked = penalty.apply(picked, padded.tokens, padded.tree_mask)  # (S, Q, V)
-    return accept_stochastic_padded(picked, padded, sampling_rows([r.params for r in rows], dev), uniforms)
+    keys = torch.tensor([[r.stream.key0, r.stream.key1, len(r.tokens) - 1] for r in rows], dtype=torch.int64).to(dev)
+    positions = verify_positions(keys[:, 2], padded.tree_mask)
+    return accept_sampled(picked, padded.tokens, padded.parents, padded.tree_mask, padded.num_tokens,
+                          sampling_rows([r.params for r in rows], dev), keys[:, 0], keys[:, 1], positions)
 
 
 def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
-    """The host acceptance rule of one row over its verify logits ((N+1) x V), after its repetition penalty:
-    greedy or the request's sampling rule with its uniform stream."""
+    """The host acceptance rule of one row over its verify logits ((N+1) x V), after its repetition penalty: the
+    tree's path matching the target's choice after each verify token (its argmax, or for a sampled row the
+    Gumbel-max sample keyed by the request and the position, ``kernels.gumbel_choice``)."""
     p = req.params
     lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
     if p.penalized:
@@ -361,8 +360,16 @@ def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     if p.greedy:
         return verify_greedy(tree, lg.argmax(-1))
     probs = shape_probs(lg, p.temperature, p.top_k, p.top_p, p.min_p)  # (N+1, V)
-    check_distribution(req, probs if tree.draft_dists is None else torch.cat([probs, tree.draft_dists]), "target")
-    return verify_stochastic(tree, probs, req.stream)
+    check_distribution(req, probs, "target")
+    n, dev = lg.shape[0], lg.device
+    positions = torch.tensor([len(req.tokens) - 1] + [len(req.tokens) + d for d in tree.host.depth],
+                             dtype=torch.int64, device=dev)  # (N+1,) the root, then each node's
+    s = req.stream
+    key = torch.tensor([s.key0, s.key1], dtype=torch.int64, device=dev)
+    kept = probs > 0 if p.filtered else None
+    choices = choose_tokens(lg, torch.full((n,), p.temperature, dtype=torch.float64, device=dev),
+                            key[0].expand(n), key[1].expand(n), positions + 1, kept)
+    return verify_greedy(tree, choices)
 
 
 def request_randomness(seed: int | None, device: torch.device) -> tuple[torch.Generator, UniformStream]:

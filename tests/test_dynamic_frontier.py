@@ -4,8 +4,8 @@ Dynamic trees: the reference is the drafter's former host implementation, writte
 frontier node the DYNAMIC_CANDIDATES most probable tokens (equal probabilities: lower token id first),
 scored by the parent's cumulative score times the probability; the best min(beam, budget left) by
 score (stable: frontier position, then rank) become the level, ordered by (parent, -score).
-Static trees: the reference expands one frontier node at a time (greedy: top tokens; sampled: i.i.d.
-or Gumbel-top-k draws from the node's shaped distribution with the request's generator).
+Static trees: the reference expands one frontier node at a time (greedy: top tokens; sampled: the top
+children of log q + G, G the request's Gumbel noise at the child's position, as the target's sampled rule uses).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from specdec.kernels.gumbel_choice import gumbel_noise
 
 from specdec.acceptance import shape_probs
 from specdec.drafters.frontier import FrontierLayout, pick_children, top_candidates
@@ -21,6 +22,7 @@ from specdec.drafters.model_drafter import DYNAMIC_CANDIDATES, Growth, ModelDraf
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
 from specdec.tree import TreeSpec, template_from_spec
+from specdec.uniform_stream import UniformStream
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -43,11 +45,12 @@ def host_rule(g: Growth, beam: int, max_nodes: int) -> list[int]:
         cands += [(base * q[t], parent, t) for t in top if q[t] > 0]
     cands.sort(key=lambda c: -c[0])
     chosen = sorted(cands[:min(beam, budget)], key=lambda c: (c[1], -c[0]))
-    return [g.add(t, parent, s, -1) for s, parent, t in chosen]
+    return [g.add(t, parent, s) for s, parent, t in chosen]
 
 
-def per_node_rule(g: Growth, child_count: dict[int, int], iid: bool) -> list[int]:
-    """The former host implementation of one static level (reference)."""
+def per_node_rule(g: Growth, child_count: dict[int, int]) -> list[int]:
+    """One static level node by node (reference): a greedy row's most probable tokens (lower id first on ties),
+    a sampled row's top children of log q + G, G the Gumbel noise of the request's key at the child's position."""
     p, new = g.req.params, []
     for parent, lg in g.frontier:
         want = child_count.get(parent, 0)
@@ -55,17 +58,15 @@ def per_node_rule(g: Growth, child_count: dict[int, int], iid: bool) -> list[int
             continue
         if p.greedy:
             q = torch.softmax(lg.float(), -1).tolist()
-            toks, row = sorted(range(len(q)), key=lambda t: (-q[t], t))[:want], -1
+            toks = sorted(range(len(q)), key=lambda t: (-q[t], t))[:want]
         else:
             q = shape_probs(lg, p.temperature, p.top_k, p.top_p)
-            row = len(g.dist_rows)
-            g.dist_rows.append(q)
-            if iid:
-                toks = torch.multinomial(q, want, replacement=True, generator=g.req.generator).tolist()
-            else:
-                u = torch.rand(q.shape, generator=g.req.generator, dtype=torch.float64).clamp_min(1e-300)
-                toks = (q.double().log() - (-u.log()).log()).topk(want).indices.tolist()
-        new += [g.add(t, parent, 0.0, row) for t in toks]
+            s = g.req.stream
+            pos = g.L + (g.depth[parent] + 1 if parent >= 0 else 0)
+            noise = gumbel_noise(torch.tensor(s.key0), torch.tensor(s.key1), torch.tensor(pos),
+                                 torch.arange(q.shape[-1]))
+            toks = (q.double().log() + noise).topk(want).indices.tolist()
+        new += [g.add(t, parent, 0.0) for t in toks]
     return new
 
 
@@ -74,9 +75,9 @@ def _drafter(spec: TreeSpec) -> ModelDrafter:
 
 
 def _row(params: SamplingParams, prefilled: int, seed: int = 0) -> Growth:
-    g = Growth(SimpleNamespace(params=params, generator=torch.Generator().manual_seed(seed)), L=10)
+    g = Growth(SimpleNamespace(params=params, stream=UniformStream(seed)), L=10)
     for t in range(prefilled):  # nodes from elsewhere: a smaller budget left
-        g.add(t, -1, 1.0, -1)
+        g.add(t, -1, 1.0)
     return g
 
 
@@ -101,8 +102,7 @@ def _grow_both(budget: int, vocab: int, kind: str, rows: int, seed: int) -> list
         new = drafter._expand_dynamic([g for g, _ in pairs])
         for (g, ref), nodes in zip(pairs, new, strict=True):
             assert nodes == host_rule(ref, drafter._beam, budget)
-            assert (g.tokens, g.parents, g.score, g.dist_index) == (ref.tokens, ref.parents, ref.score,
-                                                                    ref.dist_index)
+            assert (g.tokens, g.parents, g.score) == (ref.tokens, ref.parents, ref.score)
             lg = _logits(gen, len(nodes), vocab, kind)
             g.frontier = ref.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
     return pairs
@@ -178,8 +178,8 @@ def count_reads(monkeypatch):
 
 @pytest.mark.parametrize("tree", ["chain:4", "topk:3x3"])
 def test_static_levels_equal_per_node_rule(tree):
-    """Sampled rows draw all their nodes' children at once; on CPU the request's generator then gives
-    the same stream as per-node draws, so trees and draft distributions equal the reference exactly."""
+    """Sampled rows draw all their nodes' children at once with the request's noise at each child's position: the
+    trees equal the node-by-node reference exactly."""
     spec = template_from_spec(tree)
     drafter, gen = _drafter(spec), torch.Generator().manual_seed(5)
     pairs = [(_row(SHAPES[r % len(SHAPES)], 0, seed=r), _row(SHAPES[r % len(SHAPES)], 0, seed=r)) for r in range(7)]
@@ -188,10 +188,8 @@ def test_static_levels_equal_per_node_rule(tree):
     for _ in range(drafter._max_depth):
         new = drafter._expand_level([g for g, _ in pairs])
         for (g, ref), nodes in zip(pairs, new, strict=True):
-            assert nodes == per_node_rule(ref, drafter._child_count, spec.kind == "chain")
-            assert (g.tokens, g.parents, g.dist_index) == (ref.tokens, ref.parents, ref.dist_index)
-            assert len(g.dist_rows) == len(ref.dist_rows)
-            assert all(torch.equal(a, b) for a, b in zip(g.dist_rows, ref.dist_rows))
+            assert nodes == per_node_rule(ref, drafter._child_count)
+            assert (g.tokens, g.parents) == (ref.tokens, ref.parents)
             lg = torch.randn(len(nodes), 64, generator=gen) * 2
             g.frontier = ref.frontier = [(i, lg[j]) for j, i in enumerate(nodes)]
     assert all(len(g.tokens) == spec.budget for g, _ in pairs)

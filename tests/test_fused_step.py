@@ -486,20 +486,6 @@ def test_fused_sampled_rows_equal_the_unfused_ones(tiny, tree):
     _fused_vs_unfused_sampled(draft, target, tree, want)
 
 
-def test_fused_sampled_rows_drawn_along_the_walk_equal_the_unfused_ones(tiny, monkeypatch):
-    """The fused steps' rule drawing only along each row's walk (forced at these small batches) gives the tokens of
-    the unfused path, which draws at every verify token."""
-    import specdec.sampled_rule as sr
-
-    walks = []
-    walk = sr.accept_deterministic_walk
-    monkeypatch.setattr(sr, "WALK_MIN_SAVED", 0)
-    monkeypatch.setattr(sr, "accept_deterministic_walk", lambda *a, **k: walks.append(a[-1]) or walk(*a, **k))
-    draft, target, want = tiny
-    _fused_vs_unfused_sampled(draft, target, "dynamic:16", want)
-    assert walks and max(walks) >= 2
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_sampled_rows_equal_the_unfused_ones(setup):  # noqa: F811 - the fixture imported above
     """The same on the GPU in float32, draft program, verify and sampled rule captured."""

@@ -60,7 +60,8 @@ def test_repetition_penalties_float32_cannot_hold_are_refused_by_name(engine):
         with pytest.raises(ValueError, match=r"repetition_penalty must be .* in \[1e-30, 1e\+30\]"):
             SamplingParams(repetition_penalty=rp)
     for rp in (1e-30, 1e30):  # the bounds run
-        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, repetition_penalty=rp))[0]
+        out = engine.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=1.0, repetition_penalty=rp,
+                                                     ignore_eos=True))[0]
         assert out.finish_reason == "length", (rp, out.error)
 
 

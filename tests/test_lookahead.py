@@ -269,7 +269,7 @@ def test_pipelined_steps_under_preemption(tiny, prefix_cache, count_preemptions)
 
 def test_pipelined_steps_with_stop_strings_and_sampled_rows(tiny):
     """Rows that end at a stop string (inside an accepted path) and seeded sampled rows mixed with greedy ones
-    (steps with sampled rows are queued too; a dropped queued step gives its draws back): outputs equal the
+    (steps with sampled rows are queued too): outputs equal the
     unpipelined engine's, greedy rows equal target-only; a batch of sampled rows only is pipelined too."""
     draft, target, want, cfg = tiny
     tok = target.tokenizer

@@ -442,10 +442,10 @@ def _generated(eng: SpecEngine, prompts, params) -> list[list[int]]:
 @pytest.mark.parametrize("proposer", ["ngram", None])
 def test_pipelined_sampled_rows_equal_unpipelined_ones(tiny_target, monkeypatch, proposer):
     """Steps with seeded sampled rows are pipelined too (n-gram chains on the device, and target-only decoding): the
-    queued step's rule draws its rows' uniforms when it is queued, its advance reads the rule's bonus token, a
-    dropped step gives the draws back and an adopted one those its chains did not use, so every request's tokens
-    equal the unpipelined engine's, greedy rows target-only's, with rows joining, finishing and stopping on a token;
-    batches of sampled rows only adopt queued steps, whose inputs are exactly what the host packs."""
+    queued step's rule reads its rows' positions from the queued inputs and its advance reads the rule's bonus
+    token, so every request's tokens equal the unpipelined engine's, greedy rows target-only's, with rows joining,
+    finishing and stopping on a token; batches of sampled rows only adopt queued steps, whose inputs are exactly
+    what the host packs."""
     prompts, params, ref = _sampled_case(tiny_target)
     checked, wrong, partial = _checked_queued(monkeypatch)
     sampled = [i for i, p in enumerate(params) if not p.greedy]

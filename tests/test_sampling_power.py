@@ -1,12 +1,13 @@
 """Speculative sampling keeps the target distribution, tested with power.
 
 A tiny target over an 8-token vocabulary and a draft correlated with it (the target with noise on
-its output projection: mean accepted length about 2, so acceptance, residual sampling and the bonus
-token are all exercised). For each tree kind (chain, top-k tree, dynamic tree) and two sampling
+its output projection: mean accepted length about 2, so acceptance, rejection and the bonus token are all
+exercised). For each tree kind (chain, top-k tree, dynamic tree) and two sampling
 settings, SAMPLES seeded requests of one prompt run as one ``generate`` call; the first token and
 the first two tokens jointly are chi-square tested against the exact target distribution
 (transformers logits of the same weights, shaped by ``specdec.acceptance.shape_probs``). A negative
-control runs the engine with a deliberately wrong rejection rule and must fail the same test.
+control runs the engine with a deliberately wrong rule (one noise for every position) and must fail the same
+test.
 
 CI runs SAMPLES = 3000 per configuration (the negative control shows that this size has power);
 ``SPECDEC_CHISQ_SAMPLES=20000`` runs the full-size test (bench/RESULTS.md has its figures).
@@ -19,7 +20,6 @@ import os
 import pytest
 import torch
 
-import specdec.acceptance
 from specdec.acceptance import shape_probs
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
@@ -159,13 +159,13 @@ def test_first_two_tokens_follow_the_target(sampled, target_logits, config):
 @pytest.mark.parametrize("config", [CONFIGS[1], CONFIGS[2]], ids=[IDS[1], IDS[2]])
 def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, monkeypatch):
     """cuda_graphs=True (on the CPU: the padded step, run eagerly): sampled rows are accepted by the device rule
-    (accept_stochastic_padded; the host rule is forbidden), and the first two tokens still follow the target."""
+    (``sampled_rule``; the host rule is forbidden), and the first two tokens still follow the target."""
     import specdec.verifier
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host stochastic rule used on the padded path")
 
-    monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    monkeypatch.setattr(specdec.verifier, "_host_rule", forbidden)
     monkeypatch.setattr(specdec.verifier, "DEVICE_SAMPLED_MIN_ROWS", 1)  # every sampled row on the device
     joint, stats = sample(pair, *config, SAMPLES, 500_000, cuda_graphs=True)
     p1, exact = exact_dists(target_logits, *config[1:])
@@ -177,24 +177,23 @@ def test_padded_step_keeps_the_target_distribution(pair, target_logits, config, 
 
 
 @pytest.mark.parametrize("draft,wrong", [("ngram", False), (None, False), ("ngram", True)],
-                         ids=["ngram", "target-only", "ngram-bonus-redrawn"])
+                         ids=["ngram", "target-only", "ngram-one-noise"])
 def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, draft, wrong, monkeypatch):
     """CUDA stood in (``test_sampled_rule.stand_in_verify_graphs``): every verify is a captured graph, so sampled
     rows go through the captured rule (``specdec.sampled_rule``; the host rule is forbidden) at every batch size;
     n-gram chains (point-mass drafts, accepted sometimes) and target-only decode keep the target distribution of
-    the first two tokens (SAMPLES requests, chi-square). Negative control: the rule with a wrong residual (p left
-    unchanged after a rejection) fails the same test."""
+    the first two tokens (SAMPLES requests, chi-square). Negative control: the rule with one noise for every
+    position (the tokens of a request are then not independent draws) fails the same test."""
     from test_sampled_rule import stand_in_verify_graphs
 
-    import specdec.acceptance_stochastic
     import specdec.verifier
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host stochastic rule used on the graphed path")
 
-    monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    monkeypatch.setattr(specdec.verifier, "_host_rule", forbidden)
     if wrong:
-        _redraw_the_bonus(monkeypatch)
+        _one_noise_everywhere(monkeypatch, "specdec.sampled_rule")
     engines = []
     settings = (0.7, 0, 0.9)
 
@@ -218,48 +217,32 @@ def test_graphed_sampled_rule_keeps_the_target_distribution(pair, ngram_logits, 
         assert p_first > P_MIN and p_joint > P_MIN, (p_first, p_joint, joint.tolist())
 
 
-def _redraw_the_bonus(monkeypatch) -> None:
-    """A wrong single-draw rule for the negative controls (the analogue of keeping p after a rejection): where no
-    child was drawn, the bonus is drawn again from the node's whole distribution with another uniform, so it
-    can be a rejected child's token."""
-    import specdec.acceptance_stochastic as rules
+def _one_noise_everywhere(monkeypatch, module: str) -> None:
+    """A wrong rule for the negative controls: ``module``'s token choice uses the noise of position 0 at every
+    position, so each token's own distribution is still the target's but a request's tokens are not independent
+    draws (the second follows the first's noise): the joint distribution of the first two tokens is wrong."""
+    import importlib
 
-    outcome = rules._deterministic_outcome
+    mod = importlib.import_module(module)
+    choose = mod.choose_tokens
 
-    def wrong(probs, trees, u):
-        out = outcome(probs, trees, u)  # (B, Q + 2)
-        m = out[:, :1]
-        last = torch.where(m > 0, out.gather(1, (m + 1).clamp(max=out.shape[1] - 1)), 0)  # (B, 1) the path's end
-        p = probs.gather(1, last.unsqueeze(-1).expand(-1, 1, probs.shape[-1])).squeeze(1)  # (B, V)
-        again = rules._sample(p, (u.gather(1, last) + 0.5) % 1.0)  # (B, 1)
-        return torch.cat([m, again, out[:, 2:]], 1)
+    def wrong(x, temperature, key0, key1, position, kept=None, **kw):
+        return choose(x, temperature, key0, key1, torch.zeros_like(position), kept, **kw)
 
-    monkeypatch.setattr(rules, "_deterministic_outcome", wrong)
-    walk = rules.accept_deterministic_walk
-
-    def wrong_walk(logits, trees, sampling, u, levels):  # the same mistake where the rule draws along the walk
-        out = walk(logits, trees, sampling, u, levels)  # (B, Q + 2)
-        m = out[:, :1]
-        last = torch.where(m > 0, out.gather(1, (m + 1).clamp(max=out.shape[1] - 1)), 0)  # (B, 1) the path's end
-        p = rules.shape_probs_rows(logits[torch.arange(len(last)), last.view(-1)], sampling)  # (B, V)
-        again = rules._sample(p, (u.gather(1, last) + 0.5) % 1.0)  # (B, 1)
-        return torch.cat([m, again, out[:, 2:]], 1)
-
-    monkeypatch.setattr(rules, "accept_deterministic_walk", wrong_walk)
-    monkeypatch.setattr("specdec.sampled_rule.accept_deterministic_walk", wrong_walk)
+    monkeypatch.setattr(mod, "choose_tokens", wrong)
 
 
-def test_negative_control_wrong_residual_fails(pair, target_logits, monkeypatch):
-    """After a rejection, sampling from the unchanged target (instead of the residual max(p - q, 0))
-    biases the output toward the draft; the chi-square test at the same sample size catches it."""
-    monkeypatch.setattr(specdec.acceptance, "reject_residual", lambda p, q, x: p)
+def test_negative_control_one_noise_fails(pair, target_logits, monkeypatch):
+    """The host rule choosing every token with the noise of position 0 (the same Gumbel noise at every position of a
+    request) keeps each token's marginal but correlates a request's tokens; the chi-square test of the first two
+    tokens jointly, at the same sample size, catches it."""
+    _one_noise_everywhere(monkeypatch, "specdec.verifier")
     config = CONFIGS[0]
     joint, stats = sample(pair, *config, SAMPLES, 0)
     p1, exact = exact_dists(target_logits, *config[1:])
     p_first, p_joint = chisquare_p(joint.sum(1), p1), chisquare_p(joint, exact)
     print(f"\nnegative control {config}: samples={SAMPLES} p(first)={p_first:.3g} p(joint)={p_joint:.3g}")
-    assert stats.accepted < stats.drafted  # rejections happened, so the wrong rule was used
-    assert p_first < P_MIN and p_joint < P_MIN
+    assert p_joint < P_MIN
 
 
 def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
@@ -282,16 +265,15 @@ def test_eagle_draft_keeps_the_target_distribution(pair, target_logits):
 
 
 @pytest.mark.parametrize("tree,wrong", [("topk:2x2", False), ("dynamic:6", False), ("dynamic:6", True)],
-                         ids=["topk", "dynamic", "dynamic-bonus-redrawn"])
+                         ids=["topk", "dynamic", "dynamic-one-noise"])
 def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits, tree, wrong, monkeypatch):
     """Sampled rows drafted by the EAGLE device program (cuda_graphs=True: the padded path, CUDA stood in so the
     verify counts as captured and the sampled rule is the captured one): every proposal comes from the device
     program (no host-drafted step), its deterministic trees are verified point-mass by point-mass, and the first
-    two tokens follow the target (SAMPLES requests, chi-square). Negative control: the bonus drawn again
-    from the whole distribution fails."""
+    two tokens follow the target (SAMPLES requests, chi-square). Negative control: one noise for every
+    position fails."""
     from test_sampled_rule import stand_in_verify_graphs
 
-    import specdec.acceptance_stochastic
     import specdec.verifier
     from specdec.loading.registry import LoadedModel
     from specdec.models.eagle import EagleShape, eagle_from_target
@@ -299,9 +281,9 @@ def test_eagle_device_program_keeps_the_target_distribution(pair, target_logits,
     def forbidden(*args, **kwargs):
         raise AssertionError("host stochastic rule used on the device path")
 
-    monkeypatch.setattr(specdec.verifier, "verify_stochastic", forbidden)
+    monkeypatch.setattr(specdec.verifier, "_host_rule", forbidden)
     if wrong:
-        _redraw_the_bonus(monkeypatch)
+        _one_noise_everywhere(monkeypatch, "specdec.sampled_rule")
     target_dir, target, _ = pair
     model = eagle_from_target(target.model, EagleShape((0, 1), 6), torch.tensor([0, 1, 3, 4, 6, 7]), seed=3)
     eagle = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)

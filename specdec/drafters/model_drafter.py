@@ -16,6 +16,7 @@ from specdec.acceptance import shape_probs
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.frontier import FrontierLayout, Shape, pick_children, shaped_probs, top_candidates
 from specdec.fault_isolation import distribution_fault
+from specdec.kernels.gumbel_choice import gumbel_noise
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree, TreeSpec
@@ -37,21 +38,18 @@ class Growth:
     masks: list[int] = field(default_factory=list)
     depth: list[int] = field(default_factory=list)
     score: list[float] = field(default_factory=list)  # cumulative draft probability (dynamic)
-    dist_rows: list[torch.Tensor] = field(default_factory=list)
-    dist_index: list[int] = field(default_factory=list)
     frontier: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (node or -1, logits (V,))
     computed: set[int] = field(default_factory=set)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # node (-1: root) -> draft state (EAGLE)
     front_score: torch.Tensor | None = None  # (len(frontier),) float64 scores of the frontier nodes; None: root
 
-    def add(self, token: int, parent: int, score: float, dist_row: int) -> int:
+    def add(self, token: int, parent: int, score: float) -> int:
         i = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
         self.masks.append((1 << i) | (self.masks[parent] if parent >= 0 else 0))
         self.depth.append(self.depth[parent] + 1 if parent >= 0 else 0)
         self.score.append(score)
-        self.dist_index.append(dist_row)
         return i
 
 
@@ -117,36 +115,37 @@ class ModelDrafter(Drafter):
     def _expand_static(self, grows: list[Growth]) -> list[list[int]]:
         """Add the template's children of every frontier node: a greedy row's most probable draft
         tokens (equal probabilities: lower id first), a sampled row's draws from its shaped draft
-        distribution (i.i.d. for chains, without replacement for trees). One device->host read."""
+        distribution coupled with the target's sampling at each position (``_coupled_children``). One device->host
+        read."""
         new: list[list[int]] = [[] for _ in grows]
         todo = [(gi, nodes) for gi, g in enumerate(grows) if (nodes := self._static_nodes(g))]
         if not todo:
             return new
         vocab = todo[0][1][0][1].shape[-1]  # the first node's logits (V,)
         k = min(max(self._child_count[parent] for _, nodes in todo for parent, _ in nodes), vocab)  # per node
-        greedy, sampled = [], []  # (row, parent, dist row) per expanded node, in token-row order
+        greedy, sampled = [], []  # (row, parent) per expanded node, in token-row order
         greedy_logits, tokens = [], []
         for gi, nodes in todo:
             g, p = grows[gi], grows[gi].req.params
             if p.greedy:
-                greedy += [(gi, parent, -1) for parent, _ in nodes]
+                greedy += [(gi, parent) for parent, _ in nodes]
                 greedy_logits += [lg for _, lg in nodes]
                 continue
             q = shape_probs(torch.stack([lg for _, lg in nodes]), p.temperature, p.top_k, p.top_p, p.min_p)  # (n, V)
             finite = torch.isfinite(q).all(-1, keepdim=True)  # (n, 1): a NaN q is not sampled, its row fails
-            sampled += [(gi, parent, len(g.dist_rows) + j) for j, (parent, _) in enumerate(nodes)]
-            g.dist_rows.extend(q.unbind(0))
-            children = _sample_children(torch.where(finite, q, 1.0), k, self.spec.kind == "chain", g.req.generator)
+            sampled += [(gi, parent) for parent, _ in nodes]
+            positions = [g.L + (g.depth[parent] + 1 if parent >= 0 else 0) for parent, _ in nodes]
+            children = _coupled_children(torch.where(finite, q, 1.0), k, g.req.stream, positions)
             tokens.append(torch.where(finite, children, -1))  # (n, k)
         if greedy_logits:
             probs = torch.softmax(torch.stack(greedy_logits).float(), dim=-1)  # (Fg, V)
             tokens.insert(0, top_candidates(probs, k)[0])  # (Fg, k)
         host = torch.cat(tokens).tolist()  # (F, k): the level's one device->host read
-        bad = {grows[gi].req: None for (gi, _, _), toks in zip(greedy + sampled, host) if toks[0] < 0}
+        bad = {grows[gi].req: None for (gi, _), toks in zip(greedy + sampled, host) if toks[0] < 0}
         if bad:
             raise distribution_fault(list(bad), "draft")
-        for (gi, parent, row), toks in zip(greedy + sampled, host, strict=True):
-            new[gi] += [grows[gi].add(t, parent, 0.0, row) for t in toks[:self._child_count[parent]]]
+        for (gi, parent), toks in zip(greedy + sampled, host, strict=True):
+            new[gi] += [grows[gi].add(t, parent, 0.0) for t in toks[:self._child_count[parent]]]
         return new
 
     def _static_nodes(self, g: Growth) -> list[tuple[int, torch.Tensor]]:
@@ -182,7 +181,7 @@ class ModelDrafter(Drafter):
         for r, (i, rows) in enumerate(zip(todo, picked.tolist())):  # the level's one device->host read
             g = grows[i]
             chosen = [(int(pos), int(tok), score) for pos, tok, score in rows if pos >= 0]
-            new[i] = [g.add(tok, g.frontier[pos][0], score, -1) for pos, tok, score in chosen]
+            new[i] = [g.add(tok, g.frontier[pos][0], score) for pos, tok, score in chosen]
             g.front_score = picked[r, :len(chosen), 2]
         return new
 
@@ -190,13 +189,7 @@ class ModelDrafter(Drafter):
         dev = self.runner.device
         if not g.tokens:
             return DraftTree.empty(dev)
-        sampled = bool(g.dist_rows)
-        mode = "deterministic"
-        if sampled:
-            mode = "iid" if self.spec.kind == "chain" else "without_replacement"
-        return DraftTree.from_parents(
-            g.tokens, g.parents, torch.stack(g.dist_rows) if sampled else None,
-            g.dist_index if sampled else None, mode, device=dev)
+        return DraftTree.from_parents(g.tokens, g.parents, device=dev)
 
 
 def _shape(g: Growth) -> Shape:
@@ -209,10 +202,14 @@ def _shape_key(g: Growth) -> tuple:
     return (0,) if shape is None else (1, *shape)
 
 
-def _sample_children(q: torch.Tensor, k: int, iid: bool, gen: torch.Generator) -> torch.Tensor:
-    """(n, k) tokens from each row of (n, V) q: i.i.d. draws, or without replacement (Gumbel top-k)."""
-    if iid:
-        return torch.multinomial(q, k, replacement=True, generator=gen)
-    u = torch.rand(q.shape, generator=gen, device=q.device, dtype=torch.float64).clamp_min(1e-300)  # (n, V)
-    keys = q.double().log() - (-u.log()).log()  # (n, V)
-    return keys.topk(k, dim=-1).indices
+def _coupled_children(q: torch.Tensor, k: int, stream, positions: list[int]) -> torch.Tensor:
+    """(n, k) children of n nodes from their shaped draft distributions q (n, V): the top k of log q + G, G the
+    Gumbel noise the target's sampled rule uses at each child's sequence position (``positions``, n) for the
+    request (``stream``'s key). The first child is then a sample of q coupled with the target's own sample at
+    that position (the two agree as often as q is close to the target's distribution), the others the next draws
+    of q without replacement; verification accepts a child when it equals the target's sample, whatever q."""
+    dev = q.device
+    key = torch.tensor([stream.key0, stream.key1], dtype=torch.int64, device=dev)
+    pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+    noise = gumbel_noise(key[0], key[1], pos, torch.arange(q.shape[-1], device=dev))  # (n, V)
+    return (q.double().log() + noise).topk(k, dim=-1).indices
