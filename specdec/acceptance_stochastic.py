@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from specdec.acceptance_batched import accept_greedy_padded
+from specdec.kernels.nucleus import filtered_probs
 from specdec.tree import CHILD_MODES, ROOT, DraftTree
 from specdec.uniform_stream import UniformStream, padded_uniforms
 
@@ -136,13 +137,14 @@ def draw_uniforms(streams: Sequence[UniformStream | None], trees: Sequence[Draft
     return torch.where((num_tokens > 0).view(-1, 1), u, 0.0)
 
 
-def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:
+def shape_probs_rows(logits: Tensor, sampling: RowSampling, use_triton: bool = False) -> Tensor:
     """``shape_probs`` with per-row parameters: (B, ..., V) logits -> (B, ..., V) probabilities (float32 or
     wider), row b shaped with temperature[b], top_k[b], top_p[b], min_p[b]; the same values ``shape_probs`` gives.
 
     Inside the captured rule each op here is a kernel over (B, Q, V), so the host flags skip what no row needs
-    (the sort without top-k/top-p, the one-hot without greedy rows), and per-row choices are folded into
-    (B,) factors where that gives the same bits (dividing by 1, comparing with +inf)."""
+    (the filter without top-k/top-p/min-p, the one-hot without greedy rows), and per-row choices are folded into
+    (B,) factors where that gives the same bits (dividing by 1, comparing with +inf). ``use_triton``: the filter
+    is ``kernels.nucleus``' kernel (no sort), else its sort-based reference."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (B, ..., V)
     view = (-1,) + (1,) * (x.dim() - 1)  # per-row parameter -> broadcast over (..., V)
     t = sampling.temperature.to(x.dtype).view(view)
@@ -151,35 +153,11 @@ def shape_probs_rows(logits: Tensor, sampling: RowSampling) -> Tensor:
         t = torch.where(greedy, torch.ones_like(t), t)
     probs = torch.softmax(x / t, dim=-1)  # (B, ..., V)
     if sampling.filtered:
-        probs = _filtered(x, t, probs, sampling)
+        probs = filtered_probs(x, t, probs, sampling, use_triton=use_triton)
     if greedy is None:
         return probs
     top = torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)  # one-hot argmax (first maximum)
     return torch.where(greedy, top, probs)
-
-
-def _filtered(x: Tensor, t: Tensor, probs: Tensor, sampling: RowSampling) -> Tensor:
-    """``probs`` (softmax(x / t)) with the rows that use top-k, top-p or min-p replaced by their filtered
-    distribution."""
-    vocab = x.shape[-1]
-    view = t.shape
-    k = torch.where(sampling.top_k > 0, sampling.top_k.clamp(max=vocab), vocab).view(view)
-    nucleus = (sampling.top_p < 1.0).view(view)
-    top_p = torch.where(nucleus, sampling.top_p.to(x.dtype).view(view), float("inf"))  # +inf: nothing dropped
-    xs, order = torch.sort(x, dim=-1, descending=True, stable=True)  # ranked by logit, then id
-    rank = torch.arange(vocab, device=x.device)
-    kept = torch.softmax((xs / t).masked_fill(rank >= k, float("-inf")), dim=-1)  # top-k
-    reached = kept.cumsum(-1)[..., :-1] >= top_p  # (B, ..., V - 1): the mass up to rank j reaches top_p
-    kept[..., 1:].masked_fill_(reached, 0.0)  # drop every token after the one that reaches it
-    renorm = nucleus
-    if sampling.min_p is not None:  # below min_p times rank 0's probability (the most probable token): dropped
-        min_p = sampling.min_p.to(x.dtype).view(view)
-        kept = kept.masked_fill(kept < min_p * kept[..., :1], 0.0)  # (min_p 0 drops nothing)
-        renorm = renorm | (min_p > 0)
-    kept = kept / torch.where(renorm, kept.sum(-1, keepdim=True), 1.0)  # renormalised (x / 1 is x exactly)
-    filtered = (k < vocab) | renorm
-    shaped = torch.empty_like(kept).scatter_(-1, order, kept)  # order is a permutation: every entry written
-    return torch.where(filtered, shaped, probs)
 
 
 def accept_stochastic_padded(logits: Tensor, trees: PaddedTrees, sampling: RowSampling, uniforms: Tensor,

@@ -71,9 +71,9 @@ def accept_sampled(x: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Tensor
     request (``key0``, ``key1`` (B,)) and the sampled token's position, ``positions`` (B, Q) + 1), and the
     accepted path is the longest whose every token equals the choice at its parent, as for greedy rows. The
     kept set of rows with top-k / top-p / min-p is ``shape_probs_rows``' support (only when
-    ``sampling.filtered``). No host reads."""
+    ``sampling.filtered``; ``use_triton``: the kernels of both ops). No host reads."""
     b, q, v = x.shape
-    kept = (shape_probs_rows(x, sampling) > 0).view(b * q, v) if sampling.filtered else None
+    kept = (shape_probs_rows(x, sampling, use_triton) > 0).view(b * q, v) if sampling.filtered else None
     per_token = [t.view(-1, 1).expand(b, q).reshape(-1) for t in (sampling.temperature, key0, key1)]
     choices = choose_tokens(x.reshape(b * q, v), per_token[0], per_token[1], per_token[2],
                             (positions + 1).reshape(-1), kept, use_triton=use_triton)

@@ -7,6 +7,7 @@ real graphs."""
 
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -85,6 +86,18 @@ def test_rule_equals_the_host_rule_with_greedy_rows_kept(chains):
         deepest = max(deepest, *_assert_outcome(got, rows, trees, logits, accept))
         moved += not torch.equal(got[sampled], accept[sampled])
     assert deepest >= 2 and moved >= 6  # deep paths, and sampled rows really sample
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the kernels on the CPU need TRITON_INTERPRET=1")
+def test_rule_with_the_kernels_equals_the_references():
+    """The rule with its Triton kernels (the token choice and the top-k / top-p filter, interpreted) gives the torch
+    references' outcome, filtered rows and plain ones."""
+    for seed in range(4):
+        rows, trees, logits, accept = _case(seed, plain=seed % 2 == 1)
+        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        want = SampledRule("cpu")(rows, trees, sampled, logits, accept, captured=False)
+        got = SampledRule("cpu", use_triton=True)(rows, trees, sampled, logits, accept, captured=False)
+        assert torch.equal(got, want), seed
 
 
 def test_choices_follow_the_position_not_the_tree():
