@@ -206,3 +206,11 @@ def choose_tokens(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, po
     the same tokens."""
     fn = choose_tokens_triton if use_triton else choose_tokens_reference
     return fn(x, temperature, key0, key1, position, kept)
+
+
+def noise(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, *, use_triton: bool = False) -> Tensor:
+    """``gumbel_noise_triton`` when ``use_triton`` (the Triton backend), ``gumbel_noise`` otherwise: (R,) rows,
+    (N,) token ids -> (R, N) float64."""
+    if use_triton:
+        return gumbel_noise_triton(key0, key1, position, tokens)
+    return gumbel_noise(key0.view(-1), key1.view(-1), position.view(-1), tokens)

@@ -11,9 +11,11 @@ catch-up inputs (one copy), runs the program and reads the batch's trees (one co
 
 For greedy rows the trees equal those of the level-by-level host path (``EagleDrafter``'s
 ``ModelDrafter.propose``) up to ties in the draft logits: both take each parent's most probable draft tokens
-in rank order. Sampled rows get the same deterministic trees: verification treats each child as a point mass
-(accepted with the target's probability of its token, DESIGN "deterministic children"), which is lossless
-whatever the draft proposes, and keeps the step free of host-side sampling.
+in rank order. A step with sampled rows runs the program's sampled variant (one more graph per bucket): a
+sampled row ranks each node's children by logits / T + G, G the Gumbel noise the target's sampled rule uses
+at the children's position for the request (``_children_scores``), so the first child is a draw of the draft's
+distribution coupled with the target's own draw there and is accepted as often as the two distributions agree;
+the rule accepts a child when it equals the target's draw, lossless whatever the draft proposes.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ import functools
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.graphs import bucket, capture_graph
+from specdec.kernels.gumbel_choice import noise
 from specdec.kernels.topk import topk
 from specdec.kernels.tree_slots import tree_slots
 from specdec.models.llama import ForwardContext
@@ -80,6 +84,7 @@ class CatchUp(NamedTuple):
     slots: torch.Tensor  # (T,) KV slot of every forwarded node, levels one after another (padded rows: -1)
     positions: torch.Tensor  # (T,) position of every forwarded node, laid out as ``slots``
     seq_lens: torch.Tensor  # (levels, b) each row's attended length in each forwarded level
+    sampled: bool = False  # the program's sampled variant (``DeviceDraftProgram._children_scores``)
 
 
 class _Plan(NamedTuple):
@@ -112,7 +117,12 @@ class DeviceDraftProgram:
         self.features = torch.zeros(max(batch_buckets) * catch_up, width, device=self.device,
                                     dtype=next(model.parameters()).dtype)
         self.max_seq_len = bt_width * pool.block_size
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per row: the request's noise key (two words) and 1 / temperature as float64 bits (0: a greedy row)
+        self.sampling = torch.zeros(max(batch_buckets), 3, dtype=torch.int64, device=self.device)
+        from specdec.pipeline import HostUpload
+
+        self._upload = HostUpload(self.device)
+        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         widths = {len(nodes) for nodes, _, _ in levels}
         self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
         self._plans = {b: self._plan(b, levels) for b in batch_buckets}
@@ -138,21 +148,39 @@ class DeviceDraftProgram:
             return None
         return self._batch_of[rows]
 
-    def run(self, b: int, rows: PackedRows, bt_rows, table: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    def set_rows(self, reqs: list) -> bool:
+        """Write the sampling inputs of the step's rows ``reqs`` (in order); returns whether some row samples (then
+        the program's sampled variant runs: its rows' children are drawn with the target's noise)."""
+        sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        if not sampled:
+            return False
+        host = np.zeros((len(reqs), 3), dtype=np.int64)
+        for i in sampled:
+            s = reqs[i].stream
+            host[i, :2] = s.key0, s.key1
+            host[i, 2:] = np.array([1.0 / reqs[i].params.temperature]).view(np.int64)
+        self.sampling[:len(reqs)].copy_(self._upload(host))
+        return True
+
+    def run(self, b: int, rows: PackedRows, bt_rows, table: torch.Tensor, src: torch.Tensor,
+            sampled: bool = False) -> torch.Tensor:
         """Fill bucket ``b``'s inputs with the catch-up ``rows`` (laid out for ``q`` queries per row) and their
         block-table rows (R, W), its target features with rows ``src`` (b * q,) of ``table`` (padded positions
-        included), and run the program: its output for every row (padded rows: garbage)."""
+        included), and run the program (``sampled``: its sampled variant, ``set_rows``): its output for every
+        row (padded rows: garbage)."""
         self.inputs.fill_packed(b, self.q, rows, bt_rows)
         torch.index_select(table, 0, src, out=self.features[:b * self.q])
-        return self.replay(b)
+        return self.replay(b, sampled)
 
-    def replay(self, b: int) -> torch.Tensor:
-        """Run bucket ``b``'s program over its inputs and features as they are now on the device."""
-        if b in self.graphs:
-            graph, out = self.graphs[b]
+    def replay(self, b: int, sampled: bool = False) -> torch.Tensor:
+        """Run bucket ``b``'s program (``sampled``: the variant whose sampled rows draw with the target's noise)
+        over its inputs and features as they are now on the device."""
+        entry = self.graphs.get((b, sampled))
+        if entry is not None:
+            graph, out = entry
             graph.replay()
             return out
-        return self._program(b)
+        return self._program(b, sampled)
 
     def capture(self, pool_handle=None) -> tuple[int, float]:
         """Capture every batch bucket (CUDA only): (graphs, seconds)."""
@@ -161,12 +189,14 @@ class DeviceDraftProgram:
         start = time.perf_counter()
         for b in sorted(self.batch_buckets, reverse=True):
             self.inputs.clear(b, self.q)
-            self.graphs[b] = capture_graph(functools.partial(self._program, b), pool_handle, self.device)
+            for sampled in (False, True):
+                self.graphs[(b, sampled)] = capture_graph(functools.partial(self._program, b, sampled), pool_handle,
+                                                          self.device)
         torch.cuda.synchronize(self.device)
         return len(self.graphs), time.perf_counter() - start
 
     @torch.inference_mode()
-    def _program(self, b: int) -> torch.Tensor:
+    def _program(self, b: int, sampled: bool = False) -> torch.Tensor:
         m, q, bs = self.model, self.q, self.pool.block_size
         v = self.inputs.views(b, q)
         kv = self.pool.model_kv(DRAFT_MODEL_INDEX)
@@ -182,10 +212,26 @@ class DeviceDraftProgram:
         p = self._plans[b]  # every level's slots and positions, computed once
         slots, pos = tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs,
                                 use_triton=self.backend.uses_triton)
-        return self._grow(CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends))
+        return self._grow(CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends, sampled))
 
     def _grow(self, c: CatchUp) -> torch.Tensor:
         raise NotImplementedError
+
+    def _children_scores(self, c: CatchUp, logits: torch.Tensor, depth: int) -> torch.Tensor:
+        """What a level ranks its children by: the draft ``logits`` (b, n, N) of the nodes whose children are at
+        ``depth``; in the sampled variant a sampled row's are logits / T + G, G the Gumbel noise the target's
+        sampled rule uses at the children's position (the row's length + depth) for the request, so each
+        node's first child is a draw of the draft's distribution coupled with the target's own draw there
+        (``kernels.gumbel_choice``) and the next ones its next draws without replacement."""
+        if not c.sampled:
+            return logits
+        b = c.b
+        key = self.sampling[:b]
+        inv_t = key[:, 2].view(torch.float64).view(b, 1, 1)
+        g = noise(key[:, 0].contiguous(), key[:, 1].contiguous(), (c.views.seq_lens[:b] + depth).contiguous(),
+                  self.model.vocab_ids, use_triton=self.backend.uses_triton)  # (b, N)
+        drawn = (logits.double() * inv_t + g.unsqueeze(1)).float()
+        return torch.where(inv_t > 0, drawn, logits.float())
 
     def _forward(self, c: CatchUp, level: int, toks: torch.Tensor, masks: torch.Tensor,
                  feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +264,8 @@ class DeviceTreeLoop(DeviceDraftProgram):
         m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
         for i, lv in enumerate(self.levels):
-            top = topk(logits, lv.children, use_triton=self.backend.uses_triton).indices  # (b, n_prev, c)
+            scores = self._children_scores(c, logits, lv.depth)
+            top = topk(scores, lv.children, use_triton=self.backend.uses_triton).indices  # (b, n_prev, c)
             toks = m.vocab_ids[top[:, lv.parent_local, lv.rank]]  # (b, n): target ids
             tokens.append(toks)
             if i + 1 == len(self.levels):

@@ -219,7 +219,7 @@ class EagleDrafter(ModelDrafter):
         key = self._verify_key(len(reqs), n)
         start = None if key is None else self.clock.mark()
         src = torch.from_numpy(padded).to(self.runner.device, non_blocking=True)
-        out = loop.run(b, rows, bt, self.features.data, src)[:len(reqs)]
+        out = loop.run(b, rows, bt, self.features.data, src, loop.set_rows(reqs))[:len(reqs)]
         self._consumed(reqs, spans)
         if key is not None:
             self.paths["fused"] += 1

@@ -173,7 +173,8 @@ class DeviceDynamicTree(DeviceDraftProgram):
             flat = self._mask0[c.b] if level == 0 else masks.flatten()
             h, logits = self._forward(c, level, m.vocab_ids[toks], flat, feats)  # (b*K, hidden), (b*K, V)
             state = h.view(c.b, k, -1)
-            return logits.view(c.b, k, -1)  # (b, K, V) logits
+            return self._children_scores(c, logits.view(c.b, k, -1), level + 1)  # (b, K, V) logits
 
         # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
-        return grow(c.logits.flatten(0, 1), expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
+        root = self._children_scores(c, c.logits, 0).flatten(0, 1)  # (b, V)
+        return grow(root, expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
