@@ -161,12 +161,14 @@ case "$stage" in
     rm -rf "${OUT:?}/$stage"
     ;;
   tests)  # (.whl, the model assembled, or .stage3/p_02 with piece 02) the GPU tests of the step: graphs, EAGLE, the
-          # sampled rule, fused and pipelined steps, n-gram on the device, the warm-up
+          # sampled rule and its kernels (token choice, top-k/top-p filter), fused and pipelined steps at every
+          # budget, n-gram on the device, the warm-up
     [ -f "$MODEL" ] || assemble
     install
-    GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-300}" tests/test_step_graphs.py tests/test_eagle.py \
+    GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-400}" tests/test_step_graphs.py tests/test_eagle.py \
       tests/test_sampled_rule.py tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py \
-      tests/test_warm_up.py
+      tests/test_warm_up.py tests/test_pipelined_budgets.py tests/test_kernels_gumbel_choice.py \
+      tests/test_kernels_nucleus.py
     pack
     ;;
   plan)  # plan NAME TEMPERATURE (.whl .gpu, the model assembled or .stage3/p_02): ENGINES (default plan) cold and
