@@ -59,7 +59,7 @@ class StopChecker:
         p = req.params
         if not p.ignore_eos and token in req.eos_token_ids:
             return "stop"
-        if token in p.stop_token_ids:
+        if token in p.stop_id_set:
             return "stop"
         if p.stop:
             stable, tail = self._decode_new(req)  # a few tokens decoded, not the whole output (linear, not square)
@@ -87,7 +87,7 @@ class StopChecker:
         seq = req.tokens
         # index of the token reaching max_new_tokens (the first one when the output is already that long)
         length_at = max(p.max_new_tokens - len(seq) + len(req.prompt_ids), 1) - 1
-        eos, stop_ids = () if p.ignore_eos else req.eos_token_ids, p.stop_token_ids
+        eos, stop_ids = () if p.ignore_eos else req.eos_token_ids, p.stop_id_set
         if eos or stop_ids:
             for i, tok in enumerate(tokens):
                 if tok in eos or tok in stop_ids:

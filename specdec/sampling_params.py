@@ -23,6 +23,7 @@ REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 MAX_N = 128  # samples of one prompt (OpenAI's limit): each is a request of its own
 # stop strings: every step checks each against the output on the engine's thread
 MAX_STOPS, MAX_STOP_CHARS = 128, 4096  # strings, characters in all
+MAX_STOP_TOKEN_IDS = 4096  # stop_token_ids per request (every committed token is looked up in them)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class SamplingParams:
                                         MAX_SEED))
         set_(self, "stop", _stop_strings(self.stop))
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
+        set_(self, "_stop_id_set", frozenset(self.stop_token_ids))  # (not a field: equality and repr ignore it)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
         set_(self, "min_p", _real(self.min_p, "min_p", "must be a number in [0, 1] (0 = off)", lambda p: 0 <= p <= 1))
         lo, hi = REPETITION_PENALTY_RANGE
@@ -77,6 +79,11 @@ class SamplingParams:
         set_(self, "repetition_penalty", _real(self.repetition_penalty, "repetition_penalty", rule,
                                                lambda r: lo <= r <= hi))
         set_(self, "n", _integer(self.n, "n", f"must be an int >= 1 and <= {MAX_N}", 1, MAX_N))
+
+    @property
+    def stop_id_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: the stop check looks every committed token up in it."""
+        return self._stop_id_set
 
     @property
     def greedy(self) -> bool:
@@ -166,8 +173,8 @@ def _stop_strings(stop) -> tuple[str, ...]:
 
 
 def _token_ids(ids) -> tuple[int, ...]:
-    rule = "must be None or a list/tuple of ints >= 0"
+    rule = f"must be None or a list/tuple of at most {MAX_STOP_TOKEN_IDS} ints >= 0"
     if ids is None:  # vLLM's default
         return ()
-    _check(isinstance(ids, (list, tuple)), "stop_token_ids", rule, ids)
+    _check(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", rule, ids)
     return tuple(_integer(t, "stop_token_ids", rule, 0, None) for t in ids)

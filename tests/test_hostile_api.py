@@ -88,3 +88,22 @@ def test_stop_strings_are_bounded_in_number_and_length(engine):
         assert len(str(info.value)) < 500  # the value shown is cut
     most = SamplingParams(max_new_tokens=4, stop=[f"#{i:02}" + "w" * 28 for i in range(128)])  # 4096 characters
     assert engine.generate(PROMPT, most)[0].finish_reason == "length"
+
+
+def test_stop_token_ids_are_capped_and_looked_up_as_a_set(engine):
+    """A million stop_token_ids made every committed token scan them all on the engine's thread (every request's
+    steps waited): more than MAX_STOP_TOKEN_IDS are refused by name; up to it they work, a listed token stops the
+    request there and others do not."""
+    from specdec.sampling_params import MAX_STOP_TOKEN_IDS
+
+    with pytest.raises(ValueError, match=rf"stop_token_ids must be .*at most {MAX_STOP_TOKEN_IDS}"):
+        SamplingParams(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1)))
+    free = engine.generate(PROMPT, SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    vocab = engine.target.config.vocab_size
+    unused = [t for t in range(vocab) if t not in free][:MAX_STOP_TOKEN_IDS - 1]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True, stop_token_ids=unused + [free[2]])
+    assert params.stop_id_set == frozenset(params.stop_token_ids) and params == SamplingParams(
+        max_new_tokens=6, ignore_eos=True, stop_token_ids=unused + [free[2]])
+    out = engine.generate(PROMPT, params)[0]
+    assert (out.finish_reason, out.token_ids) == ("stop", free[:free.index(free[2]) + 1])
+    assert engine.all_blocks_free()
