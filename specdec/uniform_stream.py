@@ -1,14 +1,11 @@
-"""Counter-based uniforms of stochastic verification: one stream per request, the same numbers on any device.
+"""Keyed uniforms: a request's key (from its seed) and a pure hash of (key, index), the same numbers on any device.
 
-Why not a ``torch.Generator`` per request: each generator draws with its own launch on its own device, so a
-step of S sampled rows cost S launches (host time on CUDA), and a CUDA graph cannot draw from generators
-whose state changes between replays. Here a request's uniform number i is a pure function of (key, i): a
-keyed hash of the draw index. A request keeps its key and a counter (``UniformStream``); the counter advances
-by the draws used, n + 1 per verified tree of n nodes, as the generator advanced before. The device rule
-computes a whole step's (B, Q) uniforms from per-row (key, counter) uploaded with the step's other inputs
-(``padded_uniforms``, inside the captured rule); the host rule (``acceptance.verify_stochastic``) computes the
-same numbers with numpy (``UniformStream.take``). So a seeded request samples the same tokens whichever path
-verifies it, in whatever batch.
+The engine's sampled rule (``kernels.gumbel_choice``) draws its Gumbel noise from these: per (request, position)
+a sub-key of two hashed words, then per token the uniform ``uniforms_at(sub-key, token)``, so a token's noise
+is a function of the seed, the position and the token alone, computed inside captured graphs with no generator
+state. ``UniformStream`` holds a request's key words; its draw counter (``take``, ``padded_uniforms``) numbers
+the uniforms of the counter-based reference rules (``acceptance.verify_stochastic``,
+``acceptance_stochastic``), which the engine no longer calls.
 
 The hash: three rounds of the 32-bit PCG hash (an LCG step, then PCG's RXS-M-XS output permutation; the
 "pcg" hash of Jarzynski and Olano, "Hash Functions for GPU Rendering", JCGT 2020), the key's two 32-bit words
@@ -17,9 +14,7 @@ never overflows and torch (CPU or CUDA) and numpy compute the same bits. A unifo
 (53 bits, the float64 mantissa, as ``torch.rand``'s float64 has): words 2 i and 2 i + 1 of the request's
 word sequence, whose index is taken modulo 2**32 (a stream repeats after 2**31 uniforms, far beyond any
 request: a 64-node tree per token for 30M tokens). The key is splitmix64 of the request seed, so seeds that
-differ in one bit get unrelated keys. Draft sampling (``drafters.model_drafter``) keeps the request's
-``torch.Generator``: a different generator seeded on its own, so draft and verification randomness stay
-independent.
+differ in one bit get unrelated keys.
 """
 
 from __future__ import annotations
