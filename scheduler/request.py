@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.outputs import AcceptanceStats
 from specdec.sampling_params import SamplingParams
 from specdec.uniform_stream import UniformStream
@@ -41,8 +39,7 @@ class Request:
     finish_reason: str | None = None
     error: Exception | None = None  # why the request failed (finish_reason "error")
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    generator: torch.Generator | None = None  # sampled: draws the draft's children (drafters.model_drafter)
-    stream: UniformStream | None = None  # sampled: the verification uniforms (specdec.uniform_stream)
+    stream: UniformStream | None = None  # sampled: the key of its noise (kernels.gumbel_choice, uniform_stream)
     arrival: int = 0
     text: str = ""
     emitted_tokens: int = 0  # output tokens already streamed

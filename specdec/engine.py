@@ -36,7 +36,7 @@ from specdec.scheduler.request import Request
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
 from specdec.tree import template_from_spec
-from specdec.verifier import Verifier, request_randomness
+from specdec.verifier import Verifier, request_stream
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class SpecEngine:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
         req = Request(request_id or str(next(self._ids)), ids, params, eos)
         if not params.greedy:
-            req.generator, req.stream = request_randomness(params.seed, self.device)
+            req.stream = request_stream(params.seed)
         self.scheduler.add(req)
         return req
 
@@ -500,7 +500,7 @@ class _NoDraft(Drafter):
     def propose(self, rows):
         from specdec.tree import DraftTree
 
-        return Proposal([DraftTree.empty(r.generator.device if r.generator else "cpu") for r in rows],
+        return Proposal([DraftTree.empty("cpu") for _ in rows],
                         [None] * len(rows))
 
 

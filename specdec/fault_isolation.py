@@ -19,22 +19,16 @@ from specdec.scheduler.request import Request
 
 class Snapshot:
     """What a draft/verify/prefill attempt may change in a request, so a retry starts identically:
-    the computed counts, the token count, the draft generator's state and the verification stream's counter."""
+    the computed counts and the token count (a sampled row's noise depends on its key and positions only)."""
 
     def __init__(self, reqs: Sequence[Request]) -> None:
-        # per request: (num_computed, num_computed_draft, len(tokens), generator state or None, counter or None)
-        self._states = dict(zip(reqs, [(r.num_computed, r.num_computed_draft, len(r.tokens),
-                                        None if r.generator is None else r.generator.get_state(),
-                                        None if r.stream is None else r.stream.counter) for r in reqs]))
+        # per request: (num_computed, num_computed_draft, len(tokens))
+        self._states = {r: (r.num_computed, r.num_computed_draft, len(r.tokens)) for r in reqs}
 
     def restore(self, req: Request) -> None:
-        num_computed, num_computed_draft, num_tokens, rng_state, counter = self._states[req]
+        num_computed, num_computed_draft, num_tokens = self._states[req]
         req.num_computed, req.num_computed_draft = num_computed, num_computed_draft
         del req.tokens[num_tokens:]
-        if rng_state is not None:
-            req.generator.set_state(rng_state)
-        if counter is not None:
-            req.stream.counter = counter
 
 
 def run_isolated(items: list, req_of: Callable[[Any], Request], call: Callable[[list], list],

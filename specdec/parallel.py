@@ -43,7 +43,7 @@ def _shard(loaded: LoadedModel, tp: TensorParallel, role: str) -> LoadedModel:
 
 def sync_global_seed(tp: TensorParallel) -> None:
     """Seed torch's global RNG on every rank with a seed drawn on rank 0: an unseeded sampled request draws its
-    seed from it (``verifier.request_randomness``), and every rank draws in the same order, so the ranks'
+    seed from it (``verifier.request_stream``), and every rank draws in the same order, so the ranks'
     requests get the same seeds."""
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
     dist.broadcast(seed, src=0, group=tp.group)  # (gloo: a CPU tensor)

@@ -372,11 +372,6 @@ def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     return verify_greedy(tree, choices)
 
 
-def request_randomness(seed: int | None, device: torch.device) -> tuple[torch.Generator, UniformStream]:
-    """A sampled request's two independent sources of randomness, from one seed (unseeded requests draw theirs
-    from torch's global RNG): a ``torch.Generator`` on ``device`` for sampling draft children
-    (``drafters.model_drafter``) and the ``UniformStream`` of its verification uniforms."""
-    seed = seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g, UniformStream(seed)
+def request_stream(seed: int | None) -> UniformStream:
+    """A sampled request's noise key, from its seed (unseeded requests draw one from torch's global RNG)."""
+    return UniformStream(seed if seed is not None else int(torch.randint(0, 2**62, (1,)).item()))

@@ -172,16 +172,23 @@ def test_stuck_pool_fails_the_waiting_request(tiny_target, monkeypatch):
     assert eng.all_blocks_free()
 
 
-def test_snapshot_restores_the_random_state(tiny_target, tiny_draft):
-    """A retry starts from the draws of the failed attempt: the draft generator's state and the verification
-    stream's counter are put back (a failed padded step has already advanced the counter on the host)."""
-    from specdec.fault_isolation import Snapshot
-
+def test_a_retry_samples_what_the_failed_attempt_would_have(tiny_target, tiny_draft, monkeypatch):
+    """Sampled requests whose batch step fails once, and is then retried row by row, give the tokens of a run that
+    never failed: the snapshot puts back their counts and tokens, and their noise depends on their keys and
+    positions only."""
+    params = [PARAMS[2], SamplingParams(temperature=0.8, seed=11, max_new_tokens=12, ignore_eos=True)]
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    want = [o.token_ids for o in make_engine(tiny_draft, tiny_target).generate(prompts, params)]
     eng = make_engine(tiny_draft, tiny_target)
-    req = eng.add_request(PROMPTS[0], PARAMS[2])
-    snap = Snapshot([req])
-    before, first = req.stream.counter, req.stream.take(5)
-    drafted = torch.rand(3, generator=req.generator)
-    snap.restore(req)
-    assert req.stream.counter == before and req.stream.take(5) == first
-    assert torch.equal(torch.rand(3, generator=req.generator), drafted)
+    verify, calls = eng.verifier.verify_proposal, []
+
+    def flaky(rows, proposal):
+        calls.append(len(rows))
+        if len(calls) == 3 and len(rows) == 2:
+            raise RuntimeError("a transient fault")
+        return verify(rows, proposal)
+
+    monkeypatch.setattr(eng.verifier, "verify_proposal", flaky)
+    outs = eng.generate(prompts, params)
+    assert calls[2:5] == [2, 1, 1], calls  # the batch failed, each row was retried alone
+    assert [o.token_ids for o in outs] == want, [o.error for o in outs]
