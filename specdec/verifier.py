@@ -264,9 +264,8 @@ class Verifier:
         L = len(req.tokens)
         h = tree.host
         n = len(h.tokens)
-        positions = [L - 1] + [L + d for d in h.depth]
         masks, parents = tree.verify_rows()
-        return RowInput(req, [req.tokens[-1]] + h.tokens, positions, L - 1, L + n, masks if n else None,
+        return RowInput(req, [req.tokens[-1]] + h.tokens, _positions(req, tree), L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
 
 
@@ -347,6 +346,12 @@ def _accept_sampled(rows: list[Request], trees: list[DraftTree], logits, index: 
                           sampling_rows([r.params for r in rows], dev), keys[:, 0], keys[:, 1], positions)
 
 
+def _positions(req: Request, tree: DraftTree) -> list[int]:
+    """The sequence positions of a row's verify tokens: the pending token's (L - 1), then each node's (L + depth)."""
+    L = len(req.tokens)
+    return [L - 1] + [L + d for d in tree.host.depth]
+
+
 def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     """The host acceptance rule of one row over its verify logits ((N+1) x V), after its repetition penalty: the
     tree's path matching the target's choice after each verify token (its argmax, or for a sampled row the
@@ -362,8 +367,7 @@ def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     probs = shape_probs(lg, p.temperature, p.top_k, p.top_p, p.min_p)  # (N+1, V)
     check_distribution(req, probs, "target")
     n, dev = lg.shape[0], lg.device
-    positions = torch.tensor([len(req.tokens) - 1] + [len(req.tokens) + d for d in tree.host.depth],
-                             dtype=torch.int64, device=dev)  # (N+1,) the root, then each node's
+    positions = torch.tensor(_positions(req, tree), dtype=torch.int64, device=dev)  # (N+1,)
     s = req.stream
     key = torch.tensor([s.key0, s.key1], dtype=torch.int64, device=dev)
     kept = probs > 0 if p.filtered else None

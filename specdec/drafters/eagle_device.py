@@ -122,6 +122,7 @@ class DeviceDraftProgram:
         from specdec.pipeline import HostUpload
 
         self._upload = HostUpload(self.device)
+        self._written: tuple[list, bool] = ([], False)  # the rows ``sampling`` holds, and whether one samples
         self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         widths = {len(nodes) for nodes, _, _ in levels}
         self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
@@ -150,8 +151,13 @@ class DeviceDraftProgram:
 
     def set_rows(self, reqs: list) -> bool:
         """Write the sampling inputs of the step's rows ``reqs`` (in order); returns whether some row samples (then
-        the program's sampled variant runs: its rows' children are drawn with the target's noise)."""
+        the program's sampled variant runs: its rows' children are drawn with the target's noise). The same rows
+        in the same order as last time (a queued step's, the usual case) are already there: nothing is written."""
+        held, any_sampled = self._written
+        if len(held) == len(reqs) and all(a is b for a, b in zip(held, reqs)):
+            return any_sampled
         sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+        self._written = (list(reqs), bool(sampled))
         if not sampled:
             return False
         host = np.zeros((len(reqs), 3), dtype=np.int64)
