@@ -284,7 +284,7 @@ class EagleAhead:
         key = (b, q, r, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
         self.advance(key, build, (step.outcome[:r], tokens, upload(bt)), inputs, runner.graphs.captured(step.key))
         start = d.clock.mark()
-        out = loop.replay(b, loop.set_rows(rows))[:r]
+        out = loop.replay(b, loop.set_rows(rows), step.n)[:r]
         carried = RowSlices(loop.features, [i * loop.q for i in range(r)], [loop.q] * r)
         return step.key, DeviceDraft(rows, step.key, out, step.n, None, parents if offsets is not None else None,
                                      d.clock, start, d.clock.mark(), carried)

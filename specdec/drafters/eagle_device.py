@@ -9,6 +9,11 @@ same program (``eagle_dynamic.DeviceDynamicTree``). On CUDA the program is captu
 graph per batch bucket; on the CPU it runs eagerly over the same buffers. The host fills the
 catch-up inputs (one copy), runs the program and reads the batch's trees (one copy).
 
+A program also runs cut to its first L levels (``levels_for``: the fewest that hold the best n nodes a step
+keeps under budget n), and at budget 0 as the catch-up forward alone: a step that keeps few nodes or none pays
+for no draft forward, draft head or top-k it would drop (the catch-up still runs, so the draft's KV stays
+current for the steps that speculate again). Each level count a budget may need is captured per bucket.
+
 For greedy rows the trees equal those of the level-by-level host path (``EagleDrafter``'s
 ``ModelDrafter.propose``) up to ties in the draft logits: both take each parent's most probable draft tokens
 in rank order. A step with sampled rows runs the program's sampled variant (one more graph per bucket): a
@@ -123,7 +128,9 @@ class DeviceDraftProgram:
 
         self._upload = HostUpload(self.device)
         self._written: tuple[list, bool] = ([], False)  # the rows ``sampling`` holds, and whether one samples
-        self.graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.variants: tuple[int, ...] = (0, self.max_levels)  # level counts captured (``set_budgets``)
+        self._idle = {b: self._no_trees(b) for b in batch_buckets}  # a catch-up-only program's output
         widths = {len(nodes) for nodes, _, _ in levels}
         self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
         self._plans = {b: self._plan(b, levels) for b in batch_buckets}
@@ -142,6 +149,23 @@ class DeviceDraftProgram:
         rows = torch.cat(rows)
         ends = torch.tensor([end for _, _, end in levels], dtype=torch.int64, device=self.device).view(-1, 1)
         return _Plan(rows, torch.cat(nodes), torch.cat(depths), ends, tuple(starts))
+
+    @property
+    def max_levels(self) -> int:
+        """The tree levels of a whole program."""
+        raise NotImplementedError
+
+    def levels_for(self, n: int) -> int:
+        """The fewest levels whose nodes hold the ``n`` nodes a step keeps (0: the catch-up alone)."""
+        raise NotImplementedError
+
+    def _no_trees(self, b: int) -> torch.Tensor:
+        """The output of bucket ``b`` when no level runs: a tree of no node a budget keeps."""
+        raise NotImplementedError
+
+    def set_budgets(self, budgets) -> None:
+        """Capture (``capture``) the level counts the node ``budgets`` need (the full program always)."""
+        self.variants = tuple(sorted({self.levels_for(n) for n in budgets} | {self.max_levels}))
 
     def bucket(self, rows: int, longest: int) -> int | None:
         """The batch bucket of a step with ``rows`` rows whose longest catch-up is ``longest``, or None."""
@@ -169,24 +193,29 @@ class DeviceDraftProgram:
         return True
 
     def run(self, b: int, rows: PackedRows, bt_rows, table: torch.Tensor, src: torch.Tensor,
-            sampled: bool = False) -> torch.Tensor:
+            sampled: bool = False, n: int | None = None) -> torch.Tensor:
         """Fill bucket ``b``'s inputs with the catch-up ``rows`` (laid out for ``q`` queries per row) and their
         block-table rows (R, W), its target features with rows ``src`` (b * q,) of ``table`` (padded positions
-        included), and run the program (``sampled``: its sampled variant, ``set_rows``): its output for every
-        row (padded rows: garbage)."""
+        included), and run the program (``sampled``: its sampled variant, ``set_rows``; ``n``: the node budget
+        the step keeps, None: all): its output for every row (padded rows: garbage)."""
         self.inputs.fill_packed(b, self.q, rows, bt_rows)
         torch.index_select(table, 0, src, out=self.features[:b * self.q])
-        return self.replay(b, sampled)
+        return self.replay(b, sampled, n)
 
-    def replay(self, b: int, sampled: bool = False) -> torch.Tensor:
+    def replay(self, b: int, sampled: bool = False, n: int | None = None) -> torch.Tensor:
         """Run bucket ``b``'s program (``sampled``: the variant whose sampled rows draw with the target's noise)
-        over its inputs and features as they are now on the device."""
-        entry = self.graphs.get((b, sampled))
+        over its inputs and features as they are now on the device, cut to the levels budget ``n`` keeps nodes
+        of (None: all). Outside the captured variants the whole program runs (same kept trees)."""
+        levels = self.max_levels if n is None else self.levels_for(n)
+        if levels not in self.variants:
+            levels = self.max_levels
+        key = (b, sampled and levels > 0, levels)
+        entry = self.graphs.get(key)
         if entry is not None:
             graph, out = entry
             graph.replay()
             return out
-        return self._program(b, sampled)
+        return self._program(*key)
 
     def capture(self, pool_handle=None) -> tuple[int, float]:
         """Capture every batch bucket (CUDA only): (graphs, seconds)."""
@@ -195,14 +224,15 @@ class DeviceDraftProgram:
         start = time.perf_counter()
         for b in sorted(self.batch_buckets, reverse=True):
             self.inputs.clear(b, self.q)
-            for sampled in (False, True):
-                self.graphs[(b, sampled)] = capture_graph(functools.partial(self._program, b, sampled), pool_handle,
-                                                          self.device)
+            for levels in self.variants:
+                for sampled in (False, True) if levels else (False,):  # (the catch-up alone samples nothing)
+                    key = (b, sampled, levels)
+                    self.graphs[key] = capture_graph(functools.partial(self._program, *key), pool_handle, self.device)
         torch.cuda.synchronize(self.device)
         return len(self.graphs), time.perf_counter() - start
 
     @torch.inference_mode()
-    def _program(self, b: int, sampled: bool = False) -> torch.Tensor:
+    def _program(self, b: int, sampled: bool = False, levels: int | None = None) -> torch.Tensor:
         m, q, bs = self.model, self.q, self.pool.block_size
         v = self.inputs.views(b, q)
         kv = self.pool.model_kv(DRAFT_MODEL_INDEX)
@@ -211,6 +241,8 @@ class DeviceDraftProgram:
                             tree_mask=None if q == 1 else v.tree_mask, max_query_len=q, max_seq_len=self.max_seq_len)
         g = m.fuse(self.features[:b * q])  # (b*q, hidden)
         hidden = m(v.ids, v.positions, ForwardContext(self.backend, meta, kv), g)  # (b*q, hidden)
+        if levels == 0:  # the catch-up alone: its KV is what later steps need
+            return self._idle[b]
         last = self._row_start[b] + (v.num_tokens - 1).clamp(min=0)  # (b,)
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
         # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
@@ -218,9 +250,11 @@ class DeviceDraftProgram:
         p = self._plans[b]  # every level's slots and positions, computed once
         slots, pos = tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs,
                                 use_triton=self.backend.uses_triton)
-        return self._grow(CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends, sampled))
+        c = CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends, sampled)
+        return self._grow(c, self.max_levels if levels is None else levels)
 
-    def _grow(self, c: CatchUp) -> torch.Tensor:
+    def _grow(self, c: CatchUp, levels: int) -> torch.Tensor:
+        """The trees of the program's first ``levels`` levels (>= 1), laid out as the whole program's output."""
         raise NotImplementedError
 
     def _children_scores(self, c: CatchUp, logits: torch.Tensor, depth: int) -> torch.Tensor:
@@ -266,18 +300,31 @@ class DeviceTreeLoop(DeviceDraftProgram):
                          [(lv.nodes, lv.depth, lv.end) for lv in self.levels[:-1]])
         self._masks = {b: [lv.masks.repeat(b) for lv in self.levels] for b in batch_buckets}  # (b*n,) each
 
-    def _grow(self, c: CatchUp) -> torch.Tensor:
+    @property
+    def max_levels(self) -> int:
+        return len(self.levels)
+
+    def levels_for(self, n: int) -> int:
+        """A budget keeps the template's first n nodes in level order: the levels that start before n."""
+        return sum(lv.start < n for lv in self.levels)
+
+    def _no_trees(self, b: int) -> torch.Tensor:
+        return torch.zeros(b, self.template.num_nodes, dtype=torch.int64, device=self.device)
+
+    def _grow(self, c: CatchUp, levels: int) -> torch.Tensor:
         m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
-        for i, lv in enumerate(self.levels):
+        for i, lv in enumerate(self.levels[:levels]):
             scores = self._children_scores(c, logits, lv.depth)
             top = topk(scores, lv.children, use_triton=self.backend.uses_triton).indices  # (b, n_prev, c)
             toks = m.vocab_ids[top[:, lv.parent_local, lv.rank]]  # (b, n): target ids
             tokens.append(toks)
-            if i + 1 == len(self.levels):
+            if i + 1 == levels:
                 break
             feats = state[:, lv.parent_local].flatten(0, 1)  # (b*n, hidden): each node reads its parent's state
             h, logits = self._forward(c, i, toks, self._masks[b][i], feats)  # (b*n, hidden), (b*n, N)
             state = h.view(b, lv.end - lv.start, -1)
             logits = logits.view(b, lv.end - lv.start, -1)
+        if levels < len(self.levels):  # the nodes of the levels not run: never kept under this budget
+            tokens.append(self._idle[b][:, self.levels[levels].start:])
         return torch.cat(tokens, 1)  # (b, N)

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from specdec.adaptive import template_trees
+from specdec.adaptive import budget_options, template_trees
 from specdec.drafters.base import Proposal
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX, Growth, ModelDrafter
 from specdec.fused_step import DeviceDraft, StepClock
@@ -184,6 +184,7 @@ class EagleDrafter(ModelDrafter):
         else:
             self.device_loop = DeviceTreeLoop(self.model, pool, backend, self._template, graphs.batch_buckets,
                                               catch_up, graphs.inputs.width, dev)
+        self.device_loop.set_budgets([o.nodes for o in budget_options(self)])  # each budget's levels are captured
         graphs.programs.append(self.device_loop)
 
     def program_shape(self) -> tuple[int, int, bool] | None:
@@ -219,7 +220,7 @@ class EagleDrafter(ModelDrafter):
         key = self._verify_key(len(reqs), n)
         start = None if key is None else self.clock.mark()
         src = torch.from_numpy(padded).to(self.runner.device, non_blocking=True)
-        out = loop.run(b, rows, bt, self.features.data, src, loop.set_rows(reqs))[:len(reqs)]
+        out = loop.run(b, rows, bt, self.features.data, src, loop.set_rows(reqs), n)[:len(reqs)]
         self._consumed(reqs, spans)
         if key is not None:
             self.paths["fused"] += 1

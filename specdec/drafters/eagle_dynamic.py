@@ -163,7 +163,23 @@ class DeviceDynamicTree(DeviceDraftProgram):
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
                          [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
 
-    def _grow(self, c: CatchUp) -> Tensor:
+    @property
+    def max_levels(self) -> int:
+        return self.shape.depth
+
+    def levels_for(self, n: int) -> int:
+        """The best n nodes of a tree lie within its first n levels (a node scores below its parent, and a tie keeps
+        the earlier level), so n levels grow the same best n nodes as all D."""
+        return min(n, self.shape.depth)
+
+    def _no_trees(self, b: int) -> Tensor:
+        """(b, 3, N): no token, parents -1, score rank N (not below any budget, so never kept)."""
+        n = self.shape.nodes
+        out = torch.zeros(b, 3, n, dtype=torch.int64, device=self.device)
+        out[:, 1], out[:, 2] = -1, n
+        return out
+
+    def _grow(self, c: CatchUp, levels: int) -> Tensor:
         m, k = self.model, self.shape.width
         state = c.state  # (b, K or 1, hidden): the draft states of the level before (first: the root)
 
@@ -177,4 +193,10 @@ class DeviceDynamicTree(DeviceDraftProgram):
 
         # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
         root = self._children_scores(c, c.logits, 0).flatten(0, 1)  # (b, V)
-        return grow(root, expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
+        if levels >= self.shape.depth:
+            return grow(root, expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
+        # the first ``levels`` levels: their best nodes, then nodes no budget of these levels keeps (rank N)
+        bits, zero, offset = self._consts
+        shape = DynamicShape(k, levels, min(self.shape.nodes, k * levels))
+        out = grow(root, expand, shape, self._ops, GrowConsts(bits[:levels], zero, offset[:k * levels]), m.vocab_ids)
+        return torch.cat([out, self._idle[c.b][:, :, shape.nodes:]], 2)  # (b, 3, N)

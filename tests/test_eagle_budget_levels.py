@@ -1,0 +1,130 @@
+"""The EAGLE device program cut to a node budget (``DeviceDraftProgram.levels_for``): under budget n it runs only
+the levels that hold the n nodes a step keeps, and at budget 0 the catch-up forward alone. The kept trees equal
+the whole program's, the draft KV of the catch-up equals the whole program's (so later steps draft from the same
+state), and a budget-0 program writes no other KV; through the engine, budgets changing every few steps give
+target-only's tokens, greedy and seeded sampled, pipelined or not, with each cut program run.
+
+The target is the 4-layer random Llama of ``test_eagle`` with its briefly trained EAGLE draft; on the CPU the
+padded graph steps run eagerly over the same buffers (``cuda_graphs=True``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+from test_pipelined_budgets import ScriptedBudget
+
+from specdec.adaptive import budget_options
+from specdec.drafters.eagle_device import DeviceDraftProgram
+from specdec.drafters.eagle_drafter import DRAFT_MODEL_INDEX, _Spans
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.fused_step import best_nodes_on_device
+from specdec.loading.registry import load_model
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+CFG = dict(num_blocks=200, block_size=8, max_batch_size=4, cuda_graphs=True, adaptive=False, prefix_cache=False)
+# two greedy rows, two seeded sampled ones (T=0.7 top-p 0.9, T=1.0), ending at different steps
+PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i, **kw) for i, (n, kw) in enumerate(
+    [(23, {}), (12, dict(temperature=0.7, top_p=0.9)), (17, {}), (30, dict(temperature=1.0))])]
+
+
+@pytest.fixture(scope="module")
+def pair(setup):  # noqa: F811 - the fixture imported above
+    root, _, _ = setup
+    target = load_model(root / "target")
+    draft = load_model(root / "full", target=target)
+    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, cuda_graphs=False))
+    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], PARAMS)]
+
+
+def _levels_run(monkeypatch) -> list[int]:
+    """Records the level count of every draft program run (eagerly on the CPU: each run is a ``_program`` call)."""
+    runs, program = [], DeviceDraftProgram._program
+
+    def recorded(self, b, sampled=False, levels=None):
+        runs.append(self.max_levels if levels is None else levels)
+        return program(self, b, sampled, levels)
+
+    monkeypatch.setattr(DeviceDraftProgram, "_program", recorded)
+    return runs
+
+
+@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
+def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkeypatch, tree):
+    """At the first decode step of four rows (two sampled), each budget's cut program, run from the same KV and
+    inputs as the whole program, keeps the same trees (greedy and sampled variants) and writes the same draft KV at
+    the catch-up slots; budget 0 runs no level and changes no KV but the catch-up's. (Then the step runs on from
+    the KV as it was, and the tokens are target-only's.)"""
+    draft, target, want = pair
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=False, **CFG))
+    d, loop, pool = eng.drafter, eng.drafter.device_loop, eng.pool
+    budgets = sorted({o.nodes for o in budget_options(d)})
+    assert len(budgets) > 2 and set(loop.variants) == {loop.levels_for(n) for n in budgets} | {loop.max_levels}
+    assert loop.levels_for(0) == 0 and loop.levels_for(max(budgets)) == loop.max_levels
+    assert 0 < loop.levels_for(1) < loop.max_levels
+    checked, propose = [], d.propose
+
+    def check(rows) -> None:
+        spans = _Spans.of(rows, loop.q)
+        packed, bt, src = d._catch_up_rows(rows, spans, loop.q)
+        b = loop.bucket(len(rows), int((spans.ends - spans.begins).max()))
+        padded = np.full(b * loop.q, d.features.zero, dtype=np.int64)
+        padded[:src.size] = src.ravel()
+        src = torch.from_numpy(padded)
+        catch_up = torch.from_numpy(packed.tokens[2])  # (T,) the catch-up's KV slots
+        before = pool.storage.clone()
+
+        def run(sampled: bool, n: int | None):
+            pool.storage.copy_(before)
+            out = loop.run(b, packed, bt, d.features.data, src, sampled, n)[:len(rows)].clone()
+            kv = [torch.stack([t.flatten(0, 1)[catch_up] for t in layer]) for layer in pool.model_kv(DRAFT_MODEL_INDEX)]
+            return out, torch.stack(kv), pool.storage.clone()
+
+        def kept(out, n: int):
+            if out.dim() == 3:  # a dynamic tree: (R, 3, N) tokens, parents, ranks
+                return [t.tolist() for t in best_nodes_on_device(out, n)]
+            return out[:, :n].tolist()  # a static template's first n nodes
+
+        for sampled in (False, loop.set_rows(rows)):
+            whole, whole_kv, _ = run(sampled, None)
+            for n in budgets:
+                out, kv, storage = run(sampled, n)
+                assert kept(out, n) == kept(whole, n), (sampled, n)
+                assert torch.equal(kv, whole_kv), (sampled, n)
+                if n == 0:  # the catch-up alone: every other slot keeps what it held
+                    changed = (storage != before).flatten(1).any(1).nonzero().flatten().tolist()
+                    assert set(changed) <= {int(s) // pool.block_size for s in catch_up}
+        pool.storage.copy_(before)
+        checked.append(sampled)
+
+    def probe(rows):
+        if not checked and len(rows) == 4:
+            check(rows)
+        return propose(rows)
+
+    monkeypatch.setattr(d, "propose", probe)
+    outs = eng.generate(PROMPTS[:4], PARAMS)
+    assert checked == [True]  # (two rows sample)
+    assert [o.token_ids for o in outs] == want
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_budgets_changing_every_few_steps_give_target_only_tokens(pair, monkeypatch, pipeline):
+    """Budgets full, 0, 1, 3, 0, 7 of dynamic:16, each held three steps, greedy and seeded sampled rows mixed:
+    every row's tokens are target-only's (the sampled rule's choices depend on no proposal), each cut of the
+    program runs, and steps at budget 0 run the catch-up alone."""
+    draft, target, want = pair
+    runs = _levels_run(monkeypatch)
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", pipeline=pipeline, **CFG))
+    loop = eng.drafter.device_loop
+    eng.adaptive = ScriptedBudget([16, 0, 1, 3, 0, 7], every=3)
+    outs = eng.generate(PROMPTS[:4], PARAMS)
+    assert [o.error for o in outs] == [None] * 4
+    assert [o.token_ids for o in outs] == want
+    assert {loop.levels_for(n) for n in (16, 0, 1, 3, 7)} <= set(runs)
+    assert runs.count(0) >= 3 and eng.all_blocks_free()
+    if pipeline:
+        assert eng.pipeline.adopted > 5
