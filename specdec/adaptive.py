@@ -383,13 +383,17 @@ class EpochConfig:
     between two probes of a neighbour; margin: how much more tokens per second a budget must measure than plain
     decoding (budget 0) to be held instead; alpha: weight of a new epoch's rate against the budget's earlier
     ones; max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
-    prefill are not)."""
+    prefill are not); first_row_steps, first_min_steps: a budget's first measurement ends early, once it timed
+    first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
+    steps measure it; a new engine's first requests then spend less time on budgets it will not hold)."""
 
     epoch_steps: int = 16
     hold_epochs: int = 8
     margin: float = 0.03
     alpha: float = 0.5
     max_epoch_steps: int = 64
+    first_row_steps: int = 192
+    first_min_steps: int = 4
 
 
 class _Epochs:
@@ -401,7 +405,8 @@ class _Epochs:
         self.to_measure = list(range(n - 1, -1, -1))  # every budget once, the full one first
         self.held = self.to_measure.pop(0)
         self.best = self.held
-        self.steps = self.timed = 0
+        self.steps = self.timed = self.row_steps = 0  # this epoch's steps, timed steps, and rows in timed steps
+        self.rows = 0  # rows of the step under way
         self.tokens = self.seconds = 0.0
         self.since_probe = 0
         self.probe_up = True
@@ -438,6 +443,7 @@ class EpochBudget:
         if state is None:
             state = self.states[self.key(rows)] = _Epochs(len(self.options))
         nodes = self.options[state.held].nodes
+        state.rows = len(rows)
         self.chosen[(len(rows), nodes)] += 1
         self._step = (state, 0)
         return nodes
@@ -458,10 +464,13 @@ class EpochBudget:
         state.steps += 1
         if self.timing_valid:
             state.timed += 1
+            state.row_steps += state.rows
             state.tokens += tokens
             state.seconds += seconds
         cfg = self.config
-        if state.timed >= cfg.epoch_steps or (state.steps >= cfg.max_epoch_steps and state.timed):
+        first = state.rates[state.held] is None and state.timed >= cfg.first_min_steps \
+            and state.row_steps >= cfg.first_row_steps
+        if first or state.timed >= cfg.epoch_steps or (state.steps >= cfg.max_epoch_steps and state.timed):
             self._end_epoch(state)
         elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
             state.steps = 0
@@ -471,7 +480,7 @@ class EpochBudget:
         rate = state.tokens / max(state.seconds, 1e-9)
         old = state.rates[i]
         state.rates[i] = rate if old is None else old + cfg.alpha * (rate - old)
-        state.steps = state.timed = 0
+        state.steps = state.timed = state.row_steps = 0
         state.tokens = state.seconds = 0.0
         state.best = self._best(state)
         if state.to_measure:

@@ -41,6 +41,19 @@ def test_every_budget_is_measured_full_first_then_the_best_is_held():
     assert set(held[16:]) == {7}  # then the fastest, for whole epochs
 
 
+def test_a_large_batchs_first_measurements_are_short():
+    """Each budget's first measurement ends once it timed 4 steps over 192 rows: 4 steps at 64 rows, 12 at 16
+    (still under 16, the epoch), 16 at one row; later epochs are 16 steps whatever the batch."""
+    for rows, first in ((64, 4), (16, 12), (1, 16)):
+        ctrl = EpochBudget(OPTIONS, EpochConfig(hold_epochs=100))
+        rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 1700.0}
+        held = run(ctrl, rows_of(rows), rates.__getitem__, 4 * first + 40)
+        assert held[:4 * first] == [15] * first + [7] * first + [3] * first + [0] * first, rows
+        assert set(held[4 * first:]) == {7}
+        state = ctrl.states[ctrl.key(rows_of(rows))]
+        assert state.timed == 40 % 16 and state.rates[2] == pytest.approx(1900.0)
+
+
 def test_plain_decoding_unless_a_budget_beats_it_by_the_margin():
     ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=2, hold_epochs=100, margin=0.05))
     held = run(ctrl, rows_of(64), {0: 1000.0, 3: 1040.0, 7: 1020.0, 15: 900.0}.__getitem__, 8 + 20)
