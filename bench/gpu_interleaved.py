@@ -103,6 +103,15 @@ REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x lo
 FAILURES_SHOWN = [0]
 
 
+def _budget_steps(engine) -> dict[int, int]:
+    """Steps the engine's budget controller ran at each node budget (all batch sizes), {} without one."""
+    chosen = getattr(engine.adaptive, "chosen", None) or {}
+    out: dict[int, int] = {}
+    for (_, nodes), steps in chosen.items():
+        out[nodes] = out.get(nodes, 0) + steps
+    return dict(sorted(out.items()))
+
+
 def log(*a) -> None:
     print(*a, flush=True)
 
@@ -239,13 +248,16 @@ def main() -> None:
                                        "plan": engines[name].plan.as_dict(),
                                        "graphs": getattr(engines[name].graph_report, "graphs", 0),
                                        "capture_s": getattr(engines[name].graph_report, "seconds", 0.0),
-                                       "late_captures": late[name]}
+                                       "late_captures": late[name],
+                                       "budget_steps": _budget_steps(engines[name])}
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
                 f"{n} {e['first_over_later']:.2f} (graphs captured per round "
                 f"{[g for g, _, _ in e['late_captures']]}, {sum(s for _, s, _ in e['late_captures']):.2f} s; "
                 f"Triton compiles per round {[len(c) for _, _, c in e['late_captures']]})"
                 for n, e in entry.items() if e["first_over_later"]))
+            log(f"interleaved {key}: steps by node budget, all rounds: " + ", ".join(
+                f"{n} {e['budget_steps']}" for n, e in entry.items() if e["budget_steps"]))
             for n, e in entry.items():  # which kernels compiled during timed rounds (first round: engine start missed)
                 if any(c for _, _, c in e["late_captures"]):
                     log(f"interleaved {key}: {n} compiled {[sorted(set(c)) for _, _, c in e['late_captures']]}")
