@@ -15,7 +15,7 @@ from specdec.kernels.paged_attention import paged_attention_reference, paged_att
 from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
 from specdec.kernels.topk import topk_small
 
-from specdec.acceptance_stochastic import sampling_rows
+from specdec.row_sampling import sampling_rows
 from specdec.sampling_params import SamplingParams
 from tests.kernel_inputs import parents_topk, random_paged_batch
 

@@ -36,7 +36,7 @@ from specdec.kernels.topk import order_key
 from specdec.kernels.triton_import import tl, triton
 
 if TYPE_CHECKING:
-    from specdec.acceptance_stochastic import RowSampling
+    from specdec.row_sampling import RowSampling
 
 DEFAULT_BLOCK = 2048
 MAX_COLS = 1 << 30

@@ -3,13 +3,49 @@
 Rows are laid out padded: verify token i of row b sits at [b, i] of (B, Q) tensors; token 0 is the
 root (the pending token), tokens 1..n-1 are tree nodes in topological order, the rest padding.
 The result is what ``specdec.acceptance.verify_greedy`` returns for each row, packed in one
-(B, Q + 2) tensor so that the host reads a step's outcome with a single copy.
+(B, Q + 2) tensor so that the host reads a step's outcome with a single copy. ``pad_trees`` lays host trees
+out that way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
+
+from specdec.tree import DraftTree
+
+
+class PaddedTrees(NamedTuple):
+    """Draft trees of a batch in the padded verify layout, on one device (``pad_trees`` builds them)."""
+
+    tokens: Tensor  # (B, Q) int64 verify tokens (token 0, the root, is not read)
+    parents: Tensor  # (B, Q) int64 parent verify index; -1 for the root and padding
+    tree_mask: Tensor  # (B, Q) int64 bit j set iff verify token j is the token itself or an ancestor
+    num_tokens: Tensor  # (B,) int64 real verify tokens per row (root included; 0 for a padded row)
+
+
+def pad_trees(trees: Sequence[DraftTree], q: int, device: torch.device | str) -> PaddedTrees:
+    """The trees in the padded layout with Q = q verify tokens per row (q >= every tree's nodes + 1, else
+    ValueError naming the tree), from the trees' host views in one host->device copy."""
+    rows_host = []  # per row: tokens, parents, masks (Q each), n
+    for i, t in enumerate(trees):
+        n = t.num_nodes + 1
+        if n > q:
+            raise ValueError(f"trees[{i}] has {n - 1} nodes; at most q - 1 = {q - 1} fit")
+        rows_host.append([*tree_rows(t, q), n])
+    dev = torch.tensor(rows_host, dtype=torch.int64).reshape(len(trees), 3 * q + 1).to(device)
+    return PaddedTrees(dev[:, :q], dev[:, q:2 * q], dev[:, 2 * q:3 * q], dev[:, 3 * q])
+
+
+def tree_rows(tree: DraftTree, q: int) -> list[int]:
+    """(3 Q,) host ints of one tree's padded row: verify tokens (the root's 0), parents (-1: root, padding),
+    tree masks (0: padding). The caller checks that the tree fits (nodes + 1 <= q)."""
+    masks, parents = tree.verify_rows()
+    pad = [0] * (q - len(parents))
+    return [0, *tree.host.tokens, *pad, *parents, *[-1] * len(pad), *masks, *pad]
 
 
 def accept_greedy_padded(

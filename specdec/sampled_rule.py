@@ -28,11 +28,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.acceptance_batched import accept_greedy_padded
-from specdec.acceptance_stochastic import RowSampling, shape_probs_rows, tree_rows
+from specdec.acceptance_batched import accept_greedy_padded, tree_rows
 from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostUpload
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
+from specdec.row_sampling import RowSampling, shape_probs_rows
 from specdec.tree import DraftTree
 
 _ONE_BITS = int(np.float64(1.0).view(np.int64))  # float64 1.0 as int64 bits: temperature and top_p of idle rows

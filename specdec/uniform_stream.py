@@ -3,18 +3,15 @@
 The engine's sampled rule (``kernels.gumbel_choice``) draws its Gumbel noise from these: per (request, position)
 a sub-key of two hashed words, then per token the uniform ``uniforms_at(sub-key, token)``, so a token's noise
 is a function of the seed, the position and the token alone, computed inside captured graphs with no generator
-state. ``UniformStream`` holds a request's key words; its draw counter (``take``, ``padded_uniforms``) numbers
-the uniforms of the counter-based reference rules (``acceptance.verify_stochastic``,
-``acceptance_stochastic``), which the engine no longer calls.
+state. ``UniformStream`` holds a request's key words.
 
 The hash: three rounds of the 32-bit PCG hash (an LCG step, then PCG's RXS-M-XS output permutation; the
 "pcg" hash of Jarzynski and Olano, "Hash Functions for GPU Rendering", JCGT 2020), the key's two 32-bit words
 mixed in between rounds. Values stay masked to 32 bits and every multiplier is < 2**31, so int64 arithmetic
 never overflows and torch (CPU or CUDA) and numpy compute the same bits. A uniform takes two 32-bit words
-(53 bits, the float64 mantissa, as ``torch.rand``'s float64 has): words 2 i and 2 i + 1 of the request's
-word sequence, whose index is taken modulo 2**32 (a stream repeats after 2**31 uniforms, far beyond any
-request: a 64-node tree per token for 30M tokens). The key is splitmix64 of the request seed, so seeds that
-differ in one bit get unrelated keys.
+(53 bits, the float64 mantissa, as ``torch.rand``'s float64 has): draw i is words 2 i and 2 i + 1 of the key's
+word sequence, whose index is taken modulo 2**32 (a key's draws repeat after 2**31). The key is splitmix64 of
+the request seed, so seeds that differ in one bit get unrelated keys.
 """
 
 from __future__ import annotations
@@ -69,35 +66,15 @@ def _word_axis(key):
     return key[..., None] if getattr(key, "ndim", 0) else key
 
 
-def padded_uniforms(key0: Tensor, key1: Tensor, counter: Tensor, num_tokens: Tensor, q: int) -> Tensor:
-    """(B, Q) float64 uniforms of a padded step, laid out as ``verify_stochastic`` uses its draws: a row of n
-    tree nodes (num_tokens = n + 1) uses draws counter .. counter + n; node c's at column c + 1, the bonus
-    token's (draw n) at column 0. key0, key1, counter, num_tokens: (B,) int64. Columns past a row's tree (and
-    padded rows, num_tokens 0) hold numbers nothing reads."""
-    col = torch.arange(q, device=counter.device).view(1, -1)  # (1, Q)
-    n = (num_tokens - 1).clamp(min=0).view(-1, 1)  # (B, 1) tree nodes
-    draw = counter.view(-1, 1) + torch.where(col == 0, n, col - 1)  # (B, Q)
-    return uniforms_at(key0.view(-1, 1), key1.view(-1, 1), draw)
-
-
 class UniformStream:
-    """A request's verification uniforms: key words of its seed and the count of draws used so far.
+    """A sampled request's noise key: the two key words of its seed (``kernels.gumbel_choice`` hashes them with
+    each position and token); a request keeps one for its whole life."""
 
-    ``counter`` is the whole state: fault isolation saves and restores it, and a step's device rule reads
-    (key0, key1, counter) of each row and advances ``counter`` on the host by the draws it uses."""
+    __slots__ = ("seed", "key0", "key1")
 
-    __slots__ = ("seed", "key0", "key1", "counter")
-
-    def __init__(self, seed: int, counter: int = 0) -> None:
+    def __init__(self, seed: int) -> None:
         self.seed = seed
         self.key0, self.key1 = key_words(seed)
-        self.counter = counter
-
-    def take(self, n: int) -> list[float]:
-        """The next ``n`` uniforms (host floats); the counter advances by n."""
-        draw = np.arange(self.counter, self.counter + n, dtype=np.int64)
-        self.counter += n
-        return uniforms_at(np.int64(self.key0), np.int64(self.key1), draw).tolist()
 
     def __repr__(self) -> str:
-        return f"UniformStream(seed={self.seed}, counter={self.counter})"
+        return f"UniformStream(seed={self.seed})"

@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from specdec.acceptance import shape_probs, verify_greedy
-from specdec.acceptance_batched import unpack_greedy
-from specdec.acceptance_stochastic import pad_trees, sampling_rows
+from specdec.acceptance_batched import pad_trees, unpack_greedy
 from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
 from specdec.fused_step import DeviceDraft, FusedOutcome, shape_depth
 from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
+from specdec.row_sampling import sampling_rows
 from specdec.runner import ModelRunner, RowInput, RowSlices
 from specdec.sampled_rule import SampledRule, accept_sampled, verify_positions
 from specdec.scheduler.request import Request

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
 import pytest  # noqa: E402
 from specdec.kernels.nucleus import filtered_probs, filtered_probs_reference, nucleus_probs  # noqa: E402
 
-from specdec.acceptance_stochastic import RowSampling, sampling_rows  # noqa: E402
+from specdec.row_sampling import RowSampling, sampling_rows  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INF = float("inf")

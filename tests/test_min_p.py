@@ -10,7 +10,7 @@ import torch
 from test_sampling_power import PROMPT, check_with_control, exact_dists, pair, sample, target_logits  # noqa: F401
 
 from specdec.acceptance import shape_probs
-from specdec.acceptance_stochastic import shape_probs_rows
+from specdec.row_sampling import sampling_rows, shape_probs_rows
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -41,8 +41,6 @@ def test_batched_rows_shape_min_p_like_shape_probs():
     """``shape_probs_rows`` with a different min-p (and other filters) per row equals ``shape_probs`` row by row."""
     logits = torch.randn(len(SETTINGS), 3, 40, generator=torch.Generator().manual_seed(5)) * 2  # (B, Q, V)
     rows = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m) for t, k, p, m in SETTINGS]
-    from specdec.acceptance_stochastic import sampling_rows
-
     got = shape_probs_rows(logits, sampling_rows(rows, "cpu"))
     for b, setting in enumerate(SETTINGS):
         assert torch.allclose(got[b], shape_probs(logits[b], *setting), rtol=0, atol=1e-7), setting
@@ -55,8 +53,8 @@ MIN_P = 0.25
 @pytest.mark.parametrize("proposer,tree,graphs", [("model", "chain:2", None), ("model", "chain:2", True),
                                                   ("ngram", "chain:3", True)])
 def test_min_p_sampling_follows_the_min_p_target(pair, target_logits, proposer, tree, graphs):  # noqa: F811
-    """CHI_SAMPLES seeded T=1 requests with min_p MIN_P, drafted by a draft model (the host rule; padded: the device
-    trial loop) or n-gram chains (padded: the sampled rule): the first two tokens follow the min-p target, never
+    """CHI_SAMPLES seeded T=1 requests with min_p MIN_P, drafted by a draft model (the host rule; padded: the sampled
+    rule) or n-gram chains (padded: the sampled rule): the first two tokens follow the min-p target, never
     take a dropped token (chisquare_p asserts it), and fail the test against the target without min-p."""
     setup = pair if proposer == "model" else (pair[0], pair[1], "ngram")
     prompt = PROMPT if proposer == "model" else [1, 5, 2, 1, 5, 2, 1]

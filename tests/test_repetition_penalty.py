@@ -116,7 +116,7 @@ def penalty_logits(pair):  # noqa: F811
                                                   ("ngram", "chain:3", True)])
 def test_penalized_sampling_follows_the_penalized_target(pair, penalty_logits, proposer, tree, graphs):  # noqa: F811
     """CHI_SAMPLES seeded T=1 requests with a draft model (its sampled children through the host rule, or padded:
-    the device trial loop) or n-gram chains (padded steps, the sampled rule): the first two tokens follow the
+    the sampled rule) or n-gram chains (padded steps, the sampled rule): the first two tokens follow the
     penalized target distribution and fail the test against the unpenalized one."""
     setup = pair if proposer == "model" else (pair[0], pair[1], "ngram")
     joint, stats = sample(setup, tree, 1.0, 0, 1.0, CHI_SAMPLES, 7_000, cuda_graphs=graphs, prompt=PENALTY_PROMPT,

@@ -14,8 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdec.acceptance_batched import accept_greedy_padded
-from specdec.acceptance_stochastic import pad_trees
+from specdec.acceptance_batched import accept_greedy_padded, pad_trees
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampled_rule import SampledRule
 from specdec.sampling_params import SamplingParams
@@ -219,6 +218,29 @@ def test_seeded_tokens_equal_on_every_path_and_batch(tiny_target, monkeypatch, d
         assert rule.graphs and sum(g.replays for g, *_ in rule.graphs.values()) > 0 and replays
         assert eng.all_blocks_free() and (eng.stats.drafted > 0) == (draft is not None)
         monkeypatch.setattr(verifier, "_host_rule", forbidden)
+
+
+@pytest.mark.parametrize("tree", ["chain:3", "topk:2x2"])
+def test_draft_model_rows_sample_on_the_device(tiny_target, tiny_draft, monkeypatch, tree):
+    """cuda_graphs=True with a draft model: sampled rows never reach the host rule, and their tokens equal the eager
+    engine's at batch 4 and batch 1."""
+    import specdec.verifier as verifier
+
+    make = lambda graphs, **kw: SpecEngine(tiny_draft, tiny_target, SpecConfig(tree=tree, num_blocks=256,
+                                                                               block_size=8, cuda_graphs=graphs, **kw))
+    want = [o.token_ids for o in make(False).generate(PROMPTS, PARAMS)]
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host rule used on the padded path")
+
+    monkeypatch.setattr(verifier, "_host_rule", forbidden)
+    for batch in (4, 1):
+        eng = make(True, max_batch_size=batch)
+        assert eng.runner.graphs is not None
+        outs = eng.generate(PROMPTS, PARAMS)
+        assert not any(o.error for o in outs), [o.error for o in outs]  # a host-rule call would fail its request
+        assert [o.token_ids for o in outs] == want, batch
+        assert eng.all_blocks_free() and eng.stats.accepted > 0
 
 
 def test_seeded_tokens_do_not_depend_on_the_proposer_the_budget_or_the_batch(tiny_target, tiny_draft):

@@ -1,7 +1,7 @@
-"""The counter-based verification uniforms (``specdec.uniform_stream``): values against a plain-Python reference,
-the same numbers from numpy, torch and the padded device layout, uniformity and independence by chi-square
-(sample counts stated next to each test, P_MIN as the other chi-square tests), and counters that advance by
-the draws used. The CUDA test compares the GPU's numbers with the CPU's bit for bit."""
+"""The keyed uniforms under the sampled rule's noise (``specdec.uniform_stream``): values against a plain-Python
+reference, the same numbers from numpy and torch, uniformity and independence by chi-square (sample counts
+stated next to each test, P_MIN as the other chi-square tests). The CUDA test compares the GPU's numbers with
+the CPU's bit for bit."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec.acceptance_stochastic import draw_uniforms
-from specdec.tree import DraftTree
-from specdec.uniform_stream import UniformStream, key_words, padded_uniforms, uniforms_at
+from specdec.uniform_stream import UniformStream, key_words, uniforms_at
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -37,45 +35,36 @@ def _ref_uniform(seed: int, i: int) -> float:
     return (words[0] * 2**21 + words[1] // 2**11) / 2**53
 
 
+def _draws(seed: int, start: int, n: int) -> list[float]:
+    """Draws start .. start + n - 1 of seed's key, computed with numpy."""
+    s = UniformStream(seed)
+    return uniforms_at(np.int64(s.key0), np.int64(s.key1), np.arange(start, start + n, dtype=np.int64)).tolist()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 42, 2**32 + 7, 2**64 - 1])
 def test_values_equal_the_reference(seed):
-    """The first 40 draws, and 40 after a counter near the index wrap (word index 2 i taken modulo 2**32)."""
-    s = UniformStream(seed)
-    got = s.take(40)
+    """The first 40 draws, and 40 around the index wrap (word index 2 i taken modulo 2**32)."""
+    got = _draws(seed, 0, 40)
     assert got == [_ref_uniform(seed, i) for i in range(40)]
-    far = UniformStream(seed, 2**31 - 20).take(40)
+    far = _draws(seed, 2**31 - 20, 40)
     assert far == [_ref_uniform(seed, i) for i in range(2**31 - 20, 2**31 + 20)]
-    assert s.counter == 40 and all(0.0 <= u < 1.0 for u in got + far)
+    assert all(0.0 <= u < 1.0 for u in got + far)
 
 
 def test_pinned_values():
     """Seed 7's first uniforms, pinned: a change of the hash changes every seeded request's samples."""
-    assert UniformStream(7).take(3) == [_ref_uniform(7, i) for i in range(3)]
-    assert [round(u, 12) for u in UniformStream(7).take(3)] == [0.526351207695, 0.996016821588, 0.859316396862]
+    assert _draws(7, 0, 3) == [_ref_uniform(7, i) for i in range(3)]
+    assert [round(u, 12) for u in _draws(7, 0, 3)] == [0.526351207695, 0.996016821588, 0.859316396862]
 
 
-def test_numpy_torch_and_padded_layout_agree():
-    """``take`` (numpy), ``uniforms_at`` on tensors and ``padded_uniforms`` give the same numbers; the padded
-    layout puts draw counter + c - 1 at column c >= 1 and the bonus draw counter + n at column 0."""
-    seeds, counters, nodes, q = [3, 99, 12345], [0, 17, 1000], [4, 0, 2], 6
-    streams = [UniformStream(s, c) for s, c in zip(seeds, counters)]
-    want = [st.take(n + 1) for st, n in zip(streams, nodes)]
+def test_numpy_and_torch_agree():
+    """``uniforms_at`` on tensors (keys and draws broadcast per row) gives numpy's numbers."""
+    seeds, starts = [3, 99, 12345], [0, 17, 1000]
     keys = torch.tensor([key_words(s) for s in seeds])  # (3, 2)
-    got = padded_uniforms(keys[:, 0], keys[:, 1], torch.tensor(counters), torch.tensor(nodes) + 1, q)
-    for row, w, n in zip(got.tolist(), want, nodes):
-        assert row[1:n + 1] == w[:n] and row[0] == w[n]
-    flat = uniforms_at(keys[0, 0], keys[0, 1], torch.arange(5)).tolist()
-    assert flat == UniformStream(3).take(5)
-
-
-def test_draw_uniforms_advances_only_the_rows_with_a_stream():
-    trees = [DraftTree.chain([5, 6, 7]), DraftTree.empty(), DraftTree.chain([1])]
-    streams = [UniformStream(1), None, UniformStream(2, 10)]
-    u = draw_uniforms(streams, trees, 5, "cpu")  # (3, 5)
-    assert [s.counter for s in (streams[0], streams[2])] == [4, 12]
-    assert u[1].tolist() == [0.0] * 5
-    assert u[0, [1, 2, 3, 0]].tolist() == UniformStream(1).take(4)
-    assert u[2, [1, 0]].tolist() == UniformStream(2, 10).take(2)
+    draws = torch.tensor(starts).view(-1, 1) + torch.arange(5)  # (3, 5)
+    got = uniforms_at(keys[:, :1], keys[:, 1:], draws)  # (3, 5)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [_draws(s, c, 5) for s, c in zip(seeds, starts)]
 
 
 def _chi_uniform(u: np.ndarray, bins: int) -> float:
@@ -83,18 +72,18 @@ def _chi_uniform(u: np.ndarray, bins: int) -> float:
     return float(scipy_stats.chisquare(counts).pvalue)
 
 
-def test_one_stream_is_uniform_and_serially_independent():
-    """200,000 draws of one stream: uniform over 100 bins; 100,000 disjoint consecutive pairs uniform over
+def test_one_key_is_uniform_and_serially_independent():
+    """200,000 draws of one key: uniform over 100 bins; 100,000 disjoint consecutive pairs uniform over
     16 x 16 cells (chi-square, p > P_MIN each)."""
-    u = np.array(UniformStream(2024).take(200_000))
+    u = np.array(_draws(2024, 0, 200_000))
     assert _chi_uniform(u, 100) > P_MIN
     pairs = np.minimum((u * 16).astype(np.int64), 15).reshape(-1, 2)
     assert _chi_uniform((pairs[:, 0] * 16 + pairs[:, 1] + 0.5) / 256, 256) > P_MIN
 
 
-def test_distinct_seeds_and_counters_are_independent():
+def test_distinct_seeds_and_draws_are_independent():
     """50,000 neighbouring seeds s, s + 1 (which share all but the low bits): their first draws are uniform over
-    100 bins and jointly uniform over 16 x 16 cells; and one seed's draw i against its draw i + 2**20 (counters far
+    100 bins and jointly uniform over 16 x 16 cells; and one seed's draw i against its draw i + 2**20 (draws far
     apart) over 50,000 i, jointly uniform as well (chi-square, p > P_MIN each)."""
     k = np.array([key_words(s) for s in range(50_001)], dtype=np.int64)  # (S + 1, 2)
     first = uniforms_at(k[:, 0], k[:, 1], np.zeros(len(k), dtype=np.int64))  # (S + 1,)
@@ -109,13 +98,13 @@ def test_distinct_seeds_and_counters_are_independent():
 
 
 def test_the_chi_square_has_power():
-    """Negative control at the same sizes: a stream whose pairs are correlated (u, u + 0.01 mod 1) fails the
+    """Negative control at the same sizes: a sequence whose pairs are correlated (u, u + 0.01 mod 1) fails the
     pair test, and numbers with a 1% excess in one bin fail the 100-bin test."""
-    u = np.array(UniformStream(3).take(100_000))
+    u = np.array(_draws(3, 0, 100_000))
     bad = np.stack([u, (u + 0.01) % 1.0], 1).reshape(-1)
     pairs = np.minimum((bad * 16).astype(np.int64), 15).reshape(-1, 2)
     assert _chi_uniform((pairs[:, 0] * 16 + pairs[:, 1] + 0.5) / 256, 256) < P_MIN
-    skewed = np.array(UniformStream(4).take(200_000))
+    skewed = np.array(_draws(4, 0, 200_000))
     skewed[:2_000] = 0.005  # 1% of the draws moved into bin 0
     assert _chi_uniform(skewed, 100) < P_MIN
 
@@ -125,8 +114,7 @@ def test_gpu_numbers_equal_the_cpu_numbers():
     """The device computes the same bits: int64 arithmetic that never overflows, an exact float conversion."""
     seeds = list(range(0, 3000, 7)) + [2**63 + 5, 2**64 - 1]
     keys = torch.tensor([key_words(s) for s in seeds])
-    counters = torch.randint(0, 2**31, (len(seeds),))
-    nodes = torch.randint(1, 65, (len(seeds),))
-    cpu = padded_uniforms(keys[:, 0], keys[:, 1], counters, nodes, 65)
-    gpu = padded_uniforms(keys[:, 0].cuda(), keys[:, 1].cuda(), counters.cuda(), nodes.cuda(), 65)
+    draws = torch.randint(0, 2**31, (len(seeds), 65))  # (S, 65)
+    cpu = uniforms_at(keys[:, :1], keys[:, 1:], draws)
+    gpu = uniforms_at(keys[:, :1].cuda(), keys[:, 1:].cuda(), draws.cuda())
     assert torch.equal(gpu.cpu(), cpu)
