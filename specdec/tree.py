@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 MAX_TREE_NODES = 63  # with the root: 64 verify tokens, one int64 bitmask per node
-CHILD_MODES = ("iid", "without_replacement", "deterministic")
 ROOT = -1  # parent index of the root's children; also the root's id in children()/path_to()
 
 
@@ -30,7 +29,6 @@ class HostView(NamedTuple):
     parents: list[int]
     depth: list[int]
     ancestor_mask: list[int]
-    dist_index: list[int]
     children: dict[int, list[int]]  # ROOT and every node -> children in index order
 
 
@@ -77,11 +75,8 @@ def _check_range(name: str, got: list[int], want: list[int] | tuple[int, int | N
 class DraftTree:
     """A token tree below the pending token, validated at construction.
 
-    tokens, parents, depth, ancestor_mask, dist_index: (N,) int64 on one device, N <= 63.
-    draft_dists: (M, V) float32/float64 rows of shaped draft distributions, or None;
-    node i was drawn from row dist_index[i] (the distribution at its parent), -1 = none.
-    child_mode says how siblings were drawn, in index order: "iid" from their row,
-    "without_replacement" from their row, or "deterministic" (top-k, n-gram; no distribution).
+    tokens, parents, depth, ancestor_mask: (N,) int64 on one device, N <= 63. Verification needs no draft
+    distribution (each committed token is the target's own choice), so a tree holds tokens only.
     Construction reads the small integer arrays to the host once (one sync on GPU).
     """
 
@@ -89,9 +84,6 @@ class DraftTree:
     parents: Tensor  # (N,)
     depth: Tensor  # (N,)
     ancestor_mask: Tensor  # (N,)
-    draft_dists: Tensor | None = None  # (M, V)
-    dist_index: Tensor | None = None  # (N,); None means all -1
-    child_mode: str = "deterministic"
 
     def __post_init__(self) -> None:
         n = _int_vector("tokens", self.tokens, None).shape[0]
@@ -99,49 +91,19 @@ class DraftTree:
             raise ValueError(f"tokens: a tree has at most {MAX_TREE_NODES} nodes, got {n}")
         for name in ("parents", "depth", "ancestor_mask"):
             _int_vector(name, getattr(self, name), n)
-        if self.dist_index is None:
-            object.__setattr__(self, "dist_index", torch.full_like(self.tokens, -1))
-        _int_vector("dist_index", self.dist_index, n)
-        if self.child_mode not in CHILD_MODES:
-            raise ValueError(f"child_mode must be one of {CHILD_MODES}, got {self.child_mode!r}")
-        self._check_dists()
-        for name in ("parents", "depth", "ancestor_mask", "dist_index", "draft_dists"):
+        for name in ("parents", "depth", "ancestor_mask"):
             t = getattr(self, name)
-            if t is not None and t.device != self.tokens.device:
+            if t.device != self.tokens.device:
                 raise ValueError(f"{name} is on {t.device}, tokens on {self.tokens.device}")
         object.__setattr__(self, "_host", self._read_host())
         self._check_values()
-
-    def _check_dists(self) -> None:
-        d = self.draft_dists
-        if d is None:
-            if self.child_mode != "deterministic":
-                raise ValueError(f"draft_dists is required for child_mode {self.child_mode!r}")
-            return
-        if not isinstance(d, Tensor) or d.dim() != 2 or d.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"draft_dists must be a (M, V) float32/float64 tensor, got {_describe(d)}")
-        if d.shape[0] < 1 or d.shape[1] < 1:
-            raise ValueError(f"draft_dists must have M >= 1 rows and V >= 1 columns, got {tuple(d.shape)}")
 
     def _check_values(self) -> None:
         h = self.host
         depth, mask = depths_and_masks(h.parents)
         _check_range("depth", h.depth, depth, "the parent's depth + 1")
         _check_range("ancestor_mask", h.ancestor_mask, mask, "the parent's mask | (1 << i)")
-        vocab = None if self.draft_dists is None else self.draft_dists.shape[1]
-        rows = 0 if self.draft_dists is None else self.draft_dists.shape[0]
-        _check_range("tokens", h.tokens, (0, vocab))
-        lo = -1 if self.child_mode == "deterministic" else 0
-        _check_range("dist_index", h.dist_index, (lo, rows), f"for child_mode {self.child_mode!r}")
-        for parent, kids in h.children.items():
-            if len(kids) < 2:
-                continue
-            if len({h.dist_index[c] for c in kids}) > 1:
-                raise ValueError(f"dist_index: the children of node {parent} must share one row, "
-                                 f"got {[h.dist_index[c] for c in kids]}")
-            if self.child_mode == "without_replacement" and len({h.tokens[c] for c in kids}) < len(kids):
-                raise ValueError(f"tokens: children of node {parent} drawn without replacement repeat "
-                                 f"a token: {[h.tokens[c] for c in kids]}")
+        _check_range("tokens", h.tokens, (0, None))
 
     @property
     def host(self) -> HostView:
@@ -149,9 +111,9 @@ class DraftTree:
         return self._host
 
     def _read_host(self) -> HostView:
-        rows = torch.stack([self.tokens, self.parents, self.depth, self.ancestor_mask, self.dist_index])
-        tokens, parents, depth, mask, dist_index = rows.tolist()  # one device->host copy, (5, N)
-        return HostView(tokens, parents, depth, mask, dist_index, _children(parents))
+        rows = torch.stack([self.tokens, self.parents, self.depth, self.ancestor_mask])
+        tokens, parents, depth, mask = rows.tolist()  # one device->host copy, (4, N)
+        return HostView(tokens, parents, depth, mask, _children(parents))
 
     @classmethod
     def empty(cls, device: torch.device | str = "cpu") -> DraftTree:
@@ -169,7 +131,7 @@ class DraftTree:
 
     @classmethod
     def chain(cls, tokens: list[int]) -> DraftTree:
-        """A deterministic chain of host token ids below the root, on the CPU.
+        """A chain of host token ids below the root, on the CPU.
 
         The hot path of model-free drafters: its arrays are right by construction, so it skips the
         validation that ``from_parents`` runs, every other array (tensors and host lists, read-only like
@@ -197,7 +159,7 @@ class DraftTree:
 
     @classmethod
     def of_template(cls, tokens: list[int], template: TreeTemplate) -> DraftTree:
-        """A deterministic tree of ``template``'s shape holding host token ids (one per node), on the CPU.
+        """A tree of ``template``'s shape holding host token ids (one per node), on the CPU.
 
         Like ``chain``: the shape's arrays come from the (validated) template and are shared by all its
         trees, so only the tokens are new."""
@@ -207,7 +169,7 @@ class DraftTree:
 
     @classmethod
     def of_parents(cls, tokens: list[int], parents: list[int]) -> DraftTree:
-        """A deterministic tree of host token ids under host ``parents`` (-1: the root; topologically
+        """A tree of host token ids under host ``parents`` (-1: the root; topologically
         ordered, else ValueError), on the CPU: ``of_template`` for shapes that seldom repeat (no networkx
         check, nothing cached)."""
         n = len(tokens)
@@ -218,8 +180,7 @@ class DraftTree:
         plist = list(parents)
         depth, masks = depths_and_masks(plist)
         tree = object.__new__(cls)  # every other tensor is made on first use (``__getattr__``)
-        tree.__dict__.update(draft_dists=None, child_mode="deterministic", dist_index=torch.full((n,), -1),
-                             _host=HostView(list(tokens), plist, depth, masks, [-1] * n, _children(plist)))
+        tree.__dict__["_host"] = HostView(list(tokens), plist, depth, masks, _children(plist))
         return tree
 
     @classmethod
@@ -234,28 +195,24 @@ class DraftTree:
 
     @classmethod
     def _of_shape(cls, tokens: list[int], parts) -> DraftTree:
-        """A deterministic tree of host ``tokens`` over shared shape arrays ``parts`` (``_shape_parts``)."""
-        parents, depth, masks, dist, children, fields = parts
+        """A tree of host ``tokens`` over shared shape arrays ``parts`` (``_shape_parts``)."""
+        parents, depth, masks, children, fields = parts
         tree = object.__new__(cls)
         state = tree.__dict__
         state.update(fields)
-        state["_host"] = _new_host(HostView, (list(tokens), parents, depth, masks, dist, children))
+        state["_host"] = _new_host(HostView, (list(tokens), parents, depth, masks, children))
         return tree
 
     @classmethod
     def from_parents(cls, tokens: Sequence[int] | Tensor, parents: Sequence[int] | Tensor,
-                     draft_dists: Tensor | None = None, dist_index: Sequence[int] | Tensor | None = None,
-                     child_mode: str = "deterministic", device: torch.device | str | None = None,
-                     ) -> DraftTree:
+                     device: torch.device | str | None = None) -> DraftTree:
         """Build a tree from tokens and parent indices, computing depth and ancestor_mask."""
         if device is None:
             device = tokens.device if isinstance(tokens, Tensor) else "cpu"
         plist = parents.tolist() if isinstance(parents, Tensor) else list(parents)
         depth, mask = depths_and_masks(plist)
         as_i64 = lambda v: torch.as_tensor(v, dtype=torch.int64).to(device).reshape(-1)
-        dists = None if draft_dists is None else draft_dists.to(device)
-        di = None if dist_index is None else as_i64(dist_index)
-        return cls(as_i64(tokens), as_i64(plist), as_i64(depth), as_i64(mask), dists, di, child_mode)
+        return cls(as_i64(tokens), as_i64(plist), as_i64(depth), as_i64(mask))
 
     def __getattr__(self, name: str):
         """Only for attributes not set: an integer array of a tree built from host lists (the ``tokens`` of
@@ -309,9 +266,8 @@ class DraftTree:
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree on another device."""
-        dists = None if self.draft_dists is None else self.draft_dists.to(device)
         return DraftTree(self.tokens.to(device), self.parents.to(device), self.depth.to(device),
-                         self.ancestor_mask.to(device), dists, self.dist_index.to(device), self.child_mode)
+                         self.ancestor_mask.to(device))
 
 
 _EMPTY: dict = {}  # device (as given, and as str) -> the shared empty tree
@@ -335,16 +291,14 @@ def _children(parents: list[int]) -> dict[int, list[int]]:
 
 @functools.cache
 def _shape_parts(parents: tuple[int, ...]):
-    """The arrays every deterministic tree of this (validated) shape shares: host lists, children, and the
+    """The arrays every tree of this (validated) shape shares: host lists, children, and the
     instance fields (tensors by field name, verify rows). At most 63 nodes, so every mask fits a signed int64."""
     plist = list(parents)
     depth, masks = depths_and_masks(plist)
-    dist = [-1] * len(plist)
-    arrays = dict(zip(("parents", "depth", "ancestor_mask", "dist_index"),
-                      torch.tensor([plist, depth, masks, dist], dtype=torch.int64)))  # 4 x (N,)
-    fields = dict(draft_dists=None, child_mode="deterministic", verify_rows_of=verify_rows_of(masks, plist),
-                  _max_depth=max(depth, default=-1) + 1, **arrays)
-    return plist, depth, masks, dist, _children(plist), fields
+    arrays = dict(zip(("parents", "depth", "ancestor_mask"),
+                      torch.tensor([plist, depth, masks], dtype=torch.int64)))  # 3 x (N,)
+    fields = dict(verify_rows_of=verify_rows_of(masks, plist), _max_depth=max(depth, default=-1) + 1, **arrays)
+    return plist, depth, masks, _children(plist), fields
 
 
 @functools.cache

@@ -81,7 +81,7 @@ def test_of_parents_equals_from_parents():
     tree, ref = DraftTree.of_parents(tokens, parents), DraftTree.from_parents(tokens, parents)
     assert "parents" not in tree.__dict__ and tree.host == ref.host
     _check_tree(tree, parents)
-    for name in ("tokens", "parents", "depth", "ancestor_mask", "dist_index"):
+    for name in ("tokens", "parents", "depth", "ancestor_mask"):
         assert torch.equal(getattr(tree, name), getattr(ref, name)), name
     assert DraftTree.of_parents([], []).num_nodes == 0
     with pytest.raises(ValueError, match=r"parents\[1\] must be in \[-1, 0\]"):
@@ -113,15 +113,13 @@ def test_empty_tree():
     assert tree.num_nodes == 0 and tree.max_depth == 0
     assert tree.children(-1) == [] and tree.path_to(-1) == []
     assert tree.verify_tree_mask().tolist() == [1]
-    assert tree.dist_index.shape == (0,)
+    assert tree.tokens.shape == (0,)
 
 
-def test_dist_fields():
-    q = torch.full((3, 4), 0.25)
-    tree = DraftTree.from_parents([1, 2, 3], [-1, -1, 0], q, [0, 0, 1], "without_replacement")
-    assert tree.dist_index.tolist() == [0, 0, 1] and tree.child_mode == "without_replacement"
-    assert DraftTree.from_parents([1], [-1]).dist_index.tolist() == [-1]
-    assert tree.to("cpu").tokens.tolist() == [1, 2, 3]
+def test_to_keeps_the_arrays():
+    tree = DraftTree.from_parents([1, 2, 3], [-1, -1, 0])
+    moved = tree.to("cpu")
+    assert moved.host == tree.host and moved.tokens.tolist() == [1, 2, 3]
 
 
 def _valid():
@@ -139,18 +137,6 @@ def _valid():
     (dict(depth=torch.tensor([0, 1, 2], dtype=torch.int64)), "depth"),
     (dict(ancestor_mask=torch.tensor([1, 3, 7], dtype=torch.int64)), "ancestor_mask"),
     (dict(tokens=torch.tensor([5, -1, 7], dtype=torch.int64)), "tokens"),
-    (dict(child_mode="greedy"), "child_mode"),
-    (dict(child_mode="iid"), "draft_dists"),
-    (dict(draft_dists=torch.ones(2, 4, dtype=torch.int64)), "draft_dists"),
-    (dict(draft_dists=torch.ones(4)), "draft_dists"),
-    (dict(draft_dists=torch.ones(2, 8), dist_index=torch.tensor([0, 1, 2])), "dist_index"),
-    (dict(draft_dists=torch.ones(2, 8), dist_index=torch.tensor([0, 1, 0]), child_mode="iid"),
-     "dist_index"),
-    (dict(draft_dists=torch.ones(2, 8), dist_index=torch.tensor([-1, 1, 1]), child_mode="iid"),
-     "dist_index"),
-    (dict(draft_dists=torch.ones(2, 6), dist_index=torch.tensor([0, 1, 1]), child_mode="iid"), "tokens"),
-    (dict(tokens=torch.tensor([5, 6, 6]), draft_dists=torch.ones(2, 8), dist_index=torch.tensor([0, 1, 1]),
-          child_mode="without_replacement"), "tokens"),
 ])
 def test_validation_names_the_field(change, field):
     with pytest.raises(ValueError, match=field):
@@ -249,7 +235,7 @@ def test_shared_shape_trees_equal_validated_trees(n):
     for tree in built:
         assert type(tree.host) is HostView and tree.host == want.host
         assert tree.verify_rows() == want.verify_rows() and tree.max_depth == want.max_depth == n
-        for name in ("tokens", "parents", "depth", "ancestor_mask", "dist_index"):
+        for name in ("tokens", "parents", "depth", "ancestor_mask"):
             assert torch.equal(getattr(tree, name), getattr(want, name)), name
     top = topk_template(2, 3)
     tree, want = DraftTree.of_template(list(range(14)), top), DraftTree.from_parents(list(range(14)), top.parents)
