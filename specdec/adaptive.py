@@ -416,12 +416,15 @@ class EpochBudget:
     """The node budget of a pipelined engine's steps: for each batch bucket and kind of step (all rows greedy, or
     some sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is
     built under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user
-    gets from it: tokens committed per wall second of whole engine steps (host work, the overlap and the reads
-    included), averaged over its epochs. Every budget is measured once, the full tree first; then the best is
-    held, and every ``hold_epochs`` epochs a budget next to it (above and below in turn) is measured again, so a
-    change in acceptance or cost moves the choice. Budget 0 (plain decoding) is chosen unless another measures
-    ``margin`` more tokens per second, so speculating is not slower than decoding by more than the measurements
-    err. Same interface as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+    gets from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the
+    reads included), averaged over its epochs. Per row, because a bucket's steps cost the same whatever rows of it
+    are live (their graphs run the whole bucket) while the tokens they commit scale with the rows: an epoch that
+    fell in a batch's tail, with fewer rows, would otherwise make its budget look slow. Every budget is measured
+    once, the full tree first; then the best is held, and every ``hold_epochs`` epochs a budget next to it (above
+    and below in turn) is measured again, so a change in acceptance or cost moves the choice. Budget 0 (plain
+    decoding) is chosen unless another measures ``margin`` more tokens per row-second, so speculating is not slower
+    than decoding by more than the measurements err. Same interface as ``BudgetController`` (``speculate``,
+    ``observe_step``, ``timing_valid``, ``chosen``)."""
 
     def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
         self.config = config or EpochConfig()
@@ -477,7 +480,7 @@ class EpochBudget:
 
     def _end_epoch(self, state: _Epochs) -> None:
         cfg, i = self.config, state.held
-        rate = state.tokens / max(state.seconds, 1e-9)
+        rate = state.tokens / max(state.seconds, 1e-9) * state.timed / max(state.row_steps, 1)  # per row
         old = state.rates[i]
         state.rates[i] = rate if old is None else old + cfg.alpha * (rate - old)
         state.steps = state.timed = state.row_steps = 0

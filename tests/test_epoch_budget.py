@@ -51,7 +51,20 @@ def test_a_large_batchs_first_measurements_are_short():
         assert held[:4 * first] == [15] * first + [7] * first + [3] * first + [0] * first, rows
         assert set(held[4 * first:]) == {7}
         state = ctrl.states[ctrl.key(rows_of(rows))]
-        assert state.timed == 40 % 16 and state.rates[2] == pytest.approx(1900.0)
+        assert state.timed == 40 % 16 and state.rates[2] == pytest.approx(1900.0 / rows)  # tokens per row-second
+
+
+def test_a_budget_measured_in_a_batchs_tail_is_judged_per_row():
+    """Bucket 64: budget 7 is measured with all 64 rows live, budget 3 while the batch drains (33 rows); per row
+    budget 3 commits 10% more per second, so it is held although its steps committed fewer tokens."""
+    ctrl = EpochBudget(OPTIONS, EpochConfig(epoch_steps=4, hold_epochs=100))
+    per_row = {0: 10.0, 3: 22.0, 7: 20.0, 15: 12.0}
+    held = []
+    for _ in range(4 * 4 + 8):
+        live = 33 if ctrl.choose(rows_of(64)) == 3 else 64
+        held.append(step(ctrl, rows_of(live), lambda n, live=live: per_row[n] * live))
+    assert held[:16] == [15] * 4 + [7] * 4 + [3] * 4 + [0] * 4
+    assert set(held[16:]) == {3}
 
 
 def test_plain_decoding_unless_a_budget_beats_it_by_the_margin():
@@ -99,7 +112,7 @@ def test_steps_with_a_prefill_are_not_timed_and_an_untimed_epoch_starts_over():
     assert state.rates == [None] * 4
     step(ctrl, rows, lambda n: 1000.0)
     step(ctrl, rows, lambda n: 1000.0)
-    assert state.rates[3] == pytest.approx(1000.0) and state.held == 2
+    assert state.rates[3] == pytest.approx(1000.0 / 4) and state.held == 2  # per row
 
 
 def test_budget_zero_is_required():
