@@ -98,7 +98,8 @@ def _tokenizer_call(what: str, fn, *args, **kwargs):
 
 
 def _is_int(t) -> bool:
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+    # ``type(t) is int`` first: prompts are Python ints almost always, and the ABC check costs ~3 us a token
+    return type(t) is int or (isinstance(t, numbers.Integral) and not isinstance(t, bool))
 
 
 def _is_array(x) -> bool:
