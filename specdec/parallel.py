@@ -13,26 +13,32 @@ import torch.distributed as dist
 
 from specdec.errors import FieldError
 from specdec.loading.base import LoadedModel
+from specdec.models.eagle import EagleDraft
 from specdec.models.llama import LlamaForCausalLM
 from specdec.models.tensor_parallel import TensorParallel, check_split, shard_model
 
 
 def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[LoadedModel, LoadedModel | None]:
-    """This rank's parts of ``target`` and of the Llama ``draft`` model (None: target-only or n-gram) for an
-    engine with options ``cfg`` (a SpecConfig with ``tensor_parallel_size`` > 1); each part's ``config`` is the
-    rank's shape (its KV heads size the pool). FieldError naming ``tensor_parallel_size`` when the combination
-    is not supported or a model does not split; also seeds torch's global RNG from rank 0
-    (``sync_global_seed``)."""
+    """This rank's parts of ``target`` and of the ``draft`` (None: target-only or n-gram) for an engine with
+    options ``cfg`` (a SpecConfig with ``tensor_parallel_size`` > 1): a Llama draft model is sharded like the
+    target, an EAGLE draft is kept whole on every rank (one decoder layer: it reads the target's features, which
+    are the residual stream and so the same bytes on every rank after the row-parallel all-reduces, and every rank
+    runs the same draft on the same inputs, so every rank proposes the same trees). Each part's ``config`` is the
+    rank's shape (its KV heads size the pool). FieldError naming ``tensor_parallel_size`` when the combination is
+    not supported or a model does not split; also seeds torch's global RNG from rank 0 (``sync_global_seed``)."""
     size = cfg.tensor_parallel_size
     _check_supported(cfg)
     for role, loaded in (("target", target), ("draft", draft)):
-        if loaded is not None and not isinstance(loaded.model, LlamaForCausalLM):
-            raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 needs a Llama-family {role} (an EAGLE "
-                             "draft is not sharded yet: draft with 'ngram' or a Llama-family draft model)", size)
+        if loaded is not None and not isinstance(loaded.model, LlamaForCausalLM) and not (
+                role == "draft" and isinstance(loaded.model, EagleDraft)):
+            raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 needs a Llama-family {role} (or, as the "
+                             f"draft, an EAGLE draft), got {type(loaded.model).__name__}", size)
     tp = TensorParallel.current(size)
-    parts = [None if m is None else _shard(m, tp, role) for m, role in ((target, "target"), (draft, "draft"))]
+    part = _shard(target, tp, "target")
+    if draft is not None and isinstance(draft.model, LlamaForCausalLM):
+        draft = _shard(draft, tp, "draft")
     sync_global_seed(tp)
-    return parts[0], parts[1]
+    return part, draft
 
 
 def _shard(loaded: LoadedModel, tp: TensorParallel, role: str) -> LoadedModel:

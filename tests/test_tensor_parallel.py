@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import PROMPTS as EAGLE_PROMPTS
+from test_eagle import setup  # noqa: F401 - the module's trained tiny EAGLE draft, a fixture
 from tp_helpers import engine_runs, passes, run_ranks, sampled_runs, sharded_logits_diff
 
 from specdec.config import ModelConfig
@@ -11,6 +13,7 @@ from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import FieldError
 from specdec.loading.registry import load_model
 from specdec.models.tensor_parallel import check_split, kv_heads_of, local_config, shard_state
+from specdec.prompts import to_prompt_ids
 from specdec.sampling_params import SamplingParams
 
 PROMPTS = [[1, 5, 9, 200, 17], [3] * 11 + [250, 4], [7]]
@@ -114,6 +117,37 @@ def test_tp2_sampled_equals_tp1(tiny_target, tiny_draft):
     for (got0, free0), (got1, free1), expect, run in zip(*ranks, want, SAMPLED_RUNS):
         assert got0[:3] == expect[:3] and got0 == got1, run
         assert free0 and free1, run
+
+
+EAGLE_RUNS = [("model", dict(tree="topk:2x3", block_size=4, num_blocks=128, max_num_tokens=16)),  # chunked prefill
+              ("model", dict(tree="dynamic:8", block_size=4, num_blocks=60, policy="max_utilization"))]  # preemption
+
+
+def test_tp2_eagle_draft_equals_tp1(setup):  # noqa: F811 - test_eagle's trained tiny EAGLE draft
+    """An EAGLE draft (kept whole on every rank, reading the sharded target's features; trained, so paths of
+    several nodes are accepted): greedy tokens of 2 ranks equal one process's with a static and a dynamic tree
+    (chunked prefill; preemption), every block free after; seeded sampled rows batched with greedy ones give the
+    same tokens on both ranks and one process's."""
+    root, _, _ = setup
+    target = load_model(root / "target")
+    draft = load_model(root / "full", target=target)
+    prompts = [to_prompt_ids(p, target.tokenizer) for p in EAGLE_PROMPTS[:4]]  # (the ranks' models have no tokenizer)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = [[o.token_ids for o in SpecEngine(draft, target, SpecConfig(**options)).generate(prompts, params)]
+            for _, options in EAGLE_RUNS]
+    ranks = run_ranks(engine_runs, 2, (target.model, draft.model), EAGLE_RUNS, prompts, 16)
+    for rank, got in enumerate(ranks):
+        for (tokens, free, preempted, accepted), expect, (_, options) in zip(got, want, EAGLE_RUNS):
+            assert tokens == [expect], (rank, options)
+            assert free and accepted > 0, (rank, options)
+            assert preempted or options.get("policy") != "max_utilization", "the pool was meant to preempt"
+    sampled = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.9, seed=11),
+               SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=12),
+               SamplingParams(max_new_tokens=12, ignore_eos=True), SamplingParams(max_new_tokens=12, ignore_eos=True)]
+    one = SpecEngine(draft, target, SpecConfig(**EAGLE_RUNS[0][1])).generate(prompts, sampled)
+    [[(got0, free0)], [(got1, free1)]] = run_ranks(sampled_runs, 2, (target.model, draft.model), EAGLE_RUNS[:1],
+                                                   prompts, sampled)
+    assert got0 == got1 == [o.token_ids for o in one] and free0 and free1
 
 
 def test_tp_config_checked(tiny_target):
