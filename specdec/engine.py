@@ -465,11 +465,13 @@ class SpecEngine:
     def warm_up(self) -> float:
         """Run every row count and budget the engine can step through short synthetic requests, so the graphs
         captured on first use exist before real requests arrive (``specdec.warm_up``), then forget what they
-        left: statistics, drafted text, cached prefixes. Returns the seconds it took; called at construction
-        when ``plan.warm_up``."""
+        left: statistics, drafted text, cached prefixes, the step queued behind their last step. Returns the
+        seconds it took; called at construction when ``plan.warm_up``."""
         from specdec.warm_up import warm_up
 
         seconds = warm_up(self)
+        if self.pipeline is not None:  # queued for synthetic rows that are gone: no real step may adopt it
+            self.pipeline.ahead = None
         self.stats = AcceptanceStats()
         self.forget_drafts()
         if self.scheduler.prefix_cache is not None:

@@ -88,9 +88,13 @@ def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree)
 def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
     """The inputs ``pipeline.advance`` and the tree writer build on the device for the queued step (the draft
     program's catch-up rows and target features, the verify's rows) equal, element by element, what the host
-    builds for the same rows once the previous step is committed."""
+    builds for the same rows once the previous step is committed. The engine is warmed up first, on the CPU
+    too (on CUDA it is at construction): the step queued behind the warm-up's last step is not left for the
+    first real step to find."""
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **cfg))
+    if not eng.plan.warm_up:
+        eng.warm_up()
     d, loop = eng.drafter, eng.drafter.device_loop
     graphs = eng.runner.graphs
     queued = []
@@ -107,13 +111,15 @@ def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
 
     monkeypatch.setattr(fused, "relaunch", snapshot)
     pipe, verify = eng.pipeline, eng.verifier.verify_proposal
-    propose = pipe.propose
+    assert pipe.ahead is None
+    propose, launched = pipe.propose, pipe.queued
     checked, pending = [], []
 
     def compare(rows):
         if pipe.ahead is None:
             return propose(rows)
         exact = [id(r) for r in rows] == [id(r) for r in pipe.ahead.rows]
+        assert len(queued) == pipe.queued - launched  # a snapshot of every step queued since
         key, verify_in, program_in, program_feats = queued[-1]
         # the host's catch-up for the committed rows: what the unpipelined step would run now
         spans = _Spans.of(rows, loop.q)

@@ -3,7 +3,7 @@ requests run: CUDA stood in on the CPU (every verify counts as captured, ``captu
 that reruns the function), a pipelined EAGLE engine whose sampled steps take the budget controller, as on CUDA.
 After ``warm_up`` the queued-step advances, the tree writers and the sampled rule hold graphs, and greedy,
 sampled and mixed batches of every size add none; greedy output still equals target-only decoding, and the
-warm-up leaves no statistics, cached prefix or block behind."""
+warm-up leaves no statistics, cached prefix, block or queued step behind."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     assert eng.warm_up() > 0
     after = graphs()
     assert min(after) > 0, after
-    assert eng.stats.target_forwards == 0 and eng.all_blocks_free()
+    assert eng.stats.target_forwards == 0 and eng.all_blocks_free() and eng.pipeline.ahead is None
     sampled = [SamplingParams(max_new_tokens=n, temperature=t, top_p=p, seed=i, ignore_eos=True)
                for i, (n, t, p) in enumerate(((10, 0.8, 1.0), (6, 1.0, 0.9), (8, 0.7, 0.9), (11, 1.2, 1.0)))]
     first = eng.generate(PROMPTS[:4], greedy)
