@@ -19,7 +19,9 @@ and G = -log(-log(u)) in float64 (u = 0, probability 2^-53, gives -inf: the toke
 The kernel (``choose_tokens_triton``): one program per row walks the vocabulary in blocks, hashing in uint32
 (wrapping multiply-add and logical shifts are the reference's masked int64 arithmetic) and taking the logs in
 float64, and keeps a running (best score, first column) per lane, reduced at the end to the lowest column
-among the lanes holding the maximum. ``gumbel_noise_triton`` writes the same noise, to compare it bit for bit.
+among the lanes holding the maximum. With a kept set, a block holding no kept token is only read: under top-p
+the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in.
+``gumbel_noise_triton`` writes the same noise, to compare it bit for bit.
 """
 
 from __future__ import annotations
@@ -123,11 +125,12 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, out_ptr,
             ok = cols < n_cols
             if HAS_KEPT:
                 ok = ok & (tl.load(kept_ptr + row * stride_kept + cols, mask=ok, other=0) != 0)
-            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
-            score = x / t + _gumbel(sub0, sub1, cols)
-            better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
-            best = tl.where(better, score, best)
-            best_i = tl.where(better, cols, best_i)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no kept token (most, under top-p) is skipped
+                x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
+                score = x / t + _gumbel(sub0, sub1, cols)
+                better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
+                best = tl.where(better, score, best)
+                best_i = tl.where(better, cols, best_i)
     else:  # greedy: x itself
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes

@@ -75,6 +75,22 @@ def test_kernel_matches_reference(dtype, with_kept, keys):
         assert got[2].item() == 299 and got[5].item() >= 100
 
 
+def test_kernel_skips_blocks_without_kept_tokens():
+    """Nucleus-like kept sets (each sampled row's 6 largest logits, scattered over 10 blocks of 32 columns, most
+    blocks holding none): the kernel computes noise only in the blocks that hold one and chooses the reference's
+    token, a kept one on every sampled row."""
+    x, temperature, _ = _batch(300, torch.float32, seed=4)
+    x = torch.nan_to_num(x, nan=0.0, posinf=50.0, neginf=-50.0)
+    kept = torch.zeros_like(x, dtype=torch.bool).scatter_(1, x.topk(6, dim=1).indices, True)
+    key0, key1, position = _keys(10, 4)
+    got = choose_tokens_triton(x, temperature, key0, key1, position, kept, block=32)
+    assert torch.equal(got, choose_tokens_reference(x, temperature, key0, key1, position, kept))
+    sampled = temperature > 0
+    assert kept[sampled].gather(1, got[sampled].view(-1, 1)).all()
+    blocks = torch.nn.functional.pad(kept, (0, 20)).view(10, 10, 32).any(-1)  # (row, block): holds a kept token
+    assert (blocks.sum(-1) <= 6).all() and blocks.sum() < 60
+
+
 def test_kernel_one_block_fp16_and_other_strides():
     """A vocabulary smaller than the block, float16, and per-row inputs of stride 0 (expanded) and 2."""
     g = torch.Generator().manual_seed(5)
