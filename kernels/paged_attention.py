@@ -102,7 +102,10 @@ def _attend_keys(
     return acc, l_i, m_i
 
 
-@triton.jit
+# Eager forwards (a draft's prefill chunks and catch-ups) launch these with split counts, token counts and tree-mask
+# offsets that change from step to step; specialising on them (== 1, divisible by 16, 16-byte aligned) gains
+# nothing here and made every new class a compile during requests, after the engine's warm-up.
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["tm_ptr"])
 def _paged_attn_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, pre_ptr, sl_ptr, tm_ptr,
     out_ptr, part_o_ptr, part_lse_ptr,
@@ -195,7 +198,7 @@ def _paged_attn_kernel(
         tl.store(part_lse_ptr + part // HEAD_DIM_P, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_splits"])  # (see _paged_attn_kernel): one kernel per SPLITS_P
 def _combine_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_rows, num_splits, stride_ps, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, SPLITS_P: tl.constexpr, BLOCK_R: tl.constexpr,

@@ -35,7 +35,9 @@ def _rotate_store(src, dst, cos, sin, heads_ok, offs_h, offs_d, HALF: tl.constex
     return o1, o2
 
 
-@triton.jit
+# positions and slots are views into an eager step's packed inputs, at offsets that change with the step's row and
+# token counts: read one value per program, they gain nothing from an alignment specialisation (a compile per class)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_cache_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
     stride_qkv, stride_cos, stride_sin,

@@ -23,6 +23,13 @@ PROMPT_TOKENS = 8
 # and the kernel that combines the splits, per split count), so none of those kernels is compiled during the first
 # requests (lengths past the model's maximum are left out)
 MIXED_LENGTHS = (1, 13, 16, 17, 40, 96, 161, 300, 600, 1200, 2400)
+# a batch's eager prefill step splits its keys by its longest row's queries and keys together, so a batch of long
+# and short prompts reaches few split counts: the prompts from SPLIT_ALONE tokens up are prefilled alone too (a
+# draft's prefill of each on its own: 2, 4, 8 and 16 splits of an H200 at 600 to 2,400 tokens; the split-combining
+# kernel is compiled once per power of two of splits), and prompts that end TAIL_QUERIES tokens past a full
+# prefill step, whose last chunk is few queries over many keys (the multi-query tile sizes, split)
+SPLIT_ALONE = 512
+TAIL_QUERIES = (16, 40)
 
 
 class FixedBudget:
@@ -66,12 +73,21 @@ def warm_up(engine) -> float:
                     engine.generate([prompt] * rows, sampled[1])
         engine.adaptive = None if controller is None else FixedBudget(None)
         vocab, limit = engine.target.config.vocab_size, engine.target.config.max_position_embeddings
-        mixed = [[(7 * i + j) % (vocab - 1) + 1 for j in range(n)] for i, n in enumerate(MIXED_LENGTHS)
-                 if n + WARM_UP_TOKENS + engine.drafter.lookahead < limit]
+        room = limit - WARM_UP_TOKENS - engine.drafter.lookahead
+        mixed = [_prompt(i, n, vocab) for i, n in enumerate(MIXED_LENGTHS) if n < room]
         for params in (greedy, sampled[1]):
             for i in range(0, len(mixed), cfg.max_batch_size):
                 engine.generate(mixed[i:i + cfg.max_batch_size], params)
+        alone = [n for n in MIXED_LENGTHS if SPLIT_ALONE <= n < room]
+        alone += [n for n in (cfg.max_num_tokens + 1 + t for t in TAIL_QUERIES) if n < room]
+        for i, n in enumerate(alone):  # new ids: no prefix shared with the prompts above (their whole prefill)
+            engine.generate([_prompt(len(MIXED_LENGTHS) + i, n, vocab)], greedy)
     finally:
         engine.adaptive = controller
         engine.drafter.budget = None
     return time.perf_counter() - start
+
+
+def _prompt(i: int, n: int, vocab: int) -> list[int]:
+    """Synthetic prompt ``i`` of ``n`` token ids, none of them 0."""
+    return [(7 * i + j) % (vocab - 1) + 1 for j in range(n)]
