@@ -156,6 +156,66 @@ def _noise_kernel(key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_tokens,
     tl.store(out_ptr + row * n_tokens + i, _gumbel(sub0, sub1, tokens), mask=ok)
 
 
+@triton.jit
+def _children_kernel(x_ptr, inv_t_ptr, key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_cols, per_row,
+                     stride_x, stride_inv_t, stride_key0, stride_key1, stride_pos, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # a (batch row, node) pair: batch row = row // per_row
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    b = row // per_row
+    inv_t = tl.load(inv_t_ptr + b * stride_inv_t)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if inv_t > 0:
+        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, b, stride_key0, stride_key1, stride_pos)
+        tokens = tl.load(tok_ptr + cols, mask=ok, other=0).to(tl.int32)
+        scaled = x.to(tl.float64) * inv_t  # rounded, then the sum rounded (the launch disables fma contraction)
+        tl.store(out_ptr + row * n_cols + cols, (scaled + _gumbel(sub0, sub1, tokens)).to(tl.float32), mask=ok)
+    else:
+        tl.store(out_ptr + row * n_cols + cols, x.to(tl.float32), mask=ok)
+
+
+def children_scores_reference(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                              tokens: Tensor) -> Tensor:
+    """Float32 scores (B, n, N) a sampled draft ranks the children of its nodes by: for batch row b whose
+    ``inv_t`` (B,) float64 (1 / temperature) is > 0, logits (B, n, N) * inv_t + G(position, tokens) in float64
+    (``gumbel_noise`` of key0, key1, position (B,) int64, for token ids ``tokens`` (N,) int64) rounded to float32,
+    so each node's best child is a draw of the draft's distribution coupled with the target's draw at ``position``;
+    the logits themselves (float32) where inv_t is 0 (a greedy row)."""
+    g = gumbel_noise(key0, key1, position, tokens)  # (B, N)
+    inv = inv_t.view(-1, 1, 1)
+    drawn = (logits.double() * inv + g.unsqueeze(1)).float()
+    return torch.where(inv > 0, drawn, logits.float())
+
+
+def children_scores_triton(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                           tokens: Tensor, block: int = 1024) -> Tensor:
+    """Same promise as ``children_scores_reference`` (on CUDA the same bits), one launch: the noise computed in
+    place, nothing in float64 written. logits (B, n, N) float16/bfloat16/float32, last dim contiguous and the
+    first two dims one stride apart (a contiguous tensor, or a slice of one along the first dim)."""
+    check_tensor("logits", logits, shape=(None, None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_launchable(_children_kernel, logits.device)
+    b, n, v = logits.shape
+    if n > 1 and logits.stride(0) != n * logits.stride(1):
+        raise ValueError(f"logits' first two dims must be one stride apart, got strides {tuple(logits.stride())}")
+    check_tensor("inv_t", inv_t, shape=(b,), dtypes=(torch.float64,), device=logits.device)
+    _check_row_keys(key0, key1, position, b, logits.device)
+    check_tensor("tokens", tokens, shape=(v,), dtypes=(torch.int64,), device=logits.device)
+    out = torch.empty((b, n, v), dtype=torch.float32, device=logits.device)
+    if b and n and v:
+        _children_kernel[(b * n, triton.cdiv(v, block))](
+            logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, logits.stride(1), inv_t.stride(0),
+            key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
+def children_scores(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, *,
+                    use_triton: bool = False) -> Tensor:
+    """``children_scores_triton`` when ``use_triton`` (the Triton backend), ``children_scores_reference``
+    otherwise."""
+    fn = children_scores_triton if use_triton else children_scores_reference
+    return fn(logits, inv_t, key0, key1, position, tokens)
+
+
 def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, device: torch.device) -> None:
     for name, t in (("key0", key0), ("key1", key1), ("position", position)):
         check_tensor(name, t, shape=(rows,), dtypes=(torch.int64,), device=device)
@@ -209,11 +269,3 @@ def choose_tokens(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, po
     the same tokens."""
     fn = choose_tokens_triton if use_triton else choose_tokens_reference
     return fn(x, temperature, key0, key1, position, kept)
-
-
-def noise(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, *, use_triton: bool = False) -> Tensor:
-    """``gumbel_noise_triton`` when ``use_triton`` (the Triton backend), ``gumbel_noise`` otherwise: (R,) rows,
-    (N,) token ids -> (R, N) float64."""
-    if use_triton:
-        return gumbel_noise_triton(key0, key1, position, tokens)
-    return gumbel_noise(key0.view(-1), key1.view(-1), position.view(-1), tokens)

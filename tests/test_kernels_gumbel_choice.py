@@ -10,6 +10,9 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernel in the interpret
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 from specdec.kernels.gumbel_choice import (  # noqa: E402
+    children_scores,
+    children_scores_reference,
+    children_scores_triton,
     choose_tokens,
     choose_tokens_reference,
     choose_tokens_triton,
@@ -91,6 +94,37 @@ def test_kernel_skips_blocks_without_kept_tokens():
     assert (blocks.sum(-1) <= 6).all() and blocks.sum() < 60
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_children_scores_kernel_matches_reference(dtype):
+    """A sampled draft's children scores (logits * 1 / T + the target's noise at the children's position, for the
+    draft vocabulary's target ids), 5 batch rows of 3 nodes over 700 draft tokens (several blocks), one greedy row
+    (its logits in float32), per-row inputs strided as the device program's (columns of one (B, 3) table); on CUDA
+    bit for bit, on the CPU to the interpreter's float64 log."""
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(5, 3, 700, generator=g) * 4).to(dtype).to(DEVICE)
+    table = torch.zeros(5, 3, dtype=torch.int64)
+    table[:, 0], table[:, 1] = torch.randint(0, 2**32, (2, 5), generator=g)
+    table[:, 2] = torch.tensor([1 / 0.7, 0.0, 1.0, 1 / 1.3, 1 / 0.2], dtype=torch.float64).view(torch.int64)
+    table = table.to(DEVICE)
+    inv_t, position = table[:, 2].view(torch.float64), torch.tensor([5, 9, 2**31, 70, 3], device=DEVICE)
+    tokens = torch.randperm(5000, generator=g)[:700].to(DEVICE)  # the draft vocabulary's target ids
+    got = children_scores_triton(logits, inv_t, table[:, 0], table[:, 1], position, tokens, block=256)
+    want = children_scores_reference(logits, inv_t, table[:, 0], table[:, 1], position, tokens)
+    assert got.dtype == torch.float32 and got.shape == (5, 3, 700)
+    if DEVICE == "cuda":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[1], logits[1].float())  # the greedy row: its logits
+    noise = gumbel_noise(table[:, 0], table[:, 1], position, tokens)  # (5, 700)
+    torch.testing.assert_close(got[2], (logits[2].double() + noise[2]).float())  # T = 1: logits + noise
+    spread = ((logits[0, 0].double() - logits[0, 1].double()) * inv_t[0]).float()  # a row's nodes share its noise
+    torch.testing.assert_close(got[0, 0] - got[0, 1], spread, rtol=1e-4, atol=1e-4)
+    assert torch.equal(children_scores(logits, inv_t, table[:, 0], table[:, 1], position, tokens), want)
+    with pytest.raises(ValueError, match="one stride apart"):
+        children_scores_triton(logits.transpose(0, 1), inv_t[:3], table[:3, 0], table[:3, 1], position[:3], tokens)
+
+
 def test_kernel_one_block_fp16_and_other_strides():
     """A vocabulary smaller than the block, float16, and per-row inputs of stride 0 (expanded) and 2."""
     g = torch.Generator().manual_seed(5)
@@ -128,6 +162,28 @@ def test_kernel_matches_reference_at_real_size(with_kept):
     assert torch.equal(got, choose_tokens_reference(x, temperature, key0, key1, position, kept))
     tokens = torch.arange(v, device="cuda")
     assert torch.equal(gumbel_noise_triton(key0, key1, position, tokens), gumbel_noise(key0, key1, position, tokens))
+
+
+@pytest.mark.gpu
+def test_children_scores_at_real_size():
+    """64 batch rows of 10 nodes over the shipped draft's 24,576-token vocabulary, bf16 logits, a quarter of the
+    rows greedy; the kernel's scores bit for bit the reference's, and a sparse kept set (a nucleus of 1 to 40
+    tokens per row) chosen the same."""
+    b, n, v = 64, 10, 24576
+    g = torch.Generator(device="cuda").manual_seed(1)
+    logits = (torch.randn(b, n, v, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    key0, key1, position = _keys(b, 12)
+    inv_t = torch.where(torch.arange(b, device="cuda") % 4 == 0, 0.0, 1 / 0.7).double()
+    tokens = torch.randperm(49152, generator=g, device="cuda")[:v]
+    got = children_scores_triton(logits, inv_t, key0, key1, position, tokens)
+    assert torch.equal(got, children_scores_reference(logits, inv_t, key0, key1, position, tokens))
+    x = (torch.randn(b, 49152, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    size = torch.randint(1, 41, (b, 1), generator=g, device="cuda")
+    kept = torch.zeros_like(x, dtype=torch.bool).scatter_(1, x.float().topk(40, dim=1).indices,
+                                                          torch.arange(40, device="cuda") < size)
+    temperature = torch.full((b,), 0.7, device="cuda").double()
+    got = choose_tokens_triton(x, temperature, key0, key1, position, kept)
+    assert torch.equal(got, choose_tokens_reference(x, temperature, key0, key1, position, kept))
 
 
 def test_choose_tokens_runs_the_kernel_with_use_triton_and_the_reference_without():

@@ -35,7 +35,7 @@ import torch
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.graphs import bucket, capture_graph
-from specdec.kernels.gumbel_choice import noise
+from specdec.kernels.gumbel_choice import children_scores
 from specdec.kernels.topk import topk
 from specdec.kernels.tree_slots import tree_slots
 from specdec.models.llama import ForwardContext
@@ -267,11 +267,9 @@ class DeviceDraftProgram:
             return logits
         b = c.b
         key = self.sampling[:b]
-        inv_t = key[:, 2].view(torch.float64).view(b, 1, 1)
-        g = noise(key[:, 0].contiguous(), key[:, 1].contiguous(), (c.views.seq_lens[:b] + depth).contiguous(),
-                  self.model.vocab_ids, use_triton=self.backend.uses_triton)  # (b, N)
-        drawn = (logits.double() * inv_t + g.unsqueeze(1)).float()
-        return torch.where(inv_t > 0, drawn, logits.float())
+        position = c.views.seq_lens[:b] + depth  # (b,) the children's position
+        return children_scores(logits, key[:, 2].view(torch.float64), key[:, 0], key[:, 1], position,
+                               self.model.vocab_ids, use_triton=self.backend.uses_triton)  # (b, n, N) float32
 
     def _forward(self, c: CatchUp, level: int, toks: torch.Tensor, masks: torch.Tensor,
                  feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
