@@ -154,7 +154,7 @@ class SpecEngine:
         cfg, drafter = self.config, self.drafter
         drafter.device_chains = self.verifier.followup = DeviceNgram(
             self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
-            min_rows=self.plan.ngram_min_rows)
+            min_rows=self.plan.ngram_min_rows, budget=lambda: drafter.node_budget)
 
     def _make_pipeline(self):
         """The overlap of each step's host work with the next step's device work (``plan.pipeline``): one

@@ -188,6 +188,12 @@ class GraphRunner:
         """``key``'s forward is a captured graph (its outputs are the same buffers at every replay)."""
         return key in self.graphs
 
+    def outcome_buffer(self, key: tuple[int, int, int]):
+        """The greedy outcome buffer of ``key``'s captured forward (what a queued decode step is built from), or
+        None when ``key`` has no graph."""
+        entry = self.graphs.get(key)
+        return None if entry is None else entry[1].accept
+
     def replay(self, key: tuple[int, int, int]) -> GraphOutput:
         """Run ``key``'s forward over its inputs as they are now on the device (replayed when captured)."""
         if key in self.graphs:

@@ -391,8 +391,7 @@ class DecodeFollow:
 
     def source(self, key) -> Tensor | None:
         """The captured verify's outcome buffer of bucket ``key``, or None."""
-        graph = self.runner.graphs.graphs.get(key)
-        return None if graph is None else graph[1].accept
+        return self.runner.graphs.outcome_buffer(key)
 
 
 @torch.inference_mode()

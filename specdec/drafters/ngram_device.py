@@ -14,8 +14,10 @@ Pipelined (``SpecConfig.pipeline``, on by default on CUDA), the step after is qu
 (``specdec.pipeline``, ``ChainAhead``), under whatever node budget the step has: its inputs are written on the
 device from the outcome and the chains (the bonus token, then the chain cut to the budget and to the tokens still to
 come), and its verify and follow-up replay before the host reads this step, so the host commits this step while the
-GPU runs the next. The follow-up always looks up chains of the longest length (``k``), so a decode step (budget 0)
-keeps the histories current and the next budget's chains are ready.
+GPU runs the next. The follow-up looks up chains of the longest length (``k``), so the next budget's chains are
+ready. A decode step (budget 0) runs no follow-up: its outcome alone is read, as target-only decoding's, and the
+histories fall behind; the first step of a budget above 0 (a change of budget drops the queued step, so it is a
+fresh step: its chains are looked up on the host) catches them up in its follow-up launch.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
@@ -46,8 +48,9 @@ class DeviceNgram:
     chain when the request still has that many tokens. ``launches`` counts follow-up launches."""
 
     def __init__(self, runner, max_rows: int, max_len: int, k: int, max_n: int, min_n: int,
-                 min_rows: int = NGRAM_DEVICE_MIN_ROWS) -> None:
+                 min_rows: int = NGRAM_DEVICE_MIN_ROWS, budget=None) -> None:
         self.runner, self.k, self.max_n, self.min_n, self.min_rows = runner, k, max_n, min_n, min_rows
+        self.budget = budget  # () -> the step's node budget (the drafter's); at 0 nothing runs behind the verify
         self.upload = HostUpload(runner.device)
         self.capture = runner.device.type == "cuda"  # the follow-up behind a captured verify is a graph replay
         self.launches = 0
@@ -71,14 +74,23 @@ class DeviceNgram:
             return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
-        self._catch_up(rows)
+        if not self.decoding:
+            self._catch_up(rows)
         return self.follow(rows, key, fwd.accept)
 
+    @property
+    def decoding(self) -> bool:
+        """This step's budget is 0: no chain is proposed next, so no follow-up runs (``follow``)."""
+        return self.budget is not None and self.budget() == 0
+
     def follow(self, rows: list[Request], key, accept: Tensor) -> Tensor:
-        """The follow-up of the verify of bucket ``key`` whose outcome is ``accept``: (R, Q + 4 + k) on the device."""
+        """The follow-up of the verify of bucket ``key`` whose outcome is ``accept``: (R, Q + 4 + k) on the device;
+        at budget 0 the outcome itself (R, Q + 3), as target-only decoding reads it."""
         _, b, q = key
         r = len(rows)
         self.launches += 1
+        if self.decoding:
+            return accept[:r]
         if self.capture and self.runner.graphs.captured(key):  # the verify's outputs are fixed buffers
             return self._replay(b, q, rows, accept)
         views = self.runner.graphs.inputs.views(b, q)
@@ -88,10 +100,13 @@ class DeviceNgram:
 
     def room(self, rows: list[Request], q: int) -> bool:
         """The history rows hold what a queued step appends (two verifies' worth past the rows' tokens)."""
-        return max(len(r.tokens) for r in rows) + 2 * q <= self.hist.shape[1]
+        return self.decoding or max(len(r.tokens) for r in rows) + 2 * q <= self.hist.shape[1]
 
     def source(self, key) -> Tensor | None:
-        """The follow-up graph's whole output behind the verify of bucket ``key`` (a fixed buffer), or None."""
+        """The follow-up graph's whole output behind the verify of bucket ``key`` (a fixed buffer), or None; at
+        budget 0 the verify's outcome buffer (its bucket, of one query, is only ever verified at budget 0)."""
+        if self.decoding:
+            return self.runner.graphs.outcome_buffer(key)
         entry = self.graphs.get(key[1:])
         return None if entry is None else entry[2]  # the follow-up graph's whole output
 
@@ -138,7 +153,10 @@ class DeviceNgram:
     def consume(self, rows: list[Request], host: list[list[int]]) -> None:
         """Record, from the follow-up's output read as ``host`` (row i: the outcome [m, bonus, ...], then
         [count, tokens...]), each row's chain and what its history holds: its tokens before the step (called before
-        the commit) + m accepted + the bonus token (``committed`` corrects it when the commit was cut short)."""
+        the commit) + m accepted + the bonus token (``committed`` corrects it when the commit was cut short). At
+        budget 0 (``host`` is the outcome alone) nothing: the histories fell behind."""
+        if self.decoding:
+            return
         held, chains = self.held, self.chains
         for req, row in zip(rows, host):
             n, c = len(req.tokens) + row[0] + 1, len(row) - 1 - self.k  # c: the count's column
