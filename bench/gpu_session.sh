@@ -12,6 +12,7 @@
 #   5 (.whl .gpu, after 3)             bash bench/gpu_session.sh plan t07 0.7   (and plan t10 1.0)
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
+#   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh chisq     (sampling losslessness, 20k samples)
 # Training a draft (bench/README.md, "Training the default draft"): run 1 also carries .data/distill/regen.npz (the
 # target's replies; else .data/distill/prompts.npz from `bash bench/gpu_session.sh distill_prep`, regenerated in
 # `distill 1`), then `distill 1` and `distill 2` in two runs; INIT_FROM (default smollm2-135m-draft) is warm-started.
@@ -21,7 +22,7 @@
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile | distill 1|2}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile | chisq | distill 1|2}
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
@@ -186,6 +187,16 @@ case "$stage" in
     (cd /tmp && timeout "${PROFILE_LIMIT:-420}" python3 -P "$root/bench/gpu_profile.py" "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" > "$D/profile.log" 2>&1)
     echo "profile exit $?"; grep -h "^profile\|Error\|error" "$D/profile.log" | tail -30
+    pack
+    ;;
+  chisq)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_chisq.py: the first two sampled
+          # tokens of CHISQ_SAMPLES (20000) seeded requests with the shipped draft through the CUDA defaults, float32,
+          # chi-square against the exact target distribution at T=0.7/1.0 top-p 0.9 and T=1.0, and the negative control
+    [ -f "$MODEL" ] || assemble
+    install
+    (cd /tmp && timeout "${CHISQ_LIMIT:-540}" python3 -P "$root/bench/gpu_chisq.py" "$D" "$MODEL" \
+      "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" > "$D/chisq.log" 2>&1)
+    echo "chisq exit $?"; grep -h "^chisq\|Error\|error" "$D/chisq.log" | tail -10
     pack
     ;;
   suites)  # (.whl, the model assembled on this machine) bench_steps, bench_kernels, bench_decode

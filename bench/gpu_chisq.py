@@ -1,0 +1,166 @@
+"""Sampling is lossless through the engine's defaults: a chi-square test of the first two sampled tokens.
+
+For the first MT-bench prompt, SAMPLES seeded requests of two new tokens run through ``SpecEngine.generate``
+with the shipped draft and the device's defaults (CUDA: graphs, pipelined steps, the epoch budgets, the sampled
+rule on the device); the joint counts of (first token, second token) are tested against the exact target
+distribution: p(t1) from a dense float32 forward over the prompt, p(t2 | t1) from one over the prompt and t1
+for every first token drawn (first tokens never drawn are pooled into one cell), each shaped by the request's
+temperature and top-p (``acceptance.shape_probs``). Cells of expected count below 5 are pooled. float32 throughout,
+so the engine's verify logits and the reference differ only by rounding. The negative control runs the same test on
+an engine whose sampled rule takes every token with the noise of position 0 (each token's marginal is right, a
+request's two tokens are correlated) and must fail it.
+
+    python -P bench/gpu_chisq.py OUT_DIR MODEL PROMPTS [--samples N] [--draft DRAFT] [--batch B] [--device D]
+
+PROMPTS: the prompt file of ``bench/gpu_interleaved.py --prompts`` (its "mtbench" list). Writes OUT_DIR/chisq.json
+and prints one line per setting; exits 1 unless every setting passes (p > 1e-3) and the control fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.acceptance import shape_probs
+from specdec.loading.registry import load_model
+
+SETTINGS = [(0.7, 0.9), (1.0, 0.9), (1.0, 1.0)]  # (temperature, top_p)
+P_MIN = 1e-3
+SEED0 = 1_000_003
+
+
+def chisquare(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float, int]:
+    """(statistic, p-value, degrees of freedom) of ``counts`` against ``probs`` (same shape; probs sum to 1);
+    cells of expected count < 5 pooled into one. A count in a cell of probability 0 fails by itself (p = 0)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    if counts[probs == 0].sum() > 0:
+        return float("inf"), 0.0, 0
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64))) if dof > 0 else 0.0
+    return stat, p, dof
+
+
+def next_logits(model, rows: list[list[int]], device, chunk: int = 64) -> torch.Tensor:
+    """(R, V) float64 logits after each of ``rows`` (token id lists of one length): dense causal forwards."""
+    from specdec.models.llama import ForwardContext
+    from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
+
+    out = []
+    for i in range(0, len(rows), chunk):
+        ids = torch.tensor(rows[i:i + chunk], device=device)  # (B, S)
+        b, s = ids.shape
+        ctx = ForwardContext(DenseCausalBackend(), DenseBatch(b, s), [(None, None)] * model.config.num_layers)
+        with torch.inference_mode():
+            hidden = model(ids.reshape(-1), torch.arange(s, device=device).repeat(b), ctx).view(b, s, -1)
+            out.append(model.compute_logits(hidden[:, -1]).double())
+    return torch.cat(out)
+
+
+def joint_test(model, prompt: list[int], pairs: torch.Tensor, temperature: float, top_p: float, device) -> dict:
+    """The chi-square tests of the first tokens and of the (first, second) pairs ``pairs`` (n, 2) against the
+    target's exact distributions after ``prompt``."""
+    p1 = shape_probs(next_logits(model, [prompt], device)[0], temperature, 0, top_p).double().cpu()  # (V,)
+    v = p1.numel()
+    firsts = torch.unique(pairs[:, 0])  # the first tokens drawn
+    p2 = shape_probs(next_logits(model, [prompt + [int(t)] for t in firsts], device), temperature, 0,
+                     top_p).double().cpu()  # (F, V): p(t2 | t1)
+    index = torch.full((v,), -1, dtype=torch.int64)
+    index[firsts] = torch.arange(len(firsts))
+    cells = index[pairs[:, 0]] * v + pairs[:, 1]  # (n,) the pair's cell among the drawn first tokens
+    counts = torch.zeros(len(firsts) * v + 1, dtype=torch.float64)
+    counts.index_add_(0, cells, torch.ones(len(cells), dtype=torch.float64))
+    probs = torch.cat([(p1[firsts, None] * p2).flatten(), (1 - p1[firsts].sum()).clamp(min=0).view(1)])  # + the rest
+    s1, q1, d1 = chisquare(torch.bincount(pairs[:, 0], minlength=v), p1)
+    s2, q2, d2 = chisquare(counts, probs)
+    return {"chi2_first": s1, "dof_first": d1, "p_first": q1, "chi2_joint": s2, "dof_joint": d2, "p_joint": q2,
+            "distinct_first": len(firsts), "distinct_pairs": int((counts > 0).sum())}
+
+
+@contextlib.contextmanager
+def one_noise_everywhere():
+    """The negative control, while active: the sampled rule (device and host) takes every token with the noise of
+    position 0."""
+    import specdec.sampled_rule
+    import specdec.verifier
+
+    mods = (specdec.sampled_rule, specdec.verifier)
+    saved = [mod.choose_tokens for mod in mods]
+
+    def wrong(x, temperature, key0, key1, position, kept=None, _choose=saved[0], **kw):
+        return _choose(x, temperature, key0, key1, torch.zeros_like(position), kept, **kw)
+
+    try:
+        for mod in mods:
+            mod.choose_tokens = wrong
+        yield
+    finally:
+        for mod, choose in zip(mods, saved):
+            mod.choose_tokens = choose
+
+
+def run(target, draft, prompt: list[int], temperature: float, top_p: float, samples: int, batch: int, device) -> dict:
+    """Draw ``samples`` seeded requests of two tokens through a new engine of the device's defaults; test them."""
+    eng = SpecEngine(draft, target, SpecConfig(device=device, dtype="float32", max_batch_size=batch))
+    params = [SamplingParams(temperature=temperature, top_p=top_p, seed=SEED0 + s, max_new_tokens=2, ignore_eos=True)
+              for s in range(samples)]
+    t0 = time.perf_counter()
+    outs = eng.generate([prompt] * samples, params)
+    bad = [o.error for o in outs if o.error is not None]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed: {bad[0]!r}")
+    pairs = torch.tensor([o.token_ids[:2] for o in outs])  # (n, 2)
+    result = joint_test(target.model, prompt, pairs, temperature, top_p, device)
+    return {"temperature": temperature, "top_p": top_p, "samples": samples, "seconds": time.perf_counter() - t0,
+            "mean_accepted_length": eng.stats.mean_accepted_length, "accepted": eng.stats.accepted,
+            "plan": eng.plan.as_dict(), **result}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("model")
+    ap.add_argument("prompts", type=Path)
+    ap.add_argument("--samples", type=int, default=20000)
+    ap.add_argument("--draft", default="smollm2-135m-draft", help="a draft name or folder, ngram, or none")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompt = json.loads(args.prompts.read_text())["mtbench"][0]
+    target = load_model(args.model, dtype=torch.float32, device=args.device)
+    if args.draft in ("ngram", "none"):
+        draft = None if args.draft == "none" else "ngram"
+    else:
+        draft = load_model(args.draft, dtype=torch.float32, device=args.device, target=target)
+    results = []
+    for label, (temperature, top_p) in [(f"T={t} top-p {p}", (t, p)) for t, p in SETTINGS] + [
+            ("negative control", SETTINGS[0])]:
+        with one_noise_everywhere() if label == "negative control" else contextlib.nullcontext():
+            r = run(target, draft, prompt, temperature, top_p, args.samples, args.batch, args.device)
+        r = {"label": label, **r}
+        r["passes"] = r["p_first"] > P_MIN and r["p_joint"] > P_MIN
+        results.append(r)
+        (args.out / "chisq.json").write_text(json.dumps(results, indent=1))
+        print(f"chisq {label}: {r['samples']} samples, p(first) {r['p_first']:.3g} (dof {r['dof_first']}), "
+              f"p(first two) {r['p_joint']:.3g} (dof {r['dof_joint']}), MAL {r['mean_accepted_length']:.2f}, "
+              f"{r['seconds']:.0f} s", flush=True)
+    ok = all(r["passes"] for r in results[:-1]) and results[-1]["p_joint"] < P_MIN
+    print(f"chisq: {'PASS' if ok else 'FAIL'}: every setting p > {P_MIN:g}, the negative control below it")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
