@@ -4,8 +4,9 @@ the whole program's, the draft KV of the catch-up equals the whole program's (so
 state), and a budget-0 program writes no other KV; through the engine, budgets changing every few steps give
 target-only's tokens, greedy and seeded sampled, pipelined or not, with each cut program run.
 
-The target is the 4-layer random Llama of ``test_eagle`` with its briefly trained EAGLE draft; on the CPU the
-padded graph steps run eagerly over the same buffers (``cuda_graphs=True``)."""
+The target is the 4-layer random Llama of ``test_eagle`` with its briefly trained EAGLE draft, float32; on the CPU
+the padded graph steps run eagerly over the same buffers (``cuda_graphs=True``), on CUDA (``[cuda]``) every cut of
+the program is a captured graph."""
 
 from __future__ import annotations
 
@@ -31,13 +32,17 @@ PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i, **kw) for i,
     [(23, {}), (12, dict(temperature=0.7, top_p=0.9)), (17, {}), (30, dict(temperature=1.0))])]
 
 
-@pytest.fixture(scope="module")
-def pair(setup):  # noqa: F811 - the fixture imported above
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # float32 either way; graphs captured on CUDA
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def pair(setup, request):  # noqa: F811 - the fixture imported above
     root, _, _ = setup
-    target = load_model(root / "target")
-    draft = load_model(root / "full", target=target)
-    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, cuda_graphs=False))
-    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], PARAMS)]
+    dev = request.param
+    target = load_model(root / "target", device=dev)
+    draft = load_model(root / "full", target=target, device=dev)
+    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, cuda_graphs=False, device=dev))
+    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], PARAMS)], dev
 
 
 def _levels_run(monkeypatch) -> list[int]:
@@ -58,8 +63,8 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
     inputs as the whole program, keeps the same trees (greedy and sampled variants) and writes the same draft KV at
     the catch-up slots; budget 0 runs no level and changes no KV but the catch-up's. (Then the step runs on from
     the KV as it was, and the tokens are target-only's.)"""
-    draft, target, want = pair
-    eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=False, **CFG))
+    draft, target, want, dev = pair
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=False, device=dev, **CFG))
     d, loop, pool = eng.drafter, eng.drafter.device_loop, eng.pool
     budgets = sorted({o.nodes for o in budget_options(d)})
     assert len(budgets) > 2 and set(loop.variants) == {loop.levels_for(n) for n in budgets} | {loop.max_levels}
@@ -73,8 +78,8 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
         b = loop.bucket(len(rows), int((spans.ends - spans.begins).max()))
         padded = np.full(b * loop.q, d.features.zero, dtype=np.int64)
         padded[:src.size] = src.ravel()
-        src = torch.from_numpy(padded)
-        catch_up = torch.from_numpy(packed.tokens[2])  # (T,) the catch-up's KV slots
+        src = torch.from_numpy(padded).to(dev)
+        catch_up = torch.from_numpy(packed.tokens[2]).to(dev)  # (T,) the catch-up's KV slots
         before = pool.storage.clone()
 
         def run(sampled: bool, n: int | None):
@@ -116,15 +121,20 @@ def test_budgets_changing_every_few_steps_give_target_only_tokens(pair, monkeypa
     """Budgets full, 0, 1, 3, 0, 7 of dynamic:16, each held three steps, greedy and seeded sampled rows mixed:
     every row's tokens are target-only's (the sampled rule's choices depend on no proposal), each cut of the
     program runs, and steps at budget 0 run the catch-up alone."""
-    draft, target, want = pair
+    draft, target, want, dev = pair
     runs = _levels_run(monkeypatch)
-    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", pipeline=pipeline, **CFG))
+    eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", pipeline=pipeline, device=dev, **CFG))
     loop = eng.drafter.device_loop
+    runs.clear()  # (CUDA: the captures at construction ran each program once)
     eng.adaptive = ScriptedBudget([16, 0, 1, 3, 0, 7], every=3)
     outs = eng.generate(PROMPTS[:4], PARAMS)
     assert [o.error for o in outs] == [None] * 4
     assert [o.token_ids for o in outs] == want
-    assert {loop.levels_for(n) for n in (16, 0, 1, 3, 7)} <= set(runs)
-    assert runs.count(0) >= 3 and eng.all_blocks_free()
+    if dev == "cuda":  # every cut of the program is a captured graph, replayed (no eager run)
+        assert {(b, s, lv) for b, s, lv in loop.graphs} >= {(1, False, loop.levels_for(n)) for n in (16, 0, 1, 3, 7)}
+        assert runs == []
+    else:
+        assert {loop.levels_for(n) for n in (16, 0, 1, 3, 7)} <= set(runs) and runs.count(0) >= 3
+    assert eng.all_blocks_free()
     if pipeline:
         assert eng.pipeline.adopted > 5
