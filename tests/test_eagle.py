@@ -65,6 +65,19 @@ def setup(tmp_path_factory):
     return root, base, target
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # float32 either way; graphs captured on CUDA
+
+
+def trained_pair(setup, device: str, params) -> tuple[LoadedModel, LoadedModel, list[list[int]]]:
+    """(draft, target, target-only tokens of the first four ``PROMPTS`` under ``params``): the module's trained
+    tiny EAGLE draft and its target (``setup``) on ``device``, float32."""
+    root, _, _ = setup
+    target = load_model(root / "target", device=device)
+    draft = load_model(root / "full", target=target, device=device)
+    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, device=device, cuda_graphs=False))
+    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], params)]
+
+
 def test_token_file_marks_assistant_turns_of_the_train_split(setup):
     root, _, target = setup
     data = load_token_file(root / "train.npz")

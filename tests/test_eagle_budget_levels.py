@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+from test_eagle import DEVICES, PROMPTS, setup, trained_pair  # noqa: F401 - setup: the trained tiny draft, a fixture
 from test_pipelined_budgets import ScriptedBudget
 
 from specdec.adaptive import budget_options
@@ -21,7 +21,6 @@ from specdec.drafters.eagle_device import DeviceDraftProgram
 from specdec.drafters.eagle_drafter import DRAFT_MODEL_INDEX, _Spans
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.fused_step import best_nodes_on_device
-from specdec.loading.registry import load_model
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -32,17 +31,9 @@ PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True, seed=i, **kw) for i,
     [(23, {}), (12, dict(temperature=0.7, top_p=0.9)), (17, {}), (30, dict(temperature=1.0))])]
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # float32 either way; graphs captured on CUDA
-
-
 @pytest.fixture(scope="module", params=DEVICES)
 def pair(setup, request):  # noqa: F811 - the fixture imported above
-    root, _, _ = setup
-    dev = request.param
-    target = load_model(root / "target", device=dev)
-    draft = load_model(root / "full", target=target, device=dev)
-    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, cuda_graphs=False, device=dev))
-    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], PARAMS)], dev
+    return *trained_pair(setup, request.param, PARAMS), request.param
 
 
 def _levels_run(monkeypatch) -> list[int]:

@@ -13,13 +13,12 @@ import os
 
 import pytest
 import torch
-from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+from test_eagle import DEVICES, PROMPTS, setup, trained_pair  # noqa: F401 - setup: the trained tiny draft, a fixture
 from test_fused_step import _host_inputs
 
 from specdec.adaptive import EpochBudget, EpochConfig, make_controller
 from specdec.drafters.eagle_drafter import _Spans
 from specdec.engine import SpecConfig, SpecEngine
-from specdec.loading.registry import load_model
 from specdec.pipeline import QueuedStep
 from specdec.sampling_params import SamplingParams
 from specdec.step_inputs import StepInputs, _offsets
@@ -31,17 +30,9 @@ CFG = dict(num_blocks=200, block_size=8, max_batch_size=4, cuda_graphs=True, ada
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=i != 1) for i, n in enumerate((23, 9, 16, 30))]
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # float32 either way; graphs captured on CUDA
-
-
 @pytest.fixture(scope="module", params=DEVICES)
 def tiny(setup, request):  # noqa: F811 - the fixture imported above
-    root, _, _ = setup
-    dev = request.param
-    target = load_model(root / "target", device=dev)
-    draft = load_model(root / "full", target=target, device=dev)
-    plain = SpecEngine(None, target, SpecConfig(num_blocks=200, block_size=8, device=dev, cuda_graphs=False))
-    return draft, target, [o.token_ids for o in plain.generate(PROMPTS[:4], PARAMS)], {**CFG, "device": dev}
+    return *trained_pair(setup, request.param, PARAMS), {**CFG, "device": request.param}
 
 
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3", "chain:4"])
