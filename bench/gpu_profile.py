@@ -43,6 +43,9 @@ CONFIGS = {
     "to_g64": (None, {}, 0.0, 64, "sharegpt", 96),
     "ea_g64": ("eagle", {}, 0.0, 64, "sharegpt", 96),
     "ea_g64_15": ("eagle", {"adaptive": False, "tree": "dynamic:15"}, 0.0, 64, "sharegpt", 96),
+    "to_s64": (None, {}, 0.7, 64, "sharegpt", 96),
+    "ng_s64": ("ngram", {}, 0.7, 64, "sharegpt", 96),
+    "ea_s64": ("eagle", {}, 0.7, 64, "sharegpt", 96),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt

@@ -13,6 +13,7 @@
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh chisq     (sampling losslessness, 20k samples)
+#   any run (.whl)                     bash bench/gpu_session.sh kernels   (launch settings of the sampling kernels)
 # Training a draft (bench/README.md, "Training the default draft"): run 1 also carries .data/distill/regen.npz (the
 # target's replies; else .data/distill/prompts.npz from `bash bench/gpu_session.sh distill_prep`, regenerated in
 # `distill 1`), then `distill 1` and `distill 2` in two runs; INIT_FROM (default smollm2-135m-draft) is warm-started.
@@ -22,7 +23,7 @@
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile | chisq | distill 1|2}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile | chisq | kernels | distill 1|2}
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
@@ -197,6 +198,13 @@ case "$stage" in
     (cd /tmp && timeout "${CHISQ_LIMIT:-540}" python3 -P "$root/bench/gpu_chisq.py" "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" > "$D/chisq.log" 2>&1)
     echo "chisq exit $?"; grep -h "^chisq\|Error\|error" "$D/chisq.log" | tail -10
+    pack
+    ;;
+  kernels)  # (.whl) bench/gpu_sampling_kernels.py: block and warps of the sampled rule's filter and token choice
+    install
+    (cd /tmp && timeout "${KERNELS_LIMIT:-240}" python3 -P "$root/bench/gpu_sampling_kernels.py" "$D" \
+      > "$D/kernels.log" 2>&1)
+    echo "kernels exit $?"; grep -h "^kernels\|Error" "$D/kernels.log" | tail -14
     pack
     ;;
   suites)  # (.whl, the model assembled on this machine) bench_steps, bench_kernels, bench_decode

@@ -222,11 +222,12 @@ def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, dev
 
 
 def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
-                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK) -> Tensor:
+                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK, num_warps: int = 4) -> Tensor:
     """Same promise as ``choose_tokens_reference`` (the same tokens; on CUDA the same noise bit for bit), one
     launch with one program per row. x (R, V) float16/bfloat16/float32, last dim contiguous (any row stride);
     temperature (R,) float; key0, key1, position (R,) int64 (any stride); kept None or (R, V) bool, last dim
-    contiguous. ``block`` (a power of two >= 16): the columns a program reads at a time."""
+    contiguous. ``block`` (a power of two >= 16): the columns a program reads at a time; ``num_warps``: its
+    warps."""
     check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_launchable(_choose_kernel, x.device)
     r, v = x.shape
@@ -243,7 +244,7 @@ def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
         _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, out, v,
                              x.stride(0), 0 if kept is None else kept.stride(0), temperature.stride(0),
                              key0.stride(0), key1.stride(0), position.stride(0),
-                             HAS_KEPT=kept is not None, BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=4)
+                             HAS_KEPT=kept is not None, BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=num_warps)
     return out
 
 

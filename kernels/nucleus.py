@@ -319,10 +319,11 @@ def takes(x: torch.Tensor, probs: torch.Tensor) -> bool:
 
 
 def nucleus_probs(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, sampling: RowSampling,
-                  block: int = DEFAULT_BLOCK) -> torch.Tensor:  # (B, ..., V) -> (B, ..., V) float32
+                  block: int = DEFAULT_BLOCK, num_warps: int | None = None) -> torch.Tensor:  # (B, ..., V)
     """``filtered_probs_reference(x, t, probs, sampling)`` without a sort (module docstring: the rule, and where
     float rounding may differ). x may be the bf16 logits themselves; t: the B temperatures (> 0); ``block``
-    (a power of two >= 16) is the columns one step of a row's loop reads."""
+    (a power of two >= 16) is the columns one step of a row's loop reads; ``num_warps``: the program's warps
+    (None: 8 for blocks of 2048 and more, else 4)."""
     check_nucleus_args(x, t, probs, sampling)
     check_launchable(_nucleus_kernel, x.device)
     if block < 16 or block & (block - 1):
@@ -340,7 +341,8 @@ def nucleus_probs(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, samplin
         rows, prob_rows, out, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p,
         v, rows.stride(0), prob_rows.stride(0), rows.shape[0] // x.shape[0], temp.stride(0),
         sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
-        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512), num_warps=8 if block >= 2048 else 4)
+        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512),
+        num_warps=num_warps or (8 if block >= 2048 else 4))
     return out.view(x.shape)
 
 

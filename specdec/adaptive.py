@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -379,36 +380,42 @@ def mean_budget(chosen: Counter, rows: int | None = None, since: Counter | None 
 
 @dataclass(frozen=True)
 class EpochConfig:
-    """epoch_steps: timed steps a budget is held before it is judged; hold_epochs: epochs the best budget is held
-    between two probes of a neighbour; margin: how much more tokens per second a budget must measure than plain
-    decoding (budget 0) to be held instead; alpha: weight of a new epoch's rate against the budget's earlier
+    """epoch_steps, epoch_rows: an epoch (the steps a budget is held before it is judged) ends once it timed at
+    least epoch_steps steps over at least epoch_rows rows in all (a small batch's tokens per step vary with the
+    text, so its epochs run longer); hold_epochs: epochs the best budget is held before a neighbour is probed,
+    doubled after each probe that leaves the best where it is (up to max_hold_epochs) and reset when the best
+    moves; margin: how much more tokens per second a budget must measure than the one held, and than plain
+    decoding (budget 0), to be held instead; alpha: weight of a new epoch's rate against the budget's earlier
     ones; max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
     prefill are not); first_row_steps, first_min_steps: a budget's first measurement ends early, once it timed
     first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
     steps measure it; a new engine's first requests then spend less time on budgets it will not hold)."""
 
     epoch_steps: int = 16
+    epoch_rows: int = 256
     hold_epochs: int = 8
+    max_hold_epochs: int = 64
     margin: float = 0.03
     alpha: float = 0.5
-    max_epoch_steps: int = 64
+    max_epoch_steps: int = 512
     first_row_steps: int = 192
     first_min_steps: int = 4
 
 
 class _Epochs:
-    """One (batch bucket, kind) of ``EpochBudget``: the budget held (an index into the options), the epoch under
-    way and each budget's measured rate (tokens per second, None until measured)."""
+    """One (batch bucket, kind) of ``EpochBudget``: the budget held (an index into the options), the best one
+    (the incumbent), the epoch under way, each budget's measured rate (tokens per row-second, None until
+    measured) and whether the first search is still under way."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, start: int) -> None:
         self.rates: list[float | None] = [None] * n
-        self.to_measure = list(range(n - 1, -1, -1))  # every budget once, the full one first
-        self.held = self.to_measure.pop(0)
-        self.best = self.held
+        self.held = self.best = start
+        self.searching = True
         self.steps = self.timed = self.row_steps = 0  # this epoch's steps, timed steps, and rows in timed steps
         self.rows = 0  # rows of the step under way
         self.tokens = self.seconds = 0.0
         self.since_probe = 0
+        self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probe_up = True
 
 
@@ -419,12 +426,17 @@ class EpochBudget:
     gets from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the
     reads included), averaged over its epochs. Per row, because a bucket's steps cost the same whatever rows of it
     are live (their graphs run the whole bucket) while the tokens they commit scale with the rows: an epoch that
-    fell in a batch's tail, with fewer rows, would otherwise make its budget look slow. Every budget is measured
-    once, the full tree first; then the best is held, and every ``hold_epochs`` epochs a budget next to it (above
-    and below in turn) is measured again, so a change in acceptance or cost moves the choice. Budget 0 (plain
-    decoding) is chosen unless another measures ``margin`` more tokens per row-second, so speculating is not slower
-    than decoding by more than the measurements err. Same interface as ``BudgetController`` (``speculate``,
-    ``observe_step``, ``timing_valid``, ``chosen``)."""
+    fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
+
+    A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of
+    the same kind already measured (the full tree when there is none), then measures the neighbours of the best
+    budget so far, below first, until the best has no unmeasured neighbour; budgets far from the best (the full
+    tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a neighbour is
+    probed every ``hold`` epochs (above and below in turn; ``hold`` doubles while probes change nothing), so a
+    change in acceptance or cost moves the choice. The held budget changes only to one measured ``margin``
+    faster (measurement noise does not flip it), and budget 0 (plain decoding), once measured, is chosen unless
+    the best beats it by ``margin``, so speculating is not slower than decoding by more than the measurements
+    err. Same interface as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
     def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
         self.config = config or EpochConfig()
@@ -440,11 +452,22 @@ class EpochBudget:
         """(batch bucket, whether every row is greedy): the budgets are chosen apart for each."""
         return batch_key(len(rows)), all(r.params.greedy for r in rows)
 
+    def _new_state(self, key: tuple[int, bool]) -> _Epochs:
+        """A bucket's state, its search starting at the best budget of the nearest measured bucket of its kind."""
+        b, kind = key
+        seen = [(abs(math.log(b / ob)), ob, s) for (ob, okind), s in self.states.items()
+                if okind == kind and any(r is not None for r in s.rates)]
+        start = min(seen)[2].best if seen else len(self.options) - 1
+        state = _Epochs(len(self.options), start)
+        state.hold = self.config.hold_epochs
+        return state
+
     def choose(self, rows: list) -> int:
         """The node budget of a step over ``rows``: the one its bucket holds."""
-        state = self.states.get(self.key(rows))
+        key = self.key(rows)
+        state = self.states.get(key)
         if state is None:
-            state = self.states[self.key(rows)] = _Epochs(len(self.options))
+            state = self.states[key] = self._new_state(key)
         nodes = self.options[state.held].nodes
         state.rows = len(rows)
         self.chosen[(len(rows), nodes)] += 1
@@ -471,9 +494,10 @@ class EpochBudget:
             state.tokens += tokens
             state.seconds += seconds
         cfg = self.config
-        first = state.rates[state.held] is None and state.timed >= cfg.first_min_steps \
-            and state.row_steps >= cfg.first_row_steps
-        if first or state.timed >= cfg.epoch_steps or (state.steps >= cfg.max_epoch_steps and state.timed):
+        done = state.timed >= cfg.epoch_steps and state.row_steps >= cfg.epoch_rows
+        if state.rates[state.held] is None:  # a first measurement may end sooner
+            done = done or (state.timed >= cfg.first_min_steps and state.row_steps >= cfg.first_row_steps)
+        if done or (state.steps >= cfg.max_epoch_steps and state.timed):
             self._end_epoch(state)
         elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
             state.steps = 0
@@ -485,28 +509,48 @@ class EpochBudget:
         state.rates[i] = rate if old is None else old + cfg.alpha * (rate - old)
         state.steps = state.timed = state.row_steps = 0
         state.tokens = state.seconds = 0.0
-        state.best = self._best(state)
-        if state.to_measure:
-            state.held = state.to_measure.pop(0)
+        if state.searching:
+            nxt = self._next_to_search(state)
+            if nxt is not None:
+                state.held = nxt
+                return
+            state.searching = False
+            state.best = state.held = self._best(state)  # (the search's start is the incumbent)
             return
-        if state.held != state.best:  # a probe ended: back to the best
+        probing = state.held != state.best
+        best = self._best(state)
+        if best != state.best:  # the choice moved: probe its neighbours soon again
+            state.best, state.hold = best, cfg.hold_epochs
+        elif probing:  # a probe that changed nothing: probe less often
+            state.hold = min(2 * state.hold, cfg.max_hold_epochs)
+        if state.held != state.best:  # a probe ended (or the held budget fell behind): back to the best
             state.held, state.since_probe = state.best, 0
             return
         state.since_probe += 1
-        if state.since_probe >= cfg.hold_epochs:  # probe a neighbour of the best, above and below in turn
+        if state.since_probe >= state.hold:  # probe a neighbour of the best, above and below in turn
             up, down = state.best + 1, state.best - 1
             order = (up, down) if state.probe_up else (down, up)
             state.probe_up = not state.probe_up
             state.held = next((j for j in order if 0 <= j < len(self.options)), state.best)
             state.since_probe = 0
 
-    def _best(self, state: _Epochs) -> int:
+    def _next_to_search(self, state: _Epochs) -> int | None:
+        """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured."""
         rates = state.rates
+        top = max((j for j, r in enumerate(rates) if r is not None), key=rates.__getitem__)
+        return next((j for j in (top - 1, top + 1) if 0 <= j < len(rates) and rates[j] is None), None)
+
+    def _best(self, state: _Epochs) -> int:
+        """The budget to hold: the fastest measured, unless it is within ``margin`` of the incumbent (then the
+        incumbent) or of budget 0 (then 0)."""
+        rates, margin = state.rates, self.config.margin
         known = [j for j, r in enumerate(rates) if r is not None]
-        best = max(known, key=rates.__getitem__)
-        if rates[0] is not None and rates[best] <= rates[0] * (1 + self.config.margin):
+        pick = max(known, key=rates.__getitem__)
+        if rates[state.best] is not None and rates[pick] <= rates[state.best] * (1 + margin):
+            pick = state.best
+        if rates[0] is not None and rates[pick] <= rates[0] * (1 + margin):
             return 0
-        return best
+        return pick
 
     def mean_budget(self, rows: int | None = None, since: Counter | None = None) -> float | None:
         """Mean chosen budget over steps of ``rows`` rows (all steps when None), after the ``since`` snapshot."""

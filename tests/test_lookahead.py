@@ -190,13 +190,13 @@ def test_pipeline_needs_a_fixed_budget_and_the_fused_step(tiny):
 
 def test_pipelined_steps_hold_each_buckets_budget_for_epochs(tiny):
     """CUDA's default (``pipeline`` and ``adaptive`` None, set up here on the CPU): an ``EpochBudget`` holds one
-    budget per (batch bucket, greedy or not) for epochs of steps, trying every budget of the tree; greedy output
+    budget per (batch bucket, greedy or not) for epochs of steps, searching the budgets of the tree; greedy output
     equals target-only whatever it holds, sampled output is as long as asked, and queued steps are adopted within
     an epoch (a budget change drops the one queued step)."""
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
     eng.adaptive = ctrl = make_controller(True, eng.device, eng.drafter, None, epochs=True)
-    ctrl.config = EpochConfig(epoch_steps=2, hold_epochs=2)
+    ctrl.config = EpochConfig(epoch_steps=2, epoch_rows=0, first_row_steps=0, hold_epochs=2, max_hold_epochs=2)
     eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
     steps, propose = [], eng.drafter.propose
     eng.drafter.propose = lambda rows: steps.append((ctrl.key(rows), eng.drafter.node_budget)) or propose(rows)
@@ -207,7 +207,9 @@ def test_pipelined_steps_hold_each_buckets_budget_for_epochs(tiny):
     nodes = {o.nodes for o in ctrl.options}
     assert len(nodes) > 2 and 0 in nodes and eng.drafter.max_nodes in nodes
     greedy4 = [n for key, n in steps if key == (4, True)]
-    assert set(greedy4) == nodes  # every budget measured in the bucket that ran long enough
+    # the search measured the full tree and a smaller budget, and probes kept changing the budget
+    changes = sum(a != b for a, b in zip(greedy4, greedy4[1:]))
+    assert len(set(greedy4)) >= 2 and eng.drafter.max_nodes in greedy4 and changes >= 3
     assert {key[1] for key, _ in steps} == {True, False}
     assert eng.pipeline.adopted > 0 and eng.all_blocks_free()
 

@@ -1,0 +1,112 @@
+"""Launch settings of the sampled rule's two row kernels: the sort-free top-k/top-p filter (``kernels/nucleus.py``)
+and the Gumbel-max token choice (``kernels/gumbel_choice.py``), each one program per row walking the vocabulary.
+
+    python -P bench/gpu_sampling_kernels.py OUT_DIR [--vocab V] [--rows 16,64,256]
+
+For R rows of float32 logits (two shapes of distribution: peaked, where the nucleus holds a few tokens, and flat,
+where it holds thousands), T = 0.7 and top-p 0.9, every (block, warps) pair of each kernel is timed (CUDA events,
+median of 30 launches after 5 untimed) and checked against the current default's output (the same kept set and
+the same tokens). Writes OUT_DIR/sampling_kernels.json and prints one line per (kernel, distribution, rows) with
+the default's time and the fastest setting's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from specdec.kernels.gumbel_choice import DEFAULT_BLOCK as CHOOSE_BLOCK
+from specdec.kernels.gumbel_choice import choose_tokens_triton
+from specdec.kernels.nucleus import DEFAULT_BLOCK as NUCLEUS_BLOCK
+from specdec.kernels.nucleus import nucleus_probs
+
+from specdec.row_sampling import RowSampling
+
+NUCLEUS = [(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
+CHOOSE = [(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8, 16)]
+
+
+def timed(fn, reps: int = 30) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` launches after 5 untimed ones (CUDA events; on the CPU,
+    where the script only checks itself, the wall clock)."""
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(reps):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--rows", default="16,64,256")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dev = torch.device(args.device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    res = []
+    for dist, scale in (("peaked", 4.0), ("flat", 1.0)):
+        for r in (int(x) for x in args.rows.split(",")):
+            x = torch.randn(r, args.vocab, device=dev, generator=gen) * scale
+            t = torch.full((r,), 0.7, device=dev, dtype=torch.float64)
+            sampling = RowSampling(t, torch.zeros(r, dtype=torch.int64, device=dev),
+                                   torch.full((r,), 0.9, device=dev, dtype=torch.float64), True, False,
+                                   torch.zeros(r, device=dev, dtype=torch.float64))
+            tv = t.float().view(r, 1)
+            probs = torch.softmax(x / tv, -1)
+            keys = torch.randint(0, 2**32, (3, r), device=dev, generator=gen)
+            pos = torch.arange(r, device=dev) + 100
+            ref = nucleus_probs(x, tv, probs, sampling)
+            kept = ref > 0
+            want = choose_tokens_triton(x, t, keys[0], keys[1], pos, kept)
+            size = kept.sum(1).float().median().item()
+            kernels = (("nucleus", NUCLEUS, (NUCLEUS_BLOCK, 8),
+                        functools.partial(nucleus_probs, x, tv, probs, sampling)),
+                       ("choose", CHOOSE, (CHOOSE_BLOCK, 4),
+                        functools.partial(choose_tokens_triton, x, t, keys[0], keys[1], pos, kept)))
+            for name, grid, default, launch in kernels:
+                rows = []
+                for block, warps in grid:
+                    fn = functools.partial(launch, block=block, num_warps=warps)
+                    try:
+                        got = fn()
+                        same = bool(((got > 0) == kept).all()) if name == "nucleus" else bool((got == want).all())
+                        ms = timed(fn, args.reps)
+                    except Exception as e:  # (a setting that does not compile or fit: recorded, skipped)
+                        rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
+                        continue
+                    rows.append({"block": block, "warps": warps, "ms": ms, "same": same})
+                ok = [e for e in rows if "ms" in e and e["same"]]
+                base = next((e for e in ok if (e["block"], e["warps"]) == default), None)
+                best = min(ok, key=lambda e: e["ms"])
+                res.append({"kernel": name, "dist": dist, "rows": r, "kept_median": size, "default": base,
+                            "best": best, "all": rows})
+                print(f"kernels {name} {dist} rows {r} (nucleus median {size:.0f} tokens): default "
+                      f"{base['ms'] * 1e3 if base else float('nan'):.1f} us, best {best['ms'] * 1e3:.1f} us at "
+                      f"block {best['block']} warps {best['warps']}; "
+                      f"{sum(1 for e in rows if 'ms' in e and not e['same'])} settings differ", flush=True)
+                (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
