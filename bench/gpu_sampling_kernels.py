@@ -82,7 +82,7 @@ def main() -> None:
             size = kept.sum(1).float().median().item()
             kernels = (("nucleus", NUCLEUS, (NUCLEUS_BLOCK, 8),
                         functools.partial(nucleus_probs, x, tv, probs, sampling)),
-                       ("choose", CHOOSE, (CHOOSE_BLOCK, 4),
+                       ("choose", CHOOSE, (CHOOSE_BLOCK, 16),
                         functools.partial(choose_tokens_triton, x, t, keys[0], keys[1], pos, kept)))
             for name, grid, default, launch in kernels:
                 rows = []

@@ -34,7 +34,7 @@ from torch import Tensor
 from specdec.uniform_stream import MASK32, hash_words, uniforms_at
 
 _NO_INDEX = 2**31 - 1
-DEFAULT_BLOCK = 1024
+DEFAULT_BLOCK = 2048  # with 16 warps: the fastest launch measured on the H200 (bench/gpu_sampling_kernels.py)
 # uniform_stream's PCG constants (LCG multiplier and increment, RXS-M-XS multiplier); the tests compare the noise
 _PCG_MUL: tl.constexpr = tl.constexpr(747796405)
 _PCG_INC: tl.constexpr = tl.constexpr(2891336453)
@@ -222,7 +222,7 @@ def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, dev
 
 
 def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
-                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK, num_warps: int = 4) -> Tensor:
+                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK, num_warps: int = 16) -> Tensor:
     """Same promise as ``choose_tokens_reference`` (the same tokens; on CUDA the same noise bit for bit), one
     launch with one program per row. x (R, V) float16/bfloat16/float32, last dim contiguous (any row stride);
     temperature (R,) float; key0, key1, position (R,) int64 (any stride); kept None or (R, V) bool, last dim
