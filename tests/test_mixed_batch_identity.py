@@ -1,0 +1,45 @@
+"""Lossless with greedy and sampled rows in one batch, at batch 1, 7 and 32: through the EAGLE engine of the
+device's defaults (on CUDA: captured graphs, pipelined steps and the epoch budget controller), every row, greedy
+or seeded sampled (T=0.7 top-p 0.9, T=1.0), gives exactly the tokens of eager target-only decoding of the whole
+batch, and a seeded sampled row gives them alone too. float32, the trained tiny EAGLE pair of ``test_eagle``; on
+the CPU the same engine runs eagerly ([cpu]), on CUDA ([cuda]) the GPU round of the runner runs it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from test_eagle import DEVICES, _sentence, setup, trained_pair  # noqa: F401 - setup: the trained tiny draft, a fixture
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def _rows(n: int) -> tuple[list, list[SamplingParams]]:
+    """``n`` chat prompts of different lengths, every third row greedy, the others seeded sampled."""
+    prompts = [[{"role": "user", "content": _sentence(random.Random(100 + i), 3 + (5 * i) % 23)}] for i in range(n)]
+    kinds = [{}, dict(temperature=0.7, top_p=0.9), dict(temperature=1.0)]
+    params = [SamplingParams(max_new_tokens=10 + (7 * i) % 13, ignore_eos=True, seed=1000 + i, **kinds[i % 3])
+              for i in range(n)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n_rows", [1, 7, 32])
+def test_mixed_greedy_and_sampled_rows_equal_target_only(setup, device, n_rows):  # noqa: F811 - the fixture
+    prompts, params = _rows(n_rows)
+    draft, target, _ = trained_pair(setup, device, params[0])
+    cfg = dict(num_blocks=800, block_size=8, max_batch_size=32, device=device, prefix_cache=False)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, pipeline=False, **cfg))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [len(w) for w in want] == [p.max_new_tokens for p in params]
+    eng = SpecEngine(draft, target, SpecConfig(**cfg))  # the device's defaults
+    assert eng.plan.pipeline == (device == "cuda") and eng.plan.adaptive == (device == "cuda")
+    for _ in range(2):  # (the second call runs under the budgets the first measured)
+        assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert eng.all_blocks_free() and (eng.stats.accepted > 0 or n_rows == 1)  # (the draft did propose)
+    sampled = next((i for i, p in enumerate(params) if not p.greedy), None)
+    if sampled is not None:  # a seeded sampled row alone: the same tokens as in the batch
+        assert eng.generate([prompts[sampled]], params[sampled])[0].token_ids == want[sampled]
