@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from bench.gpu_chisq import chisquare, main, one_noise_everywhere
+from bench.gpu_chisq import chisquare, joint_test, main, next_logits, one_noise_everywhere
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -21,6 +21,32 @@ def test_chisquare_pools_small_cells_and_fails_impossible_tokens():
     assert dof == 3 and p > 0.9 and stat < 0.5  # 4 cells: three of expected >= 5, the fourth pooled (0.4)
     assert chisquare(torch.tensor([400, 400, 200, 0, 0]), probs)[1] < 1e-10
     assert chisquare(torch.tensor([500, 300, 199, 0, 1]), probs)[1] == 0.0  # a token of probability 0 was drawn
+
+
+def test_joint_test_passes_exact_draws_of_a_long_tailed_distribution(tiny_factory):
+    """Exact draws of (t1, t2) from a flat distribution over 512 tokens (most first tokens expected below 5 times
+    in 3,000 samples, many never drawn) pass; the same first tokens with second tokens of the wrong condition fail.
+    (Cells chosen from the drawn first tokens failed the first: the undrawn ones' mass sat in a cell observed
+    empty by construction.)"""
+    from specdec.acceptance import shape_probs
+    from specdec.loading.registry import load_model
+
+    target = load_model(tiny_factory("v512_flat", seed=7, num_hidden_layers=1, vocab_size=512,
+                                     max_position_embeddings=32, eos_token_id=None, bos_token_id=None))
+    model, prompt, n, dev = target.model, [3, 9, 27, 81], 3000, torch.device("cpu")
+    p1 = shape_probs(next_logits(model, [prompt], dev)[0], 1.0, 0, 1.0).double()
+    g = torch.Generator().manual_seed(11)
+    t1 = torch.multinomial(p1, n, replacement=True, generator=g)
+    firsts = torch.unique(t1)
+    p2 = shape_probs(next_logits(model, [prompt + [int(t)] for t in firsts], dev), 1.0, 0, 1.0).double()
+    assert (p1 * n < 5).sum() > 256 and len(firsts) < 512  # long-tailed: most tokens rare, some never drawn
+    row = torch.searchsorted(firsts, t1)
+    t2 = torch.stack([torch.multinomial(p2[r], 1, generator=g)[0] for r in row.tolist()])
+    good = joint_test(model, prompt, torch.stack([t1, t2], 1), 1.0, 1.0, dev)
+    assert good["p_first"] > 1e-3 and good["p_joint"] > 1e-3, good
+    wrong = torch.stack([torch.multinomial(p2[(r + 1) % len(firsts)], 1, generator=g)[0] for r in row.tolist()])
+    bad = joint_test(model, prompt, torch.stack([t1, wrong], 1), 1.0, 1.0, dev)
+    assert bad["p_first"] > 1e-3 and bad["p_joint"] < 1e-3, bad
 
 
 def test_gpu_chisq_on_the_tiny_pair(tiny_factory, tmp_path):
