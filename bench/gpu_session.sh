@@ -104,12 +104,29 @@ plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES (default plan) cold and
   done
 }
 
+carried_parts() {  # what a run carried of .data/distill: whole .npz files, and parts (regen.npz.partNN, ckpt.pt.partNN:
+                  # files split to fit the 64 MiB a run carries) that distill_round joins once all have come
+  [ -d "$root/.data/distill" ] || return 0
+  mkdir -p /tmp/distill
+  cp "$root"/.data/distill/*.npz /tmp/distill/ 2>/dev/null
+  cp "$root"/.data/distill/parts/* /tmp/distill/ 2>/dev/null
+  ls /tmp/distill
+}
+
+join_parts() {  # join_parts NAME DEST: /tmp/distill/NAME.partNN into DEST, unless DEST is there
+  local work=${DISTILL_WORK:-/tmp/distill}
+  [ -f "$2" ] || ! ls "$work/$1".part* > /dev/null 2>&1 || { mkdir -p "$(dirname "$2")" && cat "$work/$1".part* > "$2" \
+    && echo "joined $(ls "$work/$1".part* | wc -l) parts into $2 ($(md5sum < "$2" | cut -c1-32))"; }
+}
+
 distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on and measure (2); see bench/README.md
   local part=$1 work=${DISTILL_WORK:-/tmp/distill} init=${INIT_FROM-smollm2-135m-draft} left
   local sd=(python3 -P -m specdec.cli distill --kind eagle --target "$MODEL" --device "${DEVICE:-cuda}")
   mkdir -p "$work"
   export TQDM_MININTERVAL=${TQDM_MININTERVAL:-20} PYTHONUNBUFFERED=1
   [ -f "$work/regen.npz" ] || [ ! -f "$root/.data/distill/regen.npz" ] || cp "$root/.data/distill/regen.npz" "$work/"
+  join_parts regen.npz "$work/regen.npz"
+  join_parts ckpt.pt "$work/draft/ckpt.pt"  # a checkpoint of an earlier session's round: --resume goes on exactly
   [ -f "$work/regen.npz" ] && echo "regen: training on $work/regen.npz ($(du -m "$work/regen.npz" | cut -f1) MB)"
   if [ "$part" = 1 ] && [ ! -f "$work/regen.npz" ]; then
     local prompts=${DISTILL_PROMPTS:-$root/.data/distill/prompts.npz}
@@ -133,6 +150,11 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
     --max-len 1024 --val-docs 64 --ckpt-every 500 ${init:+--init-from "$init"} ${LR:+--lr "$LR"} \
     ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} > "$D/train_$part.log" 2>&1
   echo "train exit $?"; grep "^distill" "$D/train_$part.log"
+  # the checkpoint comes back in parts (.data/distill/parts/ for a later session), in case the machine goes
+  # (16 MB parts: four, with three of regen.npz and the round's archive the eight files a run returns); not once
+  # training has finished (the draft is written)
+  [ ! -f "$work/draft/ckpt.pt" ] || [ -f "$work/draft/model.safetensors" ] \
+    || split -b 16000000 -d "$work/draft/ckpt.pt" "$OUT/ckpt.pt.part"
   [ "$part" = 2 ] || return 0
   [ -f "$work/draft/model.safetensors" ] || { echo "training not finished: run distill 2 again"; return 1; }
   timeout "${MEASURE_LIMIT:-300}" "${sd[@]}" --measure "${MEASURE_SETS:-$root/.gpu/mtbench_ids.json}" \
@@ -159,7 +181,11 @@ mkdir -p "$D"
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
-    [ -d "$root/.data/distill" ] && mkdir -p /tmp/distill && cp "$root"/.data/distill/*.npz /tmp/distill/
+    carried_parts
+    rm -rf "${OUT:?}/$stage"
+    ;;
+  parts)  # (.data/distill/parts/<some>) only the carried training files, for those that do not fit a piece's run
+    carried_parts
     rm -rf "${OUT:?}/$stage"
     ;;
   tests)  # (.whl, the model assembled, or .stage3/p_02 with piece 02) the GPU tests of the step: graphs, EAGLE, the
