@@ -1,5 +1,6 @@
-"""The EAGLE device program cut to a node budget (``DeviceDraftProgram.levels_for``): under budget n it runs only
-the levels that hold the n nodes a step keeps, and at budget 0 the catch-up forward alone. The kept trees equal
+"""The EAGLE device program cut to a node budget (``DeviceDraftProgram.variant_for``): under budget n it runs only
+the levels that hold the n nodes a step keeps, a dynamic tree's levels only as wide as they must be to hold them,
+and at budget 0 the catch-up forward alone. The kept trees equal
 the whole program's, the draft KV of the catch-up equals the whole program's (so later steps draft from the same
 state), and a budget-0 program writes no other KV; through the engine, budgets changing every few steps give
 target-only's tokens, greedy and seeded sampled, pipelined or not, with each cut program run.
@@ -36,13 +37,14 @@ def pair(setup, request):  # noqa: F811 - the fixture imported above
     return *trained_pair(setup, request.param, PARAMS), request.param
 
 
-def _levels_run(monkeypatch) -> list[int]:
-    """Records the level count of every draft program run (eagerly on the CPU: each run is a ``_program`` call)."""
+def _levels_run(monkeypatch) -> list[tuple[int, int | None]]:
+    """Records the (levels, width) of every draft program run (eagerly on the CPU: each run is a ``_program``
+    call)."""
     runs, program = [], DeviceDraftProgram._program
 
-    def recorded(self, b, sampled=False, levels=None):
-        runs.append(self.max_levels if levels is None else levels)
-        return program(self, b, sampled, levels)
+    def recorded(self, b, sampled=False, levels=None, width=None):
+        runs.append(self.variant_for(None) if levels is None else (levels, width))
+        return program(self, b, sampled, levels, width)
 
     monkeypatch.setattr(DeviceDraftProgram, "_program", recorded)
     return runs
@@ -58,9 +60,14 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=False, device=dev, **CFG))
     d, loop, pool = eng.drafter, eng.drafter.device_loop, eng.pool
     budgets = sorted({o.nodes for o in budget_options(d)})
-    assert len(budgets) > 2 and set(loop.variants) == {loop.levels_for(n) for n in budgets} | {loop.max_levels}
+    assert len(budgets) > 2 and set(loop.variants) == {loop.variant_for(n) for n in budgets} | {loop.variant_for(None)}
     assert loop.levels_for(0) == 0 and loop.levels_for(max(budgets)) == loop.max_levels
     assert 0 < loop.levels_for(1) < loop.max_levels
+    if tree.startswith("dynamic"):  # narrower levels for budgets below the width
+        assert loop.max_width == 10 and loop.width_for(1) == 1 and loop.width_for(7) == 7
+        assert loop.variant_for(3) == (3, 3) and loop.variant_for(7) == (5, 7) and loop.variant_for(15) == (5, 10)
+    else:
+        assert loop.max_width is None and {w for _, w in loop.variants} == {None}
     checked, propose = [], d.propose
 
     def check(rows) -> None:
@@ -122,10 +129,11 @@ def test_budgets_changing_every_few_steps_give_target_only_tokens(pair, monkeypa
     assert [o.error for o in outs] == [None] * 4
     assert [o.token_ids for o in outs] == want
     if dev == "cuda":  # every cut of the program is a captured graph, replayed (no eager run)
-        assert {(b, s, lv) for b, s, lv in loop.graphs} >= {(1, False, loop.levels_for(n)) for n in (16, 0, 1, 3, 7)}
+        assert set(loop.graphs) >= {(1, False, *loop.variant_for(n)) for n in (16, 0, 1, 3, 7)}
         assert runs == []
     else:
-        assert {loop.levels_for(n) for n in (16, 0, 1, 3, 7)} <= set(runs) and runs.count(0) >= 3
+        assert {loop.variant_for(n) for n in (16, 0, 1, 3, 7)} <= set(runs)
+        assert sum(levels == 0 for levels, _ in runs) >= 3
     assert eng.all_blocks_free()
     if pipeline:
         assert eng.pipeline.adopted > 5

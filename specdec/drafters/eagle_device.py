@@ -89,6 +89,7 @@ class CatchUp(NamedTuple):
     slots: torch.Tensor  # (T,) KV slot of every forwarded node, levels one after another (padded rows: -1)
     positions: torch.Tensor  # (T,) position of every forwarded node, laid out as ``slots``
     seq_lens: torch.Tensor  # (levels, b) each row's attended length in each forwarded level
+    starts: tuple[int, ...]  # levels + 1 offsets of each forwarded level into ``slots`` and ``positions``
     sampled: bool = False  # the program's sampled variant (``DeviceDraftProgram._children_scores``)
 
 
@@ -128,13 +129,22 @@ class DeviceDraftProgram:
 
         self._upload = HostUpload(self.device)
         self._written: tuple[list, bool] = ([], False)  # the rows ``sampling`` holds, and whether one samples
-        self.graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.variants: tuple[int, ...] = (0, self.max_levels)  # level counts captured (``set_budgets``)
+        # (bucket, sampled, levels, width) -> the captured program and its output
+        self.graphs: dict[tuple[int, bool, int, int | None], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._idle = {b: self._no_trees(b) for b in batch_buckets}  # a catch-up-only program's output
-        widths = {len(nodes) for nodes, _, _ in levels}
-        self._qsl = {(b, n): torch.arange(b + 1, device=self.device) * n for b in batch_buckets for n in widths}
-        self._plans = {b: self._plan(b, levels) for b in batch_buckets}
+        self._qsl: dict[tuple[int, int], torch.Tensor] = {}
+        self._plans: dict[tuple[int, int | None], _Plan] = {}  # (bucket, width) -> the forwarded levels' constants
+        self._add_plans(self.max_width, levels)
+        # the (levels, width) variants captured (``set_budgets``): the catch-up alone and the whole program
+        self.variants: tuple[tuple[int, int | None], ...] = (self.variant_for(0), self.variant_for(None))
         self._row_start = {b: torch.arange(b, device=self.device) * catch_up for b in batch_buckets}  # (b,)
+
+    def _add_plans(self, width: int | None, levels: list[tuple[torch.Tensor, int, int]]) -> None:
+        """The constants of the program of ``width`` whose forwarded levels are ``levels``, for every bucket."""
+        for b in self.batch_buckets:
+            self._plans[(b, width)] = self._plan(b, levels)
+            for n in {len(nodes) for nodes, _, _ in levels}:
+                self._qsl[(b, n)] = torch.arange(b + 1, device=self.device) * n
 
     def _plan(self, b: int, levels: list[tuple[torch.Tensor, int, int]]) -> _Plan:
         """The constants of bucket ``b`` for the forwarded ``levels`` (region indices (n,), depth, end)."""
@@ -159,13 +169,32 @@ class DeviceDraftProgram:
         """The fewest levels whose nodes hold the ``n`` nodes a step keeps (0: the catch-up alone)."""
         raise NotImplementedError
 
+    @property
+    def max_width(self) -> int | None:
+        """The nodes per level of a whole program (None: levels of a static template, whose widths are its own)."""
+        return None
+
+    def width_for(self, n: int) -> int | None:
+        """The fewest nodes per level that hold the ``n`` nodes a step keeps (``max_width`` unless narrower
+        levels keep the same nodes)."""
+        return self.max_width
+
+    def variant_for(self, n: int | None) -> tuple[int, int | None]:
+        """(levels, width) of the program whose kept trees under budget ``n`` are the whole program's (None: the
+        whole program; budget 0: the catch-up alone)."""
+        if n is None:
+            return self.max_levels, self.max_width
+        levels = self.levels_for(n)
+        return levels, (self.width_for(n) if levels else self.max_width)
+
     def _no_trees(self, b: int) -> torch.Tensor:
         """The output of bucket ``b`` when no level runs: a tree of no node a budget keeps."""
         raise NotImplementedError
 
     def set_budgets(self, budgets) -> None:
-        """Capture (``capture``) the level counts the node ``budgets`` need (the full program always)."""
-        self.variants = tuple(sorted({self.levels_for(n) for n in budgets} | {self.max_levels}))
+        """Capture (``capture``) the (levels, width) variants the node ``budgets`` need (the whole program always)."""
+        self.variants = tuple(sorted({self.variant_for(n) for n in budgets} | {self.variant_for(None)},
+                                     key=lambda v: (v[0], v[1] or 0)))
 
     def bucket(self, rows: int, longest: int) -> int | None:
         """The batch bucket of a step with ``rows`` rows whose longest catch-up is ``longest``, or None."""
@@ -204,12 +233,13 @@ class DeviceDraftProgram:
 
     def replay(self, b: int, sampled: bool = False, n: int | None = None) -> torch.Tensor:
         """Run bucket ``b``'s program (``sampled``: the variant whose sampled rows draw with the target's noise)
-        over its inputs and features as they are now on the device, cut to the levels budget ``n`` keeps nodes
-        of (None: all). Outside the captured variants the whole program runs (same kept trees)."""
-        levels = self.max_levels if n is None else self.levels_for(n)
-        if levels not in self.variants:
-            levels = self.max_levels
-        key = (b, sampled and levels > 0, levels)
+        over its inputs and features as they are now on the device, cut to the levels and width whose nodes hold
+        the ``n`` nodes a step keeps (None: all). Outside the captured variants the whole program runs (same kept
+        trees)."""
+        variant = self.variant_for(n)
+        if variant not in self.variants:
+            variant = self.variant_for(None)
+        key = (b, sampled and variant[0] > 0, *variant)
         entry = self.graphs.get(key)
         if entry is not None:
             graph, out = entry
@@ -224,15 +254,16 @@ class DeviceDraftProgram:
         start = time.perf_counter()
         for b in sorted(self.batch_buckets, reverse=True):
             self.inputs.clear(b, self.q)
-            for levels in self.variants:
+            for levels, width in self.variants:
                 for sampled in (False, True) if levels else (False,):  # (the catch-up alone samples nothing)
-                    key = (b, sampled, levels)
+                    key = (b, sampled, levels, width)
                     self.graphs[key] = capture_graph(functools.partial(self._program, *key), pool_handle, self.device)
         torch.cuda.synchronize(self.device)
         return len(self.graphs), time.perf_counter() - start
 
     @torch.inference_mode()
-    def _program(self, b: int, sampled: bool = False, levels: int | None = None) -> torch.Tensor:
+    def _program(self, b: int, sampled: bool = False, levels: int | None = None,
+                 width: int | None = None) -> torch.Tensor:
         m, q, bs = self.model, self.q, self.pool.block_size
         v = self.inputs.views(b, q)
         kv = self.pool.model_kv(DRAFT_MODEL_INDEX)
@@ -247,14 +278,17 @@ class DeviceDraftProgram:
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
         # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
         logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
-        p = self._plans[b]  # every level's slots and positions, computed once
+        if levels is None:
+            levels, width = self.variant_for(None)
+        p = self._plans[(b, width)]  # every level's slots and positions, computed once
         slots, pos = tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs,
                                 use_triton=self.backend.uses_triton)
-        c = CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends, sampled)
-        return self._grow(c, self.max_levels if levels is None else levels)
+        c = CatchUp(b, v, kv, state, logits, slots, pos, v.seq_lens + p.ends, p.starts, sampled)
+        return self._grow(c, levels, width)
 
-    def _grow(self, c: CatchUp, levels: int) -> torch.Tensor:
-        """The trees of the program's first ``levels`` levels (>= 1), laid out as the whole program's output."""
+    def _grow(self, c: CatchUp, levels: int, width: int | None) -> torch.Tensor:
+        """The trees of the program's first ``levels`` levels (>= 1) of ``width`` nodes (``variant_for``), laid
+        out as the whole program's output."""
         raise NotImplementedError
 
     def _children_scores(self, c: CatchUp, logits: torch.Tensor, depth: int) -> torch.Tensor:
@@ -278,7 +312,7 @@ class DeviceDraftProgram:
         attending the region [0, end) through ``masks`` (b * n,) and reading draft states ``feats``
         (b * n, hidden). Returns their states (b * n, hidden) and draft logits (b * n, N) in the head's dtype."""
         b, n, v = c.b, toks.shape[1], c.views
-        lo, hi = self._plans[b].starts[level:level + 2]
+        lo, hi = c.starts[level:level + 2]
         meta = AttnMetadata(query_start_loc=self._qsl[(b, n)], prefix_lens=v.seq_lens, seq_lens=c.seq_lens[level],
                             block_tables=v.block_tables, slot_mapping=c.slots[lo:hi], block_size=self.pool.block_size,
                             tree_mask=masks, max_query_len=n, max_seq_len=self.max_seq_len)
@@ -309,7 +343,7 @@ class DeviceTreeLoop(DeviceDraftProgram):
     def _no_trees(self, b: int) -> torch.Tensor:
         return torch.zeros(b, self.template.num_nodes, dtype=torch.int64, device=self.device)
 
-    def _grow(self, c: CatchUp, levels: int) -> torch.Tensor:
+    def _grow(self, c: CatchUp, levels: int, width: int | None) -> torch.Tensor:
         m, b, state, logits = self.model, c.b, c.state, c.logits
         tokens = []
         for i, lv in enumerate(self.levels[:levels]):

@@ -156,12 +156,32 @@ class DeviceDynamicTree(DeviceDraftProgram):
         dev = torch.device(device)
         k = shape.width
         self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
-        self._consts = grow_consts(shape, dev)
         self._ops = GrowOps(*(functools.partial(op, use_triton=backend.uses_triton)
                               for op in (topk_logprobs, tree_level, tree_choose)))
-        self._mask0 = {b: self._consts.bits[0].repeat(b) for b in batch_buckets}  # (b*K,) level 0's masks
+        self._consts: dict[int, GrowConsts] = {}  # width -> grow's constants of levels that wide
+        self._mask0: dict[tuple[int, int], Tensor] = {}  # (bucket, width) -> (b * width,) level 0's masks
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
                          [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
+        self._add_width(k)
+
+    def _add_width(self, k: int) -> None:
+        """The constants of programs whose levels hold ``k`` nodes: their tree region is laid out k per level
+        (node (level, position) at region index level * k + position), so a narrower program is the program of
+        shape (k, D) and writes draft KV only inside the whole program's region."""
+        if k in self._consts:
+            return
+        consts = self._consts[k] = grow_consts(DynamicShape(k, self.shape.depth, k * self.shape.depth), self.device)
+        levels = [(torch.arange(lv * k, lv * k + k, device=self.device), lv, (lv + 1) * k)
+                  for lv in range(self.shape.depth - 1)]
+        if (self.batch_buckets[0], k) not in self._plans:
+            self._add_plans(k, levels)
+        for b in self.batch_buckets:
+            self._mask0[(b, k)] = consts.bits[0].repeat(b)
+
+    def set_budgets(self, budgets) -> None:
+        super().set_budgets(budgets)
+        for _, width in self.variants:
+            self._add_width(width)
 
     @property
     def max_levels(self) -> int:
@@ -172,6 +192,17 @@ class DeviceDynamicTree(DeviceDraftProgram):
         the earlier level), so n levels grow the same best n nodes as all D."""
         return min(n, self.shape.depth)
 
+    @property
+    def max_width(self) -> int:
+        return self.shape.width
+
+    def width_for(self, n: int) -> int:
+        """The best n nodes of a tree lie within levels of n nodes: a kept node's parent is among the n best of
+        its level and the node among its parent's n best children (every node ranked above it in its level or
+        among its siblings scores at least as high, so is kept too), so levels of min(n, K) nodes keep the same
+        best n nodes as levels of K, with fewer draft forwards and a smaller top-k per level."""
+        return max(1, min(n, self.shape.width))
+
     def _no_trees(self, b: int) -> Tensor:
         """(b, 3, N): no token, parents -1, score rank N (not below any budget, so never kept)."""
         n = self.shape.nodes
@@ -179,24 +210,25 @@ class DeviceDynamicTree(DeviceDraftProgram):
         out[:, 1], out[:, 2] = -1, n
         return out
 
-    def _grow(self, c: CatchUp, levels: int) -> Tensor:
-        m, k = self.model, self.shape.width
+    def _grow(self, c: CatchUp, levels: int, width: int | None) -> Tensor:
+        m, k = self.model, self.shape.width if width is None else width
+        consts = self._consts[k]
         state = c.state  # (b, K or 1, hidden): the draft states of the level before (first: the root)
 
         def expand(level: int, toks: Tensor, ppos: Tensor, masks: Tensor) -> Tensor:
             nonlocal state
             feats = state.gather(1, ppos.unsqueeze(-1).expand(c.b, -1, state.shape[-1])).flatten(0, 1)  # (b*K, h)
-            flat = self._mask0[c.b] if level == 0 else masks.flatten()
+            flat = self._mask0[(c.b, k)] if level == 0 else masks.flatten()
             h, logits = self._forward(c, level, m.vocab_ids[toks], flat, feats)  # (b*K, hidden), (b*K, V)
             state = h.view(c.b, k, -1)
             return self._children_scores(c, logits.view(c.b, k, -1), level + 1)  # (b, K, V) logits
 
         # the children's top-k reads the logits: their log probabilities at the picks, no log_softmax launch
         root = self._children_scores(c, c.logits, 0).flatten(0, 1)  # (b, V)
-        if levels >= self.shape.depth:
-            return grow(root, expand, self.shape, self._ops, self._consts, m.vocab_ids)  # (b, 3, N)
-        # the first ``levels`` levels: their best nodes, then nodes no budget of these levels keeps (rank N)
-        bits, zero, offset = self._consts
+        if levels >= self.shape.depth and k == self.shape.width:
+            return grow(root, expand, self.shape, self._ops, consts, m.vocab_ids)  # (b, 3, N)
+        # the first ``levels`` levels of k nodes: their best nodes, then nodes no budget they serve keeps (rank N)
+        bits, zero, offset = consts
         shape = DynamicShape(k, levels, min(self.shape.nodes, k * levels))
         out = grow(root, expand, shape, self._ops, GrowConsts(bits[:levels], zero, offset[:k * levels]), m.vocab_ids)
         return torch.cat([out, self._idle[c.b][:, :, shape.nodes:]], 2)  # (b, 3, N)
