@@ -1,13 +1,17 @@
 """Launch settings of the sampled rule's two row kernels: the sort-free top-k/top-p filter (``kernels/nucleus.py``)
-and the Gumbel-max token choice (``kernels/gumbel_choice.py``), each one program per row walking the vocabulary.
+and the Gumbel-max token choice (``kernels/gumbel_choice.py``), each one program per row walking the vocabulary;
+and of the EAGLE draft's children top-k (``kernels/topk.py``, blocks of columns per program, then a merge).
 
-    python -P bench/gpu_sampling_kernels.py OUT_DIR [--vocab V] [--rows 16,64,256]
+    python -P bench/gpu_sampling_kernels.py OUT_DIR [--vocab V] [--rows 16,64,256] [--topk-rows 10x10,...]
 
 For R rows of float32 logits (two shapes of distribution: peaked, where the nucleus holds a few tokens, and flat,
 where it holds thousands), T = 0.7 and top-p 0.9, every (block, warps) pair of each kernel is timed (CUDA events,
 median of 30 launches after 5 untimed) and checked against the current default's output (the same kept set and
-the same tokens). Writes OUT_DIR/sampling_kernels.json and prints one line per (kernel, distribution, rows) with
-the default's time and the fastest setting's.
+the same tokens). The top-k: bf16 logits over the draft vocabulary (24,576), R nodes x k children (the device
+program's levels: 10 nodes of 10 children at batch 1, 160 and 640 at batch 16 and 64, and the narrow cuts' 3 x 3
+and 7 x 7 per row at batch 64), every (block, warps) checked against the default's columns. Writes
+OUT_DIR/sampling_kernels.json and prints one line per (kernel, distribution, rows) with the default's time and the
+fastest setting's.
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ from specdec.kernels.gumbel_choice import DEFAULT_BLOCK as CHOOSE_BLOCK
 from specdec.kernels.gumbel_choice import choose_tokens_triton
 from specdec.kernels.nucleus import DEFAULT_BLOCK as NUCLEUS_BLOCK
 from specdec.kernels.nucleus import nucleus_probs
+from specdec.kernels.topk import DEFAULT_BLOCK as TOPK_BLOCK
+from specdec.kernels.topk import topk_logprobs_small
 
 from specdec.row_sampling import RowSampling
 
 NUCLEUS = [(b, w) for b in (1024, 2048, 4096, 8192) for w in (4, 8, 16)]
 CHOOSE = [(b, w) for b in (512, 1024, 2048, 4096) for w in (4, 8, 16)]
+TOPK = [(b, w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)]
 
 
 def timed(fn, reps: int = 30) -> float:
@@ -57,6 +64,8 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--rows", default="16,64,256")
+    ap.add_argument("--topk-rows", default="10x10,160x10,640x10,192x3,448x7", help="nodes x children")
+    ap.add_argument("--draft-vocab", type=int, default=24576)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args()
@@ -106,6 +115,28 @@ def main() -> None:
                       f"block {best['block']} warps {best['warps']}; "
                       f"{sum(1 for e in rows if 'ms' in e and not e['same'])} settings differ", flush=True)
                 (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
+    for shape in args.topk_rows.split(","):
+        r, k = (int(v) for v in shape.split("x"))
+        x = (torch.randn(r, args.draft_vocab, device=dev, generator=gen) * 3).to(torch.bfloat16)
+        want = topk_logprobs_small(x, k).indices
+        rows = []
+        for block, warps in TOPK:
+            fn = functools.partial(topk_logprobs_small, x, k, block=block, num_warps=warps)
+            try:
+                same = bool(torch.equal(fn().indices, want))
+                ms = timed(fn, args.reps)
+            except Exception as e:  # (a setting that does not compile or fit: recorded, skipped)
+                rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
+                continue
+            rows.append({"block": block, "warps": warps, "ms": ms, "same": same})
+        ok = [e for e in rows if "ms" in e and e["same"]]
+        base = next((e for e in ok if (e["block"], e["warps"]) == (TOPK_BLOCK, 8 if TOPK_BLOCK >= 4096 else 4)), None)
+        best = min(ok, key=lambda e: e["ms"])
+        res.append({"kernel": "topk", "rows": r, "k": k, "default": base, "best": best, "all": rows})
+        print(f"kernels topk {r} nodes x {k}: default {base['ms'] * 1e3 if base else float('nan'):.1f} us, best "
+              f"{best['ms'] * 1e3:.1f} us at block {best['block']} warps {best['warps']}; "
+              f"{sum(1 for e in rows if 'ms' in e and not e['same'])} settings differ", flush=True)
+        (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

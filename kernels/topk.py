@@ -137,21 +137,24 @@ def takes(x: torch.Tensor, k: int) -> bool:
     return x.dtype in FLOAT_DTYPES and 1 <= n <= MAX_COLS and isinstance(k, int) and 1 <= k <= min(MAX_K, n)
 
 
-def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # (R, N) -> (R, k) x2
+def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK,
+               num_warps: int | None = None) -> TopK:  # (R, N) -> (R, k) x2
     """Each row's k largest values of ``x`` (R, N), best first, with their columns: the values of
     ``torch.topk(x, k, dim=-1)``, ties and NaN as the module docstring says (== ``topk_reference``).
-    ``block`` (a power of two >= 16) is the columns one program of launch 1 reads."""
-    return _launch(x, k, block, False)
+    ``block`` (a power of two >= 16) is the columns one program of launch 1 reads; ``num_warps`` its warps
+    (None: 8 from 4,096 columns, else 4)."""
+    return _launch(x, k, block, False, num_warps)
 
 
-def topk_logprobs_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK) -> TopK:  # (R, N) -> (R, k) x2
+def topk_logprobs_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK,
+                        num_warps: int | None = None) -> TopK:  # (R, N) -> (R, k) x2
     """``topk_small``'s columns of logits ``x`` (R, N) with their log probabilities, float32: values
     ``log_softmax(x.float())`` at those columns (== ``topk_logprobs_reference`` up to float rounding), in the
     same launches (each block also sums its exponentials). A row holding NaN or +inf has NaN values."""
-    return _launch(x, k, block, True)
+    return _launch(x, k, block, True, num_warps)
 
 
-def _launch(x: torch.Tensor, k: int, block: int, logp: bool) -> TopK:
+def _launch(x: torch.Tensor, k: int, block: int, logp: bool, num_warps: int | None = None) -> TopK:
     check_topk_args(x, k)
     check_launchable(_block_topk_kernel, x.device)
     if block < 16 or block & (block - 1):
@@ -163,7 +166,7 @@ def _launch(x: torch.Tensor, k: int, block: int, logp: bool) -> TopK:
         return TopK(values, indices)
     block = min(block, max(16, next_pow2(n)))
     n_blocks = triton.cdiv(n, block)
-    warps = 8 if block >= 4096 else 4
+    warps = num_warps or (8 if block >= 4096 else 4)
     if n_blocks == 1:
         _block_topk_kernel[(r, 1)](x, values, values, indices, values, n, x.stride(0), K=k, BLOCK=block,
                                    FINAL=True, LOGP=logp, num_warps=warps)
