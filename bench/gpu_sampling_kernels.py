@@ -59,6 +59,30 @@ def timed(fn, reps: int = 30) -> float:
     return statistics.median(times)
 
 
+def sweep(grid, launch, same, default: tuple[int, int], reps: int) -> tuple[list[dict], dict | None, dict]:
+    """Every (block, warps) of ``grid``: ``launch(block=, num_warps=)`` checked by ``same(output)`` and timed.
+    Returns the rows, the default's row (None when it failed or differed) and the fastest row that agreed."""
+    rows = []
+    for block, warps in grid:
+        fn = functools.partial(launch, block=block, num_warps=warps)
+        try:
+            agrees = same(fn())
+            ms = timed(fn, reps)
+        except Exception as e:  # (a setting that does not compile or fit: recorded, skipped)
+            rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
+        rows.append({"block": block, "warps": warps, "ms": ms, "same": agrees})
+    ok = [e for e in rows if "ms" in e and e["same"]]
+    return rows, next((e for e in ok if (e["block"], e["warps"]) == default), None), min(ok, key=lambda e: e["ms"])
+
+
+def report(what: str, rows: list[dict], base: dict | None, best: dict) -> None:
+    """One line: the default's time and the fastest setting's."""
+    print(f"kernels {what}: default {base['ms'] * 1e3 if base else float('nan'):.1f} us, best {best['ms'] * 1e3:.1f} "
+          f"us at block {best['block']} warps {best['warps']}; "
+          f"{sum(1 for e in rows if 'ms' in e and not e['same'])} settings differ", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -94,50 +118,23 @@ def main() -> None:
                        ("choose", CHOOSE, (CHOOSE_BLOCK, 16),
                         functools.partial(choose_tokens_triton, x, t, keys[0], keys[1], pos, kept)))
             for name, grid, default, launch in kernels:
-                rows = []
-                for block, warps in grid:
-                    fn = functools.partial(launch, block=block, num_warps=warps)
-                    try:
-                        got = fn()
-                        same = bool(((got > 0) == kept).all()) if name == "nucleus" else bool((got == want).all())
-                        ms = timed(fn, args.reps)
-                    except Exception as e:  # (a setting that does not compile or fit: recorded, skipped)
-                        rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
-                        continue
-                    rows.append({"block": block, "warps": warps, "ms": ms, "same": same})
-                ok = [e for e in rows if "ms" in e and e["same"]]
-                base = next((e for e in ok if (e["block"], e["warps"]) == default), None)
-                best = min(ok, key=lambda e: e["ms"])
+                same = (lambda got, kept=kept: bool(((got > 0) == kept).all())) if name == "nucleus" else \
+                    (lambda got, want=want: bool((got == want).all()))
+                rows, base, best = sweep(grid, launch, same, default, args.reps)
                 res.append({"kernel": name, "dist": dist, "rows": r, "kept_median": size, "default": base,
                             "best": best, "all": rows})
-                print(f"kernels {name} {dist} rows {r} (nucleus median {size:.0f} tokens): default "
-                      f"{base['ms'] * 1e3 if base else float('nan'):.1f} us, best {best['ms'] * 1e3:.1f} us at "
-                      f"block {best['block']} warps {best['warps']}; "
-                      f"{sum(1 for e in rows if 'ms' in e and not e['same'])} settings differ", flush=True)
+                report(f"{name} {dist} rows {r} (nucleus median {size:.0f} tokens)", rows, base, best)
                 (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
     for shape in args.topk_rows.split(","):
         r, k = (int(v) for v in shape.split("x"))
         x = (torch.randn(r, args.draft_vocab, device=dev, generator=gen) * 3).to(torch.bfloat16)
         want = topk_logprobs_small(x, k).indices
-        rows = []
-        for block, warps in TOPK:
-            fn = functools.partial(topk_logprobs_small, x, k, block=block, num_warps=warps)
-            try:
-                same = bool(torch.equal(fn().indices, want))
-                ms = timed(fn, args.reps)
-            except Exception as e:  # (a setting that does not compile or fit: recorded, skipped)
-                rows.append({"block": block, "warps": warps, "error": f"{type(e).__name__}: {e}"[:200]})
-                continue
-            rows.append({"block": block, "warps": warps, "ms": ms, "same": same})
-        ok = [e for e in rows if "ms" in e and e["same"]]
-        base = next((e for e in ok if (e["block"], e["warps"]) == (TOPK_BLOCK, 8 if TOPK_BLOCK >= 4096 else 4)), None)
-        best = min(ok, key=lambda e: e["ms"])
+        rows, base, best = sweep(TOPK, functools.partial(topk_logprobs_small, x, k),
+                                 lambda got, want=want: bool(torch.equal(got.indices, want)),
+                                 (TOPK_BLOCK, 8 if TOPK_BLOCK >= 4096 else 4), args.reps)
         res.append({"kernel": "topk", "rows": r, "k": k, "default": base, "best": best, "all": rows})
-        print(f"kernels topk {r} nodes x {k}: default {base['ms'] * 1e3 if base else float('nan'):.1f} us, best "
-              f"{best['ms'] * 1e3:.1f} us at block {best['block']} warps {best['warps']}; "
-              f"{sum(1 for e in rows if 'ms' in e and not e['same'])} settings differ", flush=True)
+        report(f"topk {r} nodes x {k}", rows, base, best)
         (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
-
 
 if __name__ == "__main__":
     main()
