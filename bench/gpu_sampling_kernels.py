@@ -9,7 +9,8 @@ where it holds thousands), T = 0.7 and top-p 0.9, every (block, warps) pair of e
 median of 30 launches after 5 untimed) and checked against the current default's output (the same kept set and
 the same tokens). The top-k: bf16 logits over the draft vocabulary (24,576), R nodes x k children (the device
 program's levels: 10 nodes of 10 children at batch 1, 160 and 640 at batch 16 and 64, and the narrow cuts' 3 x 3
-and 7 x 7 per row at batch 64), every (block, warps) checked against the default's columns. Writes
+and 7 x 7 per row at batch 64), each way of taking a block's best k (``METHODS``) at every (block, warps), checked
+against the default's columns. Writes
 OUT_DIR/sampling_kernels.json and prints one line per (kernel, distribution, rows) with the default's time and the
 fastest setting's.
 """
@@ -29,7 +30,7 @@ from specdec.kernels.gumbel_choice import choose_tokens_triton
 from specdec.kernels.nucleus import DEFAULT_BLOCK as NUCLEUS_BLOCK
 from specdec.kernels.nucleus import nucleus_probs
 from specdec.kernels.topk import DEFAULT_BLOCK as TOPK_BLOCK
-from specdec.kernels.topk import topk_logprobs_small
+from specdec.kernels.topk import METHODS, topk_logprobs_small
 
 from specdec.row_sampling import RowSampling
 
@@ -129,12 +130,14 @@ def main() -> None:
         r, k = (int(v) for v in shape.split("x"))
         x = (torch.randn(r, args.draft_vocab, device=dev, generator=gen) * 3).to(torch.bfloat16)
         want = topk_logprobs_small(x, k).indices
-        rows, base, best = sweep(TOPK, functools.partial(topk_logprobs_small, x, k),
-                                 lambda got, want=want: bool(torch.equal(got.indices, want)),
-                                 (TOPK_BLOCK, 8 if TOPK_BLOCK >= 4096 else 4), args.reps)
-        res.append({"kernel": "topk", "rows": r, "k": k, "default": base, "best": best, "all": rows})
-        report(f"topk {r} nodes x {k}", rows, base, best)
-        (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
+        for method in METHODS:  # k rounds of a block-wide max, or one bitonic top-k per block
+            rows, base, best = sweep(TOPK, functools.partial(topk_logprobs_small, x, k, method=method),
+                                     lambda got, want=want: bool(torch.equal(got.indices, want)),
+                                     (TOPK_BLOCK, 8 if TOPK_BLOCK >= 4096 else 4), args.reps)
+            res.append({"kernel": "topk", "method": method, "rows": r, "k": k, "default": base, "best": best,
+                        "all": rows})
+            report(f"topk {method} {r} nodes x {k}", rows, base, best)
+            (out / "sampling_kernels.json").write_text(json.dumps(res, indent=1))
 
 if __name__ == "__main__":
     main()

@@ -12,7 +12,10 @@ among equal values, so it may pick different indices on ties; the values agree.
 
 How: each value becomes an int32 key whose integer order is that rule's float order, packed with
 the complement of its column as one int64, so one integer max per round finds the best value and,
-among equals, the lowest column; the value returned is read back from ``x`` at that column.
+among equals, the lowest column; the value returned is read back from ``x`` at that column. Two ways to take
+the k best of a block (``method``): "select", k rounds of a block-wide integer max, each masking the one it took;
+"bitonic", one ``tl.topk`` (a bitonic network) of the next power of two >= max(k, 2) keys, stored at once. The
+packed keys are unique, so both take the same columns.
 
 ``topk_logprobs_small`` picks the same columns of logits and returns their log probabilities: each block
 program also keeps its max and sum of exp(x - max), the last launch combines them into the row's
@@ -31,6 +34,8 @@ from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_ten
 from specdec.kernels.triton_import import tl, triton
 
 MAX_K = 16
+METHODS = ("select", "bitonic")
+DEFAULT_METHOD = "select"
 MAX_COLS = 1 << 17  # the merge keeps every row's cdiv(N, block) * k candidates in one program
 DEFAULT_BLOCK = 2048
 _INT64_MIN: tl.constexpr = tl.constexpr(-(1 << 63))  # below every packed entry
@@ -54,9 +59,23 @@ def order_key(x):
 
 @triton.jit
 def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum,
-          K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr):
-    """Take the k largest of ``packed`` one by one: as candidates (slot ``slot`` on) or as the output row
-    (LOGP: the value less ``row_max`` and ``log_sum``, the row's log probability)."""
+          K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr, KP: tl.constexpr = 0):
+    """Take the k largest of ``packed``: as candidates (slot ``slot`` on) or as the output row (LOGP: the value
+    less ``row_max`` and ``log_sum``, the row's log probability). KP > 0: all at once by a bitonic top-KP (a power
+    of two >= K); 0: one by one."""
+    if KP > 0:
+        top = tl.topk(packed, KP)  # (KP,) best first
+        i = tl.arange(0, KP)
+        if FINAL:
+            col = 0x7FFFFFFF - (top & 0x7FFFFFFF)
+            tl.store(idx_ptr + row * K + i, col, mask=i < K)
+            val = tl.load(x_row_ptr + col, mask=i < K, other=0.0)
+            if LOGP:
+                val = (val.to(tl.float32) - row_max) - log_sum
+            tl.store(val_ptr + row * K + i, val, mask=i < K)
+        else:
+            tl.store(cand_ptr + slot + i, top, mask=i < K)
+        return
     for i in range(K):
         best = tl.max(packed, axis=0)
         packed = tl.where(packed == best, _INT64_MIN, packed)  # packed entries are unique (column inside)
@@ -74,7 +93,7 @@ def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log
 @triton.jit
 def _block_topk_kernel(
     x_ptr, cand_ptr, val_ptr, idx_ptr, part_ptr, n_cols, stride_x,
-    K: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr,
+    K: tl.constexpr, BLOCK: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr, KP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -95,13 +114,13 @@ def _block_topk_kernel(
             tl.store(part_ptr + (row * n_blocks + blk) * 2, row_max)
             tl.store(part_ptr + (row * n_blocks + blk) * 2 + 1, part)
     _emit(packed, row, (row * n_blocks + blk) * K, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr,
-          row_max, log_sum, K, FINAL, LOGP)
+          row_max, log_sum, K, FINAL, LOGP, KP)
 
 
 @triton.jit
 def _merge_topk_kernel(
     cand_ptr, x_ptr, val_ptr, idx_ptr, part_ptr, n_cand, n_blocks, stride_x,
-    K: tl.constexpr, CAND_P: tl.constexpr, BLOCKS_P: tl.constexpr, LOGP: tl.constexpr,
+    K: tl.constexpr, CAND_P: tl.constexpr, BLOCKS_P: tl.constexpr, LOGP: tl.constexpr, KP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CAND_P)
@@ -115,7 +134,7 @@ def _merge_topk_kernel(
         ss = tl.load(part + 1, mask=b < n_blocks, other=0.0)
         row_max = tl.max(ms, axis=0)
         log_sum = tl.log(tl.sum(tl.where(ms == float("-inf"), 0.0, ss * tl.exp(ms - row_max)), axis=0))
-    _emit(packed, row, 0, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, row_max, log_sum, K, True, LOGP)
+    _emit(packed, row, 0, x_ptr + row * stride_x, cand_ptr, val_ptr, idx_ptr, row_max, log_sum, K, True, LOGP, KP)
 
 
 def check_topk_args(x: torch.Tensor, k: int) -> None:
@@ -137,28 +156,32 @@ def takes(x: torch.Tensor, k: int) -> bool:
     return x.dtype in FLOAT_DTYPES and 1 <= n <= MAX_COLS and isinstance(k, int) and 1 <= k <= min(MAX_K, n)
 
 
-def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK,
-               num_warps: int | None = None) -> TopK:  # (R, N) -> (R, k) x2
+def topk_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK, num_warps: int | None = None,
+               method: str = DEFAULT_METHOD) -> TopK:  # (R, N) -> (R, k) x2
     """Each row's k largest values of ``x`` (R, N), best first, with their columns: the values of
     ``torch.topk(x, k, dim=-1)``, ties and NaN as the module docstring says (== ``topk_reference``).
     ``block`` (a power of two >= 16) is the columns one program of launch 1 reads; ``num_warps`` its warps
-    (None: 8 from 4,096 columns, else 4)."""
-    return _launch(x, k, block, False, num_warps)
+    (None: 8 from 4,096 columns, else 4); ``method`` "select" or "bitonic" (the module docstring)."""
+    return _launch(x, k, block, False, num_warps, method)
 
 
-def topk_logprobs_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK,
-                        num_warps: int | None = None) -> TopK:  # (R, N) -> (R, k) x2
+def topk_logprobs_small(x: torch.Tensor, k: int, block: int = DEFAULT_BLOCK, num_warps: int | None = None,
+                        method: str = DEFAULT_METHOD) -> TopK:  # (R, N) -> (R, k) x2
     """``topk_small``'s columns of logits ``x`` (R, N) with their log probabilities, float32: values
     ``log_softmax(x.float())`` at those columns (== ``topk_logprobs_reference`` up to float rounding), in the
     same launches (each block also sums its exponentials). A row holding NaN or +inf has NaN values."""
-    return _launch(x, k, block, True, num_warps)
+    return _launch(x, k, block, True, num_warps, method)
 
 
-def _launch(x: torch.Tensor, k: int, block: int, logp: bool, num_warps: int | None = None) -> TopK:
+def _launch(x: torch.Tensor, k: int, block: int, logp: bool, num_warps: int | None = None,
+            method: str = DEFAULT_METHOD) -> TopK:
     check_topk_args(x, k)
     check_launchable(_block_topk_kernel, x.device)
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    kp = next_pow2(max(k, 2)) if method == "bitonic" else 0  # (tl.topk takes a power of two, and not 1)
     r, n = x.shape
     values = torch.empty((r, k), dtype=torch.float32 if logp else x.dtype, device=x.device)
     indices = torch.empty((r, k), dtype=torch.int64, device=x.device)
@@ -169,14 +192,15 @@ def _launch(x: torch.Tensor, k: int, block: int, logp: bool, num_warps: int | No
     warps = num_warps or (8 if block >= 4096 else 4)
     if n_blocks == 1:
         _block_topk_kernel[(r, 1)](x, values, values, indices, values, n, x.stride(0), K=k, BLOCK=block,
-                                   FINAL=True, LOGP=logp, num_warps=warps)
+                                   FINAL=True, LOGP=logp, KP=kp, num_warps=warps)
         return TopK(values, indices)
     cand = torch.empty((r, n_blocks * k), dtype=torch.int64, device=x.device)  # packed (key, column)
     part = torch.empty((r, n_blocks, 2) if logp else (1,), dtype=torch.float32, device=x.device)  # (max, sum)
     _block_topk_kernel[(r, n_blocks)](x, cand, values, indices, part, n, x.stride(0), K=k, BLOCK=block,
-                                      FINAL=False, LOGP=logp, num_warps=warps)
+                                      FINAL=False, LOGP=logp, KP=kp, num_warps=warps)
     _merge_topk_kernel[(r,)](cand, x, values, indices, part, n_blocks * k, n_blocks, x.stride(0), K=k,
-                             CAND_P=next_pow2(n_blocks * k), BLOCKS_P=next_pow2(n_blocks), LOGP=logp, num_warps=4)
+                             CAND_P=max(next_pow2(n_blocks * k), kp), BLOCKS_P=next_pow2(n_blocks), LOGP=logp, KP=kp,
+                             num_warps=4)
     return TopK(values, indices)
 
 

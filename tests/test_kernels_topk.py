@@ -11,6 +11,7 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernels in the interpre
 import pytest  # noqa: E402
 from specdec.kernels.topk import (  # noqa: E402
     MAX_K,
+    METHODS,
     topk,
     topk_logprobs,
     topk_logprobs_reference,
@@ -57,10 +58,12 @@ def test_reference_follows_the_rule():
 @pytest.mark.parametrize("r,n,block", [(3, 37, 16), (2, 1000, 2048), (4, 3000, 2048), (2, 3000, 256)])
 @pytest.mark.parametrize("k", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_small_equals_reference(r, n, block, k, dtype):
-    """One launch (a row in one block), two launches, and blocks shorter than k (37 columns in 16s)."""
+@pytest.mark.parametrize("method", METHODS)
+def test_topk_small_equals_reference(r, n, block, k, dtype, method):
+    """One launch (a row in one block), two launches, and blocks shorter than k (37 columns in 16s); each way of
+    taking a block's best k."""
     x = _tied_rows(r, n, dtype, seed=n + k)
-    got = topk_small(x, k, block=block)
+    got = topk_small(x, k, block=block, method=method)
     _assert_same(got, topk_reference(x, k))
     assert torch.equal(got.values.nan_to_num(), torch.topk(x, k, dim=-1).values.nan_to_num())
 
@@ -103,13 +106,14 @@ def _assert_close_logprobs(got, want):
     torch.testing.assert_close(got.values.nan_to_num(), want.values.nan_to_num(), rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("r,n,block,k", [(3, 37, 16, 4), (4, 3000, 2048, 1), (3, 3000, 256, 4)])
+@pytest.mark.parametrize("r,n,block,k", [(3, 37, 16, 4), (4, 3000, 2048, 1), (3, 3000, 256, 4), (2, 3000, 256, 10)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_topk_logprobs_equals_reference(r, n, block, k, dtype):
+@pytest.mark.parametrize("method", METHODS)
+def test_topk_logprobs_equals_reference(r, n, block, k, dtype, method):
     """Tied, -inf, NaN (row 0) and +inf (last row: NaN log probabilities) rows, one and two launches."""
     x = _tied_rows(r, n, dtype, seed=2 * n + k)
     x[1] = (torch.randn(n) * 3).to(x)  # a row of distinct finite values: log probabilities of every size
-    got = topk_logprobs_small(x, k, block=block)
+    got = topk_logprobs_small(x, k, block=block, method=method)
     want = topk_logprobs_reference(x, k)
     _assert_close_logprobs(got, want)
     assert not got.values[1].isnan().any() and torch.equal(got.indices, topk_small(x, k, block=block).indices)
@@ -154,6 +158,11 @@ def test_bad_arguments_name_the_field(args, match):
         topk_small(x.to(DEVICE), k)
 
 
+def test_method_must_be_known():
+    with pytest.raises(ValueError, match="method must be one of"):
+        topk_small(torch.zeros(2, 50, device=DEVICE), 2, method="radix")
+
+
 def test_block_must_be_a_power_of_two():
     with pytest.raises(ValueError, match="block"):
         topk_small(torch.zeros(2, 50, device=DEVICE), 2, block=100)
@@ -163,11 +172,12 @@ def test_block_must_be_a_power_of_two():
 @pytest.mark.skipif(DEVICE != "cuda", reason="the draft vocabulary at full size needs compiled kernels")
 @pytest.mark.parametrize("r", [1, 8, 64 * 8])
 @pytest.mark.parametrize("k", [1, 2, 4, 8, 10, 16])
-def test_draft_vocabulary_on_gpu(r, k):
+@pytest.mark.parametrize("method", METHODS)
+def test_draft_vocabulary_on_gpu(r, k, method):
     """bf16 rows over a 24,576-token draft vocabulary (many ties); the reference sorts on the CPU."""
     g = torch.Generator().manual_seed(r + k)
     x = (torch.randn(r, 24576, generator=g) * 4).to(torch.bfloat16)
-    got = topk_small(x.cuda(), k)
+    got = topk_small(x.cuda(), k, method=method)
     _assert_same(type(got)(got.values.cpu(), got.indices.cpu()), topk_reference(x, k))
-    got = topk_logprobs_small(x.cuda(), k)
+    got = topk_logprobs_small(x.cuda(), k, method=method)
     _assert_close_logprobs(type(got)(got.values.cpu(), got.indices.cpu()), topk_logprobs_reference(x, k))
