@@ -14,6 +14,8 @@
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh chisq     (sampling losslessness, 20k samples)
 #   any run (.whl)                     bash bench/gpu_session.sh kernels   (launch settings of the sampling kernels)
+#   any run (.data/distill/parts/...)  bash bench/gpu_session.sh parts     (training files split to fit a run: joined
+#                                      by the distill round; a piece's run takes one such part too)
 # Training a draft (bench/README.md, "Training the default draft"): run 1 also carries .data/distill/regen.npz (the
 # target's replies; else .data/distill/prompts.npz from `bash bench/gpu_session.sh distill_prep`, regenerated in
 # `distill 1`), then `distill 1` and `distill 2` in two runs; INIT_FROM (default smollm2-135m-draft) is warm-started.
@@ -23,7 +25,7 @@
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | tests | plan NAME TEMPERATURE | suites | profile | chisq | kernels | distill 1|2}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | chisq | kernels | distill 1|2}
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
