@@ -157,6 +157,8 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
   # training has finished (the draft is written)
   [ ! -f "$work/draft/ckpt.pt" ] || [ -f "$work/draft/model.safetensors" ] \
     || split -b 16000000 -d "$work/draft/ckpt.pt" "$OUT/ckpt.pt.part"
+  [ ! -f "$work/draft/model.safetensors" ] \
+    || { mkdir -p "$D/draft" && cp "$work/draft/model.safetensors" "$work/draft/specdec_draft.json" "$D/draft/"; }
   [ "$part" = 2 ] || return 0
   [ -f "$work/draft/model.safetensors" ] || { echo "training not finished: run distill 2 again"; return 1; }
   timeout "${MEASURE_LIMIT:-300}" "${sd[@]}" --measure "${MEASURE_SETS:-$root/.gpu/mtbench_ids.json}" \
