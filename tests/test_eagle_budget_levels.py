@@ -11,6 +11,9 @@ the program is a captured graph."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -50,22 +53,32 @@ def _levels_run(monkeypatch) -> list[tuple[int, int | None]]:
     return runs
 
 
-@pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
-def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkeypatch, tree):
+TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                   reason="the interpreter runs Triton on the CPU; on CUDA the auto backend is Triton")
+
+
+@pytest.mark.parametrize("tree,backend", [("dynamic:16", "auto"), ("topk:2x3", "auto"),
+                                          pytest.param("dynamic:12:4x4", "triton", marks=TRITON_ON_CPU)])
+def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkeypatch, tree, backend):
     """At the first decode step of four rows (two sampled), each budget's cut program, run from the same KV and
     inputs as the whole program, keeps the same trees (greedy and sampled variants) and writes the same draft KV at
     the catch-up slots; budget 0 runs no level and changes no KV but the catch-up's. (Then the step runs on from
     the KV as it was, and the tokens are target-only's.)"""
     draft, target, want, dev = pair
-    eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=False, device=dev, **CFG))
+    if backend == "triton" and dev != "cpu":
+        pytest.skip("the interpreter runs on the CPU (on CUDA the auto backend is Triton)")
+    eng = SpecEngine(draft, target, SpecConfig(tree=tree, pipeline=False, device=dev, attention_backend=backend,
+                                               **CFG))
     d, loop, pool = eng.drafter, eng.drafter.device_loop, eng.pool
     budgets = sorted({o.nodes for o in budget_options(d)})
     assert len(budgets) > 2 and set(loop.variants) == {loop.variant_for(n) for n in budgets} | {loop.variant_for(None)}
     assert loop.levels_for(0) == 0 and loop.levels_for(max(budgets)) == loop.max_levels
     assert 0 < loop.levels_for(1) < loop.max_levels
-    if tree.startswith("dynamic"):  # narrower levels for budgets below the width
+    if tree == "dynamic:16":  # narrower levels for budgets below the width
         assert loop.max_width == 10 and loop.width_for(1) == 1 and loop.width_for(7) == 7
         assert loop.variant_for(3) == (3, 3) and loop.variant_for(7) == (5, 7) and loop.variant_for(15) == (5, 10)
+    elif tree.startswith("dynamic"):
+        assert [loop.variant_for(n) for n in (1, 3, 7, 12)] == [(1, 1), (3, 3), (4, 4), (4, 4)]
     else:
         assert loop.max_width is None and {w for _, w in loop.variants} == {None}
     checked, propose = [], d.propose
@@ -93,7 +106,7 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
 
         for sampled in (False, loop.set_rows(rows)):
             whole, whole_kv, _ = run(sampled, None)
-            for n in budgets:
+            for n in budgets if backend != "triton" else (1, 3):  # (interpreted: the narrow cuts alone)
                 out, kv, storage = run(sampled, n)
                 assert kept(out, n) == kept(whole, n), (sampled, n)
                 assert torch.equal(kv, whole_kv), (sampled, n)
@@ -109,7 +122,12 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
         return propose(rows)
 
     monkeypatch.setattr(d, "propose", probe)
-    outs = eng.generate(PROMPTS[:4], PARAMS)
+    params = PARAMS
+    if backend == "triton":  # (interpreted: a few tokens, enough for the first decode step of all four rows)
+        params = [dataclasses.replace(p, max_new_tokens=3) for p in PARAMS]
+        want = [o.token_ids for o in SpecEngine(None, target, SpecConfig(device=dev, **CFG)).generate(PROMPTS[:4],
+                                                                                                    params)]
+    outs = eng.generate(PROMPTS[:4], params)
     assert checked == [True]  # (two rows sample)
     assert [o.token_ids for o in outs] == want
 
@@ -137,3 +155,4 @@ def test_budgets_changing_every_few_steps_give_target_only_tokens(pair, monkeypa
     assert eng.all_blocks_free()
     if pipeline:
         assert eng.pipeline.adopted > 5
+
