@@ -108,11 +108,12 @@ plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES (default plan) cold and
 
 carried_parts() {  # what a run carried of .data/distill: whole .npz files, and parts (regen.npz.partNN, ckpt.pt.partNN:
                   # files split to fit the 64 MiB a run carries) that distill_round joins once all have come
+  local work=${DISTILL_WORK:-/tmp/distill}  # (where distill_round looks for them)
   [ -d "$root/.data/distill" ] || return 0
-  mkdir -p /tmp/distill
-  cp "$root"/.data/distill/*.npz /tmp/distill/ 2>/dev/null
-  cp "$root"/.data/distill/parts/* /tmp/distill/ 2>/dev/null
-  ls /tmp/distill
+  mkdir -p "$work"
+  cp "$root"/.data/distill/*.npz "$work/" 2>/dev/null
+  cp "$root"/.data/distill/parts/* "$work/" 2>/dev/null
+  ls "$work"
 }
 
 join_parts() {  # join_parts NAME DEST: /tmp/distill/NAME.partNN into DEST, unless DEST is there

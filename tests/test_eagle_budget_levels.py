@@ -45,8 +45,8 @@ def _levels_run(monkeypatch) -> list[tuple[int, int | None]]:
     call)."""
     runs, program = [], DeviceDraftProgram._program
 
-    def recorded(self, b, sampled=False, levels=None, width=None):
-        runs.append(self.variant_for(None) if levels is None else (levels, width))
+    def recorded(self, b, sampled, levels, width):
+        runs.append((levels, width))
         return program(self, b, sampled, levels, width)
 
     monkeypatch.setattr(DeviceDraftProgram, "_program", recorded)

@@ -140,8 +140,10 @@ class DeviceDraftProgram:
         self._row_start = {b: torch.arange(b, device=self.device) * catch_up for b in batch_buckets}  # (b,)
 
     def _add_plans(self, width: int | None, levels: list[tuple[torch.Tensor, int, int]]) -> None:
-        """The constants of the program of ``width`` whose forwarded levels are ``levels``, for every bucket."""
+        """The constants of the program of ``width`` whose forwarded levels are ``levels``, for every bucket (once)."""
         for b in self.batch_buckets:
+            if (b, width) in self._plans:
+                continue
             self._plans[(b, width)] = self._plan(b, levels)
             for n in {len(nodes) for nodes, _, _ in levels}:
                 self._qsl[(b, n)] = torch.arange(b + 1, device=self.device) * n
@@ -262,8 +264,7 @@ class DeviceDraftProgram:
         return len(self.graphs), time.perf_counter() - start
 
     @torch.inference_mode()
-    def _program(self, b: int, sampled: bool = False, levels: int | None = None,
-                 width: int | None = None) -> torch.Tensor:
+    def _program(self, b: int, sampled: bool, levels: int, width: int | None) -> torch.Tensor:
         m, q, bs = self.model, self.q, self.pool.block_size
         v = self.inputs.views(b, q)
         kv = self.pool.model_kv(DRAFT_MODEL_INDEX)
@@ -278,8 +279,6 @@ class DeviceDraftProgram:
         state = hidden.index_select(0, last).unsqueeze(1)  # (b, 1, hidden): the root's draft state
         # the head's dtype: the tree levels only rank the logits (top-k) or take log probabilities in float32
         logits = m.compute_logits(state.flatten(0, 1), self.backend, dtype=None).unsqueeze(1)  # (b, 1, N)
-        if levels is None:
-            levels, width = self.variant_for(None)
         p = self._plans[(b, width)]  # every level's slots and positions, computed once
         slots, pos = tree_slots(v.seq_lens, v.num_tokens, v.block_tables, p.rows, p.nodes, p.depths, bs,
                                 use_triton=self.backend.uses_triton)

@@ -143,6 +143,12 @@ def grow(root_logp: Tensor, expand: Expand, shape: DynamicShape, ops: GrowOps = 
                     torch.cat(parents, 1) + parent_offset, n)
 
 
+def _forwarded_levels(k: int, depth: int, device) -> list[tuple[Tensor, int, int]]:
+    """The levels a program of ``k`` nodes per level forwards (all but the last): each level's tree region indices
+    (level * k + position), its depth and the end of the region it attends."""
+    return [(torch.arange(lv * k, lv * k + k, device=device), lv, (lv + 1) * k) for lv in range(depth - 1)]
+
+
 class DeviceDynamicTree(DeviceDraftProgram):
     """The device program of dynamic trees of ``shape``: output (b, 3, N) int64 per row, the chosen nodes'
     target ids, parents among the chosen (-1: the root) and score ranks (``grow``)."""
@@ -153,16 +159,13 @@ class DeviceDynamicTree(DeviceDraftProgram):
             raise ValueError(f"shape {tuple(shape)}: width * (depth - 1) must be <= {MAX_TREE_NODES} and width "
                              f"<= {len(model.vocab_ids)} (the draft vocabulary)")
         self.shape = shape
-        dev = torch.device(device)
-        k = shape.width
-        self._nodes = [torch.arange(lv * k, lv * k + k, device=dev) for lv in range(shape.depth - 1)]
         self._ops = GrowOps(*(functools.partial(op, use_triton=backend.uses_triton)
                               for op in (topk_logprobs, tree_level, tree_choose)))
         self._consts: dict[int, GrowConsts] = {}  # width -> grow's constants of levels that wide
         self._mask0: dict[tuple[int, int], Tensor] = {}  # (bucket, width) -> (b * width,) level 0's masks
         super().__init__(model, pool, backend, batch_buckets, catch_up, bt_width, device,
-                         [(nodes, lv, (lv + 1) * k) for lv, nodes in enumerate(self._nodes)])
-        self._add_width(k)
+                         _forwarded_levels(shape.width, shape.depth, torch.device(device)))
+        self._add_width(shape.width)
 
     def _add_width(self, k: int) -> None:
         """The constants of programs whose levels hold ``k`` nodes: their tree region is laid out k per level
@@ -171,10 +174,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
         if k in self._consts:
             return
         consts = self._consts[k] = grow_consts(DynamicShape(k, self.shape.depth, k * self.shape.depth), self.device)
-        levels = [(torch.arange(lv * k, lv * k + k, device=self.device), lv, (lv + 1) * k)
-                  for lv in range(self.shape.depth - 1)]
-        if (self.batch_buckets[0], k) not in self._plans:
-            self._add_plans(k, levels)
+        self._add_plans(k, _forwarded_levels(k, self.shape.depth, self.device))
         for b in self.batch_buckets:
             self._mask0[(b, k)] = consts.bits[0].repeat(b)
 
@@ -211,7 +211,7 @@ class DeviceDynamicTree(DeviceDraftProgram):
         return out
 
     def _grow(self, c: CatchUp, levels: int, width: int | None) -> Tensor:
-        m, k = self.model, self.shape.width if width is None else width
+        m, k = self.model, width
         consts = self._consts[k]
         state = c.state  # (b, K or 1, hidden): the draft states of the level before (first: the root)
 
