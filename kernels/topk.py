@@ -62,20 +62,33 @@ def _emit(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log
           K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr, KP: tl.constexpr = 0):
     """Take the k largest of ``packed``: as candidates (slot ``slot`` on) or as the output row (LOGP: the value
     less ``row_max`` and ``log_sum``, the row's log probability). KP > 0: all at once by a bitonic top-KP (a power
-    of two >= K); 0: one by one."""
+    of two >= K); 0: one by one. (Two functions, not an early return: the compiler scopes a constexpr branch's
+    names into the code after it, where the loop would re-type them.)"""
     if KP > 0:
-        top = tl.topk(packed, KP)  # (KP,) best first
-        i = tl.arange(0, KP)
-        if FINAL:
-            col = 0x7FFFFFFF - (top & 0x7FFFFFFF)
-            tl.store(idx_ptr + row * K + i, col, mask=i < K)
-            val = tl.load(x_row_ptr + col, mask=i < K, other=0.0)
-            if LOGP:
-                val = (val.to(tl.float32) - row_max) - log_sum
-            tl.store(val_ptr + row * K + i, val, mask=i < K)
-        else:
-            tl.store(cand_ptr + slot + i, top, mask=i < K)
-        return
+        _emit_bitonic(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum, K, FINAL, LOGP, KP)
+    else:
+        _emit_select(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum, K, FINAL, LOGP)
+
+
+@triton.jit
+def _emit_bitonic(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum,
+                  K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr, KP: tl.constexpr):
+    top = tl.topk(packed, KP)  # (KP,) best first
+    i = tl.arange(0, KP)
+    if FINAL:
+        col = 0x7FFFFFFF - (top & 0x7FFFFFFF)
+        tl.store(idx_ptr + row * K + i, col, mask=i < K)
+        val = tl.load(x_row_ptr + col, mask=i < K, other=0.0)
+        if LOGP:
+            val = (val.to(tl.float32) - row_max) - log_sum
+        tl.store(val_ptr + row * K + i, val, mask=i < K)
+    else:
+        tl.store(cand_ptr + slot + i, top, mask=i < K)
+
+
+@triton.jit
+def _emit_select(packed, row, slot, x_row_ptr, cand_ptr, val_ptr, idx_ptr, row_max, log_sum,
+                 K: tl.constexpr, FINAL: tl.constexpr, LOGP: tl.constexpr):
     for i in range(K):
         best = tl.max(packed, axis=0)
         packed = tl.where(packed == best, _INT64_MIN, packed)  # packed entries are unique (column inside)
