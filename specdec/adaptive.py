@@ -389,7 +389,9 @@ class EpochConfig:
     ones; max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
     prefill are not); first_row_steps, first_min_steps: a budget's first measurement ends early, once it timed
     first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
-    steps measure it; a new engine's first requests then spend less time on budgets it will not hold)."""
+    steps measure it; a new engine's first requests then spend less time on budgets it will not hold). Budget 0
+    commits exactly one token per row per step whatever the text, so its epochs need no rows: epoch_steps timed
+    steps (its first, first_min_steps if fewer)."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -428,15 +430,19 @@ class EpochBudget:
     are live (their graphs run the whole bucket) while the tokens they commit scale with the rows: an epoch that
     fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
 
-    A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of
-    the same kind already measured (the full tree when there is none), then measures the neighbours of the best
-    budget so far, below first, until the best has no unmeasured neighbour; budgets far from the best (the full
-    tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a neighbour is
-    probed every ``hold`` epochs (above and below in turn; ``hold`` doubles while probes change nothing), so a
-    change in acceptance or cost moves the choice. The held budget changes only to one measured ``margin``
-    faster (measurement noise does not flip it), and budget 0 (plain decoding), once measured, is chosen unless
-    the best beats it by ``margin``, so speculating is not slower than decoding by more than the measurements
-    err. Same interface as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+    A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
+    same kind already measured (the full tree when there is none), then measures the neighbours of the best budget
+    so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor every
+    budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best (the
+    full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a neighbour
+    is probed every ``hold`` epochs (above and below in turn; ``hold`` doubles while probes change nothing), so a
+    change in acceptance or cost moves the choice. The held budget changes only to one measured ``margin`` faster
+    (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best beats it by
+    ``margin``, so speculating is not slower than decoding by more than the measurements err. A step whose budget
+    differs from the step before it is not timed: the step queued behind the previous verify was built under the old
+    budget and is dropped, so that step runs without overlap, a cost of the switch and not of either budget (it
+    would weigh most on the cheapest budgets, whose steps are shortest). Same interface as ``BudgetController``
+    (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
     def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
         self.config = config or EpochConfig()
@@ -447,6 +453,8 @@ class EpochBudget:
         self.chosen: Counter = Counter()  # (rows, nodes) -> steps
         self.timing_valid = True  # False: this step ran a prefill, so its wall time is not the budget's
         self._step: tuple[_Epochs, int] | None = None  # the last speculate's state and tokens committed
+        self._last_nodes: int | None = None  # the budget of the step before
+        self._switched = False  # this step's budget differs from the step before's: its queued step was dropped
 
     def key(self, rows: list) -> tuple[int, bool]:
         """(batch bucket, whether every row is greedy): the budgets are chosen apart for each."""
@@ -470,6 +478,7 @@ class EpochBudget:
             state = self.states[key] = self._new_state(key)
         nodes = self.options[state.held].nodes
         state.rows = len(rows)
+        self._switched, self._last_nodes = nodes != self._last_nodes, nodes
         self.chosen[(len(rows), nodes)] += 1
         self._step = (state, 0)
         return nodes
@@ -488,15 +497,18 @@ class EpochBudget:
             return
         state, tokens = step
         state.steps += 1
-        if self.timing_valid:
+        if self.timing_valid and not self._switched:
             state.timed += 1
             state.row_steps += state.rows
             state.tokens += tokens
             state.seconds += seconds
         cfg = self.config
-        done = state.timed >= cfg.epoch_steps and state.row_steps >= cfg.epoch_rows
-        if state.rates[state.held] is None:  # a first measurement may end sooner
-            done = done or (state.timed >= cfg.first_min_steps and state.row_steps >= cfg.first_row_steps)
+        first = state.rates[state.held] is None  # a first measurement may end sooner
+        if state.held == 0:  # plain decoding: one token per row per step, whatever the rows
+            done = state.timed >= (min(cfg.first_min_steps, cfg.epoch_steps) if first else cfg.epoch_steps)
+        else:
+            done = state.timed >= cfg.epoch_steps and state.row_steps >= cfg.epoch_rows
+            done = done or (first and state.timed >= cfg.first_min_steps and state.row_steps >= cfg.first_row_steps)
         if done or (state.steps >= cfg.max_epoch_steps and state.timed):
             self._end_epoch(state)
         elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
@@ -535,10 +547,12 @@ class EpochBudget:
             state.since_probe = 0
 
     def _next_to_search(self, state: _Epochs) -> int | None:
-        """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured."""
+        """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured, then
+        budget 0 if it is still unmeasured."""
         rates = state.rates
         top = max((j for j, r in enumerate(rates) if r is not None), key=rates.__getitem__)
-        return next((j for j in (top - 1, top + 1) if 0 <= j < len(rates) and rates[j] is None), None)
+        near = (j for j in (top - 1, top + 1) if 0 <= j < len(rates) and rates[j] is None)
+        return next(near, 0 if rates[0] is None else None)
 
     def _best(self, state: _Epochs) -> int:
         """The budget to hold: the fastest measured, unless it is within ``margin`` of the incumbent (then the

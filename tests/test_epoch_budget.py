@@ -7,6 +7,7 @@ Each test drives ``choose`` / ``observe_step`` the way ``SpecEngine.step`` does 
 
 from __future__ import annotations
 
+from itertools import groupby
 from types import SimpleNamespace
 
 import pytest
@@ -33,29 +34,42 @@ def run(ctrl, rows, rate_of, steps) -> list[int]:
     return [step(ctrl, rows, rate_of) for _ in range(steps)]
 
 
+def held(ctrl: EpochBudget, rows: list) -> int:
+    """The budget the bucket of ``rows`` holds, without taking a step."""
+    return ctrl.options[ctrl.states[ctrl.key(rows)].held].nodes
+
+
+def runs(seq: list[int]) -> list[tuple[int, int]]:
+    """(budget, consecutive steps) of a sequence of budgets."""
+    return [(n, len(list(g))) for n, g in groupby(seq)]
+
+
 def short(**kw) -> EpochConfig:
     """Epochs of a few steps whatever the batch (the tests' rates do not vary with the text)."""
     return EpochConfig(**{"epoch_rows": 0, "first_row_steps": 0, **kw})
 
 
-def test_the_search_descends_from_the_full_tree_until_a_smaller_budget_is_slower():
+def test_the_search_descends_from_the_full_tree_until_a_smaller_budget_is_slower_then_measures_plain_decoding():
+    """Each budget one epoch of 4 timed steps after an untimed first (the switch), the full tree first; 3 is
+    slower than 7, so the descent stops, and budget 0 is measured once (the floor) before 7 is held."""
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
     rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 1700.0}
-    held = run(ctrl, rows_of(16), rates.__getitem__, 4 * 4 + 40)
-    assert held[:12] == [15] * 4 + [7] * 4 + [3] * 4  # each budget one epoch, full tree first; 3 is slower: stop
-    assert set(held[12:]) == {7}  # then the fastest, for whole epochs; budget 0 was never paid for
-    assert ctrl.states[ctrl.key(rows_of(16))].rates[0] is None
+    seq = run(ctrl, rows_of(16), rates.__getitem__, 4 * 5 + 40)
+    assert seq[:20] == [15] * 5 + [7] * 5 + [3] * 5 + [0] * 5
+    assert set(seq[20:]) == {7}
+    assert ctrl.states[ctrl.key(rows_of(16))].rates[0] == pytest.approx(1000.0 / 16)
 
 
 def test_a_large_batchs_first_measurements_are_short_and_a_small_batchs_epochs_long():
     """Each budget's first measurement ends once it timed 4 steps over 192 rows: 4 steps at 64 rows, 12 at 16,
-    192 at one row; later epochs are 16 steps over 256 rows: 16 steps at 16 or 64 rows, 256 at one row."""
+    192 at one row; later epochs are 16 steps over 256 rows: 16 steps at 16 or 64 rows, 256 at one row. Plain
+    decoding commits one token per row whatever the text: its first measurement is 4 timed steps at any batch.
+    Each run of a budget starts with one untimed step (the switch)."""
     rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 1700.0}
     for rows, first, epoch in ((64, 4, 16), (16, 12, 16), (1, 192, 256)):
         ctrl = EpochBudget(OPTIONS, EpochConfig(hold_epochs=100))
-        held = run(ctrl, rows_of(rows), rates.__getitem__, 3 * first + 2 * epoch)
-        assert held[:3 * first] == [15] * first + [7] * first + [3] * first, rows
-        assert set(held[3 * first:]) == {7}
+        seq = run(ctrl, rows_of(rows), rates.__getitem__, 3 * (first + 1) + 5 + 1 + 2 * epoch)
+        assert runs(seq) == [(15, first + 1), (7, first + 1), (3, first + 1), (0, 5), (7, 1 + 2 * epoch)], rows
         state = ctrl.states[ctrl.key(rows_of(rows))]
         assert state.timed == 0 and state.rates[2] == pytest.approx(1900.0 / rows)  # tokens per row-second
 
@@ -65,21 +79,21 @@ def test_a_budget_measured_in_a_batchs_tail_is_judged_per_row():
     budget 3 commits 10% more per second, so it is held although its steps committed fewer tokens."""
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
     per_row = {0: 10.0, 3: 22.0, 7: 20.0, 15: 12.0}
-    held = []
-    for _ in range(4 * 4 + 8):
-        live = 33 if ctrl.choose(rows_of(64)) == 3 else 64
-        held.append(step(ctrl, rows_of(live), lambda n, live=live: per_row[n] * live))
-    assert held[:16] == [15] * 4 + [7] * 4 + [3] * 4 + [0] * 4  # 3 beat 7: its neighbour 0 is measured too
-    assert set(held[16:]) == {3}
+    seq = []
+    for i in range(4 * 5 + 8):
+        live = 33 if i and held(ctrl, rows_of(64)) == 3 else 64
+        seq.append(step(ctrl, rows_of(live), lambda n, live=live: per_row[n] * live))
+    assert seq[:20] == [15] * 5 + [7] * 5 + [3] * 5 + [0] * 5  # 3 beat 7: its neighbour 0 is measured too
+    assert set(seq[20:]) == {3}
 
 
 def test_plain_decoding_unless_a_budget_beats_it_by_the_margin():
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, margin=0.05))
-    held = run(ctrl, rows_of(64), {0: 1000.0, 3: 1040.0, 7: 1020.0, 15: 900.0}.__getitem__, 8 + 20)
-    assert set(held[8:]) == {0}
+    seq = run(ctrl, rows_of(64), {0: 1000.0, 3: 1040.0, 7: 1020.0, 15: 900.0}.__getitem__, 12 + 20)
+    assert set(seq[12:]) == {0}
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, margin=0.05))
-    held = run(ctrl, rows_of(64), {0: 1000.0, 3: 1060.0, 7: 1020.0, 15: 900.0}.__getitem__, 8 + 20)
-    assert set(held[8:]) == {3}
+    seq = run(ctrl, rows_of(64), {0: 1000.0, 3: 1060.0, 7: 1020.0, 15: 900.0}.__getitem__, 12 + 20)
+    assert set(seq[12:]) == {3}
 
 
 def test_the_incumbent_is_kept_unless_beaten_by_the_margin():
@@ -88,8 +102,8 @@ def test_the_incumbent_is_kept_unless_beaten_by_the_margin():
     for faster, want in ((1.02, 15), (1.08, 7)):
         ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, margin=0.05))
         rates = {0: 600.0, 3: 1200.0, 7: 2000.0 * faster, 15: 2000.0}
-        held = run(ctrl, rows_of(1), rates.__getitem__, 6 + 20)
-        assert held[:6] == [15, 15, 7, 7, 3, 3] and set(held[6:]) == {want}
+        seq = run(ctrl, rows_of(1), rates.__getitem__, 12 + 20)
+        assert seq[:12] == [15] * 3 + [7] * 3 + [3] * 3 + [0] * 3 and set(seq[12:]) == {want}
 
 
 def test_a_new_bucket_starts_from_the_nearest_measured_bucket_of_its_kind():
@@ -98,9 +112,9 @@ def test_a_new_bucket_starts_from_the_nearest_measured_bucket_of_its_kind():
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100))
     rates = {0: 1000.0, 3: 1500.0, 7: 1400.0, 15: 1000.0}
     run(ctrl, rows_of(64), rates.__getitem__, 12)
-    assert ctrl.choose(rows_of(64)) == 3
-    held = run(ctrl, rows_of(32), rates.__getitem__, 6 + 10)
-    assert held[:6] == [3, 3, 0, 0, 7, 7] and set(held[6:]) == {3}
+    assert held(ctrl, rows_of(64)) == 3
+    seq = run(ctrl, rows_of(32), rates.__getitem__, 9 + 10)
+    assert seq[:9] == [3] * 3 + [0] * 3 + [7] * 3 and set(seq[9:]) == {3}
     assert run(ctrl, rows_of(32, greedy=False), rates.__getitem__, 2) == [15, 15]
 
 
@@ -117,27 +131,30 @@ def test_neighbours_are_probed_and_a_drift_moves_the_choice():
 
 
 def test_probes_that_change_nothing_come_less_often():
+    """Epochs of one timed step; each run of a budget starts with an untimed step (the switch)."""
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=1, hold_epochs=2, max_hold_epochs=8))
     rates = {0: 1000.0, 3: 1500.0, 7: 2000.0, 15: 1200.0}
-    held = run(ctrl, rows_of(8), rates.__getitem__, 3 + 40)[3:]
-    probes = [i for i, n in enumerate(held) if n != 7]
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
-    assert gaps[:4] == [4, 8, 8, 8]  # held 2 epochs, then 4, then at most 8 between probes
+    seq = run(ctrl, rows_of(8), rates.__getitem__, 8 + 50)
+    assert runs(seq[:8]) == [(15, 2), (7, 2), (3, 2), (0, 2)]
+    held_runs = runs(seq[8:])
+    assert all(n != 7 and k == 2 for n, k in held_runs[1::2])  # the probes: one epoch each
+    assert [k - 1 for n, k in held_runs[0:-1:2]][:4] == [2, 4, 8, 8]  # held 2 epochs, then 4, then at most 8
 
 
 def test_buckets_and_kinds_are_chosen_apart():
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100))
     greedy = {0: 1000.0, 3: 1200.0, 7: 1500.0, 15: 2000.0}
     sampled = {0: 1000.0, 3: 900.0, 7: 800.0, 15: 700.0}
-    for _ in range(12):
-        step(ctrl, rows_of(1), greedy.__getitem__)
-        step(ctrl, rows_of(1, greedy=False), sampled.__getitem__)
-        step(ctrl, rows_of(33), sampled.__getitem__)  # (bucket 64)
+    for _ in range(3):
+        run(ctrl, rows_of(1), greedy.__getitem__, 12)
+        run(ctrl, rows_of(1, greedy=False), sampled.__getitem__, 12)
+        run(ctrl, rows_of(33), sampled.__getitem__, 12)  # (bucket 64)
     assert ctrl.key(rows_of(1)) == (1, True) and ctrl.key(rows_of(1, greedy=False)) == (1, False)
-    assert ctrl.choose(rows_of(1)) == 15
-    assert ctrl.choose(rows_of(1, greedy=False)) == 0
-    assert ctrl.choose(rows_of(40)) == 0
-    assert ctrl.mean_budget(1) is not None and ctrl.chosen[(33, 15)] == 2
+    assert held(ctrl, rows_of(1)) == 15
+    assert held(ctrl, rows_of(1, greedy=False)) == 0
+    assert held(ctrl, rows_of(40)) == 0
+    assert ctrl.mean_budget(1) is not None
+    assert ctrl.chosen[(33, 15)] == 3  # bucket 64 (greedy) started at greedy bucket 1's 15: a switch and 2 timed
 
 
 def test_steps_with_a_prefill_are_not_timed_and_an_untimed_epoch_starts_over():
@@ -150,6 +167,26 @@ def test_steps_with_a_prefill_are_not_timed_and_an_untimed_epoch_starts_over():
     step(ctrl, rows, lambda n: 1000.0)
     step(ctrl, rows, lambda n: 1000.0)
     assert state.rates[3] == pytest.approx(1000.0 / 4) and state.held == 2  # per row
+
+
+def test_a_step_after_a_change_of_budget_is_not_timed():
+    """The step after a change of budget runs without the step queued behind the last verify (built under the old
+    budget), so it costs a fixed extra 2 ms here. Plain decoding (1 ms a step, one token per row) is 3.3% faster per
+    row than budget 3 (1.6 ms, 1.55 tokens): the switch's cost, if timed, would make a 4-step epoch of budget 0
+    look slower (6 ms for 4 tokens) than one of budget 3 (8.4 ms for 6.2); untimed, budget 0 is held."""
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100, margin=0.0))
+    cost = {0: (1e-3, 1.0), 3: (1.6e-3, 1.55), 7: (2.4e-3, 1.7), 15: (4e-3, 1.8)}
+    rows, last, seq = rows_of(64), None, []
+    for _ in range(60):
+        nodes = ctrl.choose(rows)
+        seconds, tokens = cost[nodes]
+        ctrl._step = (ctrl._step[0], tokens * 64)
+        ctrl.observe_step(seconds + (2e-3 if nodes != last else 0.0))
+        last = nodes
+        seq.append(nodes)
+    assert set(seq[25:]) == {0}
+    rates = ctrl.states[ctrl.key(rows)].rates
+    assert rates[0] == pytest.approx(1.0 / 1e-3) and rates[1] == pytest.approx(1.55 / 1.6e-3)
 
 
 def test_budget_zero_is_required():
