@@ -145,6 +145,7 @@ class SpecEngine:
             seconds = self.warm_up()
             if self.graph_report is not None:
                 self.graph_report.warm_up_seconds = seconds
+                self.graph_report.parts = self.runner.graphs.parts()
 
     def _device_ngram(self, max_len: int) -> None:
         """Give the n-gram drafter its device histories and the verifier their follow-up launch

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.base import Proposal
-from specdec.graph_constants import graph_constant
+from specdec.graphs import GraphCache, cache_for, graph_constant
 from specdec.runner import ForwardResult, RowSlices
 from specdec.step_inputs import PackedRows, StepViews
 from specdec.tree import DraftTree, depths_and_masks, verify_rows_of
@@ -138,7 +138,8 @@ class FusedVerify:
         self.verifier, self.runner = verifier, verifier.runner
         self.nodes, self.levels, self.dynamic = nodes, levels, dynamic
         self.clock = StepClock(self.runner.device)
-        self.writer = TreeWriter(levels, self.runner.device)  # dynamic trees' verify inputs (``launch_program``)
+        self.writer = TreeWriter(levels, self.runner.device,  # dynamic trees' verify inputs (``launch_program``)
+                                 graphs=cache_for(self.runner.graphs, "tree writer", self.runner.device))
         self.steps = 0
 
     def key(self, rows: int, nodes: int):
@@ -262,10 +263,11 @@ class TreeWriter:
     ``capture`` False. Either way the kept trees are returned in buffers of their
     own (the program's output may be overwritten by the verify)."""
 
-    def __init__(self, levels: int, device: torch.device, capture: bool | None = None) -> None:
+    def __init__(self, levels: int, device: torch.device, capture: bool | None = None,
+                 graphs: GraphCache | None = None) -> None:
         self.levels, self.device = levels, device
         self.capture = device.type == "cuda" if capture is None else capture
-        self.graphs: dict[tuple[int, int, int, int], tuple] = {}
+        self.graphs = graphs if graphs is not None else GraphCache("tree writer", device)  # (b, q, rows, n) ->
 
     def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
         """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
@@ -275,10 +277,8 @@ class TreeWriter:
         key = (b, q, b, n)
         entry = self.graphs.get(key)
         if entry is None:  # the bucket's input views are fixed buffers, so the graph may write them
-            from specdec.graphs import capture_graph
-
             src = out.clone()
-            graph, kept = capture_graph(functools.partial(self._build, views, b, q, src, n), None, self.device)
+            graph, kept = self.graphs.capture(functools.partial(self._build, views, b, q, src, n))
             entry = self.graphs[key] = (graph, src, kept)
         graph, src, kept = entry
         src.copy_(out)

@@ -1,4 +1,9 @@
-"""CUDA-graph capture and replay of model forwards per (model, batch bucket, query bucket).
+"""The graph service: every CUDA graph of a step is captured here (``capture_graph``), on memory pools this module
+hands out, and reads constants whose lifetime it keeps (``graph_constant``).
+
+``GraphRunner`` captures and replays model forwards per (model, batch bucket, query bucket) at engine start;
+the parts of a step captured on first use (a queued step's input writer, the tree writer, the n-gram follow-up,
+the sampled rule) keep their graphs in a ``GraphCache`` the runner made, so its report counts them too.
 
 Every graphed forward reads the persistent inputs of ``StepInputs`` and writes a fixed-size
 output: logits of every padded token and, for the target, the greedy acceptance of the whole
@@ -16,8 +21,9 @@ import gc
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -84,6 +90,74 @@ def capture_graph(forward, pool, device) -> tuple[torch.cuda.CUDAGraph, object]:
     return graph, out
 
 
+T = TypeVar("T")
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def graph_constant(maxsize: int) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """``functools.lru_cache(maxsize)`` for functions of hashable arguments returning read-only tensors, whose
+    entries returned during a stream capture are never evicted (``held`` lists them).
+
+    A captured graph replays the addresses its kernels read, and it does not keep the tensors behind them alive. A
+    tensor from a plain ``functools.lru_cache`` that a graph read is freed when the cache evicts it; the allocator
+    then hands its memory to other tensors and every later replay reads their bytes. (At batch 64 several engines
+    in one process made more tree shapes than such a cache held; captured steps then read tree depths and masks
+    from freed memory and faulted.) So every entry returned while a stream is being captured is kept for as long as
+    the process lives; the rest are evicted as usual."""
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        held: dict[tuple, T] = {}
+
+        @functools.wraps(fn)
+        def get(*args):
+            if args in held:
+                return held[args]
+            value = cached(*args)
+            if capturing():
+                held[args] = value
+            return value
+
+        get.held = held
+        get.cache_info = cached.cache_info
+        get.cache_clear = cached.cache_clear  # (the held entries stay: a graph may still read them)
+        return get
+
+    return wrap
+
+
+class GraphCache(dict):
+    """The graphs one part of a step captures on first use: key -> the part's entry (the graph and the buffers its
+    replays read and write, kept alive as long as the graph). ``capture`` captures on the cache's pool: None, a
+    private pool per graph; "own", one pool for all of this cache's graphs. Made by ``GraphRunner.cache`` (its
+    report counts the cache), or alone for a part that runs without a runner."""
+
+    def __init__(self, name: str, device, pool=None) -> None:
+        super().__init__()
+        self.name, self.device, self.pool = name, torch.device(device), pool
+        self.seconds = 0.0
+
+    def capture(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
+        """``capture_graph(forward)`` on this cache's pool: (the graph, the output its replays rewrite); the
+        caller stores its entry under its key."""
+        start = time.perf_counter()
+        if self.pool == "own":  # (made at the first capture; a CPU stand-in capture takes none)
+            self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        try:
+            return capture_graph(forward, self.pool, self.device)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def cache_for(graphs: GraphRunner | None, name: str, device, pool=None) -> GraphCache:
+    """The ``GraphCache`` of part ``name``: made by ``graphs`` (counted in its report), or alone without one."""
+    return graphs.cache(name, pool) if graphs is not None else GraphCache(name, device, pool)
+
+
 class _TimingRow(NamedTuple):
     """A synthetic verify row (the fields ``StepInputs.fill`` reads) for ``GraphRunner.measure_costs``."""
 
@@ -113,10 +187,12 @@ class CaptureReport:
     pool_bytes: int = 0
     keys: list[tuple[int, int, int]] = field(default_factory=list)
     warm_up_seconds: float = 0.0
+    parts: dict[str, int] = field(default_factory=dict)  # graphs of the parts captured on first use, by part
 
     def __str__(self) -> str:
+        parts = ", ".join(f"{n} {name}" for name, n in self.parts.items() if n)
         return (f"{self.graphs} CUDA graphs captured in {self.seconds:.2f} s, pool {self.pool_bytes / 2**20:.0f} MiB, "
-                f"warm-up {self.warm_up_seconds:.2f} s")
+                f"warm-up {self.warm_up_seconds:.2f} s" + (f" (it captured {parts})" if parts else ""))
 
 
 class GraphRunner:
@@ -144,11 +220,25 @@ class GraphRunner:
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
         self.programs: list = []  # more device programs captured with these graphs (``capture(pool) -> (n, s)``)
+        self.caches: list[GraphCache] = []  # the parts of a step captured on first use
         self.report = CaptureReport()
         top_t = max(self.batch_buckets) * top_q
         self.feature_inputs = {m: torch.zeros(top_t, model.config.hidden_size, device=self.device,
                                               dtype=next(model.parameters()).dtype)
                                for m, model in models.items() if getattr(model, "reads_features", False)}
+
+    def cache(self, name: str, pool=None) -> GraphCache:
+        """A new ``GraphCache`` for the part of a step called ``name``, counted in ``parts``."""
+        cache = GraphCache(name, self.device, pool)
+        self.caches.append(cache)
+        return cache
+
+    def parts(self) -> dict[str, int]:
+        """Graphs captured so far by the parts captured on first use, by part name."""
+        counts: dict[str, int] = {}
+        for c in self.caches:
+            counts[c.name] = counts.get(c.name, 0) + len(c)
+        return counts
 
     def key_for(self, model_idx: int, rows) -> tuple[int, int, int] | None:
         """(model, B bucket, Q bucket) for these rows, or None when they must run eagerly."""

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.graph_constants import graph_constant
+from specdec.graphs import graph_constant
 
 if TYPE_CHECKING:
     from specdec.step_inputs import StepViews

@@ -41,6 +41,7 @@ from torch import Tensor
 
 from specdec.drafters.ngram_ops import ngram_advance_reference
 from specdec.fused_step import DeviceDraft, shape_rows
+from specdec.graphs import GraphCache, cache_for
 from specdec.kernels.advance import advance_rows
 from specdec.lookahead_ops import advance_rows_reference
 from specdec.runner import RowSlices
@@ -216,10 +217,10 @@ class AdvanceGraphs:
     and the host launching them was the pipelined step's bottleneck at batch 1), eagerly elsewhere. A graph reads
     its own copies of the per-step tensors; the rest are the same buffers every step."""
 
-    def __init__(self, device: torch.device, capture: bool | None = None) -> None:
+    def __init__(self, device: torch.device, capture: bool | None = None, graphs: GraphCache | None = None) -> None:
         self.device = torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
-        self.graphs: dict[tuple, tuple] = {}
+        self.graphs = graphs if graphs is not None else GraphCache("queued-step writer", self.device)
 
     def __call__(self, key: tuple, build, copied: tuple[Tensor, ...], inputs, capture: bool = True) -> None:
         """``build(*copied)``, as the replay of ``key``'s graph when capturing. ``inputs``: the ``StepInputs``
@@ -231,12 +232,10 @@ class AdvanceGraphs:
             return
         entry = self.graphs.get(key)
         if entry is None:
-            from specdec.graphs import capture_graph
-
             own = tuple(torch.zeros_like(t) for t in copied)
             saved = inputs.dev.clone()
             try:
-                graph, _ = capture_graph(functools.partial(build, *own), None, self.device)
+                graph, _ = self.graphs.capture(functools.partial(build, *own))
             finally:  # (also when capturing fails, e.g. out of memory: the step is retried on these rows)
                 inputs.dev.copy_(saved)
             entry = self.graphs[key] = (graph, own, build)
@@ -254,7 +253,8 @@ class EagleAhead:
         self.drafter = drafter
         runner = drafter.runner
         self.rows_op = functools.partial(advance_rows, use_triton=runner.backend.uses_triton)
-        self.advance = AdvanceGraphs(runner.device)
+        self.advance = AdvanceGraphs(runner.device,
+                                     graphs=cache_for(runner.graphs, "queued-step writer", runner.device))
 
     def min_query(self, rows: list[Request]) -> int:
         return 0  # (only fused steps are queued; their bucket is the tree's)
@@ -314,7 +314,8 @@ class ChainAhead:
 
     def __init__(self, drafter, runner, k: int, follow) -> None:
         self.drafter, self.runner, self.k, self.follow = drafter, runner, k, follow
-        self.advance = AdvanceGraphs(runner.device)
+        self.advance = AdvanceGraphs(runner.device,
+                                     graphs=cache_for(runner.graphs, "queued-step writer", runner.device))
 
     @property
     def nodes(self) -> int:

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from specdec.acceptance_batched import accept_greedy_padded, tree_rows
+from specdec.graphs import GraphCache
 from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostUpload
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
@@ -145,15 +146,16 @@ class SampledRule:
     """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its first
     use into one memory pool shared by these graphs (replayed one at a time, each output read before the next
     replay); eagerly elsewhere, when the verify's outputs are not a captured graph's buffers, or when a row has a
-    repetition penalty. ``use_triton``: the token choice's kernel (the Triton backend)."""
+    repetition penalty. ``use_triton``: the token choice's kernel (the Triton backend); ``graphs``: the cache of
+    those graphs (``GraphRunner.cache``, pool "own")."""
 
-    def __init__(self, device: torch.device | str, capture: bool | None = None, use_triton: bool = False) -> None:
+    def __init__(self, device: torch.device | str, capture: bool | None = None, use_triton: bool = False,
+                 graphs: GraphCache | None = None) -> None:
         self.device = torch.device(device)
         self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
         self.use_triton = use_triton
         self.upload = HostUpload(self.device)
-        self.graphs: dict[tuple, tuple] = {}
-        self._pool = None
+        self.graphs = graphs if graphs is not None else GraphCache("sampled rule", self.device, "own")
 
     def __call__(self, rows: Sequence, trees: Sequence[DraftTree], sampled: Sequence[int], logits: Tensor,
                  accept: Tensor, captured: bool) -> Tensor:
@@ -194,13 +196,9 @@ class SampledRule:
         first use) after copying ``host`` into its inputs."""
         entry = self.graphs.get(key)
         if entry is None:
-            from specdec.graphs import capture_graph
-
-            if self._pool is None and self.device.type == "cuda":
-                self._pool = torch.cuda.graph_pool_handle()
             inputs = torch.zeros(host.shape, dtype=torch.int64, device=self.device)
             inputs.copy_(self.upload(host))  # the capture's first (uncaptured) run reads a real step's inputs
-            graph, out = capture_graph(functools.partial(build, inputs), self._pool, self.device)
+            graph, out = self.graphs.capture(functools.partial(build, inputs))
             entry = self.graphs[key] = (graph, inputs, out)
         graph, inputs, out = entry
         inputs.copy_(self.upload(host))

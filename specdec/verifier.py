@@ -13,6 +13,7 @@ from specdec.acceptance import shape_probs, verify_greedy
 from specdec.acceptance_batched import pad_trees, unpack_greedy
 from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
 from specdec.fused_step import DeviceDraft, FusedOutcome, shape_depth
+from specdec.graphs import cache_for
 from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
@@ -62,7 +63,8 @@ class Verifier:
         self.pipeline = None  # a ``pipeline.StepPipeline``: queues the next step behind each verify launched here
         self.reader = HostRead(runner.device)  # the one read of a step launched here (two in flight at most)
         # the sampled rows of a padded step, graphed on CUDA
-        self.sampled_rule = SampledRule(runner.device, use_triton=runner.backend.uses_triton)
+        self.sampled_rule = SampledRule(runner.device, use_triton=runner.backend.uses_triton,
+                                        graphs=cache_for(runner.graphs, "sampled rule", runner.device, "own"))
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""

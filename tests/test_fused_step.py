@@ -426,7 +426,7 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     """float32 on the GPU, pipelined: the captured tree-building and ``advance`` graphs read cached constants
     (``ancestry``'s start masks, the catch-up's causal masks, a static tree's node offsets). After more other
     shapes than each cache holds, with every evicted entry's memory then refilled with garbage, the output
-    still equals target-only (``specdec.graph_constants`` keeps what a capture read; ``AdvanceGraphs`` keeps
+    still equals target-only (``specdec.graphs.graph_constant`` keeps what a capture read; ``AdvanceGraphs`` keeps
     the offsets it was captured with)."""
     from specdec.fused_step import _ancestry_start
     from specdec.lookahead_ops import causal_masks

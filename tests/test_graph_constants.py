@@ -1,4 +1,4 @@
-"""``specdec.graph_constants``: cached read-only tensors that a CUDA graph read during its capture are never
+"""``specdec.graphs.graph_constant``: cached read-only tensors that a CUDA graph read during its capture are never
 evicted (the graph replays their addresses). The capture is simulated on the CPU; the GPU test that churns the
 real caches under captured graphs is ``test_fused_step.test_gpu_captured_graphs_outlive_their_constant_caches``."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-import specdec.graph_constants as gc_mod
+import specdec.graphs as gc_mod
 from specdec.fused_step import _ancestry_start
-from specdec.graph_constants import graph_constant
+from specdec.graphs import graph_constant
 from specdec.lookahead_ops import causal_masks
 
 

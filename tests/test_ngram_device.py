@@ -275,7 +275,8 @@ def test_a_history_row_taken_over_is_uploaded_again():
         def __init__(self, tokens, bt_row):
             self.tokens, self.bt_row, self.finished = tokens, bt_row, False
 
-    dev = DeviceNgram(SimpleNamespace(device=torch.device("cpu")), max_rows=2, max_len=32, k=4, max_n=4, min_n=1)
+    runner = SimpleNamespace(device=torch.device("cpu"), graphs=None)
+    dev = DeviceNgram(runner, max_rows=2, max_len=32, k=4, max_n=4, min_n=1)
     a = Req([1, 2, 3, 4, 5], 0)
     dev._catch_up([a])
     assert dev.hist[0, :5].tolist() == [1, 2, 3, 4, 5]

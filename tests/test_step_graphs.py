@@ -331,3 +331,27 @@ def test_capture_graph_counts_every_capture_gpu():
     graph.replay()
     assert out.tolist() == [3.0] * 4
     assert CAPTURED.graphs == graphs + 1 and CAPTURED.seconds > seconds
+
+
+def test_parts_captured_on_first_use_are_counted_in_the_graph_report(monkeypatch, tiny_target):
+    """The parts of a step that capture on first use keep their graphs in caches the ``GraphRunner`` made, so
+    ``engine.graph_report.parts`` counts them by part; a pool of its own is made at its first capture only (none
+    on the CPU), a cache made without a runner is counted nowhere else (CUDA stood in)."""
+    import specdec.graphs as cg
+
+    monkeypatch.setattr(cg, "capture_graph", lambda forward, pool, device: (("graph", pool), forward()))
+    cfg = SpecConfig(tree="chain:4", cuda_graphs=True, pipeline=True, ngram_device=True, num_blocks=64, block_size=8)
+    eng = SpecEngine("ngram", tiny_target, cfg)
+    graphs = eng.runner.graphs
+    names = {c.name for c in graphs.caches}
+    assert {"sampled rule", "queued-step writer", "n-gram follow-up"} <= names
+    rule = next(c for c in graphs.caches if c.name == "sampled rule")
+    assert rule.pool == "own"
+    rule[("k", 1)] = rule.capture(lambda: 7)
+    assert rule[("k", 1)] == (("graph", None), 7) and rule.pool is None
+    assert graphs.parts()["sampled rule"] == 1 and graphs.parts()["n-gram follow-up"] == 0
+    report = cg.CaptureReport(parts=graphs.parts())
+    assert "(it captured 1 sampled rule)" in str(report)
+    alone = cg.cache_for(None, "tree writer", "cpu")
+    alone[1] = alone.capture(lambda: 1)
+    assert alone not in graphs.caches and len(alone) == 1

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specdec.graphs import cache_for
 from specdec.kernels.ngram_follow import ngram_follow
 from specdec.pipeline import HostUpload
 from specdec.plan import NGRAM_DEVICE_MIN_ROWS
@@ -58,7 +59,8 @@ class DeviceNgram:
         self.held: dict[Request, int] = {}  # request -> tokens its history row holds (while it owns the row)
         self.owner: list[Request | None] = [None] * max_rows  # block-table row -> the request whose history it holds
         self.chains: dict[Request, tuple[int, list[int]]] = {}
-        self.graphs: dict[tuple[int, int], list] = {}  # (b, q) -> [graph, rows buffer, output, the rows it holds]
+        # (b, q) -> [graph, rows buffer, output, the rows it holds]
+        self.graphs = cache_for(runner.graphs, "n-gram follow-up", self.hist.device)
         self._prune_at = 4 * max_rows
 
     def launch(self, rows: list[Request], key, fwd) -> Tensor | None:
@@ -115,13 +117,11 @@ class DeviceNgram:
         views, the verify graph's outcome buffer ``accept`` and a rows buffer padded with -1)."""
         entry = self.graphs.get((b, q))
         if entry is None:
-            from specdec.graphs import capture_graph
-
             views = self.runner.graphs.inputs.views(b, q)
             rows_buf = torch.full((b,), -1, dtype=torch.int64, device=self.hist.device)  # -1: nothing is written
             run = functools.partial(ngram_follow, self.hist, rows_buf, views.ids.view(b, q), views.positions.view(b, q),
                                     accept, self.k, self.max_n, self.min_n, use_triton=self.runner.backend.uses_triton)
-            graph, out = capture_graph(run, None, self.hist.device)
+            graph, out = self.graphs.capture(run)
             entry = self.graphs[(b, q)] = [graph, rows_buf, out, None]
         graph, rows_buf, out, last = entry
         padded = np.full(b, -1, dtype=np.int64)
