@@ -45,9 +45,10 @@ def test_parallel_flags_refused_naming_the_numbers(model_dir, capsys, extra, fla
     assert err.startswith(f"error: {flag}: ") and says in err, err
 
 
-def test_serve_refuses_tensor_parallel_and_cuda_counts(capsys, monkeypatch):
-    assert main(["serve", "--device", "cpu", "--tensor-parallel-size", "2"]) == 2
-    assert "--data-parallel-size" in capsys.readouterr().err
+def test_serve_refuses_replicas_of_tensor_parallel_groups_and_cuda_counts(capsys, monkeypatch):
+    assert main(["serve", "--device", "cpu", "--tensor-parallel-size", "2", "--data-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tensor-parallel-size: ") and "--data-parallel-size 2" in err
     import torch
 
     from specdec.cli import parallel
@@ -71,3 +72,44 @@ def test_launcher_keeps_rank0_output_and_ends_the_group_on_a_failure(tmp_path, m
     assert start_ranks([sys.executable, "-c", fail], 2) == 1
     assert time.monotonic() - t0 < 30  # rank 0 was ended, not waited for
     assert "[rank 1] rank 1 broke" in capfd.readouterr().err
+
+
+def test_serve_on_two_ranks_answers_as_one_engine(model_dir, tmp_path):
+    """``specdec serve --tensor-parallel-size 2``: the command starts its two ranks, rank 0 serves on the port and
+    answers a greedy completion with the unsplit target's tokens; an interrupt ends both ranks."""
+    import signal
+    import subprocess
+
+    import httpx
+    import openai
+    from tp_helpers import free_port
+
+    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.sampling_params import SamplingParams
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", model_dir, "--draft", "ngram", "--device",
+                             "cpu", "--tensor-parallel-size", "2", "--port", str(port), "--threads", "1"],
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        got = client.completions.create(model=model_dir, prompt="hello world, hello", max_tokens=12, temperature=0)
+        want = SpecEngine(None, model_dir, SpecConfig()).generate("hello world, hello", SamplingParams(max_tokens=12))
+        assert got.choices[0].text == want[0].text and want[0].text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise

@@ -175,3 +175,50 @@ def sampled_runs(rank: int, size: int, models: tuple, runs: list[tuple], prompts
         tokens = [o.token_ids for o in eng.generate(prompts, params)]
         out.append((tokens, eng.all_blocks_free()))
     return out
+
+
+def serve_rank(rank: int, size: int, target: str, draft: str | None, config, jobs: list[tuple], prompts: list[str],
+               idle: float) -> tuple:
+    """One rank of a tensor-parallel server (``serving.tensor_parallel``), the tiny models, ``config`` with
+    ``tensor_parallel_size`` = ``size``. Rank 0 serves (the real app, the openai client): waits ``idle`` seconds
+    (heartbeats), sends ``jobs`` ((prompt index, stream, temperature, seed)) all at once, then a streamed request
+    it leaves after one chunk and ``jobs[0]`` again, shuts down and returns (texts, operations sent, every block
+    free); another rank follows and returns (operations received, every
+    block free)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    import specdec.serving.executor as executor_module
+    from specdec.engine import SpecEngine
+    from specdec.serving.executor import Executor
+    from specdec.serving.server import ServerThread, build_app
+    from specdec.serving.tensor_parallel import StepMirror, follow
+
+    executor_module.IDLE_SECONDS = idle / 4
+    engine = SpecEngine(draft, target, config)
+    if rank:
+        return follow(engine), engine.all_blocks_free()
+    mirror = StepMirror()
+    with Executor(engine, mirror=mirror) as executor:
+        srv = ServerThread(build_app(executor, "tiny")).start()
+        try:
+            time.sleep(idle)
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+            def ask(job: tuple) -> str:
+                i, stream, temperature, seed = job
+                kw = dict(model="tiny", prompt=prompts[i], max_tokens=16, temperature=temperature, seed=seed)
+                if not stream:
+                    return client.completions.create(**kw).choices[0].text
+                return "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                texts = list(pool.map(ask, jobs))
+            chunks = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=200, stream=True)
+            next(iter(chunks))  # a reader that leaves: the server aborts its request on every rank
+            chunks.close()
+            texts.append(ask(jobs[0]))  # the ranks still agree afterwards
+        finally:
+            srv.stop()
+    return texts, mirror.sent, engine.all_blocks_free()

@@ -39,10 +39,9 @@ def check_parallel(args, device: str, command: str) -> None:
     if dp > 1 and command != "serve":
         raise UsageError(DP_FLAG, f"replicas serve many requests: use `specdec serve {DP_FLAG} {dp}` (and "
                                   f"`specdec bench-serve` to load it); `specdec {command}` runs one engine, got {dp}")
-    if tp > 1 and command == "serve":
-        raise UsageError(TP_FLAG, "specdec serve runs one process per engine for now (its ranks would need each "
-                                  f"step's requests broadcast from the server); use {DP_FLAG}, or `specdec generate "
-                                  f"/ bench {TP_FLAG} {tp}`, got {tp}")
+    if tp > 1 and dp > 1:
+        raise UsageError(TP_FLAG, f"replicas of a tensor-parallel group are not supported yet: use {TP_FLAG} or "
+                                  f"{DP_FLAG}, not both, got {tp} with {DP_FLAG} {dp}")
     if tp > 1 and not device.startswith("cpu"):
         raise UsageError(TP_FLAG, f"> 1 runs on the CPU (gloo) for now; pass --device cpu (got --device {device}), "
                                   f"got {tp}")

@@ -93,9 +93,11 @@ def cmd_serve(args) -> int:
         raise UsageError("--max-request-bytes", f"must be an int >= 1, got {args.max_request_bytes}")
     cfg = build(SpecConfig, tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
                 max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache,
-                gpu_memory_utilization=args.gpu_memory_utilization)
+                gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
     check_model("--draft", args.draft, extra=("ngram", "none"))
+    if args.tensor_parallel_size > 1:
+        return _serve_tensor_parallel(cfg, args, device, dtype)
     sock = bind_socket(args.host, args.port)
     if args.data_parallel_size > 1:
         try:
@@ -111,6 +113,40 @@ def cmd_serve(args) -> int:
         _serve(engine, args, sock)
     finally:
         sock.close()
+    return 0
+
+
+def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
+    """--tensor-parallel-size N: N rank processes (this command run again in each); rank 0 binds the port and
+    serves, its executor sending every add, abort and step to the other ranks, which apply them to their engines
+    (``serving.tensor_parallel``)."""
+    import torch.distributed as dist
+
+    from specdec.cli.checks import load
+    from specdec.cli.parallel import build_engine, check_split_before_loading, launch_tensor_parallel
+    from specdec.serving.executor import Executor
+    from specdec.serving.tensor_parallel import StepMirror, follow
+
+    check_split_before_loading("--model", args.model, args.tensor_parallel_size)
+    check_split_before_loading("--draft", args.draft, args.tensor_parallel_size)
+    code = launch_tensor_parallel(args)  # the ranks' processes run this command; None: this is one of them
+    if code is not None:
+        return code
+    sock = bind_socket(args.host, args.port) if dist.get_rank() == 0 else None
+    try:
+        target = load("--model", args.model, dtype, device)
+        draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device,
+                                                                          target=target)
+        engine = build_engine(None if draft == "none" else draft, target, cfg)
+        if sock is None:
+            follow(engine)
+            return 0
+        with Executor(engine, mirror=StepMirror()) as executor:
+            _run_server(executor, args, sock, f"{engine.pool.num_blocks} KV blocks on each of "
+                                              f"{args.tensor_parallel_size} tensor-parallel ranks")
+    finally:
+        if sock is not None:
+            sock.close()
     return 0
 
 

@@ -25,6 +25,7 @@ from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request
 from specdec.serving.request_streams import Channel, RequestStreams
+from specdec.serving.tensor_parallel import IDLE_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +84,16 @@ class Executor(RequestStreams):
     "error" with the validation error in ``.error`` when the engine refused the request). Each request
     has one reader. The executor owns the engine: while it runs, reach the engine only through
     ``run_on_loop``.
+
+    ``mirror``: on rank 0 of a tensor-parallel group, a ``serving.tensor_parallel.StepMirror``: every add, abort
+    and step is sent to the other ranks before it is applied here (and a heartbeat while idle), so their engines
+    follow this one; ``run_on_loop`` is refused then (what a function does to this engine would not be mirrored).
     """
 
-    def __init__(self, engine: SpecEngine, stats_history: int = 1024) -> None:
+    def __init__(self, engine: SpecEngine, stats_history: int = 1024, mirror=None) -> None:
         super().__init__()
         self.engine = engine
+        self.mirror = mirror
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._stats: deque[IterationStats] = deque(maxlen=stats_history)
@@ -159,15 +165,21 @@ class Executor(RequestStreams):
             self._loop()
 
     def _loop(self) -> None:
+        idle = None if self.mirror is None else IDLE_SECONDS
         while True:
             busy = self.engine.scheduler.has_work
             try:
-                msg = self._inbox.get_nowait() if busy else self._inbox.get()
+                msg = self._inbox.get_nowait() if busy else self._inbox.get(timeout=idle)
             except queue.Empty:
+                if not busy:  # (a mirror's heartbeat: nothing to step)
+                    self.mirror.send("idle")
+                    continue
                 msg = None
             if msg is not None and msg[0] is _STOP:
                 self._abort_all()
                 self._refuse_pending()
+                if self.mirror is not None:
+                    self.mirror.send("stop")
                 return
             if msg is not None:
                 try:
@@ -203,6 +215,10 @@ class Executor(RequestStreams):
             self._cancel(msg[1])
         elif kind == "call":
             fn, box = msg[1:]
+            if self.mirror is not None:
+                box.put((False, RuntimeError("run_on_loop is refused on a tensor-parallel server: what the function "
+                                             "did would not be mirrored to the other ranks")))
+                return
             try:
                 box.put((True, fn(self.engine)))
             except BaseException as err:  # noqa: BLE001 - KeyboardInterrupt too: handed back to the caller, who raises it
@@ -217,6 +233,8 @@ class Executor(RequestStreams):
 
     def _add(self, rid: str, prompt, params, channel: Channel) -> None:
         try:
+            if self.mirror is not None:
+                self.mirror.send("add", prompt, params, rid)
             with self.engine.guard:
                 req = self.engine.add_request(prompt, params, rid)
         except Exception as err:  # noqa: BLE001 - the request is refused (a ValueError: the caller's fault), the loop lives
@@ -237,12 +255,17 @@ class Executor(RequestStreams):
         """Take a request out of the engine (KV freed) and send its final output."""
         req = live.req
         if not req.finished:
-            self.engine.scheduler.abort(req)
+            self._abort(req)
         req.finish_reason = reason
         self._live.pop(req.request_id, None)
         out = RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids), req.text, reason,
                             req.stats, error=error)
         live.channel.put(out)
+
+    def _abort(self, req: Request) -> None:
+        if self.mirror is not None:
+            self.mirror.send("abort", req.request_id)
+        self.engine.scheduler.abort(req)
 
     def _abort_all(self) -> None:
         for live in list(self._live.values()):
@@ -251,6 +274,8 @@ class Executor(RequestStreams):
     def _step(self) -> None:
         t0 = time.perf_counter()
         try:
+            if self.mirror is not None:
+                self.mirror.send("step")
             with self.engine.guard:
                 progressed = self.engine.step()
         except Exception as err:  # noqa: BLE001 - one failed step must not kill the loop
@@ -295,7 +320,7 @@ class Executor(RequestStreams):
             if live is not None:
                 self._end(live, "error", wrapped)
             else:
-                self.engine.scheduler.abort(req)
+                self._abort(req)
 
     def _record(self, seconds: float, batch: int, prefill: int, new_tokens: int, drafted: int,
                 accepted: int) -> None:
