@@ -51,6 +51,10 @@ ENGINE_SETS = {
              "target_only_unpipelined": {"draft": None, "pipeline": False},
              "eagle": {"draft": "eagle", "tree": "dynamic:31"},
              "ngram": {"draft": "ngram"}},
+    # the shipped draft's CUDA default tree against twice its nodes (same levels; the budget controller cuts both)
+    "trees": {"target_only": {"draft": None},
+              "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+              "eagle63": {"draft": "eagle", "tree": "dynamic:63"}},
     # the CUDA defaults against the same engines admitting rows one by one (admit_min_free=1)
     "plan_admit": {"target_only": {"draft": None},
                    "target_only_admit1": {"draft": None, "admit_min_free": 1},
