@@ -22,12 +22,18 @@ from specdec.lookahead_ops import advance_rows_reference, causal_masks
 def _advance_rows_kernel(
     vpos_ptr, vids_ptr, vslots_ptr, vprefix_ptr, vseq_ptr, vbt_ptr,  # next verify (bucket rows of QV queries)
     pids_ptr, ppos_ptr, pslots_ptr, pmask_ptr, pparents_ptr, pprefix_ptr, pseq_ptr, pnum_ptr, pbt_ptr,  # catch-up
-    acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr,
+    acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr, live_ptr,
     n, bt_width, block_size,
     QV: tl.constexpr, QP: tl.constexpr, QVP: tl.constexpr, QPP: tl.constexpr, NP: tl.constexpr,
-    WP: tl.constexpr, STATIC: tl.constexpr,
+    WP: tl.constexpr, STATIC: tl.constexpr, LIVE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    if LIVE:  # a padding row (flag 0) writes nothing but "none" into the returned sources and moves
+        live = tl.load(live_ptr + row)
+    else:
+        live = 1
+    z = tl.arange(0, 1)  # (the row's scalars are stored as blocks of one, masked like the rest)
+    ok1 = (z * 0 + live) != 0
     top = bt_width * block_size - 1
     bt_row = bt_ptr + row * bt_width
     acc = acc_ptr + row * (QV + 3)
@@ -40,7 +46,7 @@ def _advance_rows_kernel(
     path_d = tl.load(acc + 2 + d, mask=d_ok, other=0)
     src_pos = L + tl.maximum(path_d - 1, 0)
     dst_pos = L + d
-    move = d_ok & (d < m) & (src_pos != dst_pos)
+    move = d_ok & (d < m) & (src_pos != dst_pos) & ((d * 0 + live) != 0)
     src_pos = tl.minimum(src_pos, top)
     dst_pos = tl.minimum(dst_pos, top)
     src_blk = tl.load(bt_row + src_pos // block_size, mask=move, other=0)
@@ -59,42 +65,45 @@ def _advance_rows_kernel(
     blk = tl.load(bt_row + tl.minimum(pos, top) // block_size, mask=j_ok & valid, other=0)
     causal = tl.load(causal_ptr + j, mask=j_ok, other=0)
     at = row * QP + j
-    tl.store(pids_ptr + at, ids, mask=j_ok)
-    tl.store(ppos_ptr + at, tl.where(valid, pos, 0), mask=j_ok)
-    tl.store(pslots_ptr + at, tl.where(valid, blk * block_size + tl.minimum(pos, top) % block_size, -1), mask=j_ok)
-    tl.store(pmask_ptr + at, tl.where(valid, causal, 0), mask=j_ok)
-    tl.store(pparents_ptr + at, tl.full([QPP], -1, tl.int64), mask=j_ok)
+    ok = (j * 0 + live) != 0
+    put = j_ok & ok
+    tl.store(pids_ptr + at, ids, mask=put)
+    tl.store(ppos_ptr + at, tl.where(valid, pos, 0), mask=put)
+    tl.store(pslots_ptr + at, tl.where(valid, blk * block_size + tl.minimum(pos, top) % block_size, -1), mask=put)
+    tl.store(pmask_ptr + at, tl.where(valid, causal, 0), mask=put)
+    tl.store(pparents_ptr + at, tl.full([QPP], -1, tl.int64), mask=put)
     # input j reads the features of position L + j - 1: verify query 0 (the pending token), then the path's
     prev = tl.load(acc + 1 + j, mask=j_ok & (j >= 1) & (j - 1 < QV), other=0)
-    tl.store(fsrc_ptr + at, tl.where(valid, tl.where(j == 0, 0, prev), -1), mask=j_ok)
-    tl.store(pprefix_ptr + row, L)
-    tl.store(pseq_ptr + row, L + m + 1)
-    tl.store(pnum_ptr + row, m + 1)
+    tl.store(fsrc_ptr + at, tl.where(valid & ok, tl.where(j == 0, 0, prev), -1), mask=j_ok)
+    tl.store(pprefix_ptr + row + z, L + z, mask=ok1)
+    tl.store(pseq_ptr + row + z, L + m + 1 + z, mask=ok1)
+    tl.store(pnum_ptr + row + z, m + 1 + z, mask=ok1)
     # the next verify's skeleton: the root (the bonus token) at L + m, queries 0 .. n at L + m + k
     root = L + m
     k = tl.arange(0, NP)
-    k_ok = k <= n
-    tl.store(vids_ptr + row * QV, bonus)
+    k_ok = (k <= n) & ((k * 0 + live) != 0)
+    tl.store(vids_ptr + row * QV + z, bonus + z, mask=ok1)
     if STATIC:
         tl.store(vpos_ptr + row * QV + k, root + tl.load(offs_ptr + k, mask=k_ok, other=0), mask=k_ok)
     else:
-        tl.store(vpos_ptr + row * QV, root)
+        tl.store(vpos_ptr + row * QV + z, root + z, mask=ok1)
     qpos = tl.minimum(root + k, top)
     qblk = tl.load(bt_row + qpos // block_size, mask=k_ok, other=0)
     tl.store(vslots_ptr + row * QV + k, qblk * block_size + qpos % block_size, mask=k_ok)
-    tl.store(vprefix_ptr + row, root)
-    tl.store(vseq_ptr + row, root + n + 1)
+    tl.store(vprefix_ptr + row + z, root + z, mask=ok1)
+    tl.store(vseq_ptr + row + z, root + n + 1 + z, mask=ok1)
     # both buckets' block-table rows
     for w0 in range(0, bt_width, WP):
         w = w0 + tl.arange(0, WP)
-        w_ok = w < bt_width
+        w_ok = (w < bt_width) & ((w * 0 + live) != 0)
         b = tl.load(bt_row + w, mask=w_ok)
         tl.store(vbt_ptr + row * bt_width + w, b, mask=w_ok)
         tl.store(pbt_ptr + row * bt_width + w, b, mask=w_ok)
 
 
 def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tensor, bt: torch.Tensor, pv,
-                        bp: int, qp: int, block_size: int, n: int, node_offsets: torch.Tensor | None):
+                        bp: int, qp: int, block_size: int, n: int, node_offsets: torch.Tensor | None,
+                        live: torch.Tensor | None = None):
     """Same promise as ``advance_rows_reference`` (same arguments and return), in one launch."""
     r = tokens.shape[0]
     dev = tokens.device
@@ -103,6 +112,8 @@ def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torc
     check_tensor("bt", bt, shape=(r, None), dtypes=(torch.int64,), device=dev)
     if node_offsets is not None:
         check_tensor("node_offsets", node_offsets, shape=(n + 1,), dtypes=(torch.int64,), device=dev)
+    if live is not None:
+        check_tensor("live", live, shape=(r,), dtypes=(torch.int64,), device=dev)
     if r > min(bv, bp) or n + 1 > qv:
         raise ValueError(f"advance_rows: {r} rows of {n} nodes do not fit buckets ({bv}, {qv}) and ({bp}, {qp})")
     check_launchable(_advance_rows_kernel, dev)
@@ -116,13 +127,15 @@ def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torc
             vv.positions, vv.ids, vv.slots, vv.prefix_lens, vv.seq_lens, vv.block_tables,
             pv.ids, pv.positions, pv.slots, pv.tree_mask, pv.parents, pv.prefix_lens, pv.seq_lens, pv.num_tokens,
             pv.block_tables, acc, tok, table, causal_masks(qp, dev), offs, fsrc, src, dst,
-            n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv), QPP=next_pow2(qp), NP=next_pow2(n + 1),
-            WP=min(next_pow2(w), 256), STATIC=node_offsets is not None, num_warps=1)
+            live.contiguous() if live is not None else acc, n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv),
+            QPP=next_pow2(qp), NP=next_pow2(n + 1), WP=min(next_pow2(w), 256), STATIC=node_offsets is not None,
+            LIVE=live is not None, num_warps=1)
     return fsrc, src, dst
 
 
-def advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, *, use_triton: bool):
+def advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live=None, *,
+                 use_triton: bool):
     """A pipelined step's integer inputs from the previous verify's outcome: ``advance_rows_triton`` (one launch)
     when ``use_triton`` (the Triton backend), ``advance_rows_reference`` otherwise."""
     op = advance_rows_triton if use_triton else advance_rows_reference
-    return op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+    return op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live)

@@ -464,7 +464,7 @@ class SpecEngine:
                 bar.close()
 
     def warm_up(self) -> float:
-        """Run every row count and budget the engine can step through short synthetic requests, so the graphs
+        """Run every batch bucket and budget the engine can step through short synthetic requests, so the graphs
         captured on first use exist before real requests arrive (``specdec.warm_up``), then forget what they
         left: statistics, drafted text, cached prefixes, the step queued behind their last step. Returns the
         seconds it took; called at construction when ``plan.warm_up``."""

@@ -36,16 +36,27 @@ def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
     return bt.gather(1, pos // block_size) * block_size + pos % block_size
 
 
+def _put(dst: Tensor, value, ok: Tensor | None) -> None:
+    """``dst[...] = value`` in the rows where ``ok`` (R,) holds (all rows when None)."""
+    if ok is None:
+        dst[...] = value
+    else:
+        dst.copy_(torch.where(ok.view(-1, *([1] * (dst.dim() - 1))), value, dst))
+
+
 @torch.inference_mode()
 def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, bt: Tensor,
                            pv: StepViews, bp: int, qp: int, block_size: int, n: int,
-                           node_offsets: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                           node_offsets: Tensor | None, live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The integer part of ``advance`` (same arguments): the catch-up rows into ``pv``, the next verify's
     skeleton into ``vv``; returns each catch-up input's feature source, the verify query whose features it reads
     (R, qp; -1: none), and the accepted paths' KV moves as (src, dst) slot pairs (R * qv,) each (-1: none):
-    accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j."""
+    accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j. ``live`` (R,): nonzero for the
+    rows to write (a bucket's rows, the padding ones 0: left as they are, no moves, feature source -1); None:
+    every row."""
     r = tokens.shape[0]
     dev = tokens.device
+    ok = None if live is None else live != 0
     L = vv.positions.view(bv, qv)[:r, 0] + 1  # (R,) each row's length at step K: the pending token at L - 1
     m, bonus = accept[:, 0], accept[:, 1]  # (R,)
     path = accept[:, 2:2 + qv]  # (R, qv) the path's verify query indices (node + 1), the first m valid
@@ -53,6 +64,8 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     d = torch.arange(qv, device=dev)
     src_pos, dst_pos = L[:, None] + (path - 1).clamp(min=0), L[:, None] + d  # (R, qv)
     move = (d < m[:, None]) & (src_pos != dst_pos)
+    if ok is not None:
+        move &= ok[:, None]
     src = torch.where(move, _slots(bt, src_pos.clamp(max=top), block_size), -1).flatten()
     dst = torch.where(move, _slots(bt, dst_pos.clamp(max=top), block_size), -1).flatten()
     # the catch-up: positions L .. L + m (the path's tokens, then the bonus token)
@@ -65,28 +78,29 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     pos = L[:, None] + j
     ids = torch.where(j < m[:, None], node_tok, torch.where(j == m[:, None], bonus[:, None], 0))
     p = {name: getattr(pv, name).view(bp, qp) for name in ("ids", "positions", "slots", "tree_mask", "parents")}
-    p["ids"][:r] = ids
-    p["positions"][:r] = torch.where(valid, pos, 0)
-    p["slots"][:r] = torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1)
-    p["tree_mask"][:r] = torch.where(valid, causal_masks(qp, dev), 0)
-    p["parents"][:r] = -1
-    pv.prefix_lens[:r] = L
-    pv.seq_lens[:r] = L + m + 1
-    pv.num_tokens[:r] = m + 1
-    pv.block_tables[:r] = bt
+    _put(p["ids"][:r], ids, ok)
+    _put(p["positions"][:r], torch.where(valid, pos, 0), ok)
+    _put(p["slots"][:r], torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1), ok)
+    _put(p["tree_mask"][:r], torch.where(valid, causal_masks(qp, dev), 0), ok)
+    _put(p["parents"][:r], -1, ok)
+    _put(pv.prefix_lens[:r], L, ok)
+    _put(pv.seq_lens[:r], L + m + 1, ok)
+    _put(pv.num_tokens[:r], m + 1, ok)
+    _put(pv.block_tables[:r], bt, ok)
     # input j reads position L + j - 1: verify query 0 (the pending token), then the path's queries
-    fsrc = torch.where(valid, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
+    read = valid if ok is None else valid & ok[:, None]
+    fsrc = torch.where(read, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
     # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
     root = L + m  # (R,)
     v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
-    v["ids"][:r, 0] = bonus
+    _put(v["ids"][:r, 0], bonus, ok)
     if node_offsets is None:
-        v["positions"][:r, 0] = root
+        _put(v["positions"][:r, 0], root, ok)
     else:
-        v["positions"][:r, :n + 1] = root[:, None] + node_offsets
+        _put(v["positions"][:r, :n + 1], root[:, None] + node_offsets, ok)
     qpos = root[:, None] + torch.arange(n + 1, device=dev)  # (R, n + 1)
-    v["slots"][:r, :n + 1] = _slots(bt, qpos.clamp(max=top), block_size)
-    vv.prefix_lens[:r] = root
-    vv.seq_lens[:r] = root + n + 1
-    vv.block_tables[:r] = bt
+    _put(v["slots"][:r, :n + 1], _slots(bt, qpos.clamp(max=top), block_size), ok)
+    _put(vv.prefix_lens[:r], root, ok)
+    _put(vv.seq_lens[:r], root + n + 1, ok)
+    _put(vv.block_tables[:r], bt, ok)
     return fsrc, src, dst

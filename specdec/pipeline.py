@@ -222,17 +222,21 @@ class AdvanceGraphs:
         self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
         self.graphs = graphs if graphs is not None else GraphCache("queued-step writer", self.device)
 
-    def __call__(self, key: tuple, build, copied: tuple[Tensor, ...], inputs, capture: bool = True) -> None:
+    def __call__(self, key: tuple, build, copied: tuple[Tensor, ...], inputs, capture: bool = True,
+                 rows: int | None = None) -> None:
         """``build(*copied)``, as the replay of ``key``'s graph when capturing. ``inputs``: the ``StepInputs``
         ``build`` writes; capturing runs it once over a zero copy of ``copied`` (nothing accepted: no KV moves),
         and that run's writes to ``inputs`` are put back. The entry keeps ``build`` (and what it binds, such as a
-        static tree's node offsets) alive as long as its graph."""
+        static tree's node offsets) alive as long as its graph. ``rows``: the graph's own copies are that many rows
+        tall (a bucket's), and each step's ``copied`` fills their first rows (the rest is padding, which ``build``
+        must leave alone); None: as tall as ``copied``."""
         if not (self.capture and capture):
             build(*copied)
             return
         entry = self.graphs.get(key)
         if entry is None:
-            own = tuple(torch.zeros_like(t) for t in copied)
+            own = tuple(torch.zeros((rows or t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+                        for t in copied)
             saved = inputs.dev.clone()
             try:
                 graph, _ = self.graphs.capture(functools.partial(build, *own))
@@ -241,7 +245,7 @@ class AdvanceGraphs:
             entry = self.graphs[key] = (graph, own, build)
         graph, own, _ = entry
         for mine, t in zip(own, copied):
-            mine.copy_(t)
+            mine[:t.shape[0]].copy_(t)
         graph.replay()
 
 
@@ -278,11 +282,17 @@ class EagleAhead:
         inputs, pool, bs, k = runner.graphs.inputs, runner.pool, runner.pool.block_size, tokens.shape[1]
         vv, pv, feats, pfeats = inputs.views(b, q), loop.inputs.views(b, loop.q), step.fwd.features.table, loop.features
 
-        def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:
-            advance(vv, b, q, acc, tok, feats, table, pv, b, loop.q, pfeats, pool, bs, k, offsets, self.rows_op)
+        def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:  # table: the rows' block tables, then a live flag
+            advance(vv, b, q, acc, tok, feats, table[:, :-1], pv, b, loop.q, pfeats, pool, bs, k, offsets,
+                    self.rows_op, live=table[:, -1])
 
-        key = (b, q, r, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
-        self.advance(key, build, (step.outcome[:r], tokens, upload(bt)), inputs, runner.graphs.captured(step.key))
+        # one graph per bucket, whatever its live rows: captured, it runs the bucket's b rows, the padding ones
+        # (live flag 0, their outcome, trees and tables stale) left alone
+        captured = self.advance.capture and runner.graphs.captured(step.key)
+        table = np.zeros((b if captured else r, bt.shape[1] + 1), dtype=np.int64)
+        table[:r, :-1], table[:r, -1] = bt, 1
+        key = (b, q, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
+        self.advance(key, build, (step.outcome[:r], tokens[:r], upload(table)), inputs, captured, rows=b)
         start = d.clock.mark()
         out = loop.replay(b, loop.set_rows(rows), step.n)[:r]
         carried = RowSlices(loop.features, [i * loop.q for i in range(r)], [loop.q] * r)
@@ -398,8 +408,9 @@ class DecodeFollow:
 @torch.inference_mode()
 def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor, bt: Tensor,
             pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
-            node_offsets: Tensor | None, rows_op=None) -> None:
-    """Write an EAGLE step K + 1's device inputs from verify K's outcome, for the first R rows.
+            node_offsets: Tensor | None, rows_op=None, live: Tensor | None = None) -> None:
+    """Write an EAGLE step K + 1's device inputs from verify K's outcome, for the first R rows (those of them
+    whose ``live`` flag (R,) is nonzero: the others are a bucket's padding, left alone).
 
     ``vv``: verify K's bucket (bv, qv) views (its root positions give the rows' lengths; rewritten with the
     next verify's skeleton); ``accept`` (R, qv + 3) its outcome; ``tokens`` (R, n) the kept trees' node
@@ -410,7 +421,7 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     dynamic tree, whose node positions the tree writer derives from the root's). ``rows_op``: what writes the
     integer inputs (``advance_rows_reference``, or the one-launch Triton ``kernels.advance.advance_rows_triton``)."""
     op = rows_op or advance_rows_reference
-    fsrc, src, dst = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets)
+    fsrc, src, dst = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live)
     pool.move_slots(src, dst)
     # catch-up input j reads the target features of position L + j - 1 (verify query ``fsrc``, -1: none)
     r, width = tokens.shape[0], feats.shape[1]

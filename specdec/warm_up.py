@@ -1,11 +1,11 @@
 """Engine warm-up: every step shape a configuration can run, run once before the first request.
 
 Some graphs of a padded step are captured on their first use, because their keys depend on what a step
-holds: a queued step's advance per row count, a dynamic tree's writer per budget, the sampled rule per
+holds: a queued step's advance per bucket and tree, a dynamic tree's writer per budget, the sampled rule per
 (bucket, filter flag). Captured in the middle of a user's first requests they would make those requests
 several times slower than later ones. ``warm_up`` drives short synthetic requests through
-``SpecEngine.generate`` at every row count, greedy and sampled (with and without top-p), under every budget
-the engine may choose, so those graphs exist when the first request arrives; then it forgets everything
+``SpecEngine.generate`` at every batch bucket's row count, greedy and sampled (with and without top-p), under
+every budget the engine may choose, so those graphs exist when the first request arrives; then it forgets everything
 the synthetic requests left behind (statistics, drafted text, cached prefixes, the blocks they held).
 """
 
@@ -50,10 +50,10 @@ class FixedBudget:
 
 
 def warm_up(engine) -> float:
-    """Run ``engine`` (a SpecEngine) through every row count and budget it can step, greedy and sampled; returns
+    """Run ``engine`` (a SpecEngine) through every batch bucket and budget it can step, greedy and sampled; returns
     the seconds it took. The engine's budget controller is set aside while it runs and learns nothing from it."""
     start = time.perf_counter()
-    plan, cfg = engine.plan, engine.config
+    cfg = engine.config
     prompt = [t % engine.target.config.vocab_size for t in range(1, PROMPT_TOKENS + 1)]
     controller = engine.adaptive
     budgets = [None] if controller is None else sorted({o.nodes for o in controller.options})
@@ -61,8 +61,7 @@ def warm_up(engine) -> float:
     sampled = [SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, temperature=1.0, top_p=top_p, seed=i)
                for i, top_p in enumerate((1.0, 0.9))]  # without and with top-p: the rule's two graphs
     buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
-    # a queued step's advance graph is keyed by its row count; every other graph by the batch bucket only
-    counts = range(1, cfg.max_batch_size + 1) if plan.pipeline else sorted(buckets | {cfg.max_batch_size})
+    counts = sorted(buckets | {cfg.max_batch_size})  # every graph is keyed by the batch bucket, not the row count
     try:
         for rows in counts:
             for nodes in budgets:  # all-greedy steps and steps with a sampled row, at any budget the engine may use

@@ -63,6 +63,37 @@ def test_advance_rows_equals_the_reference(dev, r, bv, qv, bp, qp, n, static):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("static", [False, True])
+def test_padding_rows_are_left_alone(dev, static):
+    """A bucket's graph runs all its rows with a live flag per row (1 for the first r): the live rows get what
+    the call over those r rows alone writes and returns; the padding rows' inputs stay as they were in both
+    buckets, and their feature sources and KV moves are "none" (-1). The kernel equals the reference."""
+    from specdec.kernels.advance import advance_rows_triton
+
+    r, b, qv, qp, n, width, bs = 3, 8, 16, 8, 9, 24, 8
+    g = torch.Generator().manual_seed(11)
+    verify, program, accept, tokens, bt = _state(g, dev, b, b, qv, b, qp, n, width, bs)
+    offsets = torch.randint(0, 9, (n + 1,), generator=g).to(dev) if static else None
+    live = torch.tensor([1] * r + [0] * (b - r), device=dev)
+    alone_v, alone_p = StepInputs(b, qv, width, dev), StepInputs(b, qp, width, dev)
+    alone_v.dev.copy_(verify.dev)
+    alone_p.dev.copy_(program.dev)
+    alone = advance_rows_reference(alone_v.views(b, qv), b, qv, accept[:r], tokens[:r], bt[:r], alone_p.views(b, qp),
+                                   b, qp, bs, n, offsets)
+    for fn in (advance_rows_reference, advance_rows_triton):
+        got_v, got_p = StepInputs(b, qv, width, dev), StepInputs(b, qp, width, dev)
+        got_v.dev.copy_(verify.dev)
+        got_p.dev.copy_(program.dev)
+        fsrc, src, dst = fn(got_v.views(b, qv), b, qv, accept, tokens, bt, got_p.views(b, qp), b, qp, bs, n, offsets,
+                            live)
+        assert torch.equal(got_v.dev, alone_v.dev) and torch.equal(got_p.dev, alone_p.dev), fn.__name__
+        assert torch.equal(fsrc[:r], alone[0]) and (fsrc[r:] == -1).all()
+        assert torch.equal(src[:r * qv], alone[1]) and torch.equal(dst[:r * qv], alone[2])
+        assert (src[r * qv:] == -1).all() and (dst[r * qv:] == -1).all()
+    assert (alone[1] >= 0).any()  # (the live rows did move some KV)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_advance_rows_op_is_the_kernel_or_the_reference(dev):
     """The op: the kernel with ``use_triton`` (the Triton backend), the reference without; both equal it."""
     from specdec.kernels.advance import advance_rows

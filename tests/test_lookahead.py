@@ -302,8 +302,8 @@ def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
     """``AdvanceGraphs``' CUDA path (the EAGLE hook's) run with a stand-in graph (capturing runs the build once, as
     the real capture does, and each replay runs it again over the graph's own input copies): capturing over a no-op
     outcome and putting the verify rows back leaves every step as the eager one, so output equals target-only; one
-    graph per shape, replayed at the later queued steps; a static tree's entry keeps the node offsets its graph
-    reads."""
+    graph per bucket and tree shape, replayed at the later queued steps, also for fewer live rows than its bucket
+    (3 of 4: the padding row left alone); a static tree's entry keeps the node offsets its graph reads."""
     import specdec.graphs as cg
     from specdec.pipeline import AdvanceGraphs
 
@@ -328,6 +328,9 @@ def test_advance_graph_path_with_a_stand_in_graph(tiny, monkeypatch, tree):
     monkeypatch.setattr(eng.runner.graphs, "captured", lambda key: True)  # as on CUDA (the forwards stay eager)
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
     assert graphs.graphs and sum(g.replays for g, *_ in graphs.graphs.values()) >= eng.drafter.paths["ahead"] > 0
+    ahead, replays = eng.drafter.paths["ahead"], sum(g.replays for g, *_ in graphs.graphs.values())
+    assert [o.token_ids for o in eng.generate(PROMPTS[:3], PARAMS[:3])] == want[:3]  # 3 live rows of bucket 4
+    assert eng.drafter.paths["ahead"] > ahead and sum(g.replays for g, *_ in graphs.graphs.values()) > replays
 
     def offsets(build):  # the node offsets the entry's builder (what its graph was captured from) holds
         return dict(zip(build.__code__.co_freevars, (c.cell_contents for c in build.__closure__)))["offsets"]
