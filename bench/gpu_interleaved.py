@@ -61,11 +61,6 @@ ENGINE_SETS = {
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
                    "eagle_admit1": {"draft": "eagle", "tree": "dynamic:31", "admit_min_free": 1},
                    "ngram": {"draft": "ngram"}},
-    # sampled steps: n-gram with the budget controller (the default) and at a fixed budget, beside the draft
-    "sampled_budget": {"target_only": {"draft": None},
-                       "ngram": {"draft": "ngram"},
-                       "ngram_fixed": {"draft": "ngram", "adaptive": False},
-                       "eagle": {"draft": "eagle", "tree": "dynamic:31"}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -76,11 +71,6 @@ ENGINE_SETS = {
     "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
               "ngram_adaptive": {"draft": "ngram", "adaptive": True},
               "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
-    # the shipped EAGLE draft's trees, fixed budget and adaptive
-    "eagle": {"target_only": {"draft": None},
-              "eagle_topk2x3": {"draft": "eagle", "tree": "topk:2x3", "adaptive": False},
-              "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
-              "eagle_dynamic31_adaptive": {"draft": "eagle", "tree": "dynamic:31", "adaptive": True}},
     # pipelined steps (one step's host work overlapped with the next step's GPU work) against unpipelined ones
     "pipeline": {"target_only": {"draft": None},
                  "target_only_unpipelined": {"draft": None, "pipeline": False},
@@ -88,10 +78,6 @@ ENGINE_SETS = {
                  "eagle_dynamic31_unpipelined": {"draft": "eagle", "tree": "dynamic:31", "pipeline": False},
                  "ngram_pipelined": {"draft": "ngram", "pipeline": True},
                  "ngram_unpipelined": {"draft": "ngram", "pipeline": False}},
-    # the speculative defaults against target-only for sampled rows (with TEMPERATURE)
-    "sampled": {"target_only": {"draft": None},
-                "eagle_dynamic31": {"draft": "eagle", "tree": "dynamic:31"},
-                "ngram_chain8": {"draft": "ngram"}},
 }
 ENGINES = os.environ.get("ENGINES", "ngram")
 # KV pool per engine: the default (40% of the free memory) shrinks geometrically over the engines of one process
