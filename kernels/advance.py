@@ -22,7 +22,7 @@ from specdec.lookahead_ops import advance_rows_reference, causal_masks
 def _advance_rows_kernel(
     vpos_ptr, vids_ptr, vslots_ptr, vprefix_ptr, vseq_ptr, vbt_ptr,  # next verify (bucket rows of QV queries)
     pids_ptr, ppos_ptr, pslots_ptr, pmask_ptr, pparents_ptr, pprefix_ptr, pseq_ptr, pnum_ptr, pbt_ptr,  # catch-up
-    acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr, live_ptr,
+    acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr, live_ptr, len_ptr,
     n, bt_width, block_size,
     QV: tl.constexpr, QP: tl.constexpr, QVP: tl.constexpr, QPP: tl.constexpr, NP: tl.constexpr,
     WP: tl.constexpr, STATIC: tl.constexpr, LIVE: tl.constexpr,
@@ -37,7 +37,7 @@ def _advance_rows_kernel(
     top = bt_width * block_size - 1
     bt_row = bt_ptr + row * bt_width
     acc = acc_ptr + row * (QV + 3)
-    L = tl.load(vpos_ptr + row * QV) + 1  # the pending token sat at L - 1
+    L = tl.load(len_ptr + row) + 1  # the pending token sat at L - 1 (read before any program writes the verify's)
     m = tl.load(acc)
     bonus = tl.load(acc + 1)
     # the accepted path's KV moves: node a_d (query a_d + 1) from L + a_d to L + d
@@ -103,7 +103,7 @@ def _advance_rows_kernel(
 
 def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tensor, bt: torch.Tensor, pv,
                         bp: int, qp: int, block_size: int, n: int, node_offsets: torch.Tensor | None,
-                        live: torch.Tensor | None = None):
+                        live: torch.Tensor | None = None, src: torch.Tensor | None = None):
     """Same promise as ``advance_rows_reference`` (same arguments and return), in one launch."""
     r = tokens.shape[0]
     dev = tokens.device
@@ -114,28 +114,33 @@ def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torc
         check_tensor("node_offsets", node_offsets, shape=(n + 1,), dtypes=(torch.int64,), device=dev)
     if live is not None:
         check_tensor("live", live, shape=(r,), dtypes=(torch.int64,), device=dev)
+    if src is not None:
+        check_tensor("src", src, shape=(r,), dtypes=(torch.int64,), device=dev)
     if r > min(bv, bp) or n + 1 > qv:
         raise ValueError(f"advance_rows: {r} rows of {n} nodes do not fit buckets ({bv}, {qv}) and ({bp}, {qp})")
     check_launchable(_advance_rows_kernel, dev)
     fsrc = torch.empty(r, qp, dtype=torch.int64, device=dev)
-    src, dst = torch.empty(r * qv, dtype=torch.int64, device=dev), torch.empty(r * qv, dtype=torch.int64, device=dev)
+    moved_from = torch.empty(r * qv, dtype=torch.int64, device=dev)
+    moved_to = torch.empty(r * qv, dtype=torch.int64, device=dev)
     if r:
         acc, tok, table = accept.contiguous(), tokens.contiguous(), bt.contiguous()
+        roots = vv.positions.view(bv, qv)[:, 0]  # each row's root position at step K, read before the launch
+        lens = roots[:r].contiguous() if src is None else roots.index_select(0, src)
         offs = node_offsets if node_offsets is not None else acc  # (unused when the tree is dynamic)
         w = table.shape[1]
         _advance_rows_kernel[(r,)](
             vv.positions, vv.ids, vv.slots, vv.prefix_lens, vv.seq_lens, vv.block_tables,
             pv.ids, pv.positions, pv.slots, pv.tree_mask, pv.parents, pv.prefix_lens, pv.seq_lens, pv.num_tokens,
-            pv.block_tables, acc, tok, table, causal_masks(qp, dev), offs, fsrc, src, dst,
-            live.contiguous() if live is not None else acc, n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv),
+            pv.block_tables, acc, tok, table, causal_masks(qp, dev), offs, fsrc, moved_from, moved_to,
+            live.contiguous() if live is not None else acc, lens, n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv),
             QPP=next_pow2(qp), NP=next_pow2(n + 1), WP=min(next_pow2(w), 256), STATIC=node_offsets is not None,
             LIVE=live is not None, num_warps=1)
-    return fsrc, src, dst
+    return fsrc, moved_from, moved_to
 
 
-def advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live=None, *,
+def advance_rows(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live=None, src=None, *,
                  use_triton: bool):
     """A pipelined step's integer inputs from the previous verify's outcome: ``advance_rows_triton`` (one launch)
     when ``use_triton`` (the Triton backend), ``advance_rows_reference`` otherwise."""
     op = advance_rows_triton if use_triton else advance_rows_reference
-    return op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live)
+    return op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live, src)

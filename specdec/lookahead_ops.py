@@ -31,6 +31,27 @@ def causal_masks(q: int, device: torch.device) -> Tensor:
     return torch.from_numpy(CAUSAL_BITS[:q].copy()).to(device)
 
 
+@torch.inference_mode()
+def pad_rows(vv: StepViews, bv: int, qv: int, pv: StepViews, bp: int, qp: int, live: Tensor) -> None:
+    """Write the rows of both buckets whose ``live`` flag (R,) is 0 as padding, as a host fill does (token 0 at
+    position 0, no slot, no parent, zero lengths, no block), and each bucket's query start locations for its live
+    rows (a prefix of the rows): a row that was live in the step before (its request ended) runs nothing."""
+    r = live.shape[0]
+    dead = live == 0
+    for v, b, q in ((vv, bv, qv), (pv, bp, qp)):
+        for name, pad in (("ids", 0), ("positions", 0), ("slots", -1), ("tree_mask", 0), ("parents", -1)):
+            rows = getattr(v, name).view(b, q)[:r]
+            rows.copy_(torch.where(dead[:, None], pad, rows))
+        for name in ("prefix_lens", "seq_lens", "num_tokens"):
+            rows = getattr(v, name)[:r]
+            rows.copy_(torch.where(dead, 0, rows))
+        v.block_tables[:r].copy_(torch.where(dead[:, None], 0, v.block_tables[:r]))
+        counts = torch.zeros(b, dtype=torch.int64, device=live.device)
+        counts[:r] = (live != 0).to(torch.int64) * q
+        v.qsl[1:].copy_(counts.cumsum(0))
+        v.qsl[0] = 0
+
+
 def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
     """KV slots of logical positions ``pos`` (R, w) through block tables ``bt`` (R, W)."""
     return bt.gather(1, pos // block_size) * block_size + pos % block_size
@@ -47,17 +68,20 @@ def _put(dst: Tensor, value, ok: Tensor | None) -> None:
 @torch.inference_mode()
 def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, bt: Tensor,
                            pv: StepViews, bp: int, qp: int, block_size: int, n: int,
-                           node_offsets: Tensor | None, live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                           node_offsets: Tensor | None, live: Tensor | None = None,
+                           src: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The integer part of ``advance`` (same arguments): the catch-up rows into ``pv``, the next verify's
     skeleton into ``vv``; returns each catch-up input's feature source, the verify query whose features it reads
     (R, qp; -1: none), and the accepted paths' KV moves as (src, dst) slot pairs (R * qv,) each (-1: none):
     accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j. ``live`` (R,): nonzero for the
-    rows to write (a bucket's rows, the padding ones 0: left as they are, no moves, feature source -1); None:
-    every row."""
+    rows to write (a bucket's rows, the padding ones 0: left as they are, no moves, feature source -1; see
+    ``pad_rows``); None: every row. ``src`` (R,): the row of verify K each row was (it reads its length there:
+    rows that go on when others ended; ``accept`` and ``tokens`` come in the new order); None: the same row."""
     r = tokens.shape[0]
     dev = tokens.device
     ok = None if live is None else live != 0
-    L = vv.positions.view(bv, qv)[:r, 0] + 1  # (R,) each row's length at step K: the pending token at L - 1
+    roots = vv.positions.view(bv, qv)[:, 0]
+    L = (roots[:r] if src is None else roots.index_select(0, src)) + 1  # (R,) the length at step K (pending: L - 1)
     m, bonus = accept[:, 0], accept[:, 1]  # (R,)
     path = accept[:, 2:2 + qv]  # (R, qv) the path's verify query indices (node + 1), the first m valid
     top = bt.shape[1] * block_size - 1

@@ -43,7 +43,7 @@ from specdec.drafters.ngram_ops import ngram_advance_reference
 from specdec.fused_step import DeviceDraft, shape_rows
 from specdec.graphs import GraphCache, cache_for
 from specdec.kernels.advance import advance_rows
-from specdec.lookahead_ops import advance_rows_reference
+from specdec.lookahead_ops import advance_rows_reference, pad_rows
 from specdec.runner import RowSlices
 from specdec.step_inputs import StepViews
 
@@ -264,16 +264,17 @@ class EagleAhead:
         return 0  # (only fused steps are queued; their bucket is the tree's)
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
-        """Only behind a fused step (trees on the device, target features) adopted by all its rows, and not for a
-        row with a repetition penalty (it reads the committed tokens on the host)."""
-        return (step.trees is not None and step.sel is None and step.fwd.features is not None
+        """Only behind a fused step (trees on the device, target features), adopted by all its rows or some (those
+        that go on are gathered from their rows of it), and not for a row with a repetition penalty (it reads the
+        committed tokens on the host)."""
+        return (step.trees is not None and step.fwd.features is not None
                 and not any(r.params.penalized for r in rows))
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, DeviceDraft]:
         d = self.drafter
         runner, loop = d.runner, d.device_loop
         r, (_, b, q) = len(rows), step.key
-        bt = None if step.draft is None else step.draft.bt
+        bt = None if step.draft is None or step.sel is not None else step.draft.bt
         if bt is None:
             runner.sync_tables(rows)
             bt = runner.tables.host_rows([req.bt_row for req in rows])
@@ -282,17 +283,20 @@ class EagleAhead:
         inputs, pool, bs, k = runner.graphs.inputs, runner.pool, runner.pool.block_size, tokens.shape[1]
         vv, pv, feats, pfeats = inputs.views(b, q), loop.inputs.views(b, loop.q), step.fwd.features.table, loop.features
 
-        def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:  # table: the rows' block tables, then a live flag
-            advance(vv, b, q, acc, tok, feats, table[:, :-1], pv, b, loop.q, pfeats, pool, bs, k, offsets,
-                    self.rows_op, live=table[:, -1])
+        def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:
+            # table: each row's block table, its row of ``step`` (outcome, tree, verify inputs), its live flag
+            src = table[:, -2]
+            advance(vv, b, q, acc.index_select(0, src), tok.index_select(0, src), feats, table[:, :-2], pv, b,
+                    loop.q, pfeats, pool, bs, k, offsets, self.rows_op, live=table[:, -1], src=src)
 
-        # one graph per bucket, whatever its live rows: captured, it runs the bucket's b rows, the padding ones
-        # (live flag 0, their outcome, trees and tables stale) left alone
-        captured = self.advance.capture and runner.graphs.captured(step.key)
-        table = np.zeros((b if captured else r, bt.shape[1] + 1), dtype=np.int64)
-        table[:r, :-1], table[:r, -1] = bt, 1
+        # all the bucket's rows, one graph per bucket whatever its live rows: those that go on (gathered from their
+        # rows of ``step``: some of its requests may have ended), then padding (live flag 0), written as padding
+        table = np.zeros((b, bt.shape[1] + 2), dtype=np.int64)
+        table[:r, :-2], table[:r, -1] = bt, 1
+        table[:r, -2] = np.arange(r) if step.sel is None else step.sel
         key = (b, q, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
-        self.advance(key, build, (step.outcome[:r], tokens[:r], upload(table)), inputs, captured, rows=b)
+        captured = runner.graphs.captured(step.key)
+        self.advance(key, build, (step.outcome, tokens, upload(table)), inputs, captured, rows=b)
         start = d.clock.mark()
         out = loop.replay(b, loop.set_rows(rows), step.n)[:r]
         carried = RowSlices(loop.features, [i * loop.q for i in range(r)], [loop.q] * r)
@@ -408,9 +412,11 @@ class DecodeFollow:
 @torch.inference_mode()
 def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, feats: Tensor, bt: Tensor,
             pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
-            node_offsets: Tensor | None, rows_op=None, live: Tensor | None = None) -> None:
-    """Write an EAGLE step K + 1's device inputs from verify K's outcome, for the first R rows (those of them
-    whose ``live`` flag (R,) is nonzero: the others are a bucket's padding, left alone).
+            node_offsets: Tensor | None, rows_op=None, live: Tensor | None = None, src: Tensor | None = None) -> None:
+    """Write an EAGLE step K + 1's device inputs from verify K's outcome, for the first R rows: those whose
+    ``live`` flag (R,) is nonzero (None: all), the others written as padding in both buckets (``pad_rows``).
+    ``src`` (R,): the row of verify K each row was (its root position and features there; ``accept`` and
+    ``tokens`` already come in the new order); None: the same row.
 
     ``vv``: verify K's bucket (bv, qv) views (its root positions give the rows' lengths; rewritten with the
     next verify's skeleton); ``accept`` (R, qv + 3) its outcome; ``tokens`` (R, n) the kept trees' node
@@ -421,11 +427,14 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     dynamic tree, whose node positions the tree writer derives from the root's). ``rows_op``: what writes the
     integer inputs (``advance_rows_reference``, or the one-launch Triton ``kernels.advance.advance_rows_triton``)."""
     op = rows_op or advance_rows_reference
-    fsrc, src, dst = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live)
-    pool.move_slots(src, dst)
+    fsrc, moved_from, moved_to = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live,
+                                    src)
+    if live is not None:
+        pad_rows(vv, bv, qv, pv, bp, qp, live)
+    pool.move_slots(moved_from, moved_to)
     # catch-up input j reads the target features of position L + j - 1 (verify query ``fsrc``, -1: none)
     r, width = tokens.shape[0], feats.shape[1]
-    rows = torch.arange(r, device=feats.device)[:, None] * qv
+    rows = (torch.arange(r, device=feats.device) if src is None else src)[:, None] * qv
     picked = feats.index_select(0, (rows + fsrc.clamp(min=0)).flatten()).view(r, qp, width)
     pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where((fsrc >= 0)[..., None], picked, 0).to(pfeats.dtype)
 

@@ -44,11 +44,14 @@ def _engine(draft, target, tree: str, **cfg) -> SpecEngine:
                                                 **{"adaptive": False, "pipeline": False, **CFG, **cfg}))
 
 
-def _host_inputs(eng: SpecEngine, rows, trees) -> tuple[tuple, torch.Tensor]:
-    """The verify bucket and its device inputs as the unfused path fills them for ``trees``."""
+def _host_inputs(eng: SpecEngine, rows, trees, batch: int | None = None) -> tuple[tuple, torch.Tensor]:
+    """The verify bucket and its device inputs as the unfused path fills them for ``trees`` (``batch``: in a bucket
+    of that many rows instead of the smallest that holds them)."""
     graphs, runner = eng.runner.graphs, eng.runner
     lengths = [t.num_nodes + 1 for t in trees]
     key = runner.packed_key(0, len(rows), max(lengths), graphs.aux_layers)
+    if batch is not None:
+        key = (key[0], batch, key[2])
     ref = StepInputs(key[1], key[2], graphs.inputs.width, runner.device)
     bt = runner.tables.host_rows([r.bt_row for r in rows])
     ref.fill_packed(key[1], key[2], _packed(rows, trees, lengths, key[2], bt, runner.pool.block_size), bt)

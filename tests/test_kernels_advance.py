@@ -94,6 +94,54 @@ def test_padding_rows_are_left_alone(dev, static):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+def test_rows_gathered_from_the_step_before_and_the_rest_padded(dev):
+    """Rows that go on when others ended: each reads its length from its row of the step before (``src``), and
+    equals the call for those rows alone, moved there first (kernel and reference alike); ``pad_rows`` then leaves
+    the rest of both buckets as a host fill of the live rows leaves them (padding, query start locations)."""
+    from specdec.kernels.advance import advance_rows_triton
+
+    from specdec.lookahead_ops import pad_rows
+
+    b, qv, qp, n, width, bs = 8, 16, 8, 9, 24, 8
+    g = torch.Generator().manual_seed(5)
+    verify, program, accept, tokens, bt = _state(g, dev, b, b, qv, b, qp, n, width, bs)
+    src = torch.tensor([1, 4, 5] + [0] * (b - 3), device=dev)
+    live = torch.tensor([1, 1, 1] + [0] * (b - 3), device=dev)
+    moved_v = StepInputs(b, qv, width, dev)  # the step before's rows 1, 4, 5 moved to rows 0, 1, 2 by hand
+    moved_v.dev.copy_(verify.dev)
+    pos = moved_v.views(b, qv).positions.view(b, qv)
+    pos[:3] = pos[src[:3]].clone()
+    alone_p = StepInputs(b, qp, width, dev)
+    alone_p.dev.copy_(program.dev)
+    alone = advance_rows_reference(moved_v.views(b, qv), b, qv, accept[src[:3]], tokens[src[:3]], bt[:3],
+                                   alone_p.views(b, qp), b, qp, bs, n, None)
+    for fn in (advance_rows_reference, advance_rows_triton):
+        got_v, got_p = StepInputs(b, qv, width, dev), StepInputs(b, qp, width, dev)
+        got_v.dev.copy_(verify.dev)
+        got_p.dev.copy_(program.dev)
+        fsrc, moved_from, moved_to = fn(got_v.views(b, qv), b, qv, accept[src], tokens[src], bt, got_p.views(b, qp),
+                                        b, qp, bs, n, None, live, src)
+        assert torch.equal(fsrc[:3], alone[0]) and torch.equal(moved_from[:3 * qv], alone[1]), fn.__name__
+        assert torch.equal(moved_to[:3 * qv], alone[2])
+        v, want_v = got_v.views(b, qv), moved_v.views(b, qv)
+        for name, cols in (("ids", 1), ("positions", 1), ("slots", n + 1)):  # (a dynamic tree's nodes come later)
+            assert torch.equal(getattr(v, name).view(b, qv)[:3, :cols], getattr(want_v, name).view(b, qv)[:3, :cols])
+        assert torch.equal(got_p.views(b, qp).ids.view(b, qp)[:3], alone_p.views(b, qp).ids.view(b, qp)[:3])
+        pad_rows(got_v.views(b, qv), b, qv, got_p.views(b, qp), b, qp, live)
+        for inputs, q in ((got_v, qv), (got_p, qp)):
+            host = StepInputs(b, q, width, dev)
+            host.clear(b, q)
+            host._send(b, q)
+            vh, vg = host.views(b, q), inputs.views(b, q)
+            for name in ("ids", "positions", "slots", "tree_mask", "parents"):
+                assert torch.equal(getattr(vg, name).view(b, q)[3:], getattr(vh, name).view(b, q)[3:]), name
+            for name in ("prefix_lens", "seq_lens", "num_tokens"):
+                assert not getattr(vg, name)[3:].any(), name
+            assert not vg.block_tables[3:].any()
+            assert vg.qsl.tolist() == [min(i, 3) * q for i in range(b + 1)]
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_advance_rows_op_is_the_kernel_or_the_reference(dev):
     """The op: the kernel with ``use_triton`` (the Triton backend), the reference without; both equal it."""
     from specdec.kernels.advance import advance_rows
