@@ -21,11 +21,13 @@ from specdec.lookahead_ops import advance_rows_reference, causal_masks
 @triton.jit
 def _advance_rows_kernel(
     vpos_ptr, vids_ptr, vslots_ptr, vprefix_ptr, vseq_ptr, vbt_ptr,  # next verify (bucket rows of QV queries)
+    vmask_ptr, vparents_ptr, vnum_ptr, vqsl_ptr,  # (written for padding rows only)
     pids_ptr, ppos_ptr, pslots_ptr, pmask_ptr, pparents_ptr, pprefix_ptr, pseq_ptr, pnum_ptr, pbt_ptr,  # catch-up
+    pqsl_ptr,
     acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr, live_ptr, len_ptr,
-    n, bt_width, block_size,
+    n, bt_width, block_size, rows,
     QV: tl.constexpr, QP: tl.constexpr, QVP: tl.constexpr, QPP: tl.constexpr, NP: tl.constexpr,
-    WP: tl.constexpr, STATIC: tl.constexpr, LIVE: tl.constexpr,
+    WP: tl.constexpr, STATIC: tl.constexpr, LIVE: tl.constexpr, RP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     if LIVE:  # a padding row (flag 0) writes nothing but "none" into the returned sources and moves
@@ -99,6 +101,44 @@ def _advance_rows_kernel(
         b = tl.load(bt_row + w, mask=w_ok)
         tl.store(vbt_ptr + row * bt_width + w, b, mask=w_ok)
         tl.store(pbt_ptr + row * bt_width + w, b, mask=w_ok)
+    if LIVE:  # a padding row: both buckets' row as a host fill leaves it; and each bucket's query start locations
+        _pad_row(row, live, vids_ptr, vpos_ptr, vslots_ptr, vmask_ptr, vparents_ptr, vprefix_ptr, vseq_ptr, vnum_ptr,
+                 vbt_ptr, bt_width, QV, QVP, WP)
+        _pad_row(row, live, pids_ptr, ppos_ptr, pslots_ptr, pmask_ptr, pparents_ptr, pprefix_ptr, pseq_ptr, pnum_ptr,
+                 pbt_ptr, bt_width, QP, QPP, WP)
+        r = tl.arange(0, RP)
+        live_rows = tl.sum((tl.load(live_ptr + r, mask=r < rows, other=0) != 0).to(tl.int64), axis=0)
+        before = tl.minimum(row + 1, live_rows)  # live rows are the first ones: row + 1's queries start here
+        tl.store(vqsl_ptr + row + 1 + z, before * QV + z)
+        tl.store(pqsl_ptr + row + 1 + z, before * QP + z)
+        first = (z + row) == 0
+        tl.store(vqsl_ptr + z, z.to(tl.int64), mask=first)
+        tl.store(pqsl_ptr + z, z.to(tl.int64), mask=first)
+
+
+@triton.jit
+def _pad_row(row, live, ids_ptr, pos_ptr, slots_ptr, mask_ptr, parents_ptr, prefix_ptr, seq_ptr, num_ptr, bt_ptr,
+             bt_width, Q: tl.constexpr, QP2: tl.constexpr, WP: tl.constexpr):
+    """Row ``row`` of a bucket of Q queries per row as padding when ``live`` is 0: token 0 at position 0, no slot,
+    no parent, zero lengths, no block."""
+    k = tl.arange(0, QP2)
+    dead = (k < Q) & ((k * 0 + live) == 0)
+    zero, none = tl.zeros([QP2], tl.int64), tl.full([QP2], -1, tl.int64)
+    at = row * Q + k
+    tl.store(ids_ptr + at, zero, mask=dead)
+    tl.store(pos_ptr + at, zero, mask=dead)
+    tl.store(slots_ptr + at, none, mask=dead)
+    tl.store(mask_ptr + at, zero, mask=dead)
+    tl.store(parents_ptr + at, none, mask=dead)
+    z = tl.arange(0, 1)
+    dead1 = (z * 0 + live) == 0
+    zero1 = tl.zeros([1], tl.int64)
+    tl.store(prefix_ptr + row + z, zero1, mask=dead1)
+    tl.store(seq_ptr + row + z, zero1, mask=dead1)
+    tl.store(num_ptr + row + z, zero1, mask=dead1)
+    for w0 in range(0, bt_width, WP):
+        w = w0 + tl.arange(0, WP)
+        tl.store(bt_ptr + row * bt_width + w, tl.zeros([WP], tl.int64), mask=(w < bt_width) & ((w * 0 + live) == 0))
 
 
 def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torch.Tensor, bt: torch.Tensor, pv,
@@ -130,11 +170,12 @@ def advance_rows_triton(vv, bv: int, qv: int, accept: torch.Tensor, tokens: torc
         w = table.shape[1]
         _advance_rows_kernel[(r,)](
             vv.positions, vv.ids, vv.slots, vv.prefix_lens, vv.seq_lens, vv.block_tables,
+            vv.tree_mask, vv.parents, vv.num_tokens, vv.qsl,
             pv.ids, pv.positions, pv.slots, pv.tree_mask, pv.parents, pv.prefix_lens, pv.seq_lens, pv.num_tokens,
-            pv.block_tables, acc, tok, table, causal_masks(qp, dev), offs, fsrc, moved_from, moved_to,
-            live.contiguous() if live is not None else acc, lens, n, w, block_size, QV=qv, QP=qp, QVP=next_pow2(qv),
-            QPP=next_pow2(qp), NP=next_pow2(n + 1), WP=min(next_pow2(w), 256), STATIC=node_offsets is not None,
-            LIVE=live is not None, num_warps=1)
+            pv.block_tables, pv.qsl, acc, tok, table, causal_masks(qp, dev), offs, fsrc, moved_from, moved_to,
+            live.contiguous() if live is not None else acc, lens, n, w, block_size, r, QV=qv, QP=qp,
+            QVP=next_pow2(qv), QPP=next_pow2(qp), NP=next_pow2(n + 1), WP=min(next_pow2(w), 256),
+            STATIC=node_offsets is not None, LIVE=live is not None, RP=next_pow2(r), num_warps=1)
     return fsrc, moved_from, moved_to
 
 

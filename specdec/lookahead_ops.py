@@ -74,8 +74,8 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     skeleton into ``vv``; returns each catch-up input's feature source, the verify query whose features it reads
     (R, qp; -1: none), and the accepted paths' KV moves as (src, dst) slot pairs (R * qv,) each (-1: none):
     accepted node a_j (verify query a_j + 1) moves from position L + a_j to L + j. ``live`` (R,): nonzero for the
-    rows to write (a bucket's rows, the padding ones 0: left as they are, no moves, feature source -1; see
-    ``pad_rows``); None: every row. ``src`` (R,): the row of verify K each row was (it reads its length there:
+    rows to write (a bucket's rows, the padding ones 0: written as padding by ``pad_rows``, no moves, feature
+    source -1); None: every row. ``src`` (R,): the row of verify K each row was (it reads its length there:
     rows that go on when others ended; ``accept`` and ``tokens`` come in the new order); None: the same row."""
     r = tokens.shape[0]
     dev = tokens.device
@@ -127,4 +127,6 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     _put(vv.prefix_lens[:r], root, ok)
     _put(vv.seq_lens[:r], root + n + 1, ok)
     _put(vv.block_tables[:r], bt, ok)
+    if live is not None:
+        pad_rows(vv, bv, qv, pv, bp, qp, live)
     return fsrc, src, dst

@@ -43,7 +43,7 @@ from specdec.drafters.ngram_ops import ngram_advance_reference
 from specdec.fused_step import DeviceDraft, shape_rows
 from specdec.graphs import GraphCache, cache_for
 from specdec.kernels.advance import advance_rows
-from specdec.lookahead_ops import advance_rows_reference, pad_rows
+from specdec.lookahead_ops import advance_rows_reference
 from specdec.runner import RowSlices
 from specdec.step_inputs import StepViews
 
@@ -414,7 +414,7 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
             pv: StepViews, bp: int, qp: int, pfeats: Tensor, pool, block_size: int, n: int,
             node_offsets: Tensor | None, rows_op=None, live: Tensor | None = None, src: Tensor | None = None) -> None:
     """Write an EAGLE step K + 1's device inputs from verify K's outcome, for the first R rows: those whose
-    ``live`` flag (R,) is nonzero (None: all), the others written as padding in both buckets (``pad_rows``).
+    ``live`` flag (R,) is nonzero (None: all), the others written as padding in both buckets.
     ``src`` (R,): the row of verify K each row was (its root position and features there; ``accept`` and
     ``tokens`` already come in the new order); None: the same row.
 
@@ -429,8 +429,6 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     op = rows_op or advance_rows_reference
     fsrc, moved_from, moved_to = op(vv, bv, qv, accept, tokens, bt, pv, bp, qp, block_size, n, node_offsets, live,
                                     src)
-    if live is not None:
-        pad_rows(vv, bv, qv, pv, bp, qp, live)
     pool.move_slots(moved_from, moved_to)
     # catch-up input j reads the target features of position L + j - 1 (verify query ``fsrc``, -1: none)
     r, width = tokens.shape[0], feats.shape[1]

@@ -62,12 +62,25 @@ def test_advance_rows_equals_the_reference(dev, r, bv, qv, bp, qp, n, static):
         assert (want[1] >= 0).any() or not accept[:, 0].any()  # some path moved (unless nothing was accepted)
 
 
+def _assert_padding(inputs: StepInputs, b: int, q: int, r: int) -> None:
+    """Rows r.. of bucket (b, q) are padding as a host fill leaves it, and its query start locations are those of r
+    live rows."""
+    v = inputs.views(b, q)
+    for name, pad in (("ids", 0), ("positions", 0), ("slots", -1), ("tree_mask", 0), ("parents", -1)):
+        assert (getattr(v, name).view(b, q)[r:] == pad).all(), name
+    for name in ("prefix_lens", "seq_lens", "num_tokens"):
+        assert not getattr(v, name)[r:].any(), name
+    assert not v.block_tables[r:].any()
+    assert v.qsl.tolist() == [min(i, r) * q for i in range(b + 1)]
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("static", [False, True])
-def test_padding_rows_are_left_alone(dev, static):
+def test_padding_rows_are_written_as_padding(dev, static):
     """A bucket's graph runs all its rows with a live flag per row (1 for the first r): the live rows get what
-    the call over those r rows alone writes and returns; the padding rows' inputs stay as they were in both
-    buckets, and their feature sources and KV moves are "none" (-1). The kernel equals the reference."""
+    the call over those r rows alone writes and returns; the padding rows of both buckets become padding (they
+    may have been a live row of the step before), and their feature sources and KV moves are "none" (-1). The
+    kernel equals the reference."""
     from specdec.kernels.advance import advance_rows_triton
 
     r, b, qv, qp, n, width, bs = 3, 8, 16, 8, 9, 24, 8
@@ -86,7 +99,14 @@ def test_padding_rows_are_left_alone(dev, static):
         got_p.dev.copy_(program.dev)
         fsrc, src, dst = fn(got_v.views(b, qv), b, qv, accept, tokens, bt, got_p.views(b, qp), b, qp, bs, n, offsets,
                             live)
-        assert torch.equal(got_v.dev, alone_v.dev) and torch.equal(got_p.dev, alone_p.dev), fn.__name__
+        for got, alone_in, q in ((got_v, alone_v, qv), (got_p, alone_p, qp)):
+            _assert_padding(got, b, q, r)
+            for name in ("ids", "positions", "slots", "tree_mask", "parents"):
+                live_rows = getattr(got.views(b, q), name).view(b, q)[:r]
+                assert torch.equal(live_rows, getattr(alone_in.views(b, q), name).view(b, q)[:r]), (fn.__name__, name)
+            for name in ("prefix_lens", "seq_lens", "num_tokens", "block_tables"):
+                live_rows = getattr(got.views(b, q), name)[:r]
+                assert torch.equal(live_rows, getattr(alone_in.views(b, q), name)[:r]), (fn.__name__, name)
         assert torch.equal(fsrc[:r], alone[0]) and (fsrc[r:] == -1).all()
         assert torch.equal(src[:r * qv], alone[1]) and torch.equal(dst[:r * qv], alone[2])
         assert (src[r * qv:] == -1).all() and (dst[r * qv:] == -1).all()
@@ -96,11 +116,9 @@ def test_padding_rows_are_left_alone(dev, static):
 @pytest.mark.parametrize("dev", DEVICES)
 def test_rows_gathered_from_the_step_before_and_the_rest_padded(dev):
     """Rows that go on when others ended: each reads its length from its row of the step before (``src``), and
-    equals the call for those rows alone, moved there first (kernel and reference alike); ``pad_rows`` then leaves
-    the rest of both buckets as a host fill of the live rows leaves them (padding, query start locations)."""
+    equals the call for those rows alone, moved there first (kernel and reference alike), and the rest of both
+    buckets is left as a host fill of the live rows leaves it (padding, query start locations)."""
     from specdec.kernels.advance import advance_rows_triton
-
-    from specdec.lookahead_ops import pad_rows
 
     b, qv, qp, n, width, bs = 8, 16, 8, 9, 24, 8
     g = torch.Generator().manual_seed(5)
@@ -127,18 +145,8 @@ def test_rows_gathered_from_the_step_before_and_the_rest_padded(dev):
         for name, cols in (("ids", 1), ("positions", 1), ("slots", n + 1)):  # (a dynamic tree's nodes come later)
             assert torch.equal(getattr(v, name).view(b, qv)[:3, :cols], getattr(want_v, name).view(b, qv)[:3, :cols])
         assert torch.equal(got_p.views(b, qp).ids.view(b, qp)[:3], alone_p.views(b, qp).ids.view(b, qp)[:3])
-        pad_rows(got_v.views(b, qv), b, qv, got_p.views(b, qp), b, qp, live)
-        for inputs, q in ((got_v, qv), (got_p, qp)):
-            host = StepInputs(b, q, width, dev)
-            host.clear(b, q)
-            host._send(b, q)
-            vh, vg = host.views(b, q), inputs.views(b, q)
-            for name in ("ids", "positions", "slots", "tree_mask", "parents"):
-                assert torch.equal(getattr(vg, name).view(b, q)[3:], getattr(vh, name).view(b, q)[3:]), name
-            for name in ("prefix_lens", "seq_lens", "num_tokens"):
-                assert not getattr(vg, name)[3:].any(), name
-            assert not vg.block_tables[3:].any()
-            assert vg.qsl.tolist() == [min(i, 3) * q for i in range(b + 1)]
+        _assert_padding(got_v, b, qv, 3)
+        _assert_padding(got_p, b, qp, 3)
 
 
 @pytest.mark.parametrize("dev", DEVICES)
