@@ -238,6 +238,8 @@ def main() -> None:
                                        "plan": engines[name].plan.as_dict(),
                                        "graphs": getattr(engines[name].graph_report, "graphs", 0),
                                        "capture_s": getattr(engines[name].graph_report, "seconds", 0.0),
+                                       "warm_up_s": getattr(engines[name].graph_report, "warm_up_seconds", 0.0),
+                                       "graph_parts": getattr(engines[name].graph_report, "parts", {}),
                                        "late_captures": late[name],
                                        "budget_steps": _budget_steps(engines[name])}
                                 for name, v in runs.items()}
@@ -246,6 +248,8 @@ def main() -> None:
                 f"{[g for g, _, _ in e['late_captures']]}, {sum(s for _, s, _ in e['late_captures']):.2f} s; "
                 f"Triton compiles per round {[len(c) for _, _, c in e['late_captures']]})"
                 for n, e in entry.items() if e["first_over_later"]))
+            log(f"interleaved {key}: engine start (capture + warm-up, s) " + ", ".join(
+                f"{n} {e['capture_s']:.1f} + {e['warm_up_s']:.1f}" for n, e in entry.items()))
             log(f"interleaved {key}: steps by node budget, all rounds: " + ", ".join(
                 f"{n} {e['budget_steps']}" for n, e in entry.items() if e["budget_steps"]))
             for n, e in entry.items():  # which kernels compiled during timed rounds (first round: engine start missed)
