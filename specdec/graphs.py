@@ -139,18 +139,13 @@ class GraphCache(dict):
     def __init__(self, name: str, device, pool=None) -> None:
         super().__init__()
         self.name, self.device, self.pool = name, torch.device(device), pool
-        self.seconds = 0.0
 
     def capture(self, forward) -> tuple[torch.cuda.CUDAGraph, object]:
         """``capture_graph(forward)`` on this cache's pool: (the graph, the output its replays rewrite); the
         caller stores its entry under its key."""
-        start = time.perf_counter()
         if self.pool == "own":  # (made at the first capture; a CPU stand-in capture takes none)
             self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        try:
-            return capture_graph(forward, self.pool, self.device)
-        finally:
-            self.seconds += time.perf_counter() - start
+        return capture_graph(forward, self.pool, self.device)
 
 
 def cache_for(graphs: GraphRunner | None, name: str, device, pool=None) -> GraphCache:

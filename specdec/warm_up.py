@@ -68,8 +68,7 @@ def warm_up(engine) -> float:
                 engine.adaptive = None if controller is None else FixedBudget(nodes)
                 engine.generate([prompt] * rows, greedy)
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
-                if rows in buckets or rows == cfg.max_batch_size:  # the sampled rule per batch bucket, top-p on
-                    engine.generate([prompt] * rows, sampled[1])
+                engine.generate([prompt] * rows, sampled[1])  # the sampled rule with top-p on
         engine.adaptive = None if controller is None else FixedBudget(None)
         vocab, limit = engine.target.config.vocab_size, engine.target.config.max_position_embeddings
         room = limit - WARM_UP_TOKENS - engine.drafter.lookahead
