@@ -106,8 +106,7 @@ def cmd_bench(args) -> int:
         TP_FLAG,
         build_engine,
         check_parallel,
-        check_split_before_loading,
-        launch_tensor_parallel,
+        start_tensor_parallel,
     )
     from specdec.engine import SpecConfig
     from specdec.prompts import to_prompt_ids
@@ -132,9 +131,7 @@ def cmd_bench(args) -> int:
                    max_new_tokens=args.max_new_tokens)
     check_model("--model", args.model)
     check_model("--draft", draft_name, extra=("ngram",))
-    check_split_before_loading("--model", args.model, args.tensor_parallel_size)
-    check_split_before_loading("--draft", draft_name, args.tensor_parallel_size)
-    code = launch_tensor_parallel(args)  # the ranks' processes run this command; None: this is one of them
+    code = start_tensor_parallel(args, args.model, draft_name)  # the ranks run this command; None: one of them
     if code is not None:
         return code
     prompts = load_dataset(args.dataset, args.num_prompts)

@@ -17,7 +17,7 @@ from specdec.cli.common import device_dtype as _device_dtype
 def cmd_generate(args) -> int:
     from specdec.cli.bench import PIPELINE_CHOICES
     from specdec.cli.checks import build, check_model, load
-    from specdec.cli.parallel import build_engine, check_parallel, check_split_before_loading, launch_tensor_parallel
+    from specdec.cli.parallel import build_engine, check_parallel, start_tensor_parallel
     from specdec.defaults import default_draft, default_tree
     from specdec.engine import SpecConfig
     from specdec.sampling_params import SamplingParams
@@ -33,9 +33,7 @@ def cmd_generate(args) -> int:
                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
-    check_split_before_loading("--model", args.model, args.tensor_parallel_size)
-    check_split_before_loading("--draft", name, args.tensor_parallel_size)
-    code = launch_tensor_parallel(args)  # the ranks' processes run this command; None: this is one of them
+    code = start_tensor_parallel(args, args.model, name)  # the ranks' processes run this command; None: one of them
     if code is not None:
         return code
     note = sampled_speed_note(device, args.temperature, name)

@@ -87,6 +87,14 @@ def build_engine(draft, target, config):
         raise UsageError(TP_FLAG, str(err)) from None
 
 
+def start_tensor_parallel(args, model: str, draft: str) -> int | None:
+    """``check_split_before_loading`` of ``model`` and ``draft``, then ``launch_tensor_parallel(args)``: what
+    ``generate``, ``bench`` and ``serve`` do before loading a model (None: go on as this rank)."""
+    check_split_before_loading("--model", model, args.tensor_parallel_size)
+    check_split_before_loading("--draft", draft, args.tensor_parallel_size)
+    return launch_tensor_parallel(args)
+
+
 def launch_tensor_parallel(args) -> int | None:
     """Run the command on its tensor-parallel ranks. Inside a group's process (torchrun's or ours): join the group
     (gloo) and return None, so that the caller goes on as this rank (ranks other than 0 print nothing and write no

@@ -123,13 +123,11 @@ def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
     import torch.distributed as dist
 
     from specdec.cli.checks import load
-    from specdec.cli.parallel import build_engine, check_split_before_loading, launch_tensor_parallel
+    from specdec.cli.parallel import build_engine, start_tensor_parallel
     from specdec.serving.executor import Executor
     from specdec.serving.tensor_parallel import StepMirror, follow
 
-    check_split_before_loading("--model", args.model, args.tensor_parallel_size)
-    check_split_before_loading("--draft", args.draft, args.tensor_parallel_size)
-    code = launch_tensor_parallel(args)  # the ranks' processes run this command; None: this is one of them
+    code = start_tensor_parallel(args, args.model, args.draft)  # the ranks run this command; None: one of them
     if code is not None:
         return code
     sock = bind_socket(args.host, args.port) if dist.get_rank() == 0 else None
