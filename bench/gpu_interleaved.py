@@ -102,6 +102,12 @@ def _budget_steps(engine) -> dict[int, int]:
     return dict(sorted(out.items()))
 
 
+def _budget_rates(engine) -> dict:
+    """The epoch controller's measured tokens per row-second at each budget, per bucket ({} without one)."""
+    measured = getattr(engine.adaptive, "measured", None)
+    return measured() if measured else {}
+
+
 def log(*a) -> None:
     print(*a, flush=True)
 
@@ -241,7 +247,8 @@ def main() -> None:
                                        "warm_up_s": getattr(engines[name].graph_report, "warm_up_seconds", 0.0),
                                        "graph_parts": getattr(engines[name].graph_report, "parts", {}),
                                        "late_captures": late[name],
-                                       "budget_steps": _budget_steps(engines[name])}
+                                       "budget_steps": _budget_steps(engines[name]),
+                                       "budget_rates": _budget_rates(engines[name])}
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
                 f"{n} {e['first_over_later']:.2f} (graphs captured per round "
@@ -252,6 +259,9 @@ def main() -> None:
                 f"{n} {e['capture_s']:.1f} + {e['warm_up_s']:.1f}" for n, e in entry.items()))
             log(f"interleaved {key}: steps by node budget, all rounds: " + ", ".join(
                 f"{n} {e['budget_steps']}" for n, e in entry.items() if e["budget_steps"]))
+            for n, e in entry.items():
+                if e["budget_rates"]:
+                    log(f"interleaved {key}: {n} tokens per row-second by budget (held first) {e['budget_rates']}")
             for n, e in entry.items():  # which kernels compiled during timed rounds (first round: engine start missed)
                 if any(c for _, _, c in e["late_captures"]):
                     log(f"interleaved {key}: {n} compiled {[sorted(set(c)) for _, _, c in e['late_captures']]}")

@@ -570,6 +570,16 @@ class EpochBudget:
         """Mean chosen budget over steps of ``rows`` rows (all steps when None), after the ``since`` snapshot."""
         return mean_budget(self.chosen, rows, since)
 
+    def measured(self) -> dict[str, dict[int, float]]:
+        """Each bucket's measured rates, 'b<bucket> greedy|sampled' -> {nodes: tokens per row-second}, the
+        budget held first: what the choice was made from (bench JSON records it)."""
+        out = {}
+        for (b, greedy), state in sorted(self.states.items()):
+            rates = {self.options[j].nodes: round(r, 1) for j, r in enumerate(state.rates) if r is not None}
+            held = self.options[state.held].nodes
+            out[f"b{b} {'greedy' if greedy else 'sampled'}"] = {held: rates.get(held), **rates}
+        return out
+
 
 def make_controller(enabled: bool | None, device, drafter, graphs, epochs: bool = False,
                     ) -> BudgetController | EpochBudget | None:

@@ -58,6 +58,9 @@ def test_the_search_descends_from_the_full_tree_until_a_smaller_budget_is_slower
     assert seq[:20] == [15] * 5 + [7] * 5 + [3] * 5 + [0] * 5
     assert set(seq[20:]) == {7}
     assert ctrl.states[ctrl.key(rows_of(16))].rates[0] == pytest.approx(1000.0 / 16)
+    report = ctrl.measured()["b16 greedy"]  # what bench JSON records: the held budget first, then each measured
+    assert list(report) == [7, 0, 3, 15]
+    assert report[3] == pytest.approx(1500.0 / 16, abs=0.1) and report[7] == pytest.approx(1900.0 / 16, abs=0.1)
 
 
 def test_a_large_batchs_first_measurements_are_short_and_a_small_batchs_epochs_long():
