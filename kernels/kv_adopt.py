@@ -22,7 +22,9 @@ import triton.language as tl
 from specdec.kernels.arg_checks import check_launchable, check_tensor, next_pow2
 
 
-@triton.jit
+# one compile whatever the pair count and wherever the pairs start: a step's moves vary, and a variant compiled
+# mid-run stalls the engine for seconds
+@triton.jit(do_not_specialize=["num_pairs"], do_not_specialize_on_alignment=["src_ptr", "dst_ptr"])
 def _adopt_kv_kernel(
     storage_ptr, seg_off_ptr, seg_elems_ptr, src_ptr, dst_ptr,
     num_pairs, stride_block,
@@ -99,7 +101,7 @@ def adopt_kv(
     if max_token_elems is None:
         max_token_elems = int(seg_token_elems.max())
     block_e = min(128, next_pow2(max_token_elems))
-    block_p = min(64, next_pow2(m))
+    block_p = 64  # fixed, so that the pair count never picks a new variant to compile mid-run
     _adopt_kv_kernel[(s, triton.cdiv(max_token_elems, block_e))](
         storage, seg_offsets, seg_token_elems, src_slots, dst_slots, m, storage.stride(0),
         PAGE_SIZE=block_size, BLOCK_P=block_p, BLOCK_E=block_e, num_warps=4,
