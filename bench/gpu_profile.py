@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.adaptive import EpochBudget
 from specdec.loading.registry import load_model
 
 # name -> (draft: None | "eagle" | "ngram", SpecConfig fields, temperature, batch, prompt set, prompts)
@@ -46,6 +47,9 @@ CONFIGS = {
     "to_s64": (None, {}, 0.7, 64, "sharegpt", 96),
     "ng_s64": ("ngram", {}, 0.7, 64, "sharegpt", 96),
     "ea_s64": ("eagle", {}, 0.7, 64, "sharegpt", 96),
+    # the shipped draft held at budget 0 (plain decoding through the EAGLE step: the draft's catch-up only)
+    "ea_g64_b0": ("eagle", {"budget": 0}, 0.0, 64, "sharegpt", 96),
+    "ea_s64_b0": ("eagle", {"budget": 0}, 0.7, 64, "sharegpt", 96),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt
@@ -163,10 +167,13 @@ def main() -> None:
         if draft == "eagle":
             draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV, target=target)
         fields = {"tree": "dynamic:31" if draft is eagle and draft is not None else "chain:8", **fields}
+        held = fields.pop("budget", None)
         t0 = time.perf_counter()
         cfg = SpecConfig(device=DEV, dtype="bfloat16" if CUDA else "float32", max_batch_size=batch,
                          prefix_cache=False, kv_memory_bytes=3 << 30, **fields)
         engine = SpecEngine(draft, target, cfg)
+        if held is not None and engine.adaptive is not None:  # only this budget (and 0, which it needs) left
+            engine.adaptive = EpochBudget([o for o in engine.adaptive.options if o.nodes in (0, held)])
         build_s = time.perf_counter() - t0
         prompts = prompt_sets[pset][:n if CUDA else 2]
         top_p = 0.9 if temp else 1.0
