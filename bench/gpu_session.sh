@@ -69,12 +69,12 @@ pack() {
 }
 
 assemble() {  # the model from the pieces of runs 1-3
-  cat /tmp/stage/piece.* > "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
+  cat /tmp/stage/piece.* > "$MODEL.part" && mv "$MODEL.part" "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
 }
 
 gpu_tests() {  # gpu_tests SECONDS FILE...: the GPU test files into $D/tests.log (GPU_K: a -k filter)
   local limit=$1; shift
-  timeout "$limit" python3 -P -m pytest -q -p no:cacheprovider "$@" ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$D/tests.log" 2>&1
+  timeout "$limit" python3 -P -m pytest -v -p no:cacheprovider "$@" ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$D/tests.log" 2>&1
   echo "tests exit $?" >> "$D/tests.log"
   tail -3 "$D/tests.log"
 }
@@ -196,7 +196,7 @@ case "$stage" in
   tests)  # (.whl, the model assembled, or .stage3/p_02 with piece 02) the GPU tests of the step: graphs, EAGLE, the
           # sampled rule and its kernels (token choice, top-k/top-p filter), fused and pipelined steps at every
           # budget, n-gram on the device, the warm-up
-    [ -f "$MODEL" ] || assemble
+    [ -s "$MODEL" ] || assemble
     install
     # shellcheck disable=SC2086 # (TEST_FILES: a space-separated subset of the files)
     GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-400}" ${TEST_FILES:-tests/test_step_graphs.py tests/test_eagle.py \
@@ -209,14 +209,14 @@ case "$stage" in
   plan)  # plan NAME TEMPERATURE (.whl .gpu, the model assembled or .stage3/p_02): ENGINES (default plan) cold and
          # interleaved at batch 1 (24 MT-bench), 16 (80 MT-bench) and 64 (200 ShareGPT-eval), continuous batching;
          # BATCHES: a subset of "1 16 64"
-    [ -f "$MODEL" ] || assemble
+    [ -s "$MODEL" ] || assemble
     install
     plan_rounds "${2:?plan NAME TEMPERATURE}" "${3:?plan NAME TEMPERATURE}"
     pack
     ;;
   profile)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_profile.py: wall time per step
              # against kernel time per step, per configuration (ONLY: a subset)
-    [ -f "$MODEL" ] || assemble
+    [ -s "$MODEL" ] || assemble
     install
     (cd /tmp && timeout "${PROFILE_LIMIT:-420}" python3 -P "$root/bench/gpu_profile.py" "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" > "$D/profile.log" 2>&1)
@@ -226,7 +226,7 @@ case "$stage" in
   chisq)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_chisq.py: the first two sampled
           # tokens of CHISQ_SAMPLES (20000) seeded requests with the shipped draft through the CUDA defaults, float32,
           # chi-square against the exact target distribution at T=0.7/1.0 top-p 0.9 and T=1.0, and the negative control
-    [ -f "$MODEL" ] || assemble
+    [ -s "$MODEL" ] || assemble
     install
     (cd /tmp && timeout "${CHISQ_LIMIT:-540}" python3 -P "$root/bench/gpu_chisq.py" "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" > "$D/chisq.log" 2>&1)
@@ -241,7 +241,7 @@ case "$stage" in
     pack
     ;;
   suites)  # (.whl, the model assembled on this machine) bench_steps, bench_kernels, bench_decode
-    [ -f "$MODEL" ] || assemble
+    [ -s "$MODEL" ] || assemble
     install
     suites
     pack
