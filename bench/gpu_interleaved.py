@@ -132,14 +132,55 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False)
     gc.collect()  # a full collection of the engine's objects takes ~0.2 s: never inside a timed run by chance
     if CUDA:
         torch.cuda.synchronize()
+    split = StepSplit(engine)
     t0 = time.perf_counter()
     n_tok = 0
-    for i in range(0, len(prompts), per_call):
-        outs = engine.generate(prompts[i:i + per_call], params)
-        n_tok += sum(len(o.token_ids) for o in outs)
-        report_failures(outs)
+    with split:
+        for i in range(0, len(prompts), per_call):
+            outs = engine.generate(prompts[i:i + per_call], params)
+            n_tok += sum(len(o.token_ids) for o in outs)
+            report_failures(outs)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall}
+    return {"wall_s": wall, "tokens": n_tok, "tok_per_s": n_tok / wall, "split": split.result(wall)}
+
+
+class StepSplit:
+    """Where a run's wall time went: engine steps that ran a prefill, steps that did not (decode steps, the steady
+    state a budget controller measures), and the rest (admission, detokenisation, streaming); the steps the
+    pipeline adopted from its queue and dropped. (``engine.step`` wrapped for the run.)"""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.n = {"decode": 0, "prefill": 0}
+        self.s = {"decode": 0.0, "prefill": 0.0}
+
+    def __enter__(self):
+        eng, step = self.engine, self.engine.step
+        p = eng.pipeline
+        self.adopted0, self.dropped0 = (p.adopted, p.dropped) if p is not None else (0, 0)
+
+        def timed():
+            t = time.perf_counter()
+            out = step()
+            kind = "prefill" if eng.drafter.step_prefilled else "decode"
+            self.n[kind] += 1
+            self.s[kind] += time.perf_counter() - t
+            return out
+
+        eng.step = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.step  # (the class's method again)
+
+    def result(self, wall: float) -> dict:
+        p = self.engine.pipeline
+        out = {"decode_steps": self.n["decode"], "decode_s": round(self.s["decode"], 4),
+               "prefill_steps": self.n["prefill"], "prefill_s": round(self.s["prefill"], 4),
+               "outside_s": round(wall - self.s["decode"] - self.s["prefill"], 4)}
+        if p is not None:
+            out.update(adopted=p.adopted - self.adopted0, dropped=p.dropped - self.dropped0)
+        return out
 
 
 class TritonCompiles:
@@ -169,8 +210,12 @@ def counted_generate(engine, prompts, params, batch: int, continuous: bool) -> t
     """``user_generate``'s tok/s, with the CUDA graphs captured during the run and their seconds, and the Triton
     kernels compiled during it (what engine start did not capture or compile costs the first requests)."""
     graphs, seconds, compiled = CAPTURED.graphs, CAPTURED.seconds, len(COMPILES.names)
-    tok_per_s = user_generate(engine, prompts, params, batch, continuous)["tok_per_s"]
-    return tok_per_s, CAPTURED.graphs - graphs, CAPTURED.seconds - seconds, COMPILES.names[compiled:]
+    run = user_generate(engine, prompts, params, batch, continuous)
+    SPLITS.setdefault(id(engine), []).append(run["split"])
+    return run["tok_per_s"], CAPTURED.graphs - graphs, CAPTURED.seconds - seconds, COMPILES.names[compiled:]
+
+
+SPLITS: dict[int, list[dict]] = {}  # id(engine) -> each timed run's ``StepSplit.result``
 
 
 def write_prompts(path: str) -> None:
@@ -248,7 +293,8 @@ def main() -> None:
                                        "graph_parts": getattr(engines[name].graph_report, "parts", {}),
                                        "late_captures": late[name],
                                        "budget_steps": _budget_steps(engines[name]),
-                                       "budget_rates": _budget_rates(engines[name])}
+                                       "budget_rates": _budget_rates(engines[name]),
+                                       "split_runs": SPLITS.pop(id(engines[name]), [])}
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
                 f"{n} {e['first_over_later']:.2f} (graphs captured per round "
@@ -259,6 +305,14 @@ def main() -> None:
                 f"{n} {e['capture_s']:.1f} + {e['warm_up_s']:.1f}" for n, e in entry.items()))
             log(f"interleaved {key}: steps by node budget, all rounds: " + ", ".join(
                 f"{n} {e['budget_steps']}" for n, e in entry.items() if e["budget_steps"]))
+            for n, e in entry.items():  # the median round's split of the wall time (ms per step)
+                sp = e["split_runs"][len(e["split_runs"]) // 2] if e["split_runs"] else None
+                if sp:
+                    log(f"interleaved {key}: {n} split (a middle round): {sp['decode_steps']} decode steps "
+                        f"{1e3 * sp['decode_s'] / max(sp['decode_steps'], 1):.2f} ms each, {sp['prefill_steps']} "
+                        f"prefill steps {1e3 * sp['prefill_s'] / max(sp['prefill_steps'], 1):.2f} ms each, "
+                        f"{sp['outside_s']:.3f} s outside steps, adopted {sp.get('adopted')} dropped "
+                        f"{sp.get('dropped')}")
             for n, e in entry.items():
                 if e["budget_rates"]:
                     log(f"interleaved {key}: {n} tokens per row-second by budget (held first) {e['budget_rates']}")

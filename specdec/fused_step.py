@@ -272,6 +272,8 @@ class TreeWriter:
     def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
         """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
         and parents (R, min(n, N)) and each tree's ``DraftTree.max_depth`` (R, 1)."""
+        if min(n, out.shape[2]) == 0:  # no nodes (budget 0, plain decoding): nothing to write, no launch
+            return _no_trees(out.shape[0], out.device)
         if not self.capture or out.shape[0] != b:  # graphs only for full buckets: few keys, none mid-run
             return self._build(views, b, q, out.clone(), n)
         key = (b, q, b, n)
@@ -290,6 +292,14 @@ class TreeWriter:
         tokens, parents = best_nodes_on_device(src, n)
         depth = write_trees(views, b, q, tokens, parents, self.levels)
         return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)
+
+
+@graph_constant(maxsize=64)
+def _no_trees(r: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """``TreeWriter``'s result for ``r`` trees of no nodes: tokens and parents (r, 0), max depths 0 (r, 1); read
+    only, so one set per row count serves every step."""
+    empty = torch.zeros(r, 0, dtype=torch.int64, device=device)
+    return empty, empty, torch.zeros(r, 1, dtype=torch.int64, device=device)
 
 
 def verify_skeleton(reqs: list, n: int, q: int, bt: np.ndarray, block_size: int,

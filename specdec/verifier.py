@@ -33,15 +33,25 @@ class VerifyResult(NamedTuple):
     num_drafted: int
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
-    features: torch.Tensor | None = None  # target aux features of the pending token + accepted path (m+1, k*H)
     kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.pipeline)
 
 
 class VerifyResults(list):
-    """The ``VerifyResult`` of each row, in order; ``packed_features``: every row's ``features`` as one tensor
-    (sum of their lengths, k * H), row after row (the rows' features are views of it), None without features."""
+    """The ``VerifyResult`` of each row, in order, and with an EAGLE target the rows' target features:
+    ``packed_features`` (T, k * H) each row's pending token's and accepted path's features, row after row, and
+    ``feature_sizes`` (R,) how many each row has (its accepted nodes + 1); both None without features. One tensor
+    for the batch, not a view per row: the drafter stores it whole, and splitting it into 64 views every step cost
+    the host more than the rest of the features' handling."""
 
     packed_features: torch.Tensor | None = None
+    feature_sizes: np.ndarray | None = None
+
+    def row_features(self, i: int) -> torch.Tensor | None:
+        """Row ``i``'s features (m + 1, k * H), a view of ``packed_features`` (None without features)."""
+        if self.packed_features is None:
+            return None
+        start = int(self.feature_sizes[:i].sum())
+        return self.packed_features[start:start + int(self.feature_sizes[i])]
 
 
 # A padded step whose logits are per-row tensors (not one (B * Q, V) output) runs the sampled rule eagerly over
@@ -180,9 +190,10 @@ class Verifier:
         sizes = [len(r.accepted_nodes) + 1 for r in results]
         picks = np.fromiter(itertools.chain.from_iterable([-1, *r.accepted_nodes] for r in results), np.int64,
                             sum(sizes)) + 1  # (T,) row after row
-        packed = fwd.features.take(picks + np.repeat(np.asarray(fwd.features.starts, dtype=np.int64), sizes))
-        out = VerifyResults(r._replace(features=f) for r, f in zip(results, packed.split(sizes)))
-        out.packed_features = packed
+        out = VerifyResults(results)
+        out.packed_features = fwd.features.take(picks + np.repeat(np.asarray(fwd.features.starts, dtype=np.int64),
+                                                                  sizes))
+        out.feature_sizes = np.asarray(sizes, dtype=np.int64)
         return out
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
@@ -289,21 +300,18 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
     picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
     n, feats, out = tokens.shape[1], fused.features, VerifyResults()
-    if feats is None:
-        per_row = itertools.repeat(None)
-    else:  # the pending token's and the accepted path's features (verify queries 0 and 1 + node), one gather
+    if feats is not None:  # the pending token's and the accepted path's (verify queries 0 and 1 + node), one gather
         if fused.in_order:  # already gathered in path order
             cols = np.broadcast_to(np.arange(width + 1), (len(rows), width + 1))
         else:
             cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
         keep = np.arange(width + 1) <= counts[:, None]
         flat = (np.asarray(feats.starts, dtype=np.int64)[:, None] + cols)[keep]  # (T,) row after row
-        out.packed_features = feats.take(flat)
-        per_row = out.packed_features.split((counts + 1).tolist())
+        out.packed_features, out.feature_sizes = feats.take(flat), counts + 1
     moved = fused.kv_moved
-    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, f, moved) for path, toks, m, bonus, depth, dc, f in
+    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, moved) for path, toks, m, bonus, depth, dc in
                zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
-                   fused.max_depth.tolist(), draft_computed, per_row))
+                   fused.max_depth.tolist(), draft_computed))
     return out
 
 

@@ -84,7 +84,7 @@ def test_full_batch_of_64_rows_stays_on_the_device_program(tiny_target):
 def test_verify_features_are_gathered_packed_and_stored_as_per_row():
     """The verify results' features (the pending token's and the accepted path's, from padded rows) gathered
     in one packed tensor, from result lists and from a fused step's acceptance rows alike, equal each row's own
-    slice; the drafter stores the packed tensor as it stores the per-row tensors (also when a row finished)."""
+    slice; the drafter stores the packed tensor as per-row stores would (when rows finished: the others' rows)."""
     from types import SimpleNamespace
 
     from specdec.drafters.eagle_drafter import EagleDrafter
@@ -108,20 +108,22 @@ def test_verify_features_are_gathered_packed_and_stored_as_per_row():
     fused = _from_fused(reqs, [frozenset()] * r, FusedOutcome(accept, tokens, np.full(r, 3), table))
     for got in (packed, fused):
         assert isinstance(got, VerifyResults)
-        assert [x._replace(features=None) for x in got] == [x._replace(features=None) for x in results]
-        for i, (res, p) in enumerate(zip(got, paths)):
-            torch.testing.assert_close(res.features, table.table[[i * q + j for j in [0, *(1 + a for a in p)]]])
-        torch.testing.assert_close(got.packed_features, torch.cat([res.features for res in got]))
-    for finished in (set(), {2}):  # all rows live: the packed tensor is stored; one finished: per-row tensors
-        for i, req in enumerate(reqs):
+        assert list(got) == results
+        want = [table.table[[i * q + j for j in [0, *(1 + a for a in p)]]] for i, p in enumerate(paths)]
+        for i, w in enumerate(want):
+            torch.testing.assert_close(got.row_features(i), w)
+        torch.testing.assert_close(got.packed_features, torch.cat(want))
+        assert got.feature_sizes.tolist() == [len(p) + 1 for p in paths]
+    for finished in (set(), {2}, {0, 5}, set(range(r))):  # all rows live: the packed tensor is stored whole; some
+        for i, req in enumerate(reqs):  # finished: the others' rows of it
             req.finished = i in finished
-        tables = [FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu") for _ in range(2)]
-        EagleDrafter.accepted(SimpleNamespace(features=tables[0]), reqs, packed)
-        EagleDrafter.accepted(SimpleNamespace(features=tables[1]), reqs, list(packed))  # no packed tensor
+        table_ = FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu")
+        EagleDrafter.accepted(SimpleNamespace(features=table_), reqs, packed)
         live = [i for i in range(r) if i not in finished]
         ref = FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu")
-        ref.store([reqs[i] for i in live], [reqs[i].num_computed_draft - 1 for i in live],
-                  [packed[i].features for i in live])
-        for t in tables:
-            torch.testing.assert_close(t.data, ref.data)
-            assert (t.start == ref.start).all() and (t.count == ref.count).all() and t.owner == ref.owner
+        if live:
+            ref.store([reqs[i] for i in live], [reqs[i].num_computed_draft - 1 for i in live],
+                      [packed.row_features(i) for i in live])
+        torch.testing.assert_close(table_.data, ref.data)
+        assert (table_.start == ref.start).all() and (table_.count == ref.count).all() and table_.owner == ref.owner
+        assert sum(o is not None for o in table_.owner) == len(live)

@@ -172,7 +172,8 @@ def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
     assert not _engine(draft, target, "dynamic:16").verifier.fused.writer.capture  # on the CPU: eager
     writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
     keys = {(b, r, n) for b, _, r, n in writer.graphs}
-    assert keys >= {(1, 1, 5), (1, 1, 0), (1, 1, 16)} and all(b == r for b, r, _ in keys)  # 3 rows of 4: eager
+    assert keys >= {(1, 1, 5), (1, 1, 16)} and all(b == r for b, r, _ in keys)  # 3 rows of 4: eager
+    assert all(n for _, _, n in keys)  # budget 0 keeps no nodes: nothing to write, no graph
     assert 0 < sum(g.replays for g, _, _ in writer.graphs.values()) < steps
 
 
@@ -186,8 +187,8 @@ def test_tree_writer_graphs_are_captured_at_start(tiny, monkeypatch):
     assert fused.prepare([16]) == 0  # the CPU writer builds eagerly: nothing to capture
     fused.writer.capture = True
     buckets = eng.runner.graphs.batch_buckets
-    assert fused.prepare([0, 5, 16, 16]) == 3 * len(buckets)
-    assert set(fused.writer.graphs) == {(b, fused.key(b, min(n, 16))[2], b, n) for b in buckets for n in (0, 5, 16)}
+    assert fused.prepare([0, 5, 16, 16]) == 2 * len(buckets)  # (budget 0 writes no tree: no graph)
+    assert set(fused.writer.graphs) == {(b, fused.key(b, min(n, 16))[2], b, n) for b in buckets for n in (5, 16)}
     assert fused.prepare([5]) == 0  # already there
     eng.drafter.budget = 5
     done = len(captured)
@@ -383,7 +384,7 @@ def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
         def spy_verify(rows, proposal, verify=verify, steps=steps, trees=trees):
             results = verify(rows, proposal)  # (a device proposal's trees are known once verified)
             trees.append([(t.host.tokens, t.host.parents, t.num_nodes, t.max_depth) for t in proposal.trees])
-            steps.append([(r._replace(features=None), r.features.tolist()) for r in results])
+            steps.append([(r, results.row_features(i).tolist()) for i, r in enumerate(results)])
             return results
 
         eng.verifier.verify_proposal = spy_verify
@@ -494,3 +495,26 @@ def test_gpu_fused_sampled_rows_equal_the_unfused_ones(setup):  # noqa: F811 - t
     """The same on the GPU in float32, draft program, verify and sampled rule captured."""
     target, draft, cfg, want = _on_gpu(setup)
     _fused_vs_unfused_sampled(draft, target, "dynamic:16", want, **cfg)
+
+
+def test_tree_writer_at_budget_zero_writes_nothing_and_returns_what_building_would():
+    """Budget 0 (plain decoding through the EAGLE step) keeps no nodes: the writer returns at once, without
+    touching the verify inputs, the (R, 0) tokens and parents and zero depths that building the trees gives."""
+    from specdec.fused_step import TreeWriter
+
+    r, b, q, nodes = 3, 4, 8, 6
+    out = torch.stack([torch.randint(0, 50, (r, nodes)), torch.arange(-1, nodes - 1).expand(r, nodes),
+                       torch.stack([torch.randperm(nodes) for _ in range(r)])], 1)  # (R, 3, N): a chain
+    inputs = StepInputs(b, q, 2, torch.device("cpu"))
+    views = inputs.views(b, q)
+    views.ids.view(b, q)[:] = 7
+    before = inputs.dev.clone()
+    writer = TreeWriter(levels=nodes, device=torch.device("cpu"))
+    got = writer(views, b, q, out, 0)
+    want = writer._build(StepInputs(b, q, 2, torch.device("cpu")).views(b, q), b, q, out.clone(), 0)
+    assert torch.equal(inputs.dev, before) and not writer.graphs
+    assert [tuple(t.shape) for t in got] == [(r, 0), (r, 0), (r, 1)]
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert torch.equal(got[2], torch.zeros(r, 1, dtype=torch.int64))
+    assert got[0] is writer(views, b, q, out, 0)[0]  # one read-only set per row count

@@ -51,7 +51,8 @@ def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree)
 
         def spy(rows, proposal, verify=verify, steps=steps):
             results = verify(rows, proposal)
-            steps.append([(r._replace(features=None, kv_moved=None), r.features.tolist()) for r in results])
+            steps.append([(r._replace(kv_moved=None), results.row_features(i).tolist())
+                          for i, r in enumerate(results)])
             return results
 
         eng.verifier.verify_proposal = spy

@@ -103,13 +103,14 @@ class FeatureTable:
         self.store_packed(reqs, starts, feats[0] if len(feats) == 1 else torch.cat(feats),
                           [f.shape[0] for f in feats])
 
-    def store_packed(self, reqs: list[Request], starts: list[int], rows: torch.Tensor, sizes: list[int]) -> None:
+    def store_packed(self, reqs: list[Request], starts: list[int], rows: torch.Tensor, sizes) -> None:
         """``store`` of the features of every request in one tensor ``rows`` (sum(sizes), k * hidden), request
-        after request (request i's are ``sizes[i]`` rows)."""
-        if max(sizes, default=0) > self.cap:
-            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {max(sizes)}")
+        after request (request i's are ``sizes[i]`` rows: a list or an int64 array)."""
+        lengths = np.asarray(sizes, dtype=np.int64)  # (R,)
+        if lengths.max(initial=0) > self.cap:
+            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {lengths.max()}")
         slots = [r.bt_row for r in reqs]
-        bt, lengths = np.array(slots, dtype=np.int64), np.array(sizes, dtype=np.int64)  # (R,)
+        bt = np.array(slots, dtype=np.int64)  # (R,)
         dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
         # non_blocking: a blocking upload would wait for every queued step (``specdec.pipeline``)
         where = torch.from_numpy(dst).to(self.data.device, non_blocking=True)
@@ -314,14 +315,19 @@ class EagleDrafter(ModelDrafter):
         self.features.keep_block_ends(reqs, begins.tolist(), features)
 
     def accepted(self, rows: list[Request], results) -> None:
-        live = [(req, res) for req, res in zip(rows, results) if not req.finished]
-        packed = getattr(results, "packed_features", None)  # every row's features in one tensor (VerifyResults)
-        if packed is not None and len(live) == len(rows):  # all go on: stored without joining the rows again
-            self.features.store_packed(rows, [req.num_computed_draft - 1 for req in rows], packed,
-                                       [len(res.accepted_nodes) + 1 for res in results])
-        elif live:  # the pending token's and the accepted path's features: the next catch-up's inputs
-            self.features.store([req for req, _ in live], [req.num_computed_draft - 1 for req, _ in live],
-                                [res.features for _, res in live])
+        """Keep the pending token's and the accepted path's target features of the rows that go on (the next
+        catch-up's inputs), from the results' one packed tensor (``VerifyResults``)."""
+        packed, sizes = getattr(results, "packed_features", None), getattr(results, "feature_sizes", None)
+        if packed is None:
+            return
+        live = np.fromiter((not req.finished for req in rows), bool, len(rows))  # (R,)
+        if not live.all():  # some requests ended: the others' rows of the packed tensor, in one gather
+            keep = np.flatnonzero(np.repeat(live, sizes))
+            if not keep.size:
+                return
+            packed = packed[torch.from_numpy(keep).to(packed.device, non_blocking=True)]
+            rows, sizes = [req for req, go in zip(rows, live) if go], sizes[live]
+        self.features.store_packed(rows, [req.num_computed_draft - 1 for req in rows], packed, sizes)
 
     def _catch_up(self, grows: list[Growth]) -> None:
         reqs = [g.req for g in grows]
