@@ -150,3 +150,27 @@ def test_gumbel_choice(benchmark, impl, batch, tokens, with_kept):
     kept = torch.rand(rows, v, generator=g, device="cuda") < 0.05 if with_kept else None
     fn = choose_tokens_triton if impl == "triton" else choose_tokens_reference
     _run(benchmark, lambda: fn(x, t, key0, key1, position, kept), torch.cuda.synchronize)
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "triton_per_node", "reference"])
+@pytest.mark.parametrize("batch,nodes", [(16, 8), (64, 4), (64, 8)])
+def test_children_scores(benchmark, impl, batch, nodes):
+    """A sampled draft level's children scores over the shipped draft's 24,576-token vocabulary (bf16 logits of
+    ``nodes`` nodes per batch row, every row sampled at T 0.7): the kernel, whose keyed float64 noise is computed
+    once per batch row for all its nodes; the same kernel made to compute it for every node (each node its own
+    batch row, as the kernel did before); the torch reference."""
+    from specdec.kernels.gumbel_choice import children_scores_reference, children_scores_triton
+
+    v = 24576
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(batch, nodes, v, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    inv_t = torch.full((batch,), 1 / 0.7, dtype=torch.float64, device="cuda")
+    key0, key1 = torch.randint(0, 2**32, (2, batch), generator=g, device="cuda")
+    position = torch.arange(batch, device="cuda") + 100
+    tokens = torch.randperm(49152, generator=g, device="cuda")[:v]
+    fn = children_scores_triton if impl.startswith("triton") else children_scores_reference
+    if impl == "triton_per_node":
+        logits = logits.reshape(batch * nodes, 1, v)
+        inv_t, key0, key1, position = (x.repeat_interleave(nodes) for x in (inv_t, key0, key1, position))
+    _run(benchmark, lambda: fn(logits, inv_t, key0, key1, position, tokens), torch.cuda.synchronize)

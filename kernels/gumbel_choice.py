@@ -159,19 +159,27 @@ def _noise_kernel(key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_tokens,
 @triton.jit
 def _children_kernel(x_ptr, inv_t_ptr, key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_cols, per_row,
                      stride_x, stride_inv_t, stride_key0, stride_key1, stride_pos, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)  # a (batch row, node) pair: batch row = row // per_row
+    # one program per (batch row, column block), over the batch row's per_row nodes (rows b * per_row + j): the
+    # noise depends on the batch row and the column only, so it is computed once for all of them (its float64
+    # logs are most of the work)
+    b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < n_cols
-    b = row // per_row
     inv_t = tl.load(inv_t_ptr + b * stride_inv_t)
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     if inv_t > 0:
         sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, b, stride_key0, stride_key1, stride_pos)
         tokens = tl.load(tok_ptr + cols, mask=ok, other=0).to(tl.int32)
-        scaled = x.to(tl.float64) * inv_t  # rounded, then the sum rounded (the launch disables fma contraction)
-        tl.store(out_ptr + row * n_cols + cols, (scaled + _gumbel(sub0, sub1, tokens)).to(tl.float32), mask=ok)
+        g = _gumbel(sub0, sub1, tokens)
+        for j in range(0, per_row):
+            row = b * per_row + j
+            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+            scaled = x.to(tl.float64) * inv_t  # rounded, then the sum rounded (the launch disables fma contraction)
+            tl.store(out_ptr + row * n_cols + cols, (scaled + g).to(tl.float32), mask=ok)
     else:
-        tl.store(out_ptr + row * n_cols + cols, x.to(tl.float32), mask=ok)
+        for j in range(0, per_row):
+            row = b * per_row + j
+            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+            tl.store(out_ptr + row * n_cols + cols, x.to(tl.float32), mask=ok)
 
 
 def children_scores_reference(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
@@ -202,7 +210,7 @@ def children_scores_triton(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Te
     check_tensor("tokens", tokens, shape=(v,), dtypes=(torch.int64,), device=logits.device)
     out = torch.empty((b, n, v), dtype=torch.float32, device=logits.device)
     if b and n and v:
-        _children_kernel[(b * n, triton.cdiv(v, block))](
+        _children_kernel[(b, triton.cdiv(v, block))](
             logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, logits.stride(1), inv_t.stride(0),
             key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block, enable_fp_fusion=False)
     return out
