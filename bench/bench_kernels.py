@@ -154,7 +154,7 @@ def test_gumbel_choice(benchmark, impl, batch, tokens, with_kept):
 
 @needs_cuda
 @pytest.mark.parametrize("impl", ["triton", "triton_per_node", "reference"])
-@pytest.mark.parametrize("batch,nodes", [(16, 8), (64, 4), (64, 8)])
+@pytest.mark.parametrize("batch,nodes", [(1, 16), (16, 8), (64, 4), (64, 8)])
 def test_children_scores(benchmark, impl, batch, nodes):
     """A sampled draft level's children scores over the shipped draft's 24,576-token vocabulary (bf16 logits of
     ``nodes`` nodes per batch row, every row sampled at T 0.7): the kernel, whose keyed float64 noise is computed

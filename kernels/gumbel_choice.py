@@ -26,6 +26,8 @@ the noise (most of the kernel's arithmetic) is computed for the few blocks the n
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
 from specdec.kernels.triton_import import tl, triton
@@ -157,26 +159,29 @@ def _noise_kernel(key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_tokens,
 
 
 @triton.jit
-def _children_kernel(x_ptr, inv_t_ptr, key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_cols, per_row,
+def _children_kernel(x_ptr, inv_t_ptr, key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_cols, per_row, chunk,
                      stride_x, stride_inv_t, stride_key0, stride_key1, stride_pos, BLOCK: tl.constexpr):
-    # one program per (batch row, column block), over the batch row's per_row nodes (rows b * per_row + j): the
-    # noise depends on the batch row and the column only, so it is computed once for all of them (its float64
-    # logs are most of the work)
+    # one program per (batch row, column block, group of ``chunk`` of the batch row's per_row nodes; rows
+    # b * per_row + j): the noise depends on the batch row and the column only, so a program computes it once for
+    # its group (its float64 logs are most of the work); groups of all nodes unless a small batch would leave the
+    # GPU idle
     b = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.program_id(2) * chunk
+    last = tl.minimum(first + chunk, per_row)
     ok = cols < n_cols
     inv_t = tl.load(inv_t_ptr + b * stride_inv_t)
     if inv_t > 0:
         sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, b, stride_key0, stride_key1, stride_pos)
         tokens = tl.load(tok_ptr + cols, mask=ok, other=0).to(tl.int32)
         g = _gumbel(sub0, sub1, tokens)
-        for j in range(0, per_row):
+        for j in range(first, last):
             row = b * per_row + j
             x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
             scaled = x.to(tl.float64) * inv_t  # rounded, then the sum rounded (the launch disables fma contraction)
             tl.store(out_ptr + row * n_cols + cols, (scaled + g).to(tl.float32), mask=ok)
     else:
-        for j in range(0, per_row):
+        for j in range(first, last):
             row = b * per_row + j
             x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
             tl.store(out_ptr + row * n_cols + cols, x.to(tl.float32), mask=ok)
@@ -210,10 +215,21 @@ def children_scores_triton(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Te
     check_tensor("tokens", tokens, shape=(v,), dtypes=(torch.int64,), device=logits.device)
     out = torch.empty((b, n, v), dtype=torch.float32, device=logits.device)
     if b and n and v:
-        _children_kernel[(b, triton.cdiv(v, block))](
-            logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, logits.stride(1), inv_t.stride(0),
-            key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block, enable_fp_fusion=False)
+        col_blocks = triton.cdiv(v, block)
+        # the nodes of a batch row in one group (its noise computed once) when the batch row and column programs
+        # fill the GPU twice over, else in as many groups as it takes (batch 1: each node nearly its own program)
+        groups = min(n, max(1, triton.cdiv(2 * _processors(logits.device), b * col_blocks)))
+        chunk = triton.cdiv(n, groups)
+        _children_kernel[(b, col_blocks, triton.cdiv(n, chunk))](
+            logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, chunk, logits.stride(1),
+            inv_t.stride(0), key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block, enable_fp_fusion=False)
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def _processors(device: torch.device) -> int:
+    """The device's streaming multiprocessors (a CPU, the interpreter's: 8)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def children_scores(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, *,

@@ -125,6 +125,24 @@ def test_children_scores_kernel_matches_reference(dtype):
         children_scores_triton(logits.transpose(0, 1), inv_t[:3], table[:3, 0], table[:3, 1], position[:3], tokens)
 
 
+@pytest.mark.parametrize("b,n,v", [(1, 16, 600), (2, 5, 300), (20, 4, 300)])
+def test_children_scores_node_groups(b, n, v):
+    """The kernel splits a batch row's nodes into groups of programs when the batch is small (batch 1: nearly a
+    program per node) and keeps them in one when it is large; every split gives the reference's scores."""
+    g = torch.Generator().manual_seed(b)
+    logits = (torch.randn(b, n, v, generator=g) * 3).to(DEVICE)
+    inv_t = torch.tensor([1 / 0.7, 0.0] * b, dtype=torch.float64)[:b].to(DEVICE)
+    key0, key1 = torch.randint(0, 2**32, (2, b), generator=g).to(DEVICE)
+    position = torch.arange(b, device=DEVICE) + 40
+    tokens = torch.randperm(4 * v, generator=g)[:v].to(DEVICE)
+    got = children_scores_triton(logits, inv_t, key0, key1, position, tokens, block=256)
+    want = children_scores_reference(logits, inv_t, key0, key1, position, tokens)
+    if DEVICE == "cuda":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_kernel_one_block_fp16_and_other_strides():
     """A vocabulary smaller than the block, float16, and per-row inputs of stride 0 (expanded) and 2."""
     g = torch.Generator().manual_seed(5)
