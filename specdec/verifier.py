@@ -43,8 +43,24 @@ class VerifyResults(list):
     for the batch, not a view per row: the drafter stores it whole, and splitting it into 64 views every step cost
     the host more than the rest of the features' handling."""
 
-    packed_features: torch.Tensor | None = None
     feature_sizes: np.ndarray | None = None
+    _packed: torch.Tensor | None = None
+    features_source: tuple | None = None  # (RowSlices, flat): where they are when not gathered yet (see below)
+
+    @property
+    def packed_features(self) -> torch.Tensor | None:
+        """The packed features; those of a step whose successor was queued on the device stay where that step's
+        catch-up inputs hold them (``features_source``: a buffer only the next step's writer or draft program
+        overwrites) and are gathered here only when asked for: the drafter keeps them without a copy
+        (``EagleDrafter.accepted``)."""
+        if self._packed is None and self.features_source is not None:
+            table, flat = self.features_source
+            self._packed = table.take(flat)
+        return self._packed
+
+    @packed_features.setter
+    def packed_features(self, value: torch.Tensor | None) -> None:
+        self._packed = value
 
     def row_features(self, i: int) -> torch.Tensor | None:
         """Row ``i``'s features (m + 1, k * H), a view of ``packed_features`` (None without features)."""
@@ -307,7 +323,11 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
             cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
         keep = np.arange(width + 1) <= counts[:, None]
         flat = (np.asarray(feats.starts, dtype=np.int64)[:, None] + cols)[keep]  # (T,) row after row
-        out.packed_features, out.feature_sizes = feats.take(flat), counts + 1
+        out.feature_sizes = counts + 1
+        if fused.in_order:  # the queued step's catch-up inputs: gathered only when asked for
+            out.features_source = (feats, flat)
+        else:
+            out.packed_features = feats.take(flat)
     moved = fused.kv_moved
     out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, moved) for path, toks, m, bonus, depth, dc in
                zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),

@@ -81,6 +81,78 @@ def test_full_batch_of_64_rows_stays_on_the_device_program(tiny_target):
     assert eng.all_blocks_free()
 
 
+def _drafter_on(table):
+    """A stand-in EAGLE drafter over feature table ``table``: the methods that keep the verify's features."""
+    from types import SimpleNamespace
+
+    from specdec.drafters.eagle_drafter import EagleDrafter
+
+    d = SimpleNamespace(features=table, _pending=None)
+    for name in ("_flush", "_consumed", "consumed_through", "accepted"):
+        setattr(d, name, getattr(EagleDrafter, name).__get__(d))
+    return d
+
+
+def test_features_a_queued_step_read_are_stored_only_if_it_is_dropped():
+    """A fused step whose successor is queued (its features in that step's catch-up inputs, ``in_order``) leaves
+    the feature table alone: adopted, the successor read them (nothing stored; a row of the step that did not
+    adopt it keeps its own); dropped, the next proposal or prefill stores them first, as an eager store would."""
+    from types import SimpleNamespace
+
+    from specdec.fused_step import FusedOutcome
+    from specdec.runner import RowSlices
+    from specdec.verifier import _from_fused
+
+    g = torch.Generator().manual_seed(6)
+    r, q, n = 5, 5, 4
+    carried = RowSlices(torch.randn(r * q, 3, generator=g), [i * q for i in range(r)], [q] * r)  # path order
+    paths = [[], [0], [1, 3], [0, 1, 2, 3], [2]]
+    accept = np.zeros((r, q + 3), dtype=np.int64)
+    for i, p in enumerate(paths):
+        accept[i, :2 + len(p)] = [len(p), 7 + i, *(j + 1 for j in p)]
+    accept[:, -1] = 1
+    tokens = torch.randint(0, 50, (r, n), generator=g).numpy()
+
+    def step(finished=()):
+        reqs = [SimpleNamespace(params=SamplingParams(), request_id=str(i), bt_row=i + 1, finished=i in finished,
+                                num_computed_draft=10 + i, tokens=[0] * (12 + i)) for i in range(r)]
+        res = _from_fused(reqs, [frozenset()] * r, FusedOutcome(accept, tokens, np.full(r, 3), carried, in_order=True))
+        return reqs, res
+
+    def table():
+        return FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu")
+
+    want_rows = [carried.table[i * q:i * q + len(p) + 1] for i, p in enumerate(paths)]
+    for finished in ((), (3,)):
+        reqs, res = step(finished)
+        assert res.features_source is not None and res._packed is None  # nothing gathered yet
+        live = [i for i in range(r) if i not in finished]
+        ref = table()
+        ref.store([reqs[i] for i in live], [reqs[i].num_computed_draft - 1 for i in live], [want_rows[i] for i in live])
+        dropped = _drafter_on(table())
+        dropped.accepted(reqs, res)
+        assert not dropped.features.data.any() and all(o is None for o in dropped.features.owner)
+        dropped._flush()  # (what propose and prefill do first)
+        torch.testing.assert_close(dropped.features.data, ref.data)
+        assert dropped.features.owner == ref.owner and (dropped.features.count == ref.count).all()
+        adopted = _drafter_on(table())
+        adopted.accepted(reqs, res)
+        adopted.consumed_through([reqs[i] for i in live])
+        assert adopted._pending is None and not adopted.features.data.any()
+        assert [req.num_computed_draft for req in reqs if not req.finished] == [len(req.tokens) for req in reqs
+                                                                                 if not req.finished]
+    reqs, res = step()
+    partial = _drafter_on(table())
+    partial.accepted(reqs, res)
+    starts = [req.num_computed_draft - 1 for req in reqs]
+    partial.consumed_through(reqs[:2])  # rows 2-4 did not adopt the queued step: theirs are stored
+    ref = table()
+    ref.store(reqs[2:], starts[2:], want_rows[2:])
+    torch.testing.assert_close(partial.features.data, ref.data)
+    assert partial.features.owner == ref.owner
+    torch.testing.assert_close(res.packed_features, torch.cat(want_rows))  # gathered when asked for
+
+
 def test_verify_features_are_gathered_packed_and_stored_as_per_row():
     """The verify results' features (the pending token's and the accepted path's, from padded rows) gathered
     in one packed tensor, from result lists and from a fused step's acceptance rows alike, equal each row's own
@@ -118,7 +190,7 @@ def test_verify_features_are_gathered_packed_and_stored_as_per_row():
         for i, req in enumerate(reqs):  # finished: the others' rows of it
             req.finished = i in finished
         table_ = FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu")
-        EagleDrafter.accepted(SimpleNamespace(features=table_), reqs, packed)
+        EagleDrafter.accepted(_drafter_on(table_), reqs, packed)
         live = [i for i in range(r) if i not in finished]
         ref = FeatureTable(rows=7, cap=n + 1, width=3, dtype=torch.float32, device="cpu")
         if live:

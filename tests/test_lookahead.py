@@ -113,7 +113,9 @@ def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
         exact = [id(r) for r in rows] == [id(r) for r in pipe.ahead.rows]
         assert len(queued) == pipe.queued - launched  # a snapshot of every step queued since
         key, verify_in, program_in, program_feats = queued[-1]
-        # the host's catch-up for the committed rows: what the unpipelined step would run now
+        # the host's catch-up for the committed rows: what the unpipelined step would run now (the features the
+        # queued step read are only noted until it is dropped: stored here as a drop stores them)
+        d._flush()
         spans = _Spans.of(rows, loop.q)
         packed, bt, src = d._catch_up_rows(rows, spans, loop.q)
         host_feats = torch.stack([d.features.data[torch.from_numpy(row)] for row in src])  # (R, q, kH)

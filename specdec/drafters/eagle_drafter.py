@@ -151,6 +151,7 @@ class EagleDrafter(ModelDrafter):
         self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width,
                                      next(model.parameters()).dtype, runner.device,  # the device program's dtype
                                      blocks=runner.pool.num_blocks, block_size=runner.pool.block_size)
+        self._pending: tuple | None = None  # features ``accepted`` noted but did not store yet
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
         self.fused_verify = False  # device-program steps propose their trees on the device (``DeviceDraft``)
         self.clock = StepClock(runner.device)  # times the draft program of a device proposal
@@ -199,6 +200,7 @@ class EagleDrafter(ModelDrafter):
         return self._template.num_nodes, len(loop.levels), False
 
     def propose(self, rows: list[Request]) -> Proposal:
+        self._flush()  # (a queued step was dropped: its catch-up runs again from the table)
         loop = self.device_loop
         if loop is not None and rows:
             spans = _Spans.of(rows, loop.q)
@@ -286,7 +288,17 @@ class EagleDrafter(ModelDrafter):
         return hidden, logits, [0] + np.cumsum(spans.ends - spans.begins).tolist()
 
     def consumed_through(self, reqs: list[Request]) -> None:
-        """``_consumed`` of a catch-up that reached each request's length (a pipelined step's, on the device)."""
+        """``_consumed`` of a catch-up that reached each request's length (a pipelined step's, on the device): the
+        features of the step before, which it read, are spent (a row of that step not among ``reqs``, not
+        scheduled now, keeps its own in the table)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            rows, starts, table, flat, sizes = pending
+            ids = {id(req) for req in reqs}
+            rest = np.fromiter((id(req) not in ids for req in rows), bool, len(rows))
+            if rest.any():
+                self.features.store_packed([r for r, x in zip(rows, rest) if x], np.asarray(starts)[rest],
+                                           table.take(flat[np.repeat(rest, sizes)]), sizes[rest])
         self._consumed(reqs, _Spans.of(reqs, 0))
 
     def _consumed(self, reqs: list[Request], spans: _Spans) -> None:
@@ -296,6 +308,7 @@ class EagleDrafter(ModelDrafter):
             r.num_computed_draft = e
 
     def prefill(self, chunks, features=None) -> None:
+        self._flush()
         if not chunks:
             return
         if features is None:
@@ -316,18 +329,37 @@ class EagleDrafter(ModelDrafter):
 
     def accepted(self, rows: list[Request], results) -> None:
         """Keep the pending token's and the accepted path's target features of the rows that go on (the next
-        catch-up's inputs), from the results' one packed tensor (``VerifyResults``)."""
-        packed, sizes = getattr(results, "packed_features", None), getattr(results, "feature_sizes", None)
-        if packed is None:
+        catch-up's inputs), from the results' one packed tensor (``VerifyResults``). When the step after this one
+        is already queued on the device, its catch-up has read them there: they are only noted (``_pending``),
+        stored if that step is dropped (``_flush``, before the table is read or their buffer rewritten) and
+        forgotten once it is adopted (``consumed_through``), so a pipelined step copies no features."""
+        self._flush()
+        sizes = getattr(results, "feature_sizes", None)
+        if sizes is None:
             return
+        source = getattr(results, "features_source", None)
         live = np.fromiter((not req.finished for req in rows), bool, len(rows))  # (R,)
-        if not live.all():  # some requests ended: the others' rows of the packed tensor, in one gather
-            keep = np.flatnonzero(np.repeat(live, sizes))
-            if not keep.size:
+        keep = None if live.all() else np.repeat(live, sizes)  # (T,) the rows that go on, of the packed ones
+        if keep is not None:
+            if not keep.any():
                 return
-            packed = packed[torch.from_numpy(keep).to(packed.device, non_blocking=True)]
             rows, sizes = [req for req, go in zip(rows, live) if go], sizes[live]
-        self.features.store_packed(rows, [req.num_computed_draft - 1 for req in rows], packed, sizes)
+        starts = [req.num_computed_draft - 1 for req in rows]
+        if source is not None:
+            table, flat = source
+            self._pending = (rows, starts, table, flat if keep is None else flat[keep], sizes)
+            return
+        packed = results.packed_features
+        if keep is not None:  # some requests ended: the others' rows of the packed tensor, in one gather
+            packed = packed[torch.from_numpy(np.flatnonzero(keep)).to(packed.device, non_blocking=True)]
+        self.features.store_packed(rows, starts, packed, sizes)
+
+    def _flush(self) -> None:
+        """Store the features ``accepted`` only noted (the queued step that read them was not adopted)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            rows, starts, table, flat, sizes = pending
+            self.features.store_packed(rows, starts, table.take(flat), sizes)
 
     def _catch_up(self, grows: list[Growth]) -> None:
         reqs = [g.req for g in grows]
