@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -66,3 +67,13 @@ def check_launchable(kernel: object, device: torch.device) -> None:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (what a grid must fill)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -26,10 +26,8 @@ the noise (most of the kernel's arithmetic) is computed for the few blocks the n
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, sm_count
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
 
@@ -218,18 +216,13 @@ def children_scores_triton(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Te
         col_blocks = triton.cdiv(v, block)
         # the nodes of a batch row in one group (its noise computed once) when the batch row and column programs
         # fill the GPU twice over, else in as many groups as it takes (batch 1: each node nearly its own program)
-        groups = min(n, max(1, triton.cdiv(2 * _processors(logits.device), b * col_blocks)))
+        processors = sm_count(logits.device) if logits.is_cuda else 8  # (the interpreter: groups get tested)
+        groups = min(n, max(1, triton.cdiv(2 * processors, b * col_blocks)))
         chunk = triton.cdiv(n, groups)
         _children_kernel[(b, col_blocks, triton.cdiv(n, chunk))](
             logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, chunk, logits.stride(1),
             inv_t.stride(0), key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block, enable_fp_fusion=False)
     return out
-
-
-@functools.lru_cache(maxsize=8)
-def _processors(device: torch.device) -> int:
-    """The device's streaming multiprocessors (a CPU, the interpreter's: 8)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def children_scores(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, *,

@@ -22,7 +22,6 @@ with any lengths within those bounds.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -34,6 +33,7 @@ from specdec.kernels.arg_checks import (
     check_launchable,
     check_tensor,
     next_pow2,
+    sm_count,
 )
 
 from specdec.attention.torch_backend import paged_attention as _torch_paged_attention
@@ -355,15 +355,10 @@ def _auto_splits(device: torch.device, programs: int, kv_span: int, block_n: int
     """Split the keys until the grid fills the GPU twice, keeping >= 4 key tiles per split."""
     if device.type != "cuda":
         return 1
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * sm_count(device)
     if programs >= target:
         return 1
     return max(1, min(MAX_SPLITS, triton.cdiv(target, programs), kv_span // (4 * block_n)))
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _check_args(q, k_cache, v_cache, block_tables, query_start_loc, prefix_lens, seq_lens, tree_mask,
