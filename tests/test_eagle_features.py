@@ -88,7 +88,7 @@ def _drafter_on(table):
     from specdec.drafters.eagle_drafter import EagleDrafter
 
     d = SimpleNamespace(features=table, _pending=None)
-    for name in ("_flush", "_consumed", "consumed_through", "accepted"):
+    for name in ("_flush", "_store_noted", "_consumed", "consumed_through", "accepted"):
         setattr(d, name, getattr(EagleDrafter, name).__get__(d))
     return d
 

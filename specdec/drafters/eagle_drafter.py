@@ -103,9 +103,9 @@ class FeatureTable:
         self.store_packed(reqs, starts, feats[0] if len(feats) == 1 else torch.cat(feats),
                           [f.shape[0] for f in feats])
 
-    def store_packed(self, reqs: list[Request], starts: list[int], rows: torch.Tensor, sizes) -> None:
+    def store_packed(self, reqs: list[Request], starts, rows: torch.Tensor, sizes) -> None:
         """``store`` of the features of every request in one tensor ``rows`` (sum(sizes), k * hidden), request
-        after request (request i's are ``sizes[i]`` rows: a list or an int64 array)."""
+        after request (request i's are ``sizes[i]`` rows; ``starts`` and ``sizes``: lists or int64 arrays)."""
         lengths = np.asarray(sizes, dtype=np.int64)  # (R,)
         if lengths.max(initial=0) > self.cap:
             raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {lengths.max()}")
@@ -293,12 +293,10 @@ class EagleDrafter(ModelDrafter):
         scheduled now, keeps its own in the table)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            rows, starts, table, flat, sizes = pending
             ids = {id(req) for req in reqs}
-            rest = np.fromiter((id(req) not in ids for req in rows), bool, len(rows))
+            rest = np.fromiter((id(req) not in ids for req in pending[0]), bool, len(pending[0]))
             if rest.any():
-                self.features.store_packed([r for r, x in zip(rows, rest) if x], np.asarray(starts)[rest],
-                                           table.take(flat[np.repeat(rest, sizes)]), sizes[rest])
+                self._store_noted(pending, rest)
         self._consumed(reqs, _Spans.of(reqs, 0))
 
     def _consumed(self, reqs: list[Request], spans: _Spans) -> None:
@@ -358,8 +356,16 @@ class EagleDrafter(ModelDrafter):
         """Store the features ``accepted`` only noted (the queued step that read them was not adopted)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            rows, starts, table, flat, sizes = pending
-            self.features.store_packed(rows, starts, table.take(flat), sizes)
+            self._store_noted(pending)
+
+    def _store_noted(self, pending: tuple, which: np.ndarray | None = None) -> None:
+        """Store noted features ``pending`` (rows, starts, table, flat, sizes), of the rows ``which`` (R,) bool
+        (None: all) only."""
+        rows, starts, table, flat, sizes = pending
+        if which is not None:
+            rows, starts = [r for r, x in zip(rows, which) if x], np.asarray(starts)[which]
+            flat, sizes = flat[np.repeat(which, sizes)], sizes[which]
+        self.features.store_packed(rows, starts, table.take(flat), sizes)
 
     def _catch_up(self, grows: list[Growth]) -> None:
         reqs = [g.req for g in grows]
