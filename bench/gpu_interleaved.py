@@ -206,16 +206,15 @@ class TritonCompiles:
 COMPILES = TritonCompiles()
 
 
-def counted_generate(engine, prompts, params, batch: int, continuous: bool) -> tuple[float, int, float, list[str]]:
-    """``user_generate``'s tok/s, with the CUDA graphs captured during the run and their seconds, and the Triton
-    kernels compiled during it (what engine start did not capture or compile costs the first requests)."""
+def counted_generate(engine, prompts, params, batch: int, continuous: bool,
+                     ) -> tuple[float, int, float, list[str], dict]:
+    """``user_generate``'s tok/s, with the CUDA graphs captured during the run and their seconds, the Triton
+    kernels compiled during it (what engine start did not capture or compile costs the first requests) and the
+    run's ``StepSplit``."""
     graphs, seconds, compiled = CAPTURED.graphs, CAPTURED.seconds, len(COMPILES.names)
     run = user_generate(engine, prompts, params, batch, continuous)
-    SPLITS.setdefault(id(engine), []).append(run["split"])
-    return run["tok_per_s"], CAPTURED.graphs - graphs, CAPTURED.seconds - seconds, COMPILES.names[compiled:]
-
-
-SPLITS: dict[int, list[dict]] = {}  # id(engine) -> each timed run's ``StepSplit.result``
+    return (run["tok_per_s"], CAPTURED.graphs - graphs, CAPTURED.seconds - seconds, COMPILES.names[compiled:],
+            run["split"])
 
 
 def write_prompts(path: str) -> None:
@@ -233,17 +232,20 @@ def write_prompts(path: str) -> None:
 
 
 def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int,
-           late: dict | None = None) -> dict[str, list[float]]:
+           late: dict | None = None, splits: dict | None = None) -> dict[str, list[float]]:
     """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines).
     ``late[name]``, when given, gets each round's (graphs captured, seconds, Triton kernels compiled) of that
-    engine."""
+    engine, ``splits[name]`` each round's ``StepSplit`` result."""
     names, out = list(engines), {name: [] for name in engines}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            tok_per_s, graphs, seconds, compiled = counted_generate(engines[name], prompts, params, batch, continuous)
+            tok_per_s, graphs, seconds, compiled, split = counted_generate(engines[name], prompts, params, batch,
+                                                                           continuous)
             out[name].append(tok_per_s)
             if late is not None:
                 late.setdefault(name, []).append((graphs, round(seconds, 4), compiled))
+            if splits is not None:
+                splits.setdefault(name, []).append(split)
     return out
 
 
@@ -281,7 +283,9 @@ def main() -> None:
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}
-            runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1), late)
+            splits: dict = {}
+            runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1), late,
+                          splits)
             key = f"b{b}_{'continuous' if continuous else 'waves'}"
             entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v),
                                        "first_over_later": v[0] / statistics.median(v[1:]) if len(v) > 1 else None,
@@ -294,7 +298,7 @@ def main() -> None:
                                        "late_captures": late[name],
                                        "budget_steps": _budget_steps(engines[name]),
                                        "budget_rates": _budget_rates(engines[name]),
-                                       "split_runs": SPLITS.pop(id(engines[name]), [])}
+                                       "split_runs": splits[name]}
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
                 f"{n} {e['first_over_later']:.2f} (graphs captured per round "
