@@ -57,14 +57,6 @@ def _slots(bt: Tensor, pos: Tensor, block_size: int) -> Tensor:
     return bt.gather(1, pos // block_size) * block_size + pos % block_size
 
 
-def _put(dst: Tensor, value, ok: Tensor | None) -> None:
-    """``dst[...] = value`` in the rows where ``ok`` (R,) holds (all rows when None)."""
-    if ok is None:
-        dst[...] = value
-    else:
-        dst.copy_(torch.where(ok.view(-1, *([1] * (dst.dim() - 1))), value, dst))
-
-
 @torch.inference_mode()
 def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, bt: Tensor,
                            pv: StepViews, bp: int, qp: int, block_size: int, n: int,
@@ -102,31 +94,31 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     pos = L[:, None] + j
     ids = torch.where(j < m[:, None], node_tok, torch.where(j == m[:, None], bonus[:, None], 0))
     p = {name: getattr(pv, name).view(bp, qp) for name in ("ids", "positions", "slots", "tree_mask", "parents")}
-    _put(p["ids"][:r], ids, ok)
-    _put(p["positions"][:r], torch.where(valid, pos, 0), ok)
-    _put(p["slots"][:r], torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1), ok)
-    _put(p["tree_mask"][:r], torch.where(valid, causal_masks(qp, dev), 0), ok)
-    _put(p["parents"][:r], -1, ok)
-    _put(pv.prefix_lens[:r], L, ok)
-    _put(pv.seq_lens[:r], L + m + 1, ok)
-    _put(pv.num_tokens[:r], m + 1, ok)
-    _put(pv.block_tables[:r], bt, ok)
+    p["ids"][:r] = ids
+    p["positions"][:r] = torch.where(valid, pos, 0)
+    p["slots"][:r] = torch.where(valid, _slots(bt, pos.clamp(max=top), block_size), -1)
+    p["tree_mask"][:r] = torch.where(valid, causal_masks(qp, dev), 0)
+    p["parents"][:r] = -1
+    pv.prefix_lens[:r] = L
+    pv.seq_lens[:r] = L + m + 1
+    pv.num_tokens[:r] = m + 1
+    pv.block_tables[:r] = bt
     # input j reads position L + j - 1: verify query 0 (the pending token), then the path's queries
     read = valid if ok is None else valid & ok[:, None]
     fsrc = torch.where(read, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
     # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
     root = L + m  # (R,)
     v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
-    _put(v["ids"][:r, 0], bonus, ok)
+    v["ids"][:r, 0] = bonus
     if node_offsets is None:
-        _put(v["positions"][:r, 0], root, ok)
+        v["positions"][:r, 0] = root
     else:
-        _put(v["positions"][:r, :n + 1], root[:, None] + node_offsets, ok)
+        v["positions"][:r, :n + 1] = root[:, None] + node_offsets
     qpos = root[:, None] + torch.arange(n + 1, device=dev)  # (R, n + 1)
-    _put(v["slots"][:r, :n + 1], _slots(bt, qpos.clamp(max=top), block_size), ok)
-    _put(vv.prefix_lens[:r], root, ok)
-    _put(vv.seq_lens[:r], root + n + 1, ok)
-    _put(vv.block_tables[:r], bt, ok)
-    if live is not None:
+    v["slots"][:r, :n + 1] = _slots(bt, qpos.clamp(max=top), block_size)
+    vv.prefix_lens[:r] = root
+    vv.seq_lens[:r] = root + n + 1
+    vv.block_tables[:r] = bt
+    if live is not None:  # (the padding rows, written above like the others, are overwritten as padding)
         pad_rows(vv, bv, qv, pv, bp, qp, live)
     return fsrc, src, dst
