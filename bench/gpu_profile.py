@@ -41,6 +41,7 @@ CONFIGS = {
     "ea_g16": ("eagle", {}, 0.0, 16, "mtbench", 32),
     "ea_s16_fixed": ("eagle", {"adaptive": False}, 0.7, 16, "mtbench", 32),
     "to_s16": (None, {}, 0.7, 16, "mtbench", 32),
+    "ea_s16": ("eagle", {}, 0.7, 16, "mtbench", 32),
     "to_g64": (None, {}, 0.0, 64, "sharegpt", 96),
     "ea_g64": ("eagle", {}, 0.0, 64, "sharegpt", 96),
     "ea_g64_15": ("eagle", {"adaptive": False, "tree": "dynamic:15"}, 0.0, 64, "sharegpt", 96),
@@ -50,6 +51,7 @@ CONFIGS = {
     # the shipped draft held at budget 0 (plain decoding through the EAGLE step: the draft's catch-up only)
     "ea_g64_b0": ("eagle", {"budget": 0}, 0.0, 64, "sharegpt", 96),
     "ea_s64_b0": ("eagle", {"budget": 0}, 0.7, 64, "sharegpt", 96),
+    "ea_s16_b0": ("eagle", {"budget": 0}, 0.7, 16, "mtbench", 32),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt
