@@ -344,7 +344,8 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
         nodes = res.accepted_nodes
         base, m = len(req.tokens), len(nodes)
         req.num_computed = base + m
-        req.num_computed_draft = base + _draft_kept(nodes, res.draft_computed)
+        if res.draft_computed is None or req.num_computed_draft >= base:  # (else the draft did not run: it lags)
+            req.num_computed_draft = base + _draft_kept(nodes, res.draft_computed)
         reason, appended = stopper.extend(req, [*res.accepted_tokens, res.bonus_token])
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed

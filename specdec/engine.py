@@ -112,7 +112,7 @@ class SpecEngine:
         specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
         budget = None if cfg.num_blocks is not None else self._kv_budget()
         self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
-                           device=self.device)
+                           device=self.device, feature_width=_feature_width(self.draft, proposer))
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
         self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
         self.allocator = BlockAllocator(self.pool.num_blocks)
@@ -162,11 +162,11 @@ class SpecEngine:
         ``StepPipeline`` with the proposer's hook."""
         from specdec.pipeline import ChainAhead, DecodeFollow, EagleAhead, StepPipeline
 
-        if self.plan.proposer == "eagle":
-            hook = EagleAhead(self.drafter)
+        if self.verifier.followup is None:  # (target-only decoding, and EAGLE's budget-0 steps)
+            self.verifier.followup = DecodeFollow(self.runner)
+        if self.plan.proposer == "eagle":  # (at budget 0 its steps are queued as plain decoding's)
+            hook = EagleAhead(self.drafter, ChainAhead(self.drafter, self.runner, 0, self.verifier.followup))
         else:  # n-gram chains looked up on the device, or target-only decoding
-            if self.verifier.followup is None:
-                self.verifier.followup = DecodeFollow(self.runner)
             hook = ChainAhead(self.drafter, self.runner, self.drafter.max_nodes, self.verifier.followup)
         self.verifier.pipeline = StepPipeline(self.runner, self.drafter, self.verifier, hook)
         return self.verifier.pipeline
@@ -593,6 +593,14 @@ def _proposer_kind(draft, loaded: LoadedModel | None) -> str:
     from specdec.models.eagle import EagleDraft
 
     return "eagle" if isinstance(loaded.model, EagleDraft) else "draft"
+
+
+def _feature_width(draft: LoadedModel | None, proposer: str) -> int:
+    """Target features kept per KV slot (``KVPool.features``): what an EAGLE draft reads per position."""
+    if proposer != "eagle":
+        return 0
+    model = draft.model
+    return len(model.aux_layers) * model.config.hidden_size
 
 
 def _check_same_vocab(draft: LoadedModel, target: LoadedModel) -> None:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from specdec.drafters.base import Proposal
 from specdec.graphs import GraphCache, cache_for, graph_constant
-from specdec.runner import ForwardResult, RowSlices
+from specdec.runner import ForwardResult
 from specdec.step_inputs import PackedRows, StepViews
 from specdec.tree import DraftTree, depths_and_masks, verify_rows_of
 
@@ -41,10 +41,6 @@ class FusedOutcome(NamedTuple):
     #                    lossless rule's)
     tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
     max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
-    features: RowSlices | None  # the verify's target features per row (gathered after the results)
-    in_order: bool = False  # ``features`` row i holds the pending token's and the accepted path's features as
-    #                         its first m + 1 entries (``pipeline.advance`` gathered them); False: the verify's
-    #                         queries (0, then 1 + each accepted node)
     kv_moved: bool = False  # the accepted paths' KV already moved on the device (``pipeline.advance``)
 
 
@@ -105,15 +101,12 @@ class DeviceDraft:
     ((R, 3, N) tokens, parents and score ranks of a dynamic tree; (R, N) tokens of the static template whose
     ``parents`` it is, else None), kept under budget ``n``, verified in graph bucket ``key``. ``bt`` (R, W): the
     rows' host block tables, synced by the catch-up (None: the verify's skeleton is already on the device, written
-    from the step before: ``pipeline.EagleAhead``). ``clock`` marks ``start`` and ``drafted`` time the program.
-    ``carried``: where the step before's features (pending token and accepted path, in order) now are, when this
-    step was queued behind it (its catch-up inputs hold them)."""
+    from the step before: ``pipeline.EagleAhead``). ``clock`` marks ``start`` and ``drafted`` time the program."""
 
     def __init__(self, reqs: list, key: tuple, out: Tensor, n: int, bt: np.ndarray | None,
-                 parents: tuple[int, ...] | None, clock: StepClock, start, drafted,
-                 carried: RowSlices | None = None) -> None:
+                 parents: tuple[int, ...] | None, clock: StepClock, start, drafted) -> None:
         self.reqs, self.key, self.out, self.n, self.bt, self.parents = reqs, key, out, n, bt, parents
-        self.clock, self.start, self.drafted, self.carried = clock, start, drafted, carried
+        self.clock, self.start, self.drafted = clock, start, drafted
 
     @property
     def draft_seconds(self) -> float:

@@ -358,7 +358,9 @@ class GraphRunner:
         ctx = ForwardContext(self.backend, meta, self.pool.model_kv(max(m, 0)))
         if m == PREFILL:  # the KV (and the features an EAGLE draft reads); nothing reads logits
             if self.aux_layers:
-                return GraphOutput(None, None, model.forward_features(v.ids, v.positions, ctx, self.aux_layers)[1])
+                aux = model.forward_features(v.ids, v.positions, ctx, self.aux_layers)[1]
+                self.pool.store_features(v.slots, aux)  # (what the EAGLE draft reads, per slot)
+                return GraphOutput(None, None, aux)
             model(v.ids, v.positions, ctx)
             return GraphOutput(None, None)
         if m in self.feature_inputs:  # an EAGLE draft: hidden states and its own-vocabulary logits
@@ -367,6 +369,7 @@ class GraphRunner:
         aux = None
         if m == 0 and self.aux_layers:
             hidden, aux = model.forward_features(v.ids, v.positions, ctx, self.aux_layers)  # (B*Q, H), (B*Q, kH)
+            self.pool.store_features(v.slots, aux)
         else:
             hidden = model(v.ids, v.positions, ctx)  # (B*Q, H)
         if m != 0:

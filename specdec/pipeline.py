@@ -44,7 +44,6 @@ from specdec.fused_step import DeviceDraft, shape_rows
 from specdec.graphs import GraphCache, cache_for
 from specdec.kernels.advance import advance_rows
 from specdec.lookahead_ops import advance_rows_reference
-from specdec.runner import RowSlices
 from specdec.step_inputs import StepViews
 
 if TYPE_CHECKING:
@@ -251,26 +250,38 @@ class AdvanceGraphs:
 
 class EagleAhead:
     """The EAGLE drafter's part of a queued step: writes step K + 1's draft-program catch-up and verify skeleton
-    from step K's outcome (``advance``) and replays the draft program; adopted, its rows' draft KV is computed."""
+    from step K's outcome (``advance``) and replays the draft program; adopted, its rows' draft KV is computed.
+    At budget 0 the draft does not run (``EagleDrafter.propose``): steps are queued as target-only decoding's are,
+    by ``decode`` (a ``ChainAhead`` of no chain), and the draft catches up once a step speculates again."""
 
-    def __init__(self, drafter) -> None:
-        self.drafter = drafter
+    def __init__(self, drafter, decode: ChainAhead) -> None:
+        self.drafter, self.decode = drafter, decode
         runner = drafter.runner
         self.rows_op = functools.partial(advance_rows, use_triton=runner.backend.uses_triton)
         self.advance = AdvanceGraphs(runner.device,
                                      graphs=cache_for(runner.graphs, "queued-step writer", runner.device))
 
+    @property
+    def decoding(self) -> bool:
+        """This step's budget is 0: plain decoding."""
+        return self.drafter.node_budget == 0
+
     def min_query(self, rows: list[Request]) -> int:
-        return 0  # (only fused steps are queued; their bucket is the tree's)
+        """(decoding: one query; else 0: only fused steps are queued, in their tree's bucket)"""
+        return self.decode.min_query(rows) if self.decoding else 0
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
-        """Only behind a fused step (trees on the device, target features), adopted by all its rows or some (those
-        that go on are gathered from their rows of it), and not for a row with a repetition penalty (it reads the
-        committed tokens on the host)."""
+        """Decoding: behind a decode step, as ``ChainAhead``. Else only behind a fused step (trees on the device,
+        target features), adopted by all its rows or some (those that go on are gathered from their rows of it),
+        and not for a row with a repetition penalty (it reads the committed tokens on the host)."""
+        if self.decoding:
+            return step.trees is None and self.decode.may_queue(rows, step)
         return (step.trees is not None and step.fwd.features is not None
                 and not any(r.params.penalized for r in rows))
 
-    def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, DeviceDraft]:
+    def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, DeviceDraft | None] | None:
+        if self.decoding:
+            return self.decode.write_next(rows, step, upload)
         d = self.drafter
         runner, loop = d.runner, d.device_loop
         r, (_, b, q) = len(rows), step.key
@@ -299,12 +310,14 @@ class EagleAhead:
         self.advance(key, build, (step.outcome, tokens, upload(table)), inputs, captured, rows=b)
         start = d.clock.mark()
         out = loop.replay(b, loop.set_rows(rows), step.n)[:r]
-        carried = RowSlices(loop.features, [i * loop.q for i in range(r)], [loop.q] * r)
         return step.key, DeviceDraft(rows, step.key, out, step.n, None, parents if offsets is not None else None,
-                                     d.clock, start, d.clock.mark(), carried)
+                                     d.clock, start, d.clock.mark())
 
     def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
-        """The proposal of an adopted queued step: its draft ran on the device (its catch-up covered the rows)."""
+        """The proposal of an adopted queued step: its draft ran on the device (its catch-up covered the rows), or
+        (a decode step) it had none."""
+        if queued.draft is None:
+            return self.decode.proposal(rows, queued)
         d = self.drafter
         d.consumed_through(rows)
         d.paths["ahead"] += 1
@@ -346,7 +359,7 @@ class ChainAhead:
         """Behind a verify in its budget's bucket, of rows greedy or sampled but without a repetition penalty (a
         queued step would need the penalty of tokens not committed yet), with room in the n-gram histories for what
         the queued step appends."""
-        key = self.runner.packed_key(0, len(step.rows), self.nodes + 1)
+        key = self.runner.packed_key(0, len(step.rows), self.nodes + 1, self.drafter.target_features)
         return (key is not None and step.key[2] == key[2] and not any(r.params.penalized for r in rows)
                 and self.follow.room(rows, step.key[2]))
 
@@ -354,7 +367,8 @@ class ChainAhead:
         """Write the next verify of ``rows`` into its bucket: ``step``'s own, or a smaller one when only some of its
         rows go on (None when none fits)."""
         n = self.nodes
-        key = step.key if step.sel is None else self.runner.packed_key(0, len(rows), n + 1)
+        key = step.key if step.sel is None else self.runner.packed_key(0, len(rows), n + 1,
+                                                                       self.drafter.target_features)
         if key is None or key[2] != step.key[2]:
             return None
         r, (_, b, q) = len(rows), key

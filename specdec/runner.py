@@ -268,6 +268,7 @@ class ModelRunner:
         with torch.inference_mode():
             if aux_layers:
                 hidden, aux = model.forward_features(ids, pos, ctx, aux_layers)  # (T, hidden), (T, k * hidden)
+                self.pool.store_features(ctx.meta.slot_mapping, aux)  # (what the EAGLE draft reads, per slot)
             else:
                 hidden, aux = model(ids, pos, ctx), None  # (T, hidden)
             picks, spans = [], []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -18,7 +17,7 @@ from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.row_sampling import sampling_rows
-from specdec.runner import ModelRunner, RowInput, RowSlices
+from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, accept_sampled, verify_positions
 from specdec.scheduler.request import Request
 from specdec.step_inputs import PackedRows
@@ -34,40 +33,6 @@ class VerifyResult(NamedTuple):
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
     kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.pipeline)
-
-
-class VerifyResults(list):
-    """The ``VerifyResult`` of each row, in order, and with an EAGLE target the rows' target features:
-    ``packed_features`` (T, k * H) each row's pending token's and accepted path's features, row after row, and
-    ``feature_sizes`` (R,) how many each row has (its accepted nodes + 1); both None without features. One tensor
-    for the batch, not a view per row: the drafter stores it whole, and splitting it into 64 views every step cost
-    the host more than the rest of the features' handling."""
-
-    feature_sizes: np.ndarray | None = None
-    _packed: torch.Tensor | None = None
-    features_source: tuple | None = None  # (RowSlices, flat): where they are when not gathered yet (see below)
-
-    @property
-    def packed_features(self) -> torch.Tensor | None:
-        """The packed features; those of a step whose successor was queued on the device stay where that step's
-        catch-up inputs hold them (``features_source``: a buffer only the next step's writer or draft program
-        overwrites) and are gathered here only when asked for: the drafter keeps them without a copy
-        (``EagleDrafter.accepted``)."""
-        if self._packed is None and self.features_source is not None:
-            table, flat = self.features_source
-            self._packed = table.take(flat)
-        return self._packed
-
-    @packed_features.setter
-    def packed_features(self, value: torch.Tensor | None) -> None:
-        self._packed = value
-
-    def row_features(self, i: int) -> torch.Tensor | None:
-        """Row ``i``'s features (m + 1, k * H), a view of ``packed_features`` (None without features)."""
-        if self.packed_features is None:
-            return None
-        start = int(self.feature_sizes[:i].sum())
-        return self.packed_features[start:start + int(self.feature_sizes[i])]
 
 
 # A padded step whose logits are per-row tensors (not one (B * Q, V) output) runs the sampled rule eagerly over
@@ -106,7 +71,7 @@ class Verifier:
             results = self._from_device(rows, trees, draft_computed, fwd, outcome, step, self._queue(rows, step))
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
-        return self._with_features(results, fwd)
+        return results
 
     def verify_proposal(self, rows: list[Request], proposal) -> list[VerifyResult]:
         """``verify`` of a proposer's ``Proposal``, then the acceptance rule, with the step's one read. Trees still
@@ -185,32 +150,12 @@ class Verifier:
         else:  # the depths came with the read (computed where the trees were written)
             host_parents, depth = host[:, k:2 * k], host[:, 2 * k]
         accept = host[:, k if shared else 2 * k + 1:]  # (R, Q + 3)
-        carried = None if queued is None else queued.draft.carried
         if queued is not None:
             queued.assume(rows, accept[:, 0])
-        feats = step.fwd.features
-        if carried is not None:  # the verify's features are being overwritten: the next catch-up's inputs hold them
-            feats = carried
-        elif feats is not None and step.sel is not None:
-            feats = RowSlices(feats.table, [feats.starts[i] for i in step.sel], [feats.lengths[i] for i in step.sel])
         proposal.trees.fill(host[:, :k], host_parents)
-        moved = carried is not None
-        outcome = FusedOutcome(accept, host[:, :k], depth, feats, in_order=moved, kv_moved=moved)
-        return _from_fused(rows, proposal.draft_computed, outcome)
-
-    @staticmethod
-    def _with_features(results: list[VerifyResult], fwd) -> list[VerifyResult]:
-        if fwd.features is None:
-            return results
-        # the pending token's and the accepted path's (verify queries 0 and 1 + node), one gather for the batch
-        sizes = [len(r.accepted_nodes) + 1 for r in results]
-        picks = np.fromiter(itertools.chain.from_iterable([-1, *r.accepted_nodes] for r in results), np.int64,
-                            sum(sizes)) + 1  # (T,) row after row
-        out = VerifyResults(results)
-        out.packed_features = fwd.features.take(picks + np.repeat(np.asarray(fwd.features.starts, dtype=np.int64),
-                                                                  sizes))
-        out.feature_sizes = np.asarray(sizes, dtype=np.int64)
-        return out
+        # an EAGLE step queued behind this one moved the accepted paths' KV (and features) on the device
+        moved = queued is not None and queued.draft is not None
+        return _from_fused(rows, proposal.draft_computed, FusedOutcome(accept, host[:, :k], depth, kv_moved=moved))
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
         """The target forward of a graphed step built straight from the trees, and its graph bucket; (None, None)
@@ -315,24 +260,11 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     width = int(counts.max(initial=0))
     nodes = accept[:, 2:2 + width] - 1  # (R, width): the accepted path's node indices (valid below counts)
     picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
-    n, feats, out = tokens.shape[1], fused.features, VerifyResults()
-    if feats is not None:  # the pending token's and the accepted path's (verify queries 0 and 1 + node), one gather
-        if fused.in_order:  # already gathered in path order
-            cols = np.broadcast_to(np.arange(width + 1), (len(rows), width + 1))
-        else:
-            cols = np.concatenate([np.zeros((len(rows), 1), dtype=np.int64), nodes + 1], 1)  # (R, width + 1)
-        keep = np.arange(width + 1) <= counts[:, None]
-        flat = (np.asarray(feats.starts, dtype=np.int64)[:, None] + cols)[keep]  # (T,) row after row
-        out.feature_sizes = counts + 1
-        if fused.in_order:  # the queued step's catch-up inputs: gathered only when asked for
-            out.features_source = (feats, flat)
-        else:
-            out.packed_features = feats.take(flat)
+    n = tokens.shape[1]
     moved = fused.kv_moved
-    out.extend(VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, moved) for path, toks, m, bonus, depth, dc in
-               zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(),
-                   fused.max_depth.tolist(), draft_computed))
-    return out
+    return [VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, moved) for path, toks, m, bonus, depth, dc in
+            zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(), fused.max_depth.tolist(),
+                draft_computed)]
 
 
 def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, bt: np.ndarray,

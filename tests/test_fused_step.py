@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from eagle_helpers import record_commits
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
 
 from specdec.drafters.eagle_device import DeviceDraftProgram
@@ -61,8 +62,9 @@ def _host_inputs(eng: SpecEngine, rows, trees, batch: int | None = None) -> tupl
 @pytest.mark.parametrize("tree", ["dynamic:16", "dynamic:12:3x5", "topk:2x3", "chain:4"])
 def test_fused_greedy_equals_target_only_with_host_built_inputs(tiny, tree, monkeypatch):
     """Every greedy step takes the fused path, at batch 1 and 3 rows padded to a bucket of 4, with the full
-    tree and adaptive budgets below N (5 or N - 2, and 0); the verify inputs it builds on the device equal, element by
-    element, those the host path packs for the same trees; the output equals target-only."""
+    tree and adaptive budgets below N (5 or N - 2); the verify inputs it builds on the device equal, element by
+    element, those the host path packs for the same trees; at budget 0 the draft does not run (empty trees, plain
+    decoding) and catches up when the next budget speculates; the output equals target-only."""
     draft, target, want = tiny
     eng = _engine(draft, target, tree)
     checked = _check_fused_inputs(eng, want, monkeypatch, (None, min(5, eng.verifier.fused.nodes - 2), 0))
@@ -84,9 +86,13 @@ def _check_fused_inputs(eng: SpecEngine, want, monkeypatch, budgets) -> list[int
     monkeypatch.setattr(GraphRunner, "_forward", snapshot)
     if eng.runner.graphs.graphs:  # captured verify graphs replay without calling _forward
         monkeypatch.setattr(eng.runner.graphs, "graphs", {})
-    checked, verify = [], eng.verifier.verify_proposal
+    checked, decoded, verify = [], [], eng.verifier.verify_proposal
 
     def compare(rows, prop):
+        if eng.drafter.node_budget == 0:  # plain decoding: no draft, no device trees
+            assert prop.device is None and all(t.num_nodes == 0 for t in prop.trees)
+            decoded.append(len(rows))
+            return verify(rows, prop)
         assert prop.device is not None  # the trees are on the device: the verifier launches their verify
         results = verify(rows, prop)
         key, ref = _host_inputs(eng, rows, prop.trees)
@@ -103,9 +109,9 @@ def _check_fused_inputs(eng: SpecEngine, want, monkeypatch, budgets) -> list[int
             got = eng.generate(prompts, PARAMS)
             assert [o.token_ids for o in got] == [want[PROMPTS.index(p)] for p in prompts]
             assert eng.all_blocks_free()
-    paths = {k: eng.drafter.paths[k] - before.get(k, 0) for k in ("fused", "device", "host")}
+    paths = {k: eng.drafter.paths[k] - before.get(k, 0) for k in ("fused", "device", "host", "decode")}
     assert paths["fused"] == paths["device"] == len(checked) == eng.verifier.fused.steps - steps_before
-    assert paths["host"] == 0
+    assert paths["host"] == 0 and paths["decode"] == len(decoded) and (len(decoded) > 0) == (0 in budgets)
     return checked
 
 
@@ -381,11 +387,12 @@ def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
         steps, trees = runs.setdefault(fused, ([], []))
         verify = eng.verifier.verify_proposal
 
-        def spy_verify(rows, proposal, verify=verify, steps=steps, trees=trees):
+        def spy_verify(rows, proposal, verify=verify, trees=trees):
             results = verify(rows, proposal)  # (a device proposal's trees are known once verified)
             trees.append([(t.host.tokens, t.host.parents, t.num_nodes, t.max_depth) for t in proposal.trees])
-            steps.append([(r, results.row_features(i).tolist()) for i, r in enumerate(results)])
             return results
+
+        record_commits(eng, steps)
 
         eng.verifier.verify_proposal = spy_verify
         outputs = []

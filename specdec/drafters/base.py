@@ -48,8 +48,7 @@ class Drafter(ABC):
         chunk the target's ``target_features`` outputs at its tokens (None when none are asked)."""
 
     def accepted(self, rows: list[Request], results) -> None:  # noqa: B027 - optional hook
-        """Called after the verify results of ``rows`` were committed (``VerifyResult.features`` set
-        when ``target_features`` is not empty)."""
+        """Called after the verify results of ``rows`` were committed."""
 
     def forget(self) -> None:  # noqa: B027 - optional hook, most drafters keep nothing across requests
         """Drop what was learned from earlier requests' text (benchmarks call it before each timed run, so a

@@ -1,9 +1,9 @@
 """EAGLE-style drafting: the draft reads the target's hidden states of the accepted tokens.
 
-Position p of the draft needs the target features of position p - 1. The verify forward returns
-them for the pending token and the accepted path; prefill returns them for the prompt. A request's
-features wait in this drafter (``FeatureTable``, one device table for the batch) until the next
-catch-up consumes them.
+Position p of the draft needs the target features of position p - 1. Every target forward (verify and
+prefill) writes them into the KV slot of their token (``SlotFeatures``), so the draft may fall behind the
+target: at budget 0 (plain decoding) it does not run at all, and the next step that speculates catches up
+over every position it missed.
 Tree nodes get their parent's draft hidden state instead (the root: the last catch-up position).
 Tree-node KV is written with those self-features, so it is never adopted: after acceptance the
 catch-up recomputes the accepted tokens with the target's features (``draft_computed`` is empty).
@@ -29,95 +29,40 @@ from specdec.step_inputs import PackedRows
 from specdec.tree import DraftTree, TreeSpec
 
 
-class FeatureTable:
-    """The target features that running requests' drafts have not read yet, for all of them at once.
+class SlotFeatures:
+    """Where a draft position's input is: draft position p reads the target features of position p - 1, which
+    every target forward that computes a token's KV also writes into that token's KV slot of the shared pool
+    (``KVPool.features``: written inside the verify and prefill graphs, moved with the KV when a path is
+    adopted). So a request's features are wherever its KV is: after a prefix hit, a preemption's restart, or any
+    number of steps the draft did not follow (budget 0: plain decoding), the draft's catch-up reads exactly the
+    features its positions were computed with, and nothing is stored or copied per step. Rows of the table
+    (``data``) are slots; ``zero`` is a row of zeros (the input of position 0, of padding, and of a position
+    whose block a sliding window released)."""
 
-    Draft position p reads the target features of position p - 1. Every catch-up reads all a request
-    holds but the last position's, so a request holds one run of at most ``cap`` rows: the verify step's
-    (pending token + accepted path) or a prefill chunk's last position. The runs live in one device table,
-    ``cap`` rows per block-table row (a running request's ``bt_row``), plus one zero row (the input of
-    position 0, and of any position whose features nobody kept), plus one row per physical KV block (of
-    ``blocks``, ``block_size`` positions each): the features of the block's last position, kept when a prefill
-    computes it. A block enters the prefix cache only after a prefill computed it, so the first draft position
-    after a cached prefix (a prefix hit, a preempted request's restart, a chunk after ``adopt``) reads exactly
-    the features the prefix was computed with. Host arrays say which positions each slot holds and for which
-    request. Batches are (R, w) grids: row i, column j.
-    """
+    def __init__(self, pool, tables) -> None:
+        if pool.features is None:
+            raise ValueError("an EAGLE draft needs a KV pool that keeps target features (KVPool(feature_width=...))")
+        self.pool, self.tables = pool, tables
 
-    def __init__(self, rows: int, cap: int, width: int, dtype: torch.dtype, device, *, blocks: int = 0,
-                 block_size: int = 1) -> None:
-        self.cap, self.zero = cap, rows * cap
-        self.block_size, self.block_ends = block_size, rows * cap + 1  # row of block b's last position: + b
-        self.data = torch.zeros(rows * cap + 1 + blocks, width, dtype=dtype, device=device)  # (rows*cap+1+blocks, k*H)
-        self.start = np.zeros(rows, dtype=np.int64)  # position of each slot's first row
-        self.count = np.zeros(rows, dtype=np.int64)  # rows each slot holds
-        self.owner: list[Request | None] = [None] * rows
-        self._cols = np.arange(cap)
+    @property
+    def data(self) -> torch.Tensor:
+        return self.pool.features
 
-    def sources(self, reqs: list[Request], bt: np.ndarray, begins: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        """(R, w) table rows holding the features of positions begins[i] - 1 + j (the input of draft position
-        begins[i] + j) of each request ``reqs[i]`` (block-table row ``bt[i]``): from its run, else (the last
-        position of a block) the block's row, else (or where not ``valid``) the zero row (R, w)."""
-        held = np.where([self.owner[i] is r for i, r in zip(bt.tolist(), reqs)], self.count[bt], 0)  # (R,)
-        k = (begins - 1 - self.start[bt])[:, None] + np.arange(valid.shape[1])  # (R, w) index in the slot's run
-        ok = valid & (k >= 0) & (k < held[:, None])
-        out = np.where(ok, (bt * self.cap)[:, None] + k, self.zero)
-        miss = valid & ~ok  # (R, w)
-        if miss.any() and self.data.shape[0] > self.block_ends:
-            pos = begins[:, None] - 1 + np.arange(valid.shape[1])  # (R, w) the positions read
-            for i, j in np.argwhere(miss & (pos >= 0) & (pos % self.block_size == self.block_size - 1)):
-                blocks = reqs[i].blocks
-                b = pos[i, j] // self.block_size
-                if b < len(blocks) and blocks[b] >= 0:  # (a sliding window may have released it)
-                    out[i, j] = self.block_ends + blocks[b]
-        return out
+    @property
+    def zero(self) -> int:
+        return self.pool.feature_zero
+
+    def sources(self, bt: np.ndarray, begins: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        """(R, w) table rows of the features of positions begins[i] - 1 + j (the input of draft position
+        begins[i] + j) of the requests on block-table rows ``bt`` (R,) (their host rows synced); the zero row
+        where not ``valid``."""
+        positions = begins[:, None] - 1 + np.arange(valid.shape[1])  # (R, w)
+        rows = self.pool.feature_rows(self.tables.host_rows(bt), positions)
+        return np.where(valid, rows, self.zero)
 
     def gather(self, index: np.ndarray) -> torch.Tensor:
         """Rows ``index`` of the table (one indexing op)."""
         return self.data[torch.from_numpy(index).to(self.data.device, non_blocking=True)]
-
-    def consumed(self, bt: np.ndarray, ends: np.ndarray) -> None:
-        """The drafts of block-table rows ``bt`` have read everything before position ``end - 1``."""
-        self.start[bt], self.count[bt] = ends - 1, 0
-
-    def keep_block_ends(self, reqs: list[Request], starts: list[int], feats) -> None:
-        """Request i's prefill computed ``feats[i]`` (n_i, k * hidden), the target features of positions
-        [starts[i], starts[i] + n_i): keep those of the last position of each block among them."""
-        if self.data.shape[0] == self.block_ends:
-            return
-        bs, picks, dst = self.block_size, [], []
-        for r, s, f in zip(reqs, starts, feats):
-            first = (bs - 1 - s) % bs  # (the chunk's row of the first block end in it)
-            blocks = [r.blocks[p // bs] for p in range(s + first, s + f.shape[0], bs)]
-            if blocks and min(blocks) >= 0:  # (a released block never enters the prefix cache)
-                picks.append(f[first::bs])
-                dst += blocks
-        if picks:
-            rows = np.array(dst, dtype=np.int64) + self.block_ends  # (n,) one per block end in the chunks
-            where = torch.from_numpy(rows).to(self.data.device, non_blocking=True)
-            self.data.index_copy_(0, where, torch.cat(picks).to(self.data.dtype))  # (n, k * hidden)
-
-    def store(self, reqs: list[Request], starts: list[int], feats: list[torch.Tensor]) -> None:
-        """Request i now holds ``feats[i]`` (n_i, k * hidden): the features of positions [starts[i],
-        starts[i] + n_i) (whatever it held before is dropped); n_i <= cap."""
-        self.store_packed(reqs, starts, feats[0] if len(feats) == 1 else torch.cat(feats),
-                          [f.shape[0] for f in feats])
-
-    def store_packed(self, reqs: list[Request], starts, rows: torch.Tensor, sizes) -> None:
-        """``store`` of the features of every request in one tensor ``rows`` (sum(sizes), k * hidden), request
-        after request (request i's are ``sizes[i]`` rows; ``starts`` and ``sizes``: lists or int64 arrays)."""
-        lengths = np.asarray(sizes, dtype=np.int64)  # (R,)
-        if lengths.max(initial=0) > self.cap:
-            raise ValueError(f"feats: a request holds at most {self.cap} feature rows, got {lengths.max()}")
-        slots = [r.bt_row for r in reqs]
-        bt = np.array(slots, dtype=np.int64)  # (R,)
-        dst = ((bt * self.cap)[:, None] + self._cols)[self._cols < lengths[:, None]]  # (T,) row-major = packed
-        # non_blocking: a blocking upload would wait for every queued step (``specdec.pipeline``)
-        where = torch.from_numpy(dst).to(self.data.device, non_blocking=True)
-        self.data.index_copy_(0, where, rows.to(self.data.dtype))
-        self.start[bt], self.count[bt] = starts, lengths
-        for i, r in zip(slots, reqs):
-            self.owner[i] = r
 
 
 class _Spans(NamedTuple):
@@ -138,6 +83,12 @@ class _Spans(NamedTuple):
         width = int(sizes.max(initial=0)) if width is None else width
         return cls(bt, begins, ends, np.arange(width) < sizes[:, None])
 
+    @classmethod
+    def of_range(cls, bt: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> _Spans:
+        """The spans [begins, ends) of the rows on block-table rows ``bt``, as wide as the longest."""
+        sizes = ends - begins
+        return cls(bt, begins, ends, np.arange(int(sizes.max(initial=0))) < sizes[:, None])
+
 
 class EagleDrafter(ModelDrafter):
     """Chains, static top-k trees and dynamic trees from an ``EagleDraft`` sharing the pool."""
@@ -146,19 +97,15 @@ class EagleDrafter(ModelDrafter):
         super().__init__(model, runner, spec)
         self.vocab_size = vocab_size
         self.target_features = model.aux_layers
-        width = len(model.aux_layers) * model.config.hidden_size
-        # a run is a verify step's pending token + accepted path (<= max_nodes + 1 rows) or one prefill row
-        self.features = FeatureTable(runner.tables.host.shape[0], self.max_nodes + 1, width,
-                                     next(model.parameters()).dtype, runner.device,  # the device program's dtype
-                                     blocks=runner.pool.num_blocks, block_size=runner.pool.block_size)
-        self._pending: tuple | None = None  # features ``accepted`` noted but did not store yet
+        self.features = SlotFeatures(runner.pool, runner.tables)
         self.device_loop = None  # a DeviceTreeLoop or DeviceDynamicTree once the graph path is on
         self.fused_verify = False  # device-program steps propose their trees on the device (``DeviceDraft``)
         self.clock = StepClock(runner.device)  # times the draft program of a device proposal
         self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels);
         #                                  "fused": device proposals verified from the device; "ahead": steps
         #                                  queued one step early and adopted (``pipeline.EagleAhead``),
-        #                                  "dropped": queued steps not adopted
+        #                                  "dropped": queued steps not adopted; "decode": budget-0 steps (the
+        #                                  draft does not run); "behind": catch-ups of a draft that fell behind
 
     @property
     def lookahead(self) -> int:
@@ -200,9 +147,15 @@ class EagleDrafter(ModelDrafter):
         return self._template.num_nodes, len(loop.levels), False
 
     def propose(self, rows: list[Request]) -> Proposal:
-        self._flush()  # (a queued step was dropped: its catch-up runs again from the table)
+        """Budget 0: plain decoding, and the draft does not run (it catches up when a step speculates again: the
+        features of what it missed wait in their slots). Else the device program's trees (after a catch-up of a
+        draft more positions behind than the program's catch-up holds), or the host levels'."""
+        if self.node_budget == 0:
+            self.paths["decode"] += 1
+            return Proposal([DraftTree.empty("cpu")] * len(rows), [frozenset()] * len(rows))
         loop = self.device_loop
         if loop is not None and rows:
+            self._catch_up_behind(rows, loop.q)
             spans = _Spans.of(rows, loop.q)
             sizes = spans.ends - spans.begins
             b = loop.bucket(len(rows), int(sizes.max()))
@@ -211,6 +164,19 @@ class EagleDrafter(ModelDrafter):
                 return self._propose_on_device(rows, spans, b)
         self.paths["host"] += 1
         return super().propose(rows)
+
+    def _catch_up_behind(self, rows: list[Request], q: int) -> None:
+        """The draft KV of rows more than ``q`` positions behind (after plain-decoding steps), up to their pending
+        token (the device program's catch-up computes that one and the root's distribution), in one forward."""
+        behind = [r for r in rows if len(r.tokens) - r.num_computed_draft > q]
+        if not behind:
+            return
+        self.paths["behind"] += 1
+        spans = _Spans.of(behind)
+        spans = _Spans.of_range(spans.bt, spans.begins, spans.ends - 1)
+        self.runner.sync_tables(behind)
+        self._run_positions(behind, spans, self.features.gather(self.features.sources(
+            spans.bt, spans.begins, spans.valid)[spans.valid]))
 
     def _propose_on_device(self, reqs: list[Request], spans: _Spans, b: int) -> Proposal:
         """The device program's trees: left on the device (a ``DeviceDraft``, verified right behind the program)
@@ -262,7 +228,7 @@ class EagleDrafter(ModelDrafter):
         per_row = np.empty((3, len(reqs)), dtype=np.int64)  # prefix_lens, seq_lens, num_tokens
         per_row[0], per_row[1], per_row[2] = begins, ends, ends - begins
         rows = PackedRows(index, tokens, per_row)
-        return rows, bt, self.features.sources(reqs, spans.bt, begins, valid)
+        return rows, bt, self.features.sources(spans.bt, begins, valid)
 
     def _hidden(self, rows: list[RowInput], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft hidden states (T, hidden) of the packed rows with features ``g`` (T, hidden), and their
@@ -288,25 +254,18 @@ class EagleDrafter(ModelDrafter):
         return hidden, logits, [0] + np.cumsum(spans.ends - spans.begins).tolist()
 
     def consumed_through(self, reqs: list[Request]) -> None:
-        """``_consumed`` of a catch-up that reached each request's length (a pipelined step's, on the device): the
-        features of the step before, which it read, are spent (a row of that step not among ``reqs``, not
-        scheduled now, keeps its own in the table)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            ids = {id(req) for req in reqs}
-            rest = np.fromiter((id(req) not in ids for req in pending[0]), bool, len(pending[0]))
-            if rest.any():
-                self._store_noted(pending, rest)
+        """``_consumed`` of a catch-up that reached each request's length (a pipelined step's, on the device)."""
         self._consumed(reqs, _Spans.of(reqs, 0))
 
-    def _consumed(self, reqs: list[Request], spans: _Spans) -> None:
-        """The draft's KV now reaches each span's end; the features before its last position are spent."""
-        self.features.consumed(spans.bt, spans.ends)
+    @staticmethod
+    def _consumed(reqs: list[Request], spans: _Spans) -> None:
+        """The draft's KV now reaches each span's end."""
         for r, e in zip(reqs, spans.ends.tolist()):
             r.num_computed_draft = e
 
     def prefill(self, chunks, features=None) -> None:
-        self._flush()
+        """The draft KV of prefill ``chunks``, reading the features the target's prefill of them (just before,
+        ``features``: required, though they are read from their slots) and of earlier positions wrote."""
         if not chunks:
             return
         if features is None:
@@ -316,61 +275,19 @@ class EagleDrafter(ModelDrafter):
         bt = np.fromiter((r.bt_row for r in reqs), np.int64, n)
         begins = np.fromiter((c.start for c in chunks), np.int64, n)
         ends = np.fromiter((c.end for c in chunks), np.int64, n)
-        spans = _Spans(bt, begins, ends, np.arange(int((ends - begins).max())) < (ends - begins)[:, None])
-        one = np.ones((n, 1), dtype=bool)
-        carry = self.features.gather(self.features.sources(reqs, bt, begins, one)[:, 0])  # (R, k*H): at start - 1
-        dtype = self.features.data.dtype
-        aux = torch.cat([x for h, f in zip(carry.split(1), features) for x in (h, f[:-1].to(dtype))])  # (T, k*H)
+        spans = _Spans.of_range(bt, begins, ends)
+        self.runner.sync_tables(reqs)
+        aux = self.features.gather(self.features.sources(bt, begins, spans.valid)[spans.valid])  # (T, k * hidden)
         self._run_positions(reqs, spans, aux)
-        self.features.store(reqs, (ends - 1).tolist(), [f[-1:] for f in features])
-        self.features.keep_block_ends(reqs, begins.tolist(), features)
 
     def accepted(self, rows: list[Request], results) -> None:
-        """Keep the pending token's and the accepted path's target features of the rows that go on (the next
-        catch-up's inputs), from the results' one packed tensor (``VerifyResults``). When the step after this one
-        is already queued on the device, its catch-up has read them there: they are only noted (``_pending``),
-        stored if that step is dropped (``_flush``, before the table is read or their buffer rewritten) and
-        forgotten once it is adopted (``consumed_through``), so a pipelined step copies no features."""
-        self._flush()
-        sizes = getattr(results, "feature_sizes", None)
-        if sizes is None:
-            return
-        source = getattr(results, "features_source", None)
-        live = np.fromiter((not req.finished for req in rows), bool, len(rows))  # (R,)
-        keep = None if live.all() else np.repeat(live, sizes)  # (T,) the rows that go on, of the packed ones
-        if keep is not None:
-            if not keep.any():
-                return
-            rows, sizes = [req for req, go in zip(rows, live) if go], sizes[live]
-        starts = [req.num_computed_draft - 1 for req in rows]
-        if source is not None:
-            table, flat = source
-            self._pending = (rows, starts, table, flat if keep is None else flat[keep], sizes)
-            return
-        packed = results.packed_features
-        if keep is not None:  # some requests ended: the others' rows of the packed tensor, in one gather
-            packed = packed[torch.from_numpy(np.flatnonzero(keep)).to(packed.device, non_blocking=True)]
-        self.features.store_packed(rows, starts, packed, sizes)
-
-    def _flush(self) -> None:
-        """Store the features ``accepted`` only noted (the queued step that read them was not adopted)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._store_noted(pending)
-
-    def _store_noted(self, pending: tuple, which: np.ndarray | None = None) -> None:
-        """Store noted features ``pending`` (rows, starts, table, flat, sizes), of the rows ``which`` (R,) bool
-        (None: all) only."""
-        rows, starts, table, flat, sizes = pending
-        if which is not None:
-            rows, starts = [r for r, x in zip(rows, which) if x], np.asarray(starts)[which]
-            flat, sizes = flat[np.repeat(which, sizes)], sizes[which]
-        self.features.store_packed(rows, starts, table.take(flat), sizes)
+        """(nothing to keep: the verify wrote the accepted tokens' features into their slots)"""
 
     def _catch_up(self, grows: list[Growth]) -> None:
         reqs = [g.req for g in grows]
         spans = _Spans.of(reqs)
-        aux = self.features.gather(self.features.sources(reqs, spans.bt, spans.begins, spans.valid)[spans.valid])
+        self.runner.sync_tables(reqs)
+        aux = self.features.gather(self.features.sources(spans.bt, spans.begins, spans.valid)[spans.valid])
         hidden, logits, qsl = self._run_positions(reqs, spans, aux)  # aux: (T, k * hidden)
         last = torch.from_numpy(np.asarray(qsl[1:], dtype=np.int64) - 1).to(hidden.device, non_blocking=True)
         last_hidden = hidden.index_select(0, last)  # (rows, hidden)
