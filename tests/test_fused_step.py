@@ -131,7 +131,8 @@ def _captured_vs_eager(draft, target, want, monkeypatch, **cfg) -> dict:
 
         def spy(rows, prop, verify=verify, seen=seen):  # (a device proposal's trees are known once verified)
             results = verify(rows, prop)
-            seen.append([(t.host.tokens, t.host.parents) for t in prop.trees])
+            if prop.device is not None:  # (budget 0: no draft, no trees)
+                seen.append([(t.host.tokens, t.host.parents) for t in prop.trees])
             return results
 
         eng.verifier.verify_proposal = spy
