@@ -19,6 +19,7 @@ from specdec.scheduler.request import Request
 from specdec.step_inputs import PREFILL, PREFILL_QUERY, PackedRows
 
 MAX_TREE_REGION = 64
+MAX_PIECE_REPLAYS = 4  # the most graph replays a long draft forward is cut into (``ModelRunner._graphed_pieces``)
 
 
 @dataclass
@@ -203,15 +204,50 @@ class ModelRunner:
     def run_with_features(self, model_idx: int, model, rows: list[RowInput], g: torch.Tensor):
         """Forward a feature-reading (EAGLE) draft over packed rows with one feature row per token
         ``g`` (T, hidden): its hidden states (T, hidden) and, when the step was graphed, its logits
-        over its own vocabulary (T, N), else None."""
+        over its own vocabulary (T, N), else None. Causal rows longer than the model's graphs take (a prefill
+        chunk, a catch-up of many positions) run as pieces through them (``_graphed_pieces``)."""
         key = self._graph_key(model_idx, rows)
         if key is None:
+            pieces = self._graphed_pieces(model_idx, rows, g)
+            if pieces is not None:
+                return pieces
             ctx, ids, pos = self.prepare(model_idx, rows)
             with torch.inference_mode():
                 return model(ids, pos, ctx, g), None
         where = self.padded_index(rows, key[2])
         out = self._replay(key, rows, (where, g))
         return out.hidden.index_select(0, where), out.logits.index_select(0, where)
+
+    def _graphed_pieces(self, model_idx: int, rows: list[RowInput], g: torch.Tensor):
+        """``run_with_features`` of causal ``rows`` cut into pieces of the model's largest graphed query count,
+        as many pieces a replay as its largest batch bucket holds (pieces of one row may share a replay: the
+        layer stores every piece's KV before any piece attends), or None when the model has no graphs, a row is
+        not causal, or the rows need more than ``MAX_PIECE_REPLAYS`` replays (then one eager forward costs less).
+        Eager forwards over arbitrary token counts meet new matrix shapes (and their kernels) with every new
+        prompt length; the graphs' shapes are fixed at capture."""
+        graphs = self.graphs
+        buckets = None if graphs is None else graphs.query_buckets.get(model_idx)
+        if not buckets or any(r.tree_mask is not None for r in rows):
+            return None
+        q, top = buckets[-1], graphs.batch_buckets[-1]
+        if sum(-(-len(r.token_ids) // q) for r in rows) > top * MAX_PIECE_REPLAYS:  # (one eager forward is cheaper)
+            return None
+        pieces = []
+        for r in rows:
+            n, first = len(r.token_ids), r.seq_len - len(r.token_ids)
+            pieces += [RowInput(r.req, r.token_ids[s:s + q], r.positions[s:s + q], first + s, first + min(n, s + q),
+                                None, r.want_logits) for s in range(0, n, q)]
+        hidden, logits, start = [], [], 0
+        for i in range(0, len(pieces), top):
+            group = pieces[i:i + top]
+            count = sum(len(p.token_ids) for p in group)
+            key = graphs.key_for(model_idx, group)
+            where = self.padded_index(group, key[2])
+            out = self._replay(key, group, (where, g[start:start + count]))
+            hidden.append(out.hidden.index_select(0, where))
+            logits.append(out.logits.index_select(0, where))
+            start += count
+        return torch.cat(hidden), torch.cat(logits)
 
     def padded_index(self, rows: list[RowInput], q: int) -> torch.Tensor:
         """(T,) position of each packed query of ``rows`` in a padded layout of ``q`` queries per row (copied

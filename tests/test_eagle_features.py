@@ -61,3 +61,35 @@ def test_full_batch_of_64_rows_stays_on_the_device_program(tiny_target):
     assert max(buckets) == 64
     assert eng.drafter.paths["device"] > 0 and eng.drafter.paths["host"] == 0
     assert eng.all_blocks_free()
+
+
+def test_long_draft_forwards_run_as_graphed_pieces(tiny_target, monkeypatch):
+    """With padded steps, an EAGLE draft's forwards over rows longer than its graphs take (prefill chunks of long
+    prompts, more than a replay's worth of pieces) run as pieces through its graph buckets, with the hidden
+    states an eager forward over whole rows gives; the output equals target-only decoding."""
+    from specdec.runner import ModelRunner
+
+    shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 64)
+    model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 256, 4), seed=5).eval().requires_grad_(False)
+    draft = LoadedModel("eagle", model, None, model.config)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 300, 40)]
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    cfg = dict(num_blocks=512, block_size=8, max_batch_size=16)  # (graph batch buckets up to 16: several replays)
+    want = [o.token_ids for o in SpecEngine(None, tiny_target, SpecConfig(**cfg)).generate(prompts, params)]
+    eng = SpecEngine(draft, tiny_target, SpecConfig(tree="dynamic:16", cuda_graphs=True, **cfg))
+    pieces, checked = ModelRunner._graphed_pieces, []
+
+    def both(self, model_idx, rows, feats):
+        out = pieces(self, model_idx, rows, feats)
+        if out is not None and max(len(r.token_ids) for r in rows) > 64:
+            ctx, ids, pos = self.prepare(model_idx, rows)
+            with torch.inference_mode():
+                eager = eng.draft.model(ids, pos, ctx, feats)
+            torch.testing.assert_close(out[0], eager, rtol=1e-4, atol=1e-4)
+            checked.append(len(rows))
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_graphed_pieces", both)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert checked and eng.all_blocks_free()
