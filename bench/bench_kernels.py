@@ -153,6 +153,37 @@ def test_gumbel_choice(benchmark, impl, batch, tokens, with_kept):
 
 
 @needs_cuda
+@pytest.mark.parametrize("path", ["rule", "probs"])
+@pytest.mark.parametrize("batch,tokens", [(16, 32), (64, 16), (64, 1)])
+def test_sampled_choices(benchmark, path, batch, tokens):
+    """The sampled rule's token choices at every verify token of (B, Q, 49,152) bf16 logits, T 0.7 top-p 0.9:
+    ``rule`` (the kept sets as thresholds, ``nucleus_rule``, applied inside the choice) against ``probs`` (the
+    float32 copy, softmax, filtered rows written, kept = probs > 0, then the choice): the same tokens."""
+    from specdec.kernels.nucleus import nucleus_rule
+
+    from specdec.row_sampling import shape_probs_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(batch, tokens, 49152, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    sampling = sampling_rows([SamplingParams(temperature=0.7, top_p=0.9)] * batch, "cuda")
+    rows = batch * tokens
+    t = sampling.temperature.double().repeat_interleave(tokens)
+    key0, key1 = torch.randint(0, 2**32, (2, rows), generator=g, device="cuda")
+    position = torch.arange(rows, device="cuda") + 100
+
+    def rule():
+        kept = nucleus_rule(x, sampling.temperature.float(), sampling)
+        return choose_tokens_triton(x.view(rows, -1), t, key0, key1, position, rule=kept)
+
+    def probs():
+        kept = (shape_probs_rows(x, sampling, use_triton=True) > 0).view(rows, -1)
+        return choose_tokens_triton(x.view(rows, -1), t, key0, key1, position, kept)
+
+    assert torch.equal(rule(), probs())
+    _run(benchmark, rule if path == "rule" else probs, torch.cuda.synchronize)
+
+
+@needs_cuda
 @pytest.mark.parametrize("impl", ["triton", "triton_per_node", "reference"])
 @pytest.mark.parametrize("batch,nodes", [(1, 16), (16, 8), (64, 4), (64, 8)])
 def test_children_scores(benchmark, impl, batch, nodes):

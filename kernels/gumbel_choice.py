@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, sm_count
+from specdec.kernels.nucleus import RULE_FLOATS, RULE_INTS, KeepRule, keep_token
+from specdec.kernels.topk import order_key
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
 
@@ -109,9 +111,9 @@ def _gumbel(sub0, sub1, cols):
 
 
 @triton.jit
-def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, out_ptr, n_cols,
+def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_ptr, rule_f_ptr, out_ptr, n_cols,
                    stride_x, stride_kept, stride_t, stride_key0, stride_key1, stride_pos,
-                   HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+                   HAS_KEPT: tl.constexpr, HAS_RULE: tl.constexpr, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     t = tl.load(t_ptr + row * stride_t).to(tl.float64)
@@ -120,11 +122,24 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, out_ptr,
     best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
     if t > 0:  # sampled: x / T + G over the kept tokens
         sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+        if HAS_RULE:  # the kept set as ``nucleus.KeepRule`` describes it (filtered 0: every token)
+            rule_i = rule_i_ptr + row * RULE_INTS
+            filtered = tl.load(rule_i)
+            thr_k, cut_k = tl.load(rule_i + 1), tl.load(rule_i + 2)
+            thr_p, cut_p, shift = tl.load(rule_i + 3), tl.load(rule_i + 4), tl.load(rule_i + 5)
+            m = tl.load(rule_f_ptr + row * RULE_FLOATS)
+            min_p = tl.load(rule_f_ptr + row * RULE_FLOATS + 1)
+            t32 = tl.full((BLOCK,), 0.0, tl.float32) + t.to(tl.float32)  # (the filter's own x / t)
         for start in range(0, n_cols, BLOCK):
             cols = start + lanes
             ok = cols < n_cols
             if HAS_KEPT:
                 ok = ok & (tl.load(kept_ptr + row * stride_kept + cols, mask=ok, other=0) != 0)
+            if HAS_RULE:
+                if filtered != 0:
+                    xf = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+                    e = tl.exp(tl.math.div_rn(xf, t32) - m)
+                    ok = ok & keep_token(order_key(xf) >> shift, cols, e, thr_k, cut_k, thr_p, cut_p, min_p)
             if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no kept token (most, under top-p) is skipped
                 x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
                 score = x / t + _gumbel(sub0, sub1, cols)
@@ -239,12 +254,14 @@ def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, dev
 
 
 def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
-                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK, num_warps: int = 16) -> Tensor:
+                         kept: Tensor | None = None, block: int = DEFAULT_BLOCK, num_warps: int = 16,
+                         rule: KeepRule | None = None) -> Tensor:
     """Same promise as ``choose_tokens_reference`` (the same tokens; on CUDA the same noise bit for bit), one
     launch with one program per row. x (R, V) float16/bfloat16/float32, last dim contiguous (any row stride);
     temperature (R,) float; key0, key1, position (R,) int64 (any stride); kept None or (R, V) bool, last dim
     contiguous. ``block`` (a power of two >= 16): the columns a program reads at a time; ``num_warps``: its
-    warps."""
+    warps. ``rule``: the kept set as ``kernels.nucleus.nucleus_rule`` gives it for these rows (instead of
+    ``kept``; the same choices as kept = ``nucleus_probs(...) > 0``, with no (R, V) row written or read)."""
     check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_launchable(_choose_kernel, x.device)
     r, v = x.shape
@@ -256,12 +273,19 @@ def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
     _check_row_keys(key0, key1, position, r, x.device)
     if kept is not None:
         check_tensor("kept", kept, shape=(r, v), dtypes=(torch.bool,), device=x.device, last_dim_contiguous=True)
+    if rule is not None:
+        if kept is not None:
+            raise ValueError("give kept or rule, not both")
+        check_tensor("rule.ints", rule.ints, shape=(r, 6), dtypes=(torch.int32,), device=x.device)
+        check_tensor("rule.floats", rule.floats, shape=(r, 2), dtypes=(torch.float32,), device=x.device)
     out = torch.empty(r, dtype=torch.int64, device=x.device)
     if r:
-        _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, out, v,
+        ints, floats = (x, x) if rule is None else (rule.ints.contiguous(), rule.floats.contiguous())
+        _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, ints, floats, out, v,
                              x.stride(0), 0 if kept is None else kept.stride(0), temperature.stride(0),
                              key0.stride(0), key1.stride(0), position.stride(0),
-                             HAS_KEPT=kept is not None, BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=num_warps)
+                             HAS_KEPT=kept is not None, HAS_RULE=rule is not None, BLOCK=block, NO_INDEX=_NO_INDEX,
+                             num_warps=num_warps)
     return out
 
 

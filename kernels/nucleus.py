@@ -28,7 +28,7 @@ Rows of finite or -inf logits only (a row of -inf alone gives NaN, as the softma
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from specdec.kernels.arg_checks import FLOAT_DTYPES, INDEX_DTYPES, check_launchable, check_tensor
@@ -47,6 +47,8 @@ _COUNT_RADIX: tl.constexpr = tl.constexpr(256)
 _MASS_BITS: tl.constexpr = tl.constexpr(4)  # top-p digits: 16 bins of mass, one compare per bin and token
 _MASS_RADIX: tl.constexpr = tl.constexpr(16)
 _MARGIN: tl.constexpr = tl.constexpr(1e-4)  # candidates must hold top_p * (1 + this): far above float rounding
+RULE_INTS: tl.constexpr = tl.constexpr(6)  # a ``KeepRule`` row: filtered, thr_k, cut_k, thr_p, cut_p, shift
+RULE_FLOATS: tl.constexpr = tl.constexpr(2)  # and m, min_p
 
 
 @triton.jit
@@ -65,7 +67,7 @@ def _load(x_row, ids_row, start, n, from_ids, shift, t, m, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _keep(key, cols, e, thr_k, cut_k, thr_p, cut_p, min_p):
+def keep_token(key, cols, e, thr_k, cut_k, thr_p, cut_p, min_p):
     """Kept by top-k and top-p (keys above thr, and at thr the ids up to cut) and by min-p."""
     top_k = (key > thr_k) | ((key == thr_k) & (cols <= cut_k))
     return top_k & ((key > thr_p) | ((key == thr_p) & (cols <= cut_p))) & (e >= min_p)
@@ -149,7 +151,7 @@ def _bin_cut(x_row, ids_row, n, shift, t, m, thr_k, cut_k, top_p, BLOCK: tl.cons
     z_k = 0.0
     for start in range(0, n, BLOCK):
         cols, key, e, ok = _load(x_row, ids_row, start, n, False, shift, t, m, BLOCK)
-        kept = ok & _keep(key, cols, e, thr_k, cut_k, thr_k, cut_k, 0.0)
+        kept = ok & keep_token(key, cols, e, thr_k, cut_k, thr_k, cut_k, 0.0)
         hist += tl.histogram(tl.where(kept, _mass_bin(e), 0), 256)
         hist -= tl.where(bins == 0, tl.sum(tl.where(kept, 0, 1), axis=0), 0)  # the others counted in bin 0
         z_k += tl.sum(tl.where(kept, e, 0.0), axis=0)
@@ -169,7 +171,7 @@ def _compact(x_row, ids_row, n, shift, t, m, thr_k, cut_k, bin_cut, BLOCK: tl.co
     s_c = 0.0
     for start in range(0, n, BLOCK):
         cols, key, e, ok = _load(x_row, ids_row, start, n, False, shift, t, m, BLOCK)
-        cand = ok & _keep(key, cols, e, thr_k, cut_k, thr_k, cut_k, 0.0) & (_mass_bin(e) < bin_cut)
+        cand = ok & keep_token(key, cols, e, thr_k, cut_k, thr_k, cut_k, 0.0) & (_mass_bin(e) < bin_cut)
         slot = n_c + tl.cumsum(cand.to(tl.int32), 0) - 1
         tl.store(ids_row + slot, cols, mask=cand)
         n_c += tl.sum(cand.to(tl.int32), axis=0)
@@ -227,7 +229,7 @@ def _kept_sum(x_row, ids_row, n, from_ids, shift, t, m, thr_k, cut_k, thr_p, cut
     s = 0.0
     for start in range(0, n, BLOCK):
         cols, key, e, ok = _load(x_row, ids_row, start, n, from_ids, shift, t, m, BLOCK)
-        s += tl.sum(tl.where(ok & _keep(key, cols, e, thr_k, cut_k, thr_p, cut_p, min_p), e, 0.0), axis=0)
+        s += tl.sum(tl.where(ok & keep_token(key, cols, e, thr_k, cut_k, thr_p, cut_p, min_p), e, 0.0), axis=0)
     return s
 
 
@@ -246,10 +248,11 @@ def _top_p(x_row, ids_row, n, shift, t, m, thr_k, cut_k, top_p, BLOCK: tl.conste
 
 @triton.jit
 def _nucleus_kernel(
-    x_ptr, probs_ptr, out_ptr, ids_ptr, t_ptr, k_ptr, p_ptr, min_p_ptr,
+    x_ptr, probs_ptr, out_ptr, ids_ptr, t_ptr, k_ptr, p_ptr, min_p_ptr, rule_i_ptr, rule_f_ptr,
     n_cols, stride_x, stride_probs, rows_per_param, stride_t, stride_k, stride_p, stride_min_p,
-    HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, MASS_BLOCK: tl.constexpr,
+    HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, MASS_BLOCK: tl.constexpr, RULE: tl.constexpr,
 ):
+    # RULE: instead of the filtered row, store what decides whether a token is kept (``KeepRule``)
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_param
     x_row = x_ptr + row * stride_x
@@ -278,13 +281,26 @@ def _nucleus_kernel(
         listed = nucleus & (m > float("-inf"))  # (a row of -inf alone is NaN: nothing to select)
         if listed:
             thr_p, cut_p, n_c = _top_p(x_row, ids_row, n_cols, shift, t, m, thr_k, cut_k, top_p, BLOCK, MASS_BLOCK)
-        s = _kept_sum(x_row, ids_row, tl.where(listed, n_c, n_cols), listed, shift, t, m, thr_k, cut_k,
-                      thr_p, cut_p, min_p, BLOCK)
-        norm = tl.full((BLOCK,), 0.0, tl.float32) + s
-        for start in range(0, n_cols, BLOCK):
-            cols, key, e, ok = _load(x_row, ids_row, start, n_cols, False, shift, t, m, BLOCK)
-            keep = _keep(key, cols, e, thr_k, cut_k, thr_p, cut_p, min_p) | (e != e)  # NaN: a row of -inf
-            tl.store(out_row + cols, tl.where(keep, tl.math.div_rn(e, norm), 0.0), mask=ok)
+        if RULE:
+            rule_i = rule_i_ptr + row * RULE_INTS
+            tl.store(rule_i, 1)
+            tl.store(rule_i + 1, thr_k)
+            tl.store(rule_i + 2, cut_k)
+            tl.store(rule_i + 3, thr_p)
+            tl.store(rule_i + 4, cut_p)
+            tl.store(rule_i + 5, shift)
+            tl.store(rule_f_ptr + row * RULE_FLOATS, m)
+            tl.store(rule_f_ptr + row * RULE_FLOATS + 1, min_p)
+        else:
+            s = _kept_sum(x_row, ids_row, tl.where(listed, n_c, n_cols), listed, shift, t, m, thr_k, cut_k,
+                          thr_p, cut_p, min_p, BLOCK)
+            norm = tl.full((BLOCK,), 0.0, tl.float32) + s
+            for start in range(0, n_cols, BLOCK):
+                cols, key, e, ok = _load(x_row, ids_row, start, n_cols, False, shift, t, m, BLOCK)
+                keep = keep_token(key, cols, e, thr_k, cut_k, thr_p, cut_p, min_p) | (e != e)  # NaN: a row of -inf
+                tl.store(out_row + cols, tl.where(keep, tl.math.div_rn(e, norm), 0.0), mask=ok)
+    elif RULE:
+        tl.store(rule_i_ptr + row * RULE_INTS, 0)  # no filter: every token kept
     else:
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
@@ -292,15 +308,16 @@ def _nucleus_kernel(
             tl.store(out_row + cols, tl.load(probs_ptr + row * stride_probs + cols, mask=ok), mask=ok)
 
 
-def check_nucleus_args(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, sampling: RowSampling) -> None:
+def check_nucleus_args(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor | None, sampling: RowSampling) -> None:
     """Raise ValueError unless ``nucleus_probs`` takes the arguments: x (B, ..., V) float logits with V in
     [1, MAX_COLS] and a contiguous last dimension, probs float32 of x's shape, t and every parameter of
     ``sampling`` B entries (temperature t, top_k integer, top_p and min_p float) on x's device."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     if x.dim() < 2 or not 1 <= x.shape[-1] <= MAX_COLS:
         raise ValueError(f"x must be (B, ..., V) with 1 <= V <= {MAX_COLS}, got shape {tuple(x.shape)}")
-    check_tensor("probs", probs, shape=tuple(x.shape), dtypes=(torch.float32,), device=x.device,
-                 last_dim_contiguous=True)
+    if probs is not None:
+        check_tensor("probs", probs, shape=tuple(x.shape), dtypes=(torch.float32,), device=x.device,
+                     last_dim_contiguous=True)
     b = x.shape[0]
     check_tensor("t", t, dtypes=FLOAT_DTYPES + (torch.float64,), device=x.device)
     if t.numel() != b:
@@ -310,6 +327,11 @@ def check_nucleus_args(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, sa
     check_tensor("sampling.top_p", sampling.top_p, shape=(b,), dtypes=floats, device=x.device)
     if sampling.min_p is not None:
         check_tensor("sampling.min_p", sampling.min_p, shape=(b,), dtypes=floats, device=x.device)
+
+
+def takes_logits(x: torch.Tensor) -> bool:
+    """Whether ``nucleus_rule`` takes logits ``x``."""
+    return x.dtype in FLOAT_DTYPES and x.dim() >= 2 and 1 <= x.shape[-1] <= MAX_COLS
 
 
 def takes(x: torch.Tensor, probs: torch.Tensor) -> bool:
@@ -338,12 +360,50 @@ def nucleus_probs(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, samplin
     ids = torch.empty((rows.shape[0], v), dtype=torch.int32, device=x.device)  # (R, V) top-p candidates
     temp, min_p = t.reshape(-1), sampling.min_p
     _nucleus_kernel[(rows.shape[0],)](
-        rows, prob_rows, out, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p,
+        rows, prob_rows, out, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p, ids, out,
         v, rows.stride(0), prob_rows.stride(0), rows.shape[0] // x.shape[0], temp.stride(0),
         sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
-        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512),
+        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512), RULE=False,
         num_warps=num_warps or (8 if block >= 2048 else 4))
     return out.view(x.shape)
+
+
+class KeepRule(NamedTuple):
+    """What ``nucleus_probs`` keeps of each row, without the row: ``ints`` (R, 6) int32 [filtered, thr_k, cut_k,
+    thr_p, cut_p, shift] and ``floats`` (R, 2) float32 [m, min_p]. A row with filtered 0 keeps every token; else
+    token v (logit x) is kept iff ``keep_token(order_key(x) >> shift, v, exp(x / t - m), ...)``, exactly the tokens
+    the filtered row has nonzero (up to the renormalised probability's underflow, which leaves out tokens no
+    Gumbel-max choice can pick). ``kernels.gumbel_choice`` reads it in place of a kept mask."""
+
+    ints: torch.Tensor
+    floats: torch.Tensor
+
+
+def nucleus_rule(x: torch.Tensor, t: torch.Tensor, sampling: RowSampling, block: int = DEFAULT_BLOCK,
+                 num_warps: int | None = None) -> KeepRule:
+    """``nucleus_probs``' kept set of every row of x (B, ..., V) as a ``KeepRule`` (one row of numbers per row of
+    x): the same passes less the last two (the kept mass and the written row), and no probabilities in."""
+    check_nucleus_args(x, t, None, sampling)
+    check_launchable(_nucleus_kernel, x.device)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    v = x.shape[-1]
+    rows = x.reshape(-1, v)  # (R, V)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    r = rows.shape[0]
+    rule = KeepRule(torch.zeros((r, 6), dtype=torch.int32, device=x.device),
+                    torch.zeros((r, 2), dtype=torch.float32, device=x.device))
+    if r == 0:
+        return rule
+    ids = torch.empty((r, v), dtype=torch.int32, device=x.device)  # (R, V) top-p candidates
+    temp, min_p = t.reshape(-1), sampling.min_p
+    _nucleus_kernel[(r,)](
+        rows, rows, rows, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p,
+        rule.ints, rule.floats, v, rows.stride(0), rows.stride(0), r // x.shape[0], temp.stride(0),
+        sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
+        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512), RULE=True,
+        num_warps=num_warps or (8 if block >= 2048 else 4))
+    return rule
 
 
 def filtered_probs_reference(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, sampling: RowSampling,

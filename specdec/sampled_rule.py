@@ -30,7 +30,9 @@ from torch import Tensor
 
 from specdec.acceptance_batched import accept_greedy_padded, tree_rows
 from specdec.graphs import GraphCache
-from specdec.kernels.gumbel_choice import choose_tokens
+from specdec.kernels.gumbel_choice import choose_tokens, choose_tokens_triton
+from specdec.kernels.nucleus import nucleus_rule
+from specdec.kernels.nucleus import takes_logits as nucleus_takes
 from specdec.pipeline import HostUpload
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.row_sampling import RowSampling, shape_probs_rows
@@ -72,12 +74,19 @@ def accept_sampled(x: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Tensor
     request (``key0``, ``key1`` (B,)) and the sampled token's position, ``positions`` (B, Q) + 1), and the
     accepted path is the longest whose every token equals the choice at its parent, as for greedy rows. The
     kept set of rows with top-k / top-p / min-p is ``shape_probs_rows``' support (only when
-    ``sampling.filtered``; ``use_triton``: the kernels of both ops). No host reads."""
+    ``sampling.filtered``); with ``use_triton`` it is computed as thresholds (``kernels.nucleus.nucleus_rule``)
+    that the token choice applies as it reads the logits, so no probabilities, mask or float32 copy of the
+    (B, Q, V) logits are written. No host reads."""
     b, q, v = x.shape
-    kept = (shape_probs_rows(x, sampling, use_triton) > 0).view(b * q, v) if sampling.filtered else None
     per_token = [t.view(-1, 1).expand(b, q).reshape(-1) for t in (sampling.temperature, key0, key1)]
-    choices = choose_tokens(x.reshape(b * q, v), per_token[0], per_token[1], per_token[2],
-                            (positions + 1).reshape(-1), kept, use_triton=use_triton)
+    rows, position = x.reshape(b * q, v), (positions + 1).reshape(-1)
+    if sampling.filtered and use_triton and nucleus_takes(x):  # the kept sets as thresholds: no (B, Q, V) written
+        t = sampling.temperature.float()
+        rule = nucleus_rule(x, torch.where(t > 0, t, 1.0) if sampling.any_greedy else t, sampling)
+        choices = choose_tokens_triton(rows, per_token[0], per_token[1], per_token[2], position, rule=rule)
+        return accept_greedy_padded(tokens, parents, tree_mask, choices.view(b, q), num_tokens)
+    kept = (shape_probs_rows(x, sampling, use_triton) > 0).view(b * q, v) if sampling.filtered else None
+    choices = choose_tokens(rows, per_token[0], per_token[1], per_token[2], position, kept, use_triton=use_triton)
     return accept_greedy_padded(tokens, parents, tree_mask, choices.view(b, q), num_tokens)
 
 

@@ -234,3 +234,37 @@ def test_real_size_on_gpu(spread, max_borderline):
     x = (torch.randn(64, 8, 49152, generator=g) * spread).to(DEVICE, torch.bfloat16)
     t, probs, sampling = _inputs(x, params)
     _check(x, t, probs, sampling, block=2048, rel=1e-5, max_borderline=max_borderline)
+
+
+@pytest.mark.parametrize("dtype,v,block", [(torch.bfloat16, 400, 128), (torch.float32, 300, 64)])
+def test_keep_rule_gives_the_choices_of_the_filtered_rows(dtype, v, block):
+    """``nucleus_rule`` + ``choose_tokens_triton(rule=...)`` choose, at every position, the token that the
+    written filtered rows do (kept = ``nucleus_probs(...) > 0``), for filtered, unfiltered (rule: every token kept)
+    and greedy rows; a rule that keeps every token of a filtered row (a negative control) chooses differently."""
+    from specdec.kernels.gumbel_choice import choose_tokens_triton
+    from specdec.kernels.nucleus import KeepRule, nucleus_rule
+
+    params = MIXED + [Params(0.9, 3), Params(1.0, 0, 0.5)]
+    b, q = len(params), 2
+    x = _logits(b, q, v, seed=11).to(dtype)
+    t, probs, sampling = _inputs(x, params)
+    kept = nucleus_probs(x, t, probs, sampling, block=block) > 0  # (B, Q, V)
+    rule = nucleus_rule(x, t, sampling, block=block)
+    assert rule.ints[:, 0].view(b, q).tolist() == [[int(p.top_k > 0 or p.top_p < 1 or p.min_p > 0)] * q
+                                                  for p in params]
+    rows = x.reshape(b * q, v)
+    temps = sampling.temperature.double().repeat_interleave(q)
+    temps[:q] = 0.0  # the first batch row greedy (its rule is ignored)
+    key0 = torch.arange(b * q, dtype=torch.int64, device=DEVICE) * 7919 + 5
+    key1 = torch.full((b * q,), 12345, dtype=torch.int64, device=DEVICE)
+    differs = 0
+    for pos in range(40 if DEVICE == "cuda" else 4):  # (interpreted on the CPU: a few positions)
+        position = torch.full((b * q,), pos, dtype=torch.int64, device=DEVICE)
+        want = choose_tokens_triton(rows, temps, key0, key1, position, kept.reshape(b * q, v), block=block)
+        got = choose_tokens_triton(rows, temps, key0, key1, position, block=block, rule=rule)
+        assert torch.equal(got, want), (pos, (got != want).nonzero().flatten().tolist())
+        loose = KeepRule(rule.ints.clone(), rule.floats)
+        loose.ints[:, 0] = 0
+        differs += int((choose_tokens_triton(rows, temps, key0, key1, position, block=block, rule=loose)
+                        != want).sum())
+    assert differs > 0
