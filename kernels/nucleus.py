@@ -346,25 +346,10 @@ def nucleus_probs(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, samplin
     float rounding may differ). x may be the bf16 logits themselves; t: the B temperatures (> 0); ``block``
     (a power of two >= 16) is the columns one step of a row's loop reads; ``num_warps``: the program's warps
     (None: 8 for blocks of 2048 and more, else 4)."""
-    check_nucleus_args(x, t, probs, sampling)
-    check_launchable(_nucleus_kernel, x.device)
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    v = x.shape[-1]
-    rows = x.reshape(-1, v)  # (R, V)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
-    prob_rows = probs.reshape(-1, v)  # (R, V)
-    out = torch.empty((rows.shape[0], v), dtype=torch.float32, device=x.device)  # (R, V)
-    if rows.shape[0] == 0:
-        return out.view(x.shape)
-    ids = torch.empty((rows.shape[0], v), dtype=torch.int32, device=x.device)  # (R, V) top-p candidates
-    temp, min_p = t.reshape(-1), sampling.min_p
-    _nucleus_kernel[(rows.shape[0],)](
-        rows, prob_rows, out, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p, ids, out,
-        v, rows.stride(0), prob_rows.stride(0), rows.shape[0] // x.shape[0], temp.stride(0),
-        sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
-        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512), RULE=False,
-        num_warps=num_warps or (8 if block >= 2048 else 4))
+    rows = _rows(x, t, probs, sampling, block)  # (R, V)
+    prob_rows = probs.reshape(-1, x.shape[-1])  # (R, V)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)  # (R, V)
+    _launch(rows, x.shape[0], t, sampling, block, num_warps, prob_rows, out, None)
     return out.view(x.shape)
 
 
@@ -383,27 +368,41 @@ def nucleus_rule(x: torch.Tensor, t: torch.Tensor, sampling: RowSampling, block:
                  num_warps: int | None = None) -> KeepRule:
     """``nucleus_probs``' kept set of every row of x (B, ..., V) as a ``KeepRule`` (one row of numbers per row of
     x): the same passes less the last two (the kept mass and the written row), and no probabilities in."""
-    check_nucleus_args(x, t, None, sampling)
-    check_launchable(_nucleus_kernel, x.device)
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    v = x.shape[-1]
-    rows = x.reshape(-1, v)  # (R, V)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    rows = _rows(x, t, None, sampling, block)  # (R, V)
     r = rows.shape[0]
     rule = KeepRule(torch.zeros((r, 6), dtype=torch.int32, device=x.device),
                     torch.zeros((r, 2), dtype=torch.float32, device=x.device))
-    if r == 0:
-        return rule
-    ids = torch.empty((r, v), dtype=torch.int32, device=x.device)  # (R, V) top-p candidates
-    temp, min_p = t.reshape(-1), sampling.min_p
-    _nucleus_kernel[(r,)](
-        rows, rows, rows, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p,
-        rule.ints, rule.floats, v, rows.stride(0), rows.stride(0), r // x.shape[0], temp.stride(0),
-        sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
-        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512), RULE=True,
-        num_warps=num_warps or (8 if block >= 2048 else 4))
+    _launch(rows, x.shape[0], t, sampling, block, num_warps, rows, rows, rule)
     return rule
+
+
+def _rows(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor | None, sampling: RowSampling,
+          block: int) -> torch.Tensor:
+    """The checked arguments' logits as (R, V) rows with a contiguous last dimension."""
+    check_nucleus_args(x, t, probs, sampling)
+    check_launchable(_nucleus_kernel, x.device)
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    rows = x.reshape(-1, x.shape[-1])  # (R, V)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(rows: torch.Tensor, b: int, t: torch.Tensor, sampling: RowSampling, block: int, num_warps: int | None,
+            prob_rows: torch.Tensor, out: torch.Tensor, rule: KeepRule | None) -> None:
+    """One program per row of ``rows`` (R, V) (parameters per batch row: R // b rows each): the filtered rows into
+    ``out`` (unfiltered ones copied from ``prob_rows``), or with ``rule`` the kept sets into it."""
+    r, v = rows.shape
+    if r == 0:
+        return
+    ids = torch.empty((r, v), dtype=torch.int32, device=rows.device)  # (R, V) top-p candidates
+    temp, min_p = t.reshape(-1), sampling.min_p
+    ints, floats = (ids, out) if rule is None else rule
+    _nucleus_kernel[(r,)](
+        rows, prob_rows, out, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p, ints,
+        floats, v, rows.stride(0), prob_rows.stride(0), r // b, temp.stride(0), sampling.top_k.stride(0),
+        sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0), HAS_MIN_P=min_p is not None,
+        BLOCK=block, MASS_BLOCK=min(block, 512), RULE=rule is not None,
+        num_warps=num_warps or (8 if block >= 2048 else 4))
 
 
 def filtered_probs_reference(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, sampling: RowSampling,
