@@ -62,8 +62,8 @@ TRITON_ON_CPU = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkeypatch, tree, backend):
     """At the first decode step of four rows (two sampled), each budget's cut program, run from the same KV and
     inputs as the whole program, keeps the same trees (greedy and sampled variants) and writes the same draft KV at
-    the catch-up slots; budget 0 runs no level and changes no KV but the catch-up's. (Then the step runs on from
-    the KV as it was, and the tokens are target-only's.)"""
+    the catch-up slots; no program is captured for budget 0 (its steps run no draft), and asked for one the whole
+    program runs. (Then the step runs on from the KV as it was, and the tokens are target-only's.)"""
     draft, target, want, dev = pair
     if backend == "triton" and dev != "cpu":
         pytest.skip("the interpreter runs on the CPU (on CUDA the auto backend is Triton)")
@@ -71,7 +71,8 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
                                                **CFG))
     d, loop, pool = eng.drafter, eng.drafter.device_loop, eng.pool
     budgets = sorted({o.nodes for o in budget_options(d)})
-    assert len(budgets) > 2 and set(loop.variants) == {loop.variant_for(n) for n in budgets} | {loop.variant_for(None)}
+    assert len(budgets) > 2 and 0 in budgets
+    assert set(loop.variants) == {loop.variant_for(n) for n in budgets if n} | {loop.variant_for(None)}
     assert loop.levels_for(0) == 0 and loop.levels_for(max(budgets)) == loop.max_levels
     assert 0 < loop.levels_for(1) < loop.max_levels
     if tree == "dynamic:16":  # narrower levels for budgets below the width
@@ -107,12 +108,9 @@ def test_cut_programs_keep_the_whole_programs_trees_and_catch_up_kv(pair, monkey
         for sampled in (False, loop.set_rows(rows)):
             whole, whole_kv, _ = run(sampled, None)
             for n in budgets if backend != "triton" else (1, 3):  # (interpreted: the narrow cuts alone)
-                out, kv, storage = run(sampled, n)
+                out, kv, _ = run(sampled, n)
                 assert kept(out, n) == kept(whole, n), (sampled, n)
                 assert torch.equal(kv, whole_kv), (sampled, n)
-                if n == 0:  # the catch-up alone: every other slot keeps what it held
-                    changed = (storage != before).flatten(1).any(1).nonzero().flatten().tolist()
-                    assert set(changed) <= {int(s) // pool.block_size for s in catch_up}
         pool.storage.copy_(before)
         checked.append(sampled)
 

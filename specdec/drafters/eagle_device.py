@@ -135,8 +135,8 @@ class DeviceDraftProgram:
         self._qsl: dict[tuple[int, int], torch.Tensor] = {}
         self._plans: dict[tuple[int, int | None], _Plan] = {}  # (bucket, width) -> the forwarded levels' constants
         self._add_plans(self.max_width, levels)
-        # the (levels, width) variants captured (``set_budgets``): the catch-up alone and the whole program
-        self.variants: tuple[tuple[int, int | None], ...] = (self.variant_for(0), self.variant_for(None))
+        # the (levels, width) variants captured (``set_budgets``): the whole program, and cuts for smaller budgets
+        self.variants: tuple[tuple[int, int | None], ...] = (self.variant_for(None),)
         self._row_start = {b: torch.arange(b, device=self.device) * catch_up for b in batch_buckets}  # (b,)
 
     def _add_plans(self, width: int | None, levels: list[tuple[torch.Tensor, int, int]]) -> None:
@@ -194,8 +194,9 @@ class DeviceDraftProgram:
         raise NotImplementedError
 
     def set_budgets(self, budgets) -> None:
-        """Capture (``capture``) the (levels, width) variants the node ``budgets`` need (the whole program always)."""
-        self.variants = tuple(sorted({self.variant_for(n) for n in budgets} | {self.variant_for(None)},
+        """Capture (``capture``) the (levels, width) variants the node ``budgets`` need (the whole program always;
+        none for budget 0, whose steps run no draft: ``EagleDrafter.propose``)."""
+        self.variants = tuple(sorted({self.variant_for(n) for n in budgets if n} | {self.variant_for(None)},
                                      key=lambda v: (v[0], v[1] or 0)))
 
     def bucket(self, rows: int, longest: int) -> int | None:
