@@ -336,8 +336,7 @@ def takes_logits(x: torch.Tensor) -> bool:
 
 def takes(x: torch.Tensor, probs: torch.Tensor) -> bool:
     """Whether ``nucleus_probs`` takes logits ``x`` and ``probs`` (else ``filtered_probs`` runs the reference)."""
-    return (x.dtype in FLOAT_DTYPES and probs.dtype == torch.float32 and x.dim() >= 2
-            and 1 <= x.shape[-1] <= MAX_COLS)
+    return takes_logits(x) and probs.dtype == torch.float32
 
 
 def nucleus_probs(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor, sampling: RowSampling,

@@ -363,8 +363,8 @@ class SpecEngine:
             return []
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
-        _, features = self.runner.run_features(0, self.target.model, rows, self.drafter.target_features)
-        self.drafter.prefill(chunks, features)
+        self.runner.forward(0, self.target.model, rows, self.drafter.target_features)  # (features: to their slots)
+        self.drafter.prefill(chunks)
         for c in chunks:
             c.req.num_computed = c.end
             if not self.drafter.uses_kv:

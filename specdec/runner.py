@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -146,13 +145,6 @@ class ModelRunner:
         """
         return self.forward(model_idx, model, rows).logits
 
-    def run_features(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
-                     aux_layers: tuple[int, ...] = ()):
-        """``run``, plus per row the outputs of decoder layers ``aux_layers`` at all its queries
-        (n, len(aux_layers) * hidden); None when ``aux_layers`` is empty."""
-        res = self.forward(model_idx, model, rows, aux_layers)
-        return res.logits, res.features
-
     def forward(self, model_idx: int, model: LlamaForCausalLM, rows: list[RowInput],
                 aux_layers: tuple[int, ...] = ()) -> ForwardResult:
         """``run`` plus the device-side greedy acceptance when the step was graphed (target only) and the
@@ -173,21 +165,11 @@ class ModelRunner:
         rows of graphed prefill replays (as many pieces per replay as the largest batch bucket). Pieces of
         one row may share a replay: every layer stores all pieces' KV before any piece attends."""
         g, q = self.graphs, PREFILL_QUERY
-        pieces = []
-        for r in rows:
-            n, first = len(r.token_ids), r.seq_len - len(r.token_ids)
-            pieces += [RowInput(r.req, r.token_ids[s:s + q], r.positions[s:s + q], first + s,
-                                first + min(n, s + q), None, "none") for s in range(0, n, q)]
-        top, feats = g.batch_buckets[-1], []
-        for i in range(0, len(pieces), top):
+        pieces, top = _causal_pieces(rows, q), g.batch_buckets[-1]
+        for i in range(0, len(pieces), top):  # (the features an EAGLE draft reads go to their slots)
             group = pieces[i:i + top]
-            out = self._replay(g.key_of(PREFILL, len(group), q), group)
-            if out.features is not None:  # the packed queries' features, in row order
-                feats.append(out.features.index_select(0, self.padded_index(group, q)))
-        lengths = [len(r.token_ids) for r in rows]
-        features = None if not feats else RowSlices(torch.cat(feats), [0, *itertools.accumulate(lengths[:-1])],
-                                                    lengths)
-        return ForwardResult([None] * len(rows), None, features)
+            self._replay(g.key_of(PREFILL, len(group), q), group)
+        return ForwardResult([None] * len(rows), None, None)
 
     def _graphs_for(self, model_idx: int, aux_layers: tuple[int, ...] = ()):
         """The GraphRunner when a forward of pool model ``model_idx`` asking for ``aux_layers`` can be graphed
@@ -232,12 +214,7 @@ class ModelRunner:
         q, top = buckets[-1], graphs.batch_buckets[-1]
         if sum(-(-len(r.token_ids) // q) for r in rows) > top * MAX_PIECE_REPLAYS:  # (one eager forward is cheaper)
             return None
-        pieces = []
-        for r in rows:
-            n, first = len(r.token_ids), r.seq_len - len(r.token_ids)
-            pieces += [RowInput(r.req, r.token_ids[s:s + q], r.positions[s:s + q], first + s, first + min(n, s + q),
-                                None, r.want_logits) for s in range(0, n, q)]
-        hidden, logits, start = [], [], 0
+        pieces, (hidden, logits, start) = _causal_pieces(rows, q), ([], [], 0)
         for i in range(0, len(pieces), top):
             group = pieces[i:i + top]
             count = sum(len(p.token_ids) for p in group)
@@ -358,3 +335,14 @@ def _causal_signed(region_len: int, n_query: int) -> tuple[int, ...]:
 def as_signed(masks: list[int]) -> list[int]:
     """Bitmasks using bit 63 become negative int64 values (two's complement)."""
     return [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+
+
+def _causal_pieces(rows: list[RowInput], q: int) -> list[RowInput]:
+    """Causal ``rows`` cut into pieces of at most ``q`` queries, row after row, each piece's region itself (what
+    comes before it is in the KV cache, or written by an earlier piece of the same replay)."""
+    pieces = []
+    for r in rows:
+        n, first = len(r.token_ids), r.seq_len - len(r.token_ids)
+        pieces += [RowInput(r.req, r.token_ids[s:s + q], r.positions[s:s + q], first + s, first + min(n, s + q),
+                            None, r.want_logits) for s in range(0, n, q)]
+    return pieces

@@ -77,7 +77,7 @@ def _watch_target_forwards(monkeypatch) -> list:
 
         monkeypatch.setattr(cls, name, watched)
 
-    for name in ("forward", "run", "run_features"):
+    for name in ("forward", "run"):
         wrap(ModelRunner, name, lambda args: args[0])
     wrap(GraphRunner, "replay", lambda args: args[0][0])
     return calls, inside

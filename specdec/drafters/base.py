@@ -43,9 +43,9 @@ class Drafter(ABC):
         scheduler keeps them allocated. ``max_nodes`` unless a drafter drafts more nodes than it proposes."""
         return self.max_nodes
 
-    def prefill(self, chunks, features=None) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
-        """Write the draft model's KV for prompt chunks (list of PrefillChunk); ``features`` holds per
-        chunk the target's ``target_features`` outputs at its tokens (None when none are asked)."""
+    def prefill(self, chunks) -> None:  # noqa: B027 - optional hook, model-free drafters need no KV
+        """Write the draft model's KV for prompt chunks (list of PrefillChunk), right after the target's prefill of
+        them (which wrote the ``target_features`` outputs into their KV slots: ``KVPool.features``)."""
 
     def accepted(self, rows: list[Request], results) -> None:  # noqa: B027 - optional hook
         """Called after the verify results of ``rows`` were committed."""

@@ -173,10 +173,7 @@ class EagleDrafter(ModelDrafter):
             return
         self.paths["behind"] += 1
         spans = _Spans.of(behind)
-        spans = _Spans.of_range(spans.bt, spans.begins, spans.ends - 1)
-        self.runner.sync_tables(behind)
-        self._run_positions(behind, spans, self.features.gather(self.features.sources(
-            spans.bt, spans.begins, spans.valid)[spans.valid]))
+        self._run_positions(behind, _Spans.of_range(spans.bt, spans.begins, spans.ends - 1))
 
     def _propose_on_device(self, reqs: list[Request], spans: _Spans, b: int) -> Proposal:
         """The device program's trees: left on the device (a ``DeviceDraft``, verified right behind the program)
@@ -242,11 +239,13 @@ class EagleDrafter(ModelDrafter):
                 draft_logits = self.model.compute_logits(hidden)
             return self.model.full_logits(draft_logits, self.vocab_size)  # (n, V)
 
-    def _run_positions(self, reqs: list[Request], spans: _Spans, aux: torch.Tensor):
-        """Draft KV of each request's span with target features ``aux`` (T, k * hidden): hidden states
-        (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
+    def _run_positions(self, reqs: list[Request], spans: _Spans):
+        """Draft KV of each request's span, its inputs the target features of the positions before (from their
+        slots): hidden states (T, hidden), draft logits (T, N) or None, and the packed row offsets."""
         rows = [RowInput(r, r.tokens[b:e], list(range(b, e)), b, e, want_logits="none")
                 for r, b, e in zip(reqs, spans.begins.tolist(), spans.ends.tolist())]
+        self.runner.sync_tables(reqs)
+        aux = self.features.gather(self.features.sources(spans.bt, spans.begins, spans.valid)[spans.valid])
         with torch.inference_mode():
             g = self.model.fuse(aux.to(self.model.fc.weight.dtype))  # (T, hidden)
         hidden, logits = self._hidden(rows, g)
@@ -263,32 +262,24 @@ class EagleDrafter(ModelDrafter):
         for r, e in zip(reqs, spans.ends.tolist()):
             r.num_computed_draft = e
 
-    def prefill(self, chunks, features=None) -> None:
-        """The draft KV of prefill ``chunks``, reading the features the target's prefill of them (just before,
-        ``features``: required, though they are read from their slots) and of earlier positions wrote."""
+    def prefill(self, chunks) -> None:
+        """The draft KV of prefill ``chunks``, reading the features the target's prefill of them (just before) and
+        of earlier positions wrote into their slots."""
         if not chunks:
             return
-        if features is None:
-            raise ValueError("an eagle draft needs the target features of the prefill (features=None)")
         reqs = [c.req for c in chunks]
         n = len(chunks)
         bt = np.fromiter((r.bt_row for r in reqs), np.int64, n)
         begins = np.fromiter((c.start for c in chunks), np.int64, n)
         ends = np.fromiter((c.end for c in chunks), np.int64, n)
-        spans = _Spans.of_range(bt, begins, ends)
-        self.runner.sync_tables(reqs)
-        aux = self.features.gather(self.features.sources(bt, begins, spans.valid)[spans.valid])  # (T, k * hidden)
-        self._run_positions(reqs, spans, aux)
+        self._run_positions(reqs, _Spans.of_range(bt, begins, ends))
 
     def accepted(self, rows: list[Request], results) -> None:
         """(nothing to keep: the verify wrote the accepted tokens' features into their slots)"""
 
     def _catch_up(self, grows: list[Growth]) -> None:
         reqs = [g.req for g in grows]
-        spans = _Spans.of(reqs)
-        self.runner.sync_tables(reqs)
-        aux = self.features.gather(self.features.sources(spans.bt, spans.begins, spans.valid)[spans.valid])
-        hidden, logits, qsl = self._run_positions(reqs, spans, aux)  # aux: (T, k * hidden)
+        hidden, logits, qsl = self._run_positions(reqs, _Spans.of(reqs))
         last = torch.from_numpy(np.asarray(qsl[1:], dtype=np.int64) - 1).to(hidden.device, non_blocking=True)
         last_hidden = hidden.index_select(0, last)  # (rows, hidden)
         for g, h, lg in zip(grows, last_hidden, self._logits(last_hidden, None if logits is None else

@@ -68,7 +68,7 @@ class ModelDrafter(Drafter):
         if not spec.is_static and spec.width:  # dynamic:B:KxD: levels of K nodes
             self._beam = spec.width
 
-    def prefill(self, chunks, features=None) -> None:
+    def prefill(self, chunks) -> None:
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
         if rows:

@@ -260,7 +260,7 @@ class NgramDrafter(Drafter):
         if self.shared is not None:
             self.shared.clear()
 
-    def prefill(self, chunks, features=None) -> None:
+    def prefill(self, chunks) -> None:
         """Index the prompt as it is prefilled, so a request's first proposal (a timed step the adaptive
         controller learns the lookup cost from) does not index the whole prompt."""
         for c in chunks:
