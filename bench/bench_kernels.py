@@ -153,18 +153,24 @@ def test_gumbel_choice(benchmark, impl, batch, tokens, with_kept):
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["rule", "probs"])
-@pytest.mark.parametrize("batch,tokens", [(16, 32), (64, 16), (64, 1)])
+@pytest.mark.parametrize("path", ["filtered", "rule", "probs"])
+@pytest.mark.parametrize("batch,tokens", [(16, 32), (64, 16), (64, 1), (16, 1), (1, 1)])
 def test_sampled_choices(benchmark, path, batch, tokens):
-    """The sampled rule's token choices at every verify token of (B, Q, 49,152) bf16 logits, T 0.7 top-p 0.9:
-    ``rule`` (the kept sets as thresholds, ``nucleus_rule``, applied inside the choice) against ``probs`` (the
-    float32 copy, softmax, filtered rows written, kept = probs > 0, then the choice): the same tokens."""
+    """The sampled rule's token choices at every verify token of (B, Q, 49,152) bf16 logits, T 0.7 top-p 0.9
+    (normal logits, 16 tokens of each row 10 higher: a few likely tokens over a long tail, as a model's):
+    ``filtered`` (``choose_filtered_triton``: the kept set only where the unfiltered choice falls outside it, the
+    rule's path), ``rule`` (every row's kept set as thresholds, ``nucleus_rule``, applied inside the choice) and
+    ``probs`` (the float32 copy, softmax, filtered rows written, kept = probs > 0, then the choice): the same
+    tokens."""
+    from specdec.kernels.gumbel_choice import choose_filtered_triton
     from specdec.kernels.nucleus import nucleus_rule
 
     from specdec.row_sampling import shape_probs_rows
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(batch, tokens, 49152, generator=g, device="cuda") * 2).to(torch.bfloat16)
+    x = torch.randn(batch, tokens, 49152, generator=g, device="cuda") * 2
+    likely = torch.randint(0, 49152, (batch, tokens, 16), generator=g, device="cuda")
+    x = x.scatter_add(-1, likely, torch.full(likely.shape, 10.0, device="cuda")).to(torch.bfloat16)
     sampling = sampling_rows([SamplingParams(temperature=0.7, top_p=0.9)] * batch, "cuda")
     rows = batch * tokens
     t = sampling.temperature.double().repeat_interleave(tokens)
@@ -179,8 +185,12 @@ def test_sampled_choices(benchmark, path, batch, tokens):
         kept = (shape_probs_rows(x, sampling, use_triton=True) > 0).view(rows, -1)
         return choose_tokens_triton(x.view(rows, -1), t, key0, key1, position, kept)
 
-    assert torch.equal(rule(), probs())
-    _run(benchmark, rule if path == "rule" else probs, torch.cuda.synchronize)
+    def filtered():
+        return choose_filtered_triton(x, t, key0, key1, position, sampling, sampling.temperature.float())
+
+    want = probs()
+    assert torch.equal(rule(), want) and torch.equal(filtered(), want)
+    _run(benchmark, {"filtered": filtered, "rule": rule, "probs": probs}[path], torch.cuda.synchronize)
 
 
 @needs_cuda

@@ -22,18 +22,35 @@ float64, and keeps a running (best score, first column) per lane, reduced at the
 among the lanes holding the maximum. With a kept set, a block holding no kept token is only read: under top-p
 the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in.
 ``gumbel_noise_triton`` writes the same noise, to compare it bit for bit.
+
+``choose_filtered_triton`` is the choice over kept sets that the sampled rule runs: since a kept set is a prefix
+of its row in rank order, the unfiltered choice is the answer whenever it is kept, and checking that takes one
+pass; the kept set itself (``kernels.nucleus``) is computed only for the rows where that fails.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, sm_count
-from specdec.kernels.nucleus import RULE_FLOATS, RULE_INTS, KeepRule, keep_token
+from specdec.kernels.nucleus import (
+    RULE_FLOATS,
+    RULE_INTS,
+    KeepRule,
+    check_nucleus_args,
+    keep_token,
+    nucleus_rule,
+    row_filter,
+)
 from specdec.kernels.topk import order_key
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
 
 from specdec.uniform_stream import MASK32, hash_words, uniforms_at
+
+if TYPE_CHECKING:
+    from specdec.row_sampling import RowSampling
 
 _NO_INDEX = 2**31 - 1
 DEFAULT_BLOCK = 2048  # with 16 warps: the fastest launch measured on the H200 (bench/gpu_sampling_kernels.py)
@@ -111,11 +128,17 @@ def _gumbel(sub0, sub1, cols):
 
 
 @triton.jit
-def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_ptr, rule_f_ptr, out_ptr, n_cols,
-                   stride_x, stride_kept, stride_t, stride_key0, stride_key1, stride_pos,
-                   HAS_KEPT: tl.constexpr, HAS_RULE: tl.constexpr, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_ptr, rule_f_ptr, skip_ptr, out_ptr,
+                   n_cols, stride_x, stride_kept, stride_t, stride_key0, stride_key1, stride_pos,
+                   HAS_KEPT: tl.constexpr, HAS_RULE: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
+                   NO_INDEX: tl.constexpr):
+    # SKIP: a row whose skip flag is set reads nothing and keeps its entry of out
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
+    write = True
+    if SKIP:
+        write = tl.load(skip_ptr + row) == 0
+        n_cols = tl.where(write, n_cols, 0)  # (no block is read)
     t = tl.load(t_ptr + row * stride_t).to(tl.float64)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float64)
@@ -147,17 +170,105 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
                 best = tl.where(better, score, best)
                 best_i = tl.where(better, cols, best_i)
     else:  # greedy: x itself
-        for start in range(0, n_cols, BLOCK):
+        best, best_i = _argmax_lanes(x_row, n_cols, BLOCK, NO_INDEX)
+    first = _first_best(best, best_i, NO_INDEX)  # a row where no lane improved on -inf chooses column 0
+    tl.store(out_ptr + row, tl.where(first == NO_INDEX, 0, first).to(tl.int64), mask=write)
+
+
+@triton.jit
+def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_ptr, min_p_ptr, out_ptr, done_ptr,
+                            n_cols, rows_per_param, max_rounds, stride_x, stride_t, stride_key0, stride_key1,
+                            stride_pos, stride_k, stride_p, stride_min_p,
+                            HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    t = tl.load(t_ptr + row * stride_t).to(tl.float64)
+    lanes = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float64)
+    best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
+    state = 1  # 0: a candidate to check, 1: chosen, 2: left to the kept-set kernels
+    if t > 0:
+        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+        xmax = float("-inf")
+        for start in range(0, n_cols, BLOCK):  # the Gumbel-max over every token, and the largest logit
             cols = start + lanes
             ok = cols < n_cols
-            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
-            better = (x > best) & ok
-            best = tl.where(better, x, best)
+            x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+            xmax = tl.maximum(xmax, tl.max(x, axis=0))
+            score = x.to(tl.float64) / t + _gumbel(sub0, sub1, cols)
+            better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
+            best = tl.where(better, score, best)
             best_i = tl.where(better, cols, best_i)
+        c = _first_best(best, best_i, NO_INDEX)
+        k, nucleus, top_p, min_p = row_filter(k_ptr, p_ptr, min_p_ptr, row // rows_per_param, stride_k, stride_p,
+                                              stride_min_p, n_cols, HAS_MIN_P)
+        filtered = (k < n_cols) | nucleus | (min_p > 0)
+        state = tl.where(filtered & (c != NO_INDEX), 0, 1)
+        c = tl.where(c == NO_INDEX, 0, c)
+        t32 = tl.full((BLOCK,), 0.0, tl.float32) + t.to(tl.float32)  # the kept-set kernels' x / t and mass
+        m = tl.math.div_rn(xmax, t.to(tl.float32))
+        rounds = 0
+        while state == 0:  # c is the best score of the tokens that could be kept: is it kept?
+            xc = tl.load(x_row + c).to(tl.float32)
+            key_c = order_key(xc)
+            z = 0.0
+            mass = 0.0
+            count = 0
+            best = tl.full([BLOCK], float("-inf"), tl.float64)
+            best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
+            for start in range(0, n_cols, BLOCK):
+                cols = start + lanes
+                ok = cols < n_cols
+                x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
+                e = tl.exp(tl.math.div_rn(x, t32) - m)
+                key = order_key(x)
+                ahead = ok & ((key > key_c) | ((key == key_c) & (cols < c)))  # ranked before c
+                z += tl.sum(tl.where(ok, e, 0.0), axis=0)
+                mass += tl.sum(tl.where(ahead, e, 0.0), axis=0)
+                count += tl.sum(ahead.to(tl.int32), axis=0)
+                if tl.max(ahead.to(tl.int32), axis=0) > 0:  # the next candidate: the best score ranked before c
+                    score = x.to(tl.float64) / t + _gumbel(sub0, sub1, cols)
+                    better = (score > best) & ahead
+                    best = tl.where(better, score, best)
+                    best_i = tl.where(better, cols, best_i)
+            e_c = tl.exp(tl.math.div_rn(xc, t.to(tl.float32)) - m)
+            by_p = (mass < top_p * z) | (nucleus == 0)
+            kept = (count < k) & by_p & (e_c >= min_p)
+            # under top-k and top-p both, top-p's mass is a share of the top k's, which this pass does not sum
+            unsure = kept & (k < n_cols) & nucleus
+            nxt = _first_best(best, best_i, NO_INDEX)
+            rounds += 1
+            state = tl.where(unsure | ((kept == 0) & (nxt != NO_INDEX) & (rounds >= max_rounds)), 2,
+                             tl.where(kept | (nxt == NO_INDEX), 1, 0))
+            c = tl.where(kept, c, tl.where(nxt == NO_INDEX, 0, nxt))  # none left: every score -inf, column 0
+    else:  # greedy: x itself
+        best, best_i = _argmax_lanes(x_row, n_cols, BLOCK, NO_INDEX)
+        c = _first_best(best, best_i, NO_INDEX)
+        c = tl.where(c == NO_INDEX, 0, c)
+    tl.store(out_ptr + row, c.to(tl.int64), mask=state == 1)
+    tl.store(done_ptr + row, (state == 1).to(tl.int32))
+
+
+@triton.jit
+def _argmax_lanes(x_row, n_cols, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+    """Per lane, the largest x (float64) of the row's columns it reads and its first column (a greedy row)."""
+    best = tl.full([BLOCK], float("-inf"), tl.float64)
+    best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
+        better = (x > best) & ok
+        best = tl.where(better, x, best)
+        best_i = tl.where(better, cols, best_i)
+    return best, best_i
+
+
+@triton.jit
+def _first_best(best, best_i, NO_INDEX: tl.constexpr):
+    """The first column holding the lanes' best score (NO_INDEX when no lane improved on -inf)."""
     top = tl.max(best, axis=0)
-    # the first column holding the maximum; a row where no lane improved on -inf chooses column 0
-    first = tl.min(tl.where((best == top) & (best_i != NO_INDEX), best_i, NO_INDEX), axis=0)
-    tl.store(out_ptr + row, tl.where(first == NO_INDEX, 0, first).to(tl.int64))
+    return tl.min(tl.where((best == top) & (best_i != NO_INDEX), best_i, NO_INDEX), axis=0)
 
 
 @triton.jit
@@ -248,6 +359,18 @@ def children_scores(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, p
     return fn(logits, inv_t, key0, key1, position, tokens)
 
 
+def _check_choice_args(rows: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                       block: int) -> None:
+    """The checks of a token choice's arguments past the logits' dtype and layout: rows (R, V)."""
+    r, v = rows.shape
+    if not 1 <= v < _NO_INDEX:
+        raise ValueError(f"x must have 1 .. {_NO_INDEX - 1} columns, got {v}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    check_tensor("temperature", temperature, shape=(r,), dtypes=(*FLOAT_DTYPES, torch.float64), device=rows.device)
+    _check_row_keys(key0, key1, position, r, rows.device)
+
+
 def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, device: torch.device) -> None:
     for name, t in (("key0", key0), ("key1", key1), ("position", position)):
         check_tensor(name, t, shape=(rows,), dtypes=(torch.int64,), device=device)
@@ -255,22 +378,20 @@ def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, dev
 
 def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
                          kept: Tensor | None = None, block: int = DEFAULT_BLOCK, num_warps: int = 16,
-                         rule: KeepRule | None = None) -> Tensor:
+                         rule: KeepRule | None = None, skip: Tensor | None = None, out: Tensor | None = None,
+                         ) -> Tensor:
     """Same promise as ``choose_tokens_reference`` (the same tokens; on CUDA the same noise bit for bit), one
     launch with one program per row. x (R, V) float16/bfloat16/float32, last dim contiguous (any row stride);
     temperature (R,) float; key0, key1, position (R,) int64 (any stride); kept None or (R, V) bool, last dim
     contiguous. ``block`` (a power of two >= 16): the columns a program reads at a time; ``num_warps``: its
     warps. ``rule``: the kept set as ``kernels.nucleus.nucleus_rule`` gives it for these rows (instead of
-    ``kept``; the same choices as kept = ``nucleus_probs(...) > 0``, with no (R, V) row written or read)."""
+    ``kept``; the same choices as kept = ``nucleus_probs(...) > 0``, with no (R, V) row written or read).
+    ``skip`` (R,) int32 with ``out`` (R,) int64: rows flagged nonzero keep their entry of ``out`` (chosen
+    already), the others' choices are written into it."""
     check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_launchable(_choose_kernel, x.device)
     r, v = x.shape
-    if not 1 <= v < _NO_INDEX:
-        raise ValueError(f"x must have 1 .. {_NO_INDEX - 1} columns, got {v}")
-    if block < 16 or block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 16, got {block}")
-    check_tensor("temperature", temperature, shape=(r,), dtypes=(*FLOAT_DTYPES, torch.float64), device=x.device)
-    _check_row_keys(key0, key1, position, r, x.device)
+    _check_choice_args(x, temperature, key0, key1, position, block)
     if kept is not None:
         check_tensor("kept", kept, shape=(r, v), dtypes=(torch.bool,), device=x.device, last_dim_contiguous=True)
     if rule is not None:
@@ -278,15 +399,76 @@ def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
             raise ValueError("give kept or rule, not both")
         check_tensor("rule.ints", rule.ints, shape=(r, 6), dtypes=(torch.int32,), device=x.device)
         check_tensor("rule.floats", rule.floats, shape=(r, 2), dtypes=(torch.float32,), device=x.device)
-    out = torch.empty(r, dtype=torch.int64, device=x.device)
+    if (skip is None) != (out is None):
+        raise ValueError("give skip and out together")
+    if skip is not None:
+        check_tensor("skip", skip, shape=(r,), dtypes=(torch.int32,), device=x.device)
+        check_tensor("out", out, shape=(r,), dtypes=(torch.int64,), device=x.device)
+    else:
+        out = torch.empty(r, dtype=torch.int64, device=x.device)
     if r:
         ints, floats = (x, x) if rule is None else (rule.ints.contiguous(), rule.floats.contiguous())
-        _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, ints, floats, out, v,
-                             x.stride(0), 0 if kept is None else kept.stride(0), temperature.stride(0),
-                             key0.stride(0), key1.stride(0), position.stride(0),
-                             HAS_KEPT=kept is not None, HAS_RULE=rule is not None, BLOCK=block, NO_INDEX=_NO_INDEX,
-                             num_warps=num_warps)
+        _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, ints, floats,
+                             x if skip is None else skip, out, v, x.stride(0), 0 if kept is None else kept.stride(0),
+                             temperature.stride(0), key0.stride(0), key1.stride(0), position.stride(0),
+                             HAS_KEPT=kept is not None, HAS_RULE=rule is not None, SKIP=skip is not None,
+                             BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=num_warps)
     return out
+
+
+def choose_filtered_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                           sampling: RowSampling, t_filter: Tensor, block: int = DEFAULT_BLOCK, num_warps: int = 16,
+                           max_rounds: int = 8) -> Tensor:
+    """``choose_tokens_reference`` of the R rows of x (B, ..., V) over their kept sets (kept = ``nucleus_probs(x,
+    t_filter, ..., sampling) > 0``: the top-k / top-p / min-p filter of each row's batch row) without computing
+    the kept sets where it can: per row ``temperature``, ``key0``, ``key1``, ``position`` (R,) as
+    ``choose_tokens_triton`` takes them, ``sampling`` and ``t_filter`` (B,) (the filter's temperatures, > 0) as
+    ``nucleus_rule`` does.
+
+    The kept set is a prefix of the row in rank order (logit descending, ties by id), so the Gumbel-max over it is
+    the Gumbel-max c over every token when c is kept; when c is not, no token ranked after it is kept either, and
+    the answer is the Gumbel-max over the tokens ranked before c. One program per row finds c in one pass, then in
+    each further pass checks c (its rank, the mass ranked before it, its probability against min-p) and finds the
+    best score ranked before it, until c is kept. A row that samples from most of its distribution (top-p 0.9)
+    keeps its first c at least nine times in ten: two passes, noise computed once for most tokens, nothing written
+    but the token. Rows with top-k and top-p both (top-p's share is of the top k's mass), and rows still
+    unresolved after ``max_rounds`` checks, are chosen by ``nucleus_rule`` and ``choose_tokens_triton(rule=...)``,
+    which skip every other row. Float rounding: as ``kernels.nucleus`` (a token whose mass ranked before it is
+    within rounding of top-p may go either way)."""
+    check_nucleus_args(x, t_filter, None, sampling)
+    out, done = filtered_choice_pass(x, temperature, key0, key1, position, sampling, block, num_warps, max_rounds)
+    if out.numel():
+        rule = nucleus_rule(x, t_filter, sampling, skip=done)
+        rows = x.reshape(-1, x.shape[-1])
+        choose_tokens_triton(rows if rows.stride(-1) == 1 else rows.contiguous(), temperature, key0, key1, position,
+                             block=block, num_warps=num_warps, rule=rule, skip=done, out=out)
+    return out
+
+
+def filtered_choice_pass(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
+                         sampling: RowSampling, block: int = DEFAULT_BLOCK, num_warps: int = 16, max_rounds: int = 8,
+                         ) -> tuple[Tensor, Tensor]:
+    """The first kernel of ``choose_filtered_triton``: (R,) int64 tokens and (R,) int32 flags, 1 where the row's
+    token is chosen, 0 where it is left to the kept-set kernels (its token entry then unwritten)."""
+    check_nucleus_args(x, sampling.temperature, None, sampling)
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    check_launchable(_filtered_choice_kernel, x.device)
+    r, v = rows.shape
+    _check_choice_args(rows, temperature, key0, key1, position, block)
+    if max_rounds < 1:
+        raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
+    out = torch.empty(r, dtype=torch.int64, device=x.device)
+    done = torch.empty(r, dtype=torch.int32, device=x.device)
+    if r:
+        min_p = sampling.min_p
+        _filtered_choice_kernel[(r,)](
+            rows, temperature, key0, key1, position, sampling.top_k, sampling.top_p,
+            sampling.top_p if min_p is None else min_p, out, done, v, r // x.shape[0], max_rounds, rows.stride(0),
+            temperature.stride(0), key0.stride(0), key1.stride(0), position.stride(0), sampling.top_k.stride(0),
+            sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0), HAS_MIN_P=min_p is not None,
+            BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=num_warps)
+    return out, done
 
 
 def gumbel_noise_triton(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, block: int = 1024) -> Tensor:

@@ -247,27 +247,39 @@ def _top_p(x_row, ids_row, n, shift, t, m, thr_k, cut_k, top_p, BLOCK: tl.conste
 
 
 @triton.jit
+def row_filter(k_ptr, p_ptr, min_p_ptr, b, stride_k, stride_p, stride_min_p, n_cols, HAS_MIN_P: tl.constexpr):
+    """Batch row b's filter: (k, nucleus, top_p, min_p): k the top-k count (n_cols when off), whether top-p is on,
+    top-p and min-p (0 when off) as float32."""
+    k = tl.load(k_ptr + b * stride_k)
+    k = tl.where(k > 0, tl.minimum(k, n_cols), n_cols).to(tl.int32)
+    top_p = tl.load(p_ptr + b * stride_p)
+    min_p = 0.0
+    if HAS_MIN_P:
+        min_p = tl.load(min_p_ptr + b * stride_min_p).to(tl.float32)
+    return k, top_p < 1.0, top_p.to(tl.float32), min_p
+
+
+@triton.jit
 def _nucleus_kernel(
-    x_ptr, probs_ptr, out_ptr, ids_ptr, t_ptr, k_ptr, p_ptr, min_p_ptr, rule_i_ptr, rule_f_ptr,
+    x_ptr, probs_ptr, out_ptr, ids_ptr, t_ptr, k_ptr, p_ptr, min_p_ptr, rule_i_ptr, rule_f_ptr, skip_ptr,
     n_cols, stride_x, stride_probs, rows_per_param, stride_t, stride_k, stride_p, stride_min_p,
     HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, MASS_BLOCK: tl.constexpr, RULE: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
-    # RULE: instead of the filtered row, store what decides whether a token is kept (``KeepRule``)
+    # RULE: instead of the filtered row, store what decides whether a token is kept (``KeepRule``); SKIP (with
+    # RULE): rows whose skip flag is set store a rule of no filter without reading their row
     row = tl.program_id(0).to(tl.int64)
     b = row // rows_per_param
     x_row = x_ptr + row * stride_x
     out_row = out_ptr + row * n_cols
     ids_row = ids_ptr + row * n_cols
     t = tl.load(t_ptr + b * stride_t).to(tl.float32)
-    k = tl.load(k_ptr + b * stride_k)
-    k = tl.where(k > 0, tl.minimum(k, n_cols), n_cols).to(tl.int32)
-    top_p = tl.load(p_ptr + b * stride_p)
-    nucleus = top_p < 1.0
-    top_p = top_p.to(tl.float32)
-    min_p = 0.0
-    if HAS_MIN_P:
-        min_p = tl.load(min_p_ptr + b * stride_min_p).to(tl.float32)
-    if (k < n_cols) | nucleus | (min_p > 0):
+    k, nucleus, top_p, min_p = row_filter(k_ptr, p_ptr, min_p_ptr, b, stride_k, stride_p, stride_min_p, n_cols,
+                                          HAS_MIN_P)
+    active = (k < n_cols) | nucleus | (min_p > 0)
+    if SKIP:
+        active = active & (tl.load(skip_ptr + row) == 0)
+    if active:
         hi, lo, shift, m = _row_stats(x_row, n_cols, t, BLOCK)
         thr_k = lo - 1  # off: every key is above
         cut_k = -1
@@ -364,14 +376,18 @@ class KeepRule(NamedTuple):
 
 
 def nucleus_rule(x: torch.Tensor, t: torch.Tensor, sampling: RowSampling, block: int = DEFAULT_BLOCK,
-                 num_warps: int | None = None) -> KeepRule:
+                 num_warps: int | None = None, skip: torch.Tensor | None = None) -> KeepRule:
     """``nucleus_probs``' kept set of every row of x (B, ..., V) as a ``KeepRule`` (one row of numbers per row of
-    x): the same passes less the last two (the kept mass and the written row), and no probabilities in."""
+    x): the same passes less the last two (the kept mass and the written row), and no probabilities in.
+    ``skip`` (R,) int32 (R the rows of x, all dims but the last): rows flagged nonzero are not read (their rule
+    says "no filter"; the caller has their token already)."""
     rows = _rows(x, t, None, sampling, block)  # (R, V)
     r = rows.shape[0]
+    if skip is not None:
+        check_tensor("skip", skip, shape=(r,), dtypes=(torch.int32,), device=x.device)
     rule = KeepRule(torch.zeros((r, 6), dtype=torch.int32, device=x.device),
                     torch.zeros((r, 2), dtype=torch.float32, device=x.device))
-    _launch(rows, x.shape[0], t, sampling, block, num_warps, rows, rows, rule)
+    _launch(rows, x.shape[0], t, sampling, block, num_warps, rows, rows, rule, skip)
     return rule
 
 
@@ -387,7 +403,8 @@ def _rows(x: torch.Tensor, t: torch.Tensor, probs: torch.Tensor | None, sampling
 
 
 def _launch(rows: torch.Tensor, b: int, t: torch.Tensor, sampling: RowSampling, block: int, num_warps: int | None,
-            prob_rows: torch.Tensor, out: torch.Tensor, rule: KeepRule | None) -> None:
+            prob_rows: torch.Tensor, out: torch.Tensor, rule: KeepRule | None, skip: torch.Tensor | None = None,
+            ) -> None:
     """One program per row of ``rows`` (R, V) (parameters per batch row: R // b rows each): the filtered rows into
     ``out`` (unfiltered ones copied from ``prob_rows``), or with ``rule`` the kept sets into it."""
     r, v = rows.shape
@@ -398,9 +415,10 @@ def _launch(rows: torch.Tensor, b: int, t: torch.Tensor, sampling: RowSampling, 
     ints, floats = (ids, out) if rule is None else rule
     _nucleus_kernel[(r,)](
         rows, prob_rows, out, ids, temp, sampling.top_k, sampling.top_p, temp if min_p is None else min_p, ints,
-        floats, v, rows.stride(0), prob_rows.stride(0), r // b, temp.stride(0), sampling.top_k.stride(0),
-        sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0), HAS_MIN_P=min_p is not None,
-        BLOCK=block, MASS_BLOCK=min(block, 512), RULE=rule is not None,
+        floats, ids if skip is None else skip, v, rows.stride(0), prob_rows.stride(0), r // b, temp.stride(0),
+        sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
+        HAS_MIN_P=min_p is not None, BLOCK=block, MASS_BLOCK=min(block, 512), RULE=rule is not None,
+        SKIP=skip is not None,
         num_warps=num_warps or (8 if block >= 2048 else 4))
 
 

@@ -30,8 +30,7 @@ from torch import Tensor
 
 from specdec.acceptance_batched import accept_greedy_padded, tree_rows
 from specdec.graphs import GraphCache
-from specdec.kernels.gumbel_choice import choose_tokens, choose_tokens_triton
-from specdec.kernels.nucleus import nucleus_rule
+from specdec.kernels.gumbel_choice import choose_filtered_triton, choose_tokens
 from specdec.kernels.nucleus import takes_logits as nucleus_takes
 from specdec.pipeline import HostUpload
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
@@ -74,16 +73,16 @@ def accept_sampled(x: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Tensor
     request (``key0``, ``key1`` (B,)) and the sampled token's position, ``positions`` (B, Q) + 1), and the
     accepted path is the longest whose every token equals the choice at its parent, as for greedy rows. The
     kept set of rows with top-k / top-p / min-p is ``shape_probs_rows``' support (only when
-    ``sampling.filtered``); with ``use_triton`` it is computed as thresholds (``kernels.nucleus.nucleus_rule``)
-    that the token choice applies as it reads the logits, so no probabilities, mask or float32 copy of the
-    (B, Q, V) logits are written. No host reads."""
+    ``sampling.filtered``); with ``use_triton`` the choice is ``kernels.gumbel_choice.choose_filtered_triton``'s,
+    which computes a row's kept set only when its unfiltered choice falls outside it, so no probabilities, mask or
+    float32 copy of the (B, Q, V) logits are written. No host reads."""
     b, q, v = x.shape
     per_token = [t.view(-1, 1).expand(b, q).reshape(-1) for t in (sampling.temperature, key0, key1)]
     rows, position = x.reshape(b * q, v), (positions + 1).reshape(-1)
-    if sampling.filtered and use_triton and nucleus_takes(x):  # the kept sets as thresholds: no (B, Q, V) written
+    if sampling.filtered and use_triton and nucleus_takes(x):  # the kept sets only where needed: nothing written
         t = sampling.temperature.float()
-        rule = nucleus_rule(x, torch.where(t > 0, t, 1.0) if sampling.any_greedy else t, sampling)
-        choices = choose_tokens_triton(rows, per_token[0], per_token[1], per_token[2], position, rule=rule)
+        choices = choose_filtered_triton(x, per_token[0], per_token[1], per_token[2], position, sampling,
+                                         torch.where(t > 0, t, 1.0) if sampling.any_greedy else t)
         return accept_greedy_padded(tokens, parents, tree_mask, choices.view(b, q), num_tokens)
     kept = (shape_probs_rows(x, sampling, use_triton) > 0).view(b * q, v) if sampling.filtered else None
     choices = choose_tokens(rows, per_token[0], per_token[1], per_token[2], position, kept, use_triton=use_triton)
@@ -114,7 +113,8 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
     out = accept_sampled(x, tokens, parents, masks, col(_N), sampling, col(_KEY0), col(_KEY1), positions, use_triton)
     # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails
     real = torch.arange(q, device=x.device) < col(_N).view(-1, 1)  # (B, Q)
-    peak = torch.where(real, x.abs().amax(-1).float(), 0.0).amax(-1)  # (B,) (the max of |x| is exact in x's dtype)
+    low, high = torch.aminmax(x, dim=-1)  # (B, Q): one pass, no |x| written
+    peak = torch.where(real, torch.maximum(high, -low).float(), 0.0).amax(-1)  # (B,) max |x| (exact in x's dtype)
     t = sampling.temperature.float()
     t = torch.where(t > 0, t, 1.0) if any_greedy else t  # a greedy row's argmax needs finite logits only
     finite = accept[:, -1:] * torch.isfinite(peak / t).view(-1, 1).to(accept.dtype)

@@ -268,3 +268,70 @@ def test_keep_rule_gives_the_choices_of_the_filtered_rows(dtype, v, block):
         differs += int((choose_tokens_triton(rows, temps, key0, key1, position, block=block, rule=loose)
                         != want).sum())
     assert differs > 0
+
+
+@pytest.mark.parametrize("dtype,v,block", [(torch.bfloat16, 400, 128), (torch.float32, 300, 64)])
+def test_filtered_choice_is_the_choice_over_the_kept_set(dtype, v, block):
+    """``choose_filtered_triton`` chooses at every position the token that the written filtered rows give (kept =
+    ``nucleus_probs(...) > 0``), for top-p, top-k, min-p and their mixes, greedy rows and an unfiltered row. Its
+    first kernel alone chooses every row but those with top-k and top-p both, some (top-p 0.2) only after checking
+    more than one candidate; with ``max_rounds=1`` those rows go to the kept-set kernels instead, with the same
+    tokens. Negative control: the choice without the filter differs."""
+    from specdec.kernels.gumbel_choice import choose_filtered_triton, choose_tokens_triton, filtered_choice_pass
+
+    params = MIXED + [Params(0.9, 3), Params(1.0, 0, 0.2), Params(0.0, 0, 0.9), Params(0.7, 0, 0.5, 0.2)]
+    b, q = len(params), 2
+    x = _logits(b, q, v, seed=5).to(dtype)
+    t, probs, sampling = _inputs(x, params)
+    kept = (nucleus_probs(x, t, probs, sampling, block=block) > 0).reshape(b * q, v)
+    skip = _borderline(x.float(), t, sampling, 1e-6).reshape(b * q)
+    assert skip.float().mean() < 0.2
+    rows = x.reshape(b * q, v)
+    temps = sampling.temperature.double().repeat_interleave(q)
+    key0 = torch.arange(b * q, dtype=torch.int64, device=DEVICE) * 7919 + 5
+    key1 = torch.full((b * q,), 777, dtype=torch.int64, device=DEVICE)
+    both = torch.tensor([p.top_k > 0 and p.top_p < 1 and p.temperature > 0 for p in params]).repeat_interleave(q)
+    refined = fell_back = differs = 0
+    for pos in range(3 if DEVICE == "cuda" else 2):  # (interpreted on the CPU: two positions)
+        position = torch.full((b * q,), pos, dtype=torch.int64, device=DEVICE)
+        want = choose_tokens_triton(rows, temps, key0, key1, position, kept, block=block)
+        unfiltered = choose_tokens_triton(rows, temps, key0, key1, position, block=block)
+        differs += int((unfiltered != want)[~skip].sum())
+        first, done = filtered_choice_pass(x, temps, key0, key1, position, sampling, block=block)
+        assert done.cpu().bool().tolist() == (~both).tolist(), pos
+        refined += int(((first != unfiltered) & (done > 0)).sum())
+        for rounds in (8, 1):
+            got = choose_filtered_triton(x, temps, key0, key1, position, sampling, t.view(-1), block=block,
+                                         max_rounds=rounds)
+            assert torch.equal(got[~skip], want[~skip]), (pos, rounds, (got != want).nonzero().flatten().tolist())
+        fell_back += int((filtered_choice_pass(x, temps, key0, key1, position, sampling, block=block,
+                                               max_rounds=1)[1] == 0).sum() - both.sum())
+    assert refined > 0 and fell_back > 0 and differs > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="the real vocabulary needs compiled kernels")
+def test_filtered_choice_at_real_size_on_gpu():
+    """64 x 8 rows of bf16 logits over a 49,152-token vocabulary (a few likely tokens over a normal tail), top-p,
+    top-k and both: ``choose_filtered_triton`` chooses what the written filtered rows give at every row not
+    borderline (1e-5), at 8 positions."""
+    from specdec.kernels.gumbel_choice import choose_filtered_triton, choose_tokens_triton
+
+    params = [Params(0.7, 0, 0.9), Params(1.0, 50, 0.95), Params(0.7, 0, 0.9, 0.05), Params(1.0, 20)] * 16
+    b, q, v = 64, 8, 49152
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(b, q, v, generator=g) * 2
+    likely = torch.randint(0, v, (b, q, 16), generator=g)
+    x = x.scatter_add(-1, likely, torch.full(likely.shape, 8.0)).to(DEVICE, torch.bfloat16)
+    t, probs, sampling = _inputs(x, params)
+    kept = (nucleus_probs(x, t, probs, sampling) > 0).reshape(b * q, v)
+    skip = _borderline(x.float(), t, sampling, 1e-5).reshape(b * q)
+    assert skip.float().mean() < 0.25
+    rows, temps = x.reshape(b * q, v), sampling.temperature.double().repeat_interleave(q)
+    key0 = torch.arange(b * q, dtype=torch.int64, device=DEVICE) * 104729 + 3
+    key1 = torch.full((b * q,), 99, dtype=torch.int64, device=DEVICE)
+    for pos in range(8):
+        position = torch.full((b * q,), 1000 + pos, dtype=torch.int64, device=DEVICE)
+        want = choose_tokens_triton(rows, temps, key0, key1, position, kept)
+        got = choose_filtered_triton(x, temps, key0, key1, position, sampling, t.view(-1))
+        assert torch.equal(got[~skip], want[~skip]), (pos, (got != want).nonzero().flatten().tolist()[:8])
