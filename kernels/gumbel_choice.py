@@ -135,10 +135,8 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
     # SKIP: a row whose skip flag is set reads nothing and keeps its entry of out
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    write = True
     if SKIP:
-        write = tl.load(skip_ptr + row) == 0
-        n_cols = tl.where(write, n_cols, 0)  # (no block is read)
+        n_cols = tl.where(tl.load(skip_ptr + row) == 0, n_cols, 0)  # (no block is read)
     t = tl.load(t_ptr + row * stride_t).to(tl.float64)
     lanes = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float64)
@@ -172,7 +170,11 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
     else:  # greedy: x itself
         best, best_i = _argmax_lanes(x_row, n_cols, BLOCK, NO_INDEX)
     first = _first_best(best, best_i, NO_INDEX)  # a row where no lane improved on -inf chooses column 0
-    tl.store(out_ptr + row, tl.where(first == NO_INDEX, 0, first).to(tl.int64), mask=write)
+    first = tl.where(first == NO_INDEX, 0, first).to(tl.int64)
+    if SKIP:
+        tl.store(out_ptr + row, first, mask=tl.load(skip_ptr + row) == 0)
+    else:
+        tl.store(out_ptr + row, first)
 
 
 @triton.jit
