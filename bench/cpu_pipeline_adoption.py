@@ -8,7 +8,8 @@ tokens, so that requests end at different steps), through the padded pipelined s
 
     python -P bench/cpu_pipeline_adoption.py [none|ngram|eagle ...]
 
-prints, per proposer, the engine steps, the steps queued and those adopted.
+prints, per proposer, the engine steps, the steps queued (and the rows that joined a queued step right after
+their prefill), and those adopted.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def main(kinds: list[str]) -> None:
         eng.step = counted
         eng.generate(prompts, params)
         p = eng.pipeline
-        print(f"adoption {kind}: {steps[0]} steps, {p.queued} queued, {p.adopted} adopted "
+        print(f"adoption {kind}: {steps[0]} steps, {p.queued} queued ({p.joined} rows joined), {p.adopted} adopted "
               f"({p.adopted / steps[0]:.0%}), {p.dropped} dropped", flush=True)
 
 

@@ -32,7 +32,7 @@ from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampling_params import SamplingParams, sample_requests
-from specdec.scheduler.request import Request
+from specdec.scheduler.request import Request, RequestStatus
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
 from specdec.tree import template_from_spec
@@ -324,10 +324,29 @@ class SpecEngine:
         if batch.empty and self.scheduler.has_work and not self.scheduler.failed:
             self._fail_stuck()
         prefilled = self._prefill(batch)
-        self.drafter.step_prefilled = bool(prefilled)  # a pipelined step does not queue from changed inputs
+        self.drafter.step_prefilled = bool(prefilled)
+        self.drafter.joining = self._joining(prefilled)
         if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
             self.adaptive.timing_valid = not prefilled
         return batch, prefilled
+
+    def _joining(self, prefilled: list[Request]) -> tuple[Request, ...]:
+        """The prefilled requests that decode from the next step and may join the step a pipelined engine queues
+        now (``StepPipeline.queue``): their prompt is done, and they get now the KV blocks the next step's
+        schedule would give them (its tree and the queued one's); none when the pool is short of them (then the
+        next step is not queued), without a pipeline, or with a sliding window (whose blocks come chunk by chunk)."""
+        sched = self.scheduler
+        if self.pipeline is None or sched.window is not None:
+            return ()
+        joining = []
+        for req in prefilled:
+            if req.prefill_done and req.status is RequestStatus.RUNNING:
+                try:
+                    sched.allocator_grow(req, len(req.tokens) + sched.lookahead)
+                except OutOfBlocks:
+                    return ()
+                joining.append(req)
+        return tuple(joining)
 
     def _speculate(self, rows: list[Request]) -> list:
         """propose -> verify -> accept for the decode rows, under this step's budget: the proposer's trees (device

@@ -211,7 +211,11 @@ class GraphRunner:
         self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
         self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
         top_q = max(max(qs) for qs in self.query_buckets.values())
-        self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)
+        self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)  # the target's steps
+        # prefill pieces and draft forwards write inputs of their own: a prefill between a verify and the step
+        # queued behind it leaves the verify's inputs (which the queued step's writer reads) as they were
+        side_q = max((max(qs) for m, qs in self.query_buckets.items() if m != 0), default=1)
+        self.side_inputs = StepInputs(max(self.batch_buckets), side_q, bt_width, self.device)
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
         self.programs: list = []  # more device programs captured with these graphs (``capture(pool) -> (n, s)``)
@@ -261,13 +265,19 @@ class GraphRunner:
         """``run`` for rows already flattened into ``packed`` (laid out for ``key``'s query bucket);
         ``on_device(views)`` may write more of the inputs on the device (after the host copy) first."""
         m, b, q = key
-        self.inputs.fill_packed(b, q, packed, bt_rows)
+        inputs = self.inputs_of(m)
+        inputs.fill_packed(b, q, packed, bt_rows)
         if on_device is not None:
-            on_device(self.inputs.views(b, q))
+            on_device(inputs.views(b, q))
         if m in self.feature_inputs:
             where, g = features
             self.feature_inputs[m][:b * q].index_copy_(0, where, g.to(self.feature_inputs[m].dtype))
         return self.replay(key)
+
+    def inputs_of(self, model_idx: int) -> StepInputs:
+        """The input buffers the graphs of ``model_idx`` read: ``inputs`` for the target's steps (model 0),
+        ``side_inputs`` for prefill pieces and draft models."""
+        return self.inputs if model_idx == 0 else self.side_inputs
 
     def captured(self, key: tuple[int, int, int]) -> bool:
         """``key``'s forward is a captured graph (its outputs are the same buffers at every replay)."""
@@ -297,7 +307,7 @@ class GraphRunner:
         keys = [(m, b, q) for m, qs in self.query_buckets.items() for b in self.batch_buckets for q in qs]
         gc.collect()  # dead engines' graphs and buffers go first; ``capture_graph`` holds the collector in each capture
         for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
-            self.inputs.clear(key[1], key[2])
+            self.inputs_of(key[0]).clear(key[1], key[2])
             self.graphs[key] = capture_graph(functools.partial(self._forward, key), mempool, self.device)
         extra = sum(program.capture(mempool)[0] for program in self.programs)
         torch.cuda.synchronize(self.device)
@@ -314,13 +324,13 @@ class GraphRunner:
         costs = {}
         for b in self.batch_buckets:
             for q in self.query_buckets.get(model_idx, ()):
-                self._fill_timing_rows(b, q, max(1, min(context, self.max_seq_len - q)))
+                self._fill_timing_rows(model_idx, b, q, max(1, min(context, self.max_seq_len - q)))
                 key = (model_idx, b, q)
                 self._timed(key)  # warm-up
                 costs[(b, q)] = statistics.median(self._timed(key) for _ in range(repeats))
         return costs
 
-    def _fill_timing_rows(self, b: int, q: int, context: int) -> None:
+    def _fill_timing_rows(self, model_idx: int, b: int, q: int, context: int) -> None:
         from specdec.runner import as_signed, causal_bits
 
         bs, width = self.pool.block_size, self.inputs.width
@@ -329,7 +339,7 @@ class GraphRunner:
                          as_signed(causal_bits(q, q)) if q > 1 else None, [-1] + list(range(q - 1)))
         bt = np.zeros((b, width), dtype=np.int32)
         bt[:, :nblk] = np.arange(nblk) % self.pool.num_blocks
-        self.inputs.fill(b, q, [row] * b, [[-1] * q] * b, bt)
+        self.inputs_of(model_idx).fill(b, q, [row] * b, [[-1] * q] * b, bt)
 
     def _timed(self, key: tuple[int, int, int]) -> float:
         if key not in self.graphs:
@@ -349,7 +359,7 @@ class GraphRunner:
     @torch.inference_mode()
     def _forward(self, key: tuple[int, int, int]) -> GraphOutput:
         m, b, q = key
-        v = self.inputs.views(b, q)
+        v = self.inputs_of(m).views(b, q)
         meta = AttnMetadata(
             query_start_loc=v.qsl, prefix_lens=v.prefix_lens, seq_lens=v.seq_lens, block_tables=v.block_tables,
             slot_mapping=v.slots, block_size=self.pool.block_size, tree_mask=None if q == 1 else v.tree_mask,

@@ -26,6 +26,15 @@ One mechanism for every proposer; the hooks differ only in how they write the ne
 Steps with sampled rows (not with a repetition penalty) are queued by both: the sampled rule runs right behind the
 verify (its choices read each row's positions from the queued inputs), and the next step is built from its
 outcome.
+
+Requests whose prompt a step's prefill finished join the step queued in that same step (``Drafter.joining``; EAGLE
+steps, and decode steps, whose successors are built from the outcome alone): each enters as if it had been a row
+of verify K that accepted nothing and chose its pending token, an outcome written into a row of verify K that no
+one reads (a padding row, or the row of a request that ended). Without that, every admission would cost one step
+without overlap: continuous batching admits a few rows at a time when rows end at different steps, as they do
+when a draft's acceptance varies. Prefill pieces and draft forwards read inputs of their own
+(``GraphRunner.side_inputs``), so a prefill between verify K and the queue leaves verify K's inputs, which the
+queued step's writer reads, as they were.
 Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
 them), so outputs are the same with and without the pipeline.
 """
@@ -127,6 +136,7 @@ class QueuedStep:
         self.trees, self.draft = trees, draft
         self.lengths: np.ndarray | None = None
         self.sel: np.ndarray | None = None
+        self.joined: tuple = ()  # its last rows, which the step before did not have (their prefill had just ended)
 
     @property
     def draft_seconds(self) -> float | None:
@@ -134,9 +144,11 @@ class QueuedStep:
         return None if self.draft is None else self.draft.draft_seconds
 
     def assume(self, rows: list[Request], accepted: np.ndarray) -> None:
-        """The step before, over ``rows`` (this step's rows), was read: ``accepted`` (R,) tokens each commits, so
-        each row will be ``len(tokens) + accepted + 1`` long."""
-        self.lengths = np.fromiter((len(r.tokens) for r in rows), np.int64, len(rows)) + accepted + 1
+        """The step before, over ``rows`` (this step's rows but the joined ones), was read: ``accepted`` (R,) tokens
+        each commits, so each row will be ``len(tokens) + accepted + 1`` long; a joined row keeps its length."""
+        lengths = np.fromiter((len(r.tokens) for r in rows), np.int64, len(rows)) + accepted + 1
+        joined = np.fromiter((len(r.tokens) for r in self.joined), np.int64, len(self.joined))
+        self.lengths = np.concatenate([lengths, joined])
 
     def read(self) -> np.ndarray:
         """The host read, the adopting rows' rows only."""
@@ -154,7 +166,7 @@ class StepPipeline:
         self.runner, self.drafter, self.verifier, self.hook = runner, drafter, verifier, hook
         self.upload = HostUpload(runner.device)  # a queued step's block tables
         self.ahead: QueuedStep | None = None
-        self.queued = self.adopted = self.dropped = 0
+        self.queued = self.adopted = self.dropped = self.joined = 0  # (joined: rows a queued step took in)
 
     @property
     def budget(self) -> int | None:
@@ -193,21 +205,35 @@ class StepPipeline:
 
     def queue(self, rows: list[Request], step: QueuedStep) -> QueuedStep | None:
         """Queue the step after ``step`` (launched, its read started) for ``rows`` (its rows, or those of them
-        that adopted it), built on the device, with its verify and read; returns it (also ``ahead``), or None when
-        nothing is queued: after a prefill (the shared inputs changed, and a prefilled row joins the next step),
-        when a row lacks the KV blocks the queued step writes, or when the hook declines."""
+        that adopted it) and the rows whose prefill this step finished (``Drafter.joining``: they decode from the
+        next step), built on the device, with its verify and read; returns it (also ``ahead``), or None when
+        nothing is queued: when rows join that the hook cannot take in (``joins``) or that do not fit the bucket,
+        when a row lacks the KV blocks the queued step writes, or when the hook declines.
+
+        A joining row enters as if it had been a row of ``step`` whose verify accepted nothing and chose its pending
+        token (the prompt's last) as the bonus token: the hook writes such an outcome into a row of ``step`` no one
+        reads (a padding row, or the row of one that ended), and the next step's inputs are built from it as from
+        the others'."""
         drafter = self.drafter
-        if drafter.step_prefilled:
+        joining = list(drafter.joining) if drafter.step_prefilled else []
+        if joining and (len(rows) + len(joining) > step.key[1] or not self.hook.joins(step)
+                        or any(len(r.tokens) < 2 for r in joining)):
             return None
-        bs, need = self.runner.pool.block_size, drafter.lookahead
-        if any(len(r.blocks) * bs < len(r.tokens) + need for r in rows) or not self.hook.may_queue(rows, step):
+        bs, need, every = self.runner.pool.block_size, drafter.lookahead, rows + joining
+        if any(len(r.blocks) * bs < len(r.tokens) + need for r in every) or not self.hook.may_queue(every, step):
             return None
-        nxt = self.hook.write_next(rows, step, self.upload)
+        # the joining rows' rows of ``step``: its padding rows and those of its rows that ended (no one reads them)
+        taken = np.zeros(step.key[1], dtype=bool)
+        taken[np.arange(len(rows)) if step.sel is None else step.sel] = True
+        at = np.flatnonzero(~taken)[:len(joining)]
+        nxt = self.hook.write_next(rows, step, self.upload, joining, at)
         if nxt is None:
             return None
         key, draft = nxt
-        self.ahead = self.verifier.launch_queued(rows, key, drafter.node_budget, draft)
+        self.ahead = self.verifier.launch_queued(every, key, drafter.node_budget, draft)
+        self.ahead.joined = tuple(joining)
         self.queued += 1
+        self.joined += len(joining)
         return self.ahead
 
 
@@ -279,20 +305,37 @@ class EagleAhead:
         return (step.trees is not None and step.fwd.features is not None
                 and not any(r.params.penalized for r in rows))
 
-    def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, DeviceDraft | None] | None:
+    def joins(self, step: QueuedStep) -> bool:
+        """Rows may join the step queued behind ``step`` (``StepPipeline.queue``): behind a fused step, or as
+        ``ChainAhead`` does behind a decode step."""
+        return self.decode.joins(step) if self.decoding else True
+
+    def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
+                   at: np.ndarray | None = None) -> tuple[tuple, DeviceDraft | None] | None:
         if self.decoding:
-            return self.decode.write_next(rows, step, upload)
+            return self.decode.write_next(rows, step, upload, joining, at)
         d = self.drafter
         runner, loop = d.runner, d.device_loop
-        r, (_, b, q) = len(rows), step.key
-        bt = None if step.draft is None or step.sel is not None else step.draft.bt
+        every = list(rows) + list(joining)
+        r, (_, b, q) = len(every), step.key
+        bt = None if joining or step.draft is None or step.sel is not None else step.draft.bt
         if bt is None:
-            runner.sync_tables(rows)
-            bt = runner.tables.host_rows([req.bt_row for req in rows])
+            runner.sync_tables(every)
+            bt = runner.tables.host_rows([req.bt_row for req in every])
         tokens, parents, _ = step.trees
         offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, runner.device)
         inputs, pool, bs, k = runner.graphs.inputs, runner.pool, runner.pool.block_size, tokens.shape[1]
         vv, pv, feats, pfeats = inputs.views(b, q), loop.inputs.views(b, loop.q), step.fwd.features.table, loop.features
+        if joining:  # each as a row ``at`` of ``step`` whose verify (root at L - 2) accepted nothing, chose L - 1
+            n = len(joining)
+            if tokens.shape[0] < step.key[1]:  # (their trees: none; the rows read past ``step``'s own)
+                tokens = torch.cat([tokens, tokens.new_zeros(step.key[1] - tokens.shape[0], k)])
+            before = np.fromiter((len(req.tokens) - 2 for req in joining), np.int64, n)
+            dev = _join_outcome(step.outcome, at, joining, q, upload,
+                                np.stack([at * q, before, pool.feature_rows(bt[len(rows):], before)], 1))
+            with torch.inference_mode():  # its root (L - 2) and the target features there, as verify query 0
+                vv.positions.index_copy_(0, dev[:, 0], dev[:, 1])
+                feats.index_copy_(0, dev[:, 0], pool.features.index_select(0, dev[:, 2]).to(feats.dtype))
 
         def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:
             # table: each row's block table, its row of ``step`` (outcome, tree, verify inputs), its live flag
@@ -304,13 +347,14 @@ class EagleAhead:
         # rows of ``step``: some of its requests may have ended), then padding (live flag 0), written as padding
         table = np.zeros((b, bt.shape[1] + 2), dtype=np.int64)
         table[:r, :-2], table[:r, -1] = bt, 1
-        table[:r, -2] = np.arange(r) if step.sel is None else step.sel
+        table[:len(rows), -2] = np.arange(len(rows)) if step.sel is None else step.sel
+        table[len(rows):r, -2] = () if at is None else at
         key = (b, q, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
         captured = runner.graphs.captured(step.key)
         self.advance(key, build, (step.outcome, tokens, upload(table)), inputs, captured, rows=b)
         start = d.clock.mark()
-        out = loop.replay(b, loop.set_rows(rows), step.n)[:r]
-        return step.key, DeviceDraft(rows, step.key, out, step.n, None, parents if offsets is not None else None,
+        out = loop.replay(b, loop.set_rows(every), step.n)[:r]
+        return step.key, DeviceDraft(every, step.key, out, step.n, None, parents if offsets is not None else None,
                                      d.clock, start, d.clock.mark())
 
     def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
@@ -363,28 +407,38 @@ class ChainAhead:
         return (key is not None and step.key[2] == key[2] and not any(r.params.penalized for r in rows)
                 and self.follow.room(rows, step.key[2]))
 
-    def write_next(self, rows: list[Request], step: QueuedStep, upload) -> tuple[tuple, None] | None:
-        """Write the next verify of ``rows`` into its bucket: ``step``'s own, or a smaller one when only some of its
-        rows go on (None when none fits)."""
-        n = self.nodes
-        key = step.key if step.sel is None else self.runner.packed_key(0, len(rows), n + 1,
-                                                                       self.drafter.target_features)
+    def joins(self, step: QueuedStep) -> bool:
+        """Rows may join the step queued behind ``step`` when there is no chain to look up for them: decoding
+        (a ``DecodeFollow``), whose successor is built from the outcome alone."""
+        return isinstance(self.follow, DecodeFollow)
+
+    def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
+                   at: np.ndarray | None = None) -> tuple[tuple, None] | None:
+        """Write the next verify of ``rows`` and ``joining`` (``StepPipeline.queue``) into its bucket: ``step``'s
+        own, or a smaller one when only some of its rows go on (None when none fits)."""
+        n, every = self.nodes, list(rows) + list(joining)
+        key = step.key if step.sel is None and not joining else self.runner.packed_key(
+            0, len(every), n + 1, self.drafter.target_features)
         if key is None or key[2] != step.key[2]:
             return None
-        r, (_, b, q) = len(rows), key
-        bt = self.runner.tables.host_rows([req.bt_row for req in rows])
+        r, (_, b, q) = len(every), key
+        if joining:  # each as a row ``at`` of ``step`` that accepted nothing and chose its pending token
+            self.runner.sync_tables(joining)
+            _join_outcome(step.fwd.accept, at, joining, q, upload)
+        bt = self.runner.tables.host_rows([req.bt_row for req in every])
         tables = np.zeros((b, bt.shape[1] + 5), dtype=np.int64)  # (padding rows: zeros, not live)
         tables[:r, :-5] = bt
-        tables[:r, -5] = [len(req.prompt_ids) + req.params.max_new_tokens for req in rows]  # largest length
+        tables[:r, -5] = [len(req.prompt_ids) + req.params.max_new_tokens for req in every]  # largest length
         tables[:r, -4] = n  # most chain tokens
-        tables[:r, -3] = [len(req.tokens) for req in rows]  # length at the verify of ``step``
-        tables[:r, -2] = np.arange(r) if step.sel is None else step.sel  # row of ``step``'s outcome
+        tables[:r, -3] = [len(req.tokens) for req in rows] + [len(req.tokens) - 1 for req in joining]  # L at ``step``
+        tables[:len(rows), -2] = np.arange(len(rows)) if step.sel is None else step.sel  # row of ``step``'s outcome
+        tables[len(rows):r, -2] = () if at is None else at
         tables[:r, -1] = 1
         graphs, bs = self.runner.graphs, self.runner.pool.block_size
         views = graphs.inputs.views(b, q)
         source = self.follow.source(step.key) if self.advance.capture and graphs.captured(key) else None
-        if source is None:  # eagerly, from the outcome as read
-            ngram_advance_reference(views, b, q, step.outcome, upload(tables), bs)
+        if source is None:  # eagerly, from the outcome as read (joining rows: the whole outcome buffer)
+            ngram_advance_reference(views, b, q, step.fwd.accept if joining else step.outcome, upload(tables), bs)
         else:  # a graph per (bucket, source bucket), reading the source's fixed buffer whole
             build = functools.partial(ngram_advance_reference, views, b, q, source, block_size=bs)
             self.advance((key, step.key), build, (upload(tables),), graphs.inputs)
@@ -449,6 +503,26 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
     rows = (torch.arange(r, device=feats.device) if src is None else src)[:, None] * qv
     picked = feats.index_select(0, (rows + fsrc.clamp(min=0)).flatten()).view(r, qp, width)
     pfeats[:bp * qp].view(bp, qp, width)[:r] = torch.where((fsrc >= 0)[..., None], picked, 0).to(pfeats.dtype)
+
+
+@torch.inference_mode()
+def _join_outcome(outcome: Tensor, at: np.ndarray, joining: list[Request], q: int, upload,
+                  more: np.ndarray | None = None) -> Tensor | None:
+    """Rows ``at`` of a verify's ``outcome`` (B, C; q queries per row) as the outcome of a verify of each
+    ``joining`` request that accepted nothing and chose its pending token (its prompt's last): m 0, that bonus
+    token, no path, finite. No one else reads those rows (padding, or a row that ended). ``more`` (n, k) int64:
+    columns uploaded with them (one copy: a third upload in a step would wait for the first's copy, queued behind
+    the verify), returned on the device."""
+    c = outcome.shape[1]
+    host = np.zeros((len(joining), c + 1 + (0 if more is None else more.shape[1])), dtype=np.int64)
+    host[:, 1] = [req.tokens[-1] for req in joining]
+    host[:, q + 2] = 1
+    host[:, c] = at
+    if more is not None:
+        host[:, c + 1:] = more
+    dev = upload(host)
+    outcome.index_copy_(0, dev[:, c], dev[:, :c].to(outcome.dtype))
+    return None if more is None else dev[:, c + 1:]
 
 
 @functools.lru_cache(maxsize=32)

@@ -149,11 +149,11 @@ class ModelRunner:
                 aux_layers: tuple[int, ...] = ()) -> ForwardResult:
         """``run`` plus the device-side greedy acceptance when the step was graphed (target only) and the
         features of ``aux_layers`` (those forwards run eagerly)."""
+        if model_idx == 0 and self._prefill_graphed(rows, aux_layers):  # (short chunks too: not in a verify's
+            return self._forward_prefill(rows)  # buckets, whose inputs a step queued behind a verify reads)
         key = self._graph_key(model_idx, rows, aux_layers)
         if key is not None:
             return self._forward_graphed(key, rows)
-        if model_idx == 0 and self._prefill_graphed(rows, aux_layers):
-            return self._forward_prefill(rows)
         return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))
 
     def _prefill_graphed(self, rows: list[RowInput], aux_layers: tuple[int, ...]) -> bool:

@@ -30,6 +30,7 @@ class Drafter(ABC):
 
     target_features: tuple[int, ...] = ()  # target layers whose outputs the drafter reads (EAGLE-style)
     step_prefilled: bool = False  # the engine's current step ran a prefill (set by the engine every step)
+    joining: tuple = ()  # requests whose prompt that prefill finished: they decode from the next step (ditto)
     pipelined: bool = False  # steps are queued one step early (``specdec.pipeline``): set before ``lookahead`` is read
 
     @property
