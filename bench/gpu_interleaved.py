@@ -147,7 +147,8 @@ def user_generate(engine, prompts, params, batch: int, continuous: bool = False)
 class StepSplit:
     """Where a run's wall time went: engine steps that ran a prefill, steps that did not (decode steps, the steady
     state a budget controller measures), and the rest (admission, detokenisation, streaming); the steps the
-    pipeline adopted from its queue and dropped. (``engine.step`` wrapped for the run.)"""
+    pipeline adopted from its queue and dropped, and the rows that joined a queued step. (``engine.step`` wrapped
+    for the run.)"""
 
     def __init__(self, engine) -> None:
         self.engine = engine
@@ -157,7 +158,7 @@ class StepSplit:
     def __enter__(self):
         eng, step = self.engine, self.engine.step
         p = eng.pipeline
-        self.adopted0, self.dropped0 = (p.adopted, p.dropped) if p is not None else (0, 0)
+        self.adopted0, self.dropped0, self.joined0 = (p.adopted, p.dropped, p.joined) if p is not None else (0, 0, 0)
 
         def timed():
             t = time.perf_counter()
@@ -179,7 +180,8 @@ class StepSplit:
                "prefill_steps": self.n["prefill"], "prefill_s": round(self.s["prefill"], 4),
                "outside_s": round(wall - self.s["decode"] - self.s["prefill"], 4)}
         if p is not None:
-            out.update(adopted=p.adopted - self.adopted0, dropped=p.dropped - self.dropped0)
+            out.update(adopted=p.adopted - self.adopted0, dropped=p.dropped - self.dropped0,
+                       joined=p.joined - self.joined0)
         return out
 
 
@@ -316,7 +318,7 @@ def main() -> None:
                         f"{1e3 * sp['decode_s'] / max(sp['decode_steps'], 1):.2f} ms each, {sp['prefill_steps']} "
                         f"prefill steps {1e3 * sp['prefill_s'] / max(sp['prefill_steps'], 1):.2f} ms each, "
                         f"{sp['outside_s']:.3f} s outside steps, adopted {sp.get('adopted')} dropped "
-                        f"{sp.get('dropped')}")
+                        f"{sp.get('dropped')} joined {sp.get('joined')}")
             for n, e in entry.items():
                 if e["budget_rates"]:
                     log(f"interleaved {key}: {n} tokens per row-second by budget (held first) {e['budget_rates']}")

@@ -408,9 +408,9 @@ class ChainAhead:
                 and self.follow.room(rows, step.key[2]))
 
     def joins(self, step: QueuedStep) -> bool:
-        """Rows may join the step queued behind ``step`` when there is no chain to look up for them: decoding
-        (a ``DecodeFollow``), whose successor is built from the outcome alone."""
-        return isinstance(self.follow, DecodeFollow)
+        """Rows may join the step queued behind ``step`` when there is no chain to look up for them: decoding (a
+        ``DecodeFollow``, or the n-gram drafter at budget 0), whose successor is built from the outcome alone."""
+        return isinstance(self.follow, DecodeFollow) or getattr(self.follow, "decoding", False)
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, None] | None:
