@@ -391,7 +391,10 @@ class EpochConfig:
     first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
     steps measure it; a new engine's first requests then spend less time on budgets it will not hold). Budget 0
     commits exactly one token per row per step whatever the text, so its epochs need no rows: epoch_steps timed
-    steps (its first, first_min_steps if fewer)."""
+    steps (its first, first_min_steps if fewer). start_tokens: a bucket's search starts at no budget whose verify of
+    the bucket's rows holds more tokens than this (the optima measured on the H200, bench/RESULTS.md session 21:
+    the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's first steps at a large batch do
+    not pay for the full tree."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -402,6 +405,7 @@ class EpochConfig:
     max_epoch_steps: int = 512
     first_row_steps: int = 192
     first_min_steps: int = 4
+    start_tokens: int = 512
 
 
 class _Epochs:
@@ -431,18 +435,19 @@ class EpochBudget:
     fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
 
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
-    same kind already measured (the full tree when there is none), then measures the neighbours of the best budget
-    so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor every
-    budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best (the
-    full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a neighbour
-    is probed every ``hold`` epochs (above and below in turn; ``hold`` doubles while probes change nothing), so a
-    change in acceptance or cost moves the choice. The held budget changes only to one measured ``margin`` faster
-    (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best beats it by
-    ``margin``, so speculating is not slower than decoding by more than the measurements err. A step whose budget
-    differs from the step before it is not timed: the step queued behind the previous verify was built under the old
-    budget and is dropped, so that step runs without overlap, a cost of the switch and not of either budget (it
-    would weigh most on the cheapest budgets, whose steps are shortest). Same interface as ``BudgetController``
-    (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+    same kind already measured (the full tree when there is none), or lower where that budget's verify of the
+    bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens, then measures the neighbours of the best
+    budget so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor
+    every budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best
+    (the full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a
+    neighbour is probed every ``hold`` epochs (above and below in turn; ``hold`` doubles while probes change
+    nothing), so a change in acceptance or cost moves the choice. The held budget changes only to one measured
+    ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
+    beats it by ``margin``, so speculating is not slower than decoding by more than the measurements err. A step
+    whose budget differs from the step before it is not timed: the step queued behind the previous verify was built
+    under the old budget and is dropped, so that step runs without overlap, a cost of the switch and not of either
+    budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface as
+    ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
     def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
         self.config = config or EpochConfig()
@@ -461,11 +466,15 @@ class EpochBudget:
         return batch_key(len(rows)), all(r.params.greedy for r in rows)
 
     def _new_state(self, key: tuple[int, bool]) -> _Epochs:
-        """A bucket's state, its search starting at the best budget of the nearest measured bucket of its kind."""
+        """A bucket's state, its search starting at the best budget of the nearest measured bucket of its kind (the
+        full tree when there is none), or lower: at no budget whose verify of the bucket's rows holds more than
+        ``EpochConfig.start_tokens`` tokens (the smallest speculating budget when every one does)."""
         b, kind = key
         seen = [(abs(math.log(b / ob)), ob, s) for (ob, okind), s in self.states.items()
                 if okind == kind and any(r is not None for r in s.rates)]
         start = min(seen)[2].best if seen else len(self.options) - 1
+        fits = [j for j, o in enumerate(self.options) if j and (o.nodes + 1) * b <= self.config.start_tokens]
+        start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
         state = _Epochs(len(self.options), start)
         state.hold = self.config.hold_epochs
         return state

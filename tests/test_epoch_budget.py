@@ -70,7 +70,7 @@ def test_a_large_batchs_first_measurements_are_short_and_a_small_batchs_epochs_l
     Each run of a budget starts with one untimed step (the switch)."""
     rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 1700.0}
     for rows, first, epoch in ((64, 4, 16), (16, 12, 16), (1, 192, 256)):
-        ctrl = EpochBudget(OPTIONS, EpochConfig(hold_epochs=100))
+        ctrl = EpochBudget(OPTIONS, EpochConfig(hold_epochs=100, start_tokens=1 << 20))  # (the full tree first)
         seq = run(ctrl, rows_of(rows), rates.__getitem__, 3 * (first + 1) + 5 + 1 + 2 * epoch)
         assert runs(seq) == [(15, first + 1), (7, first + 1), (3, first + 1), (0, 5), (7, 1 + 2 * epoch)], rows
         state = ctrl.states[ctrl.key(rows_of(rows))]
@@ -80,7 +80,7 @@ def test_a_large_batchs_first_measurements_are_short_and_a_small_batchs_epochs_l
 def test_a_budget_measured_in_a_batchs_tail_is_judged_per_row():
     """Bucket 64: budget 7 is measured with all 64 rows live, budget 3 while the batch drains (33 rows); per row
     budget 3 commits 10% more per second, so it is held although its steps committed fewer tokens."""
-    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100, start_tokens=1 << 20))
     per_row = {0: 10.0, 3: 22.0, 7: 20.0, 15: 12.0}
     seq = []
     for i in range(4 * 5 + 8):
@@ -112,13 +112,31 @@ def test_the_incumbent_is_kept_unless_beaten_by_the_margin():
 def test_a_new_bucket_starts_from_the_nearest_measured_bucket_of_its_kind():
     """Bucket 64 settles on 3; bucket 32 then starts at 3 and measures only its neighbours (0, then 7): the full
     tree, slow at large batches, is never run there. Sampled steps start their own search from the full tree."""
-    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100))
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, start_tokens=1 << 20))
     rates = {0: 1000.0, 3: 1500.0, 7: 1400.0, 15: 1000.0}
     run(ctrl, rows_of(64), rates.__getitem__, 12)
     assert held(ctrl, rows_of(64)) == 3
     seq = run(ctrl, rows_of(32), rates.__getitem__, 9 + 10)
     assert seq[:9] == [3] * 3 + [0] * 3 + [7] * 3 and set(seq[9:]) == {3}
     assert run(ctrl, rows_of(32, greedy=False), rates.__getitem__, 2) == [15, 15]
+
+
+def test_a_search_starts_no_higher_than_its_verify_token_cap():
+    """With no bucket measured and the default cap (512 tokens), batches 16 and 32 start at 15 (32 x 16 tokens) and
+    64 at 7 (64 x 8); 64 inheriting 15 from a measured bucket 16 starts at 7 all the same, and a bucket past every
+    cap at the smallest speculating budget. The search from there still measures the neighbours (15 above, when 7
+    beats 3) and plain decoding."""
+    rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 2100.0}
+    for rows, start in ((16, 15), (17, 15), (33, 7)):
+        ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100))
+        assert step(ctrl, rows_of(rows), rates.__getitem__) == start, rows
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100))
+    run(ctrl, rows_of(16), rates.__getitem__, 12)
+    assert held(ctrl, rows_of(16)) == 15
+    seq = run(ctrl, rows_of(64), rates.__getitem__, 12)
+    assert seq[:3] == [7] * 3 and 15 in seq and 0 in seq and 3 in seq
+    tiny_cap = EpochBudget(OPTIONS, short(epoch_steps=2, start_tokens=8))
+    assert step(tiny_cap, rows_of(64), rates.__getitem__) == 3
 
 
 def test_neighbours_are_probed_and_a_drift_moves_the_choice():
@@ -145,7 +163,7 @@ def test_probes_that_change_nothing_come_less_often():
 
 
 def test_buckets_and_kinds_are_chosen_apart():
-    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100))
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, start_tokens=1 << 20))
     greedy = {0: 1000.0, 3: 1200.0, 7: 1500.0, 15: 2000.0}
     sampled = {0: 1000.0, 3: 900.0, 7: 800.0, 15: 700.0}
     for _ in range(3):
