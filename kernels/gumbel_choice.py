@@ -437,7 +437,6 @@ def choose_filtered_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: T
     unresolved after ``max_rounds`` checks, are chosen by ``nucleus_rule`` and ``choose_tokens_triton(rule=...)``,
     which skip every other row. Float rounding: as ``kernels.nucleus`` (a token whose mass ranked before it is
     within rounding of top-p may go either way)."""
-    check_nucleus_args(x, t_filter, None, sampling)
     out, done = filtered_choice_pass(x, temperature, key0, key1, position, sampling, block, num_warps, max_rounds)
     if out.numel():
         rule = nucleus_rule(x, t_filter, sampling, skip=done)

@@ -46,7 +46,6 @@ class Request:
     emitted_chars: int = 0
     detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text
     stop_scan: int = 0  # characters of the output text already searched for stop strings (StopChecker)
-    rule_columns: list | None = None  # its constant columns of the sampled rule's inputs (sampled_rule), once made
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -210,18 +210,18 @@ class GraphRunner:
             self.query_buckets[PREFILL] = (PREFILL_QUERY,)
         self._batch_of = [bucket(n, self.batch_buckets) for n in range(max(self.batch_buckets) + 1)]
         self._query_of = {m: [bucket(n, qs) for n in range(max(qs) + 1)] for m, qs in self.query_buckets.items()}
-        top_q = max(max(qs) for qs in self.query_buckets.values())
-        self.inputs = StepInputs(max(self.batch_buckets), top_q, bt_width, self.device)  # the target's steps
+        top_q = {m: max(qs) for m, qs in self.query_buckets.items()}
+        self.inputs = StepInputs(max(self.batch_buckets), top_q.get(0, 1), bt_width, self.device)  # target steps
         # prefill pieces and draft forwards write inputs of their own: a prefill between a verify and the step
         # queued behind it leaves the verify's inputs (which the queued step's writer reads) as they were
-        side_q = max((max(qs) for m, qs in self.query_buckets.items() if m != 0), default=1)
+        side_q = max((q for m, q in top_q.items() if m != 0), default=1)
         self.side_inputs = StepInputs(max(self.batch_buckets), side_q, bt_width, self.device)
         self.max_seq_len = bt_width * pool.block_size
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, GraphOutput]] = {}
         self.programs: list = []  # more device programs captured with these graphs (``capture(pool) -> (n, s)``)
         self.caches: list[GraphCache] = []  # the parts of a step captured on first use
         self.report = CaptureReport()
-        top_t = max(self.batch_buckets) * top_q
+        top_t = max(self.batch_buckets) * side_q  # (draft models' keys)
         self.feature_inputs = {m: torch.zeros(top_t, model.config.hidden_size, device=self.device,
                                               dtype=next(model.parameters()).dtype)
                                for m, model in models.items() if getattr(model, "reads_features", False)}
