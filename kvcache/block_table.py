@@ -8,16 +8,15 @@ import torch
 class BlockTables:
     """Rows of logical -> physical block ids, one row per live request.
 
-    The host tensor is pinned when the device is CUDA. ``stage`` copies the active rows to
-    a device buffer with one gather and one copy.
+    ``stage`` gathers the active rows on the host and copies them to a new device tensor. The gathered rows are
+    pageable memory: a non-blocking copy from pageable memory has read its source when it returns, so the next
+    ``stage`` may gather again at once (a pinned staging buffer would be overwritten while an earlier copy from it
+    still waits behind queued GPU work, and that copy would carry the later rows).
     """
 
     def __init__(self, max_rows: int, max_blocks_per_row: int, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
-        self.host = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, pin_memory=pin)
-        self._staging = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, pin_memory=pin)
-        self._device_buf = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32, device=self.device)
+        self.host = torch.zeros(max_rows, max_blocks_per_row, dtype=torch.int32)
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self.max_blocks_per_row = max_blocks_per_row
         self._np = self.host.numpy()
@@ -66,10 +65,5 @@ class BlockTables:
 
     def stage(self, rows: list[int]) -> torch.Tensor:
         """Device tensor ``(len(rows), max_blocks_per_row)`` holding the given rows, in order."""
-        n = len(rows)
-        idx = torch.tensor(rows, dtype=torch.int64)
-        torch.index_select(self.host, 0, idx, out=self._staging[:n])
-        if self.device.type == "cpu":
-            return self._staging[:n].clone()
-        self._device_buf[:n].copy_(self._staging[:n], non_blocking=True)
-        return self._device_buf[:n]
+        rows = torch.from_numpy(self._np[rows])  # (a copy: numpy fancy indexing)
+        return rows if self.device.type == "cpu" else rows.to(self.device, non_blocking=True)

@@ -303,13 +303,20 @@ class GraphRunner:
             return self.report
         start = time.perf_counter()
         before = torch.cuda.memory_reserved(self.device)
-        mempool = torch.cuda.graph_pool_handle()
+        # Graphs of one memory pool share the memory of their intermediates, so a replay may overwrite the outputs
+        # of another graph of its pool captured after it. The target's verifies (and the device programs) keep
+        # their outputs (outcome, features, trees) across a prefill: a step queued behind verify K is written from
+        # them after the next step's prefill pieces ran. Prefill pieces and draft forwards (whose outputs are read
+        # at once) therefore capture into a pool of their own.
+        mempool, side_pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
         keys = [(m, b, q) for m, qs in self.query_buckets.items() for b in self.batch_buckets for q in qs]
         gc.collect()  # dead engines' graphs and buffers go first; ``capture_graph`` holds the collector in each capture
         for key in sorted(keys, key=lambda k: (k[1] * k[2], k[1]), reverse=True):
             self.inputs_of(key[0]).clear(key[1], key[2])
-            self.graphs[key] = capture_graph(functools.partial(self._forward, key), mempool, self.device)
-        extra = sum(program.capture(mempool)[0] for program in self.programs)
+            self.graphs[key] = capture_graph(functools.partial(self._forward, key),
+                                             mempool if key[0] == 0 else side_pool, self.device)
+        extra = sum(program.capture(torch.cuda.graph_pool_handle())[0] for program in self.programs)  # (pools of
+        # their own: a verify replayed after a program must leave the trees it wrote, which a queued step reads)
         torch.cuda.synchronize(self.device)
         self.report = CaptureReport(len(self.graphs) + extra, time.perf_counter() - start,
                                     torch.cuda.memory_reserved(self.device) - before, sorted(self.graphs))
