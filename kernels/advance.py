@@ -21,7 +21,7 @@ from specdec.lookahead_ops import advance_rows_reference, causal_masks
 @triton.jit
 def _advance_rows_kernel(
     vpos_ptr, vids_ptr, vslots_ptr, vprefix_ptr, vseq_ptr, vbt_ptr,  # next verify (bucket rows of QV queries)
-    vmask_ptr, vparents_ptr, vnum_ptr, vqsl_ptr,  # (written for padding rows only)
+    vmask_ptr, vparents_ptr, vnum_ptr, vqsl_ptr,  # (padding rows; live rows: the root's mask and query count)
     pids_ptr, ppos_ptr, pslots_ptr, pmask_ptr, pparents_ptr, pprefix_ptr, pseq_ptr, pnum_ptr, pbt_ptr,  # catch-up
     pqsl_ptr,
     acc_ptr, tok_ptr, bt_ptr, causal_ptr, offs_ptr, fsrc_ptr, src_ptr, dst_ptr, live_ptr, len_ptr,
@@ -94,6 +94,8 @@ def _advance_rows_kernel(
     tl.store(vslots_ptr + row * QV + k, qblk * block_size + qpos % block_size, mask=k_ok)
     tl.store(vprefix_ptr + row + z, root + z, mask=ok1)
     tl.store(vseq_ptr + row + z, root + n + 1 + z, mask=ok1)
+    tl.store(vnum_ptr + row + z, n + 1 + z, mask=ok1)  # (a row that joined from a padding row has none there)
+    tl.store(vmask_ptr + row * QV + z, 1 + z, mask=ok1)  # the root sees itself (the tree writer: the nodes)
     # both buckets' block-table rows
     for w0 in range(0, bt_width, WP):
         w = w0 + tl.arange(0, WP)

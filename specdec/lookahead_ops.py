@@ -108,8 +108,9 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     fsrc = torch.where(read, torch.cat([torch.zeros(r, 1, dtype=torch.int64, device=dev), ahead[:, :qp - 1]], 1), -1)
     # the next verify's skeleton: the bonus token is the root, at L + m; queries 0 .. n at L + m + j
     root = L + m  # (R,)
-    v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots")}
+    v = {name: getattr(vv, name).view(bv, qv) for name in ("ids", "positions", "slots", "tree_mask")}
     v["ids"][:r, 0] = bonus
+    v["tree_mask"][:r, 0] = 1  # (the root sees itself; the tree writer writes the nodes' masks)
     if node_offsets is None:
         v["positions"][:r, 0] = root
     else:
@@ -118,6 +119,7 @@ def advance_rows_reference(vv: StepViews, bv: int, qv: int, accept: Tensor, toke
     v["slots"][:r, :n + 1] = _slots(bt, qpos.clamp(max=top), block_size)
     vv.prefix_lens[:r] = root
     vv.seq_lens[:r] = root + n + 1
+    vv.num_tokens[:r] = n + 1  # (a row that joined from a padding row of verify K has none there)
     vv.block_tables[:r] = bt
     if live is not None:  # (the padding rows, written above like the others, are overwritten as padding)
         pad_rows(vv, bv, qv, pv, bp, qp, live)

@@ -27,15 +27,15 @@ Steps with sampled rows (not with a repetition penalty) are queued by both: the 
 verify (its choices read each row's positions from the queued inputs), and the next step is built from its
 outcome.
 
-Requests whose prompt a step's prefill finished join the step queued in that same step (``Drafter.joining``; decode
-steps, whose successors are built from the outcome alone: target-only decoding, the n-gram drafter and EAGLE at
-budget 0; EAGLE's fused steps are not queued in a step that prefilled, ``EagleAhead.joins``): each enters as if it
-had been a row of verify K that accepted nothing and chose its pending token, an outcome written into a row of
-verify K that no one reads (a padding row, or the row of a request that ended). Without that, every admission
-would cost one step without overlap: continuous batching admits a few rows at a time when rows end at different
-steps, as they do when a draft's acceptance varies. Prefill pieces and draft forwards read inputs of their own
-(``GraphRunner.side_inputs``), so a prefill between verify K and the queue leaves verify K's inputs, which the
-queued step's writer reads, as they were.
+Requests whose prompt a step's prefill finished join the step queued in that same step (``Drafter.joining``; EAGLE
+steps, and decode steps, whose successors are built from the outcome alone): each enters as if it had been a row
+of verify K that accepted nothing and chose its pending token, an outcome written into a row of verify K that no
+one reads (a padding row, or the row of a request that ended). Without that, every admission would cost one step
+without overlap: continuous batching admits a few rows at a time when rows end at different steps, as they do
+when a draft's acceptance varies. The writers rewrite every part of a live row that a padding row holds as
+padding (an EAGLE row's root mask and query count too), since a joining row may take a padding row. Prefill
+pieces and draft forwards read inputs of their own (``GraphRunner.side_inputs``), so a prefill between verify K
+and the queue leaves verify K's inputs, which the queued step's writer reads, as they were.
 Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
 them), so outputs are the same with and without the pipeline.
 """
@@ -303,31 +303,40 @@ class EagleAhead:
         and not for a row with a repetition penalty (it reads the committed tokens on the host)."""
         if self.decoding:
             return step.trees is None and self.decode.may_queue(rows, step)
-        return (step.trees is not None and step.fwd.features is not None and not self.drafter.step_prefilled
+        return (step.trees is not None and step.fwd.features is not None
                 and not any(r.params.penalized for r in rows))
 
     def joins(self, step: QueuedStep) -> bool:
-        """Rows may join the step queued behind ``step`` (``StepPipeline.queue``) as ``ChainAhead`` takes them
-        behind a decode step; not behind a fused step, and a fused step is not queued in a step that prefilled
-        (``may_queue``): on the H200 a fused step queued there, with rows joining it, gave a joined request wrong
-        tokens under the serving executor (float32, tests/test_lookahead.py), a cause not found yet."""
-        return self.decoding and self.decode.joins(step)
+        """Rows may join the step queued behind ``step`` (``StepPipeline.queue``): behind a fused step, or as
+        ``ChainAhead`` does behind a decode step."""
+        return self.decode.joins(step) if self.decoding else True
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, DeviceDraft | None] | None:
         if self.decoding:
             return self.decode.write_next(rows, step, upload, joining, at)
-        d = self.drafter  # (no joining rows behind a fused step: ``joins``)
+        d = self.drafter
         runner, loop = d.runner, d.device_loop
-        r, (_, b, q) = len(rows), step.key
-        bt = None if step.draft is None or step.sel is not None else step.draft.bt
+        every = list(rows) + list(joining)
+        r, (_, b, q) = len(every), step.key
+        bt = None if joining or step.draft is None or step.sel is not None else step.draft.bt
         if bt is None:
-            runner.sync_tables(rows)
-            bt = runner.tables.host_rows([req.bt_row for req in rows])
+            runner.sync_tables(every)
+            bt = runner.tables.host_rows([req.bt_row for req in every])
         tokens, parents, _ = step.trees
         offsets = None if not isinstance(parents, tuple) else _node_offsets(parents, runner.device)
         inputs, pool, bs, k = runner.graphs.inputs, runner.pool, runner.pool.block_size, tokens.shape[1]
         vv, pv, feats, pfeats = inputs.views(b, q), loop.inputs.views(b, loop.q), step.fwd.features.table, loop.features
+        if joining:  # each as a row ``at`` of ``step`` whose verify (root at L - 2) accepted nothing, chose L - 1
+            n = len(joining)
+            if tokens.shape[0] < step.key[1]:  # (their trees: none; the rows read past ``step``'s own)
+                tokens = torch.cat([tokens, tokens.new_zeros(step.key[1] - tokens.shape[0], k)])
+            before = np.fromiter((len(req.tokens) - 2 for req in joining), np.int64, n)
+            dev = _join_outcome(step.outcome, at, joining, q, upload,
+                                np.stack([at * q, before, pool.feature_rows(bt[len(rows):], before)], 1))
+            with torch.inference_mode():  # its root (L - 2) and the target features there, as verify query 0
+                vv.positions.index_copy_(0, dev[:, 0], dev[:, 1])
+                feats.index_copy_(0, dev[:, 0], pool.features.index_select(0, dev[:, 2]).to(feats.dtype))
 
         def build(acc: Tensor, tok: Tensor, table: Tensor) -> None:
             # table: each row's block table, its row of ``step`` (outcome, tree, verify inputs), its live flag
@@ -339,13 +348,14 @@ class EagleAhead:
         # rows of ``step``: some of its requests may have ended), then padding (live flag 0), written as padding
         table = np.zeros((b, bt.shape[1] + 2), dtype=np.int64)
         table[:r, :-2], table[:r, -1] = bt, 1
-        table[:r, -2] = np.arange(r) if step.sel is None else step.sel
+        table[:len(rows), -2] = np.arange(len(rows)) if step.sel is None else step.sel
+        table[len(rows):r, -2] = () if at is None else at
         key = (b, q, k, b, loop.q, feats.data_ptr(), pfeats.data_ptr(), offsets is None)
         captured = runner.graphs.captured(step.key)
         self.advance(key, build, (step.outcome, tokens, upload(table)), inputs, captured, rows=b)
         start = d.clock.mark()
-        out = loop.replay(b, loop.set_rows(rows), step.n)[:r]
-        return step.key, DeviceDraft(rows, step.key, out, step.n, None, parents if offsets is not None else None,
+        out = loop.replay(b, loop.set_rows(every), step.n)[:r]
+        return step.key, DeviceDraft(every, step.key, out, step.n, None, parents if offsets is not None else None,
                                      d.clock, start, d.clock.mark())
 
     def proposal(self, rows: list[Request], queued: QueuedStep) -> Proposal:
@@ -497,18 +507,23 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
 
 
 @torch.inference_mode()
-def _join_outcome(outcome: Tensor, at: np.ndarray, joining: list[Request], q: int, upload) -> None:
+def _join_outcome(outcome: Tensor, at: np.ndarray, joining: list[Request], q: int, upload,
+                  more: np.ndarray | None = None) -> Tensor | None:
     """Rows ``at`` of a verify's ``outcome`` (B, C; q queries per row) as the outcome of a verify of each
     ``joining`` request that accepted nothing and chose its pending token (its prompt's last): m 0, that bonus
-    token, no path, finite. No one else reads those rows (padding, or a row that ended). The rows and their places
-    go up in one copy."""
+    token, no path, finite. No one else reads those rows (padding, or a row that ended). ``more`` (n, k) int64:
+    columns uploaded with them (one copy: a third upload in a step would wait for the first's copy, queued behind
+    the verify), returned on the device."""
     c = outcome.shape[1]
-    host = np.zeros((len(joining), c + 1), dtype=np.int64)
+    host = np.zeros((len(joining), c + 1 + (0 if more is None else more.shape[1])), dtype=np.int64)
     host[:, 1] = [req.tokens[-1] for req in joining]
     host[:, q + 2] = 1
     host[:, c] = at
+    if more is not None:
+        host[:, c + 1:] = more
     dev = upload(host)
     outcome.index_copy_(0, dev[:, c], dev[:, :c].to(outcome.dtype))
+    return None if more is None else dev[:, c + 1:]
 
 
 @functools.lru_cache(maxsize=32)

@@ -120,7 +120,7 @@ def test_pipelined_steps_read_no_output_a_prefill_overwrote(tiny, poisoning, pro
     others = {pool_of[id(g)] for key, (g, _) in graphs.graphs.items() if key[0] != 0}
     assert len(verify) == 1 and others and not verify & others
     assert [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)] == want
-    assert (eng.pipeline.joined > 0) == (proposer == "none") and eng.pipeline.adopted > 0  # (EagleAhead.joins)
+    assert eng.pipeline.joined > 0 and eng.pipeline.adopted > 0
     assert eng.all_blocks_free()
 
 
