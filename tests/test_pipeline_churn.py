@@ -1,9 +1,10 @@
 """Pipelined steps under churn: requests arrive while others run (so rows join the queued steps), end at different
-steps, and some are aborted mid-stream; every request that was not aborted equals target-only greedy decoding.
+steps, and some are aborted mid-stream; every request that was not aborted equals target-only decoding.
 
 The engine is driven step by step (``add_request``, ``Scheduler.abort``, ``step``) by a seeded schedule: 20
 requests over the five prompts of ``test_eagle`` (several alike, so the prefix cache shares their blocks), 2-39 new
-tokens each, most ignoring EOS, four rows, a row admitted as soon as one is free. One run per proposer also has
+tokens each, most ignoring EOS, 40% sampled with a seed (T=0.8, top-p 0.9: a seeded request's tokens are
+target-only sampling's with that seed), four rows, a row admitted as soon as one is free. One run per proposer also has
 every captured graph poisoning its memory pool's later outputs (``test_graph_pools.poisoning``), and EAGLE's
 queued steps written by the Triton kernel (interpreted). EAGLE's fused steps once took joining rows into padding
 rows of verify K without their root's mask and query count: the joined requests' tokens went wrong from the
@@ -12,6 +13,7 @@ second on, here as on the H200.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -31,8 +33,8 @@ _TARGET_ONLY: dict = {}
 
 
 def _target_only(target, prompt, params: SamplingParams) -> list[int]:
-    """Greedy target-only output (one unpipelined engine without graphs, kept across tests)."""
-    key = (id(target), repr(prompt), params.max_new_tokens, params.ignore_eos)
+    """Target-only output (one unpipelined engine without graphs, kept across tests)."""
+    key = (id(target), repr(prompt), repr(params))
     if key not in _TARGET_ONLY:
         eng = _TARGET_ONLY.setdefault(("engine", id(target)), SpecEngine(None, target, SpecConfig(
             num_blocks=400, block_size=8, cuda_graphs=False, pipeline=False, adaptive=False, device=target.device)))
@@ -58,6 +60,8 @@ def test_requests_arriving_ending_and_aborted_while_steps_are_queued(tiny, reque
         if len(reqs) < 20 and rng.random() < 0.3:
             prompt = PROMPTS[rng.randrange(len(PROMPTS))]
             params = SamplingParams(max_new_tokens=rng.randrange(2, 40), ignore_eos=rng.random() < 0.7)
+            if rng.random() < 0.4:  # seeded sampling: the same tokens as target-only sampling with that seed
+                params = dataclasses.replace(params, temperature=0.8, top_p=0.9, seed=rng.randrange(1 << 20))
             reqs.append((eng.add_request(prompt, params), prompt, params))
         running = [r for r, _, _ in reqs if r.status is RequestStatus.RUNNING and r.request_id not in aborted]
         if running and rng.random() < 0.03:
