@@ -333,20 +333,19 @@ class SpecEngine:
     def _joining(self, prefilled: list[Request]) -> tuple[Request, ...]:
         """The prefilled requests that decode from the next step and may join the step a pipelined engine queues
         now (``StepPipeline.queue``): their prompt is done, and they get now the KV blocks the next step's
-        schedule would give them (its tree and the queued one's); none when the pool is short of them (then the
-        next step is not queued), without a pipeline, or with a sliding window (whose blocks come chunk by chunk)."""
+        schedule would give them (its tree and the queued one's) as far as the pool holds them (a row left short
+        of them makes ``StepPipeline.queue`` queue nothing); none without a pipeline, or with a sliding window
+        (whose blocks come chunk by chunk)."""
         sched = self.scheduler
         if self.pipeline is None or sched.window is not None:
             return ()
-        joining = []
-        for req in prefilled:
-            if req.prefill_done and req.status is RequestStatus.RUNNING:
-                try:
-                    sched.allocator_grow(req, len(req.tokens) + sched.lookahead)
-                except OutOfBlocks:
-                    return ()
-                joining.append(req)
-        return tuple(joining)
+        joining = tuple(r for r in prefilled if r.prefill_done and r.status is RequestStatus.RUNNING)
+        for req in joining:
+            try:
+                sched.allocator_grow(req, len(req.tokens) + sched.lookahead)
+            except OutOfBlocks:
+                break
+        return joining
 
     def _speculate(self, rows: list[Request]) -> list:
         """propose -> verify -> accept for the decode rows, under this step's budget: the proposer's trees (device

@@ -216,7 +216,7 @@ class StepPipeline:
         reads (a padding row, or the row of one that ended), and the next step's inputs are built from it as from
         the others'."""
         drafter = self.drafter
-        joining = list(drafter.joining) if drafter.step_prefilled else []
+        joining = list(drafter.joining)  # (set by the engine every step: none without a prefill)
         if joining and (len(rows) + len(joining) > step.key[1] or not self.hook.joins(step)
                         or any(len(r.tokens) < 2 for r in joining)):
             return None
@@ -411,7 +411,7 @@ class ChainAhead:
     def joins(self, step: QueuedStep) -> bool:
         """Rows may join the step queued behind ``step`` when there is no chain to look up for them: decoding (a
         ``DecodeFollow``, or the n-gram drafter at budget 0), whose successor is built from the outcome alone."""
-        return isinstance(self.follow, DecodeFollow) or getattr(self.follow, "decoding", False)
+        return self.follow.decoding
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, None] | None:
@@ -456,6 +456,8 @@ class ChainAhead:
 class DecodeFollow:
     """The ``Verifier.followup`` of pipelined target-only decoding: nothing runs behind a decode's verify; its outcome
     is read, and the queued decode is built from it (``ChainAhead``). ``launches`` counts the steps read so."""
+
+    decoding = True  # (no chain: every step is a decode step, which rows may join; ``ChainAhead.joins``)
 
     def __init__(self, runner) -> None:
         self.runner, self.launches = runner, 0
