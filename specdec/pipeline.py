@@ -293,6 +293,12 @@ class EagleAhead:
         """This step's budget is 0: plain decoding."""
         return self.drafter.node_budget == 0
 
+    @property
+    def follows_bucket(self) -> bool:
+        """The queued step's writer graph is keyed by the bucket of the step it follows too: at budget 0 only
+        (``decode``'s); a fused step's writer is keyed by its own bucket."""
+        return self.decoding
+
     def min_query(self, rows: list[Request]) -> int:
         """(decoding: one query; else 0: only fused steps are queued, in their tree's bucket)"""
         return self.decode.min_query(rows) if self.decoding else 0
@@ -388,6 +394,8 @@ class ChainAhead:
         self.drafter, self.runner, self.k, self.follow = drafter, runner, k, follow
         self.advance = AdvanceGraphs(runner.device,
                                      graphs=cache_for(runner.graphs, "queued-step writer", runner.device))
+
+    follows_bucket = True  # its writer graph reads the follow-up's buffer of the step it follows: keyed by both buckets
 
     @property
     def nodes(self) -> int:

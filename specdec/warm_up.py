@@ -5,7 +5,9 @@ holds: a queued step's advance per bucket and tree, a dynamic tree's writer per 
 (bucket, filter flag). Captured in the middle of a user's first requests they would make those requests
 several times slower than later ones. ``warm_up`` drives short synthetic requests through
 ``SpecEngine.generate`` at every batch bucket's row count, greedy and sampled (with and without top-p), under
-every budget the engine may choose, so those graphs exist when the first request arrives; then it forgets everything
+every budget the engine may choose, and batches that shrink from every bucket to every smaller one in one step (a
+queued decode or chain step's writer is keyed by its bucket and the previous step's), so those graphs exist when
+the first request arrives; then it forgets everything
 the synthetic requests left behind (statistics, drafted text, cached prefixes, the blocks they held).
 """
 
@@ -69,6 +71,8 @@ def warm_up(engine) -> float:
                 engine.generate([prompt] * rows, greedy)
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
                 engine.generate([prompt] * rows, sampled[1])  # the sampled rule with top-p on
+        if engine.pipeline is not None:
+            _shrinking(engine, controller, budgets, counts, prompt)
         engine.adaptive = None if controller is None else FixedBudget(None)
         vocab, limit = engine.target.config.vocab_size, engine.target.config.max_position_embeddings
         room = limit - WARM_UP_TOKENS - engine.drafter.lookahead
@@ -84,6 +88,40 @@ def warm_up(engine) -> float:
         engine.adaptive = controller
         engine.drafter.budget = None
     return time.perf_counter() - start
+
+
+def _shrinking(engine, controller, budgets: list, counts: list[int], prompt: list[int]) -> None:
+    """Under each budget whose queued steps are keyed by the bucket of the step they follow too
+    (``follows_bucket``; one budget per query bucket): for every pair of row counts, the wider one's rows decode
+    until all but the narrower one's end in one step, so the step queued next is the narrow bucket's behind the wide
+    bucket's verify (the writer graph of that pair); the rows that go on are aborted after it. Driven step by step,
+    so each pair costs a few steps however many tokens a step commits."""
+    sched = engine.scheduler
+    once = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    room = engine.target.config.max_position_embeddings - len(prompt) - engine.drafter.lookahead
+    going = SamplingParams(max_new_tokens=max(1, min(8 * WARM_UP_TOKENS, room)), ignore_eos=True)
+    hook, seen = engine.pipeline.hook, set()
+    for nodes in budgets:
+        engine.adaptive = None if controller is None else FixedBudget(nodes)
+        engine.drafter.budget = nodes
+        key = engine.runner.packed_key(0, 1, max(1, hook.min_query([])), engine.drafter.target_features)
+        if not hook.follows_bucket or key is None or key[2] in seen:  # (budgets of one query bucket: one pass)
+            continue
+        seen.add(key[2])
+        for i, wide in enumerate(counts):
+            for narrow in counts[:i]:
+                if wide > engine.config.max_batch_size:
+                    continue
+                reqs = [engine.add_request(prompt, going if j < narrow else once) for j in range(wide)]
+                while sched.has_work and not all(r.finished for r in reqs[narrow:]):
+                    engine.step()
+                for _ in range(2):  # the narrow bucket's step queued behind the wide verify, then adopted
+                    engine.step()
+                for r in reqs[:narrow]:
+                    if not r.finished:
+                        sched.abort(r)
+                while sched.has_work:
+                    engine.step()
 
 
 def _prompt(i: int, n: int, vocab: int) -> list[int]:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny draft, a fixture
+from test_graph_pools import poisoning  # noqa: F401 - stand-in graphs poisoning their pool, a fixture
 from test_sampled_rule import stand_in_verify_graphs
 
 import specdec.graphs as cg
@@ -110,3 +111,39 @@ def test_gpu_first_long_requests_compile_no_triton_kernel(tiny_factory, proposer
     finally:
         knobs.runtime.jit_post_compile_hook = previous
     assert compiled == [], sorted(set(compiled))
+
+
+@pytest.mark.parametrize("proposer", [None, "ngram"])
+def test_rows_ending_across_buckets_capture_nothing_after_the_warm_up(setup, poisoning, proposer):  # noqa: F811
+    """Target-only decoding and n-gram chains, pipelined, with stand-in graphs for every capture (those of
+    ``test_graph_pools``, which also poison their pool's later outputs): a queued step's writer graph is keyed by
+    its bucket and the bucket of the step it follows, so rows that end and leave fewer rows (8 -> 4 -> 2 -> 1, or
+    several buckets at once) need the graph of that pair. After the warm-up, 24 requests of 1-40 new tokens
+    through 8 rows (the row count crossing every bucket as they end) capture no graph at all; greedy output equals
+    target-only decoding. (Without the warm-up's shrinking batches the pairs were captured here: three for
+    target-only decoding, one for n-gram chains.)"""
+    root, _, _ = setup
+    target = load_model(root / "target")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+    params = [SamplingParams(max_new_tokens=1 + (7 * i) % 40, ignore_eos=True) for i in range(len(prompts))]
+    plain = SpecEngine(None, target, SpecConfig(num_blocks=600, block_size=8, max_batch_size=8))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    cfg = SpecConfig(tree="chain:4", num_blocks=600, block_size=8, max_batch_size=8, cuda_graphs=True,
+                     pipeline=True, adaptive=False, ngram_device=proposer == "ngram" or None, admit_min_free=1)
+    eng = SpecEngine(proposer, target, cfg)
+    eng.pipeline.hook.advance.capture = True  # (the writer as captured graphs, as on CUDA)
+    if proposer == "ngram":
+        eng.drafter.device_chains.capture = True  # (the follow-up too)
+        eng.adaptive = make_controller(True, eng.device, eng.drafter, None, epochs=True)  # CUDA: budgets by epochs
+        eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
+
+    def captured() -> int:
+        return sum(len(members) for members in poisoning.values())
+
+    before = captured()
+    assert eng.warm_up() > 0
+    after = captured()
+    assert after > before
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert captured() == after
+    assert eng.pipeline.adopted > 0 and eng.all_blocks_free()
