@@ -4,11 +4,14 @@
 
 For each configuration of ``CONFIGS`` (``ONLY``: a space-separated subset of their names) an engine is built with
 the CUDA defaults (construction captures and warms its graphs), one untimed ``generate`` runs, then a timed one
-(steps counted by wrapping ``engine.step``), then a short one under ``torch.profiler``. Written to OUT_DIR:
+(steps counted by wrapping ``engine.step``), then a short one under ``torch.profiler``, then one with each step
+timed on the host by kind: steps that ran a prefill chunk and the others (``Steps``). Written to OUT_DIR:
 ``profile.json`` (per configuration: tok/s, steps, ms per step, tokens per step, the profiled run's kernel
-milliseconds per step and the share of the wall time the GPU was busy) and ``<name>.txt`` (the profiled run's
-top operators by GPU time and by host time). A step whose wall time is far above its kernel time is host-bound:
-launches, Python or synchronisations, not arithmetic, are what to cut there.
+milliseconds per step and the share of the wall time the GPU was busy, the steps of each kind, and the host and GPU
+time of the prefill chunks, the draft's prefill and the queueing of the next step in the profiled run),
+``<name>.txt`` (the profiled run's top operators by GPU time and by host time) and, with ``PYPROF=1``,
+``<name>.py.txt`` (cProfile of the prefill steps and of the other steps). A step whose wall time is far above its
+kernel time is host-bound: launches, Python or synchronisations, not arithmetic, are what to cut there.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import io
 import json
 import os
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
 from specdec.adaptive import EpochBudget
@@ -68,16 +72,81 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def count_steps(engine) -> list[int]:
-    """Wrap ``engine.step`` so that each call adds one to the returned counter."""
-    counter, step = [0], engine.step
+class Steps:
+    """Wraps ``engine.step``: counts the steps and, while ``split`` is on, times each one on the host into
+    ``prefill`` (steps that ran a prefill chunk: ``drafter.step_prefilled``) or ``decode``, with a cProfile of
+    each kind when ``pyprof`` is on. The prefill part of a step, the draft's prefill and the queueing of the next
+    step run inside ``torch.profiler.record_function`` ranges (``RANGES``), so the profiled run's table gives
+    their host and GPU time."""
 
-    def counted():
-        counter[0] += 1
-        return step()
+    RANGES = ("specdec::prefill_chunks", "specdec::draft_prefill", "specdec::queue")
 
-    engine.step = counted
-    return counter
+    def __init__(self, engine) -> None:
+        self.count, self.split, self.pyprof = 0, False, False
+        self.prefill: list[float] = []
+        self.decode: list[float] = []
+        self.stats: dict[str, pstats.Stats | None] = {"prefill": None, "decode": None}
+        step, self.engine = engine.step, engine
+
+        def wrapped():
+            self.count += 1
+            if not self.split:
+                return step()
+            prof = cProfile.Profile() if self.pyprof else None
+            t0 = time.perf_counter()
+            if prof is not None:
+                prof.enable()
+            out = step()
+            if prof is not None:
+                prof.disable()
+            kind = "prefill" if engine.drafter.step_prefilled else "decode"
+            getattr(self, kind).append(time.perf_counter() - t0)
+            if prof is not None:
+                if self.stats[kind] is None:
+                    self.stats[kind] = pstats.Stats(prof)
+                else:
+                    self.stats[kind].add(prof)
+            return out
+
+        engine.step = wrapped
+        engine._prefill_chunks = _ranged(self.RANGES[0], engine._prefill_chunks)
+        engine.drafter.prefill = _ranged(self.RANGES[1], engine.drafter.prefill)
+        if engine.pipeline is not None:
+            engine.pipeline.queue = _ranged(self.RANGES[2], engine.pipeline.queue)
+
+    def summary(self) -> dict:
+        """Steps of each kind, their median host milliseconds and their share of the timed steps' wall time."""
+        total = sum(self.prefill) + sum(self.decode)
+        return {kind: {"steps": len(t), "median_ms": 1e3 * statistics.median(t) if t else None,
+                       "share": sum(t) / total if total else None}
+                for kind, t in (("prefill", self.prefill), ("decode", self.decode))}
+
+    def python_profiles(self) -> str:
+        text = io.StringIO()
+        for kind, stats in self.stats.items():
+            if stats is None:
+                continue
+            text.write(f"===== {kind} steps ({len(getattr(self, kind))})\n")
+            stats.stream = text
+            stats.sort_stats("cumulative").print_stats(70)
+        return text.getvalue()
+
+
+def _ranged(name: str, fn):
+    def call(*a, **kw):
+        with record_function(name):
+            return fn(*a, **kw)
+    return call
+
+
+def ranges_table(prof) -> dict:
+    """Host and GPU milliseconds and calls of each of ``Steps.RANGES`` in a profiled run."""
+    out = {}
+    for evt in prof.key_averages():
+        if evt.key in Steps.RANGES:
+            dev = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            out[evt.key] = {"calls": evt.count, "cpu_ms": evt.cpu_time_total / 1e3, "gpu_ms": dev / 1e3}
+    return out
 
 
 class FirstUse:
@@ -117,9 +186,9 @@ class FirstUse:
             self._knobs.jit_post_compile_hook = self._hook
 
 
-def timed(engine, counter, prompts, params) -> dict:
+def timed(engine, steps: Steps, prompts, params) -> dict:
     sync()
-    counter[0] = 0
+    steps.count = 0
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
     sync()
@@ -128,8 +197,9 @@ def timed(engine, counter, prompts, params) -> dict:
     bad = [o for o in outs if o.finish_reason == "error"]
     if bad:
         log(f"FAILED {len(bad)}: {bad[0].error!r}")
-    return {"wall_s": wall, "tokens": tokens, "steps": counter[0], "tok_per_s": tokens / wall,
-            "ms_per_step": 1e3 * wall / max(1, counter[0]), "tokens_per_step": tokens / max(1, counter[0])}
+    n = max(1, steps.count)
+    return {"wall_s": wall, "tokens": tokens, "steps": steps.count, "tok_per_s": tokens / wall,
+            "ms_per_step": 1e3 * wall / n, "tokens_per_step": tokens / n}
 
 
 def kernel_ms(prof) -> float:
@@ -141,19 +211,15 @@ def kernel_ms(prof) -> float:
     return total / 1e3
 
 
-def python_profile(engine, prompts, params) -> str:
-    """The host's view of one ``generate``: functions by own time, then by cumulative time."""
+def split_run(engine, steps: Steps, prompts, params) -> dict:
+    """One ``generate`` with each step timed by kind (and profiled by cProfile under PYPROF)."""
     engine.forget_drafts()
+    steps.prefill, steps.decode, steps.split, steps.pyprof = [], [], True, PYPROF
     sync()
-    prof = cProfile.Profile()
-    prof.enable()
     engine.generate(prompts, params)
     sync()
-    prof.disable()
-    text = io.StringIO()
-    for order, n in (("tottime", 60), ("cumulative", 90)):
-        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(n)
-    return text.getvalue()
+    steps.split = False
+    return steps.summary()
 
 
 def main() -> None:
@@ -180,40 +246,48 @@ def main() -> None:
         prompts = prompt_sets[pset][:n if CUDA else 2]
         top_p = 0.9 if temp else 1.0
         params = SamplingParams(max_new_tokens=128 if CUDA else 8, ignore_eos=True, temperature=temp, top_p=top_p)
-        counter = count_steps(engine)
+        steps = Steps(engine)
         with FirstUse() as fresh:
-            first = timed(engine, counter, prompts, params)
+            first = timed(engine, steps, prompts, params)
         first.update(compiled=fresh.compiled, captures=fresh.captures)
         engine.forget_drafts()
-        run = timed(engine, counter, prompts, params)
+        run = timed(engine, steps, prompts, params)
         short = SamplingParams(max_new_tokens=48 if CUDA else 4, ignore_eos=True, temperature=temp, top_p=top_p)
         few = prompts[:max(1, min(len(prompts), batch))]
         sync()
-        counter[0] = 0
+        steps.count = 0
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * CUDA) as prof:
             t1 = time.perf_counter()
             engine.generate(few, short)
             sync()
             prof_wall = time.perf_counter() - t1
-        steps = max(1, counter[0])
+        n_steps = max(1, steps.count)
+        split = split_run(engine, steps, prompts, params)
         if PYPROF:
-            (out / f"{name}.py.txt").write_text(python_profile(engine, prompts, params))
+            (out / f"{name}.py.txt").write_text(steps.python_profiles())
+        ranges = ranges_table(prof)
         gpu = kernel_ms(prof)
         avg = prof.key_averages()
         (out / f"{name}.txt").write_text(
-            f"{name}: {steps} steps, wall {prof_wall * 1e3:.1f} ms, kernels {gpu:.1f} ms\n\n"
+            f"{name}: {n_steps} steps, wall {prof_wall * 1e3:.1f} ms, kernels {gpu:.1f} ms\n\n"
             + avg.table(sort_by="self_cuda_time_total", row_limit=30) + "\n\n"
             + avg.table(sort_by="self_cpu_time_total", row_limit=30))
         res[name] = {"build_s": build_s, "first": first, "run": run, "plan": engine.plan.as_dict(),
                      "mean_accepted_length": engine.stats.mean_accepted_length,
-                     "profiled": {"steps": steps, "wall_ms_per_step": prof_wall * 1e3 / steps,
-                                  "kernel_ms_per_step": gpu / steps, "gpu_busy": gpu / (prof_wall * 1e3)}}
+                     "split": split, "ranges": ranges,
+                     "profiled": {"steps": n_steps, "wall_ms_per_step": prof_wall * 1e3 / n_steps,
+                                  "kernel_ms_per_step": gpu / n_steps, "gpu_busy": gpu / (prof_wall * 1e3)}}
         p = res[name]["profiled"]
         log(f"profile {name}: {run['tok_per_s']:.0f} tok/s, {run['ms_per_step']:.2f} ms/step, "
             f"{run['tokens_per_step']:.2f} tok/step (first run {first['tok_per_s']:.0f} tok/s); profiled "
             f"{p['wall_ms_per_step']:.2f} ms/step wall, {p['kernel_ms_per_step']:.2f} ms kernels, "
             f"busy {p['gpu_busy']:.2f}; build {build_s:.1f} s; first run: {first['captures']} captures, compiled "
             f"{first['compiled']}")
+        pre, dec = split["prefill"], split["decode"]
+        log(f"profile {name}: prefill steps {pre['steps']} at {pre['median_ms'] or 0:.2f} ms ({pre['share'] or 0:.0%} "
+            f"of step time), decode steps {dec['steps']} at {dec['median_ms'] or 0:.2f} ms; profiled ranges "
+            + ", ".join(f"{k.split('::')[1]} {v['calls']}x host {v['cpu_ms'] / v['calls']:.2f} ms "
+                        f"gpu {v['gpu_ms'] / v['calls']:.2f} ms" for k, v in ranges.items()))
         (out / "profile.json").write_text(json.dumps(res, indent=1))
         del engine
         if CUDA:
