@@ -140,7 +140,7 @@ class FusedVerify:
         return self.runner.packed_key(0, rows, nodes + 1, self.verifier.aux_layers)
 
     def prepare(self, budgets: Sequence[int]) -> int:
-        """Capture the tree-building graphs of a dynamic program's full batch buckets under each of ``budgets``
+        """Capture the tree-building graphs of a dynamic program's batch buckets under each of ``budgets``
         now (CUDA), so no step pays a capture in the middle of a run (the first timed batch-64 run paid ~1 s).
         Returns the graphs captured."""
         graphs = self.runner.graphs
@@ -250,41 +250,57 @@ class FusedVerify:
 
 
 class TreeWriter:
-    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA, when the rows fill
-    their batch bucket (always at batch 1), one replay of a graph captured (on first use) per (batch bucket,
-    query bucket, rows, budget) instead of 20-45 small launches; eagerly otherwise, elsewhere, or with
-    ``capture`` False. Either way the kept trees are returned in buffers of their
+    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA one replay of a graph
+    captured (by ``FusedVerify.prepare`` at engine start, else on first use) per (batch bucket, query bucket,
+    budget) instead of 20-45 small launches, whatever number of the bucket's rows are live (a continuous batch's
+    steps mostly run a few rows short of their bucket, waiting for an admission); eagerly elsewhere or with
+    ``capture`` False. A graph builds trees for all of its bucket's rows (the padding rows past the live ones from
+    what its input held there before: valid trees, the capture's or an earlier step's), but every write to the
+    inputs is masked by a per-row live flag (the graph's input, one copy per step), so the padding rows keep what
+    the skeleton or the queued step's writer put there. Either way the kept trees are returned in buffers of their
     own (the program's output may be overwritten by the verify)."""
 
     def __init__(self, levels: int, device: torch.device, capture: bool | None = None,
                  graphs: GraphCache | None = None) -> None:
         self.levels, self.device = levels, device
         self.capture = device.type == "cuda" if capture is None else capture
-        self.graphs = graphs if graphs is not None else GraphCache("tree writer", device)  # (b, q, rows, n) ->
+        self.graphs = graphs if graphs is not None else GraphCache("tree writer", device)  # (b, q, n) ->
 
     def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
         """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
         and parents (R, min(n, N)) and each tree's ``DraftTree.max_depth`` (R, 1)."""
+        r = out.shape[0]
         if min(n, out.shape[2]) == 0:  # no nodes (budget 0, plain decoding): nothing to write, no launch
-            return _no_trees(out.shape[0], out.device)
-        if not self.capture or out.shape[0] != b:  # graphs only for full buckets: few keys, none mid-run
+            return _no_trees(r, out.device)
+        if not self.capture or r > b:
             return self._build(views, b, q, out.clone(), n)
-        key = (b, q, b, n)
+        key = (b, q, n)
         entry = self.graphs.get(key)
         if entry is None:  # the bucket's input views are fixed buffers, so the graph may write them
-            src = out.clone()
-            graph, kept = self.graphs.capture(functools.partial(self._build, views, b, q, src, n))
-            entry = self.graphs[key] = (graph, src, kept)
-        graph, src, kept = entry
-        src.copy_(out)
+            src = torch.empty((b, *out.shape[1:]), dtype=out.dtype, device=out.device)
+            src[:] = out[:1]  # (padding rows: copies of a live row's tree until a full step writes them)
+            src[:r] = out
+            live = _live_rows(b, r, out.device).clone()
+            graph, kept = self.graphs.capture(functools.partial(self._build, views, b, q, src, n, live))
+            entry = self.graphs[key] = (graph, src, live, kept)
+        graph, src, live, kept = entry
+        src[:r].copy_(out)
+        live.copy_(_live_rows(b, r, out.device))
         graph.replay()
-        return kept
+        return kept if r == b else tuple(t[:r] for t in kept)
 
     @torch.inference_mode()
-    def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int,
+               live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         tokens, parents = best_nodes_on_device(src, n)
-        depth = write_trees(views, b, q, tokens, parents, self.levels)
+        depth = write_trees(views, b, q, tokens, parents, self.levels, live)
         return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)
+
+
+@graph_constant(maxsize=256)
+def _live_rows(b: int, r: int, device: torch.device) -> Tensor:
+    """(b, 1) bool: the first ``r`` rows of a bucket of ``b`` are live (read only)."""
+    return (torch.arange(b, device=device) < r).view(b, 1)
 
 
 @graph_constant(maxsize=64)
@@ -363,24 +379,30 @@ def shape_rows(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.nda
 
 
 @torch.inference_mode()
-def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor | None, levels: int) -> Tensor | None:
+def write_trees(v: StepViews, b: int, q: int, tokens: Tensor, parents: Tensor | None, levels: int,
+                live: Tensor | None = None) -> Tensor | None:
     """Write the trees ``tokens``/``parents`` (R, n) into the first R rows of bucket (b, q)'s device inputs
     filled by ``verify_skeleton``: node j of row i is verify query 1 + j, at position L + depth, with mask
     bit 0 (the root) and its ancestors' bits shifted by one (``DraftTree.verify_rows``), parent j + 1.
-    ``parents`` None: the skeleton holds the shape, only the tokens are written. Returns the nodes' depths
-    (R, n) when it computed them (else None)."""
+    ``parents`` None: the skeleton holds the shape, only the tokens are written. ``live`` (R, 1) bool: only
+    those rows are written (the others keep their inputs). Returns the nodes' depths (R, n) when it computed
+    them (else None)."""
     r, n = tokens.shape
     if not n:
         return None
     nodes = slice(1, n + 1)
-    v.ids.view(b, q)[:r, nodes] = tokens
+
+    def put(view: Tensor, values: Tensor) -> None:
+        view[:r, nodes] = values if live is None else torch.where(live, values, view[:r, nodes])
+
+    put(v.ids.view(b, q), tokens)
     if parents is None:
         return None
     depth, ancestors = ancestry(parents, levels)  # (R, n) each
     positions = v.positions.view(b, q)
-    positions[:r, nodes] = positions[:r, :1] + 1 + depth
-    v.tree_mask.view(b, q)[:r, nodes] = (ancestors << 1) | 1  # bit 63 lands on the int64 sign, as on the host
-    v.parents.view(b, q)[:r, nodes] = parents + 1
+    put(positions, positions[:r, :1] + 1 + depth)
+    put(v.tree_mask.view(b, q), (ancestors << 1) | 1)  # bit 63 lands on the int64 sign, as on the host
+    put(v.parents.view(b, q), parents + 1)
     return depth
 
 

@@ -171,17 +171,18 @@ def _stand_in_capture(monkeypatch) -> list:
 
 
 def test_tree_writer_replay_path_with_a_stand_in_graph(tiny, monkeypatch):
-    """``TreeWriter``'s CUDA path (a graph per full bucket and budget, replayed over a copy of the program's
-    output) run with a stand-in graph that re-runs the captured building into the captured outputs gives the
-    eager building's trees and verify inputs (``_captured_vs_eager``); rows short of their bucket stay eager."""
+    """``TreeWriter``'s CUDA path (a graph per bucket and budget, replayed over a copy of the program's output
+    into the first rows of its input) run with a stand-in graph that re-runs the captured building into the
+    captured outputs gives the eager building's trees and verify inputs (``_captured_vs_eager``), rows short of
+    their bucket (3 rows of 4) included: every step that keeps nodes replays a graph."""
     _stand_in_capture(monkeypatch)
     draft, target, want = tiny
     assert not _engine(draft, target, "dynamic:16").verifier.fused.writer.capture  # on the CPU: eager
     writer, steps = _captured_vs_eager(draft, target, want, monkeypatch)
-    keys = {(b, r, n) for b, _, r, n in writer.graphs}
-    assert keys >= {(1, 1, 5), (1, 1, 16)} and all(b == r for b, r, _ in keys)  # 3 rows of 4: eager
-    assert all(n for _, _, n in keys)  # budget 0 keeps no nodes: nothing to write, no graph
-    assert 0 < sum(g.replays for g, _, _ in writer.graphs.values()) < steps
+    keys = {(b, n) for b, _, n in writer.graphs}
+    assert keys >= {(1, 5), (1, 16), (4, 5), (4, 16)}
+    assert all(n for _, n in keys)  # budget 0 keeps no nodes: nothing to write, no graph
+    assert sum(entry[0].replays for entry in writer.graphs.values()) == steps
 
 
 def test_tree_writer_graphs_are_captured_at_start(tiny, monkeypatch):
@@ -195,7 +196,7 @@ def test_tree_writer_graphs_are_captured_at_start(tiny, monkeypatch):
     fused.writer.capture = True
     buckets = eng.runner.graphs.batch_buckets
     assert fused.prepare([0, 5, 16, 16]) == 2 * len(buckets)  # (budget 0 writes no tree: no graph)
-    assert set(fused.writer.graphs) == {(b, fused.key(b, min(n, 16))[2], b, n) for b in buckets for n in (5, 16)}
+    assert set(fused.writer.graphs) == {(b, fused.key(b, min(n, 16))[2], n) for b in buckets for n in (5, 16)}
     assert fused.prepare([5]) == 0  # already there
     eng.drafter.budget = 5
     done = len(captured)
@@ -336,12 +337,12 @@ def _on_gpu(made):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_captured_tree_building_equals_the_eager_one(setup, monkeypatch):  # noqa: F811 - the fixture
     """float32 on the GPU, dynamic trees: the verify inputs built by ``TreeWriter``'s captured graphs (one per
-    bucket, rows and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
+    bucket and budget; the writer's default on CUDA) and by the eager building both equal the host-packed
     ones, the trees are the same and the output equals target-only (``_captured_vs_eager``)."""
     target, draft, cfg, want = _on_gpu(setup)
     started = _engine(draft, target, "dynamic:16", **cfg)
     writer = started.verifier.fused.writer
-    assert writer.capture and {(b, n) for b, _, _, n in writer.graphs} >= {
+    assert writer.capture and {(b, n) for b, _, n in writer.graphs} >= {
         (b, 16) for b in started.runner.graphs.batch_buckets}  # captured at start (``FusedVerify.prepare``)
     writer, _ = _captured_vs_eager(draft, target, want, monkeypatch, **cfg)
     assert len(writer.graphs) >= 2

@@ -6,10 +6,10 @@ The engine is driven step by step (``add_request``, ``Scheduler.abort``, ``step`
 requests over the five prompts of ``test_eagle`` (several alike, so the prefix cache shares their blocks), 2-39 new
 tokens each, most ignoring EOS, 40% sampled with a seed (T=0.8, top-p 0.9: a seeded request's tokens are
 target-only sampling's with that seed), four rows, a row admitted as soon as one is free. One run per proposer
-also has every captured graph poisoning its memory pool's later outputs (``test_graph_pools.poisoning``), and EAGLE's
-queued steps written by the Triton kernel (interpreted). EAGLE's fused steps once took joining rows into padding
-rows of verify K without their root's mask and query count: the joined requests' tokens went wrong from the
-second on, here as on the H200.
+also has every captured graph poisoning its memory pool's later outputs (``test_graph_pools.poisoning``), and
+EAGLE's queued steps written by the Triton kernel (interpreted) and its trees by the tree writer's graphs (over
+buckets partly live). EAGLE's fused steps once took joining rows into padding rows of verify K without their root's
+mask and query count: the joined requests' tokens went wrong from the second on, here as on the H200.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ def test_requests_arriving_ending_and_aborted_while_steps_are_queued(tiny, reque
         tree=tree, **{**cfg, "max_batch_size": 4, "admit_min_free": 1, "prefix_cache": seed == 0, **extra}))
     if cfg["device"] == "cpu":
         eng.pipeline.hook.advance.capture = True  # (the queued-step writer as captured graphs, as on CUDA)
-        if proposer == "eagle" and seed == 1 and os.environ.get("TRITON_INTERPRET") == "1":
-            eng.pipeline.hook.rows_op = advance_rows_triton  # (interpreted; on CUDA it runs compiled)
+        if proposer == "eagle" and seed == 1:
+            eng.verifier.fused.writer.capture = True  # (the tree writer's graphs too, over partly live buckets)
+            if os.environ.get("TRITON_INTERPRET") == "1":
+                eng.pipeline.hook.rows_op = advance_rows_triton  # (interpreted; on CUDA it runs compiled)
     reqs, aborted = [], set()
     while len(reqs) < 20 or eng.scheduler.has_work:
         if len(reqs) < 20 and rng.random() < 0.3:
@@ -78,3 +80,5 @@ def test_requests_arriving_ending_and_aborted_while_steps_are_queued(tiny, reque
     assert not wrong, wrong
     assert aborted and eng.pipeline.adopted > 0 and eng.all_blocks_free()
     assert eng.pipeline.joined > 0 or proposer == "ngram"  # (n-gram chain steps take no joining rows)
+    if proposer == "eagle" and seed == 1 and cfg["device"] == "cpu":  # (graphs over partly live buckets ran)
+        assert eng.verifier.fused.writer.graphs
