@@ -75,9 +75,9 @@ def sync() -> None:
 class Steps:
     """Wraps ``engine.step``: counts the steps and, while ``split`` is on, times each one on the host into
     ``prefill`` (steps that ran a prefill chunk: ``drafter.step_prefilled``) or ``decode``, with a cProfile of
-    each kind when ``pyprof`` is on. The prefill part of a step, the draft's prefill and the queueing of the next
-    step run inside ``torch.profiler.record_function`` ranges (``RANGES``), so the profiled run's table gives
-    their host and GPU time."""
+    each kind when ``pyprof`` is on (a run whose times are then the profiler's). The prefill part of a step, the
+    draft's prefill and the queueing of the next step run inside ``torch.profiler.record_function`` ranges
+    (``RANGES``), so the profiled run's table gives their host and GPU time."""
 
     RANGES = ("specdec::prefill_chunks", "specdec::draft_prefill", "specdec::queue")
 
@@ -86,7 +86,7 @@ class Steps:
         self.prefill: list[float] = []
         self.decode: list[float] = []
         self.stats: dict[str, pstats.Stats | None] = {"prefill": None, "decode": None}
-        step, self.engine = engine.step, engine
+        step = engine.step
 
         def wrapped():
             self.count += 1
@@ -144,8 +144,7 @@ def ranges_table(prof) -> dict:
     out = {}
     for evt in prof.key_averages():
         if evt.key in Steps.RANGES:
-            dev = evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
-            out[evt.key] = {"calls": evt.count, "cpu_ms": evt.cpu_time_total / 1e3, "gpu_ms": dev / 1e3}
+            out[evt.key] = {"calls": evt.count, "cpu_ms": evt.cpu_time_total / 1e3, "gpu_ms": _device_us(evt) / 1e3}
     return out
 
 
@@ -207,14 +206,19 @@ def kernel_ms(prof) -> float:
     total = 0.0
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
-            total += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            total += _device_us(evt)
     return total / 1e3
 
 
-def split_run(engine, steps: Steps, prompts, params) -> dict:
-    """One ``generate`` with each step timed by kind (and profiled by cProfile under PYPROF)."""
+def _device_us(evt) -> float:
+    """A profiler event's device microseconds (``cuda_time_total`` in older torch)."""
+    return evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+
+
+def split_run(engine, steps: Steps, prompts, params, pyprof: bool = False) -> dict:
+    """One ``generate`` with each step timed by kind (or, with ``pyprof``, profiled by cProfile by kind)."""
     engine.forget_drafts()
-    steps.prefill, steps.decode, steps.split, steps.pyprof = [], [], True, PYPROF
+    steps.prefill, steps.decode, steps.split, steps.pyprof = [], [], True, pyprof
     sync()
     engine.generate(prompts, params)
     sync()
@@ -263,7 +267,8 @@ def main() -> None:
             prof_wall = time.perf_counter() - t1
         n_steps = max(1, steps.count)
         split = split_run(engine, steps, prompts, params)
-        if PYPROF:
+        if PYPROF:  # (a run of its own: cProfile slows the host, so its step times are not the split's)
+            split_run(engine, steps, prompts, params, pyprof=True)
             (out / f"{name}.py.txt").write_text(steps.python_profiles())
         ranges = ranges_table(prof)
         gpu = kernel_ms(prof)

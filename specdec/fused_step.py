@@ -253,7 +253,7 @@ class TreeWriter:
     """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA one replay of a graph
     captured (by ``FusedVerify.prepare`` at engine start, else on first use) per (batch bucket, query bucket,
     budget) instead of 20-45 small launches, whatever number of the bucket's rows are live (a continuous batch's
-    steps mostly run a few rows short of their bucket, waiting for an admission); eagerly elsewhere or with
+    steps often run a few rows short of their bucket, waiting for an admission); eagerly elsewhere or with
     ``capture`` False. A graph builds trees for all of its bucket's rows (the padding rows past the live ones from
     what its input held there before: valid trees, the capture's or an earlier step's), but every write to the
     inputs is masked by a per-row live flag (the graph's input, one copy per step), so the padding rows keep what

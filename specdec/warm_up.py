@@ -101,6 +101,7 @@ def _shrinking(engine, controller, budgets: list, counts: list[int], prompt: lis
     room = engine.target.config.max_position_embeddings - len(prompt) - engine.drafter.lookahead
     going = SamplingParams(max_new_tokens=max(1, min(8 * WARM_UP_TOKENS, room)), ignore_eos=True)
     hook, seen = engine.pipeline.hook, set()
+    fits = [c for c in counts if c <= engine.config.max_batch_size]
     for nodes in budgets:
         engine.adaptive = None if controller is None else FixedBudget(nodes)
         engine.drafter.budget = nodes
@@ -108,10 +109,8 @@ def _shrinking(engine, controller, budgets: list, counts: list[int], prompt: lis
         if not hook.follows_bucket or key is None or key[2] in seen:  # (budgets of one query bucket: one pass)
             continue
         seen.add(key[2])
-        for i, wide in enumerate(counts):
-            for narrow in counts[:i]:
-                if wide > engine.config.max_batch_size:
-                    continue
+        for i, wide in enumerate(fits):
+            for narrow in fits[:i]:
                 reqs = [engine.add_request(prompt, going if j < narrow else once) for j in range(wide)]
                 while sched.has_work and not all(r.finished for r in reqs[narrow:]):
                     engine.step()
