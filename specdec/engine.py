@@ -381,11 +381,12 @@ class SpecEngine:
             return []
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
                          want_logits="none") for c in chunks]
-        self.runner.forward(0, self.target.model, rows, self.drafter.target_features)  # (features: to their slots)
-        self.drafter.prefill(chunks)
+        fwd = self.runner.forward(0, self.target.model, rows, self.drafter.target_features)  # (features: to slots)
+        if not fwd.draft_kv:  # (a graphed prefill wrote the draft model's KV in the same replays)
+            self.drafter.prefill(chunks)
         for c in chunks:
             c.req.num_computed = c.end
-            if not self.drafter.uses_kv:
+            if fwd.draft_kv or not self.drafter.uses_kv:
                 c.req.num_computed_draft = c.end
         return [None] * len(chunks)
 

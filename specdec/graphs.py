@@ -32,7 +32,7 @@ from specdec.attention.base import AttnMetadata
 from specdec.kernels.greedy_accept import greedy_accept
 from specdec.kernels.greedy_head import greedy_head
 from specdec.models.llama import ForwardContext
-from specdec.step_inputs import PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
+from specdec.step_inputs import DRAFT_MODEL_INDEX, PREFILL, PREFILL_QUERY, PackedRows, StepInputs, pack_rows
 
 log = logging.getLogger(__name__)
 
@@ -373,13 +373,16 @@ class GraphRunner:
             max_query_len=q, max_seq_len=self.max_seq_len)
         model = self.models[max(m, 0)]
         ctx = ForwardContext(self.backend, meta, self.pool.model_kv(max(m, 0)))
-        if m == PREFILL:  # the KV (and the features an EAGLE draft reads); nothing reads logits
+        if m == PREFILL:  # the KV (and the features an EAGLE draft reads), then the draft's KV; no logits
+            aux = None
             if self.aux_layers:
                 aux = model.forward_features(v.ids, v.positions, ctx, self.aux_layers)[1]
                 self.pool.store_features(v.slots, aux)  # (what the EAGLE draft reads, per slot)
-                return GraphOutput(None, None, aux)
-            model(v.ids, v.positions, ctx)
-            return GraphOutput(None, None)
+            else:
+                model(v.ids, v.positions, ctx)
+            if DRAFT_MODEL_INDEX in self.models:
+                self._draft_prefill(v, b, q, meta)
+            return GraphOutput(None, None, aux)
         if m in self.feature_inputs:  # an EAGLE draft: hidden states and its own-vocabulary logits
             hidden = model(v.ids, v.positions, ctx, self.feature_inputs[m][:b * q])  # (B*Q, H)
             return GraphOutput(model.compute_logits(hidden), None, None, hidden)
@@ -399,3 +402,21 @@ class GraphRunner:
         accept = greedy_accept(v.ids.view(b, q), v.parents.view(b, q), v.tree_mask.view(b, q), argmax.view(b, q),
                                finite.view(b, q), v.num_tokens, use_triton=triton)  # (B, Q + 3)
         return GraphOutput(logits, accept, aux)
+
+    def _draft_prefill(self, v, b: int, q: int, meta: AttnMetadata) -> None:
+        """The draft's KV of the prefill pieces ``v`` (bucket (b, q)), right after the target's forward over them in
+        the same replay: one launch sequence instead of the draft's own pieces, its host packing and its logits
+        (nobody reads a prefill's). An EAGLE draft's input at position p is the target features of p - 1, found
+        through the pieces' block tables in the pool's feature rows (those the target just wrote, or earlier
+        chunks'), the zero row for position 0 and for a released block: what ``SlotFeatures.sources`` gives."""
+        draft = self.models[DRAFT_MODEL_INDEX]
+        ctx = ForwardContext(self.backend, meta, self.pool.model_kv(DRAFT_MODEL_INDEX))
+        if not getattr(draft, "reads_features", False):
+            draft(v.ids, v.positions, ctx)
+            return
+        bs, before = self.pool.block_size, v.positions.view(b, q) - 1
+        p = before.clamp(min=0)
+        blocks = v.block_tables.gather(1, p // bs)  # (b, q) the block of position p - 1
+        rows = torch.where((before >= 0) & (blocks >= 0), blocks * bs + p % bs, self.pool.feature_zero)
+        aux = self.pool.features.index_select(0, rows.flatten())  # (b * q, k * hidden)
+        draft(v.ids, v.positions, ctx, draft.fuse(aux.to(draft.fc.weight.dtype)))

@@ -15,7 +15,7 @@ from specdec.kvcache.block_table import BlockTables
 from specdec.kvcache.pool import KVPool
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
 from specdec.scheduler.request import Request
-from specdec.step_inputs import PREFILL, PREFILL_QUERY, PackedRows
+from specdec.step_inputs import DRAFT_MODEL_INDEX, PREFILL, PREFILL_QUERY, PackedRows
 
 MAX_TREE_REGION = 64
 MAX_PIECE_REPLAYS = 4  # the most graph replays a long draft forward is cut into (``ModelRunner._graphed_pieces``)
@@ -47,6 +47,7 @@ class ForwardResult(NamedTuple):
     logits: Sequence[torch.Tensor | None]
     accept: torch.Tensor | None
     features: RowSlices | None = None  # per row (n, k * hidden) outputs of the asked decoder layers
+    draft_kv: bool = False  # prefill rows: the draft's KV of them was written too (``GraphRunner._draft_prefill``)
 
 
 class RowSlices:
@@ -162,14 +163,15 @@ class ModelRunner:
 
     def _forward_prefill(self, rows: list[RowInput]) -> ForwardResult:
         """Target rows that want no logits (prefill chunks) as causal pieces of ``PREFILL_QUERY`` queries, the
-        rows of graphed prefill replays (as many pieces per replay as the largest batch bucket). Pieces of
-        one row may share a replay: every layer stores all pieces' KV before any piece attends."""
+        rows of graphed prefill replays (as many pieces per replay as the largest batch bucket), each replay the
+        draft's forward over them too when the engine has a draft model (``draft_kv``). Pieces of one row may share
+        a replay: every layer stores all pieces' KV before any piece attends."""
         g, q = self.graphs, PREFILL_QUERY
         pieces, top = _causal_pieces(rows, q), g.batch_buckets[-1]
         for i in range(0, len(pieces), top):  # (the features an EAGLE draft reads go to their slots)
             group = pieces[i:i + top]
             self._replay(g.key_of(PREFILL, len(group), q), group)
-        return ForwardResult([None] * len(rows), None, None)
+        return ForwardResult([None] * len(rows), None, None, DRAFT_MODEL_INDEX in g.models)
 
     def _graphs_for(self, model_idx: int, aux_layers: tuple[int, ...] = ()):
         """The GraphRunner when a forward of pool model ``model_idx`` asking for ``aux_layers`` can be graphed

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+DRAFT_MODEL_INDEX = 1  # the pool model of a draft model (a Llama draft or an EAGLE one); the target is model 0
 PREFILL = -1  # graph key model index of the target's prefill: model 0 over causal pieces, no logits
 PREFILL_QUERY = 64  # tokens per prefill piece (a piece's region is one bitmask wide)
 

@@ -64,20 +64,22 @@ def test_full_batch_of_64_rows_stays_on_the_device_program(tiny_target):
 
 
 def test_long_draft_forwards_run_as_graphed_pieces(tiny_target, monkeypatch):
-    """With padded steps, an EAGLE draft's forwards over rows longer than its graphs take (prefill chunks of long
-    prompts, more than a replay's worth of pieces) run as pieces through its graph buckets, with the hidden
-    states an eager forward over whole rows gives; the output equals target-only decoding."""
+    """With padded steps, an EAGLE draft's forwards over rows longer than its graphs take (a catch-up of a draft
+    that fell 70 positions behind in plain-decoding steps, more than a replay's worth of pieces) run as pieces
+    through its graph buckets, with the hidden states an eager forward over whole rows gives; the output equals
+    target-only decoding."""
     from specdec.runner import ModelRunner
 
     shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 64)
     model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 256, 4), seed=5).eval().requires_grad_(False)
     draft = LoadedModel("eagle", model, None, model.config)
     g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 300, 40)]
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 30, 40)]
+    params = SamplingParams(max_new_tokens=80, ignore_eos=True)
     cfg = dict(num_blocks=512, block_size=8, max_batch_size=16)  # (graph batch buckets up to 16: several replays)
     want = [o.token_ids for o in SpecEngine(None, tiny_target, SpecConfig(**cfg)).generate(prompts, params)]
-    eng = SpecEngine(draft, tiny_target, SpecConfig(tree="dynamic:16", cuda_graphs=True, **cfg))
+    eng = SpecEngine(draft, tiny_target, SpecConfig(tree="dynamic:16", cuda_graphs=True, adaptive=False,
+                                                    pipeline=False, **cfg))
     pieces, checked = ModelRunner._graphed_pieces, []
 
     def both(self, model_idx, rows, feats):
@@ -91,5 +93,49 @@ def test_long_draft_forwards_run_as_graphed_pieces(tiny_target, monkeypatch):
         return out
 
     monkeypatch.setattr(ModelRunner, "_graphed_pieces", both)
+    steps, step = iter(range(10**6)), eng.step
+
+    def plain_first():  # 70 steps of plain decoding (the draft does not run), then speculation
+        eng.drafter.budget = 0 if next(steps) < 71 else None
+        return step()
+
+    eng.step = plain_first
     assert [o.token_ids for o in eng.generate(prompts, params)] == want
-    assert checked and eng.all_blocks_free()
+    assert checked == [4] and eng.drafter.paths["behind"] == 1
+    assert eng.all_blocks_free()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "llama"])
+def test_prefill_pieces_write_the_draft_kv_its_own_forward_would(tiny_target, tiny_draft, kind, monkeypatch):
+    """With padded steps, each prefill replay runs the draft model over its pieces right after the target (an
+    EAGLE draft reading the features of the position before each, found through the block tables; a chunk that
+    starts mid-prompt reads the earlier chunk's): the draft's KV of every prompt position equals what the draft's
+    own forward over the prompt writes in an engine without graphs, and the drafter's own prefill never runs."""
+    if kind == "eagle":
+        shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 64)
+        model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 256, 4), seed=5)
+        draft = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)
+    else:
+        draft = tiny_draft
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 64, 65)]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # (none ends before every prompt is prefilled)
+    cfg = dict(num_blocks=256, block_size=8, max_batch_size=4, prefix_cache=False, adaptive=False, pipeline=False,
+               max_num_tokens=100)  # (chunks of at most 100 tokens: the 150-token prompt's second starts at 100)
+    kv = {}
+    for graphed in (True, False):
+        eng = SpecEngine(draft, tiny_target, SpecConfig(tree="chain:3", cuda_graphs=graphed, **cfg))
+        if graphed:
+            monkeypatch.setattr(eng.drafter, "prefill", lambda chunks: pytest.fail("the drafter's own prefill ran"))
+        reqs = [eng.add_request(p, params) for p in prompts]
+        while any(r.num_computed < len(p) for r, p in zip(reqs, prompts)):
+            eng.step()  # (decode steps write KV only past the prompt)
+        assert all(r.num_computed_draft >= len(p) for r, p in zip(reqs, prompts))
+        k, v = eng.pool.layer_kv(1, 0)
+        bs = eng.pool.block_size
+        slots = [torch.tensor([r.blocks[i // bs] * bs + i % bs for i in range(len(p))]) for r, p in zip(reqs, prompts)]
+        kv[graphed] = [(k.flatten(0, 1)[s], v.flatten(0, 1)[s]) for s in slots]
+    for (kg, vg), (ke, ve) in zip(kv[True], kv[False]):
+        assert ke.abs().sum() > 0
+        torch.testing.assert_close(kg, ke, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(vg, ve, rtol=1e-4, atol=1e-4)

@@ -19,9 +19,9 @@ from specdec.fault_isolation import distribution_fault
 from specdec.kernels.gumbel_choice import gumbel_noise
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
+from specdec.step_inputs import DRAFT_MODEL_INDEX
 from specdec.tree import DraftTree, TreeSpec
 
-DRAFT_MODEL_INDEX = 1  # the draft's layers are pool model 1
 DYNAMIC_BEAM_MAX = 8  # most nodes added per level of a dynamic tree
 DYNAMIC_CANDIDATES = 8  # children considered per expanded node
 DYNAMIC_MAX_DEPTH = 10
