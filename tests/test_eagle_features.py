@@ -105,23 +105,29 @@ def test_long_draft_forwards_run_as_graphed_pieces(tiny_target, monkeypatch):
     assert eng.all_blocks_free()
 
 
+@pytest.mark.parametrize("device", ["cpu"] + ["cuda"] * torch.cuda.is_available())
 @pytest.mark.parametrize("kind", ["eagle", "llama"])
-def test_prefill_pieces_write_the_draft_kv_its_own_forward_would(tiny_target, tiny_draft, kind, monkeypatch):
-    """With padded steps, each prefill replay runs the draft model over its pieces right after the target (an
-    EAGLE draft reading the features of the position before each, found through the block tables; a chunk that
-    starts mid-prompt reads the earlier chunk's): the draft's KV of every prompt position equals what the draft's
-    own forward over the prompt writes in an engine without graphs, and the drafter's own prefill never runs."""
+def test_prefill_pieces_write_the_draft_kv_its_own_forward_would(tiny_dirs, kind, device, monkeypatch):
+    """With padded steps (captured graphs on CUDA), each prefill replay runs the draft model over its pieces right
+    after the target (an EAGLE draft reading the features of the position before each, found through the block
+    tables; a chunk that starts mid-prompt reads the earlier chunk's): the draft's KV of every prompt position
+    equals what the draft's own forward over the prompt writes in an engine without graphs (float32), and the
+    drafter's own prefill never runs."""
+    from specdec.loading.registry import load_model
+
+    tiny_target = load_model(tiny_dirs["llama"], device=device)
     if kind == "eagle":
         shape = EagleShape(default_aux_layers(tiny_target.config.num_layers), 64)
         model = eagle_from_target(tiny_target.model, shape, torch.arange(0, 256, 4), seed=5)
         draft = LoadedModel("eagle", model.eval().requires_grad_(False), None, model.config)
     else:
-        draft = tiny_draft
+        draft = load_model(tiny_dirs["llama_draft"], device=device)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (150, 7, 64, 65)]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)  # (none ends before every prompt is prefilled)
+    # chunks of at most 100 tokens: the 150-token prompt's second starts at 100
     cfg = dict(num_blocks=256, block_size=8, max_batch_size=4, prefix_cache=False, adaptive=False, pipeline=False,
-               max_num_tokens=100)  # (chunks of at most 100 tokens: the 150-token prompt's second starts at 100)
+               max_num_tokens=100, device=device)
     kv = {}
     for graphed in (True, False):
         eng = SpecEngine(draft, tiny_target, SpecConfig(tree="chain:3", cuda_graphs=graphed, **cfg))
@@ -133,7 +139,8 @@ def test_prefill_pieces_write_the_draft_kv_its_own_forward_would(tiny_target, ti
         assert all(r.num_computed_draft >= len(p) for r, p in zip(reqs, prompts))
         k, v = eng.pool.layer_kv(1, 0)
         bs = eng.pool.block_size
-        slots = [torch.tensor([r.blocks[i // bs] * bs + i % bs for i in range(len(p))]) for r, p in zip(reqs, prompts)]
+        slots = [torch.tensor([r.blocks[i // bs] * bs + i % bs for i in range(len(p))], device=device)
+                 for r, p in zip(reqs, prompts)]
         kv[graphed] = [(k.flatten(0, 1)[s], v.flatten(0, 1)[s]) for s in slots]
     for (kg, vg), (ke, ve) in zip(kv[True], kv[False]):
         assert ke.abs().sum() > 0
