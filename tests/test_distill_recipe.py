@@ -272,3 +272,31 @@ def test_help_shows_no_missing_default(capsys):
         main(["distill", "--help"])
     text = capsys.readouterr().out
     assert "MISSING" not in text and "object at 0x" not in text and "--run-seconds" in text
+
+
+@pytest.mark.parametrize("resume_at", [None, 30])
+def test_time_budget_plans_from_steps_past_the_slow_first_ones(resume_at):
+    """A 600 s budget whose first 20 steps take 2 s and the rest 0.5 s (a run's first steps set up kernels and memory):
+    the planned steps fill the budget to within 2% (planning from the first steps alone would fill ~57% of it); a
+    run resumed at step 30 (its own first steps slow again) plans on and still fills it; once a quarter of the budget
+    is spent the plan stays put."""
+    from specdec.training.eagle_train import PROBE_STEPS, EagleState, StepPlanner, plan_steps
+
+    cfg = EagleTrainConfig(out="x", tokens="y", steps=100_000, time_budget=600.0)
+    state, elapsed, run_start, changes = EagleState(planned=cfg.steps), 0.0, 0, []
+    planner = StepPlanner(cfg, state)
+    while state.step < state.planned:
+        if state.step == resume_at:  # a new run: a new planner, its first steps slow again
+            planner, run_start = StepPlanner(cfg, state), state.step
+        seconds = 2.0 if state.step - run_start < PROBE_STEPS else 0.5
+        state.step += 1
+        elapsed += seconds
+        if planner.observe(state, seconds, elapsed):
+            changes.append((state.step, state.planned, elapsed))
+        state.train_seconds = elapsed
+    assert abs(elapsed - 600) <= 12, (elapsed, changes)
+    assert len(changes) >= 2 and all(spent <= 1.5 * 0.25 * 600 for _, _, spent in changes)
+    assert planner.next is None and not planner.timing
+    first_only = plan_steps(cfg, PROBE_STEPS, 40.0, [2.0] * 10)  # the plan of the first 20 steps alone
+    assert 40 + (first_only - PROBE_STEPS) * 0.5 < 0.6 * 600
+    assert not StepPlanner(EagleTrainConfig(out="x", tokens="y"), EagleState()).timing  # no budget: no timing

@@ -6,10 +6,11 @@ draft vocabulary and the features), the draft runs ``unroll`` steps (``training.
 AdamW minimises the KL (``eagle_unroll.LossMix``: at temperature 1, optionally mixed with the KL at a
 sampling temperature). Batch ``s`` and the learning rate of step ``s`` are pure functions of (seed, s)
 and the planned step count, so a run resumed from ``OUT/ckpt.pt`` continues exactly. With
-``time_budget`` (seconds over all runs) the planned step count is fixed after ``PROBE_STEPS`` timed
-steps and stored; ``run_seconds`` ends one run early (checkpointed), so a budget can be spent over
-several runs. ``init_from`` starts from a trained eagle draft (``training.eagle_init``) instead of a fresh one, at
-a lower default peak learning rate; its validation figures before the first step open the record.
+``time_budget`` (seconds over all runs) the planned step count is fitted to the budget from timed steps
+until a quarter of it is spent (``StepPlanner``) and stored; ``run_seconds`` ends one run early
+(checkpointed), so a budget can be spent over several runs. ``init_from`` starts from a trained eagle
+draft (``training.eagle_init``) instead of a fresh one, at a lower default peak learning rate; its
+validation figures before the first step open the record.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from specdec.training.schedule import (
     warmup_cosine,
 )
 
-PROBE_STEPS = 20  # steps timed before a time budget fixes the planned step count
+PROBE_STEPS = 20  # steps a run times before a time budget first plans the step count
+REPLAN_UNTIL = 0.25  # the step count is planned again at doubling intervals until this fraction of the budget is spent
 LOG_EVERY = 10
 DRAFT_VOCAB = 24576  # the most frequent target tokens; ~98% of held-out ShareGPT assistant tokens
 LR = 1e-3  # peak learning rate of a fresh draft
@@ -168,11 +170,43 @@ def lr_at(step: int, cfg: EagleTrainConfig, planned: int) -> float:
 
 
 def plan_steps(cfg: EagleTrainConfig, step: int, elapsed: float, recent: list[float]) -> int:
-    """The planned step count once ``PROBE_STEPS`` steps are timed: what fits the time budget (at the
-    recent mean step time), at least ``step`` and at most ``cfg.steps``."""
+    """The planned step count after timed steps: what fits the time budget (at the recent mean step time), at
+    least ``step`` and at most ``cfg.steps``."""
     per_step = sum(recent) / len(recent)
     fit = step + int(max(0.0, cfg.time_budget - elapsed) / per_step)
     return max(step, min(cfg.steps, fit))
+
+
+class StepPlanner:
+    """Fits ``state.planned`` to ``cfg.time_budget`` from timed steps: once a run has timed ``PROBE_STEPS`` steps (the
+    later half of them), then from the steps since, at doubling intervals, while less than ``REPLAN_UNTIL`` of the
+    budget is spent (later the learning-rate schedule's horizon stays put). A run's first steps are the slowest (kernels
+    and memory set up for new shapes): planned from them alone, a 600 s budget once got 756 steps that took 318 s.
+    Without a time budget it plans nothing."""
+
+    def __init__(self, cfg: EagleTrainConfig, state: EagleState) -> None:
+        self.cfg, self.gap, self.times, self.first = cfg, PROBE_STEPS, [], True
+        budget = cfg.time_budget
+        early = budget is not None and (state.step == 0 or state.train_seconds < REPLAN_UNTIL * budget)
+        self.next = state.step + PROBE_STEPS if early else None
+
+    @property
+    def timing(self) -> bool:
+        """Whether steps are timed now (each then waits for the device, so that its time is its own)."""
+        return self.next is not None
+
+    def observe(self, state: EagleState, seconds: float, elapsed: float) -> bool:
+        """One more step done in ``seconds`` (``elapsed``: training seconds over all runs); True when it planned."""
+        if self.next is None:
+            return False
+        self.times.append(seconds)
+        if state.step < self.next:
+            return False
+        recent = self.times[len(self.times) // 2:] if self.first else self.times
+        state.planned = plan_steps(self.cfg, state.step, elapsed, recent)
+        self.gap, self.times, self.first = 2 * self.gap, [], False
+        self.next = state.step + self.gap if elapsed < REPLAN_UNTIL * self.cfg.time_budget else None
+        return True
 
 
 def split_docs(data: TokenFile, val_docs: int) -> tuple[int, int]:
@@ -283,8 +317,8 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile, init: dict | No
     if init is not None and state.step == 0 and num_val:
         state.val.append({"step": 0, **evaluate(cfg, target, draft, data, list(range(num_train, num_train + num_val)))})
     lengths = tuple(min(int(n), cfg.max_len) for n in data.lengths()[:num_train])
-    budget_open = cfg.time_budget is not None and state.step < PROBE_STEPS
-    t0, base, pending, times = time.perf_counter(), state.train_seconds, [], []
+    planner = StepPlanner(cfg, state)
+    t0, base, pending = time.perf_counter(), state.train_seconds, []
     with tqdm(total=state.planned, initial=state.step, desc="distill eagle", unit="step") as bar:
         while state.step < min(state.planned, cfg.stop_after or state.planned):
             ts = time.perf_counter()
@@ -305,13 +339,12 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile, init: dict | No
             state.tokens_seen += int(ids.numel())
             if cfg.time_budget is not None and base + time.perf_counter() - t0 > 1.1 * cfg.time_budget:
                 state.planned = state.step  # the estimate was off: stop at the budget (+10%)
-            if budget_open:
+            if planner.timing:
                 if cfg.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                times.append(time.perf_counter() - ts)
-                if state.step >= PROBE_STEPS:
-                    state.planned = plan_steps(cfg, state.step, base + time.perf_counter() - t0, times[-10:])
-                    bar.total, budget_open = state.planned, False
+                now = time.perf_counter()
+                if planner.observe(state, now - ts, base + now - t0):
+                    bar.total = state.planned
             out_of_time = cfg.run_seconds is not None and time.perf_counter() - t0 >= cfg.run_seconds
             if out_of_time and state.step < state.planned:
                 print(f"distill: --run-seconds {cfg.run_seconds:g} reached at step {state.step}/{state.planned}; "
