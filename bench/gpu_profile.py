@@ -76,8 +76,9 @@ class Steps:
     """Wraps ``engine.step``: counts the steps and, while ``split`` is on, times each one on the host into
     ``prefill`` (steps that ran a prefill chunk: ``drafter.step_prefilled``) or ``decode``, with a cProfile of
     each kind when ``pyprof`` is on (a run whose times are then the profiler's). The prefill part of a step, the
-    draft's prefill and the queueing of the next step run inside ``torch.profiler.record_function`` ranges
-    (``RANGES``), so the profiled run's table gives their host and GPU time."""
+    drafter's own prefill (none with padded steps: the prefill replays write the draft's KV) and the queueing of the
+    next step run inside ``torch.profiler.record_function`` ranges (``RANGES``), so the profiled run's table gives
+    their host and GPU time."""
 
     RANGES = ("specdec::prefill_chunks", "specdec::draft_prefill", "specdec::queue")
 

@@ -13,6 +13,7 @@
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh chisq     (sampling losslessness, 20k samples)
+#   any run after 3 (.whl)             bash bench/gpu_session.sh train_profile (a draft training step by phase)
 #   any run (.whl)                     bash bench/gpu_session.sh kernels   (launch settings of the sampling kernels)
 #   any run (.data/distill/parts/...)  bash bench/gpu_session.sh parts     (training files split to fit a run: joined
 #                                      by the distill round; a piece's run takes one such part too)
@@ -25,7 +26,7 @@
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | chisq | kernels | distill 1|2}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | train_profile | chisq | kernels | distill 1|2}
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
@@ -233,6 +234,15 @@ case "$stage" in
     (cd /tmp && timeout "${CHISQ_LIMIT:-540}" python3 -P "$root/bench/gpu_chisq.py" "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" > "$D/chisq.log" 2>&1)
     echo "chisq exit $?"; grep -h "^chisq\|Error\|error" "$D/chisq.log" | tail -10
+    pack
+    ;;
+  train_profile)  # (.whl, the model assembled or .stage3/p_02 with piece 02) bench/gpu_train_profile.py: a draft
+                  # training step's time by phase and its top operators (TRAIN_STEPS timed steps, default 10)
+    [ -s "$MODEL" ] || assemble
+    install
+    (cd /tmp && timeout "${TRAIN_PROFILE_LIMIT:-150}" python3 -P "$root/bench/gpu_train_profile.py" "$D" "$MODEL" \
+      "${TRAIN_STEPS:-10}" > "$D/train_profile.log" 2>&1)
+    echo "train_profile exit $?"; tail -3 "$D/train_profile.log"
     pack
     ;;
   kernels)  # (.whl) bench/gpu_sampling_kernels.py: block and warps of the sampled rule's filter and token choice
