@@ -176,7 +176,7 @@ suites() {  # the pytest-benchmark suites, compared with the committed baseline 
   local compare=()
   ls "$D"/baselines/Linux-CPython-3.12-64bit/*.json > /dev/null 2>&1 && compare=(--benchmark-compare)
   (cd "$root" && BENCH_MODEL=$MODEL timeout "${SUITES_LIMIT:-500}" python3 -P -m pytest -p no:cacheprovider \
-    bench/bench_steps.py bench/bench_kernels.py bench/bench_decode.py ${BENCH_K:+-k "$BENCH_K"} \
+    bench/bench_steps.py bench/bench_kernels.py bench/bench_decode.py bench/bench_train.py ${BENCH_K:+-k "$BENCH_K"} \
     --benchmark-storage="file://$D/baselines" --benchmark-save=h200 "${compare[@]}" \
     --benchmark-columns=median,iqr,rounds > "$D/suites.log" 2>&1)
   echo "suites exit $?"; tail -n 45 "$D/suites.log"

@@ -155,8 +155,9 @@ def test_runs_cut_by_time_resume_exactly_and_the_record_says_how(setup):
     assert main(args) == 2  # another loss is another run
 
 
-def test_cli_regenerates_and_measures(setup, tmp_path):
+def test_cli_regenerates_and_measures(setup, warm, tmp_path):
     root, target, _, _ = setup
+    init, _ = warm  # (the draft compared against: a fixture's, whatever tests ran before on this worker)
     eos = eos_ids(target.tokenizer, target.config)
     prompt_token_file(root / "text.npz", tmp_path / "p.npz", eos, 1)
     tiny = ["--target", str(root / "target"), "--device", "cpu"]
@@ -170,7 +171,7 @@ def test_cli_regenerates_and_measures(setup, tmp_path):
     prompts = tmp_path / "sets.json"
     prompts.write_text(json.dumps({"a": [[1, 30, 31, 32, 2]] * 2, "b": [[1, 33, 34, 2, 1, 40]]}))
     assert main(["distill", "--kind", "eagle", *tiny, "--measure", str(prompts), "--out", str(tmp_path / "d"),
-                 "--compare", str(root / "cut"), "--tree", "chain:2,dynamic:6", "--measure-new-tokens", "8",
+                 "--compare", str(init), "--tree", "chain:2,dynamic:6", "--measure-new-tokens", "8",
                  "--json", str(tmp_path / "m.json")]) == 0
     report = json.loads((tmp_path / "m.json").read_text())
     assert len(report["draft"]) == len(report["compare"]) == 2 * 2 * 2  # trees x sets x temperatures
@@ -300,3 +301,62 @@ def test_time_budget_plans_from_steps_past_the_slow_first_ones(resume_at):
     first_only = plan_steps(cfg, PROBE_STEPS, 40.0, [2.0] * 10)  # the plan of the first 20 steps alone
     assert 40 + (first_only - PROBE_STEPS) * 0.5 < 0.6 * 600
     assert not StepPlanner(EagleTrainConfig(out="x", tokens="y"), EagleState()).timing  # no budget: no timing
+
+
+def _reference_unrolled_loss(draft, teacher, ids, valid, unroll, decay, mix):
+    """The unrolled loss scored directly (log_softmax of each step's whole logits, autograd through them): what
+    ``unrolled_loss``'s chunked linear KL must equal. Returns the loss and per step (kl, top1, kl_t, overlap)."""
+    from specdec.models.llama import ForwardContext
+    from specdec.training.eagle_unroll import UnrolledBackend, UnrolledBatch, shift_right
+
+    b, s = ids.shape
+    positions = torch.arange(s).repeat(b)
+    ctx = ForwardContext(UnrolledBackend(), UnrolledBatch(b, s), [(None, None)])
+    g = shift_right(draft.fuse(teacher.aux), b, s)
+    rows = valid.reshape(-1).nonzero().squeeze(1)
+    t_logp = teacher.logp[rows]
+    t_logp_t = torch.log_softmax(t_logp / mix.temperature, -1)
+    weights = [decay**k / sum(decay**j for j in range(unroll)) for k in range(unroll)]
+    loss, figures = 0, []
+    for k in range(unroll):
+        h = draft(ids.reshape(-1), positions, ctx, g)
+        logits = draft.compute_logits(h[rows])
+        logp, logp_t = torch.log_softmax(logits, -1), torch.log_softmax(logits / mix.temperature, -1)
+        ok = (positions[rows] >= k).float()
+        n = ok.sum().clamp_min(1)
+        kl = ((t_logp.exp() * (t_logp - logp)).sum(-1) * ok).sum() / n
+        kl_t = ((t_logp_t.exp() * (t_logp_t - logp_t)).sum(-1) * ok).sum() / n
+        loss = loss + weights[k] * ((1 - mix.sampled_weight) * kl + mix.sampled_weight * kl_t)
+        overlap = (torch.minimum(t_logp_t.exp(), logp_t.exp()).sum(-1) * ok).sum() / n
+        top1 = ((logp.argmax(-1) == t_logp.argmax(-1)).float() * ok).sum() / n
+        figures.append(torch.stack([kl.detach(), top1, kl_t.detach(), overlap.detach()]))
+        g = shift_right(h, b, s)
+    return loss, figures
+
+
+@pytest.mark.parametrize("chunk", [4, 8192])
+@pytest.mark.parametrize("mix", [LossMix(), LossMix(0.7, 0.5), LossMix(0.5, 1.0)])
+def test_chunked_linear_kl_equals_scoring_whole_logits(setup, mix, chunk, monkeypatch):
+    """The loss scored chunk by chunk through the frozen head (its gradient made in the forward) equals scoring each
+    step's whole logits with autograd through them: the loss, every trained tensor's gradient and the per-step
+    figures (float32), in chunks of 4 scored rows (several per step) or one; a trainable head is refused."""
+    import specdec.training.linear_kl as lk
+
+    monkeypatch.setattr(lk, "LOSS_CHUNK", chunk)
+    _, target, _, _ = setup
+    draft, teacher, ids, valid = _teacher_and_draft(target, seed=2)
+    trained = [p for p in draft.parameters() if p.requires_grad]
+    want, figures = _reference_unrolled_loss(draft, teacher, ids, valid, 3, 0.8, mix)
+    want_grads = torch.autograd.grad(want, trained)
+    got = unrolled_loss(draft, teacher, ids, valid, 3, 0.8, mix, measure=True)
+    grads = torch.autograd.grad(got.loss, trained)
+    torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
+    assert len(grads) > 5 and all(g.abs().sum() > 0 for g in grads)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    for k, want_k in enumerate(figures):
+        torch.testing.assert_close(torch.stack([got.kl[k], got.top1[k], got.kl_t[k], got.overlap_t[k]]), want_k,
+                                   rtol=1e-5, atol=1e-6)
+    draft.lm_head.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="frozen LM head"):
+        unrolled_loss(draft, teacher, ids, valid, 3, 0.8, mix)

@@ -19,6 +19,7 @@ from specdec.attention.base import AttentionBackend
 from specdec.models.eagle import EagleDraft
 from specdec.models.llama import ForwardContext, LlamaForCausalLM
 from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
+from specdec.training.linear_kl import Teacher, linear_kl
 
 
 @dataclass
@@ -117,11 +118,6 @@ class UnrolledLoss:
     overlap_t: list[torch.Tensor] = field(default_factory=list)
 
 
-def _kl(t_logp: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || draft) per row (n,) of log-probabilities (n, N)."""
-    return (t_logp.exp() * (t_logp - logp)).sum(-1)
-
-
 def unrolled_loss(draft: EagleDraft, teacher: TeacherOut, ids: torch.Tensor, valid: torch.Tensor, unroll: int,
                   decay: float, mix: LossMix = LossMix(), measure: bool = False) -> UnrolledLoss:
     """The ``mix`` loss at the ``valid`` (B, S) positions for steps 0..unroll-1, step k weighted ``decay ** k``
@@ -132,31 +128,22 @@ def unrolled_loss(draft: EagleDraft, teacher: TeacherOut, ids: torch.Tensor, val
     g = shift_right(draft.fuse(teacher.aux), b, s)  # (B*S, hidden)
     rows = valid.reshape(-1).nonzero().squeeze(1)  # (n,) the scored positions
     pos = positions[rows]  # (n,)
-    t_logp = teacher.logp[rows]  # (n, N)
-    t_top = t_logp.argmax(-1)  # (n,)
     sampled = mix.sampled_weight > 0 or measure
-    t_logp_t = torch.log_softmax(t_logp / mix.temperature, -1) if sampled else None  # (n, N)
+    t = Teacher.of(teacher.logp[rows], mix.temperature if sampled else None)  # (the constants of every step)
     weights = [decay**k / sum(decay**j for j in range(unroll)) for k in range(unroll)]
     out = UnrolledLoss(torch.zeros((), device=ids.device), [], [], [])
     for k in range(unroll):
         h = draft(ids.reshape(-1), positions, ctx, g)  # (B*S, hidden)
-        logits = draft.compute_logits(h[rows])  # (n, N)
-        logp = torch.log_softmax(logits, -1)  # (n, N)
         ok = (pos >= k).float()  # (n,)
-        n = ok.sum().clamp_min(1)
-        kl = (_kl(t_logp, logp) * ok).sum() / n
-        loss = kl
-        if sampled:
-            logp_t = torch.log_softmax(logits / mix.temperature, -1)  # (n, N)
-            kl_t = (_kl(t_logp_t, logp_t) * ok).sum() / n
-            loss = (1 - mix.sampled_weight) * kl + mix.sampled_weight * kl_t
-            if measure:
-                out.kl_t.append(kl_t.detach())
-                overlap = torch.minimum(t_logp_t.exp(), logp_t.exp()).sum(-1)  # (n,)
-                out.overlap_t.append((overlap * ok).sum().detach() / n)
+        n = ok.sum().clamp_min(1).detach()
+        loss, per_row = linear_kl(draft.norm(h[rows]), draft.lm_head, t, ok / n, mix.temperature,
+                                  mix.sampled_weight, measure)  # (the logits of ``compute_logits``, chunk by chunk)
         out.loss = out.loss + weights[k] * loss
-        out.kl.append(kl.detach())
-        out.top1.append(((logp.argmax(-1) == t_top).float() * ok).sum().detach() / n)
-        out.count.append(n.detach())
+        out.kl.append((per_row.kl * ok).sum() / n)
+        out.top1.append(((per_row.top == t.top).float() * ok).sum() / n)
+        out.count.append(n)
+        if measure:
+            out.kl_t.append((per_row.kl_t * ok).sum() / n)
+            out.overlap_t.append((per_row.overlap_t * ok).sum() / n)
         g = shift_right(h, b, s)
     return out
