@@ -1,4 +1,4 @@
-"""The draft training loss of a chunk of rows in one launch (its torch reference: ``specdec.training.linear_kl``).
+"""The draft training loss of a chunk of rows in one launch (``specdec.training.linear_kl``), and its torch reference.
 
 Per row of draft logits z (the draft vocabulary, bf16 under autocast) and teacher log-probabilities t (float32): the
 KL at temperature 1 and at T, the draft's top token, and the gradient of the mixed loss with respect to z. In torch
@@ -88,10 +88,7 @@ def _kl_rows_kernel(z_ptr, t_ptr, negent_ptr, lse_tt_ptr, negent_t_ptr, w_ptr, k
 def kl_rows_triton(z: torch.Tensor, t_logp: torch.Tensor, negent: torch.Tensor, lse_t: torch.Tensor | None,
                    negent_t: torch.Tensor | None, row_w: torch.Tensor, temperature: float, sampled_weight: float,
                    grad: bool, measure: bool, block: int = 2048):
-    """``specdec.training.linear_kl.kl_rows_reference``'s promise over the fields of its ``Teacher`` (``t_logp``
-    (c, N) float32, ``negent``, and ``lse_t``, ``negent_t`` (c,) or None without the temperature's terms), one launch
-    with one program per row: (kl, top, kl_t or None, overlap or None) (c,) each, and the gradient (c, N) in z's dtype
-    with ``grad`` (else None)."""
+    """``kl_rows_reference``'s promise, one launch with one program per row (``t_logp`` float32, contiguous rows)."""
     check_tensor("z", z, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     c, n = z.shape
     check_tensor("t_logp", t_logp, shape=(c, n), dtypes=(torch.float32,), device=z.device, last_dim_contiguous=True)
@@ -117,3 +114,30 @@ def kl_rows_triton(z: torch.Tensor, t_logp: torch.Tensor, negent: torch.Tensor, 
                               sampled_weight / temperature, SAMPLED=sampled, GRAD=grad, MEASURE=measure, BLOCK=block,
                               NO_INDEX=_NO_INDEX, num_warps=8 if block >= 2048 else 4)
     return kl, top, kl_t if sampled else None, overlap if measure else None, dz if grad else None
+
+
+def kl_rows_reference(z: torch.Tensor, t_logp: torch.Tensor, negent: torch.Tensor, lse_t: torch.Tensor | None,
+                      negent_t: torch.Tensor | None, row_w: torch.Tensor, temperature: float, sampled_weight: float,
+                      grad: bool, measure: bool):
+    """Per row of logits ``z`` (c, N) (any float dtype; scored in float32) against teacher log-probabilities
+    ``t_logp`` (c, N) with sum p log p ``negent`` (c,), and at temperature T the log-normaliser of t_logp / T
+    ``lse_t`` and sum p_T log p_T ``negent_t`` (c,) (None: no temperature terms): (the KL at temperature 1, the top
+    token (first maximum), the KL at T or None, the overlap sum min(p_T, q_T) with ``measure`` or None) (c,) each,
+    and with ``grad`` the gradient of sum(row_w * ((1 - w) KL + w KL_T)) (w = ``sampled_weight``) with respect to z,
+    in z's dtype (else None)."""
+    dtype, z = z.dtype, z.float()
+    p = t_logp.exp()
+    lse = torch.logsumexp(z, -1)
+    kl = negent + lse - (p * z).sum(-1)
+    top = z.argmax(-1)
+    dz = (torch.exp(z - lse[:, None]) - p) * (1 - sampled_weight) if grad else None
+    if lse_t is None:
+        return kl, top, None, None, None if dz is None else (dz * row_w[:, None]).to(dtype)
+    zt = z / temperature
+    lse_zt = torch.logsumexp(zt, -1)
+    p_t = torch.exp(t_logp / temperature - lse_t[:, None])
+    q_t = torch.exp(zt - lse_zt[:, None])
+    kl_t = negent_t + lse_zt - (p_t * zt).sum(-1)
+    if grad:
+        dz = ((dz + (q_t - p_t) * (sampled_weight / temperature)) * row_w[:, None]).to(dtype)
+    return kl, top, kl_t, torch.minimum(p_t, q_t).sum(-1) if measure else None, dz

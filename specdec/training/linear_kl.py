@@ -9,8 +9,8 @@ the gradient with respect to the draft's states is made in the forward (the head
     KL(p || softmax(z)) = sum p log p + logsumexp(z) - p.z          gradient softmax(z) - p
     KL(p_T || softmax(z / T))                                        gradient (softmax(z / T) - p_T) / T
 
-``kl_rows_reference`` scores one chunk in torch; ``kernels.kl_rows.kl_rows_triton`` is the same in one launch that
-reads the logits and the teacher twice and writes the gradient once (CUDA).
+``kernels.kl_rows`` scores one chunk: in torch (``kl_rows_reference``), or on CUDA in one launch that reads the logits
+and the teacher twice and writes the gradient once (``kl_rows_triton``).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from specdec.kernels.kl_rows import kl_rows_reference, kl_rows_triton
 
 LOSS_CHUNK = 8192  # scored rows per chunk: their logits and gradient (chunk, N) are the largest tensors made
 
@@ -65,40 +67,16 @@ class RowLoss(NamedTuple):
     overlap_t: torch.Tensor | None
 
 
-def kl_rows_reference(z: torch.Tensor, teacher: Teacher, row_w: torch.Tensor, temperature: float,
-                      sampled_weight: float, grad: bool, measure: bool) -> tuple[RowLoss, torch.Tensor | None]:
-    """The row losses of logits ``z`` (c, N) (any float dtype; scored in float32) against ``teacher``'s rows, and
-    with ``grad`` the gradient of ``sum(row_w * loss)`` with respect to ``z`` (c, N) in z's dtype. The temperature's
-    figures are made when the teacher has them (``Teacher.lse_t``); ``measure`` adds the overlap."""
-    dtype, z = z.dtype, z.float()
-    p = teacher.logp.exp()
-    lse = torch.logsumexp(z, -1)
-    kl = teacher.negent + lse - (p * z).sum(-1)
-    top = z.argmax(-1)
-    dz = (torch.exp(z - lse[:, None]) - p) * (1 - sampled_weight) if grad else None
-    if teacher.lse_t is None:
-        return RowLoss(kl, top, None, None), None if dz is None else (dz * row_w[:, None]).to(dtype)
-    zt = z / temperature
-    lse_t = torch.logsumexp(zt, -1)
-    p_t = torch.exp(teacher.logp / temperature - teacher.lse_t[:, None])
-    q_t = torch.exp(zt - lse_t[:, None])
-    kl_t = teacher.negent_t + lse_t - (p_t * zt).sum(-1)
-    if grad:
-        dz = ((dz + (q_t - p_t) * (sampled_weight / temperature)) * row_w[:, None]).to(dtype)
-    return RowLoss(kl, top, kl_t, torch.minimum(p_t, q_t).sum(-1) if measure else None), dz
-
-
 def kl_rows(z: torch.Tensor, teacher: Teacher, row_w: torch.Tensor, temperature: float, sampled_weight: float,
             grad: bool, measure: bool) -> tuple[RowLoss, torch.Tensor | None]:
-    """``kl_rows_reference``'s promise: the Triton kernel on CUDA (the gradient in z's dtype), the reference
-    elsewhere."""
-    if z.is_cuda:
-        from specdec.kernels.kl_rows import kl_rows_triton
-
-        *rows, dz = kl_rows_triton(z, teacher.logp, teacher.negent, teacher.lse_t, teacher.negent_t, row_w,
-                                   temperature, sampled_weight, grad, measure)
-        return RowLoss(*rows), dz
-    return kl_rows_reference(z, teacher, row_w, temperature, sampled_weight, grad, measure)
+    """The row losses of logits ``z`` (c, N) (any float dtype; scored in float32) against ``teacher``'s rows (the
+    temperature's figures when it has them, the overlap with ``measure``), and with ``grad`` the gradient of
+    ``sum(row_w * loss)`` with respect to z, in z's dtype: ``kernels.kl_rows.kl_rows_triton`` on CUDA,
+    ``kl_rows_reference`` elsewhere."""
+    fn = kl_rows_triton if z.is_cuda else kl_rows_reference
+    *rows, dz = fn(z, teacher.logp, teacher.negent, teacher.lse_t, teacher.negent_t, row_w, temperature,
+                   sampled_weight, grad, measure)
+    return RowLoss(*rows), dz
 
 
 class _LinearKL(torch.autograd.Function):
