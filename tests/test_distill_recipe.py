@@ -360,3 +360,16 @@ def test_chunked_linear_kl_equals_scoring_whole_logits(setup, mix, chunk, monkey
     draft.lm_head.weight.requires_grad_(True)
     with pytest.raises(ValueError, match="frozen LM head"):
         unrolled_loss(draft, teacher, ids, valid, 3, 0.8, mix)
+
+
+def test_time_budget_plans_the_run_through_the_cli(setup, capsys):
+    """``--time-budget`` through the CLI: the step count is planned from timed steps (far below ``--steps``) and the
+    run ends exactly at its plan with the draft written."""
+    root, _, _, _ = setup
+    out = root / "budget"
+    args = ["distill", "--target", str(root / "target"), "--tokens", str(root / "regen.npz"),
+            *_args(**{"--steps": "100000", "--ckpt-every": "1000"}), "--time-budget", "3", "--out", str(out)]
+    assert main(args) == 0
+    state = _ckpt(out)["state"]
+    assert 20 <= state["planned"] < 100000 and state["step"] == state["planned"]
+    assert (out / "model.safetensors").exists()
