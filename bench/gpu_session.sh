@@ -128,26 +128,30 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
   local sd=(python3 -P -m specdec.cli distill --kind eagle --target "$MODEL" --device "${DEVICE:-cuda}")
   mkdir -p "$work"
   export TQDM_MININTERVAL=${TQDM_MININTERVAL:-20} PYTHONUNBUFFERED=1
+  # the regenerated replies: regen.npz (from prompt conversation 0), and regen_K.npz of a later session that went on
+  # from conversation K (REGEN_START=K); training reads every regen*.npz there, in name order
+  local regen="$work/regen${REGEN_START:+_$REGEN_START}.npz" tokens p n
   [ -f "$work/regen.npz" ] || [ ! -f "$root/.data/distill/regen.npz" ] || cp "$root/.data/distill/regen.npz" "$work/"
-  join_parts regen.npz "$work/regen.npz"
+  for p in "$work"/regen*.npz.part00; do [ -e "$p" ] || continue; n=${p##*/}; join_parts "${n%.part00}" "$work/${n%.part00}"; done
   join_parts ckpt.pt "$work/draft/ckpt.pt"  # a checkpoint of an earlier session's round: --resume goes on exactly
-  [ -f "$work/regen.npz" ] && echo "regen: training on $work/regen.npz ($(du -m "$work/regen.npz" | cut -f1) MB)"
-  if [ "$part" = 1 ] && [ ! -f "$work/regen.npz" ]; then
+  if [ "$part" = 1 ] && [ ! -f "$regen" ]; then
     local prompts=${DISTILL_PROMPTS:-$root/.data/distill/prompts.npz}
     [ -f "$prompts" ] || prompts="$work/prompts.npz"
-    timeout "${REGEN_LIMIT:-330}" "${sd[@]}" --regenerate "$prompts" --write-tokens "$work/regen.npz" --max-len 1024 \
+    timeout "${REGEN_LIMIT:-330}" "${sd[@]}" --regenerate "$prompts" --write-tokens "$regen" --max-len 1024 \
       --max-turns "${DISTILL_TURNS:-3}" --regen-temperatures "${REGEN_TEMPERATURES:-0,0.7}" \
       --regen-new-tokens "${REGEN_NEW_TOKENS:-256}" --regen-seconds "${REGEN_SECONDS:-270}" \
-      --regen-batch "${REGEN_BATCH:-256}" > "$D/regen.log" 2>&1
+      --regen-batch "${REGEN_BATCH:-256}" ${REGEN_START:+--regen-start "$REGEN_START"} > "$D/regen.log" 2>&1
     echo "regen exit $?"; grep "^distill" "$D/regen.log"
-    [ -f "$work/regen.npz" ] && split -b 15000000 -d "$work/regen.npz" "$OUT/regen.npz.part"  # kept if the machine goes
+    [ -f "$regen" ] && split -b 15000000 -d "$regen" "$OUT/${regen##*/}.part"  # kept if the machine goes
   fi
-  [ -f "$work/regen.npz" ] || { echo "no $work/regen.npz: run distill 1 first"; return 1; }
+  tokens=$(ls "$work"/regen*.npz 2> /dev/null | sort | paste -sd, -)
+  [ -n "$tokens" ] || { echo "no $work/regen*.npz: run distill 1 first"; return 1; }
+  echo "regen: training on $tokens ($(du -cm "$work"/regen*.npz | tail -1 | cut -f1) MB)"
   # this run's training seconds: what is left of DISTILL_LIMIT after loading (~40 s) and, in part 2, the measurement
   left=$(( ${DISTILL_LIMIT:-560} - SECONDS - 40 - (part == 2 ? ${MEASURE_RESERVE:-200} : 0) ))
   [ "$left" -gt 10 ] || { echo "only ${left}s left for training; run distill $part again"; return 1; }
   echo "train: from ${init:-a fresh draft}, peak lr ${LR:-the default}, ${left}s of TRAIN_SECONDS ${TRAIN_SECONDS:-480}"
-  timeout $(( left + 120 )) "${sd[@]}" --dtype "${DTYPE:-bfloat16}" --tokens "$work/regen.npz" --out "$work/draft" \
+  timeout $(( left + 120 )) "${sd[@]}" --dtype "${DTYPE:-bfloat16}" --tokens "$tokens" --out "$work/draft" \
     --target-name "${TARGET_NAME:-smollm2-135m}" --resume --run-seconds "$left" --time-budget "${TRAIN_SECONDS:-480}" \
     --steps 1000000 --warmup-steps 100 --unroll "${UNROLL:-6}" --step-decay "${STEP_DECAY:-0.8}" \
     --sampled-weight "${SAMPLED_WEIGHT:-0.5}" --loss-temperature 0.7 --batch-tokens "${BATCH_TOKENS:-32768}" \

@@ -373,3 +373,26 @@ def test_time_budget_plans_the_run_through_the_cli(setup, capsys):
     state = _ckpt(out)["state"]
     assert 20 <= state["planned"] < 100000 and state["step"] == state["planned"]
     assert (out / "model.safetensors").exists()
+
+
+def test_cli_regenerates_from_a_start_and_trains_on_two_files(setup, tmp_path):
+    """``--regen-start K`` regenerates from prompt conversation K on; ``--tokens A,B`` trains on both files as one,
+    and the record names both and keeps each file's figures."""
+    root, target, _, _ = setup
+    prompt_token_file(root / "text.npz", tmp_path / "p.npz", eos_ids(target.tokenizer, target.config), 1)
+    tiny = ["--target", str(root / "target"), "--device", "cpu"]
+    regen = [*tiny, "--regenerate", str(tmp_path / "p.npz"), "--regen-new-tokens", "6", "--regen-batch", "8"]
+    assert main(["distill", "--kind", "eagle", *regen, "--write-tokens", str(tmp_path / "b.npz"),
+                 "--regen-start", "10"]) == 0
+    later = load_token_file(tmp_path / "b.npz")
+    assert later.num_docs > 0 and min(later.meta["source_docs"]) >= 10
+    both = f"{root / 'regen.npz'},{tmp_path / 'b.npz'}"
+    assert main(["distill", "--target", str(root / "target"), "--tokens", both,
+                 *_args(**{"--steps": "2", "--val-docs": "2"}), "--out", str(tmp_path / "d")]) == 0
+    rec = json.loads((tmp_path / "d" / "specdec_draft.json").read_text())["training"]
+    assert rec["tokens_file"] == "regen.npz,b.npz"
+    assert [f["num_docs"] for f in rec["data"]["files"]] == [load_token_file(root / "regen.npz").num_docs,
+                                                             later.num_docs]
+    assert rec["train_conversations"] + rec["val_conversations"] == rec["data"]["num_docs"]
+    assert main(["distill", "--kind", "eagle", *regen, "--write-tokens", str(tmp_path / "c.npz"),
+                 "--regen-start", "100000"]) == 2  # past the prompts: an error, not an empty file

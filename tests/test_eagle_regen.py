@@ -155,3 +155,33 @@ def test_a_reply_that_ends_itself_is_followed_by_the_newline_only():
     doc = _Doc(0, ids, assistant_runs(mask), [1, 5, 5], [False] * 3)
     _append_reply(doc, [30, eos], {eos}, cfg, max_len=10)  # the next turn would not fit: finished
     assert doc.turn == -1 and doc.out == [1, 5, 5, 30, eos]
+
+
+def test_a_later_run_regenerates_from_where_an_earlier_one_stopped(setup):
+    """``first_doc``: a run from source conversation 5 regenerates exactly what a run over all of them wrote for
+    conversations 5 on (greedy, so the replies are the same), and the two files load as one token file: the first's
+    conversations, then the second's, with each file's record."""
+    from specdec.training.eagle_data import load_token_files
+    from specdec.training.eagle_distill import data_record
+
+    root, target, text, _ = setup
+    cfg = RegenConfig(max_new_tokens=4, temperatures=(0.0,), max_docs=9, chunk=3)
+    whole = regenerate_token_file(target, text, root / "whole.npz", cfg, ENGINE)
+    head = regenerate_token_file(target, text, root / "head.npz", RegenConfig(**{**vars(cfg), "max_docs": 5}), ENGINE)
+    tail = regenerate_token_file(target, text, root / "tail.npz", RegenConfig(**{**vars(cfg), "first_doc": 5,
+                                                                                  "max_docs": 4}), ENGINE)
+    assert head.meta["source_docs"] == [d for d in whole.meta["source_docs"] if d < 5]
+    assert tail.meta["source_docs"] == [d for d in whole.meta["source_docs"] if d >= 5] and tail.num_docs > 0
+    both = load_token_files(f"{root / 'head.npz'}, {root / 'tail.npz'}")
+    assert both.num_docs == whole.num_docs and np.array_equal(both.lengths(), whole.lengths())
+    for i in range(whole.num_docs):
+        assert all(np.array_equal(a, b) for a, b in zip(both.doc(i), whole.doc(i))), i
+    record = data_record(both.meta)
+    assert [f["num_docs"] for f in record["files"]] == [head.num_docs, tail.num_docs]
+    assert load_token_files(str(root / "whole.npz")).meta == whole.meta  # one file: itself
+    with pytest.raises(ValueError, match="first_doc"):
+        RegenConfig(first_doc=-1)
+    with pytest.raises(ValueError, match="from number 99"):
+        regenerate_token_file(target, text, root / "none.npz", RegenConfig(**{**vars(cfg), "first_doc": 99}), ENGINE)
+    with pytest.raises(ValueError, match="empty file name"):
+        load_token_files(f"{root / 'head.npz'},")

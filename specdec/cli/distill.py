@@ -16,11 +16,11 @@ LAYER_ONLY = ("layers", "init_layers", "data", "num_prompts", "val_prompts", "re
 EAGLE_ONLY = ("tokens", "init_from", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len", "batch_tokens",
               "time_budget", "val_docs", "loss_on", "write_tokens", "num_tokens", "split", "target_name", "run_seconds",
               "loss_temperature", "sampled_weight", "prompts_only", "max_turns", "regenerate", "regen_temperatures",
-              "top_p", "regen_new_tokens", "regen_seconds", "regen_batch", "measure", "compare", "tree",
+              "top_p", "regen_new_tokens", "regen_seconds", "regen_batch", "regen_start", "measure", "compare", "tree",
               "measure_temperatures", "measure_new_tokens", "measure_prompts", "json")
 # the eagle modes besides training, each with the options only it reads (--max-turns and --top-p are shared)
 MODES = {"write_tokens": ("num_tokens", "split", "prompts_only"),
-         "regenerate": ("regen_temperatures", "regen_new_tokens", "regen_seconds", "regen_batch"),
+         "regenerate": ("regen_temperatures", "regen_new_tokens", "regen_seconds", "regen_batch", "regen_start"),
          "measure": ("compare", "tree", "measure_temperatures", "measure_new_tokens", "measure_prompts", "json")}
 SHARED = {"max_turns": ("prompts_only", "regenerate"), "top_p": ("regenerate", "measure")}
 
@@ -47,7 +47,9 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--temperature", type=float, default=None, help="[layers] data generation (0 = greedy)")
     add("--gen-batch-size", type=int, default=None, help="[layers] engine batch for generation")
     add("--batch-size", type=int, default=None, help="[layers] sequences per training step")
-    add("--tokens", default=None, help="[eagle] token file (.npz) written by --write-tokens (required to train)")
+    add("--tokens", default=None,
+        help="[eagle] token file (.npz) written by --write-tokens, or several joined by commas, trained on as one "
+             "(required to train)")
     add("--init-from", default=None, metavar="DRAFT",
         help="[eagle] start from this trained eagle draft of the same target (a draft folder or smollm2-135m-draft) "
              "instead of a fresh one: its weights, draft vocabulary and aux layers; --lr defaults lower "
@@ -97,6 +99,9 @@ def add_distill_parser(sub, add_model_args) -> None:
         help="[eagle] no new chunk of conversations is regenerated past these seconds of the run, loading "
              "included (default: none)")
     add("--regen-batch", type=int, default=None, help="[eagle] engine rows while regenerating (default: 64)")
+    add("--regen-start", type=int, default=None, metavar="K",
+        help="[eagle] regenerate from SRC's conversation K on (an earlier file's source_docs end below K; train on "
+             "both with --tokens A.npz,B.npz) (default: 0)")
     add("--measure", default=None, metavar="PROMPTS[,PROMPTS]",
         help="[eagle] measure the draft folder --out: mean accepted length on these prompt sets (mtbench, sharegpt, "
              ".jsonl prompt files, .json of token ids by set), written into its record (default: none)")
@@ -255,6 +260,7 @@ def _regenerate(args) -> int:
     cfg = RegenConfig(**{k: v for k, v in {
         "max_new_tokens": args.regen_new_tokens, "temperatures": args.regen_temperatures, "top_p": args.top_p,
         "max_turns": args.max_turns, "max_len": args.max_len, "time_budget": args.regen_seconds,
+        "first_doc": args.regen_start,
         "seed": args.seed}.items() if v is not None})
     batch = args.regen_batch or 64
     engine = SpecConfig(device=device, dtype=dtype, max_batch_size=batch, max_num_tokens=max(2048, 16 * batch))

@@ -114,6 +114,25 @@ def load_token_file(path: str | Path) -> TokenFile:
     return TokenFile(tokens, offsets, mask, meta)
 
 
+def load_token_files(paths: str) -> TokenFile:
+    """The token files ``paths`` (one path, or several joined by commas) as one: their conversations in order (the
+    validation tail is the last file's). Several files' ``meta`` is ``{"files": [each file's meta], "num_docs",
+    "num_tokens"}`` (and ``prompts_only`` when any file holds prompts only)."""
+    names = [p.strip() for p in str(paths).split(",")]
+    if not all(names):
+        raise ValueError(f"--tokens {paths!r}: an empty file name between commas")
+    files = [load_token_file(p) for p in names]
+    if len(files) == 1:
+        return files[0]
+    sizes = np.cumsum([0] + [len(f.tokens) for f in files[:-1]])
+    offsets = np.concatenate([files[0].offsets[:1]] + [f.offsets[1:] + s for f, s in zip(files, sizes)])
+    meta = {"files": [f.meta for f in files], "num_docs": len(offsets) - 1, "num_tokens": int(offsets[-1])}
+    if any(f.meta.get("prompts_only") for f in files):
+        meta["prompts_only"] = True
+    return TokenFile(np.concatenate([f.tokens for f in files]), offsets, np.concatenate([f.assistant for f in files]),
+                     meta)
+
+
 def build_token_file(path: str | Path, tokenizer, split: str, max_tokens: int, max_len: int,
                      sharegpt_path: str | Path | None = None, target: str = "") -> TokenFile:
     """Tokenise ShareGPT ``split`` conversations in file order until ``max_tokens`` tokens; write and

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from specdec.loading.registry import DTYPES
-from specdec.training.eagle_data import TokenFile, coverage, load_token_file, top_vocab
+from specdec.training.eagle_data import TokenFile, coverage, load_token_files, top_vocab
 from specdec.training.eagle_train import EagleState, EagleTrainConfig, config_record, evaluate, split_docs, train
 
 COVERAGE_SIZES = (4096, 8192, 16384, 24576, 32768)
@@ -54,7 +54,7 @@ def distill_eagle(cfg: EagleTrainConfig, target=None) -> EagleResult:
     t0 = time.perf_counter()
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    data = load_token_file(cfg.tokens)
+    data = load_token_files(cfg.tokens)
     if data.meta.get("prompts_only"):
         raise ValueError(f"{cfg.tokens} holds prompts only (each reply cut to its closing tokens): regenerate its "
                          "replies first (specdec distill --kind eagle --regenerate)")
@@ -95,7 +95,7 @@ def _record(cfg: EagleTrainConfig, data: TokenFile, state: EagleState, cov: dict
         "train_conversations": num_train,
         "val_conversations": num_val, "draft_vocab": cov,
         "options": {k: v for k, v in config_record(cfg).items() if k not in RUN_ONLY},
-        "tokens_file": Path(cfg.tokens).name,
+        "tokens_file": ",".join(Path(p.strip()).name for p in cfg.tokens.split(",")),
         "steps": state.step, "planned_steps": state.planned, "tokens_seen": state.tokens_seen,
         "loss": loss_text(cfg),
         "loss_curve": loss_curve(state.losses), "val": state.val, "device": device,
@@ -114,7 +114,10 @@ def loss_text(cfg: EagleTrainConfig) -> str:
 
 
 def data_record(meta: dict) -> dict:
-    """A token file's metadata for the record: per-conversation lists (``source_docs``, ``turns``) become counts."""
+    """A token file's metadata for the record: per-conversation lists (``source_docs``, ``turns``) become counts;
+    several files' (``load_token_files``) give one record each."""
+    if "files" in meta:
+        return {**{k: v for k, v in meta.items() if k != "files"}, "files": [data_record(m) for m in meta["files"]]}
     out = {k: v for k, v in meta.items() if not isinstance(v, list)}
     if "turns" in meta:
         out["replies"] = int(sum(meta["turns"]))

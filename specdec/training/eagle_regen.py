@@ -27,7 +27,9 @@ class RegenConfig:
     """How replies are regenerated. ``max_len``: a turn is generated only if the conversation so far
     plus ``max_new_tokens`` fits (None: the source file's ``max_len``). ``temperatures``: one new conversation per
     source conversation and temperature (0: greedy; sampled ones use ``top_p``). ``time_budget``: no new chunk of
-    ``chunk`` source conversations starts once it would end past these seconds (None: no limit)."""
+    ``chunk`` source conversations starts once it would end past these seconds (None: no limit). ``first_doc``: the
+    source conversation to start at (a later run regenerates the ones an earlier run did not reach: its file's
+    ``source_docs`` end below it)."""
 
     max_new_tokens: int = 256
     temperatures: tuple[float, ...] = (0.7,)
@@ -38,6 +40,7 @@ class RegenConfig:
     max_len: int | None = None
     chunk: int = 512
     time_budget: float | None = None
+    first_doc: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "max_turns", "chunk"):
@@ -53,6 +56,7 @@ class RegenConfig:
         _require(_is_int(self.seed) and self.seed >= 0, "seed", "an int >= 0", self.seed)
         _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
                  self.time_budget)
+        _require(_is_int(self.first_doc) and self.first_doc >= 0, "first_doc", "an int >= 0", self.first_doc)
 
 
 def _is_int(value) -> bool:
@@ -151,15 +155,16 @@ def regenerate_token_file(target, src: str | Path | TokenFile, out_path: str | P
     max_len = cfg.max_len or int(data.meta.get("max_len", 1024))
     eos = eos_ids(target.tokenizer, target.config)
     todo = []
-    for i in range(data.num_docs if cfg.max_docs is None else min(cfg.max_docs, data.num_docs)):
+    end = data.num_docs if cfg.max_docs is None else min(cfg.first_doc + cfg.max_docs, data.num_docs)
+    for i in range(cfg.first_doc, end):
         ids, mask = data.doc(i)
         runs = assistant_runs(mask)
         if runs and 0 < runs[0][0] <= max_len - cfg.max_new_tokens:
             todo += [_Doc(i, ids, runs, ids[:runs[0][0]].tolist(), [False] * runs[0][0], variant=v)
                      for v in range(len(cfg.temperatures))]
     if not todo:
-        raise ValueError(f"no conversation of the source has a first user turn of <= "
-                         f"{max_len - cfg.max_new_tokens} tokens (max_len - max_new_tokens)")
+        raise ValueError(f"no conversation of the source from number {cfg.first_doc} on (of {data.num_docs}) has a "
+                         f"first user turn of <= {max_len - cfg.max_new_tokens} tokens (max_len - max_new_tokens)")
     engine = SpecEngine(None, target, engine_config or SpecConfig())
     t0, done, finish = time.perf_counter(), [], {}
     chunk_docs = cfg.chunk * len(cfg.temperatures)
