@@ -29,7 +29,8 @@ def _case(c, n, dtype, seed):
     return z.to(DEVICE, dtype), t_logp.to(DEVICE), w.to(DEVICE)
 
 
-@pytest.mark.parametrize("c,n,block", SHAPES)
+@pytest.mark.parametrize("c,n,block", SHAPES, ids=[f"{DEVICE}-{c}x{n}" for c, n, _ in SHAPES])  # (the GPU round
+# selects tests by "cuda" in their names)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature,sampled_weight,grad,measure", [
     (None, 0.0, True, False), (0.7, 0.5, True, False), (0.5, 0.0, False, True), (0.7, 1.0, True, True)])
@@ -67,7 +68,7 @@ def test_kl_rows_refuse_bad_arguments():
         kl_rows_triton(z, t_logp[:, :-1], teacher.negent, None, None, w, 1.0, 0.0, True, False)
 
 
-@pytest.mark.parametrize("autocast", [False] + [True] * (DEVICE == "cuda"))
+@pytest.mark.parametrize("autocast", [False] + [True] * (DEVICE == "cuda"), ids=lambda a: f"{DEVICE}-autocast{int(a)}")
 def test_linear_kl_gradient_equals_autograd_through_whole_logits(autocast):
     """``linear_kl`` (the kernel on CUDA, the reference on the CPU) in chunks of 3 rows: the loss and the gradient
     with respect to the states equal autograd through ``log_softmax`` of the whole logits (float32; with bf16
