@@ -20,15 +20,15 @@ import tempfile
 import torch
 
 
-def main(kinds: list[str]) -> None:
+def tiny_models():
+    """The tiny random target (2 layers, 512-token vocabulary) and a random EAGLE draft on it (256-token vocabulary):
+    (target, draft), both ``LoadedModel``s."""
     import transformers
 
-    from specdec import SamplingParams, SpecConfig, SpecEngine
     from specdec.loading.registry import LoadedModel, load_model
     from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
 
     torch.manual_seed(0)
-    torch.set_num_threads(1)
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
     with tempfile.TemporaryDirectory() as folder:
@@ -36,12 +36,20 @@ def main(kinds: list[str]) -> None:
         target = load_model(folder)
     shape = EagleShape(default_aux_layers(target.config.num_layers), 256)
     eagle = eagle_from_target(target.model, shape, torch.arange(0, 512, 2), seed=2).eval().requires_grad_(False)
+    return target, LoadedModel("eagle", eagle, None, eagle.config)
+
+
+def main(kinds: list[str]) -> None:
+    from specdec import SamplingParams, SpecConfig, SpecEngine
+
+    torch.set_num_threads(1)
+    target, eagle = tiny_models()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
                for _ in range(200)]
     params = [SamplingParams(max_new_tokens=64 + (i * 37) % 128, ignore_eos=True) for i in range(len(prompts))]
     for kind in kinds:
-        draft = {"eagle": LoadedModel("eagle", eagle, None, eagle.config), "ngram": "ngram", "none": None}[kind]
+        draft = {"eagle": eagle, "ngram": "ngram", "none": None}[kind]
         tree = {"eagle": "dynamic:15", "ngram": "chain:8", "none": "auto"}[kind]
         eng = SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, pipeline=True, adaptive=False,
                                                    ngram_device=kind == "ngram" or None, max_batch_size=64,

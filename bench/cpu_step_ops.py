@@ -20,15 +20,15 @@ from __future__ import annotations
 import collections
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-import graph_standins  # noqa: E402 - (the tests' folder is not a package)
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "tests")]
+import graph_standins  # noqa: E402 - (neither folder is a package)
+from cpu_pipeline_adoption import tiny_models  # noqa: E402
 
 
 class _Count(TorchDispatchMode):
@@ -43,23 +43,6 @@ class _Count(TorchDispatchMode):
         if self.depth == 0:
             self.ops[str(func.overloadpacket).split(".")[-1]] += 1
         return func(*args, **(kwargs or {}))
-
-
-def _models():
-    import transformers
-
-    from specdec.loading.registry import LoadedModel, load_model
-    from specdec.models.eagle import EagleShape, default_aux_layers, eagle_from_target
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    with tempfile.TemporaryDirectory() as folder:
-        transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-        target = load_model(folder)
-    shape = EagleShape(default_aux_layers(target.config.num_layers), 256)
-    eagle = eagle_from_target(target.model, shape, torch.arange(0, 512, 2), seed=2).eval().requires_grad_(False)
-    return target, LoadedModel("eagle", eagle, None, eagle.config)
 
 
 def _capture_everything(eng) -> None:
@@ -79,7 +62,7 @@ def main(kinds: list[str]) -> None:
     from specdec import SamplingParams, SpecConfig, SpecEngine
 
     torch.set_num_threads(1)
-    target, eagle = _models()
+    target, eagle = tiny_models()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
                for _ in range(40)]
