@@ -28,12 +28,12 @@ verify (its choices read each row's positions from the queued inputs), and the n
 outcome.
 
 Requests whose prompt a step's prefill finished join the step queued in that same step (``Drafter.joining``; EAGLE
-steps, and decode steps, whose successors are built from the outcome alone): each enters as if it had been a row
-of verify K that accepted nothing and chose its pending token, an outcome written into a row of verify K that no
-one reads (a padding row, or the row of a request that ended). Without that, every admission would cost one step
-without overlap: continuous batching admits a few rows at a time when rows end at different steps, as they do
-when a draft's acceptance varies. The writers rewrite every part of a live row that a padding row holds as
-padding (an EAGLE row's root mask and query count too), since a joining row may take a padding row. Prefill
+steps, decode steps and n-gram chain steps, whose joining rows' first chains are looked up on the host): each enters
+as if it had been a row of verify K that accepted nothing and chose its pending token, an outcome written into a row
+of verify K that no one reads (a padding row, or the row of a request that ended). Without that, every admission
+would cost one step without overlap: continuous batching admits a few rows at a time when rows end at different
+steps, as they do when a draft's acceptance varies. The writers rewrite every part of a live row that a padding row
+holds as padding (an EAGLE row's root mask and query count too), since a joining row may take a padding row. Prefill
 pieces and draft forwards read inputs of their own (``GraphRunner.side_inputs``), so a prefill between verify K
 and the queue leaves verify K's inputs, which the queued step's writer reads, as they were.
 Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
@@ -417,9 +417,11 @@ class ChainAhead:
                 and self.follow.room(rows, step.key[2]))
 
     def joins(self, step: QueuedStep) -> bool:
-        """Rows may join the step queued behind ``step`` when there is no chain to look up for them: decoding (a
-        ``DecodeFollow``, or the n-gram drafter at budget 0), whose successor is built from the outcome alone."""
-        return self.follow.decoding
+        """Rows may join the step queued behind any step: decoding (a ``DecodeFollow``, or the n-gram drafter at budget
+        0), whose successor is built from the outcome alone, or a chain step, where a joining row's first chain is
+        looked up on the host as an unpipelined step would (``NgramDrafter.host_chain``) and written into its
+        outcome row with its history (``DeviceNgram.join``)."""
+        return True
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, None] | None:
@@ -431,9 +433,21 @@ class ChainAhead:
         if key is None or key[2] != step.key[2]:
             return None
         r, (_, b, q) = len(every), key
+        graphs, bs = self.runner.graphs, self.runner.pool.block_size
+        source = self.follow.source(step.key) if self.advance.capture and graphs.captured(key) else None
+        outcome = step.outcome
         if joining:  # each as a row ``at`` of ``step`` that accepted nothing and chose its pending token
             self.runner.sync_tables(joining)
-            _join_outcome(step.fwd.accept, at, joining, q, upload)
+            chains = None
+            if self.follow.decoding:  # (the verify's whole outcome buffer: no chain columns)
+                outcome = step.fwd.accept
+            else:  # (the follow-up's whole output: its graph's, or an eager one's rows padded to the bucket) and the
+                # row's first chain as the unpipelined step would look it up on the host
+                outcome = source if source is not None else torch.cat(
+                    [outcome, outcome.new_zeros(step.key[1] - outcome.shape[0], outcome.shape[1])])
+                chains = [self.drafter.host_chain(req, n) for req in joining]
+                self.follow.join(joining, chains)
+            _join_outcome(outcome, at, joining, q, upload, chains=chains)
         bt = self.runner.tables.host_rows([req.bt_row for req in every])
         tables = np.zeros((b, bt.shape[1] + 5), dtype=np.int64)  # (padding rows: zeros, not live)
         tables[:r, :-5] = bt
@@ -443,11 +457,9 @@ class ChainAhead:
         tables[:len(rows), -2] = np.arange(len(rows)) if step.sel is None else step.sel  # row of ``step``'s outcome
         tables[len(rows):r, -2] = () if at is None else at
         tables[:r, -1] = 1
-        graphs, bs = self.runner.graphs, self.runner.pool.block_size
         views = graphs.inputs.views(b, q)
-        source = self.follow.source(step.key) if self.advance.capture and graphs.captured(key) else None
-        if source is None:  # eagerly, from the outcome as read (joining rows: the whole outcome buffer)
-            ngram_advance_reference(views, b, q, step.fwd.accept if joining else step.outcome, upload(tables), bs)
+        if source is None:  # eagerly, from the outcome as read (joining rows: the bucket's whole outcome)
+            ngram_advance_reference(views, b, q, outcome, upload(tables), bs)
         else:  # a graph per (bucket, source bucket), reading the source's fixed buffer whole
             build = functools.partial(ngram_advance_reference, views, b, q, source, block_size=bs)
             self.advance((key, step.key), build, (upload(tables),), graphs.inputs)
@@ -518,16 +530,20 @@ def advance(vv: StepViews, bv: int, qv: int, accept: Tensor, tokens: Tensor, fea
 
 @torch.inference_mode()
 def _join_outcome(outcome: Tensor, at: np.ndarray, joining: list[Request], q: int, upload,
-                  more: np.ndarray | None = None) -> Tensor | None:
+                  more: np.ndarray | None = None, chains: list[list[int]] | None = None) -> Tensor | None:
     """Rows ``at`` of a verify's ``outcome`` (B, C; q queries per row) as the outcome of a verify of each
     ``joining`` request that accepted nothing and chose its pending token (its prompt's last): m 0, that bonus
-    token, no path, finite. No one else reads those rows (padding, or a row that ended). ``more`` (n, k) int64:
-    columns uploaded with them (one copy: a third upload in a step would wait for the first's copy, queued behind
-    the verify), returned on the device."""
+    token, no path, finite; with ``chains``, a follow-up's output (C = q + 4 + k) that found those chains. No one
+    else reads those rows (padding, or a row that ended). ``more`` (n, k) int64: columns uploaded with them (one
+    copy: a third upload in a step would wait for the first's copy, queued behind the verify), returned on the
+    device."""
     c = outcome.shape[1]
     host = np.zeros((len(joining), c + 1 + (0 if more is None else more.shape[1])), dtype=np.int64)
     host[:, 1] = [req.tokens[-1] for req in joining]
     host[:, q + 2] = 1
+    for row, chain in enumerate(chains or ()):  # (the follow-up's count column, then the chain)
+        host[row, q + 3] = len(chain)
+        host[row, q + 4:q + 4 + len(chain)] = chain
     host[:, c] = at
     if more is not None:
         host[:, c + 1:] = more

@@ -371,26 +371,27 @@ def test_budget_0_steps_leave_the_draft_behind_and_it_catches_up(tiny, pipeline)
     assert rates[1] >= 0.85 * rates[0] > 0, rates
 
 
-@pytest.mark.parametrize("proposer", ["eagle", "eagle0", "none", "ngram"])
+@pytest.mark.parametrize("proposer", ["eagle", "eagle0", "none", "ngram", "ngram0"])
 def test_rows_whose_prefill_ends_join_the_queued_step(tiny, proposer):
     """Two rows for four requests that end at different steps: each request after the first two is prefilled while
     the others decode, and joins the step queued behind that step's verify (``StepPipeline.queue``'s joining rows)
     instead of waiting for an unqueued step. Greedy output equals target-only decoding and the unpipelined engine's;
     with seeded sampled rows mixed in, every row equals the unpipelined engine's; rows really joined; no KV block
     leaks. EAGLE's fused steps and its decode steps at budget 0 (``eagle0``, whose draft does not run; its sampled
-    run speculates again), target-only decoding (``ChainAhead`` of no chain) and the n-gram drafter held
-    at budget 0 (its chain steps take no joining rows: their chains are not looked up)."""
+    run speculates again), target-only decoding (``ChainAhead`` of no chain), and the n-gram drafter's chain steps
+    (a joining row's first chain looked up on the host, its history sent to the device as it joins) and its decode
+    steps held at budget 0 (``ngram0``)."""
     draft, target, want, cfg = tiny
-    draft = {"eagle": draft, "eagle0": draft, "none": None, "ngram": "ngram"}[proposer]
+    draft = {"eagle": draft, "eagle0": draft, "none": None, "ngram": "ngram", "ngram0": "ngram"}[proposer]
     cfg = {**cfg, "max_batch_size": 2, "admit_min_free": 1}
     sampled = [p if i % 2 == 0 else dataclasses.replace(p, temperature=0.8, top_p=0.9, seed=11 + i)
                for i, p in enumerate(PARAMS)]
     outs = {}
     for pipeline in (True, False):
-        tree = "chain:4" if proposer == "ngram" else "dynamic:16"
-        extra = {"ngram_device": True} if proposer == "ngram" else {}
+        tree = "chain:4" if proposer.startswith("ngram") else "dynamic:16"
+        extra = {"ngram_device": True} if proposer.startswith("ngram") else {}
         eng = SpecEngine(draft, target, SpecConfig(tree=tree, **{**cfg, "pipeline": pipeline, **extra}))
-        if proposer in ("ngram", "eagle0"):
+        if proposer in ("ngram0", "eagle0"):
             eng.drafter.budget = 0
         outs[pipeline] = [o.token_ids for o in eng.generate(PROMPTS[:4], PARAMS)]
         joined = eng.pipeline.joined if pipeline else 0

@@ -398,6 +398,7 @@ def test_pipelined_steps_equal_unpipelined_ones(tiny_target, monkeypatch):
         if pipeline:
             assert pipe.adopted == checked[0] > len(proposed[True]) // 2
             assert partial[0] > 0  # rows finished: the others adopted the queued verify, and its successor queued
+            assert pipe.joined > 0  # rows whose prefill ended joined a queued chain step (their chains as above)
             # (the last step's successor is left queued: no step came to adopt or drop it)
             assert pipe.queued - pipe.adopted - pipe.dropped in (0, 1)
         else:

@@ -289,19 +289,23 @@ class NgramDrafter(Drafter):
         device = self.device_chains
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
-        get, drafts = self._index.get, []
-        lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
-        ahead = device.chains if device is not None else {}
+        ahead, drafts = device.chains if device is not None else {}, []
         for req in rows:
-            params, tokens = req.params, req.tokens
-            room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
             hit = ahead.get(req)
-            if hit is not None and hit[0] == len(tokens):  # looked up on the device after the last step
+            if hit is not None and hit[0] == len(req.tokens):  # looked up on the device after the last step
+                room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1  # tokens still to come
                 drafts.append(hit[1][:k if room >= k else max(room, 0)])
-                continue
-            index = get(req) or self._index_of(req)
-            # a sampled row's draft decides which uniforms its seed spends: from its own text only, its
-            # seeded output does not depend on what else the engine has served
-            drafts.append(lookup(index, tokens, k if room >= k else max(room, 0), params.greedy))
+            else:
+                drafts.append(self.host_chain(req, k))
         # host trees: verification reads their host view (a queued step adopted in their place verified these chains)
         return Proposal(DraftTree.chains(drafts), [None] * n)
+
+    def host_chain(self, req: Request, k: int) -> list[int]:
+        """``req``'s chain of at most ``k`` tokens (and of the tokens still to come) looked up on the host."""
+        params, tokens = req.params, req.tokens
+        room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
+        index = self._index.get(req) or self._index_of(req)
+        lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
+        # a sampled row's draft decides which uniforms its seed spends: from its own text only, its seeded output
+        # does not depend on what else the engine has served
+        return lookup(index, tokens, k if room >= k else max(room, 0), params.greedy)

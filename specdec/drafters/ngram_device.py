@@ -132,6 +132,13 @@ class DeviceNgram:
         graph.replay()
         return out[:len(rows)]
 
+    def join(self, rows: list[Request], chains: list[list[int]]) -> None:
+        """Rows whose prefill just ended join a queued chain step (``pipeline.ChainAhead``) with ``chains`` (their
+        first, looked up on the host): their histories are uploaded now (the queued step's follow-up appends to them
+        and looks their next chains up), and the drafter proposes them the chains that step verifies."""
+        self._catch_up(rows)
+        self.chains.update((req, (len(req.tokens), chain)) for req, chain in zip(rows, chains))
+
     def _catch_up(self, rows: list[Request]) -> None:
         """Upload the tokens each row's device history lacks (all of them for a request new to its block-table row:
         a new request, or one that was preempted and got a row back), up to the pending token, in one copy and one
