@@ -31,8 +31,8 @@ class EnginePlan:
     shape runs once at construction (``specdec.warm_up``), so the graphs
     captured on first use exist before the first request.
     ``admit_min_free``: waiting requests join running ones once this many rows are free (or the queue's head
-    waited 8 steps): each admission is a prefill step, dearer than a decode step (and one after which an n-gram
-    chain step is not queued), so pipelined engines admit in groups (``ADMIT_GROUP_FRACTION``)."""
+    waited 8 steps): each admission is a prefill step, dearer than a decode step, so pipelined engines admit in
+    groups (``ADMIT_GROUP_FRACTION``)."""
 
     device: str
     dtype: str
