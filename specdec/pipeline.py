@@ -208,8 +208,8 @@ class StepPipeline:
         """Queue the step after ``step`` (launched, its read started) for ``rows`` (its rows, or those of them
         that adopted it) and the rows whose prefill this step finished (``Drafter.joining``: they decode from the
         next step), built on the device, with its verify and read; returns it (also ``ahead``), or None when
-        nothing is queued: when rows join that the hook cannot take in (``joins``) or that do not fit the bucket,
-        when a row lacks the KV blocks the queued step writes, or when the hook declines.
+        nothing is queued: when joining rows do not fit the bucket, when a row lacks the KV blocks the queued step
+        writes, or when the hook declines.
 
         A joining row enters as if it had been a row of ``step`` whose verify accepted nothing and chose its pending
         token (the prompt's last) as the bonus token: the hook writes such an outcome into a row of ``step`` no one
@@ -217,8 +217,7 @@ class StepPipeline:
         the others'."""
         drafter = self.drafter
         joining = list(drafter.joining)  # (set by the engine every step: none without a prefill)
-        if joining and (len(rows) + len(joining) > step.key[1] or not self.hook.joins(step)
-                        or any(len(r.tokens) < 2 for r in joining)):
+        if joining and (len(rows) + len(joining) > step.key[1] or any(len(r.tokens) < 2 for r in joining)):
             return None
         bs, need, every = self.runner.pool.block_size, drafter.lookahead, rows + joining
         if any(len(r.blocks) * bs < len(r.tokens) + need for r in every) or not self.hook.may_queue(every, step):
@@ -312,11 +311,6 @@ class EagleAhead:
         return (step.trees is not None and step.fwd.features is not None
                 and not any(r.params.penalized for r in rows))
 
-    def joins(self, step: QueuedStep) -> bool:
-        """Rows may join the step queued behind ``step`` (``StepPipeline.queue``): behind a fused step, or as
-        ``ChainAhead`` does behind a decode step."""
-        return self.decode.joins(step) if self.decoding else True
-
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, DeviceDraft | None] | None:
         if self.decoding:
@@ -388,7 +382,9 @@ class ChainAhead:
     tokens and to the tokens still to come (n = 0: a decode step, whose follow-up still extends the device
     histories). It writes the next verify's whole bucket from the outcome and the chains, and the rows' lengths,
     block tables and length limits. Sampled rows' outcome is the sampled rule's, written into the verify's outcome
-    buffer before the follow-up reads it (``Verifier.launch_queued``)."""
+    buffer before the follow-up reads it (``Verifier.launch_queued``). A row whose prefill just ended joins with its
+    first chain looked up on the host as an unpipelined step would (``NgramDrafter.host_chain``), written into its
+    outcome row as the follow-up's, its history sent to the device with it (``DeviceNgram.join``)."""
 
     def __init__(self, drafter, runner, k: int, follow) -> None:
         self.drafter, self.runner, self.k, self.follow = drafter, runner, k, follow
@@ -415,13 +411,6 @@ class ChainAhead:
         key = self.runner.packed_key(0, len(step.rows), self.nodes + 1, self.drafter.target_features)
         return (key is not None and step.key[2] == key[2] and not any(r.params.penalized for r in rows)
                 and self.follow.room(rows, step.key[2]))
-
-    def joins(self, step: QueuedStep) -> bool:
-        """Rows may join the step queued behind any step: decoding (a ``DecodeFollow``, or the n-gram drafter at budget
-        0), whose successor is built from the outcome alone, or a chain step, where a joining row's first chain is
-        looked up on the host as an unpipelined step would (``NgramDrafter.host_chain``) and written into its
-        outcome row with its history (``DeviceNgram.join``)."""
-        return True
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, None] | None:
@@ -477,7 +466,7 @@ class DecodeFollow:
     """The ``Verifier.followup`` of pipelined target-only decoding: nothing runs behind a decode's verify; its outcome
     is read, and the queued decode is built from it (``ChainAhead``). ``launches`` counts the steps read so."""
 
-    decoding = True  # (no chain: every step is a decode step, which rows may join; ``ChainAhead.joins``)
+    decoding = True  # (no chain: every step is a decode step, built from the outcome alone)
 
     def __init__(self, runner) -> None:
         self.runner, self.launches = runner, 0
