@@ -39,21 +39,34 @@ def tiny_models():
     return target, LoadedModel("eagle", eagle, None, eagle.config)
 
 
+def tiny_prompts(n: int) -> list[list[int]]:
+    """``n`` random prompts of 8-200 tokens of the tiny models' vocabulary (seeded)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def tiny_engine(kind: str, target, eagle, rows: int):
+    """A pipelined engine with padded steps of ``rows`` rows: proposer ``kind`` (none, ngram or eagle: the tiny
+    ``eagle`` draft), the tree of its CUDA defaults, a fixed budget."""
+    from specdec import SpecConfig, SpecEngine
+
+    draft = {"eagle": eagle, "ngram": "ngram", "none": None}[kind]
+    tree = {"eagle": "dynamic:15", "ngram": "chain:8", "none": "auto"}[kind]
+    return SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, pipeline=True, adaptive=False,
+                                                ngram_device=kind == "ngram" or None, max_batch_size=rows,
+                                                num_blocks=8192, block_size=16))
+
+
 def main(kinds: list[str]) -> None:
-    from specdec import SamplingParams, SpecConfig, SpecEngine
+    from specdec import SamplingParams
 
     torch.set_num_threads(1)
     target, eagle = tiny_models()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(200)]
+    prompts = tiny_prompts(200)
     params = [SamplingParams(max_new_tokens=64 + (i * 37) % 128, ignore_eos=True) for i in range(len(prompts))]
     for kind in kinds:
-        draft = {"eagle": eagle, "ngram": "ngram", "none": None}[kind]
-        tree = {"eagle": "dynamic:15", "ngram": "chain:8", "none": "auto"}[kind]
-        eng = SpecEngine(draft, target, SpecConfig(tree=tree, cuda_graphs=True, pipeline=True, adaptive=False,
-                                                   ngram_device=kind == "ngram" or None, max_batch_size=64,
-                                                   num_blocks=8192, block_size=16))
+        eng = tiny_engine(kind, target, eagle, 64)
         steps, step = [0], eng.step
 
         def counted(step=step, steps=steps):

@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent / "tests")]
 import graph_standins  # noqa: E402 - (neither folder is a package)
-from cpu_pipeline_adoption import tiny_models  # noqa: E402
+from cpu_pipeline_adoption import tiny_engine, tiny_models, tiny_prompts  # noqa: E402
 
 
 class _Count(TorchDispatchMode):
@@ -59,13 +59,11 @@ def _capture_everything(eng) -> None:
 
 
 def main(kinds: list[str]) -> None:
-    from specdec import SamplingParams, SpecConfig, SpecEngine
+    from specdec import SamplingParams
 
     torch.set_num_threads(1)
     target, eagle = tiny_models()
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (int(torch.randint(8, 200, (1,), generator=g)),), generator=g).tolist()
-               for _ in range(40)]
+    prompts = tiny_prompts(40)
     for kind in kinds:
         for temperature in (0.0, 0.7):
             params = [SamplingParams(max_new_tokens=16 + (i * 7) % 24, ignore_eos=True, temperature=temperature,
@@ -84,11 +82,7 @@ def main(kinds: list[str]) -> None:
                         count.depth -= 1
 
                 mp.setattr(graph_standins._PoisoningGraph, "replay", counted_replay)
-                draft = {"eagle": eagle, "ngram": "ngram", "none": None}[kind]
-                tree = {"eagle": "dynamic:15", "ngram": "chain:8", "none": "auto"}[kind]
-                eng = SpecEngine(draft, target, SpecConfig(
-                    tree=tree, cuda_graphs=True, pipeline=True, adaptive=False, ngram_device=kind == "ngram" or None,
-                    max_batch_size=8, num_blocks=2048, block_size=16))
+                eng = tiny_engine(kind, target, eagle, 8)
                 _capture_everything(eng)
                 by_kind, step = collections.defaultdict(list), eng.step
 

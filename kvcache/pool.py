@@ -123,6 +123,14 @@ class KVPool:
         ok = (positions >= 0) & (blocks >= 0)
         return np.where(ok, blocks.astype(np.int64) * bs + p % bs, self.feature_zero)
 
+    def feature_rows_on_device(self, block_table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``feature_rows`` of device tensors, without a host read (a captured forward computes them): ``positions``
+        (R, n) int64 of rows whose block tables are ``block_table`` (R, W) int64."""
+        bs = self.block_size
+        p = positions.clamp(min=0)
+        blocks = block_table.gather(1, p // bs)
+        return torch.where((positions >= 0) & (blocks >= 0), blocks * bs + p % bs, self.feature_zero)
+
     def move_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every model's every layer K/V (and the slots' features) from ``src_slots`` to ``dst_slots``
         (adoption).

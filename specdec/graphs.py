@@ -414,9 +414,6 @@ class GraphRunner:
         if not getattr(draft, "reads_features", False):
             draft(v.ids, v.positions, ctx)
             return
-        bs, before = self.pool.block_size, v.positions.view(b, q) - 1
-        p = before.clamp(min=0)
-        blocks = v.block_tables.gather(1, p // bs)  # (b, q) the block of position p - 1
-        rows = torch.where((before >= 0) & (blocks >= 0), blocks * bs + p % bs, self.pool.feature_zero)
+        rows = self.pool.feature_rows_on_device(v.block_tables, v.positions.view(b, q) - 1)  # (b, q): of p - 1
         aux = self.pool.features.index_select(0, rows.flatten())  # (b * q, k * hidden)
         draft(v.ids, v.positions, ctx, draft.fuse(aux.to(draft.fc.weight.dtype)))

@@ -33,6 +33,9 @@ def test_pool_features_live_in_their_slots_and_move_with_the_kv(device):
     table = np.array([[1, 3, -1], [1, 3, 0]])  # two requests sharing block 1, the first's third released
     rows = pool.feature_rows(table, np.array([[-1, 1, 2, 8], [0, 1, 2, 3]]))
     assert rows.tolist() == [[24, 5, 6, 24], [4, 5, 6, 7]]
+    on_device = pool.feature_rows_on_device(torch.tensor(table, device=device),
+                                            torch.tensor([[-1, 1, 2, 8], [0, 1, 2, 3]], device=device))
+    assert on_device.tolist() == rows.tolist()  # (the twin a captured forward computes)
     torch.testing.assert_close(pool.features[torch.from_numpy(rows[0]).to(device)][1:3], feats[:2])
     k, v = pool.layer_kv(0, 1)
     k[3, 0] = 9.0  # slot 12's K in one layer

@@ -293,8 +293,7 @@ class NgramDrafter(Drafter):
         for req in rows:
             hit = ahead.get(req)
             if hit is not None and hit[0] == len(req.tokens):  # looked up on the device after the last step
-                room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1  # tokens still to come
-                drafts.append(hit[1][:k if room >= k else max(room, 0)])
+                drafts.append(hit[1][:_most(req, k)])
             else:
                 drafts.append(self.host_chain(req, k))
         # host trees: verification reads their host view (a queued step adopted in their place verified these chains)
@@ -302,10 +301,14 @@ class NgramDrafter(Drafter):
 
     def host_chain(self, req: Request, k: int) -> list[int]:
         """``req``'s chain of at most ``k`` tokens (and of the tokens still to come) looked up on the host."""
-        params, tokens = req.params, req.tokens
-        room = params.max_new_tokens + len(req.prompt_ids) - len(tokens) - 1  # tokens still to come
         index = self._index.get(req) or self._index_of(req)
         lookup = NgramIndex.lookup_unrolled if self.unrolled else NgramIndex.lookup  # every index has this shape
         # a sampled row's draft decides which uniforms its seed spends: from its own text only, its seeded output
         # does not depend on what else the engine has served
-        return lookup(index, tokens, k if room >= k else max(room, 0), params.greedy)
+        return lookup(index, req.tokens, _most(req, k), req.params.greedy)
+
+
+def _most(req: Request, k: int) -> int:
+    """The most chain tokens ``req`` may be proposed: ``k``, cut to the tokens still to come after the bonus token."""
+    room = req.params.max_new_tokens + len(req.prompt_ids) - len(req.tokens) - 1
+    return k if room >= k else max(room, 0)
