@@ -159,9 +159,14 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
     ${DRAFT_VOCAB:+--draft-vocab "$DRAFT_VOCAB"} > "$D/train_$part.log" 2>&1
   echo "train exit $?"; grep "^distill" "$D/train_$part.log"
   # the checkpoint comes back in parts (.data/distill/parts/ for a later session), in case the machine goes
-  # (16 MB parts: four, with three of regen.npz and the round's archive the eight files a run returns); not once
-  # training has finished (the draft is written)
+  # (16 MB parts); not once training has finished (the draft is written), and not when with this run's parts of
+  # regen.npz they would pass what a run returns (RETURN_MB, 60): the replies serve every later session, the
+  # checkpoint only this one's next run, which finds it on the machine while it stays up
+  local returned ckpt_size
+  returned=$(cat "$OUT"/*.part* 2>/dev/null | wc -c)
+  ckpt_size=$(stat -c %s "$work/draft/ckpt.pt" 2>/dev/null || echo 0)
   [ ! -f "$work/draft/ckpt.pt" ] || [ -f "$work/draft/model.safetensors" ] \
+    || [ $(( returned + ckpt_size )) -gt $(( ${RETURN_MB:-60} * 1000000 )) ] \
     || split -b 16000000 -d "$work/draft/ckpt.pt" "$OUT/ckpt.pt.part"
   [ ! -f "$work/draft/model.safetensors" ] \
     || { mkdir -p "$D/draft" && cp "$work/draft/model.safetensors" "$work/draft/specdec_draft.json" "$D/draft/"; }

@@ -25,7 +25,7 @@ from specdec.models.llama import ForwardContext
 from specdec.sampling_params import SamplingParams
 from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
 from specdec.training.eagle_data import build_token_file, conversation_messages, coverage, load_token_file, top_vocab
-from specdec.training.eagle_train import EagleTrainConfig, batch_docs
+from specdec.training.eagle_train import ROW_MULTIPLE, EagleTrainConfig, batch_docs, padded_length
 from specdec.training.eagle_unroll import unrolled_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -117,6 +117,25 @@ def test_batches_are_a_function_of_seed_and_step():
         if len(epoch) >= 50:
             break
     assert sorted(epoch) == list(range(50))  # one epoch covers every conversation once
+
+
+def test_batches_group_conversations_of_similar_length():
+    """Most rows of a batch are real tokens, not padding: with a skewed mix of lengths (most conversations short,
+    some at max_len), batching that let a long conversation join short ones padded ~3/4 of every row."""
+    rng = random.Random(1)
+    tokens = [min(1024, int(rng.lognormvariate(5.0, 1.1)) + 8) for _ in range(3000)]
+    lengths = tuple(padded_length(n, 1024) for n in tokens)
+    assert all(p % ROW_MULTIPLE == 0 or p == 1024 for p in lengths) and all(p >= n for p, n in zip(lengths, tokens))
+    steps, real, padded, epoch = 0, 0, 0, []
+    while len(epoch) < len(tokens):
+        b = batch_docs(steps, lengths, 32768, 0)
+        assert len(b) * max(lengths[i] for i in b) <= 32768
+        epoch += b
+        real += sum(tokens[i] for i in b)
+        padded += len(b) * max(lengths[i] for i in b)
+        steps += 1
+    assert sorted(epoch) == list(range(len(tokens)))
+    assert real / padded > 0.75, real / padded
 
 
 def _ckpt(folder):

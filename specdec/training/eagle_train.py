@@ -1,16 +1,16 @@
 """``specdec distill --kind eagle``: train a feature-conditioned draft on a token file.
 
 Conversations of the token file (``training.eagle_data``) are grouped into batches of at most
-``batch_tokens`` padded tokens; the target prefills each batch (teacher distributions over the
-draft vocabulary and the features), the draft runs ``unroll`` steps (``training.eagle_unroll``) and
-AdamW minimises the KL (``eagle_unroll.LossMix``: at temperature 1, optionally mixed with the KL at a
-sampling temperature). Batch ``s`` and the learning rate of step ``s`` are pure functions of (seed, s)
-and the planned step count, so a run resumed from ``OUT/ckpt.pt`` continues exactly. With
-``time_budget`` (seconds over all runs) the planned step count is fitted to the budget from timed steps
-until a quarter of it is spent (``StepPlanner``) and stored; ``run_seconds`` ends one run early
-(checkpointed), so a budget can be spent over several runs. ``init_from`` starts from a trained eagle
-draft (``training.eagle_init``) instead of a fresh one, at a lower default peak learning rate; its
-validation figures before the first step open the record.
+``batch_tokens`` padded tokens, conversations of similar length together (``_epoch_batches``); the target
+prefills each batch (teacher distributions over the draft vocabulary and the features), the draft runs
+``unroll`` steps (``training.eagle_unroll``) and AdamW minimises the KL (``eagle_unroll.LossMix``: at
+temperature 1, optionally mixed with the KL at a sampling temperature). Batch ``s`` and the learning rate of
+step ``s`` are pure functions of (seed, s) and the planned step count, so a run resumed from ``OUT/ckpt.pt``
+continues exactly. With ``time_budget`` (seconds over all runs) the planned step count is fitted to the budget
+from timed steps until a quarter of it is spent (``StepPlanner``) and stored; ``run_seconds`` ends one run early
+(checkpointed), so a budget can be spent over several runs. ``init_from`` starts from a trained eagle draft
+(``training.eagle_init``) instead of a fresh one, at a lower default peak learning rate; its validation figures
+before the first step open the record.
 """
 
 from __future__ import annotations
@@ -115,26 +115,38 @@ class EagleState:
     losses: list[float] = field(default_factory=list)
     val: list[dict] = field(default_factory=list)
     train_seconds: float = 0.0
-    tokens_seen: int = 0
+    tokens_seen: int = 0  # tokens of the documents trained on, padding not counted
     init: dict | None = None
+
+
+LENGTH_WINDOW = 1024  # an epoch's conversations are sorted by length in windows of this many, then cut into batches
+ROW_MULTIPLE = 32  # a batch's rows are padded to a multiple of this many tokens (few distinct shapes on the GPU)
+
+
+def padded_length(n: int, max_len: int) -> int:
+    """The row length a batch whose longest conversation has ``n`` tokens is padded to (at most ``max_len``)."""
+    return min(max_len, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
 @lru_cache(maxsize=4)
 def _epoch_batches(seed: int, epoch: int, lengths: tuple[int, ...], batch_tokens: int) -> tuple[tuple[int, ...], ...]:
-    """One epoch's batches of document indices: a permutation, sorted by length within windows of
-    64 (less padding), cut so that rows * longest row <= batch_tokens, then shuffled."""
+    """One epoch's batches of document indices (``lengths``: each document's padded row length): a permutation,
+    sorted by length within windows of ``LENGTH_WINDOW``, each window cut so that rows * longest row <=
+    batch_tokens (a batch never spans two windows: one that did would pad the next window's short rows to the
+    last one's longest), then the batches shuffled."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
     order = torch.randperm(len(lengths), generator=g).tolist()
-    batches, cur, longest = [], [], 0
-    for w in range(0, len(order), 64):
-        for i in sorted(order[w:w + 64], key=lambda j: lengths[j]):
+    batches = []
+    for w in range(0, len(order), LENGTH_WINDOW):
+        cur, longest = [], 0
+        for i in sorted(order[w:w + LENGTH_WINDOW], key=lambda j: lengths[j]):
             if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
                 batches.append(tuple(cur))
                 cur, longest = [], 0
             cur.append(i)
             longest = max(longest, lengths[i])
-    if cur:
-        batches.append(tuple(cur))
+        if cur:
+            batches.append(tuple(cur))
     perm = torch.randperm(len(batches), generator=g).tolist()
     return tuple(batches[i] for i in perm)
 
@@ -151,9 +163,10 @@ def batch_docs(step: int, lengths: tuple[int, ...], batch_tokens: int, seed: int
 
 
 def make_rows(data: TokenFile, docs, max_len: int, loss_on: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token rows (B, S) and the positions (B, S) whose next token is scored."""
+    """Right-padded token rows (B, S) and the positions (B, S) whose next token is scored; S is the longest
+    document's ``padded_length``."""
     pieces = [data.doc(i) for i in docs]
-    s = min(max_len, max(len(ids) for ids, _ in pieces))
+    s = padded_length(max(len(ids) for ids, _ in pieces), max_len)
     ids = np.zeros((len(pieces), s), dtype=np.int64)
     valid = np.zeros((len(pieces), s), dtype=bool)
     for b, (tok, mask) in enumerate(pieces):
@@ -316,7 +329,8 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile, init: dict | No
     num_train, num_val = split_docs(data, cfg.val_docs)
     if init is not None and state.step == 0 and num_val:
         state.val.append({"step": 0, **evaluate(cfg, target, draft, data, list(range(num_train, num_train + num_val)))})
-    lengths = tuple(min(int(n), cfg.max_len) for n in data.lengths()[:num_train])
+    tokens = [min(int(n), cfg.max_len) for n in data.lengths()[:num_train]]  # each document's tokens in its row
+    lengths = tuple(padded_length(n, cfg.max_len) for n in tokens)
     planner = StepPlanner(cfg, state)
     t0, base, pending = time.perf_counter(), state.train_seconds, []
     with tqdm(total=state.planned, initial=state.step, desc="distill eagle", unit="step") as bar:
@@ -324,8 +338,8 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile, init: dict | No
             ts = time.perf_counter()
             for grp in opt.param_groups:
                 grp["lr"] = lr_at(state.step, cfg, state.planned)
-            ids, valid = make_rows(data, batch_docs(state.step, lengths, cfg.batch_tokens, cfg.seed), cfg.max_len,
-                                   cfg.loss_on, cfg.device)
+            docs = batch_docs(state.step, lengths, cfg.batch_tokens, cfg.seed)
+            ids, valid = make_rows(data, docs, cfg.max_len, cfg.loss_on, cfg.device)
             with torch.autocast(cfg.device.split(":")[0], dtype=torch.bfloat16, enabled=cfg.autocast):
                 out = unrolled_loss(draft, teacher_forward(target, draft, ids), ids, valid, cfg.unroll,
                                     cfg.step_decay, cfg.mix)
@@ -336,7 +350,7 @@ def train(cfg: EagleTrainConfig, target, draft, data: TokenFile, init: dict | No
             opt.step()
             pending.append(out.loss.detach())
             state.step += 1
-            state.tokens_seen += int(ids.numel())
+            state.tokens_seen += sum(tokens[i] for i in docs)  # (padding not counted)
             if cfg.time_budget is not None and base + time.perf_counter() - t0 > 1.1 * cfg.time_budget:
                 state.planned = state.step  # the estimate was off: stop at the budget (+10%)
             if planner.timing:
