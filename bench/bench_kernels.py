@@ -215,3 +215,21 @@ def test_children_scores(benchmark, impl, batch, nodes):
         logits = logits.reshape(batch * nodes, 1, v)
         inv_t, key0, key1, position = (x.repeat_interleave(nodes) for x in (inv_t, key0, key1, position))
     _run(benchmark, lambda: fn(logits, inv_t, key0, key1, position, tokens), torch.cuda.synchronize)
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("batch,queries,budget", [(1, 32, 31), (16, 32, 31), (64, 16, 15)])
+def test_tree_writer(benchmark, impl, batch, queries, budget):
+    """A fused EAGLE step's tree writer as the step replays it (a CUDA graph per bucket and budget): the best
+    ``budget`` of 50 dynamic-tree nodes per row (the shipped draft's 10 x 5 program) written into the verify
+    bucket, one kernel (``kernels/tree_write.py``) against the torch ops."""
+    from specdec.fused_step import TreeWriter
+    from specdec.step_inputs import StepInputs
+    from tests.test_kernels_tree_write import _program_output
+
+    dev = torch.device("cuda")
+    out = _program_output(torch.Generator().manual_seed(0), batch, 50, 5).to(dev)
+    views = StepInputs(batch, queries, 8, dev).views(batch, queries)
+    writer = TreeWriter(5, dev, capture=True, use_triton=impl == "triton")
+    _run(benchmark, lambda: writer(views, batch, queries, out, budget), torch.cuda.synchronize)

@@ -132,7 +132,8 @@ class FusedVerify:
         self.nodes, self.levels, self.dynamic = nodes, levels, dynamic
         self.clock = StepClock(self.runner.device)
         self.writer = TreeWriter(levels, self.runner.device,  # dynamic trees' verify inputs (``launch_program``)
-                                 graphs=cache_for(self.runner.graphs, "tree writer", self.runner.device))
+                                 graphs=cache_for(self.runner.graphs, "tree writer", self.runner.device),
+                                 use_triton=self.runner.backend.uses_triton)
         self.steps = 0
 
     def key(self, rows: int, nodes: int):
@@ -250,7 +251,8 @@ class FusedVerify:
 
 
 class TreeWriter:
-    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output: on CUDA one replay of a graph
+    """``best_nodes_on_device`` + ``write_trees`` of a dynamic program's output (with ``use_triton`` one kernel,
+    ``kernels/tree_write.py``): on CUDA one replay of a graph
     captured (by ``FusedVerify.prepare`` at engine start, else on first use) per (batch bucket, query bucket,
     budget) instead of 20-45 small launches, whatever number of the bucket's rows are live (a continuous batch's
     steps often run a few rows short of their bucket, waiting for an admission); eagerly elsewhere or with
@@ -261,8 +263,8 @@ class TreeWriter:
     own (the program's output may be overwritten by the verify)."""
 
     def __init__(self, levels: int, device: torch.device, capture: bool | None = None,
-                 graphs: GraphCache | None = None) -> None:
-        self.levels, self.device = levels, device
+                 graphs: GraphCache | None = None, use_triton: bool = False) -> None:
+        self.levels, self.device, self.use_triton = levels, device, use_triton
         self.capture = device.type == "cuda" if capture is None else capture
         self.graphs = graphs if graphs is not None else GraphCache("tree writer", device)  # (b, q, n) ->
 
@@ -292,6 +294,10 @@ class TreeWriter:
     @torch.inference_mode()
     def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int,
                live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        if self.use_triton:  # one launch (``kernels/tree_write.py``) instead of the ops below
+            from specdec.kernels.tree_write import tree_write_triton
+
+            return tree_write_triton(views, b, q, src, n, self.levels, live)
         tokens, parents = best_nodes_on_device(src, n)
         depth = write_trees(views, b, q, tokens, parents, self.levels, live)
         return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)

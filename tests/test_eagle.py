@@ -333,6 +333,7 @@ def test_device_tree_loop_on_the_triton_backend(setup, tree):
     eng = SpecEngine(draft, target, SpecConfig(tree=tree, max_batch_size=1, cuda_graphs=True,
                                                attention_backend="triton", **cfg))
     assert eng.runner.backend.name == "triton" and eng.drafter.device_loop is not None
+    assert eng.verifier.fused.writer.use_triton  # the kept trees reach the verify through kernels/tree_write.py
     assert [o.token_ids for o in eng.generate(PROMPTS[:1], params)] == want
 
 
