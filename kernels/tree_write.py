@@ -1,5 +1,6 @@
 """The kept trees of a dynamic draft program written into a verify bucket's inputs, one program per row (reference:
-``specdec.fused_step.TreeWriter._build``, the torch ops ``best_nodes_on_device`` + ``write_trees`` + ``tree_top``).
+``tree_write_reference``, the torch ops ``best_nodes_on_device`` + ``write_trees`` + ``tree_top`` of
+``specdec.fused_step``).
 
 Each row of the program's output (R, 3, N: node tokens, parents, score ranks) keeps its nodes of rank < n in level
 order, parents re-indexed among the kept (-1: the root, also for a node whose parent was not kept); node k of the
@@ -93,3 +94,13 @@ def tree_write_triton(views, b: int, q: int, src: torch.Tensor, n: int, levels: 
                              live if live is not None else src, tokens, parents, top, m, n, levels, q,
                              BLOCK=max(16, next_pow2(m)), LIVE=live is not None, num_warps=4)
     return tokens, parents, top
+
+
+def tree_write_reference(views, b: int, q: int, src: torch.Tensor, n: int, levels: int,
+                         live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``tree_write_triton`` in torch ops (any device)."""
+    from specdec.fused_step import best_nodes_on_device, tree_top, write_trees
+
+    tokens, parents = best_nodes_on_device(src, n)
+    depth = write_trees(views, b, q, tokens, parents, levels, live)
+    return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)
