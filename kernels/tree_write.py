@@ -1,6 +1,7 @@
 """The kept trees of a dynamic draft program written into a verify bucket's inputs, one program per row (reference:
-``tree_write_reference``, the torch ops ``best_nodes_on_device`` + ``write_trees`` + ``tree_top`` of
-``specdec.fused_step``).
+the torch ops of ``specdec.fused_step.TreeWriter._build`` without ``use_triton``: ``best_nodes_on_device`` +
+``write_trees`` + ``tree_top``; they stay there, since a reference here importing them would close an import
+circle).
 
 Each row of the program's output (R, 3, N: node tokens, parents, score ranks) keeps its nodes of rank < n in level
 order, parents re-indexed among the kept (-1: the root, also for a node whose parent was not kept); node k of the
@@ -95,12 +96,3 @@ def tree_write_triton(views, b: int, q: int, src: torch.Tensor, n: int, levels: 
                              BLOCK=max(16, next_pow2(m)), LIVE=live is not None, num_warps=4)
     return tokens, parents, top
 
-
-def tree_write_reference(views, b: int, q: int, src: torch.Tensor, n: int, levels: int,
-                         live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``tree_write_triton`` in torch ops (any device)."""
-    from specdec.fused_step import best_nodes_on_device, tree_top, write_trees
-
-    tokens, parents = best_nodes_on_device(src, n)
-    depth = write_trees(views, b, q, tokens, parents, levels, live)
-    return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)

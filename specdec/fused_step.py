@@ -294,11 +294,13 @@ class TreeWriter:
     @torch.inference_mode()
     def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int,
                live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        from specdec.kernels.tree_write import tree_write_reference, tree_write_triton
+        if self.use_triton:  # one launch (``kernels/tree_write.py``) instead of the ~30 small ops below
+            from specdec.kernels.tree_write import tree_write_triton
 
-        # (the kernel: one launch instead of the reference's ~30 small ops)
-        fn = tree_write_triton if self.use_triton else tree_write_reference
-        return fn(views, b, q, src, n, self.levels, live)
+            return tree_write_triton(views, b, q, src, n, self.levels, live)
+        tokens, parents = best_nodes_on_device(src, n)
+        depth = write_trees(views, b, q, tokens, parents, self.levels, live)
+        return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)
 
 
 @graph_constant(maxsize=256)

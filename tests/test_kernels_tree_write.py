@@ -1,6 +1,6 @@
 """``kernels/tree_write.py``: the kept trees of a dynamic draft program written into a verify bucket in one launch
-equal the torch ops (``tree_write_reference``: ``best_nodes_on_device`` + ``write_trees`` + ``tree_top``), element
-by element, in the bucket's whole buffer (padding rows and non-live rows untouched) and the returned tokens,
+equal the torch ops of ``TreeWriter`` (``best_nodes_on_device`` + ``write_trees`` + ``tree_top``), element by
+element, in the bucket's whole buffer (padding rows and non-live rows untouched) and the returned tokens,
 parents and depths. Under TRITON_INTERPRET=1 on the CPU; compiled on CUDA when present."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _program_output(g, r: int, m: int, levels: int) -> torch.Tensor:
                                                    (4, 4, 64, 50, 63, 5, None), (2, 2, 8, 6, 7, 6, None),
                                                    (5, 8, 64, 60, 60, 10, 3), (2, 4, 4, 10, 3, 3, 1)])
 def test_tree_write_equals_the_torch_ops(dev, r, b, q, m, n, levels, live):
-    from specdec.kernels.tree_write import tree_write_reference, tree_write_triton
+    from specdec.kernels.tree_write import tree_write_triton
 
     g = torch.Generator().manual_seed(r * 1000 + m + n + levels)
     for _ in range(3):
@@ -50,7 +50,8 @@ def test_tree_write_equals_the_torch_ops(dev, r, b, q, m, n, levels, live):
         want_in, got_in = StepInputs(b, q, 3, torch.device(dev)), StepInputs(b, q, 3, torch.device(dev))
         want_in.dev.copy_(torch.randint(-5, 1000, want_in.dev.shape, generator=g))
         got_in.dev.copy_(want_in.dev)
-        want = tree_write_reference(want_in.views(b, q), b, q, src.clone(), n, levels, flags)
+        want = TreeWriter(levels, torch.device(dev), capture=False)._build(want_in.views(b, q), b, q, src.clone(), n,
+                                                                          flags)
         got = tree_write_triton(got_in.views(b, q), b, q, src, n, levels, flags)
         assert torch.equal(got_in.dev, want_in.dev)  # every input of the bucket, written or kept
         for a, w in zip(got, want, strict=True):
