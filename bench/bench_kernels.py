@@ -17,7 +17,7 @@ from specdec.kernels.topk import topk_small
 
 from specdec.row_sampling import sampling_rows
 from specdec.sampling_params import SamplingParams
-from tests.kernel_inputs import parents_topk, random_paged_batch
+from tests.kernel_inputs import dynamic_program_output, parents_topk, random_paged_batch
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="Triton kernels are benchmarked on CUDA only")
@@ -226,10 +226,9 @@ def test_tree_writer(benchmark, impl, batch, queries, budget):
     bucket, one kernel (``kernels/tree_write.py``) against the torch ops."""
     from specdec.fused_step import TreeWriter
     from specdec.step_inputs import StepInputs
-    from tests.test_kernels_tree_write import _program_output
 
     dev = torch.device("cuda")
-    out = _program_output(torch.Generator().manual_seed(0), batch, 50, 5).to(dev)
+    out = dynamic_program_output(torch.Generator().manual_seed(0), batch, 50, 5).to(dev)
     views = StepInputs(batch, queries, 8, dev).views(batch, queries)
     writer = TreeWriter(5, dev, capture=True, use_triton=impl == "triton")
     _run(benchmark, lambda: writer(views, batch, queries, out, budget), torch.cuda.synchronize)

@@ -95,4 +95,3 @@ def tree_write_triton(views, b: int, q: int, src: torch.Tensor, n: int, levels: 
                              live if live is not None else src, tokens, parents, top, m, n, levels, q,
                              BLOCK=max(16, next_pow2(m)), LIVE=live is not None, num_warps=4)
     return tokens, parents, top
-

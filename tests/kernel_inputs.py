@@ -75,6 +75,25 @@ def parents_random(n: int, gen: torch.Generator) -> list[int]:
     return [int(torch.randint(-1, i, (1,), generator=gen)) if i else -1 for i in range(n)]
 
 
+def dynamic_program_output(g: torch.Generator, r: int, m: int, levels: int) -> torch.Tensor:
+    """(R, 3, N) random outputs of a dynamic tree program (``kernels/tree_write.py``'s input): node tokens, parents
+    (-1: the root, else an earlier node, so that no tree is more than ``levels`` levels deep), and score ranks (a
+    permutation per row)."""
+    out = torch.empty(r, 3, m, dtype=torch.int64)
+    for i in range(r):
+        depth, parents = [], []
+        for j in range(m):
+            options = [k for k in range(j) if depth[k] + 1 < levels]
+            p = -1 if not options or torch.rand(1, generator=g) < 0.2 else options[
+                int(torch.randint(len(options), (1,), generator=g))]
+            parents.append(p)
+            depth.append(0 if p < 0 else depth[p] + 1)
+        out[i, 0] = torch.randint(0, 30000, (m,), generator=g)
+        out[i, 1] = torch.tensor(parents)
+        out[i, 2] = torch.randperm(m, generator=g)
+    return out
+
+
 def tree_mask_from_parents(parents: list[int]) -> list[int]:
     """int64 ancestor bitmasks: bit j of mask[i] set iff j is i or an ancestor of i (two's complement)."""
     masks: list[int] = []

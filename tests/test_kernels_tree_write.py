@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from kernel_inputs import dynamic_program_output
 
 from specdec.fused_step import TreeWriter
 from specdec.step_inputs import StepInputs
@@ -16,24 +17,6 @@ from specdec.step_inputs import StepInputs
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (["cuda"] if torch.cuda.is_available()
                                                                            else [])
 pytestmark = pytest.mark.skipif(not DEVICES, reason="needs TRITON_INTERPRET=1 or CUDA")
-
-
-def _program_output(g, r: int, m: int, levels: int) -> torch.Tensor:
-    """(R, 3, N) random dynamic trees in level order: node tokens, parents (-1: the root; each node's parent an
-    earlier node one level up, at most ``levels`` levels), and score ranks (a permutation per row)."""
-    out = torch.empty(r, 3, m, dtype=torch.int64)
-    for i in range(r):
-        depth, parents = [], []
-        for j in range(m):
-            options = [k for k in range(j) if depth[k] + 1 < levels]
-            p = -1 if not options or torch.rand(1, generator=g) < 0.2 else options[
-                int(torch.randint(len(options), (1,), generator=g))]
-            parents.append(p)
-            depth.append(0 if p < 0 else depth[p] + 1)
-        out[i, 0] = torch.randint(0, 30000, (m,), generator=g)
-        out[i, 1] = torch.tensor(parents)
-        out[i, 2] = torch.randperm(m, generator=g)
-    return out
 
 
 @pytest.mark.parametrize("dev", DEVICES)
@@ -45,7 +28,7 @@ def test_tree_write_equals_the_torch_ops(dev, r, b, q, m, n, levels, live):
 
     g = torch.Generator().manual_seed(r * 1000 + m + n + levels)
     for _ in range(3):
-        src = _program_output(g, r, m, levels).to(dev)
+        src = dynamic_program_output(g, r, m, levels).to(dev)
         flags = None if live is None else (torch.arange(r) < live).view(r, 1).to(dev)
         want_in, got_in = StepInputs(b, q, 3, torch.device(dev)), StepInputs(b, q, 3, torch.device(dev))
         want_in.dev.copy_(torch.randint(-5, 1000, want_in.dev.shape, generator=g))
@@ -68,7 +51,7 @@ def test_tree_writer_uses_the_kernel_when_asked(dev, monkeypatch):
     real = tw.tree_write_triton
     monkeypatch.setattr(tw, "tree_write_triton", lambda *a, **k: calls.append(1) or real(*a, **k))
     g = torch.Generator().manual_seed(5)
-    src = _program_output(g, 3, 20, 4).to(dev)
+    src = dynamic_program_output(g, 3, 20, 4).to(dev)
     results = []
     for use in (True, False):
         inputs = StepInputs(4, 16, 3, torch.device(dev))
