@@ -104,24 +104,27 @@ def joint_test(model, prompt: list[int], pairs: torch.Tensor, temperature: float
 
 @contextlib.contextmanager
 def one_noise_everywhere():
-    """The negative control, while active: the sampled rule (device and host) takes every token with the noise of
-    position 0."""
+    """The negative control, while active: the sampled rule takes every token with the noise of position 0, on
+    each of its paths (the device rule's unfiltered and Triton filtered choices, the host rule's)."""
     import specdec.sampled_rule
     import specdec.verifier
 
-    mods = (specdec.sampled_rule, specdec.verifier)
-    saved = [mod.choose_tokens for mod in mods]
+    patched = [(mod, name, getattr(mod, name)) for mod, name in (
+        (specdec.sampled_rule, "choose_tokens"), (specdec.sampled_rule, "choose_filtered_triton"),
+        (specdec.verifier, "choose_tokens"))]
 
-    def wrong(x, temperature, key0, key1, position, kept=None, _choose=saved[0], **kw):
-        return _choose(x, temperature, key0, key1, torch.zeros_like(position), kept, **kw)
+    def at_position_0(choose):
+        def wrong(x, temperature, key0, key1, position, *args, **kw):
+            return choose(x, temperature, key0, key1, torch.zeros_like(position), *args, **kw)
+        return wrong
 
     try:
-        for mod in mods:
-            mod.choose_tokens = wrong
+        for mod, name, choose in patched:
+            setattr(mod, name, at_position_0(choose))
         yield
     finally:
-        for mod, choose in zip(mods, saved):
-            mod.choose_tokens = choose
+        for mod, name, choose in patched:
+            setattr(mod, name, choose)
 
 
 def engine(target, draft, batch: int, device) -> SpecEngine:

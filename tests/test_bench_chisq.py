@@ -80,7 +80,37 @@ def test_negative_control_is_undone():
     import specdec.sampled_rule
     import specdec.verifier
 
-    before = (specdec.sampled_rule.choose_tokens, specdec.verifier.choose_tokens)
+    names = ((specdec.sampled_rule, "choose_tokens"), (specdec.sampled_rule, "choose_filtered_triton"),
+             (specdec.verifier, "choose_tokens"))
+    before = [getattr(mod, name) for mod, name in names]
     with one_noise_everywhere():
-        assert specdec.sampled_rule.choose_tokens is not before[0]
-    assert (specdec.sampled_rule.choose_tokens, specdec.verifier.choose_tokens) == before
+        assert all(getattr(mod, name) is not f for (mod, name), f in zip(names, before))  # every path of the rule
+    assert [getattr(mod, name) for mod, name in names] == before
+
+
+def test_negative_control_reaches_the_filtered_triton_choice():
+    """The control changes the Triton filtered choice (the device rule's path for top-p rows), which a patch of
+    ``choose_tokens`` alone missed: the second token of a request follows the first's noise."""
+    import specdec.sampled_rule as rule_mod
+    from specdec.row_sampling import sampling_rows
+    from specdec.sampling_params import SamplingParams
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 50, generator=g).to(dev)
+    t = torch.full((64,), 1.0, device=dev)
+    key0 = torch.full((64,), 7, dtype=torch.int64, device=dev)
+    key1 = torch.full((64,), 9, dtype=torch.int64, device=dev)
+    position = torch.arange(64, dtype=torch.int64, device=dev)
+    sampling = sampling_rows([SamplingParams(temperature=1.0, top_p=0.9)] * 64, dev)
+
+    def choices():
+        return rule_mod.choose_filtered_triton(x, t, key0, key1, position, sampling, t)
+
+    right = choices()
+    with one_noise_everywhere():
+        wrong = choices()
+    assert not torch.equal(right, wrong)
+    with one_noise_everywhere():  # every row now draws with position 0's noise: the same as row 0 at position 0
+        at_zero = rule_mod.choose_filtered_triton(x, t, key0, key1, torch.zeros_like(position), sampling, t)
+    assert torch.equal(wrong, at_zero)

@@ -437,10 +437,10 @@ def test_fused_tree_depths_and_lazy_trees():
 @pytest.mark.parametrize("tree", ["dynamic:16", "topk:2x3"])
 def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa: F811 - the fixture
     """float32 on the GPU, pipelined: the captured tree-building and ``advance`` graphs read cached constants
-    (``ancestry``'s start masks, the catch-up's causal masks, a static tree's node offsets). After more other
-    shapes than each cache holds, with every evicted entry's memory then refilled with garbage, the output
-    still equals target-only (``specdec.graphs.graph_constant`` keeps what a capture read; ``AdvanceGraphs`` keeps
-    the offsets it was captured with)."""
+    (``ancestry``'s start masks where the tree writer runs its torch ops, the catch-up's causal masks, a static
+    tree's node offsets). After more other shapes than each cache holds, with every evicted entry's memory then
+    refilled with garbage, the output still equals target-only (``specdec.graphs.graph_constant`` keeps what a
+    capture read; ``AdvanceGraphs`` keeps the offsets it was captured with)."""
     from specdec.fused_step import _ancestry_start
     from specdec.lookahead_ops import causal_masks
     from specdec.pipeline import _node_offsets
@@ -451,9 +451,12 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     assert [o.token_ids for o in eng.generate(PROMPTS, PARAMS)] == want  # every graph captured by now
     assert eng.drafter.paths["ahead"] > 0
     dev = torch.device("cuda", torch.cuda.current_device())
-    # what the captured graphs hold: the tree writer's start masks, or the offsets in AdvanceGraphs' entries
-    held = _ancestry_start.held if tree.startswith("dynamic") else [
-        entry[2] for entry in eng.pipeline.hook.advance.graphs.values()]  # (each entry keeps its builder)
+    # what the captured graphs hold: the tree writer's start masks (its torch ops; the Triton kernel that replaces
+    # them on CUDA reads no constant), or the offsets in AdvanceGraphs' entries
+    if tree.startswith("dynamic"):
+        held = [True] if eng.verifier.fused.writer.use_triton else _ancestry_start.held
+    else:
+        held = [entry[2] for entry in eng.pipeline.hook.advance.graphs.values()]  # (each entry keeps its builder)
     assert held and causal_masks.held
     junk = []
     for i in range(80):  # 80 (R, n) shapes for a cache of 64, 64 query counts for 16, 40 chains for 32
