@@ -383,7 +383,7 @@ class ChainAhead:
     histories). It writes the next verify's whole bucket from the outcome and the chains, and the rows' lengths,
     block tables and length limits. Sampled rows' outcome is the sampled rule's, written into the verify's outcome
     buffer before the follow-up reads it (``Verifier.launch_queued``). A row whose prefill just ended joins with its
-    first chain looked up on the host as an unpipelined step would (``NgramDrafter.host_chain``), written into its
+    first chain (``NgramDrafter.first_chain``: none when the device serves it, else the host's), written into its
     outcome row as the follow-up's, its history sent to the device with it (``DeviceNgram.join``)."""
 
     def __init__(self, drafter, runner, k: int, follow) -> None:
@@ -434,7 +434,7 @@ class ChainAhead:
                 # row's first chain as the unpipelined step would look it up on the host
                 outcome = source if source is not None else torch.cat(
                     [outcome, outcome.new_zeros(step.key[1] - outcome.shape[0], outcome.shape[1])])
-                chains = [self.drafter.host_chain(req, n) for req in joining]
+                chains = [self.drafter.first_chain(req, n) for req in joining]
                 self.follow.join(joining, chains)
             _join_outcome(outcome, at, joining, q, upload, chains=chains)
         bt = self.runner.tables.host_rows([req.bt_row for req in every])

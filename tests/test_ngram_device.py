@@ -1,8 +1,8 @@
 """n-gram drafting on the device (``specdec/drafters/ngram_device.py``): the one-launch kernel
 (``kernels/ngram_follow.py``) equals its torch reference, the reference is ``ngram_lookup`` over the extended
 history, and an engine that looks chains up on the device proposes exactly what the host lookup (without the
-shared table) proposes, with target-only's outputs. Kernels run under TRITON_INTERPRET=1 on the CPU and compiled
-on CUDA (real history lengths there)."""
+shared table) finds in the same text, with target-only's outputs. Kernels run under TRITON_INTERPRET=1 on the CPU
+and compiled on CUDA (real history lengths there)."""
 
 from __future__ import annotations
 
@@ -123,32 +123,59 @@ def _stop_case(tiny_target):
 
 
 @pytest.mark.parametrize("budgets,pipeline", [(None, False), ([5, 0, 0, 3, 5], False), ([5, 0, 0, 3, 5], True)])
-def test_device_chains_equal_host_chains(tiny_target, monkeypatch, budgets, pipeline):
+def test_device_chains_are_the_host_lookups_of_the_same_text(tiny_target, monkeypatch, budgets, pipeline):
     """Eight requests through four rows (rows join as others finish, block-table rows are reused, one request
-    stops early on a token): the device lookup proposes exactly the host lookup's chains at every step, the
-    outputs are target-only's, and the host looks up only a request's first chain. With budgets 5, 0, 0, 3, 5 held
-    three steps each (pipelined or not), decode steps run no follow-up and the histories fall behind: the first step
-    after them looks its chains up on the host and its follow-up catches the histories up, so the chains still
-    equal the host's, with a few more host lookups."""
+    stops early on a token), chains looked up on the device (``device_only``): the outputs are target-only's and
+    the host's (no device lookups), the host looks up and indexes nothing, and every chain proposed is the host
+    lookup (``ngram_lookup``'s scan) of the row's text at that step, cut to the budget and the tokens still to
+    come. A row proposes no chain where the device has none for it: its first step, and with budgets 5, 0, 0, 3, 5
+    held three steps each (pipelined or not), the first step after decode steps, which run no follow-up (its
+    follow-up catches the histories up); never after a step that speculated."""
     from test_pipelined_budgets import ScriptedBudget
 
+    from specdec.drafters.ngram import _most
+
     prompts, params, ref = _stop_case(tiny_target)
-    calls, chains = _recorded(monkeypatch)
-    outs, proposed, lookups = {}, {}, {}
+    calls, _ = _recorded(monkeypatch)
+    steps = []  # per step: its budget and, per row, (request, its tokens, the most chain tokens, the chain proposed)
+    propose, index_update = NgramDrafter.propose, NgramIndex.update
+
+    def recorded(self, rows):
+        out = propose(self, rows)
+        steps.append((self.node_budget, [(r, list(r.tokens), _most(r, self.node_budget), t.host.tokens)
+                                         for r, t in zip(rows, out.trees)]))
+        return out
+
+    def update(self, *a, **kw):
+        calls[0] += 1
+        return index_update(self, *a, **kw)
+
+    monkeypatch.setattr(NgramDrafter, "propose", recorded)
+    monkeypatch.setattr(NgramIndex, "update", update)
+    outs = {}
     for device in (False, True):
         calls[0] = 0
-        chains.clear()
+        steps.clear()
         eng = _engine(tiny_target, device, pipeline=pipeline and device)
         if budgets:
             eng.adaptive = ScriptedBudget(budgets, every=3)
         outs[device] = [r.token_ids for r in eng.generate(prompts, params)]
-        proposed[device], lookups[device] = list(chains), calls[0]
         if device:
-            assert eng.verifier.followup.launches > 0
+            assert eng.drafter.device_only and eng.verifier.followup.launches > 0
     assert outs[True] == outs[False] == ref
-    assert proposed[True] == proposed[False]
-    assert sum(len(c) for step in proposed[True] for c in step) > (30 if budgets else 50)  # real chains compared
-    assert lookups[True] <= (len(prompts) if budgets is None else lookups[False] // 2) < lookups[False]
+    assert calls[0] == 0  # the device-only engine's host looked nothing up and indexed nothing
+    compared, last_budget, none_where_host_has = 0, {}, 0
+    for budget, rows in steps:
+        for req, tokens, most, chain in rows:
+            want = ngram_lookup(tokens, most) if budget else []
+            if chain:
+                assert chain == want, (tokens, chain, want)
+                compared += len(chain)
+            elif want:  # no device chain: the row's first step, or the first after a decode step
+                none_where_host_has += 1
+                assert last_budget.get(req, 0) == 0, (tokens, want)
+            last_budget[req] = budget
+    assert compared > (20 if budgets else 30) and none_where_host_has <= len(prompts) + (3 * 4 if budgets else 0)
 
 
 def test_auto_stays_on_the_host_below_its_batch_size(tiny_target, monkeypatch):
@@ -199,9 +226,9 @@ def test_ngram_device_must_be_none_or_a_bool():
 def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
     """float32 on CUDA, graphs captured, 16 rows (the auto mode's lookup runs on the device, pipelined): outputs
     equal eager target-only decoding and the proposed chains equal the host lookup's (no shared table) step for
-    step, pipelined or not, with varied lengths so rows finish at their limits and the pipeline is dropped and
-    resumed; then one request alone with the device lookup forced on (pipelined at batch 1), and pipelined
-    target-only decoding of them all."""
+    step unpipelined (pipelined, less a row's first chain), with varied lengths so rows finish at their limits and
+    the pipeline is dropped and resumed; then one request alone with the device lookup forced on (pipelined at
+    batch 1), and pipelined target-only decoding of them all."""
     from specdec.loading.registry import load_model
 
     target = load_model(tiny_dirs["llama"], device="cuda")
@@ -226,7 +253,11 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
             assert follow.launches > 0 and follow.min_rows == (1 if pipeline is None else 8)
             assert (pipe.adopted > follow.launches // 3) if pipeline is None else pipe is None
             assert pipeline is False or pipe.hook.advance.graphs  # the queued steps' inputs were written by a graph
-    assert proposed[None, None] == proposed[None, False] == proposed[False, None]
+    assert proposed[None, False] == proposed[False, None]
+    # pipelined, the device serves every step (``device_only``): a row's first step proposes no chain (the CPU
+    # test checks each chain against the host lookup of the same text); the rest is the host's
+    tokens = {k: sum(len(c) for step in v for c in step) for k, v in proposed.items()}
+    assert 0.8 * tokens[False, None] < tokens[None, None] <= tokens[False, None] + 8 * len(prompts)
     eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
                                                  ngram_device=True, **base))
     assert eng.generate([prompts[0]], params[0])[0].token_ids == ref[0].token_ids

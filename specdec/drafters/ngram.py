@@ -113,36 +113,28 @@ class NgramIndex:
         return max_n == 4 and min_n == 1 and (shared is None or shared.min_n == 2)
 
     def update(self, tokens: list[int], upto: int) -> None:
-        """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token)."""
+        """Index the n-grams of ``tokens`` that end before position ``upto`` (each is followed by a token).
+
+        For each n, the n-grams ending at ``indexed``..``upto`` - 1 go in with one ``dict.update`` over zipped
+        slices, so the tuples and the insertions run in C: a prompt's indexing (a prefill step's host work) costs a
+        few operations per token instead of a Python loop iteration. Starts rise within each n, so an n-gram seen
+        twice keeps its latest start, as in a token-by-token walk."""
         first = self.indexed
         if upto <= first:
             return
-        lo, hi, latest, shared = self.min_n, self.max_n, self.latest, self.shared
+        latest, shared = self.latest, self.shared
         new, s_lo, tag = None, 0, self.owner << 32  # a shared entry is tag | start = tag + start
         if shared is not None:
             new, s_lo = shared.writer(self.owner, tokens), shared.min_n
-        if hi == 4 and lo == 1 and first >= 4:  # the default shape, unrolled (``lookup_unrolled`` has it inlined)
-            for end in range(first, upto):
-                a, b, c, d = tokens[end - 4:end]
-                g4, g3, g2 = (a, b, c, d), (b, c, d), (c, d)
-                latest[g4], latest[g3], latest[g2], latest[(d,)] = end - 4, end - 3, end - 2, end - 1
-                if new is None or s_lo > 4:
-                    continue
-                new[g4] = tag | (end - 4)
-                if s_lo <= 3:
-                    new[g3] = tag | (end - 3)
-                if s_lo <= 2:
-                    new[g2] = tag | (end - 2)
-                if s_lo == 1:
-                    new[(d,)] = tag | (end - 1)
-        else:
-            for end in range(first, upto):  # every n-gram ending at ``end`` is followed by tokens[end]
-                tail = tuple(tokens[end - hi if end > hi else 0:end])
-                for n in range(lo, len(tail) + 1):
-                    gram = tail[-n:]
-                    latest[gram] = end - n
-                    if new is not None and n >= s_lo:
-                        new[gram] = tag | (end - n)
+        for n in range(self.min_n, self.max_n + 1):
+            lo = max(first, n)  # the first end of an n-gram: n tokens before it
+            if lo >= upto:
+                continue
+            grams = zip(*(tokens[lo - n + j:upto - n + j] for j in range(n)))
+            if new is not None and n >= s_lo:
+                grams = list(grams)
+                new.update(zip(grams, range(tag + lo - n, tag + upto - n)))
+            latest.update(zip(grams, range(lo - n, upto - n)))
         if new is not None and len(new) >= shared.capacity:
             shared.turn_over()
         self.indexed = upto
@@ -260,9 +252,34 @@ class NgramDrafter(Drafter):
         if self.shared is not None:
             self.shared.clear()
 
+    @property
+    def device_only(self) -> bool:
+        """Every step's chains come from the device lookups (``DeviceNgram`` from one row on: pipelined, or
+        ``ngram_device=True``): the host indexes no text, and a row the device has no current chain for (its first
+        step, or the first after decode steps, which run no lookup) proposes none that step. Host indexing costs
+        about a microsecond per token in Python, on the step's critical path: a prefill step indexing its prompts
+        cost more than its forward."""
+        return self.device_chains is not None and self.device_chains.min_rows <= 1
+
+    def _device_served(self, rows: list[Request], k: int) -> bool:
+        """The chains of a step over ``rows`` come from the device: ``device_only``, and the follow-up runs behind
+        its verify (no row with a repetition penalty, every row's history row holds a verify's worth more:
+        ``DeviceNgram.launch``); else the step looks its chains up on the host, as before ``device_only``."""
+        return (self.device_only and not any(r.params.penalized for r in rows)
+                and max(len(r.tokens) for r in rows) + k + 1 <= self.device_chains.hist.shape[1])
+
+    def first_chain(self, req: Request, k: int) -> list[int]:
+        """The chain of a row whose prefill just ended (``pipeline.ChainAhead`` joins it to a queued step): none when
+        the device serves it (its history is uploaded as it joins and the queued step's follow-up looks up its next
+        chain), else the host's."""
+        return [] if self._device_served([req], k) else self.host_chain(req, k)
+
     def prefill(self, chunks) -> None:
         """Index the prompt as it is prefilled, so a request's first proposal (a timed step the adaptive
-        controller learns the lookup cost from) does not index the whole prompt."""
+        controller learns the lookup cost from) does not index the whole prompt; nothing when ``device_only``
+        (a row that steps on the host after all is indexed at its first lookup)."""
+        if self.device_only:
+            return
         for c in chunks:
             index = self._index_of(c.req)
             index.update(c.req.tokens, min(c.end + 1, len(c.req.tokens)))
@@ -290,12 +307,13 @@ class NgramDrafter(Drafter):
         if k == 0:
             return Proposal([DraftTree.empty()] * n, [None] * n)
         ahead, drafts = device.chains if device is not None else {}, []
+        served = self._device_served(rows, k)
         for req in rows:
             hit = ahead.get(req)
             if hit is not None and hit[0] == len(req.tokens):  # looked up on the device after the last step
                 drafts.append(hit[1][:_most(req, k)])
             else:
-                drafts.append(self.host_chain(req, k))
+                drafts.append([] if served else self.host_chain(req, k))
         # host trees: verification reads their host view (a queued step adopted in their place verified these chains)
         return Proposal(DraftTree.chains(drafts), [None] * n)
 

@@ -17,7 +17,9 @@ come), and its verify and follow-up replay before the host reads this step, so t
 GPU runs the next. The follow-up looks up chains of the longest length (``k``), so the next budget's chains are
 ready. A decode step (budget 0) runs no follow-up: its outcome alone is read, as target-only decoding's, and the
 histories fall behind; the first step of a budget above 0 (a change of budget drops the queued step, so it is a
-fresh step: its chains are looked up on the host) catches them up in its follow-up launch.
+fresh step) catches them up in its follow-up launch. When the device serves every step (from one row on:
+``NgramDrafter.device_only``) the host indexes no text at all: a row the device has no chain for yet (its first
+step, or that first step after decode steps) proposes none.
 
 The device looks only in the row's own text (``ngram_lookup``'s semantics exactly), not in other requests'
 (``SharedNgrams``). Unpipelined, the host path with the shared table accepts more per step, which is worth more
