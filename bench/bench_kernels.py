@@ -194,6 +194,37 @@ def test_sampled_choices(benchmark, path, batch, tokens):
 
 
 @needs_cuda
+@pytest.mark.parametrize("choice", ["filtered", "unfiltered"])
+@pytest.mark.parametrize("splits", ["auto", "one"])
+@pytest.mark.parametrize("rows", [1, 32, 64, 256, 512])
+def test_split_choice(benchmark, choice, splits, rows):
+    """The Gumbel-max choice over (R, 49,152) bf16 logits (``test_sampled_choices``' logits), T 0.7, its pass over
+    every token (float64 noise) split over programs per row (``auto``: ``gumbel_splits``, the default
+    SPLIT_BLOCK and SPLIT_WARPS) or one program per row (``one``: splits=1, the single-kernel path):
+    ``filtered`` (``choose_filtered_triton`` at top-p 0.9, the rule's path) and ``unfiltered``
+    (``choose_tokens_triton`` without kept set). Split and one-program give the same tokens."""
+    from specdec.kernels.gumbel_choice import choose_filtered_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, 1, 49152, generator=g, device="cuda") * 2  # (R, 1, V): batch R, one verify token
+    likely = torch.randint(0, 49152, (rows, 1, 16), generator=g, device="cuda")
+    x = x.scatter_add(-1, likely, torch.full(likely.shape, 10.0, device="cuda")).to(torch.bfloat16)
+    sampling = sampling_rows([SamplingParams(temperature=0.7, top_p=0.9)] * rows, "cuda")
+    t = sampling.temperature.double()
+    key0, key1 = torch.randint(0, 2**32, (2, rows), generator=g, device="cuda")
+    position = torch.arange(rows, device="cuda") + 100
+
+    def run(n):
+        if choice == "filtered":
+            return choose_filtered_triton(x, t, key0, key1, position, sampling, sampling.temperature.float(),
+                                          splits=n)
+        return choose_tokens_triton(x.view(rows, -1), t, key0, key1, position, splits=n)
+
+    assert torch.equal(run(None), run(1))
+    _run(benchmark, lambda: run(None if splits == "auto" else 1), torch.cuda.synchronize)
+
+
+@needs_cuda
 @pytest.mark.parametrize("impl", ["triton", "triton_per_node", "reference"])
 @pytest.mark.parametrize("batch,nodes", [(1, 16), (16, 8), (64, 4), (64, 8)])
 def test_children_scores(benchmark, impl, batch, nodes):

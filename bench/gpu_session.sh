@@ -238,10 +238,12 @@ case "$stage" in
   chisq)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_chisq.py: the first two sampled
           # tokens of CHISQ_SAMPLES (20000) seeded requests with the shipped draft through the CUDA defaults, float32,
           # chi-square against the exact target distribution at T=0.7/1.0 top-p 0.9 and T=1.0, and the negative control
+          # (CHISQ_CONTROL_ONLY=1: the control alone)
     [ -s "$MODEL" ] || assemble
     install
     (cd /tmp && timeout "${CHISQ_LIMIT:-540}" python3 -P "$root/bench/gpu_chisq.py" "$D" "$MODEL" \
-      "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" > "$D/chisq.log" 2>&1)
+      "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" ${CHISQ_CONTROL_ONLY:+--control-only} \
+      > "$D/chisq.log" 2>&1)
     echo "chisq exit $?"; grep -h "^chisq\|Error\|error" "$D/chisq.log" | tail -10
     pack
     ;;

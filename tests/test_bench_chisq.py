@@ -74,6 +74,10 @@ def test_gpu_chisq_on_the_tiny_pair(tiny_factory, tmp_path):
     for r in res[:3]:
         assert r["passes"] and r["accepted"] > 0 and r["distinct_first"] >= 2 and r["dof_joint"] >= 4, r
     assert res[3]["p_joint"] < 1e-3 and res[3]["p_first"] > 1e-3  # the control: marginals right, pairs correlated
+    assert main([str(tmp_path / "control"), str(target), str(prompts), "--samples", "3000", "--draft", str(draft),
+                 "--batch", "256", "--device", "cpu", "--control-only"]) == 0  # the control alone: it fails
+    res = json.loads((tmp_path / "control" / "chisq.json").read_text())
+    assert [r["label"] for r in res] == ["negative control"] and res[0]["p_joint"] < 1e-3
 
 
 def test_negative_control_is_undone():

@@ -48,3 +48,46 @@ def test_tree_write_kernel_compiles_for_sm90():
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert len(got) == 4 and all(k["cubin"] > 0 and k["entry"] for k in got), got
+
+
+_COMPILE_CHOICE = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from specdec.kernels.gumbel_choice import _filtered_choice_kernel, _gumbel_max_partials_kernel, _pick_kernel
+
+def build(fn, sig, consts, warps):
+    src = ASTSource(fn=fn, signature={**sig, **{name: "constexpr" for name in consts}}, constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    entry = f".entry {fn.__name__}" in k.asm["ptx"]
+    return {"kernel": fn.__name__, **consts, "cubin": len(k.asm["cubin"]), "entry": entry}
+
+rows = {"x_ptr": "*bf16", "t_ptr": "*fp64", "key0_ptr": "*i64", "key1_ptr": "*i64", "pos_ptr": "*i64"}
+parts = {"best_ptr": "*fp64", "first_ptr": "*i32", "xmax_ptr": "*fp32"}
+strides = ("stride_x", "stride_t", "stride_key0", "stride_key1", "stride_pos")
+out = [build(_gumbel_max_partials_kernel, {**rows, **parts, "n_cols": "i32", "chunk": "i32",
+                                           **{n: "i32" for n in strides}},
+             {"BLOCK": 1024, "NO_INDEX": 2**31 - 1}, 4),
+       build(_pick_kernel, {**parts, "out_ptr": "*i64", "n_split": "i32"}, {"SPLIT": 64, "NO_INDEX": 2**31 - 1}, 4)]
+sig = {**rows, "k_ptr": "*i64", "p_ptr": "*fp64", "min_p_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i32",
+       **{"part_" + n: t for n, t in parts.items()}}
+sig.update({n: "i32" for n in ("n_split", "n_cols", "rows_per_param", "max_rounds", *strides, "stride_k",
+                               "stride_p", "stride_min_p")})
+for split in (1, 64):
+    out.append(build(_filtered_choice_kernel, sig, {"HAS_MIN_P": True, "BLOCK": 2048, "NO_INDEX": 2**31 - 1,
+                                                    "SPLIT": split}, 16))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not _PTXAS.is_file(), reason="the Triton wheel has no CUDA backend (ptxas) here")
+def test_split_choice_kernels_compile_for_sm90():
+    """The Gumbel-max choice's split pass 1 (partials, the unfiltered pick) and the filtered choice over its
+    partials (SPLIT 64) or walking pass 1 itself (SPLIT 1)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", _COMPILE_CHOICE], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(got) == 4 and all(k["cubin"] > 0 and k["entry"] for k in got), got

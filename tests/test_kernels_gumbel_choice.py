@@ -1,6 +1,7 @@
 """The Gumbel-max choice kernel against its torch reference, and the reference's sampling statistics."""
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,7 @@ from specdec.kernels.gumbel_choice import (  # noqa: E402
     choose_tokens_triton,
     gumbel_noise,
     gumbel_noise_triton,
+    gumbel_splits,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -229,6 +231,134 @@ def test_kernel_bad_arguments():
     with pytest.raises(ValueError, match="block must be"):
         choose_tokens_triton(x, t, key0, key1, position, block=100)
     assert choose_tokens_triton(x[:0], t[:0], key0[:0], key1[:0], position[:0]).shape == (0,)
+
+
+# ---------------------------------------------------------------- pass 1 split over several programs per row
+
+
+def _split_batch(v, dtype, seed):
+    """``_batch``'s rows with ties across chunks of 32 columns: the greedy row 0's maximum at 3, v / 2 and v - 1;
+    the sampled row 9 (T 1e-3) with +inf at 40 and v - 50 (score +inf twice: column 40)."""
+    x, temperature, _ = _batch(v, dtype, seed)
+    x[9, [40, v - 50]] = INF
+    return x, temperature
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [3, 7])  # chunks of 128 and 64 columns (3 and 5 programs), neither dividing 300
+def test_split_choice_matches_one_program_per_row(dtype, splits):
+    """The choice without kept set split over programs per row (chunks a multiple of 32 columns) chooses, bit for
+    bit, the one-program kernel's and the reference's tokens: greedy and sampled rows, ties across chunks (the
+    lowest column), NaN (never chosen), all -inf and all NaN (column 0), the maximum in the last, short chunk."""
+    x, temperature = _split_batch(300, dtype, seed=2)
+    key0, key1, position = _keys(10, 2)
+    want = choose_tokens_reference(x, temperature, key0, key1, position)
+    one = choose_tokens_triton(x, temperature, key0, key1, position, block=32, splits=1)
+    got = choose_tokens_triton(x, temperature, key0, key1, position, block=32, splits=splits, split_block=32)
+    assert torch.equal(one, want) and torch.equal(got, want)
+    assert got[[0, 1, 2, 6, 7, 9]].tolist() == [3, 0, 299, 4, 0, 40]
+    assert got[3].item() not in (1, 7, 298) and got[4].item() not in (0, 9)
+
+
+@pytest.mark.parametrize("splits", [3, 7])
+def test_split_filtered_choice_matches_one_program_per_row(splits):
+    """``choose_filtered_triton`` with its first pass split (the checks then reading the reduced partials) chooses
+    what it chooses in one program per row, bit for bit, and what the reference chooses over the kept sets
+    (kept = ``nucleus_probs(...) > 0``): top-p (0.3: checks past the first candidate), top-k, min-p, top-k and
+    top-p both (left to the kept-set kernels), no filter, greedy rows (ties across chunks), a sampled row with
+    +inf twice, NaN, all -inf. 300 columns, chunks a multiple of 32 (not dividing it)."""
+    from specdec.kernels.gumbel_choice import choose_filtered_triton, filtered_choice_pass
+    from specdec.kernels.nucleus import nucleus_probs
+
+    from specdec.row_sampling import sampling_rows
+
+    params = [(0.0, 0, 0.9), (1.0, 0, 0.3), (0.7, 0, 0.9), (1.0, 5), (0.8, 0, 1.0, 0.1), (1.0, 3, 0.8), (1.0,),
+              (1.3, 0, 0.3)]
+    sampling = sampling_rows([_Params(*p) for p in params], DEVICE)
+    b, q, v = len(params), 2, 300
+    g = torch.Generator().manual_seed(6)
+    x = (torch.round(torch.randn(b, q, v, generator=g) * 12) / 4).to(DEVICE)  # (B, Q, V), many equal values
+    x[0, 0] = -1.0
+    x[0, 0, [70, 200, 299]] = 5.0  # greedy tie in three chunks: column 70
+    x[6, 1, [100, 260]] = INF  # sampled, no filter: +inf twice, column 100
+    x[2, 1] = -INF  # sampled, top-p, all -inf: column 0
+    x[3, 1, [5, 64, 130]] = NAN  # sampled, top-k, NaN never chosen
+    rows = x.reshape(b * q, v)
+    temps = sampling.temperature.double().repeat_interleave(q)
+    key0 = torch.arange(b * q, dtype=torch.int64, device=DEVICE) * 7919 + 5
+    key1 = torch.full((b * q,), 321, dtype=torch.int64, device=DEVICE)
+    position = torch.arange(b * q, dtype=torch.int64, device=DEVICE) + 50
+    t = sampling.temperature.float().where(sampling.temperature > 0, 1.0)  # (B,) the filter's temperatures
+    probs = torch.softmax(x.float() / t.view(-1, 1, 1), dim=-1)
+    kept = (nucleus_probs(x, t.view(-1, 1, 1), probs, sampling, block=32) > 0).reshape(b * q, v)
+    kept[12:14] = True  # the unfiltered batch row keeps every token (its probs, NaN beside +inf, do not say so)
+    want = choose_tokens_reference(rows, temps, key0, key1, position, kept)
+    first, done = filtered_choice_pass(x, temps, key0, key1, position, sampling, block=32, splits=1)
+    split_first, split_done = filtered_choice_pass(x, temps, key0, key1, position, sampling, block=32,
+                                                   splits=splits, split_block=32)
+    assert torch.equal(split_done, done) and torch.equal(split_first[done > 0], first[done > 0])
+    unfiltered = choose_tokens_triton(rows, temps, key0, key1, position, splits=1)
+    assert ((first != unfiltered) & (done > 0)).any() and (done == 0).any()  # checks ran; rows left to the kernels
+    one = choose_filtered_triton(x, temps, key0, key1, position, sampling, t, block=32, splits=1)
+    got = choose_filtered_triton(x, temps, key0, key1, position, sampling, t, block=32, splits=splits,
+                                 split_block=32)
+    assert torch.equal(got, one) and torch.equal(got, want), (got != want).nonzero().flatten().tolist()
+    assert got[[0, 5, 13]].tolist() == [70, 0, 100] and got[7].item() not in (5, 64, 130)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_split_choice_at_real_size(rows):
+    """SmolLM2's 49,152 bf16 logits, a quarter of the rows greedy, top-p 0.9 (a few likely tokens over a normal
+    tail): the split choices (``gumbel_splits``' count at this size, and 5 programs per row) are the one-program
+    kernel's bit for bit, filtered and unfiltered; the unfiltered ones the reference's."""
+    from specdec.kernels.gumbel_choice import choose_filtered_triton
+
+    from specdec.row_sampling import sampling_rows
+
+    v = 49152
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 1, v, generator=g, device="cuda") * 2  # (R, 1, V)
+    likely = torch.randint(0, v, (rows, 1, 16), generator=g, device="cuda")
+    x = x.scatter_add(-1, likely, torch.full(likely.shape, 10.0, device="cuda")).to(torch.bfloat16)
+    temps = [0.0 if i % 4 == 0 else 0.7 for i in range(rows)]
+    sampling = sampling_rows([_Params(t, 0, 0.9) for t in temps], "cuda")
+    t = sampling.temperature.double()
+    t_filter = sampling.temperature.float().where(sampling.temperature > 0, 1.0)
+    key0, key1, position = _keys(rows, 13)
+    flat = x.view(rows, v)
+    want = choose_tokens_reference(flat, t, key0, key1, position)
+    one = choose_filtered_triton(x, t, key0, key1, position, sampling, t_filter, splits=1)
+    for splits in (None, 5):
+        assert torch.equal(choose_tokens_triton(flat, t, key0, key1, position, splits=splits), want)
+        got = choose_filtered_triton(x, t, key0, key1, position, sampling, t_filter, splits=splits)
+        assert torch.equal(got, one), (got != one).nonzero().flatten().tolist()
+
+
+class _Params(NamedTuple):
+    """A request's sampling parameters, as ``sampling_rows`` reads them."""
+
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+
+def test_split_count_and_arguments():
+    """The rows make ~4 programs per SM (the interpreter counts 8 SMs), at most one program per split block, at
+    least one; splits only where the choice has no kept set, rule or skip."""
+    cpu = torch.device("cpu")
+    assert gumbel_splits(1, 49152, 1024, cpu) == 32 and gumbel_splits(4, 49152, 1024, cpu) == 8
+    assert gumbel_splits(64, 49152, 1024, cpu) == 1 and gumbel_splits(1, 300, 128, cpu) == 3
+    x = torch.zeros(3, 40, device=DEVICE)
+    t = torch.ones(3, device=DEVICE)
+    key0, key1, position = _keys(3, 0)
+    with pytest.raises(ValueError, match="splits must be >= 1"):
+        choose_tokens_triton(x, t, key0, key1, position, splits=0)
+    with pytest.raises(ValueError, match="split_block must be"):
+        choose_tokens_triton(x, t, key0, key1, position, split_block=100)
+    with pytest.raises(ValueError, match="splits must be None or 1 with kept"):
+        choose_tokens_triton(x, t, key0, key1, position, torch.ones_like(x, dtype=torch.bool), splits=2)
 
 
 # ---------------------------------------------------------------- the reference's statistics
