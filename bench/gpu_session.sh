@@ -180,15 +180,18 @@ distill_round() {  # distill 1 | distill 2: regenerate and train (1), train on a
 }
 
 suites() {  # the pytest-benchmark suites, compared with the committed baseline of this machine kind when there is one
-            # (BENCH_K: a -k filter of the entries)
-  mkdir -p "$D/baselines" && cp -r "$root"/bench/baselines/. "$D/baselines/" 2>/dev/null
-  local compare=()
-  ls "$D"/baselines/Linux-CPython-3.12-64bit/*.json > /dev/null 2>&1 && compare=(--benchmark-compare)
+            # (BENCH_K: a -k filter of the entries). The storage lies under the checkout: pytest-benchmark names it
+            # relative to the working directory when it warns that the baseline's machine differs (an H100 run
+            # against the H200's baseline), and a storage outside it crashed the session there
+  local store="$root/.gpu_out/baselines" compare=()
+  rm -rf "$store" && mkdir -p "$store" && cp -r "$root"/bench/baselines/. "$store/" 2>/dev/null
+  ls "$store"/Linux-CPython-3.12-64bit/*.json > /dev/null 2>&1 && compare=(--benchmark-compare)
   (cd "$root" && BENCH_MODEL=$MODEL timeout "${SUITES_LIMIT:-500}" python3 -P -m pytest -p no:cacheprovider \
     bench/bench_steps.py bench/bench_kernels.py bench/bench_decode.py bench/bench_train.py ${BENCH_K:+-k "$BENCH_K"} \
-    --benchmark-storage="file://$D/baselines" --benchmark-save=h200 "${compare[@]}" \
+    --benchmark-storage="file://$store" --benchmark-save=h200 "${compare[@]}" \
     --benchmark-columns=median,iqr,rounds > "$D/suites.log" 2>&1)
   echo "suites exit $?"; tail -n 45 "$D/suites.log"
+  cp -r "$store" "$D/baselines"
 }
 
 [ "$stage" = prep ] && { prep; exit; }
