@@ -422,7 +422,7 @@ class _Epochs:
         self.tokens = self.seconds = 0.0
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
-        self.probe_up = True
+        self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
 
 
 class EpochBudget:
@@ -440,8 +440,10 @@ class EpochBudget:
     budget so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor
     every budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best
     (the full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a
-    neighbour is probed every ``hold`` epochs (above and below in turn; ``hold`` doubles while probes change
-    nothing), so a change in acceptance or cost moves the choice. The held budget changes only to one measured
+    neighbour is probed every ``hold`` epochs (above, below and budget 0 in turn; ``hold`` doubles while probes
+    change nothing), so a change in acceptance or cost moves the choice. Budget 0 is probed however far the best
+    is from it: its rate is the floor every budget must beat, and a search measures it once, in one short epoch
+    (on a new engine, often in its slowest first steps). The held budget changes only to one measured
     ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
     beats it by ``margin``, so speculating is not slower than decoding by more than the measurements err. A step
     whose budget differs from the step before it is not timed: the step queued behind the previous verify was built
@@ -548,11 +550,12 @@ class EpochBudget:
             state.held, state.since_probe = state.best, 0
             return
         state.since_probe += 1
-        if state.since_probe >= state.hold:  # probe a neighbour of the best, above and below in turn
-            up, down = state.best + 1, state.best - 1
-            order = (up, down) if state.probe_up else (down, up)
-            state.probe_up = not state.probe_up
-            state.held = next((j for j in order if 0 <= j < len(self.options)), state.best)
+        if state.since_probe >= state.hold:  # probe a neighbour of the best, above and below, then budget 0, in turn
+            turn = [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
+            turn += [0] if state.best > 1 else []  # (else 0 is a neighbour, or the best)
+            if turn:
+                state.held = turn[state.probes % len(turn)]
+                state.probes += 1
             state.since_probe = 0
 
     def _next_to_search(self, state: _Epochs) -> int | None:

@@ -162,6 +162,21 @@ def test_probes_that_change_nothing_come_less_often():
     assert [k - 1 for n, k in held_runs[0:-1:2]][:4] == [2, 4, 8, 8]  # held 2 epochs, then 4, then at most 8
 
 
+def test_plain_decoding_is_probed_however_far_the_best_is_from_it():
+    """Budget 0 is measured once by the search; when it was slow then (a new engine's first steps) but is not now,
+    the probes re-measure it although it is no neighbour of the held budget (7: its neighbours are 3 and 15), and
+    the choice moves to it. Probes go above, below and to 0 in turn."""
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=2, max_hold_epochs=4, alpha=1.0))
+    rates = {0: 1000.0, 3: 1500.0, 7: 2000.0, 15: 1200.0}
+    seq = run(ctrl, rows_of(8), rates.__getitem__, 12 + 40)
+    probes = [n for n, _ in runs(seq[12:]) if n != 7]
+    assert probes[:3] == [15, 3, 0]  # above, below, then plain decoding
+    rates[0] = 2500.0  # plain decoding is faster than the search measured it
+    seq = run(ctrl, rows_of(8), rates.__getitem__, 80)
+    assert ctrl.options[ctrl.states[ctrl.key(rows_of(8))].best].nodes == 0
+    assert seq[-30:].count(0) > 0.6 * 30  # held, but for the probes of its neighbour
+
+
 def test_buckets_and_kinds_are_chosen_apart():
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, start_tokens=1 << 20))
     greedy = {0: 1000.0, 3: 1200.0, 7: 1500.0, 15: 2000.0}
