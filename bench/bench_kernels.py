@@ -232,7 +232,7 @@ def test_children_scores(benchmark, impl, batch, nodes):
     ``nodes`` nodes per batch row, every row sampled at T 0.7): the kernel, whose keyed float64 noise is computed
     once per batch row for all its nodes; the same kernel made to compute it for every node (each node its own
     batch row, as the kernel did before); the torch reference."""
-    from specdec.kernels.gumbel_choice import children_scores_reference, children_scores_triton
+    from specdec.kernels.gumbel_noise import children_scores_reference, children_scores_triton
 
     v = 24576
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -9,22 +9,18 @@ distributions, whatever the tree that verified them, the batch, the budget or th
 s is accepted when it equals that argmax, which accepts a deterministic child x with probability p(x), after
 rejected siblings x1.. with p(x) / (1 - p(x1) - ...): the rejection rule's own rates.
 
-The noise: per (row, position) a sub-key of two 32-bit words (``uniform_stream.hash_words`` of the request's
-key at word indices 2 s and 2 s + 1), then per token v the 53-bit float64 uniform ``uniforms_at(sub-key, v)``
-and G = -log(-log(u)) in float64 (u = 0, probability 2^-53, gives -inf: the token is not chosen). Greedy rows
-(temperature 0) take the plain argmax (first index among equal maxima) of x, as the greedy rule does.
+The noise is ``kernels.gumbel_noise``'s. Greedy rows (temperature 0) take the plain argmax (first index among
+equal maxima) of x, as the greedy rule does.
 
 ``choose_tokens_reference`` is the torch computation; ``choose_tokens`` is the op the rule calls.
 
-The kernel (``choose_tokens_triton``): one program per row walks the vocabulary in blocks, hashing in uint32
-(wrapping multiply-add and logical shifts are the reference's masked int64 arithmetic) and taking the logs in
-float64, and keeps a running (best score, first column) per lane, reduced at the end to the lowest column
-among the lanes holding the maximum. With a kept set, a block holding no kept token is only read: under top-p
-the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in. Without a
+The kernel (``choose_tokens_triton``): one program per row walks the vocabulary in blocks, computing the noise
+(``gumbel_noise.gumbel_at``), and keeps a running (best score, first column) per lane, reduced at the end to the
+lowest column among the lanes holding the maximum. With a kept set, a block holding no kept token is only read:
+under top-p the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in. Without a
 kept set, when the rows are too few to fill the GPU (``gumbel_splits``), the pass over every token is split:
 S programs per row each write the best score of a chunk of columns, its first column and its largest logit, and
 one program per row reduces them (the best score, among equal ones the lowest column), the same token.
-``gumbel_noise_triton`` writes the same noise, to compare it bit for bit.
 
 ``choose_filtered_triton`` is the choice over kept sets that the sampled rule runs: since a kept set is a prefix
 of its row in rank order, the unfiltered choice is the answer whenever it is kept, and checking that takes one
@@ -37,6 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2, sm_count
+from specdec.kernels.gumbel_noise import check_row_keys, gumbel_at, gumbel_noise, row_noise_key
 from specdec.kernels.nucleus import (
     RULE_FLOATS,
     RULE_INTS,
@@ -50,8 +47,6 @@ from specdec.kernels.topk import order_key
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
 
-from specdec.uniform_stream import MASK32, hash_words, uniforms_at
-
 if TYPE_CHECKING:
     from specdec.row_sampling import RowSampling
 
@@ -62,25 +57,6 @@ DEFAULT_BLOCK = 2048  # with 16 warps: the fastest launch measured on the H200 (
 SPLIT_BLOCK = 1024
 SPLIT_WARPS = 4
 SPLIT_PROGRAMS_PER_SM = 4
-# uniform_stream's PCG constants (LCG multiplier and increment, RXS-M-XS multiplier); the tests compare the noise
-_PCG_MUL: tl.constexpr = tl.constexpr(747796405)
-_PCG_INC: tl.constexpr = tl.constexpr(2891336453)
-_PCG_OUT: tl.constexpr = tl.constexpr(277803737)
-
-
-def noise_keys(key0: Tensor, key1: Tensor, position: Tensor) -> tuple[Tensor, Tensor]:
-    """The two 32-bit words (int64) keying the noise of sequence ``position`` of the requests keyed (key0, key1);
-    all three int64, broadcast together."""
-    s = (2 * position) & MASK32
-    return hash_words(key0, key1, s), hash_words(key0, key1, s + 1)
-
-
-def gumbel_noise(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor) -> Tensor:
-    """Float64 Gumbel noise G(position, token) of the requests keyed (key0, key1): key0, key1, position (...,)
-    int64 per row, ``tokens`` (..., N) or (N,) int64 token ids -> (..., N) float64."""
-    k0, k1 = noise_keys(key0, key1, position)
-    u = uniforms_at(k0[..., None], k1[..., None], tokens)  # (..., N)
-    return -torch.log(-torch.log(u))
 
 
 def choose_tokens_reference(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
@@ -103,39 +79,6 @@ def choose_tokens_reference(x: Tensor, temperature: Tensor, key0: Tensor, key1: 
 
 
 @triton.jit
-def _pcg(v):
-    """``uniform_stream._pcg`` on uint32 values: the multiply-add wraps modulo 2**32, the shifts are logical."""
-    state = v * _PCG_MUL + _PCG_INC
-    word = ((state >> ((state >> 28) + 4)) ^ state) * _PCG_OUT
-    return (word >> 22) ^ word
-
-
-@triton.jit
-def _hash_words(key0, key1, index):
-    """``uniform_stream.hash_words`` on uint32 key words and indices."""
-    return _pcg(_pcg(_pcg(index) ^ key0) ^ key1)
-
-
-@triton.jit
-def _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos):
-    """``noise_keys`` of one row as two uint32 words (the int64 inputs taken modulo 2**32)."""
-    k0 = tl.load(key0_ptr + row * stride_key0).to(tl.uint32)
-    k1 = tl.load(key1_ptr + row * stride_key1).to(tl.uint32)
-    s = (tl.load(pos_ptr + row * stride_pos) * 2).to(tl.uint32)
-    return _hash_words(k0, k1, s), _hash_words(k0, k1, s + 1)
-
-
-@triton.jit
-def _gumbel(sub0, sub1, cols):
-    """Float64 Gumbel noise of token ids ``cols`` (int32) under a row's sub-key (uint32 words): ``gumbel_noise``."""
-    word = cols.to(tl.uint32) * 2
-    hi = _hash_words(sub0, sub1, word).to(tl.uint64)
-    lo = _hash_words(sub0, sub1, word + 1).to(tl.uint64)
-    u = ((hi << 21) | (lo >> 11)).to(tl.float64) * 1.1102230246251565e-16  # 53 bits * 2**-53, exact
-    return -tl.log(-tl.log(u))
-
-
-@triton.jit
 def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_ptr, rule_f_ptr, skip_ptr, out_ptr,
                    n_cols, stride_x, stride_kept, stride_t, stride_key0, stride_key1, stride_pos,
                    HAS_KEPT: tl.constexpr, HAS_RULE: tl.constexpr, SKIP: tl.constexpr, BLOCK: tl.constexpr,
@@ -150,7 +93,7 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
     best = tl.full([BLOCK], float("-inf"), tl.float64)
     best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
     if t > 0:  # sampled: x / T + G over the kept tokens
-        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+        sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
         if HAS_RULE:  # the kept set as ``nucleus.KeepRule`` describes it (filtered 0: every token)
             rule_i = rule_i_ptr + row * RULE_INTS
             filtered = tl.load(rule_i)
@@ -171,7 +114,7 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
                     ok = ok & keep_token(order_key(xf) >> shift, cols, e, thr_k, cut_k, thr_p, cut_p, min_p)
             if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no kept token (most, under top-p) is skipped
                 x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
-                score = x / t + _gumbel(sub0, sub1, cols)
+                score = x / t + gumbel_at(sub0, sub1, cols)
                 better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
                 best = tl.where(better, score, best)
                 best_i = tl.where(better, cols, best_i)
@@ -202,7 +145,7 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
     if SPLIT > 1:
         c, xmax = _reduce_partials(part_best_ptr, part_first_ptr, part_xmax_ptr, row, n_split, SPLIT, NO_INDEX)
     if t > 0:
-        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+        sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
         if SPLIT == 1:  # the Gumbel-max over every token, and the largest logit
             best, best_i, xmax = _gumbel_max_range(x_row, t, sub0, sub1, 0, n_cols, BLOCK, NO_INDEX)
             c = _first_best(best, best_i, NO_INDEX)
@@ -233,7 +176,7 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
                 mass += tl.sum(tl.where(ahead, e, 0.0), axis=0)
                 count += tl.sum(ahead.to(tl.int32), axis=0)
                 if tl.max(ahead.to(tl.int32), axis=0) > 0:  # the next candidate: the best score ranked before c
-                    score = x.to(tl.float64) / t + _gumbel(sub0, sub1, cols)
+                    score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
                     better = (score > best) & ahead
                     best = tl.where(better, score, best)
                     best_i = tl.where(better, cols, best_i)
@@ -270,7 +213,7 @@ def _gumbel_max_partials_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, best_
     t = tl.load(t_ptr + row * stride_t).to(tl.float64)
     xmax = tl.full((), float("-inf"), tl.float32)
     if t > 0:
-        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
+        sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
         best, best_i, xmax = _gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK, NO_INDEX)
     else:
         best, best_i = _argmax_lanes(x_row, lo, hi, BLOCK, NO_INDEX)
@@ -314,7 +257,7 @@ def _gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDE
         ok = cols < hi
         x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
         xmax = tl.maximum(xmax, tl.max(x, axis=0))
-        score = x.to(tl.float64) / t + _gumbel(sub0, sub1, cols)
+        score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
         better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
         best = tl.where(better, score, best)
         best_i = tl.where(better, cols, best_i)
@@ -344,94 +287,6 @@ def _first_best(best, best_i, NO_INDEX: tl.constexpr):
     return tl.min(tl.where((best == top) & (best_i != NO_INDEX), best_i, NO_INDEX), axis=0)
 
 
-@triton.jit
-def _noise_kernel(key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_tokens,
-                  stride_key0, stride_key1, stride_pos, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n_tokens
-    sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
-    tokens = tl.load(tok_ptr + i, mask=ok, other=0).to(tl.int32)
-    tl.store(out_ptr + row * n_tokens + i, _gumbel(sub0, sub1, tokens), mask=ok)
-
-
-@triton.jit
-def _children_kernel(x_ptr, inv_t_ptr, key0_ptr, key1_ptr, pos_ptr, tok_ptr, out_ptr, n_cols, per_row, chunk,
-                     stride_x, stride_inv_t, stride_key0, stride_key1, stride_pos, BLOCK: tl.constexpr):
-    # one program per (batch row, column block, group of ``chunk`` of the batch row's per_row nodes; rows
-    # b * per_row + j): the noise depends on the batch row and the column only, so a program computes it once for
-    # its group (its float64 logs are most of the work); groups of all nodes unless a small batch would leave the
-    # GPU idle
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    first = tl.program_id(2) * chunk
-    last = tl.minimum(first + chunk, per_row)
-    ok = cols < n_cols
-    inv_t = tl.load(inv_t_ptr + b * stride_inv_t)
-    if inv_t > 0:
-        sub0, sub1 = _row_key(key0_ptr, key1_ptr, pos_ptr, b, stride_key0, stride_key1, stride_pos)
-        tokens = tl.load(tok_ptr + cols, mask=ok, other=0).to(tl.int32)
-        g = _gumbel(sub0, sub1, tokens)
-        for j in range(first, last):
-            row = b * per_row + j
-            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-            scaled = x.to(tl.float64) * inv_t  # rounded, then the sum rounded (the launch disables fma contraction)
-            tl.store(out_ptr + row * n_cols + cols, (scaled + g).to(tl.float32), mask=ok)
-    else:
-        for j in range(first, last):
-            row = b * per_row + j
-            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-            tl.store(out_ptr + row * n_cols + cols, x.to(tl.float32), mask=ok)
-
-
-def children_scores_reference(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
-                              tokens: Tensor) -> Tensor:
-    """Float32 scores (B, n, N) a sampled draft ranks the children of its nodes by: for batch row b whose
-    ``inv_t`` (B,) float64 (1 / temperature) is > 0, logits (B, n, N) * inv_t + G(position, tokens) in float64
-    (``gumbel_noise`` of key0, key1, position (B,) int64, for token ids ``tokens`` (N,) int64) rounded to float32,
-    so each node's best child is a draw of the draft's distribution coupled with the target's draw at ``position``;
-    the logits themselves (float32) where inv_t is 0 (a greedy row)."""
-    g = gumbel_noise(key0, key1, position, tokens)  # (B, N)
-    inv = inv_t.view(-1, 1, 1)
-    drawn = (logits.double() * inv + g.unsqueeze(1)).float()
-    return torch.where(inv > 0, drawn, logits.float())
-
-
-def children_scores_triton(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
-                           tokens: Tensor, block: int = 1024) -> Tensor:
-    """Same promise as ``children_scores_reference`` (on CUDA the same bits), one launch: the noise computed in
-    place, nothing in float64 written. logits (B, n, N) float16/bfloat16/float32, last dim contiguous and the
-    first two dims one stride apart (a contiguous tensor, or a slice of one along the first dim)."""
-    check_tensor("logits", logits, shape=(None, None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_launchable(_children_kernel, logits.device)
-    b, n, v = logits.shape
-    if n > 1 and logits.stride(0) != n * logits.stride(1):
-        raise ValueError(f"logits' first two dims must be one stride apart, got strides {tuple(logits.stride())}")
-    check_tensor("inv_t", inv_t, shape=(b,), dtypes=(torch.float64,), device=logits.device)
-    _check_row_keys(key0, key1, position, b, logits.device)
-    check_tensor("tokens", tokens, shape=(v,), dtypes=(torch.int64,), device=logits.device)
-    out = torch.empty((b, n, v), dtype=torch.float32, device=logits.device)
-    if b and n and v:
-        col_blocks = triton.cdiv(v, block)
-        # the nodes of a batch row in one group (its noise computed once) when the batch row and column programs
-        # fill the GPU twice over, else in as many groups as it takes (batch 1: each node nearly its own program)
-        processors = sm_count(logits.device) if logits.is_cuda else 8  # (the interpreter: groups get tested)
-        groups = min(n, max(1, triton.cdiv(2 * processors, b * col_blocks)))
-        chunk = triton.cdiv(n, groups)
-        _children_kernel[(b, col_blocks, triton.cdiv(n, chunk))](
-            logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, chunk, logits.stride(1),
-            inv_t.stride(0), key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block, enable_fp_fusion=False)
-    return out
-
-
-def children_scores(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, *,
-                    use_triton: bool = False) -> Tensor:
-    """``children_scores_triton`` when ``use_triton`` (the Triton backend), ``children_scores_reference``
-    otherwise."""
-    fn = children_scores_triton if use_triton else children_scores_reference
-    return fn(logits, inv_t, key0, key1, position, tokens)
-
-
 def _check_choice_args(rows: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
                        block: int) -> None:
     """The checks of a token choice's arguments past the logits' dtype and layout: rows (R, V)."""
@@ -441,12 +296,7 @@ def _check_choice_args(rows: Tensor, temperature: Tensor, key0: Tensor, key1: Te
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     check_tensor("temperature", temperature, shape=(r,), dtypes=(*FLOAT_DTYPES, torch.float64), device=rows.device)
-    _check_row_keys(key0, key1, position, r, rows.device)
-
-
-def _check_row_keys(key0: Tensor, key1: Tensor, position: Tensor, rows: int, device: torch.device) -> None:
-    for name, t in (("key0", key0), ("key1", key1), ("position", position)):
-        check_tensor(name, t, shape=(rows,), dtypes=(torch.int64,), device=device)
+    check_row_keys(key0, key1, position, r, rows.device)
 
 
 def gumbel_splits(rows: int, n_cols: int, block: int, device: torch.device) -> int:
@@ -612,22 +462,6 @@ def filtered_choice_pass(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
             sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
             HAS_MIN_P=min_p is not None, BLOCK=block, NO_INDEX=_NO_INDEX, SPLIT=split, num_warps=num_warps)
     return out, done
-
-
-def gumbel_noise_triton(key0: Tensor, key1: Tensor, position: Tensor, tokens: Tensor, block: int = 1024) -> Tensor:
-    """``gumbel_noise`` for (R,) rows and (N,) token ids in [0, 2**31) -> (R, N) float64: the kernel's noise, on
-    CUDA bit for bit the reference's."""
-    check_launchable(_noise_kernel, key0.device)
-    check_tensor("key0", key0, shape=(None,))
-    r = key0.shape[0]
-    _check_row_keys(key0, key1, position, r, key0.device)
-    check_tensor("tokens", tokens, shape=(None,), dtypes=(torch.int64,), device=key0.device)
-    n = tokens.shape[0]
-    out = torch.empty((r, n), dtype=torch.float64, device=key0.device)  # (R, N)
-    if r and n:
-        _noise_kernel[(r, triton.cdiv(n, block))](key0, key1, position, tokens.contiguous(), out, n,
-                                                  key0.stride(0), key1.stride(0), position.stride(0), BLOCK=block)
-    return out
 
 
 def choose_tokens(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,

@@ -1,6 +1,6 @@
 """Keyed uniforms: a request's key (from its seed) and a pure hash of (key, index), the same numbers on any device.
 
-The engine's sampled rule (``kernels.gumbel_choice``) draws its Gumbel noise from these: per (request, position)
+The engine's sampled rule (``kernels.gumbel_noise``) draws its Gumbel noise from these: per (request, position)
 a sub-key of two hashed words, then per token the uniform ``uniforms_at(sub-key, token)``, so a token's noise
 is a function of the seed, the position and the token alone, computed inside captured graphs with no generator
 state. ``UniformStream`` holds a request's key words.
@@ -67,7 +67,7 @@ def _word_axis(key):
 
 
 class UniformStream:
-    """A sampled request's noise key: the two key words of its seed (``kernels.gumbel_choice`` hashes them with
+    """A sampled request's noise key: the two key words of its seed (``kernels.gumbel_noise`` hashes them with
     each position and token); a request keeps one for its whole life."""
 
     __slots__ = ("seed", "key0", "key1")

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from specdec.kernels.gumbel_choice import gumbel_noise
+from specdec.kernels.gumbel_noise import gumbel_noise
 
 from specdec.acceptance import shape_probs
 from specdec.drafters.frontier import FrontierLayout, pick_children, top_candidates

@@ -1,4 +1,5 @@
-"""The Gumbel-max choice kernel against its torch reference, and the reference's sampling statistics."""
+"""The Gumbel-max choice kernel and the noise kernels (``kernels/gumbel_noise.py``) against their torch references,
+and the reference's sampling statistics."""
 
 import os
 from typing import NamedTuple
@@ -11,15 +12,17 @@ if not torch.cuda.is_available():  # CPU: run the Triton kernel in the interpret
 import pytest  # noqa: E402
 from scipy import stats  # noqa: E402
 from specdec.kernels.gumbel_choice import (  # noqa: E402
-    children_scores,
-    children_scores_reference,
-    children_scores_triton,
     choose_tokens,
     choose_tokens_reference,
     choose_tokens_triton,
+    gumbel_splits,
+)
+from specdec.kernels.gumbel_noise import (  # noqa: E402
+    children_scores,
+    children_scores_reference,
+    children_scores_triton,
     gumbel_noise,
     gumbel_noise_triton,
-    gumbel_splits,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -35,7 +35,7 @@ import torch
 from specdec.attention.base import AttnMetadata
 from specdec.drafters.model_drafter import DRAFT_MODEL_INDEX
 from specdec.graphs import bucket, capture_graph
-from specdec.kernels.gumbel_choice import children_scores
+from specdec.kernels.gumbel_noise import children_scores
 from specdec.kernels.topk import topk
 from specdec.kernels.tree_slots import tree_slots
 from specdec.models.llama import ForwardContext

@@ -16,7 +16,7 @@ from specdec.acceptance import shape_probs
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.frontier import FrontierLayout, Shape, pick_children, shaped_probs, top_candidates
 from specdec.fault_isolation import distribution_fault
-from specdec.kernels.gumbel_choice import gumbel_noise
+from specdec.kernels.gumbel_noise import gumbel_noise
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.step_inputs import DRAFT_MODEL_INDEX
