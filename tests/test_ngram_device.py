@@ -257,7 +257,7 @@ def test_gpu_device_lookup_with_captured_graphs(tiny_dirs, monkeypatch):
     # pipelined, the device serves every step (``device_only``): a row's first step proposes no chain (the CPU
     # test checks each chain against the host lookup of the same text); the rest is the host's
     tokens = {k: sum(len(c) for step in v for c in step) for k, v in proposed.items()}
-    assert 0.8 * tokens[False, None] < tokens[None, None] <= tokens[False, None] + 8 * len(prompts)
+    assert tokens[None, None] > 0.8 * tokens[False, None]
     eng = SpecEngine("ngram", target, SpecConfig(tree="chain:8", cuda_graphs=True, adaptive=False,
                                                  ngram_device=True, **base))
     assert eng.generate([prompts[0]], params[0])[0].token_ids == ref[0].token_ids
