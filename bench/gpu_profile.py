@@ -30,7 +30,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.adaptive import EpochBudget
+from specdec.budget_policy import EpochBudget
 from specdec.loading.registry import load_model
 
 # name -> (draft: None | "eagle" | "ngram", SpecConfig fields, temperature, batch, prompt set, prompts)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from specdec.adaptive import make_controller
+from specdec.budget_policy import make_controller
 from specdec.config import ModelConfig
 from specdec.config_checks import check_spec_config
 from specdec.defaults import GPU_MEMORY_UTILIZATION, resolve_auto
@@ -65,7 +65,7 @@ class SpecConfig:
     ngram_device: bool | None = None  # n-gram chains looked up on the device (drafters/ngram_device.py)
     cuda_graphs: bool | None = None  # padded steps, captured on CUDA; True on the CPU: the same steps, eagerly
     window_reuse: bool = True  # sliding-window models release blocks outside every window
-    adaptive: bool | None = None  # per-step tree budget (specdec/adaptive.py)
+    adaptive: bool | None = None  # the tree budget controller (specdec/budget_policy.py)
     fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
     pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
     admit_min_free: int | None = None  # waiting requests join running ones once this many rows are free

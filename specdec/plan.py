@@ -26,7 +26,7 @@ class EnginePlan:
     ``ngram_min_rows`` rows. ``adaptive``: the per-step tree budget controller (0 nodes: plain decoding, where
     speculating does not pay). ``pipeline``: each greedy step queues its successor on the device before the host
     reads it. ``budget_epochs``: a pipelined engine's budget is held per batch bucket and kind of step (greedy, or
-    with sampled rows) for epochs of steps, chosen by measured tokens per second (``adaptive.EpochBudget``), so
+    with sampled rows) for epochs of steps, chosen by measured tokens per second (``budget_policy.EpochBudget``), so
     queued steps stay valid; an unpipelined engine's controller chooses at every step. ``warm_up``: every step
     shape runs once at construction (``specdec.warm_up``), so the graphs
     captured on first use exist before the first request.

@@ -1,4 +1,4 @@
-"""The pipelined engine's budget policy (``adaptive.EpochBudget``) on made-up step timings, without a model.
+"""The pipelined engine's budget policy (``budget_policy.EpochBudget``) on made-up step timings, without a model.
 
 Each test drives ``choose`` / ``observe_step`` the way ``SpecEngine.step`` does (through a stand-in of
 ``speculate``'s bookkeeping: tokens committed per step) with rates chosen here, and checks which budget each
@@ -12,7 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specdec.adaptive import BudgetOption, EpochBudget, EpochConfig
+from specdec.adaptive import BudgetOption
+from specdec.budget_policy import EpochBudget, EpochConfig
 
 OPTIONS = [BudgetOption(n, d, 1) for n, d in ((0, 0), (3, 2), (7, 3), (15, 4))]
 

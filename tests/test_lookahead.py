@@ -17,7 +17,7 @@ from eagle_helpers import record_commits
 from test_eagle import DEVICES, PROMPTS, setup, trained_pair  # noqa: F401 - setup: the trained tiny draft, a fixture
 from test_fused_step import _host_inputs
 
-from specdec.adaptive import EpochBudget, EpochConfig, make_controller
+from specdec.budget_policy import EpochBudget, EpochConfig, make_controller
 from specdec.drafters.eagle_drafter import _Spans
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.pipeline import QueuedStep

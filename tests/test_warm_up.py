@@ -17,7 +17,7 @@ from test_graph_pools import poisoning  # noqa: F401 - stand-in graphs poisoning
 from test_sampled_rule import stand_in_verify_graphs
 
 import specdec.graphs as cg
-from specdec.adaptive import make_controller
+from specdec.budget_policy import make_controller
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 from specdec.pipeline import AdvanceGraphs

@@ -1,0 +1,246 @@
+"""The pipelined engine's tree budget (``EpochBudget``: one budget per batch bucket held for epochs of steps, chosen
+by measured tokens per second) and the choice of an engine's budget policy (``make_controller``: that, the
+per-step ``adaptive.BudgetController``, or none)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from specdec.adaptive import BudgetController, BudgetOption, batch_key, budget_options, mean_budget, undominated
+from specdec.graphs import QUERY_BUCKETS, bucket
+
+
+@dataclass(frozen=True)
+class EpochConfig:
+    """epoch_steps, epoch_rows: an epoch (the steps a budget is held before it is judged) ends once it timed at
+    least epoch_steps steps over at least epoch_rows rows in all (a small batch's tokens per step vary with the
+    text, so its epochs run longer); hold_epochs: epochs the best budget is held before a neighbour is probed,
+    doubled after each probe that leaves the best where it is (up to max_hold_epochs) and reset when the best
+    moves; margin: how much more tokens per second a budget must measure than the one held, and than plain
+    decoding (budget 0), to be held instead; alpha: weight of a new epoch's rate against the budget's earlier
+    ones; max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
+    prefill are not); first_row_steps, first_min_steps: a budget's first measurement ends early, once it timed
+    first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
+    steps measure it; a new engine's first requests then spend less time on budgets it will not hold). Budget 0
+    commits exactly one token per row per step whatever the text, so its epochs need no rows: epoch_steps timed
+    steps (its first, first_min_steps if fewer). start_tokens: a bucket's search starts at no budget whose verify of
+    the bucket's rows holds more tokens than this (the optima measured on the H200, bench/RESULTS.md session 21:
+    the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's first steps at a large batch do
+    not pay for the full tree."""
+
+    epoch_steps: int = 16
+    epoch_rows: int = 256
+    hold_epochs: int = 8
+    max_hold_epochs: int = 64
+    margin: float = 0.03
+    alpha: float = 0.5
+    max_epoch_steps: int = 512
+    first_row_steps: int = 192
+    first_min_steps: int = 4
+    start_tokens: int = 512
+
+
+class _Epochs:
+    """One (batch bucket, kind) of ``EpochBudget``: the budget held (an index into the options), the best one
+    (the incumbent), the epoch under way, each budget's measured rate (tokens per row-second, None until
+    measured) and whether the first search is still under way."""
+
+    def __init__(self, n: int, start: int) -> None:
+        self.rates: list[float | None] = [None] * n
+        self.held = self.best = start
+        self.searching = True
+        self.steps = self.timed = self.row_steps = 0  # this epoch's steps, timed steps, and rows in timed steps
+        self.rows = 0  # rows of the step under way
+        self.tokens = self.seconds = 0.0
+        self.since_probe = 0
+        self.hold = 0  # epochs between probes (set by EpochBudget)
+        self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
+
+
+class EpochBudget:
+    """The node budget of a pipelined engine's steps: for each batch bucket and kind of step (all rows greedy, or
+    some sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is
+    built under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user
+    gets from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the
+    reads included), averaged over its epochs. Per row, because a bucket's steps cost the same whatever rows of it
+    are live (their graphs run the whole bucket) while the tokens they commit scale with the rows: an epoch that
+    fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
+
+    A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
+    same kind already measured (the full tree when there is none), or lower where that budget's verify of the
+    bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens, then measures the neighbours of the best
+    budget so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor
+    every budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best
+    (the full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a
+    neighbour is probed every ``hold`` epochs (above, below and budget 0 in turn; ``hold`` doubles while probes
+    change nothing), so a change in acceptance or cost moves the choice. Budget 0 is probed however far the best
+    is from it: its rate is the floor every budget must beat, and a search measures it once, in one short epoch
+    (on a new engine, often in its slowest first steps). The held budget changes only to one measured
+    ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
+    beats it by ``margin``, so speculating is not slower than decoding by more than the measurements err. A step
+    whose budget differs from the step before it is not timed: the step queued behind the previous verify was built
+    under the old budget and is dropped, so that step runs without overlap, a cost of the switch and not of either
+    budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface as
+    ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+
+    def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
+        self.config = config or EpochConfig()
+        self.options = sorted(options)
+        if not self.options or self.options[0].nodes != 0:
+            raise ValueError("EpochBudget needs budget 0 (plain decoding) among its options")
+        self.states: dict[tuple[int, bool], _Epochs] = {}
+        self.chosen: Counter = Counter()  # (rows, nodes) -> steps
+        self.timing_valid = True  # False: this step ran a prefill, so its wall time is not the budget's
+        self._step: tuple[_Epochs, int] | None = None  # the last speculate's state and tokens committed
+        self._last_nodes: int | None = None  # the budget of the step before
+        self._switched = False  # this step's budget differs from the step before's: its queued step was dropped
+
+    def key(self, rows: list) -> tuple[int, bool]:
+        """(batch bucket, whether every row is greedy): the budgets are chosen apart for each."""
+        return batch_key(len(rows)), all(r.params.greedy for r in rows)
+
+    def _new_state(self, key: tuple[int, bool]) -> _Epochs:
+        """A bucket's state, its search starting at the best budget of the nearest measured bucket of its kind (the
+        full tree when there is none), or lower: at no budget whose verify of the bucket's rows holds more than
+        ``EpochConfig.start_tokens`` tokens (the smallest speculating budget when every one does)."""
+        b, kind = key
+        seen = [(abs(math.log(b / ob)), ob, s) for (ob, okind), s in self.states.items()
+                if okind == kind and any(r is not None for r in s.rates)]
+        start = min(seen)[2].best if seen else len(self.options) - 1
+        fits = [j for j, o in enumerate(self.options) if j and (o.nodes + 1) * b <= self.config.start_tokens]
+        start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
+        state = _Epochs(len(self.options), start)
+        state.hold = self.config.hold_epochs
+        return state
+
+    def choose(self, rows: list) -> int:
+        """The node budget of a step over ``rows``: the one its bucket holds."""
+        key = self.key(rows)
+        state = self.states.get(key)
+        if state is None:
+            state = self.states[key] = self._new_state(key)
+        nodes = self.options[state.held].nodes
+        state.rows = len(rows)
+        self._switched, self._last_nodes = nodes != self._last_nodes, nodes
+        self.chosen[(len(rows), nodes)] += 1
+        self._step = (state, 0)
+        return nodes
+
+    def speculate(self, rows: list, proposer, verifier) -> list:
+        """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
+        proposer.budget = self.choose(rows)
+        results = verifier.verify_proposal(rows, proposer.propose(rows))
+        self._step = (self._step[0], sum(len(r.accepted_nodes) + 1 for r in results))
+        return results
+
+    def observe_step(self, seconds: float) -> None:
+        """Wall seconds of the whole engine step whose rows ``speculate`` ran last."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        state, tokens = step
+        state.steps += 1
+        if self.timing_valid and not self._switched:
+            state.timed += 1
+            state.row_steps += state.rows
+            state.tokens += tokens
+            state.seconds += seconds
+        cfg = self.config
+        first = state.rates[state.held] is None  # a first measurement may end sooner
+        if state.held == 0:  # plain decoding: one token per row per step, whatever the rows
+            done = state.timed >= (min(cfg.first_min_steps, cfg.epoch_steps) if first else cfg.epoch_steps)
+        else:
+            done = state.timed >= cfg.epoch_steps and state.row_steps >= cfg.epoch_rows
+            done = done or (first and state.timed >= cfg.first_min_steps and state.row_steps >= cfg.first_row_steps)
+        if done or (state.steps >= cfg.max_epoch_steps and state.timed):
+            self._end_epoch(state)
+        elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
+            state.steps = 0
+
+    def _end_epoch(self, state: _Epochs) -> None:
+        cfg, i = self.config, state.held
+        rate = state.tokens / max(state.seconds, 1e-9) * state.timed / max(state.row_steps, 1)  # per row
+        old = state.rates[i]
+        state.rates[i] = rate if old is None else old + cfg.alpha * (rate - old)
+        state.steps = state.timed = state.row_steps = 0
+        state.tokens = state.seconds = 0.0
+        if state.searching:
+            nxt = self._next_to_search(state)
+            if nxt is not None:
+                state.held = nxt
+                return
+            state.searching = False
+            state.best = state.held = self._best(state)  # (the search's start is the incumbent)
+            return
+        probing = state.held != state.best
+        best = self._best(state)
+        if best != state.best:  # the choice moved: probe its neighbours soon again
+            state.best, state.hold = best, cfg.hold_epochs
+        elif probing:  # a probe that changed nothing: probe less often
+            state.hold = min(2 * state.hold, cfg.max_hold_epochs)
+        if state.held != state.best:  # a probe ended (or the held budget fell behind): back to the best
+            state.held, state.since_probe = state.best, 0
+            return
+        state.since_probe += 1
+        if state.since_probe >= state.hold:  # probe a neighbour of the best, above and below, then budget 0, in turn
+            turn = [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
+            turn += [0] if state.best > 1 else []  # (else 0 is a neighbour, or the best)
+            if turn:
+                state.held = turn[state.probes % len(turn)]
+                state.probes += 1
+            state.since_probe = 0
+
+    def _next_to_search(self, state: _Epochs) -> int | None:
+        """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured, then
+        budget 0 if it is still unmeasured."""
+        rates = state.rates
+        top = max((j for j, r in enumerate(rates) if r is not None), key=rates.__getitem__)
+        near = (j for j in (top - 1, top + 1) if 0 <= j < len(rates) and rates[j] is None)
+        return next(near, 0 if rates[0] is None else None)
+
+    def _best(self, state: _Epochs) -> int:
+        """The budget to hold: the fastest measured, unless it is within ``margin`` of the incumbent (then the
+        incumbent) or of budget 0 (then 0)."""
+        rates, margin = state.rates, self.config.margin
+        known = [j for j, r in enumerate(rates) if r is not None]
+        pick = max(known, key=rates.__getitem__)
+        if rates[state.best] is not None and rates[pick] <= rates[state.best] * (1 + margin):
+            pick = state.best
+        if rates[0] is not None and rates[pick] <= rates[0] * (1 + margin):
+            return 0
+        return pick
+
+    def mean_budget(self, rows: int | None = None, since: Counter | None = None) -> float | None:
+        """Mean chosen budget over steps of ``rows`` rows (all steps when None), after the ``since`` snapshot."""
+        return mean_budget(self.chosen, rows, since)
+
+    def measured(self) -> dict[str, dict[int, float]]:
+        """Each bucket's measured rates, 'b<bucket> greedy|sampled' -> {nodes: tokens per row-second}, the
+        budget held first: what the choice was made from (bench JSON records it)."""
+        out = {}
+        for (b, greedy), state in sorted(self.states.items()):
+            rates = {self.options[j].nodes: round(r, 1) for j, r in enumerate(state.rates) if r is not None}
+            held = self.options[state.held].nodes
+            out[f"b{b} {'greedy' if greedy else 'sampled'}"] = {held: rates.get(held), **rates}
+        return out
+
+
+def make_controller(enabled: bool | None, device, drafter, graphs, epochs: bool = False,
+                    ) -> BudgetController | EpochBudget | None:
+    """The engine's controller, or None (adaptive off, or a drafter with nothing to draft). ``enabled``
+    None is on for CUDA only: there a step's cost depends on the batch enough to matter and graph
+    timings are steady; on the CPU tree shapes stay fixed by default, so acceptance statistics (never
+    greedy output, which no budget changes) are reproducible run to run. ``epochs`` (a pipelined engine):
+    an ``EpochBudget`` over the drafter's budgets; else a ``BudgetController``, whose verify costs start from
+    the captured graphs' measured replay times."""
+    want = enabled if enabled is not None else device.type == "cuda"
+    if not want or drafter.max_nodes == 0:
+        return None
+    if epochs:
+        buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
+        return EpochBudget(undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n))
+    table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
+    buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
+    return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)
