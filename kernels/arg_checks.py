@@ -74,6 +74,12 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def grid_processors(device: torch.device) -> int:
+    """The processors a grid is sized to fill: ``sm_count`` on CUDA, 8 elsewhere (the interpreter: grids split as
+    on a small GPU, so that the split paths get tested)."""
+    return sm_count(device) if device.type == "cuda" else 8
+
+
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

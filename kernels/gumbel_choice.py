@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, next_pow2, sm_count
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, grid_processors, next_pow2
 from specdec.kernels.gumbel_noise import check_row_keys, gumbel_at, gumbel_noise, row_noise_key
 from specdec.kernels.nucleus import (
     RULE_FLOATS,
@@ -303,8 +303,7 @@ def gumbel_splits(rows: int, n_cols: int, block: int, device: torch.device) -> i
     """The programs per row that a choice's pass over every token is split over: enough for the rows to make
     ``SPLIT_PROGRAMS_PER_SM`` programs per SM, at most one per ``block`` columns; 1 (the one-kernel path) once the
     rows alone are that many. Known on the host from the shapes and the device: a CUDA graph can capture it."""
-    processors = sm_count(device) if device.type == "cuda" else 8  # (the interpreter: the split gets tested)
-    return max(1, min(SPLIT_PROGRAMS_PER_SM * processors // max(rows, 1), triton.cdiv(n_cols, block)))
+    return max(1, min(SPLIT_PROGRAMS_PER_SM * grid_processors(device) // max(rows, 1), triton.cdiv(n_cols, block)))
 
 
 class GumbelPartials(NamedTuple):

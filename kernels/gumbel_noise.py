@@ -14,7 +14,7 @@ multiply-add and logical shifts are the reference's masked int64 arithmetic) and
 from __future__ import annotations
 
 import torch
-from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, sm_count
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, grid_processors
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
 
@@ -167,8 +167,7 @@ def children_scores_triton(logits: Tensor, inv_t: Tensor, key0: Tensor, key1: Te
         col_blocks = triton.cdiv(v, block)
         # the nodes of a batch row in one group (its noise computed once) when the batch row and column programs
         # fill the GPU twice over, else in as many groups as it takes (batch 1: each node nearly its own program)
-        processors = sm_count(logits.device) if logits.is_cuda else 8  # (the interpreter: groups get tested)
-        groups = min(n, max(1, triton.cdiv(2 * processors, b * col_blocks)))
+        groups = min(n, max(1, triton.cdiv(2 * grid_processors(logits.device), b * col_blocks)))
         chunk = triton.cdiv(n, groups)
         _children_kernel[(b, col_blocks, triton.cdiv(n, chunk))](
             logits, inv_t, key0, key1, position, tokens.contiguous(), out, v, n, chunk, logits.stride(1),

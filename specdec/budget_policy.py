@@ -238,9 +238,8 @@ def make_controller(enabled: bool | None, device, drafter, graphs, epochs: bool 
     want = enabled if enabled is not None else device.type == "cuda"
     if not want or drafter.max_nodes == 0:
         return None
+    buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
     if epochs:
-        buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
         return EpochBudget(undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n))
     table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
-    buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
     return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)

@@ -263,10 +263,9 @@ class NgramDrafter(Drafter):
 
     def _device_served(self, rows: list[Request], k: int) -> bool:
         """The chains of a step over ``rows`` come from the device: ``device_only``, and the follow-up runs behind
-        its verify (no row with a repetition penalty, every row's history row holds a verify's worth more:
-        ``DeviceNgram.launch``); else the step looks its chains up on the host, as before ``device_only``."""
-        return (self.device_only and not any(r.params.penalized for r in rows)
-                and max(len(r.tokens) for r in rows) + k + 1 <= self.device_chains.hist.shape[1])
+        a verify of chains of ``k`` tokens (``DeviceNgram.serves``); else the step looks its chains up on the host,
+        as before ``device_only``."""
+        return self.device_only and self.device_chains.serves(rows, k + 1)
 
     def first_chain(self, req: Request, k: int) -> list[int]:
         """The chain of a row whose prefill just ended (``pipeline.ChainAhead`` joins it to a queued step): none when

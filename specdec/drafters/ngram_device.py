@@ -71,16 +71,19 @@ class DeviceNgram:
         (sampled rows' outcome already there: the verifier launches this behind them only when pipelined); None when
         it does not apply (a row with a repetition penalty, too few rows not yet on the device, a row longer than
         the history buffer, or an eager step)."""
-        if key is None or fwd.accept is None or any(r.params.penalized for r in rows):
-            return None
-        _, b, q = key
-        if max(len(r.tokens) for r in rows) + q > self.hist.shape[1]:  # the history rows hold no more (host path)
+        if key is None or fwd.accept is None or not self.serves(rows, key[2]):
             return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
         if not self.decoding:
             self._catch_up(rows)
         return self.follow(rows, key, fwd.accept)
+
+    def serves(self, rows: list[Request], q: int) -> bool:
+        """The follow-up can run behind a verify of ``rows`` with ``q`` queries per row: no row has a repetition
+        penalty (such rows step unpipelined, looking up on the host) and every row's history row holds its tokens
+        and the verify's (else the host path)."""
+        return not any(r.params.penalized for r in rows) and max(len(r.tokens) for r in rows) + q <= self.hist.shape[1]
 
     @property
     def decoding(self) -> bool:
