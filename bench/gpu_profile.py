@@ -56,6 +56,8 @@ CONFIGS = {
     "ea_g64_b0": ("eagle", {"budget": 0}, 0.0, 64, "sharegpt", 96),
     "ea_s64_b0": ("eagle", {"budget": 0}, 0.7, 64, "sharegpt", 96),
     "ea_s16_b0": ("eagle", {"budget": 0}, 0.7, 16, "mtbench", 32),
+    # n-gram held at budget 0: its plain decoding steps against target-only's (to_s64)
+    "ng_s64_b0": ("ngram", {"budget": 0}, 0.7, 64, "sharegpt", 96),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt
