@@ -5,28 +5,34 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from specdec.budget_policy import make_controller
-from specdec.config import ModelConfig
-from specdec.config_checks import check_spec_config
-from specdec.defaults import GPU_MEMORY_UTILIZATION, resolve_auto
+from specdec.defaults import resolve_auto
 from specdec.drafters.base import Drafter, Proposal
 from specdec.engine_guard import EngineGuard
+from specdec.engine_setup import (
+    NoDraft,
+    as_loaded,
+    attention_backend,
+    check_same_vocab,
+    feature_width,
+    kv_spec,
+    proposer_kind,
+)
 from specdec.errors import FieldError
 from specdec.fault_isolation import run_isolated
 from specdec.kvcache.allocator import BlockAllocator, OutOfBlocks
 from specdec.kvcache.block_table import BlockTables
-from specdec.kvcache.pool import KVPool, KVSpec
+from specdec.kvcache.pool import KVPool
 from specdec.kvcache.sliding_window import window_reuse_for
-from specdec.loading.registry import LoadedModel, load_model, resolve_dtype
+from specdec.loading.registry import resolve_dtype
 from specdec.loading.roles import check_roles
 from specdec.memory_budget import gpu_kv_budget
 from specdec.models.llama import LlamaForCausalLM
-from specdec.outputs import AcceptanceStats, RequestOutput
+from specdec.outputs import AcceptanceStats, RequestOutput, request_output
 from specdec.plan import resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
 from specdec.routing import OutputQueue, Router
@@ -35,50 +41,8 @@ from specdec.sampling_params import SamplingParams, sample_requests
 from specdec.scheduler.request import Request, RequestStatus
 from specdec.scheduler.scheduler import CapacityPolicy, Scheduler, SchedulerConfig, StepBatch, commit_accepted
 from specdec.scheduler.stop import StopChecker
-from specdec.tree import template_from_spec
+from specdec.spec_config import SpecConfig
 from specdec.verifier import Verifier, request_stream
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """Engine options. ``tree``: 'chain:K', 'topk:WxD' or 'dynamic:B' (draft model) or the n-gram
-    chain length as 'chain:K'. KV pool size: ``num_blocks`` or ``kv_memory_bytes`` (default 256 MiB
-    on CPU; on CUDA what ``gpu_memory_utilization`` leaves, specdec/memory_budget.py). ``"auto"`` (tree,
-    device, dtype) takes the command line's defaults when the engine is built (specdec/defaults.py):
-    n-gram chain:8, a draft model dynamic:31 on CUDA else chain:4; the loaded target's device, else CUDA when
-    present; the loaded target's dtype, else bfloat16 on CUDA and float32 on the CPU."""
-
-    tree: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_memory_bytes: int | None = None
-    max_batch_size: int = 64
-    max_num_tokens: int = 2048
-    policy: str = "guaranteed_no_evict"
-    prefix_cache: bool = True
-    attention_backend: str = "auto"
-    device: str = "auto"
-    dtype: str = "auto"
-    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION  # of the GPU's total memory: weights + KV pool
-    ngram_max_n: int = 4
-    ngram_shared: bool = True  # the n-gram drafter also looks in other requests' text (drafters/ngram.py)
-    ngram_device: bool | None = None  # n-gram chains looked up on the device (drafters/ngram_device.py)
-    cuda_graphs: bool | None = None  # padded steps, captured on CUDA; True on the CPU: the same steps, eagerly
-    window_reuse: bool = True  # sliding-window models release blocks outside every window
-    adaptive: bool | None = None  # the tree budget controller (specdec/budget_policy.py)
-    fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
-    pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
-    admit_min_free: int | None = None  # waiting requests join running ones once this many rows are free
-    tensor_parallel_size: int = 1  # > 1: this process is one rank of the target's tensor-parallel group
-    # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan``
-    # decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
-
-    def __post_init__(self) -> None:
-        check_spec_config(self)  # types and ranges of every field; raises FieldError naming it
-
-    @property
-    def tree_spec(self):
-        return template_from_spec(self.tree)
 
 
 class SpecEngine:
@@ -95,24 +59,24 @@ class SpecEngine:
         check_roles(draft, target)  # an EAGLE draft given as the target is refused before anything loads
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
-        self.target = _as_loaded(target, dtype, self.device)
-        self.draft = None if draft is None or draft == "ngram" else _as_loaded(draft, dtype, self.device,
+        self.target = as_loaded(target, dtype, self.device)
+        self.draft = None if draft is None or draft == "ngram" else as_loaded(draft, dtype, self.device,
                                                                                 self.target)
         if self.draft is not None:
-            _check_same_vocab(self.draft, self.target)
+            check_same_vocab(self.draft, self.target)
         if cfg.tensor_parallel_size > 1:  # this rank's part of each model (docs/parallel.md)
             from specdec.parallel import shard_models
 
             self.target, self.draft = shard_models(self.target, self.draft, cfg)
-        backend = _backend(cfg, self.device)
-        proposer = _proposer_kind(draft, self.draft)
+        backend = attention_backend(cfg, self.device)
+        proposer = proposer_kind(draft, self.draft)
         self.plan = resolve_plan(cfg, self.device, proposer, backend.name,
                                  0 if proposer == "none" else cfg.tree_spec.budget)
         plan = self.plan
-        specs = [_kv_spec(self.target.config)] + ([_kv_spec(self.draft.config)] if self.draft else [])
+        specs = [kv_spec(self.target.config)] + ([kv_spec(self.draft.config)] if self.draft else [])
         budget = None if cfg.num_blocks is not None else self._kv_budget()
         self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
-                           device=self.device, feature_width=_feature_width(self.draft, proposer))
+                           device=self.device, feature_width=feature_width(self.draft, proposer))
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
         self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
         self.allocator = BlockAllocator(self.pool.num_blocks)
@@ -207,7 +171,7 @@ class SpecEngine:
                 raise ValueError(f"the n-gram drafter proposes chains: use tree='chain:K', got {spec}")
             return NgramDrafter(spec.k, self.config.ngram_max_n, device=self.device, shared=self.config.ngram_shared)
         if self.draft is None:
-            return _NoDraft()
+            return NoDraft()
         from specdec.drafters.model_drafter import ModelDrafter
         from specdec.models.eagle import EagleDraft
 
@@ -510,49 +474,6 @@ class SpecEngine:
         return self.allocator.all_free()
 
 
-class _NoDraft(Drafter):
-    """Target-only decoding: empty trees, so each verify forward commits one token (pipelined, a step may adopt the
-    decode the previous one queued on the device: ``specdec.pipeline``)."""
-
-    @property
-    def lookahead(self) -> int:
-        """Pipelined, a step is queued before the previous one's bonus token is committed: one more slot."""
-        return 1 if self.pipelined else 0
-
-    def propose(self, rows):
-        from specdec.tree import DraftTree
-
-        return Proposal([DraftTree.empty("cpu") for _ in rows],
-                        [None] * len(rows))
-
-
-def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
-    out_ids = req.tokens[len(req.prompt_ids):]  # a fresh list
-    new_ids = out_ids[req.emitted_tokens:]
-    if req.finished:
-        text = req.text
-    else:
-        text, stops = stopper.running_text(req), req.params.stop
-        text = _stable_text(text, stops) if stops else text.rstrip("\ufffd")
-    new_text = text[req.emitted_chars:]
-    req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
-    return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,
-                         req.stats, req.error, new_ids, new_text)
-
-
-def _stable_text(text: str, stops: tuple[str, ...]) -> str:
-    """The part of a running request's text that later tokens cannot change: without a trailing
-    incomplete UTF-8 character and without a suffix that may grow into a stop string."""
-    text = text.rstrip("\ufffd")
-    cut = len(text)
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:k]):
-                cut = min(cut, len(text) - k)
-                break
-    return text[:cut]
-
-
 def _progress(enabled: bool, total: int):
     if not enabled:
         return None
@@ -578,60 +499,3 @@ def _params_list(params, n: int) -> list[SamplingParams | None]:
         if p is not None and not isinstance(p, SamplingParams):
             raise TypeError(f"params[{i}] must be SamplingParams or None, got {type(p).__name__}")
     return plist
-
-
-def _as_loaded(model, dtype, device, target: LoadedModel | None = None) -> LoadedModel:
-    """``model`` itself, or loaded; a draft folder shares its embeddings with ``target``."""
-    if isinstance(model, LoadedModel):
-        return model
-    return load_model(model, dtype=dtype, device=device, target=target)
-
-
-def _kv_spec(cfg: ModelConfig) -> KVSpec:
-    return KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-
-
-def _backend(cfg: SpecConfig, device: torch.device):
-    try:
-        from specdec.kernels.backend import select_backend
-    except ImportError:
-        from specdec.attention.torch_backend import TorchAttentionBackend
-
-        if cfg.attention_backend == "triton":
-            raise
-        return TorchAttentionBackend()
-    return select_backend(device, cfg.attention_backend)
-
-
-def _proposer_kind(draft, loaded: LoadedModel | None) -> str:
-    """The plan's proposer of a ``draft`` argument (``loaded``: the draft model it loaded, if any)."""
-    if draft is None:
-        return "none"
-    if draft == "ngram":
-        return "ngram"
-    from specdec.models.eagle import EagleDraft
-
-    return "eagle" if isinstance(loaded.model, EagleDraft) else "draft"
-
-
-def _feature_width(draft: LoadedModel | None, proposer: str) -> int:
-    """Target features kept per KV slot (``KVPool.features``): what an EAGLE draft reads per position."""
-    if proposer != "eagle":
-        return 0
-    model = draft.model
-    return len(model.aux_layers) * model.config.hidden_size
-
-
-def _check_same_vocab(draft: LoadedModel, target: LoadedModel) -> None:
-    """Refuse a draft whose tokenizer differs from the target's (a padded vocabulary is fine)."""
-    dt, tt = draft.tokenizer, target.tokenizer
-    if dt is None or tt is None:
-        if draft.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"draft vocab_size {draft.config.vocab_size} != target {target.config.vocab_size}")
-        return
-    dv, tv = dt.get_vocab(), tt.get_vocab()
-    common = min(len(dv), len(tv))
-    if any(dv.get(tok) != idx for tok, idx in tv.items() if idx < common) or max(len(dv), len(tv)) > max(
-            draft.config.vocab_size, target.config.vocab_size):
-        raise ValueError(f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
-                         "speculative decoding needs the same vocabulary")

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specdec.scheduler.request import Request
+    from specdec.scheduler.stop import StopChecker
 
 
 @dataclass
@@ -126,3 +131,32 @@ class CompletionOutput:
     finish_reason: str | None
     cumulative_logprob: None = None
     logprobs: None = None
+
+
+def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
+    """What ``req`` has produced, as a ``RequestOutput``: its tokens and text so far, and what is new since the last
+    output built for it (whose counts it advances)."""
+    out_ids = req.tokens[len(req.prompt_ids):]  # a fresh list
+    new_ids = out_ids[req.emitted_tokens:]
+    if req.finished:
+        text = req.text
+    else:
+        text, stops = stopper.running_text(req), req.params.stop
+        text = stable_text(text, stops) if stops else text.rstrip("\ufffd")
+    new_text = text[req.emitted_chars:]
+    req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
+    return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,
+                         req.stats, req.error, new_ids, new_text)
+
+
+def stable_text(text: str, stops: tuple[str, ...]) -> str:
+    """The part of a running request's text that later tokens cannot change: without a trailing
+    incomplete UTF-8 character and without a suffix that may grow into a stop string."""
+    text = text.rstrip("\ufffd")
+    cut = len(text)
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]

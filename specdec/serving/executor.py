@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specdec.engine import SpecEngine, request_output
-from specdec.outputs import AcceptanceStats, RequestOutput
+from specdec.engine import SpecEngine
+from specdec.outputs import AcceptanceStats, RequestOutput, request_output
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request
 from specdec.serving.request_streams import Channel, RequestStreams
