@@ -124,7 +124,8 @@ class SpecEngine:
     def _make_pipeline(self):
         """The overlap of each step's host work with the next step's device work (``plan.pipeline``): one
         ``StepPipeline`` with the proposer's hook."""
-        from specdec.pipeline import ChainAhead, DecodeFollow, EagleAhead, StepPipeline
+        from specdec.pipeline import StepPipeline
+        from specdec.pipeline_hooks import ChainAhead, DecodeFollow, EagleAhead
 
         if self.verifier.followup is None:  # (target-only decoding, and EAGLE's budget-0 steps)
             self.verifier.followup = DecodeFollow(self.runner)

@@ -41,7 +41,7 @@ class FusedOutcome(NamedTuple):
     #                    lossless rule's)
     tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
     max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
-    kv_moved: bool = False  # the accepted paths' KV already moved on the device (``pipeline.advance``)
+    kv_moved: bool = False  # the accepted paths' KV already moved on the device (``pipeline_hooks.advance``)
 
 
 class FusedTrees(Sequence):
@@ -101,7 +101,7 @@ class DeviceDraft:
     ((R, 3, N) tokens, parents and score ranks of a dynamic tree; (R, N) tokens of the static template whose
     ``parents`` it is, else None), kept under budget ``n``, verified in graph bucket ``key``. ``bt`` (R, W): the
     rows' host block tables, synced by the catch-up (None: the verify's skeleton is already on the device, written
-    from the step before: ``pipeline.EagleAhead``). ``clock`` marks ``start`` and ``drafted`` time the program."""
+    from the step before: ``pipeline_hooks.EagleAhead``). ``clock`` marks ``start`` and ``drafted`` time the program."""
 
     def __init__(self, reqs: list, key: tuple, out: Tensor, n: int, bt: np.ndarray | None,
                  parents: tuple[int, ...] | None, clock: StepClock, start, drafted) -> None:
@@ -196,7 +196,7 @@ class FusedVerify:
     def relaunch(self, key, r: int, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor | None,
                                                                    Tensor | None]:
         """The verify of bucket ``key`` over the first ``r`` rows' trees that the program's output ``out`` (r, ...)
-        keeps under budget ``n``, its skeleton already on the device (``pipeline.advance``): the kept trees are
+        keeps under budget ``n``, its skeleton already on the device (``pipeline_hooks.advance``): the kept trees are
         written into the inputs and the forward replays. Returns its result, the kept tokens and parents ((r, k)
         device; parents None for a static template, whose shape the skeleton already holds) and the trees'
         max depths ((r, 1); None for a static template)."""

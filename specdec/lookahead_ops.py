@@ -1,4 +1,4 @@
-"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.pipeline.advance``): what
+"""Torch reference of the integer part of a pipelined step's device inputs (``specdec.pipeline_hooks.advance``): what
 the op ``kernels.advance.advance_rows`` runs on the torch backend; on the Triton backend it is one launch.
 
 Kept apart from ``specdec.pipeline`` (which drives the drafter) so ``kernels/advance.py``, whose op dispatches to

@@ -48,7 +48,7 @@ class Verifier:
         self.target, self.runner, self.aux_layers = target, runner, tuple(aux_layers)
         # device work launched right behind a graphed greedy verify and read with its outcome (``launch(rows, key,
         # fwd)`` -> (R, Q + 3 + ...) device output or None, ``follow``, ``consume(rows, host_rows)``, ``source``):
-        # ``drafters.ngram_device.DeviceNgram``, or ``pipeline.DecodeFollow`` for pipelined target-only decoding
+        # ``drafters.ngram_device.DeviceNgram``, or ``pipeline_hooks.DecodeFollow`` for pipelined target-only decoding
         self.followup = None
         self.fused = None  # a ``fused_step.FusedVerify``: the verify of trees still on the device (``DeviceDraft``)
         self.pipeline = None  # a ``pipeline.StepPipeline``: queues the next step behind each verify launched here

@@ -443,7 +443,7 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     capture read; ``AdvanceGraphs`` keeps the offsets it was captured with)."""
     from specdec.fused_step import _ancestry_start
     from specdec.lookahead_ops import causal_masks
-    from specdec.pipeline import _node_offsets
+    from specdec.pipeline_hooks import node_offsets
 
     target, draft, cfg, want = _on_gpu(setup)
     eng = _engine(draft, target, tree, pipeline=True, **cfg)
@@ -461,7 +461,7 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     junk = []
     for i in range(80):  # 80 (R, n) shapes for a cache of 64, 64 query counts for 16, 40 chains for 32
         made = [*_ancestry_start(1 + i // 10, 1 + i % 10, dev), causal_masks(1 + i % 64, dev),
-                _node_offsets(tuple(range(-1, i % 40)), dev)]
+                node_offsets(tuple(range(-1, i % 40)), dev)]
         junk += [torch.full_like(t, (1 << 40) + 7) for t in made for _ in range(3)]
     del made
     junk += [torch.full_like(t, (1 << 40) + 7) for t in junk[:200]]  # what the evictions freed, refilled

@@ -72,7 +72,7 @@ def test_pipelined_steps_equal_target_only_and_the_unpipelined_steps(tiny, tree)
 
 
 def test_queued_inputs_equal_the_host_built_ones(tiny, monkeypatch):
-    """The inputs ``pipeline.advance`` and the tree writer build on the device for the queued step (the draft
+    """The inputs ``pipeline_hooks.advance`` and the tree writer build on the device for the queued step (the draft
     program's catch-up rows and target features, the verify's rows) equal, element by element, what the host
     builds for the same rows once the previous step is committed. The engine is warmed up first, on the CPU
     too (on CUDA it is at construction): the step queued behind the warm-up's last step is not left for the

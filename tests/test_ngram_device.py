@@ -366,7 +366,7 @@ def _checked_queued(monkeypatch) -> tuple[list[int], list, list[int]]:
     the adopting rows' trees: the whole bucket (padding rows, query starts) when all its rows adopt it, else those
     rows. Returns ([adopted steps checked], [mismatches], [adoptions by some rows]); the mismatches are collected
     (asserted by the caller: the engine isolates a step's errors)."""
-    from specdec import pipeline
+    from specdec import pipeline_hooks as pipeline
     from specdec.step_inputs import StepInputs
     from specdec.verifier import Verifier, _packed
 

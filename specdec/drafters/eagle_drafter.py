@@ -103,7 +103,7 @@ class EagleDrafter(ModelDrafter):
         self.clock = StepClock(runner.device)  # times the draft program of a device proposal
         self.paths: Counter = Counter()  # proposals by path: "device" (the device program) or "host" (by levels);
         #                                  "fused": device proposals verified from the device; "ahead": steps
-        #                                  queued one step early and adopted (``pipeline.EagleAhead``),
+        #                                  queued one step early and adopted (``pipeline_hooks.EagleAhead``),
         #                                  "dropped": queued steps not adopted; "decode": budget-0 steps (the
         #                                  draft does not run); "behind": catch-ups of a draft that fell behind
 

@@ -138,7 +138,7 @@ class DeviceNgram:
         return out[:len(rows)]
 
     def join(self, rows: list[Request], chains: list[list[int]]) -> None:
-        """Rows whose prefill just ended join a queued chain step (``pipeline.ChainAhead``) with ``chains`` (their
+        """Rows whose prefill just ended join a queued chain step (``pipeline_hooks.ChainAhead``) with ``chains`` (their
         first, looked up on the host): their histories are uploaded now (the queued step's follow-up appends to them
         and looks their next chains up), and the drafter proposes them the chains that step verifies."""
         self._catch_up(rows)
