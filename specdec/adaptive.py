@@ -156,7 +156,7 @@ def max_nodes(trees) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _template_prefix(parents: tuple[int, ...], n: int):
-    from specdec.tree import TreeTemplate
+    from specdec.tree_spec import TreeTemplate
 
     return TreeTemplate(parents[:n])
 

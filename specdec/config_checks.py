@@ -21,7 +21,7 @@ def check_spec_config(cfg) -> None:
     ``policy`` (a CapacityPolicy becomes its string) and ``device`` (a torch.device becomes a str)."""
     from specdec.loading.registry import DTYPES
     from specdec.scheduler.scheduler import CapacityPolicy
-    from specdec.tree import template_from_spec
+    from specdec.tree_spec import template_from_spec
 
     _require(isinstance(cfg.tree, str), "tree", "must be a str: auto, chain:K, topk:WxD or dynamic:B", cfg.tree)
     try:

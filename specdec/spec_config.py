@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from specdec.config_checks import check_spec_config
 from specdec.defaults import GPU_MEMORY_UTILIZATION
-from specdec.tree import template_from_spec
+from specdec.tree_spec import template_from_spec
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specdec.acceptance import shape_probs, verify_greedy
-from specdec.tree import DraftTree, topk_template
+from specdec.tree import DraftTree
+from specdec.tree_spec import topk_template
 
 # ---------------------------------------------------------------- shape_probs
 

@@ -251,7 +251,7 @@ def test_bench_reports_the_mean_budget_per_batch_size():
 
 def test_template_tree_cuts_a_whole_template_to_the_budget():
     from specdec.adaptive import template_tree
-    from specdec.tree import topk_template
+    from specdec.tree_spec import topk_template
 
     tpl = topk_template(2, 2)  # 2 + 4 nodes, level order
     tokens = [10, 11, 12, 13, 14, 15]
@@ -265,7 +265,7 @@ def test_options_of_draft_models_per_tree_kind():
     from types import SimpleNamespace
 
     from specdec.drafters.eagle_dynamic import DynamicShape
-    from specdec.tree import template_from_spec
+    from specdec.tree_spec import template_from_spec
 
     def opts(tree, loop=None):
         spec = template_from_spec(tree)

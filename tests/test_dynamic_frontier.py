@@ -21,7 +21,7 @@ from specdec.drafters.frontier import FrontierLayout, pick_children, top_candida
 from specdec.drafters.model_drafter import DYNAMIC_CANDIDATES, Growth, ModelDrafter
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.sampling_params import SamplingParams
-from specdec.tree import TreeSpec, template_from_spec
+from specdec.tree_spec import TreeSpec, template_from_spec
 from specdec.uniform_stream import UniformStream
 
 pytestmark = pytest.mark.usefixtures("single_thread")

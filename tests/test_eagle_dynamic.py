@@ -8,7 +8,8 @@ import torch
 
 from specdec.drafters.eagle_drafter import best_nodes
 from specdec.drafters.eagle_dynamic import DEVICE_DEPTH, DEVICE_WIDTH, DynamicShape, choose, device_shape, grow
-from specdec.tree import DraftTree, template_from_spec
+from specdec.tree import DraftTree
+from specdec.tree_spec import template_from_spec
 
 V = 40
 

@@ -5,17 +5,8 @@ import random
 import pytest
 import torch
 
-from specdec.tree import (
-    MAX_TREE_NODES,
-    DraftTree,
-    HostView,
-    TreeSpec,
-    TreeTemplate,
-    chain_template,
-    draw_tree,
-    template_from_spec,
-    topk_template,
-)
+from specdec.tree import MAX_TREE_NODES, DraftTree, HostView
+from specdec.tree_spec import TreeSpec, TreeTemplate, chain_template, draw_tree, template_from_spec, topk_template
 
 
 def _reference(parents):

@@ -142,7 +142,7 @@ def cmd_bench(args) -> int:
     hf = None
     if args.baseline == "hf":
         from specdec.benchmark.hf import HFBaselines
-        from specdec.tree import template_from_spec
+        from specdec.tree_spec import template_from_spec
 
         hf = HFBaselines(target, draft, template_from_spec(tree).k, params, compile_static=not args.no_hf_compile)
         if hf.assist_skipped and "hf_assisted" in hf_configs:

@@ -40,7 +40,8 @@ from specdec.kernels.topk import topk
 from specdec.kernels.tree_slots import tree_slots
 from specdec.models.llama import ForwardContext
 from specdec.step_inputs import PackedRows, StepInputs
-from specdec.tree import TreeTemplate, depths_and_masks
+from specdec.tree import depths_and_masks
+from specdec.tree_spec import TreeTemplate
 
 
 class _Level(NamedTuple):

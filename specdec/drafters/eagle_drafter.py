@@ -26,7 +26,8 @@ from specdec.models.eagle import EagleDraft
 from specdec.runner import RowInput
 from specdec.scheduler.request import Request
 from specdec.step_inputs import PackedRows
-from specdec.tree import DraftTree, TreeSpec
+from specdec.tree import DraftTree
+from specdec.tree_spec import TreeSpec
 
 
 class SlotFeatures:

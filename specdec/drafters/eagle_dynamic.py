@@ -30,8 +30,9 @@ from torch import Tensor
 from specdec.drafters.eagle_device import CatchUp, DeviceDraftProgram
 from specdec.kernels.topk import topk_logprobs
 from specdec.kernels.tree_choose import tree_choose, tree_level
-from specdec.tree import MAX_TREE_NODES, TreeSpec
+from specdec.tree import MAX_TREE_NODES
 from specdec.tree_ops import choose, select_level
+from specdec.tree_spec import TreeSpec
 
 # ``dynamic:B`` on the device: levels of 10 nodes, 5 levels (4 draft forwards after the catch-up). Past 5 levels
 # width adds more accepted tokens than depth: 10 x 5 keeping 31 nodes (a 32-token verify) accepts about as much

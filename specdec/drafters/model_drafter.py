@@ -20,7 +20,8 @@ from specdec.kernels.gumbel_noise import gumbel_noise
 from specdec.runner import ModelRunner, RowInput
 from specdec.scheduler.request import Request
 from specdec.step_inputs import DRAFT_MODEL_INDEX
-from specdec.tree import DraftTree, TreeSpec
+from specdec.tree import DraftTree
+from specdec.tree_spec import TreeSpec
 
 DYNAMIC_BEAM_MAX = 8  # most nodes added per level of a dynamic tree
 DYNAMIC_CANDIDATES = 8  # children considered per expanded node

@@ -268,9 +268,9 @@ class NgramDrafter(Drafter):
         return self.device_only and self.device_chains.serves(rows, k + 1)
 
     def first_chain(self, req: Request, k: int) -> list[int]:
-        """The chain of a row whose prefill just ended (``pipeline_hooks.ChainAhead`` joins it to a queued step): none when
-        the device serves it (its history is uploaded as it joins and the queued step's follow-up looks up its next
-        chain), else the host's."""
+        """The chain of a row whose prefill just ended (``pipeline_hooks.ChainAhead`` joins it to a queued step): none
+        when the device serves it (its history is uploaded as it joins and the queued step's follow-up looks up its
+        next chain), else the host's."""
         return [] if self._device_served([req], k) else self.host_chain(req, k)
 
     def prefill(self, chunks) -> None:
