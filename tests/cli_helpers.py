@@ -20,4 +20,4 @@ def refuse_model_loads(monkeypatch) -> None:
         raise AssertionError(f"a model was loaded before the arguments were checked: {args}")
 
     monkeypatch.setattr("specdec.loading.registry.load_model", refuse)
-    monkeypatch.setattr("specdec.engine.load_model", refuse)
+    monkeypatch.setattr("specdec.engine_setup.load_model", refuse)
