@@ -255,8 +255,8 @@ def test_tree_writer(benchmark, impl, batch, queries, budget):
     """A fused EAGLE step's tree writer as the step replays it (a CUDA graph per bucket and budget): the best
     ``budget`` of 50 dynamic-tree nodes per row (the shipped draft's 10 x 5 program) written into the verify
     bucket, one kernel (``kernels/tree_write.py``) against the torch ops."""
-    from specdec.fused_step import TreeWriter
     from specdec.step_inputs import StepInputs
+    from specdec.tree_writer import TreeWriter
 
     dev = torch.device("cuda")
     out = dynamic_program_output(torch.Generator().manual_seed(0), batch, 50, 5).to(dev)

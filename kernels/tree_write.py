@@ -1,5 +1,5 @@
 """The kept trees of a dynamic draft program written into a verify bucket's inputs, one program per row (reference:
-the torch ops of ``specdec.fused_step.TreeWriter._build`` without ``use_triton``: ``best_nodes_on_device`` +
+the torch ops of ``specdec.tree_writer.TreeWriter._build`` without ``use_triton``: ``best_nodes_on_device`` +
 ``write_trees`` + ``tree_top``; they stay there, since a reference here importing them would close an import
 circle).
 

@@ -20,12 +20,13 @@ import torch
 from torch import Tensor
 
 from specdec.drafters.ngram_ops import ngram_advance_reference
-from specdec.fused_step import DeviceDraft, shape_rows
+from specdec.fused_step import DeviceDraft
 from specdec.graphs import cache_for
 from specdec.kernels.advance import advance_rows
 from specdec.lookahead_ops import advance_rows_reference
 from specdec.pipeline import AdvanceGraphs, QueuedStep
 from specdec.step_inputs import StepViews
+from specdec.tree_writer import shape_rows
 
 if TYPE_CHECKING:
     from specdec.drafters.base import Proposal

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from specdec.acceptance import shape_probs, verify_greedy
 from specdec.acceptance_batched import pad_trees, unpack_greedy
 from specdec.fault_isolation import check_distribution, check_finite, check_finite_flags, flag_overflow
-from specdec.fused_step import DeviceDraft, FusedOutcome, shape_depth
+from specdec.fused_step import DeviceDraft, FusedOutcome
 from specdec.graphs import cache_for
 from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.pipeline import HostRead, QueuedStep
@@ -22,6 +22,7 @@ from specdec.sampled_rule import SampledRule, accept_sampled, verify_positions
 from specdec.scheduler.request import Request
 from specdec.step_inputs import PackedRows
 from specdec.tree import DraftTree
+from specdec.tree_writer import shape_depth
 from specdec.uniform_stream import UniformStream
 
 

@@ -24,8 +24,8 @@ from specdec.adaptive import budget_options
 from specdec.drafters.eagle_device import DeviceDraftProgram
 from specdec.drafters.eagle_drafter import DRAFT_MODEL_INDEX, _Spans
 from specdec.engine import SpecConfig, SpecEngine
-from specdec.fused_step import best_nodes_on_device
 from specdec.sampling_params import SamplingParams
+from specdec.tree_writer import best_nodes_on_device
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

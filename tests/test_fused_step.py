@@ -18,12 +18,12 @@ from test_eagle import PROMPTS, setup  # noqa: F401 - the module's trained tiny 
 from specdec.drafters.eagle_device import DeviceDraftProgram
 from specdec.drafters.eagle_drafter import best_nodes
 from specdec.engine import SpecConfig, SpecEngine
-from specdec.fused_step import ancestry, best_nodes_on_device
 from specdec.graphs import GraphRunner
 from specdec.loading.registry import load_model
 from specdec.sampling_params import SamplingParams
 from specdec.step_inputs import StepInputs, _offsets
 from specdec.tree import depths_and_masks
+from specdec.tree_writer import ancestry, best_nodes_on_device
 from specdec.verifier import _packed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -414,8 +414,9 @@ def test_fused_tree_depths_and_lazy_trees():
     """The device depths (``ancestry`` then ``tree_top``, what the tree writer hands the read) equal
     ``DraftTree.max_depth`` of random topologically ordered trees (0 for trees without nodes); ``FusedTrees``
     builds the same trees as ``DraftTree.of_parents``, on demand."""
-    from specdec.fused_step import FusedTrees, shape_depth, tree_top
+    from specdec.fused_step import FusedTrees
     from specdec.tree import DraftTree
+    from specdec.tree_writer import shape_depth, tree_top
 
     rng = np.random.default_rng(3)
     for n in (0, 1, 5, 31):
@@ -441,9 +442,9 @@ def test_gpu_captured_graphs_outlive_their_constant_caches(setup, tree):  # noqa
     tree's node offsets). After more other shapes than each cache holds, with every evicted entry's memory then
     refilled with garbage, the output still equals target-only (``specdec.graphs.graph_constant`` keeps what a
     capture read; ``AdvanceGraphs`` keeps the offsets it was captured with)."""
-    from specdec.fused_step import _ancestry_start
     from specdec.lookahead_ops import causal_masks
     from specdec.pipeline_hooks import node_offsets
+    from specdec.tree_writer import _ancestry_start
 
     target, draft, cfg, want = _on_gpu(setup)
     eng = _engine(draft, target, tree, pipeline=True, **cfg)
@@ -512,7 +513,7 @@ def test_gpu_fused_sampled_rows_equal_the_unfused_ones(setup):  # noqa: F811 - t
 def test_tree_writer_at_budget_zero_writes_nothing_and_returns_what_building_would():
     """Budget 0 (plain decoding through the EAGLE step) keeps no nodes: the writer returns at once, without
     touching the verify inputs, the (R, 0) tokens and parents and zero depths that building the trees gives."""
-    from specdec.fused_step import TreeWriter
+    from specdec.tree_writer import TreeWriter
 
     r, b, q, nodes = 3, 4, 8, 6
     out = torch.stack([torch.randint(0, 50, (r, nodes)), torch.arange(-1, nodes - 1).expand(r, nodes),

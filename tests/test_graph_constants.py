@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 import specdec.graphs as gc_mod
-from specdec.fused_step import _ancestry_start
 from specdec.graphs import graph_constant
 from specdec.lookahead_ops import causal_masks
+from specdec.tree_writer import _ancestry_start
 
 
 def _counted(maxsize: int):

@@ -11,8 +11,8 @@ import pytest
 import torch
 from kernel_inputs import dynamic_program_output
 
-from specdec.fused_step import TreeWriter
 from specdec.step_inputs import StepInputs
+from specdec.tree_writer import TreeWriter
 
 DEVICES = (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []) + (["cuda"] if torch.cuda.is_available()
                                                                            else [])
