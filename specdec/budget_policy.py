@@ -14,21 +14,21 @@ from specdec.graphs import QUERY_BUCKETS, bucket
 
 @dataclass(frozen=True)
 class EpochConfig:
-    """epoch_steps, epoch_rows: an epoch (the steps a budget is held before it is judged) ends once it timed at
-    least epoch_steps steps over at least epoch_rows rows in all (a small batch's tokens per step vary with the
-    text, so its epochs run longer); hold_epochs: epochs the best budget is held before a neighbour is probed,
-    doubled after each probe that leaves the best where it is (up to max_hold_epochs) and reset when the best
-    moves; margin: how much more tokens per second a budget must measure than the one held, and than plain
-    decoding (budget 0), to be held instead; alpha: weight of a new epoch's rate against the budget's earlier
-    ones; max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
-    prefill are not); first_row_steps, first_min_steps: a budget's first measurement ends early, once it timed
-    first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
-    steps measure it; a new engine's first requests then spend less time on budgets it will not hold). Budget 0
-    commits exactly one token per row per step whatever the text, so its epochs need no rows: epoch_steps timed
-    steps (its first, first_min_steps if fewer). start_tokens: a bucket's search starts at no budget whose verify of
-    the bucket's rows holds more tokens than this (the optima measured on the H200, bench/RESULTS.md session 21:
-    the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's first steps at a large batch do
-    not pay for the full tree."""
+    """epoch_steps, epoch_rows: an epoch (the steps a budget is held before it is judged) ends once it timed at least
+    epoch_steps steps over at least epoch_rows rows in all (a small batch's tokens per step vary with the text, so
+    its epochs run longer); hold_epochs: epochs the best budget is held before a neighbour is probed, doubled after
+    each probe that leaves the best where it is (up to max_hold_epochs) and reset when the best moves; margin: how
+    much more tokens per second a budget must measure than the one held, and than plain decoding (budget 0), to be
+    held instead; alpha: weight of a new epoch's rate against the budget's earlier ones (budget 0's rate is its
+    latest epoch's: it does not depend on the text); max_epoch_steps: steps after which an epoch ends however few of
+    them were timed (steps that ran a prefill are not); first_row_steps, first_min_steps: a budget's first
+    measurement ends early, once it timed first_min_steps steps over first_row_steps rows in all (a large batch's
+    step averages over many rows, so a few steps measure it; a new engine's first requests then spend less time on
+    budgets it will not hold). Budget 0 commits exactly one token per row per step whatever the text, so its epochs
+    need no rows: epoch_steps timed steps (its first, first_min_steps if fewer). start_tokens: a bucket's search
+    starts at no budget whose verify of the bucket's rows holds more tokens than this (the optima measured on the
+    H200, bench/RESULTS.md session 21: the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's
+    first steps at a large batch do not pay for the full tree."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -60,13 +60,13 @@ class _Epochs:
 
 
 class EpochBudget:
-    """The node budget of a pipelined engine's steps: for each batch bucket and kind of step (all rows greedy, or
-    some sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is
-    built under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user
-    gets from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the
-    reads included), averaged over its epochs. Per row, because a bucket's steps cost the same whatever rows of it
-    are live (their graphs run the whole bucket) while the tokens they commit scale with the rows: an epoch that
-    fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
+    """The node budget of a pipelined engine's steps: for each batch bucket and kind of step (all rows greedy, or some
+    sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is built
+    under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user gets
+    from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the reads
+    included), averaged over its epochs (budget 0's: its latest epoch). Per row, because a bucket's steps cost the
+    same whatever rows of it are live (their graphs run the whole bucket) while the tokens they commit scale with
+    the rows: an epoch that fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
 
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
     same kind already measured (the full tree when there is none), or lower where that budget's verify of the
@@ -163,7 +163,10 @@ class EpochBudget:
         cfg, i = self.config, state.held
         rate = state.tokens / max(state.seconds, 1e-9) * state.timed / max(state.row_steps, 1)  # per row
         old = state.rates[i]
-        state.rates[i] = rate if old is None else old + cfg.alpha * (rate - old)
+        # budget 0 commits one token per row per step whatever the text, so its epoch measures only what a step
+        # costs now: it replaces the earlier figure (a new engine's slower first steps, or the machine's speed of
+        # minutes ago) instead of being averaged with it
+        state.rates[i] = rate if old is None or i == 0 else old + cfg.alpha * (rate - old)
         state.steps = state.timed = state.row_steps = 0
         state.tokens = state.seconds = 0.0
         if state.searching:

@@ -178,6 +178,25 @@ def test_plain_decoding_is_probed_however_far_the_best_is_from_it():
     assert seq[-30:].count(0) > 0.6 * 30  # held, but for the probes of its neighbour
 
 
+def test_plain_decodings_rate_is_its_latest_epochs():
+    """Budget 0 commits one token per row per step whatever the text, so its rate is what its latest epoch measured,
+    not an average with the search's figure (a new engine's slower first steps): one probe that finds it faster
+    than the held budget moves the choice to it, where averaging (alpha 0.5: 1,750 against 2,000) would not."""
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=2, max_hold_epochs=4, alpha=0.5))
+    rates = {0: 1000.0, 3: 1500.0, 7: 2000.0, 15: 1200.0}
+    run(ctrl, rows_of(8), rates.__getitem__, 12)  # the search: 15, 7, 3, then 0 (its slow first figure)
+    state = ctrl.states[ctrl.key(rows_of(8))]
+    assert state.rates[0] == pytest.approx(1000.0 / 8)  # (per row)
+    rates[0] = 2500.0
+    seq = []
+    while 0 not in seq[-3:]:  # until the first probe of budget 0 has run
+        seq.append(step(ctrl, rows_of(8), rates.__getitem__))
+    while seq[-1] == 0 and state.held == 0 and state.best != 0:
+        seq.append(step(ctrl, rows_of(8), rates.__getitem__))
+    assert state.rates[0] == pytest.approx(2500.0 / 8)
+    assert ctrl.options[state.best].nodes == 0
+
+
 def test_buckets_and_kinds_are_chosen_apart():
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, start_tokens=1 << 20))
     greedy = {0: 1000.0, 3: 1200.0, 7: 1500.0, 15: 2000.0}
