@@ -74,9 +74,25 @@ def test_launcher_keeps_rank0_output_and_ends_the_group_on_a_failure(tmp_path, m
     assert "[rank 1] rank 1 broke" in capfd.readouterr().err
 
 
+def test_launcher_kills_a_rank_that_does_not_end_when_asked(tmp_path, monkeypatch, capfd):
+    """Rank 1 fails; rank 0 ignores the request to end (a rank stuck in a collective or a slow shutdown): it is killed
+    once the grace has passed, and the command ends with rank 1's failure."""
+    from specdec.cli import parallel
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(parallel, "RANK_GRACE_SECONDS", 2.0)
+    stubborn = ("import os, signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                "if os.environ['RANK'] == '1': time.sleep(1); sys.exit('rank 1 broke')\ntime.sleep(120)")
+    t0 = time.monotonic()
+    assert start_ranks([sys.executable, "-c", stubborn], 2) == 1
+    assert time.monotonic() - t0 < 30
+    assert "[rank 1] rank 1 broke" in capfd.readouterr().err
+
+
 def test_serve_on_two_ranks_answers_as_one_engine(model_dir, tmp_path):
     """``specdec serve --tensor-parallel-size 2``: the command starts its two ranks, rank 0 serves on the port and
-    answers a greedy completion with the unsplit target's tokens; an interrupt ends both ranks."""
+    answers a greedy completion with the unsplit target's tokens; an interrupt ends both ranks and the command, with
+    status 130 and no traceback."""
     import signal
     import subprocess
 
@@ -113,3 +129,5 @@ def test_serve_on_two_ranks_answers_as_one_engine(model_dir, tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
+    err = proc.stderr.read()
+    assert proc.returncode == 130 and "Traceback" not in err, err  # an interrupt ends the command quietly

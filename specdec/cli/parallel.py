@@ -20,6 +20,7 @@ from specdec.cli.checks import UsageError, check_positive
 TP_FLAG, DP_FLAG = "--tensor-parallel-size", "--data-parallel-size"
 _GROUP_TIMEOUT = timedelta(minutes=30)  # a rank may wait that long for another's model load or a slow step
 _QUIET_ON_OTHER_RANKS = ("json_out", "json", "plot")  # files only rank 0 writes
+RANK_GRACE_SECONDS = 10.0  # how long an ended command waits for each rank to stop before killing it
 
 
 def add_parallel_args(p) -> None:
@@ -128,7 +129,8 @@ def _join_group(args, size: int) -> None:
 def start_ranks(command: list[str], size: int) -> int:
     """``size`` processes running ``command`` as ranks 0..size-1 of a local group (torchrun's environment variables):
     rank 0's output goes to this terminal, the others' error output only when they fail. A rank that fails ends the
-    others (they would wait for it in a collective). The exit status: 0, or the first failing rank's."""
+    others (they would wait for it in a collective). The exit status: 0, or the first failing rank's; 130 after an
+    interrupt (Ctrl-C), which ends every rank."""
     import tempfile
     import time
 
@@ -144,17 +146,21 @@ def start_ranks(command: list[str], size: int) -> int:
         logs.append(log)
         procs.append(subprocess.Popen(command, env=env,
                                       stdout=subprocess.DEVNULL if rank else None, stderr=log))
+    interrupted = False
     try:
         while True:
             codes = [p.poll() for p in procs]  # (every process polled: a list, not a short-circuiting any())
             if all(c is not None for c in codes) or any(codes):
                 break
             time.sleep(0.1)
+    except KeyboardInterrupt:  # Ctrl-C (a terminal sends it to every rank too): the ranks end, the command quietly
+        interrupted = True
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-            p.wait()
+        _end_ranks(procs)
+    if interrupted:
+        for log in logs[1:]:
+            log.close()
+        return 130
     codes = [p.returncode for p in procs]
     failed = next((r for r, c in enumerate(codes) if c > 0), None)  # (< 0: a signal, ours or another's)
     if failed:  # rank 0 printed its own error; another rank's is shown here
@@ -166,6 +172,20 @@ def start_ranks(command: list[str], size: int) -> int:
         print(f"error: a tensor-parallel rank was killed (exit codes {codes})", file=sys.stderr)
         return 1
     return 0 if failed is None else codes[failed]
+
+
+def _end_ranks(procs: list) -> None:
+    """End the ranks still running, rank 0 first: its server shuts down and tells the other ranks to stop while they
+    still listen (ended together, rank 0's last broadcast could wait on a rank already gone). A rank that has not
+    ended ``RANK_GRACE_SECONDS`` after being asked to is killed, so an interrupt always ends the command."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=RANK_GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
 
 
 def _free_port() -> int:
