@@ -74,10 +74,10 @@ class EpochBudget:
     budget so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor
     every budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best
     (the full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a
-    neighbour is probed every ``hold`` epochs (above, below and budget 0 in turn; ``hold`` doubles while probes
+    neighbour is probed every ``hold`` epochs (budget 0, above and below in turn; ``hold`` doubles while probes
     change nothing), so a change in acceptance or cost moves the choice. Budget 0 is probed however far the best
-    is from it: its rate is the floor every budget must beat, and a search measures it once, in one short epoch
-    (on a new engine, often in its slowest first steps). The held budget changes only to one measured
+    is from it, and first: its rate is the floor every budget must beat, and a search measures it once, in one
+    short epoch (on a new engine, often in its slowest first steps). The held budget changes only to one measured
     ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
     beats it by ``margin``, so speculating is not slower than decoding by more than the measurements err. A step
     whose budget differs from the step before it is not timed: the step queued behind the previous verify was built
@@ -187,9 +187,9 @@ class EpochBudget:
             state.held, state.since_probe = state.best, 0
             return
         state.since_probe += 1
-        if state.since_probe >= state.hold:  # probe a neighbour of the best, above and below, then budget 0, in turn
-            turn = [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
-            turn += [0] if state.best > 1 else []  # (else 0 is a neighbour, or the best)
+        if state.since_probe >= state.hold:  # probe budget 0, then the best's neighbours above and below, in turn
+            turn = [0] if state.best > 1 else []  # (else 0 is a neighbour, or the best)
+            turn += [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
             if turn:
                 state.held = turn[state.probes % len(turn)]
                 state.probes += 1

@@ -166,12 +166,12 @@ def test_probes_that_change_nothing_come_less_often():
 def test_plain_decoding_is_probed_however_far_the_best_is_from_it():
     """Budget 0 is measured once by the search; when it was slow then (a new engine's first steps) but is not now,
     the probes re-measure it although it is no neighbour of the held budget (7: its neighbours are 3 and 15), and
-    the choice moves to it. Probes go above, below and to 0 in turn."""
+    the choice moves to it. Probes go to 0, above and below in turn."""
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=2, max_hold_epochs=4, alpha=1.0))
     rates = {0: 1000.0, 3: 1500.0, 7: 2000.0, 15: 1200.0}
     seq = run(ctrl, rows_of(8), rates.__getitem__, 12 + 40)
     probes = [n for n, _ in runs(seq[12:]) if n != 7]
-    assert probes[:3] == [15, 3, 0]  # above, below, then plain decoding
+    assert probes[:3] == [0, 15, 3]  # plain decoding, then above and below
     rates[0] = 2500.0  # plain decoding is faster than the search measured it
     seq = run(ctrl, rows_of(8), rates.__getitem__, 80)
     assert ctrl.options[ctrl.states[ctrl.key(rows_of(8))].best].nodes == 0
