@@ -157,17 +157,20 @@ def start_ranks(command: list[str], size: int) -> int:
         interrupted = True
     finally:
         _end_ranks(procs)
-    if interrupted:
+    try:
+        return 130 if interrupted else _exit_status([p.returncode for p in procs], logs)
+    finally:
         for log in logs[1:]:
             log.close()
-        return 130
-    codes = [p.returncode for p in procs]
+
+
+def _exit_status(codes: list[int], logs: list) -> int:
+    """The command's status from its ranks' exit codes: 0, or the first failing rank's (its error output, kept in
+    ``logs``, shown here: rank 0 printed its own); 1 when a rank was killed by a signal and none failed."""
     failed = next((r for r, c in enumerate(codes) if c > 0), None)  # (< 0: a signal, ours or another's)
-    if failed:  # rank 0 printed its own error; another rank's is shown here
+    if failed:
         logs[failed].seek(0)
         print(f"[rank {failed}] {logs[failed].read().rstrip()}", file=sys.stderr)
-    for log in logs[1:]:
-        log.close()
     if failed is None and any(codes):
         print(f"error: a tensor-parallel rank was killed (exit codes {codes})", file=sys.stderr)
         return 1
