@@ -104,9 +104,12 @@ def test_serve_on_two_ranks_answers_as_one_engine(model_dir, tmp_path):
     from specdec.sampling_params import SamplingParams
 
     port = free_port()
+    # (Ctrl-C's default restored in the command: a harness that starts the tests in the background hands them SIGINT
+    # ignored, which the command would inherit)
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", model_dir, "--draft", "ngram", "--device",
                              "cpu", "--tensor-parallel-size", "2", "--port", str(port), "--threads", "1"],
-                            cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -131,3 +134,53 @@ def test_serve_on_two_ranks_answers_as_one_engine(model_dir, tmp_path):
             raise
     err = proc.stderr.read()
     assert proc.returncode == 130 and "Traceback" not in err, err  # an interrupt ends the command quietly
+
+
+def _launcher_of_sleeping_ranks(tmp_path):
+    """A launcher process (``start_ranks`` of two ranks that write their pids and sleep) and the ranks' pids."""
+    import subprocess
+
+    rank = ("import os, pathlib, time\npathlib.Path(f\"rank{os.environ['RANK']}.pid\").write_text(str(os.getpid()))\n"
+            "time.sleep(120)")
+    launcher = ("import sys\nfrom specdec.cli.parallel import start_ranks\n"
+                f"sys.exit(start_ranks([sys.executable, '-c', {rank!r}], 2))")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"rank{r}.pid").is_file() and (tmp_path / f"rank{r}.pid").read_text() for r in (0, 1)):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the ranks did not start"
+        time.sleep(0.1)
+    return proc, [int((tmp_path / f"rank{r}.pid").read_text()) for r in (0, 1)]
+
+
+def _ended(pid: int, within: float) -> bool:
+    """Whether process ``pid`` (not a child of this one) ends within ``within`` seconds: gone, or a zombie (dead,
+    left for a parent that does not reap it)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a rank ending with its launcher uses Linux's prctl")
+def test_launcher_stopped_or_killed_takes_its_ranks_with_it(tmp_path):
+    """SIGTERM (a service manager's stop) ends the ranks and the command with status 143; a launcher killed outright
+    (SIGKILL, no handler runs) still leaves no rank running."""
+    import signal
+
+    proc, ranks = _launcher_of_sleeping_ranks(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM, proc.stderr.read()
+    assert all(_ended(pid, 10) for pid in ranks)
+    for r in (0, 1):
+        (tmp_path / f"rank{r}.pid").unlink()
+    proc, ranks = _launcher_of_sleeping_ranks(tmp_path)
+    proc.kill()
+    proc.wait(timeout=30)
+    assert all(_ended(pid, 10) for pid in ranks)

@@ -130,7 +130,10 @@ def start_ranks(command: list[str], size: int) -> int:
     """``size`` processes running ``command`` as ranks 0..size-1 of a local group (torchrun's environment variables):
     rank 0's output goes to this terminal, the others' error output only when they fail. A rank that fails ends the
     others (they would wait for it in a collective). The exit status: 0, or the first failing rank's; 130 after an
-    interrupt (Ctrl-C), which ends every rank."""
+    interrupt (Ctrl-C), 128 + N after signal N asks the command to stop (SIGTERM from a service manager, SIGHUP
+    from a closed terminal): either ends every rank first. On Linux a rank also ends when this process dies without
+    ending it (killed), so no rank outlives the command holding its port or its memory."""
+    import signal
     import tempfile
     import time
 
@@ -138,30 +141,85 @@ def start_ranks(command: list[str], size: int) -> int:
 
     port, threads = _free_port(), str(max(1, cpu_threads() // size))
     procs, logs = [], []
-    for rank in range(size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size), LOCAL_WORLD_SIZE=str(size),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.setdefault("OMP_NUM_THREADS", threads)
-        log = tempfile.TemporaryFile("w+") if rank else None
-        logs.append(log)
-        procs.append(subprocess.Popen(command, env=env,
-                                      stdout=subprocess.DEVNULL if rank else None, stderr=log))
-    interrupted = False
+    stopped = _StopOnSignals(signal.SIGTERM, signal.SIGHUP)
     try:
+        for rank in range(size):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
+                       LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env.setdefault("OMP_NUM_THREADS", threads)
+            log = tempfile.TemporaryFile("w+") if rank else None
+            logs.append(log)
+            procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL if rank else None, stderr=log,
+                                          preexec_fn=_end_with_parent()))
         while True:
             codes = [p.poll() for p in procs]  # (every process polled: a list, not a short-circuiting any())
             if all(c is not None for c in codes) or any(codes):
                 break
             time.sleep(0.1)
+        status = None
     except KeyboardInterrupt:  # Ctrl-C (a terminal sends it to every rank too): the ranks end, the command quietly
-        interrupted = True
+        status = 130
+    except _Stopped as stop:
+        status = 128 + stop.signum
     finally:
+        stopped.restore()
         _end_ranks(procs)
     try:
-        return 130 if interrupted else _exit_status([p.returncode for p in procs], logs)
+        return status if status is not None else _exit_status([p.returncode for p in procs], logs)
     finally:
         for log in logs[1:]:
             log.close()
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+class _StopOnSignals:
+    """While the launcher waits, the given signals raise ``_Stopped`` (their default would end this process alone and
+    leave its ranks running); ``restore`` puts the earlier handlers back. A signal this process inherited as ignored
+    stays ignored, as a shell's ``nohup`` asks."""
+
+    def __init__(self, *signums) -> None:
+        import signal
+        import threading
+
+        self._old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return  # (only the main thread sets handlers; a launcher called elsewhere keeps the defaults)
+        for signum in signums:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self._old[signum] = signal.signal(signum, self._raise)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise _Stopped(signum)
+
+    def restore(self) -> None:
+        import signal
+
+        for signum, handler in self._old.items():
+            signal.signal(signum, handler)
+        self._old = {}
+
+
+def _end_with_parent():
+    """A rank's ``preexec_fn`` on Linux: the kernel sends the rank SIGTERM when the launcher dies (prctl
+    PR_SET_PDEATHSIG), whatever kills it; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+
+    return preexec
 
 
 def _exit_status(codes: list[int], logs: list) -> int:
