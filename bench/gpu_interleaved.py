@@ -108,6 +108,29 @@ def _budget_rates(engine) -> dict:
     return measured() if measured else {}
 
 
+def _epoch_log(engine) -> list[dict]:
+    """The epoch controller's ended epochs (``EpochBudget.epoch_log``), [] without one."""
+    epochs = getattr(engine.adaptive, "epoch_log", None)
+    return epochs() if epochs else []
+
+
+def _epoch_summary(epochs: list[dict]) -> str:
+    """Per bucket and kind: steps in each phase (search, hold, probe), and each budget's epochs as count x median
+    rate (tokens per row-second) [median of the epochs' median step ms]: whether plain decoding's figure, the floor
+    every budget is judged against, is what a decode step costs."""
+    out = []
+    for bucket, greedy in sorted({(e["bucket"], e["greedy"]) for e in epochs}):
+        mine = [e for e in epochs if e["bucket"] == bucket and e["greedy"] == greedy]
+        phases = {p: sum(e["steps"] for e in mine if e["phase"] == p) for p in ("search", "hold", "probe")}
+        per = []
+        for nodes in sorted({e["nodes"] for e in mine}):
+            of = [e for e in mine if e["nodes"] == nodes]
+            per.append(f"{nodes}: {len(of)}x {statistics.median(e['rate'] for e in of):.0f} "
+                       f"[{1e3 * statistics.median(e['median_step_s'] for e in of):.2f} ms]")
+        out.append(f"b{bucket} {'greedy' if greedy else 'sampled'} steps {phases} | " + ", ".join(per))
+    return "; ".join(out)
+
+
 def log(*a) -> None:
     print(*a, flush=True)
 
@@ -300,6 +323,7 @@ def main() -> None:
                                        "late_captures": late[name],
                                        "budget_steps": _budget_steps(engines[name]),
                                        "budget_rates": _budget_rates(engines[name]),
+                                       "epochs": _epoch_log(engines[name]),
                                        "split_runs": splits[name]}
                                 for name, v in runs.items()}
             log(f"interleaved {key}: first round / later rounds " + ", ".join(
@@ -322,6 +346,9 @@ def main() -> None:
             for n, e in entry.items():
                 if e["budget_rates"]:
                     log(f"interleaved {key}: {n} tokens per row-second by budget (held first) {e['budget_rates']}")
+            for n, e in entry.items():
+                if e["epochs"]:
+                    log(f"interleaved {key}: {n} epochs {_epoch_summary(e['epochs'])}")
             for n, e in entry.items():  # which kernels compiled during timed rounds (first round: engine start missed)
                 if any(c for _, _, c in e["late_captures"]):
                     log(f"interleaved {key}: {n} compiled {[sorted(set(c)) for _, _, c in e['late_captures']]}")

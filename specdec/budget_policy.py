@@ -5,7 +5,9 @@ per-step ``adaptive.BudgetController``, or none)."""
 from __future__ import annotations
 
 import math
-from collections import Counter
+import statistics
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from specdec.adaptive import BudgetController, BudgetOption, batch_key, budget_options, mean_budget, undominated
@@ -53,7 +55,9 @@ class _Epochs:
         self.searching = True
         self.steps = self.timed = self.row_steps = 0  # this epoch's steps, timed steps, and rows in timed steps
         self.rows = 0  # rows of the step under way
+        self.key: tuple[int, bool] = (0, False)  # (batch bucket, all rows greedy)
         self.tokens = self.seconds = 0.0
+        self.step_seconds: list[float] = []  # this epoch's timed steps (for the epoch log's median and longest)
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
@@ -64,7 +68,10 @@ class EpochBudget:
     sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is built
     under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user gets
     from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the reads
-    included), averaged over its epochs (budget 0's: its latest epoch). Per row, because a bucket's steps cost the
+    included), averaged over its epochs (budget 0's: its latest epoch). An epoch's rate is its mean tokens per row
+    and step over its median step's seconds: a pause that has nothing to do with the budget (the garbage collector,
+    another process) lands in some epoch, and in a mean it would make that budget look slow, most of all budget 0,
+    whose figure is one short epoch and the floor every budget is judged against. Per row, because a bucket's steps cost the
     same whatever rows of it are live (their graphs run the whole bucket) while the tokens they commit scale with
     the rows: an epoch that fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
 
@@ -96,6 +103,7 @@ class EpochBudget:
         self._step: tuple[_Epochs, int] | None = None  # the last speculate's state and tokens committed
         self._last_nodes: int | None = None  # the budget of the step before
         self._switched = False  # this step's budget differs from the step before's: its queued step was dropped
+        self.epochs: deque = deque(maxlen=4096)  # the latest ended epochs (``epoch_log``)
 
     def key(self, rows: list) -> tuple[int, bool]:
         """(batch bucket, whether every row is greedy): the budgets are chosen apart for each."""
@@ -112,6 +120,7 @@ class EpochBudget:
         fits = [j for j, o in enumerate(self.options) if j and (o.nodes + 1) * b <= self.config.start_tokens]
         start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
         state = _Epochs(len(self.options), start)
+        state.key = key
         state.hold = self.config.hold_epochs
         return state
 
@@ -147,6 +156,7 @@ class EpochBudget:
             state.row_steps += state.rows
             state.tokens += tokens
             state.seconds += seconds
+            state.step_seconds.append(seconds)
         cfg = self.config
         first = state.rates[state.held] is None  # a first measurement may end sooner
         if state.held == 0:  # plain decoding: one token per row per step, whatever the rows
@@ -161,14 +171,17 @@ class EpochBudget:
 
     def _end_epoch(self, state: _Epochs) -> None:
         cfg, i = self.config, state.held
-        rate = state.tokens / max(state.seconds, 1e-9) * state.timed / max(state.row_steps, 1)  # per row
+        # tokens per row and step over the median step's seconds (a pause in one step does not move it)
+        rate = state.tokens / max(state.row_steps, 1) / max(statistics.median(state.step_seconds), 1e-9)
         old = state.rates[i]
         # budget 0 commits one token per row per step whatever the text, so its epoch measures only what a step
         # costs now: it replaces the earlier figure (a new engine's slower first steps, or the machine's speed of
         # minutes ago) instead of being averaged with it
         state.rates[i] = rate if old is None or i == 0 else old + cfg.alpha * (rate - old)
+        self._log_epoch(state, rate)
         state.steps = state.timed = state.row_steps = 0
         state.tokens = state.seconds = 0.0
+        state.step_seconds = []
         if state.searching:
             nxt = self._next_to_search(state)
             if nxt is not None:
@@ -194,6 +207,24 @@ class EpochBudget:
                 state.held = turn[state.probes % len(turn)]
                 state.probes += 1
             state.since_probe = 0
+
+    def _log_epoch(self, state: _Epochs, rate: float) -> None:
+        key = state.key
+        phase = "search" if state.searching else "hold" if state.held == state.best else "probe"
+        times = state.step_seconds or [0.0]
+        self.epochs.append((time.perf_counter(), key[0], key[1], self.options[state.held].nodes, phase, state.steps,
+                            state.timed, state.row_steps, state.tokens, state.seconds, rate,
+                            statistics.median(times), max(times), self.options[state.best].nodes))
+
+    def epoch_log(self) -> list[dict]:
+        """The latest ended epochs, oldest first: when (perf_counter seconds), the bucket and kind, the budget held,
+        why (the first ``search``, ``hold`` of the best, or a ``probe``), its steps and timed steps, rows and tokens
+        in the timed ones, their seconds, the rate it measured (tokens per row-second), its timed steps' median and
+        longest seconds, and the best budget when it ended. What the choice was made from, step by step (bench JSON
+        records it)."""
+        names = ("t", "bucket", "greedy", "nodes", "phase", "steps", "timed", "row_steps", "tokens", "seconds", "rate",
+                 "median_step_s", "max_step_s", "best_before")
+        return [dict(zip(names, e)) for e in self.epochs]
 
     def _next_to_search(self, state: _Epochs) -> int | None:
         """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured, then

@@ -37,6 +37,22 @@ def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
         assert e["late_captures"] == [[0, 0.0, []], [0, 0.0, []]]  # on the CPU nothing is captured or compiled
     assert len(entry["ngram"]["ratio_runs"]) == 2 and entry["ngram"]["speedup"] > 0
     assert entry["ngram"]["mean_accepted_length"] >= 1.0
+    assert entry["ngram"]["epochs"] == []  # (no budget controller on the CPU by default: no epochs)
+
+
+def test_the_epoch_summary_gives_each_buckets_phases_and_each_budgets_rates():
+    bench = importlib.import_module("bench.gpu_interleaved")
+
+    def epoch(nodes, phase, rate, step_ms, bucket=64):
+        return {"bucket": bucket, "greedy": False, "nodes": nodes, "phase": phase, "steps": 17, "rate": rate,
+                "median_step_s": step_ms / 1e3}
+
+    log = [epoch(3, "search", 500.0, 1.9), epoch(0, "search", 560.0, 1.6), epoch(0, "hold", 600.0, 1.5),
+           epoch(0, "hold", 640.0, 1.4), epoch(1, "probe", 520.0, 1.8), epoch(0, "search", 700.0, 1.4, bucket=8)]
+    assert bench._epoch_summary(log) == (
+        "b8 sampled steps {'search': 17, 'hold': 0, 'probe': 0} | 0: 1x 700 [1.40 ms]; "
+        "b64 sampled steps {'search': 34, 'hold': 34, 'probe': 17} | 0: 3x 600 [1.50 ms], 1: 1x 520 [1.80 ms], "
+        "3: 1x 500 [1.90 ms]")
 
 
 def test_triton_compiles_are_named_through_the_post_compile_hook(monkeypatch):

@@ -248,3 +248,39 @@ def test_a_step_after_a_change_of_budget_is_not_timed():
 def test_budget_zero_is_required():
     with pytest.raises(ValueError, match="budget 0"):
         EpochBudget(OPTIONS[1:])
+
+
+def test_the_epoch_log_records_each_epochs_budget_phase_and_rate():
+    """The search's epochs (the full tree down to 3, then 0) logged as ``search``, then ``hold`` epochs of the best,
+    then a probe of a neighbour; each with the rate it measured and its steps' median and longest seconds."""
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=2))
+    rates = {0: 1000.0, 3: 1500.0, 7: 1900.0, 15: 1700.0}
+    run(ctrl, rows_of(16), rates.__getitem__, 4 * 5 + 3 * 5)
+    log = ctrl.epoch_log()
+    assert [(e["nodes"], e["phase"]) for e in log] == [(15, "search"), (7, "search"), (3, "search"), (0, "search"),
+                                                         (7, "hold"), (7, "hold"), (0, "probe")]
+    assert all(e["bucket"] == 16 and e["greedy"] and e["timed"] == 4 and e["steps"] == 5 for e in log[:4])
+    assert [e["t"] for e in log] == sorted(e["t"] for e in log)
+    for e in log:
+        assert e["rate"] == pytest.approx(rates[e["nodes"]] / 16, abs=0.1)
+        assert e["median_step_s"] == e["max_step_s"] == pytest.approx(1e-3)
+        assert e["best_before"] == (7 if e["phase"] != "search" else 15)
+
+
+def test_a_pause_in_one_step_does_not_make_its_budget_look_slow():
+    """Plain decoding is the fastest here; one step of its only epoch takes 30 ms (a pause unrelated to the budget,
+    such as the garbage collector). Judged by the epoch's mean step it would measure a ninth of its rate and the
+    controller would hold budget 3; by the median step it measures its rate and is held."""
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
+    rates = {0: 1000.0, 3: 900.0, 7: 800.0, 15: 700.0}
+    rows = rows_of(16)
+    paused = False
+    for _ in range(60):
+        nodes = ctrl.choose(rows)
+        ctrl._step = (ctrl._step[0], rates[nodes] * 1e-3)
+        ctrl.timing_valid = True
+        pause = nodes == 0 and not paused and ctrl.states[ctrl.key(rows)].timed == 2
+        paused = paused or pause
+        ctrl.observe_step(30e-3 if pause else 1e-3)
+    assert paused and held(ctrl, rows) == 0
+    assert ctrl.states[ctrl.key(rows)].rates[0] == pytest.approx(1000.0 / 16)
