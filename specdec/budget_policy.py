@@ -71,9 +71,9 @@ class EpochBudget:
     included), averaged over its epochs (budget 0's: its latest epoch). An epoch's rate is its mean tokens per row
     and step over its median step's seconds: a pause that has nothing to do with the budget (the garbage collector,
     another process) lands in some epoch, and in a mean it would make that budget look slow, most of all budget 0,
-    whose figure is one short epoch and the floor every budget is judged against. Per row, because a bucket's steps cost the
-    same whatever rows of it are live (their graphs run the whole bucket) while the tokens they commit scale with
-    the rows: an epoch that fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
+    whose figure is one short epoch and the floor every budget is judged against. Per row, because a bucket's steps
+    cost the same whatever rows of it are live (their graphs run the whole bucket) while the tokens they commit scale
+    with the rows: an epoch that fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
 
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
     same kind already measured (the full tree when there is none), or lower where that budget's verify of the
