@@ -93,6 +93,17 @@ def test_chat_stream_and_not(client, target_dir):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_chat_content_as_text_parts_is_its_text_joined_by_newlines(client, target_dir):
+    """OpenAI's content parts (what many clients send for text too): the reply is the one to the parts' texts joined
+    with newlines, as vLLM joins them."""
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    ref = engine.generate([[{"role": "user", "content": "Name three\nrivers."}]], SamplingParams(max_new_tokens=12))
+    parts = [{"type": "text", "text": "Name three"}, {"type": "text", "text": "rivers."}]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": parts}], max_tokens=12,
+                                       temperature=0)
+    assert r.choices[0].message.content == ref[0].text and ref[0].text
+
+
 def _stop_string(text: str) -> tuple[str, int]:
     """A 2-character stop string first occurring a few characters in, and where it occurs."""
     for k in range(3, len(text) - 2):
@@ -187,7 +198,11 @@ def test_bad_completion_request_is_400_naming_the_field(client, kwargs, field):
 
 
 @pytest.mark.parametrize("messages, kwargs, field", [
-    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], {}, "messages[0]"),
+    ([{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]}],
+     {}, "messages[0].content[1]"),
+    ([{"role": "user", "content": [{"type": "text"}]}], {}, "messages[0].content[0]"),
+    ([{"role": "user", "content": []}], {}, "messages[0].content"),
+    ([{"role": "user", "content": None}], {}, "messages[0]"),
     ([], {}, "messages"),
     ([{"role": "user", "content": "hi"}], dict(n=0), "n"),
     ([{"role": "user", "content": "hi"}], dict(presence_penalty=0.5), "presence_penalty"),

@@ -60,17 +60,41 @@ def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> Par
 
 
 def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
-    """A /v1/chat/completions body; ``messages`` is a list of {role, content} with string content."""
+    """A /v1/chat/completions body; ``messages`` is a list of {role, content}, content a string or a list of text
+    parts (``_message_text``)."""
     _check_fields(body, CHAT_FIELDS, model)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages", "field 'messages' must be a non-empty list of {role, content} objects")
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with string 'role' and 'content'")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"),
+                                                                                          (str, list)):
+            raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with string 'role' and 'content' "
+                                               f"(a string or a list of text parts)")
     field = _max_tokens_field(body)
-    return _parsed([{"role": m["role"], "content": m["content"]} for m in msgs],
+    return _parsed([{"role": m["role"], "content": _message_text(m["content"], i)} for i, m in enumerate(msgs)],
                    _params(body, default_max_tokens, field), body, field)
+
+
+def _message_text(content: str | list, i: int) -> str:
+    """A message's text: its string content, or its content parts (OpenAI's ``[{"type": "text", "text": ...}]``,
+    which clients send for text too) joined with newlines, as vLLM joins them. A part of another type (an image,
+    audio) is a 400 naming it: the models served here read text only."""
+    if isinstance(content, str):
+        return content
+    if not content:
+        raise BadRequest(f"messages[{i}].content", f"messages[{i}].content is an empty list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        where = f"messages[{i}].content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise BadRequest(where, f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}, got "
+                                    f"{_short(kind if isinstance(kind, str) else part)}: this server reads text only")
+        if not isinstance(part.get("text"), str):
+            raise BadRequest(where, f"{where} is a text part without a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:
