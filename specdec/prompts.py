@@ -10,7 +10,12 @@ PROMPT_FORMS = ("a str, a list/tuple of int token ids, a 1-D integer tensor or a
 
 
 class PromptError(ValueError):
-    """A prompt that cannot be run; the message names the problem and the allowed range."""
+    """A prompt that cannot be run; the message names the problem and the allowed range (``field``: the part of the
+    prompt at fault, such as ``messages[0].content[1]``, where one is named)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 def is_token_ids(prompt) -> bool:
@@ -64,17 +69,45 @@ def to_prompt_ids(prompt, tokenizer) -> list[int]:
 
 
 def chat_ids(messages: list[dict], tokenizer) -> list[int]:
-    """Render messages with the tokenizer's chat template (generation prompt added)."""
+    """Render messages with the tokenizer's chat template (generation prompt added); a message's content is a string
+    or a list of text parts (``message_text``)."""
+    texts = []
     for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise PromptError(f"messages[{i}] needs string 'role' and 'content'")
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+            raise PromptError(f"messages[{i}] needs a string 'role' and a 'content' (a string or a list of text "
+                              f"parts)", f"messages[{i}]")
+        texts.append(message_text(m["content"], f"messages[{i}].content"))
         _check_unicode(f"messages[{i}].role", m["role"])
-        _check_unicode(f"messages[{i}].content", m["content"])
+        _check_unicode(f"messages[{i}].content", texts[-1])
+    messages = [m if m["content"] is text else {**m, "content": text} for m, text in zip(messages, texts)]
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise PromptError("prompt is a chat but the tokenizer has no chat template")
     text = _tokenizer_call("the chat template refused the messages", tokenizer.apply_chat_template, messages,
                            tokenize=False, add_generation_prompt=True)
     return _tokenizer_call("the tokenizer could not encode the chat", tokenizer.encode, text, add_special_tokens=False)
+
+
+def message_text(content: str | list, where: str = "content") -> str:
+    """A chat message's text: its string content, or its content parts (OpenAI's ``[{"type": "text", "text": ...}]``,
+    which clients send for text too) joined with newlines, as vLLM joins them. An empty list, or a part of another
+    type (an image, audio: the models here read text only), is a PromptError naming it (``where``: the content's
+    name in the request)."""
+    if isinstance(content, str):
+        return content
+    if not content:
+        raise PromptError(f"{where} is an empty list of parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            shown = repr(kind if isinstance(kind, str) else part)
+            raise PromptError(f"{at} must be a text part {{\"type\": \"text\", \"text\": ...}}, got "
+                              f"{shown if len(shown) <= 80 else shown[:77] + '...'}: the models here read text only", at)
+        if not isinstance(part.get("text"), str):
+            raise PromptError(f"{at} is a text part without a string 'text'", at)
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def _check_unicode(name: str, text: str) -> None:

@@ -151,6 +151,21 @@ def test_a_prompt_whose_preparation_raises_fails_alone(strict_target, bad, cause
     assert engine.all_blocks_free()
 
 
+def test_chat_content_as_text_parts_is_its_text_and_other_parts_fail_alone(strict_target):
+    """OpenAI's content parts through ``generate``: text parts give the reply to their texts joined with newlines;
+    an image part fails that prompt alone, naming the part."""
+    engine = _engine(None, strict_target)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    joined = [{"role": "user", "content": "hello\nthere"}]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    want = engine.generate([joined], params)[0].token_ids
+    outs = engine.generate([parts, image, "fine text"], params)
+    assert outs[0].token_ids == want and want
+    assert outs[1].finish_reason == "error" and "messages[0].content[0] must be a text part" in str(outs[1].error)
+    assert outs[2].error is None and engine.all_blocks_free()
+
+
 # ---------------------------------------------------------------- 6, 7. bounds and messages
 
 

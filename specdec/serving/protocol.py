@@ -77,24 +77,13 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
 
 
 def _message_text(content: str | list, i: int) -> str:
-    """A message's text: its string content, or its content parts (OpenAI's ``[{"type": "text", "text": ...}]``,
-    which clients send for text too) joined with newlines, as vLLM joins them. A part of another type (an image,
-    audio) is a 400 naming it: the models served here read text only."""
-    if isinstance(content, str):
-        return content
-    if not content:
-        raise BadRequest(f"messages[{i}].content", f"messages[{i}].content is an empty list of parts")
-    texts = []
-    for j, part in enumerate(content):
-        where = f"messages[{i}].content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise BadRequest(where, f"{where} must be a text part {{\"type\": \"text\", \"text\": ...}}, got "
-                                    f"{_short(kind if isinstance(kind, str) else part)}: this server reads text only")
-        if not isinstance(part.get("text"), str):
-            raise BadRequest(where, f"{where} is a text part without a string 'text'")
-        texts.append(part["text"])
-    return "\n".join(texts)
+    """``prompts.message_text`` of messages[i]'s content, its PromptError a 400 naming the part at fault."""
+    from specdec.prompts import PromptError, message_text
+
+    try:
+        return message_text(content, f"messages[{i}].content")
+    except PromptError as err:
+        raise BadRequest(err.field, str(err)) from None
 
 
 def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:
