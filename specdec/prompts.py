@@ -102,8 +102,9 @@ def message_text(content: str | list, where: str = "content") -> str:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
             shown = repr(kind if isinstance(kind, str) else part)
-            raise PromptError(f"{at} must be a text part {{\"type\": \"text\", \"text\": ...}}, got "
-                              f"{shown if len(shown) <= 80 else shown[:77] + '...'}: the models here read text only", at)
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise PromptError(f"{at} must be a text part {{\"type\": \"text\", \"text\": ...}}, got {shown}: the "
+                              f"models here read text only", at)
         if not isinstance(part.get("text"), str):
             raise PromptError(f"{at} is a text part without a string 'text'", at)
         texts.append(part["text"])
