@@ -13,6 +13,20 @@ from dataclasses import dataclass
 from specdec.adaptive import BudgetController, BudgetOption, batch_key, budget_options, mean_budget, undominated
 from specdec.graphs import QUERY_BUCKETS, bucket
 
+PAUSE_FACTOR = 3.0  # a timed step this many times its epoch's median is a pause, not what the budget costs
+
+
+def epoch_rate(steps: list[tuple[float, float, int]]) -> float:
+    """Tokens per row-second of an epoch's timed steps, (seconds, tokens, rows) each, leaving out pauses: steps
+    over ``PAUSE_FACTOR`` times the median, which say nothing of the budget (the garbage collector, another
+    process) and in a mean would make it look slow, most of all budget 0, whose figure is one short epoch and the
+    floor every budget is judged against. Steps that cost somewhat more for a reason of the budget's own (a row
+    joining, a lookup on the host) stay in."""
+    median = statistics.median(t for t, _, _ in steps)
+    kept = [s for s in steps if s[0] <= PAUSE_FACTOR * median]
+    seconds, tokens, rows = (sum(col) for col in zip(*kept))
+    return tokens / max(seconds, 1e-9) * len(kept) / max(rows, 1)
+
 
 @dataclass(frozen=True)
 class EpochConfig:
@@ -57,7 +71,7 @@ class _Epochs:
         self.rows = 0  # rows of the step under way
         self.key: tuple[int, bool] = (0, False)  # (batch bucket, all rows greedy)
         self.tokens = self.seconds = 0.0
-        self.step_seconds: list[float] = []  # this epoch's timed steps (for the epoch log's median and longest)
+        self.timed_steps: list[tuple[float, float, int]] = []  # this epoch's timed steps: (seconds, tokens, rows)
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
@@ -68,12 +82,10 @@ class EpochBudget:
     sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is built
     under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user gets
     from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the reads
-    included), averaged over its epochs (budget 0's: its latest epoch). An epoch's rate is its mean tokens per row
-    and step over its median step's seconds: a pause that has nothing to do with the budget (the garbage collector,
-    another process) lands in some epoch, and in a mean it would make that budget look slow, most of all budget 0,
-    whose figure is one short epoch and the floor every budget is judged against. Per row, because a bucket's steps
-    cost the same whatever rows of it are live (their graphs run the whole bucket) while the tokens they commit scale
-    with the rows: an epoch that fell in a batch's tail, with fewer rows, would otherwise make its budget look slow.
+    included), averaged over its epochs (budget 0's: its latest epoch), an epoch's steps without its pauses
+    (``epoch_rate``). Per row, because a bucket's steps cost the same whatever rows of it are live (their graphs run
+    the whole bucket) while the tokens they commit scale with the rows: an epoch that fell in a batch's tail, with
+    fewer rows, would otherwise make its budget look slow.
 
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
     same kind already measured (the full tree when there is none), or lower where that budget's verify of the
@@ -156,7 +168,7 @@ class EpochBudget:
             state.row_steps += state.rows
             state.tokens += tokens
             state.seconds += seconds
-            state.step_seconds.append(seconds)
+            state.timed_steps.append((seconds, tokens, state.rows))
         cfg = self.config
         first = state.rates[state.held] is None  # a first measurement may end sooner
         if state.held == 0:  # plain decoding: one token per row per step, whatever the rows
@@ -171,8 +183,7 @@ class EpochBudget:
 
     def _end_epoch(self, state: _Epochs) -> None:
         cfg, i = self.config, state.held
-        # tokens per row and step over the median step's seconds (a pause in one step does not move it)
-        rate = state.tokens / max(state.row_steps, 1) / max(statistics.median(state.step_seconds), 1e-9)
+        rate = epoch_rate(state.timed_steps)
         old = state.rates[i]
         # budget 0 commits one token per row per step whatever the text, so its epoch measures only what a step
         # costs now: it replaces the earlier figure (a new engine's slower first steps, or the machine's speed of
@@ -181,7 +192,7 @@ class EpochBudget:
         self._log_epoch(state, rate)
         state.steps = state.timed = state.row_steps = 0
         state.tokens = state.seconds = 0.0
-        state.step_seconds = []
+        state.timed_steps = []
         if state.searching:
             nxt = self._next_to_search(state)
             if nxt is not None:
@@ -211,7 +222,7 @@ class EpochBudget:
     def _log_epoch(self, state: _Epochs, rate: float) -> None:
         key = state.key
         phase = "search" if state.searching else "hold" if state.held == state.best else "probe"
-        times = state.step_seconds or [0.0]
+        times = [t for t, _, _ in state.timed_steps] or [0.0]
         self.epochs.append((time.perf_counter(), key[0], key[1], self.options[state.held].nodes, phase, state.steps,
                             state.timed, state.row_steps, state.tokens, state.seconds, rate,
                             statistics.median(times), max(times), self.options[state.best].nodes))
