@@ -124,7 +124,7 @@ def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
 
     from specdec.cli.checks import load
     from specdec.cli.parallel import build_engine, start_tensor_parallel
-    from specdec.serving.executor import Executor
+    from specdec.serving.executor import Executor, freeze_startup_heap
     from specdec.serving.tensor_parallel import StepMirror, follow
 
     code = start_tensor_parallel(args, args.model, args.draft)  # the ranks run this command; None: one of them
@@ -137,6 +137,7 @@ def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
                                                                           target=target)
         engine = build_engine(None if draft == "none" else draft, target, cfg)
         if sock is None:
+            freeze_startup_heap()
             follow(engine)
             return 0
         with Executor(engine, mirror=StepMirror()) as executor:
@@ -190,6 +191,7 @@ def _serve_replicas(cfg, args, sock) -> None:
 def _run_server(executor, args, sock, what: str) -> None:
     import uvicorn
 
+    from specdec.serving.executor import freeze_startup_heap
     from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     name = args.served_model_name or args.model
@@ -198,6 +200,7 @@ def _run_server(executor, args, sock, what: str) -> None:
                     else args.max_request_bytes)
     print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {what}) on http://{args.host}:{args.port}",
           file=sys.stderr)
+    freeze_startup_heap()
     uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
 
 

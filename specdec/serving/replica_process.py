@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.serving.executor import Executor, IterationStats, Load
+from specdec.serving.executor import Executor, IterationStats, Load, freeze_startup_heap
 from specdec.serving.request_streams import Channel, RequestStreams
 
 log = logging.getLogger(__name__)
@@ -267,6 +267,7 @@ def _child_main(recipe: EngineRecipe, inbox, outbox) -> None:
         outbox.put(("failed", traceback.format_exc()))
         return
     engine = executor.engine
+    freeze_startup_heap()
     outbox.put(("ready", ReplicaInfo(str(engine.device), engine.config.block_size, engine.allocator.num_blocks,
                                      os.getpid())))
     executor.add_stats_listener(lambda s: outbox.put(("stats", s)))
