@@ -70,7 +70,6 @@ class _Epochs:
         self.steps = self.timed = self.row_steps = 0  # this epoch's steps, timed steps, and rows in timed steps
         self.rows = 0  # rows of the step under way
         self.key: tuple[int, bool] = (0, False)  # (batch bucket, all rows greedy)
-        self.tokens = self.seconds = 0.0
         self.timed_steps: list[tuple[float, float, int]] = []  # this epoch's timed steps: (seconds, tokens, rows)
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
@@ -166,8 +165,6 @@ class EpochBudget:
         if self.timing_valid and not self._switched:
             state.timed += 1
             state.row_steps += state.rows
-            state.tokens += tokens
-            state.seconds += seconds
             state.timed_steps.append((seconds, tokens, state.rows))
         cfg = self.config
         first = state.rates[state.held] is None  # a first measurement may end sooner
@@ -191,7 +188,6 @@ class EpochBudget:
         state.rates[i] = rate if old is None or i == 0 else old + cfg.alpha * (rate - old)
         self._log_epoch(state, rate)
         state.steps = state.timed = state.row_steps = 0
-        state.tokens = state.seconds = 0.0
         state.timed_steps = []
         if state.searching:
             nxt = self._next_to_search(state)
@@ -220,12 +216,14 @@ class EpochBudget:
             state.since_probe = 0
 
     def _log_epoch(self, state: _Epochs, rate: float) -> None:
-        key = state.key
-        phase = "search" if state.searching else "hold" if state.held == state.best else "probe"
-        times = [t for t, _, _ in state.timed_steps] or [0.0]
-        self.epochs.append((time.perf_counter(), key[0], key[1], self.options[state.held].nodes, phase, state.steps,
-                            state.timed, state.row_steps, state.tokens, state.seconds, rate,
-                            statistics.median(times), max(times), self.options[state.best].nodes))
+        times, tokens, _ = zip(*state.timed_steps)
+        self.epochs.append({
+            "t": time.perf_counter(), "bucket": state.key[0], "greedy": state.key[1],
+            "nodes": self.options[state.held].nodes,
+            "phase": "search" if state.searching else "hold" if state.held == state.best else "probe",
+            "steps": state.steps, "timed": state.timed, "row_steps": state.row_steps, "tokens": sum(tokens),
+            "seconds": sum(times), "rate": rate, "median_step_s": statistics.median(times), "max_step_s": max(times),
+            "best_before": self.options[state.best].nodes})
 
     def epoch_log(self) -> list[dict]:
         """The latest ended epochs, oldest first: when (perf_counter seconds), the bucket and kind, the budget held,
@@ -233,9 +231,7 @@ class EpochBudget:
         in the timed ones, their seconds, the rate it measured (tokens per row-second), its timed steps' median and
         longest seconds, and the best budget when it ended. What the choice was made from, step by step (bench JSON
         records it)."""
-        names = ("t", "bucket", "greedy", "nodes", "phase", "steps", "timed", "row_steps", "tokens", "seconds", "rate",
-                 "median_step_s", "max_step_s", "best_before")
-        return [dict(zip(names, e)) for e in self.epochs]
+        return list(self.epochs)
 
     def _next_to_search(self, state: _Epochs) -> int | None:
         """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured, then

@@ -73,10 +73,7 @@ def chat_ids(messages: list[dict], tokenizer) -> list[int]:
     or a list of text parts (``message_text``)."""
     texts = []
     for i, m in enumerate(messages):
-        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
-            raise PromptError(f"messages[{i}] needs a string 'role' and a 'content' (a string or a list of text "
-                              f"parts)", f"messages[{i}]")
-        texts.append(message_text(m["content"], f"messages[{i}].content"))
+        texts.append(chat_message_text(m, i))
         _check_unicode(f"messages[{i}].role", m["role"])
         _check_unicode(f"messages[{i}].content", texts[-1])
     messages = [m if m["content"] is text else {**m, "content": text} for m, text in zip(messages, texts)]
@@ -85,6 +82,16 @@ def chat_ids(messages: list[dict], tokenizer) -> list[int]:
     text = _tokenizer_call("the chat template refused the messages", tokenizer.apply_chat_template, messages,
                            tokenize=False, add_generation_prompt=True)
     return _tokenizer_call("the tokenizer could not encode the chat", tokenizer.encode, text, add_special_tokens=False)
+
+
+def chat_message_text(message, i: int) -> str:
+    """The text of ``messages[i]`` (``message_text`` of its content), once it is checked to be an object with a
+    string 'role' and a 'content' (a PromptError naming ``messages[i]`` otherwise)."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(
+            message.get("content"), (str, list)):
+        raise PromptError(f"messages[{i}] must be an object with a string 'role' and a 'content' (a string or a list "
+                          f"of text parts)", f"messages[{i}]")
+    return message_text(message["content"], f"messages[{i}].content")
 
 
 def message_text(content: str | list, where: str = "content") -> str:

@@ -141,7 +141,7 @@ def start_ranks(command: list[str], size: int) -> int:
 
     port, threads = _free_port(), str(max(1, cpu_threads() // size))
     procs, logs = [], []
-    stopped = _StopOnSignals(signal.SIGTERM, signal.SIGHUP)
+    stopped, preexec = _StopOnSignals(signal.SIGTERM, signal.SIGHUP), _end_with_parent()
     try:
         for rank in range(size):
             env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
@@ -150,7 +150,7 @@ def start_ranks(command: list[str], size: int) -> int:
             log = tempfile.TemporaryFile("w+") if rank else None
             logs.append(log)
             procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL if rank else None, stderr=log,
-                                          preexec_fn=_end_with_parent()))
+                                          preexec_fn=preexec))
         while True:
             codes = [p.poll() for p in procs]  # (every process polled: a list, not a short-circuiting any())
             if all(c is not None for c in codes) or any(codes):

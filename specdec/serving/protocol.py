@@ -61,29 +61,19 @@ def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> Par
 
 def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
     """A /v1/chat/completions body; ``messages`` is a list of {role, content}, content a string or a list of text
-    parts (``_message_text``)."""
+    parts (``prompts.chat_message_text``, whose PromptError is a 400 naming the message or part at fault)."""
+    from specdec.prompts import PromptError, chat_message_text
+
     _check_fields(body, CHAT_FIELDS, model)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages", "field 'messages' must be a non-empty list of {role, content} objects")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"),
-                                                                                          (str, list)):
-            raise BadRequest(f"messages[{i}]", f"messages[{i}] must be an object with string 'role' and 'content' "
-                                               f"(a string or a list of text parts)")
-    field = _max_tokens_field(body)
-    return _parsed([{"role": m["role"], "content": _message_text(m["content"], i)} for i, m in enumerate(msgs)],
-                   _params(body, default_max_tokens, field), body, field)
-
-
-def _message_text(content: str | list, i: int) -> str:
-    """``prompts.message_text`` of messages[i]'s content, its PromptError a 400 naming the part at fault."""
-    from specdec.prompts import PromptError, message_text
-
     try:
-        return message_text(content, f"messages[{i}].content")
+        messages = [{"role": m["role"], "content": chat_message_text(m, i)} for i, m in enumerate(msgs)]
     except PromptError as err:
         raise BadRequest(err.field, str(err)) from None
+    field = _max_tokens_field(body)
+    return _parsed(messages, _params(body, default_max_tokens, field), body, field)
 
 
 def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:
