@@ -58,6 +58,16 @@ CONFIGS = {
     "ea_s16_b0": ("eagle", {"budget": 0}, 0.7, 16, "mtbench", 32),
     # n-gram held at budget 0: its plain decoding steps against target-only's (to_s64)
     "ng_s64_b0": ("ngram", {"budget": 0}, 0.7, 64, "sharegpt", 96),
+    # T=1.0 at batch 16: the defaults, plain decoding, and the shipped draft held at budget 3 (what its controller
+    # holds there)
+    "to_t16": (None, {}, 1.0, 16, "mtbench", 32),
+    "ea_t16": ("eagle", {}, 1.0, 16, "mtbench", 32),
+    "ea_t16_b0": ("eagle", {"budget": 0}, 1.0, 16, "mtbench", 32),
+    "ea_t16_b3": ("eagle", {"budget": 3}, 1.0, 16, "mtbench", 32),
+    "ng_t16": ("ngram", {}, 1.0, 16, "mtbench", 32),
+    "ng_t16_b0": ("ngram", {"budget": 0}, 1.0, 16, "mtbench", 32),
+    "to_t64": (None, {}, 1.0, 64, "sharegpt", 96),
+    "ng_t64_b0": ("ngram", {"budget": 0}, 1.0, 64, "sharegpt", 96),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt

@@ -13,19 +13,18 @@ from dataclasses import dataclass
 from specdec.adaptive import BudgetController, BudgetOption, batch_key, budget_options, mean_budget, undominated
 from specdec.graphs import QUERY_BUCKETS, bucket
 
-PAUSE_FACTOR = 3.0  # a timed step this many times its epoch's median is a pause, not what the budget costs
-
 
 def epoch_rate(steps: list[tuple[float, float, int]]) -> float:
-    """Tokens per row-second of an epoch's timed steps, (seconds, tokens, rows) each, leaving out pauses: steps
-    over ``PAUSE_FACTOR`` times the median, which say nothing of the budget (the garbage collector, another
-    process) and in a mean would make it look slow, most of all budget 0, whose figure is one short epoch and the
-    floor every budget is judged against. Steps that cost somewhat more for a reason of the budget's own (a row
-    joining, a lookup on the host) stay in."""
-    median = statistics.median(t for t, _, _ in steps)
-    kept = [s for s in steps if s[0] <= PAUSE_FACTOR * median]
-    seconds, tokens, rows = (sum(col) for col in zip(*kept))
-    return tokens / max(seconds, 1e-9) * len(kept) / max(rows, 1)
+    """Tokens per row-second of an epoch's timed steps, (seconds, tokens, rows) each: the tokens its steps committed
+    per row, over its median step's seconds. A budget's steps replay one graph of one shape, so they cost alike and
+    the median is what the budget costs; the steps that cost more for reasons of no budget (the first step after
+    rows joined, which runs without overlap; the garbage collector; another process) are left out, where in a mean
+    one of them among an epoch's 16 steps lowers its figure by 5-15%, most of all budget 0's, whose figure is one
+    short epoch and the floor every budget is judged against. The tokens vary with the text, so they are summed."""
+    seconds = statistics.median(t for t, _, _ in steps)
+    tokens = sum(k for _, k, _ in steps)
+    rows = sum(r for _, _, r in steps)
+    return tokens / max(rows, 1) / max(seconds, 1e-9)
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ class EpochBudget:
     sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is built
     under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user gets
     from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the reads
-    included), averaged over its epochs (budget 0's: its latest epoch), an epoch's steps without its pauses
+    included), averaged over its epochs (budget 0's: its latest epoch), an epoch's cost being its median step
     (``epoch_rate``). Per row, because a bucket's steps cost the same whatever rows of it are live (their graphs run
     the whole bucket) while the tokens they commit scale with the rows: an epoch that fell in a batch's tail, with
     fewer rows, would otherwise make its budget look slow.

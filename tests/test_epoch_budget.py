@@ -270,7 +270,7 @@ def test_the_epoch_log_records_each_epochs_budget_phase_and_rate():
 def test_a_pause_in_one_step_does_not_make_its_budget_look_slow():
     """Plain decoding is the fastest here; one step of its only epoch takes 30 ms (a pause unrelated to the budget,
     such as the garbage collector). Judged by the epoch's mean step it would measure a ninth of its rate and the
-    controller would hold budget 3; without the pause (a step over 3x the epoch's median) it measures its rate and is
+    controller would hold budget 3; by its median step it measures its rate and is
     held."""
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
     rates = {0: 1000.0, 3: 900.0, 7: 800.0, 15: 700.0}
@@ -287,12 +287,16 @@ def test_a_pause_in_one_step_does_not_make_its_budget_look_slow():
     assert ctrl.states[ctrl.key(rows)].rates[0] == pytest.approx(1000.0 / 16)
 
 
-def test_an_epochs_rate_leaves_out_pauses_but_keeps_a_budgets_dearer_steps():
-    """(seconds, tokens, rows) per step, 16 rows: a step 1.5x the others (a row joining) stays in the mean; one 30x
-    the median (a pause) is left out."""
+def test_an_epochs_rate_is_its_tokens_per_row_over_its_median_step():
+    """(seconds, tokens, rows) per step, 16 rows: steps dearer than the median (the first after rows joined, which
+    ran without overlap; a pause) leave the rate as it is, while the tokens of every step count; rows in the tail of
+    a batch count per row."""
     plain = [(1e-3, 16.0, 16)] * 12
     assert epoch_rate(plain) == pytest.approx(1000.0)
-    joins = [(1e-3, 16.0, 16)] * 9 + [(1.5e-3, 16.0, 16)] * 3
-    assert epoch_rate(joins) == pytest.approx(12 / (9e-3 + 4.5e-3))
+    joins = [(1e-3, 16.0, 16)] * 9 + [(2.5e-3, 16.0, 16)] * 3
+    assert epoch_rate(joins) == pytest.approx(1000.0)
     assert epoch_rate(plain + [(30e-3, 16.0, 16)]) == pytest.approx(1000.0)
-    assert epoch_rate([(2e-3, 24.0, 8), (1e-3, 16.0, 16)]) == pytest.approx(40 / 3e-3 * 2 / 24)  # per row
+    varied = [(1e-3, 16.0, 16), (1.1e-3, 32.0, 16), (1.2e-3, 24.0, 16)]  # the text's tokens, a dearer median
+    assert epoch_rate(varied) == pytest.approx(72 / 48 / 1.1e-3)
+    assert epoch_rate([(2e-3, 24.0, 8), (1e-3, 16.0, 16)]) == pytest.approx(40 / 24 / 1.5e-3)  # per row
+    assert epoch_rate([(1e-3, 16.0, 16)] * 3 + [(1.2e-3, 16.0, 16)] * 4) == pytest.approx(1 / 1.2e-3)  # a dearer half
