@@ -60,6 +60,8 @@ CONFIGS = {
     "ng_s64_b0": ("ngram", {"budget": 0}, 0.7, 64, "sharegpt", 96),
     # T=1.0 at batch 16: the defaults, plain decoding, and the shipped draft held at budget 3 (what its controller
     # holds there)
+    "to_t1": (None, {}, 1.0, 1, "mtbench", 6),
+    "ea_t1": ("eagle", {}, 1.0, 1, "mtbench", 6),
     "to_t16": (None, {}, 1.0, 16, "mtbench", 32),
     "ea_t16": ("eagle", {}, 1.0, 16, "mtbench", 32),
     "ea_t16_b0": ("eagle", {"budget": 0}, 1.0, 16, "mtbench", 32),
