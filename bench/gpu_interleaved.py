@@ -67,6 +67,15 @@ ENGINE_SETS = {
                    "eagle_fixed": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
                    "eagle_fixed15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
                    "ngram": {"draft": "ngram"}},
+    # the CUDA defaults against each proposer held at one budget (a tree of that many nodes, no controller): what
+    # each budget gives a user, the figure the controller's choice is judged by
+    "plan_budgets": {"target_only": {"draft": None},
+                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                     "eagle_b3": {"draft": "eagle", "tree": "dynamic:3", "adaptive": False},
+                     "eagle_b7": {"draft": "eagle", "tree": "dynamic:7", "adaptive": False},
+                     "eagle_b15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
+                     "ngram": {"draft": "ngram"},
+                     "ngram_b1": {"draft": "ngram", "tree": "chain:1", "adaptive": False}},
     # n-gram chain:8 with a fixed budget, with the adaptive budget, and without the table shared across requests
     "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
               "ngram_adaptive": {"draft": "ngram", "adaptive": True},

@@ -99,9 +99,9 @@ plan_rounds() {  # plan_rounds NAME TEMPERATURE: ENGINES (default plan) cold and
   ENGINES=${ENGINES:-plan}
   for b in ${BATCHES:-1 16 64}; do
     case $b in
-      1) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t NUM_PROMPTS=24 REPEATS_B1=3 interleaved 150 1 ;;
-      16) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 interleaved 150 16 ;;
-      64) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 PROMPT_SET=sharegpt interleaved 150 64 ;;
+      1) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t NUM_PROMPTS=24 REPEATS_B1=3 interleaved "${PLAN_LIMIT:-150}" 1 ;;
+      16) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 interleaved "${PLAN_LIMIT:-150}" 16 ;;
+      64) COLD=1 ENGINES=$ENGINES TEMPERATURE=$t SCHEDULES=continuous REPEATS=5 PROMPT_SET=sharegpt interleaved "${PLAN_LIMIT:-150}" 64 ;;
     esac
     keep_interleaved "${name}_b$b.log" "${name}_b$b.json"
   done
