@@ -11,16 +11,21 @@ import torch
 
 from specdec.budget_policy import make_controller
 from specdec.defaults import resolve_auto
-from specdec.drafters.base import Drafter, Proposal
+from specdec.drafters.base import Proposal
 from specdec.engine_guard import EngineGuard
 from specdec.engine_setup import (
-    NoDraft,
     as_loaded,
     attention_backend,
     check_same_vocab,
+    device_ngram,
     feature_width,
+    fuse_verify,
+    kv_budget,
     kv_spec,
+    make_drafter,
+    make_pipeline,
     proposer_kind,
+    setup_graphs,
 )
 from specdec.errors import FieldError
 from specdec.fault_isolation import run_isolated
@@ -30,8 +35,6 @@ from specdec.kvcache.pool import KVPool
 from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import resolve_dtype
 from specdec.loading.roles import check_roles
-from specdec.memory_budget import gpu_kv_budget
-from specdec.models.llama import LlamaForCausalLM
 from specdec.outputs import AcceptanceStats, RequestOutput, request_output
 from specdec.plan import resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
@@ -74,15 +77,16 @@ class SpecEngine:
                                  0 if proposer == "none" else cfg.tree_spec.budget)
         plan = self.plan
         specs = [kv_spec(self.target.config)] + ([kv_spec(self.draft.config)] if self.draft else [])
-        budget = None if cfg.num_blocks is not None else self._kv_budget()
+        budget = None if cfg.num_blocks is not None else kv_budget(cfg, self.device, self.target, self.draft)
         self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
                            device=self.device, feature_width=feature_width(self.draft, proposer))
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
         self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
         self.allocator = BlockAllocator(self.pool.num_blocks)
         self.runner = ModelRunner(self.pool, self.tables, backend, self.device)
-        self.drafter = self._make_drafter(draft)
-        self.graph_report = self._setup_graphs(max_blocks)
+        self.drafter = make_drafter(draft, self.draft, cfg, self.device, self.runner, self.target.config.vocab_size)
+        self.graph_report = setup_graphs(self.target, self.draft, self.drafter, self.pool, self.runner, cfg,
+                                         self.device, max_blocks, plan.padded)
         self.adaptive = make_controller(plan.adaptive, self.device, self.drafter, self.runner.graphs,
                                         epochs=plan.budget_epochs)
         self.drafter.pipelined = plan.pipeline  # before the scheduler reads the drafter's lookahead
@@ -95,10 +99,10 @@ class SpecEngine:
             self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
         self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
         if plan.ngram_device:
-            self._device_ngram(max_blocks * cfg.block_size)
+            device_ngram(self.drafter, self.verifier, self.runner, cfg, plan, max_blocks * cfg.block_size)
         if plan.fused_verify:
-            self._fuse_verify()
-        self.pipeline = self._make_pipeline() if plan.pipeline else None
+            fuse_verify(self.drafter, self.verifier, self.adaptive, self.graph_report)
+        self.pipeline = make_pipeline(self.drafter, self.verifier, self.runner, plan) if plan.pipeline else None
         self.proposer = self.pipeline or self.drafter  # propose(rows): adopts a queued step when pipelined
         self.stopper = StopChecker(self.target.tokenizer)
         self.stats = AcceptanceStats()
@@ -110,98 +114,6 @@ class SpecEngine:
             if self.graph_report is not None:
                 self.graph_report.warm_up_seconds = seconds
                 self.graph_report.parts = self.runner.graphs.parts()
-
-    def _device_ngram(self, max_len: int) -> None:
-        """Give the n-gram drafter its device histories and the verifier their follow-up launch
-        (``plan.ngram_device``)."""
-        from specdec.drafters.ngram_device import DeviceNgram
-
-        cfg, drafter = self.config, self.drafter
-        drafter.device_chains = self.verifier.followup = DeviceNgram(
-            self.runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
-            min_rows=self.plan.ngram_min_rows, budget=lambda: drafter.node_budget)
-
-    def _make_pipeline(self):
-        """The overlap of each step's host work with the next step's device work (``plan.pipeline``): one
-        ``StepPipeline`` with the proposer's hook."""
-        from specdec.pipeline import StepPipeline
-        from specdec.pipeline_hooks import ChainAhead, DecodeFollow, EagleAhead
-
-        if self.verifier.followup is None:  # (target-only decoding, and EAGLE's budget-0 steps)
-            self.verifier.followup = DecodeFollow(self.runner)
-        if self.plan.proposer == "eagle":  # (at budget 0 its steps are queued as plain decoding's)
-            hook = EagleAhead(self.drafter, ChainAhead(self.drafter, self.runner, 0, self.verifier.followup))
-        else:  # n-gram chains looked up on the device, or target-only decoding
-            hook = ChainAhead(self.drafter, self.runner, self.drafter.max_nodes, self.verifier.followup)
-        self.verifier.pipeline = StepPipeline(self.runner, self.drafter, self.verifier, hook)
-        return self.verifier.pipeline
-
-    def _fuse_verify(self) -> None:
-        """Verify the EAGLE device program's trees from the device (``fused_step.FusedVerify``, the verifier's), and
-        capture a dynamic program's tree-building graphs at start (``FusedVerify.prepare``) for every budget a step
-        may use, counted in the graph report."""
-        from specdec.fused_step import FusedVerify
-
-        shape = self.drafter.program_shape()
-        if shape is None:
-            return
-        nodes, levels, dynamic = shape
-        self.verifier.fused = fused = FusedVerify(self.verifier, nodes, levels, dynamic)
-        self.drafter.fused_verify = True
-        start = time.perf_counter()
-        budgets = [o.nodes for o in self.adaptive.options] if self.adaptive else [self.drafter.node_budget]
-        n = fused.prepare(budgets)
-        if n and self.graph_report is not None:
-            self.graph_report.graphs += n
-            self.graph_report.seconds += time.perf_counter() - start
-
-    def _kv_budget(self) -> int:
-        if self.config.kv_memory_bytes:
-            return self.config.kv_memory_bytes
-        if self.device.type == "cuda":
-            models = [self.target.model] + ([self.draft.model] if self.draft is not None else [])
-            return gpu_kv_budget(self.config.gpu_memory_utilization, self.device, models)
-        return 256 << 20
-
-    def _make_drafter(self, draft) -> Drafter:
-        spec = self.config.tree_spec
-        if draft == "ngram":
-            from specdec.drafters.ngram import NgramDrafter
-
-            if spec.kind != "chain":
-                raise ValueError(f"the n-gram drafter proposes chains: use tree='chain:K', got {spec}")
-            return NgramDrafter(spec.k, self.config.ngram_max_n, device=self.device, shared=self.config.ngram_shared)
-        if self.draft is None:
-            return NoDraft()
-        from specdec.drafters.model_drafter import ModelDrafter
-        from specdec.models.eagle import EagleDraft
-
-        if isinstance(self.draft.model, EagleDraft):
-            from specdec.drafters.eagle_drafter import EagleDrafter
-
-            return EagleDrafter(self.draft.model, self.runner, spec, self.target.config.vocab_size)
-        return ModelDrafter(self.draft.model, self.runner, spec)
-
-    def _setup_graphs(self, bt_width: int):
-        """Fuse projections and, when enabled, capture the graphed steps (returns the capture report)."""
-        from specdec.graphs import GraphRunner
-
-        for m in (self.target, self.draft):
-            if m is not None and isinstance(m.model, LlamaForCausalLM):
-                m.model.fuse()
-            elif m is not None and hasattr(m.model, "fuse_projections"):  # an EAGLE draft's decoder layer
-                m.model.fuse_projections()
-        if not self.plan.padded:
-            return None
-        models, max_query = {0: self.target.model}, {0: self.drafter.max_nodes + 1}
-        if self.draft is not None:  # a Llama draft or a feature-reading (EAGLE) one, both on pool model 1
-            models[1], max_query[1] = self.draft.model, self.drafter.max_nodes + 1
-        graphs = GraphRunner(models, self.pool, self.runner.backend, self.config.max_batch_size, max_query,
-                             bt_width, self.device, aux_layers=self.drafter.target_features)
-        self.runner.graphs = graphs
-        if hasattr(self.drafter, "enable_device_loop"):
-            self.drafter.enable_device_loop(graphs)
-        return graphs.capture()
 
     def _make_prefix_cache(self):
         from specdec.kvcache.radix_cache import RadixPrefixCache

@@ -1,6 +1,7 @@
 """What ``SpecEngine`` builds from its arguments before its first step: the models loaded and checked against each
-other, the KV layout of each, the attention backend, the plan's proposer kind, and the drafter of target-only
-decoding."""
+other, the KV layout of each and the pool's size, the attention backend, the plan's proposer kind and its drafter
+(``NoDraft`` for target-only decoding), the captured graphs, and the parts the plan wires into the step (the n-gram
+device follow-up, the fused EAGLE verify, the overlap pipeline)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,113 @@ def check_same_vocab(draft: LoadedModel, target: LoadedModel) -> None:
             draft.config.vocab_size, target.config.vocab_size):
         raise ValueError(f"draft {draft.name!r} and target {target.name!r} use different tokenizers; "
                          "speculative decoding needs the same vocabulary")
+
+
+def kv_budget(cfg: SpecConfig, device: torch.device, target: LoadedModel, draft: LoadedModel | None) -> int:
+    """Bytes of KV pool when ``num_blocks`` is not given: ``kv_memory_bytes``, else on CUDA what
+    ``gpu_memory_utilization`` leaves beside the models, else 256 MiB."""
+    if cfg.kv_memory_bytes:
+        return cfg.kv_memory_bytes
+    if device.type == "cuda":
+        from specdec.memory_budget import gpu_kv_budget
+
+        models = [target.model] + ([draft.model] if draft is not None else [])
+        return gpu_kv_budget(cfg.gpu_memory_utilization, device, models)
+    return 256 << 20
+
+
+def make_drafter(draft, loaded: LoadedModel | None, cfg: SpecConfig, device: torch.device, runner,
+                 target_vocab: int) -> Drafter:
+    """The proposer of a ``draft`` argument (``loaded``: the draft model it loaded, if any): n-gram chains, an EAGLE
+    draft, a Llama draft model, or none (``NoDraft``)."""
+    spec = cfg.tree_spec
+    if draft == "ngram":
+        from specdec.drafters.ngram import NgramDrafter
+
+        if spec.kind != "chain":
+            raise ValueError(f"the n-gram drafter proposes chains: use tree='chain:K', got {spec}")
+        return NgramDrafter(spec.k, cfg.ngram_max_n, device=device, shared=cfg.ngram_shared)
+    if loaded is None:
+        return NoDraft()
+    from specdec.drafters.model_drafter import ModelDrafter
+    from specdec.models.eagle import EagleDraft
+
+    if isinstance(loaded.model, EagleDraft):
+        from specdec.drafters.eagle_drafter import EagleDrafter
+
+        return EagleDrafter(loaded.model, runner, spec, target_vocab)
+    return ModelDrafter(loaded.model, runner, spec)
+
+
+def setup_graphs(target: LoadedModel, draft: LoadedModel | None, drafter: Drafter, pool, runner, cfg: SpecConfig,
+                 device: torch.device, bt_width: int, padded: bool):
+    """Fuse the models' projections and, for padded steps (``plan.padded``), capture the graphed steps of every
+    bucket (``graphs.GraphRunner``, which the runner and an EAGLE drafter's device loop replay); returns the
+    capture report, or None."""
+    from specdec.graphs import GraphRunner
+    from specdec.models.llama import LlamaForCausalLM
+
+    for m in (target, draft):
+        if m is not None and isinstance(m.model, LlamaForCausalLM):
+            m.model.fuse()
+        elif m is not None and hasattr(m.model, "fuse_projections"):  # an EAGLE draft's decoder layer
+            m.model.fuse_projections()
+    if not padded:
+        return None
+    models, max_query = {0: target.model}, {0: drafter.max_nodes + 1}
+    if draft is not None:  # a Llama draft or a feature-reading (EAGLE) one, both on pool model 1
+        models[1], max_query[1] = draft.model, drafter.max_nodes + 1
+    graphs = GraphRunner(models, pool, runner.backend, cfg.max_batch_size, max_query, bt_width, device,
+                         aux_layers=drafter.target_features)
+    runner.graphs = graphs
+    if hasattr(drafter, "enable_device_loop"):
+        drafter.enable_device_loop(graphs)
+    return graphs.capture()
+
+
+def device_ngram(drafter, verifier, runner, cfg: SpecConfig, plan, max_len: int) -> None:
+    """Give the n-gram drafter its device histories and the verifier their follow-up launch
+    (``plan.ngram_device``)."""
+    from specdec.drafters.ngram_device import DeviceNgram
+
+    drafter.device_chains = verifier.followup = DeviceNgram(
+        runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
+        min_rows=plan.ngram_min_rows, budget=lambda: drafter.node_budget)
+
+
+def make_pipeline(drafter, verifier, runner, plan):
+    """The overlap of each step's host work with the next step's device work (``plan.pipeline``): one
+    ``StepPipeline`` with the proposer's hook, which the verifier holds."""
+    from specdec.pipeline import StepPipeline
+    from specdec.pipeline_hooks import ChainAhead, DecodeFollow, EagleAhead
+
+    if verifier.followup is None:  # (target-only decoding, and EAGLE's budget-0 steps)
+        verifier.followup = DecodeFollow(runner)
+    if plan.proposer == "eagle":  # (at budget 0 its steps are queued as plain decoding's)
+        hook = EagleAhead(drafter, ChainAhead(drafter, runner, 0, verifier.followup))
+    else:  # n-gram chains looked up on the device, or target-only decoding
+        hook = ChainAhead(drafter, runner, drafter.max_nodes, verifier.followup)
+    verifier.pipeline = StepPipeline(runner, drafter, verifier, hook)
+    return verifier.pipeline
+
+
+def fuse_verify(drafter, verifier, controller, graph_report) -> None:
+    """Verify the EAGLE device program's trees from the device (``fused_step.FusedVerify``, the verifier's), and
+    capture a dynamic program's tree-building graphs at start (``FusedVerify.prepare``) for every budget a step
+    may use (the controller's, else the drafter's one), counted in the graph report."""
+    import time
+
+    from specdec.fused_step import FusedVerify
+
+    shape = drafter.program_shape()
+    if shape is None:
+        return
+    nodes, levels, dynamic = shape
+    verifier.fused = fused = FusedVerify(verifier, nodes, levels, dynamic)
+    drafter.fused_verify = True
+    start = time.perf_counter()
+    budgets = [o.nodes for o in controller.options] if controller else [drafter.node_budget]
+    n = fused.prepare(budgets)
+    if n and graph_report is not None:
+        graph_report.graphs += n
+        graph_report.seconds += time.perf_counter() - start
