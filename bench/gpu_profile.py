@@ -58,8 +58,8 @@ CONFIGS = {
     "ea_s16_b0": ("eagle", {"budget": 0}, 0.7, 16, "mtbench", 32),
     # n-gram held at budget 0: its plain decoding steps against target-only's (to_s64)
     "ng_s64_b0": ("ngram", {"budget": 0}, 0.7, 64, "sharegpt", 96),
-    # T=1.0 at batch 16: the defaults, plain decoding, and the shipped draft held at budget 3 (what its controller
-    # holds there)
+    # T=1.0: the defaults at batch 1 and 16, plain decoding at 16 and 64, and the shipped draft held at budget 3 at
+    # batch 16 (what its controller held there on the H200)
     "to_t1": (None, {}, 1.0, 1, "mtbench", 6),
     "ea_t1": ("eagle", {}, 1.0, 1, "mtbench", 6),
     "to_t16": (None, {}, 1.0, 16, "mtbench", 32),

@@ -66,13 +66,18 @@ class _Epochs:
         self.rates: list[float | None] = [None] * n
         self.held = self.best = start
         self.searching = True
-        self.steps = self.timed = self.row_steps = 0  # this epoch's steps, timed steps, and rows in timed steps
+        self.steps = self.row_steps = 0  # this epoch's steps, and rows in its timed steps
         self.rows = 0  # rows of the step under way
         self.key: tuple[int, bool] = (0, False)  # (batch bucket, all rows greedy)
         self.timed_steps: list[tuple[float, float, int]] = []  # this epoch's timed steps: (seconds, tokens, rows)
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
+
+    @property
+    def timed(self) -> int:
+        """This epoch's timed steps."""
+        return len(self.timed_steps)
 
 
 class EpochBudget:
@@ -162,7 +167,6 @@ class EpochBudget:
         state, tokens = step
         state.steps += 1
         if self.timing_valid and not self._switched:
-            state.timed += 1
             state.row_steps += state.rows
             state.timed_steps.append((seconds, tokens, state.rows))
         cfg = self.config
@@ -186,7 +190,7 @@ class EpochBudget:
         # minutes ago) instead of being averaged with it
         state.rates[i] = rate if old is None or i == 0 else old + cfg.alpha * (rate - old)
         self._log_epoch(state, rate)
-        state.steps = state.timed = state.row_steps = 0
+        state.steps = state.row_steps = 0
         state.timed_steps = []
         if state.searching:
             nxt = self._next_to_search(state)
