@@ -33,9 +33,15 @@ class EpochConfig:
     epoch_steps steps over at least epoch_rows rows in all (a small batch's tokens per step vary with the text, so
     its epochs run longer); hold_epochs: epochs the best budget is held before a neighbour is probed, doubled after
     each probe that leaves the best where it is (up to max_hold_epochs) and reset when the best moves; margin: how
-    much more tokens per second a budget must measure than the one held, and than plain decoding (budget 0), to be
-    held instead; alpha: weight of a new epoch's rate against the budget's earlier ones (budget 0's rate is its
-    latest epoch's: it does not depend on the text); max_epoch_steps: steps after which an epoch ends however few of
+    much more tokens per second a budget must measure than the one held to be held instead; plain_margin: how much
+    more a speculating budget must measure than plain decoding (budget 0) to be held instead of it, in a bucket of
+    more than one row (one row: margin). A speculating batch's rows end at different steps, so a continuous batch
+    admits its next rows a few at a time, each admission a step in which the joining rows decode nothing, and the
+    last rows drain alone, where plain decoding's rows end together and the next ones join at once; a budget's rate
+    counts tokens per live row and does not see that, and on the H100 it promised 6-9% more against plain decoding
+    at batch 16 than the runs gave (bench/RESULTS.md, session 31). window: a budget's rate is the median of its
+    latest window epochs' (one epoch far from the others, slowed by what no budget causes, moves nothing; two
+    agreeing ones do); max_epoch_steps: steps after which an epoch ends however few of
     them were timed (steps that ran a prefill are not); first_row_steps, first_min_steps: a budget's first
     measurement ends early, once it timed first_min_steps steps over first_row_steps rows in all (a large batch's
     step averages over many rows, so a few steps measure it; a new engine's first requests then spend less time on
@@ -50,7 +56,8 @@ class EpochConfig:
     hold_epochs: int = 8
     max_hold_epochs: int = 64
     margin: float = 0.03
-    alpha: float = 0.5
+    plain_margin: float = 0.08
+    window: int = 3
     max_epoch_steps: int = 512
     first_row_steps: int = 192
     first_min_steps: int = 4
@@ -62,8 +69,8 @@ class _Epochs:
     (the incumbent), the epoch under way, each budget's measured rate (tokens per row-second, None until
     measured) and whether the first search is still under way."""
 
-    def __init__(self, n: int, start: int) -> None:
-        self.rates: list[float | None] = [None] * n
+    def __init__(self, n: int, start: int, window: int) -> None:
+        self.history = [deque(maxlen=window) for _ in range(n)]  # each budget's latest epoch rates
         self.held = self.best = start
         self.searching = True
         self.steps = self.row_steps = 0  # this epoch's steps, and rows in its timed steps
@@ -79,13 +86,18 @@ class _Epochs:
         """This epoch's timed steps."""
         return len(self.timed_steps)
 
+    @property
+    def rates(self) -> list[float | None]:
+        """Each budget's rate: the median of its latest epochs' (None until measured)."""
+        return [statistics.median(h) if h else None for h in self.history]
+
 
 class EpochBudget:
     """The node budget of a pipelined engine's steps: for each batch bucket and kind of step (all rows greedy, or some
     sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is built
     under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user gets
     from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the reads
-    included), averaged over its epochs (budget 0's: its latest epoch), an epoch's cost being its median step
+    included), the median of its latest epochs' (``EpochConfig.window``), an epoch's cost being its median step
     (``epoch_rate``). Per row, because a bucket's steps cost the same whatever rows of it are live (their graphs run
     the whole bucket) while the tokens they commit scale with the rows: an epoch that fell in a batch's tail, with
     fewer rows, would otherwise make its budget look slow.
@@ -101,7 +113,8 @@ class EpochBudget:
     is from it, and first: its rate is the floor every budget must beat, and a search measures it once, in one
     short epoch (on a new engine, often in its slowest first steps). The held budget changes only to one measured
     ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
-    beats it by ``margin``, so speculating is not slower than decoding by more than the measurements err. A step
+    beats it by ``plain_margin`` (what a speculating batch's uneven ends cost, which per-row rates do not see), so
+    speculating is not slower than decoding by more than the measurements err. A step
     whose budget differs from the step before it is not timed: the step queued behind the previous verify was built
     under the old budget and is dropped, so that step runs without overlap, a cost of the switch and not of either
     budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface as
@@ -134,7 +147,7 @@ class EpochBudget:
         start = min(seen)[2].best if seen else len(self.options) - 1
         fits = [j for j, o in enumerate(self.options) if j and (o.nodes + 1) * b <= self.config.start_tokens]
         start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
-        state = _Epochs(len(self.options), start)
+        state = _Epochs(len(self.options), start, self.config.window)
         state.key = key
         state.hold = self.config.hold_epochs
         return state
@@ -170,7 +183,7 @@ class EpochBudget:
             state.row_steps += state.rows
             state.timed_steps.append((seconds, tokens, state.rows))
         cfg = self.config
-        first = state.rates[state.held] is None  # a first measurement may end sooner
+        first = not state.history[state.held]  # a first measurement may end sooner
         if state.held == 0:  # plain decoding: one token per row per step, whatever the rows
             done = state.timed >= (min(cfg.first_min_steps, cfg.epoch_steps) if first else cfg.epoch_steps)
         else:
@@ -182,13 +195,9 @@ class EpochBudget:
             state.steps = 0
 
     def _end_epoch(self, state: _Epochs) -> None:
-        cfg, i = self.config, state.held
+        cfg = self.config
         rate = epoch_rate(state.timed_steps)
-        old = state.rates[i]
-        # budget 0 commits one token per row per step whatever the text, so its epoch measures only what a step
-        # costs now: it replaces the earlier figure (a new engine's slower first steps, or the machine's speed of
-        # minutes ago) instead of being averaged with it
-        state.rates[i] = rate if old is None or i == 0 else old + cfg.alpha * (rate - old)
+        state.history[state.held].append(rate)
         self._log_epoch(state, rate)
         state.steps = state.row_steps = 0
         state.timed_steps = []
@@ -246,13 +255,14 @@ class EpochBudget:
 
     def _best(self, state: _Epochs) -> int:
         """The budget to hold: the fastest measured, unless it is within ``margin`` of the incumbent (then the
-        incumbent) or of budget 0 (then 0)."""
-        rates, margin = state.rates, self.config.margin
+        incumbent) or within ``plain_margin`` of budget 0 (then 0; ``margin`` in a bucket of one row)."""
+        rates, cfg = state.rates, self.config
         known = [j for j, r in enumerate(rates) if r is not None]
         pick = max(known, key=rates.__getitem__)
-        if rates[state.best] is not None and rates[pick] <= rates[state.best] * (1 + margin):
+        if rates[state.best] is not None and rates[pick] <= rates[state.best] * (1 + cfg.margin):
             pick = state.best
-        if rates[0] is not None and rates[pick] <= rates[0] * (1 + margin):
+        plain = cfg.plain_margin if state.key[0] > 1 else cfg.margin
+        if rates[0] is not None and rates[pick] <= rates[0] * (1 + plain):
             return 0
         return pick
 
