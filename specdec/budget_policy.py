@@ -105,10 +105,10 @@ class EpochBudget:
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
     same kind already measured when that bucket is smaller (else at the full tree), or lower where that budget's
     verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens, then measures the
-    neighbours of the best
-    budget so far, below first, until the best has no unmeasured neighbour, and budget 0 (plain decoding, the floor
-    every budget is judged against; one short epoch) if the search did not reach it; other budgets far from the best
-    (the full tree at a large batch, small trees at batch 1) are never paid for. Then the best is held, and a
+    neighbours of the best budget so far, below first, until the best has no unmeasured neighbour, and budget 0
+    (plain decoding, the floor every budget is judged against; one short epoch) if the search did not reach it;
+    other budgets far from the best (the full tree at a large batch, small trees at batch 1) are never paid for.
+    Then the best is held, and a
     neighbour is probed every ``hold`` epochs (budget 0, above and below in turn; ``hold`` doubles while probes
     change nothing), so a change in acceptance or cost moves the choice. Budget 0 is probed however far the best
     is from it, and first: its rate is the floor every budget must beat, and a search measures it once, in one
