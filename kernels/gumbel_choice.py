@@ -18,9 +18,8 @@ The kernel (``choose_tokens_triton``): one program per row walks the vocabulary 
 (``gumbel_noise.gumbel_at``), and keeps a running (best score, first column) per lane, reduced at the end to the
 lowest column among the lanes holding the maximum. With a kept set, a block holding no kept token is only read:
 under top-p the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in. Without a
-kept set, when the rows are too few to fill the GPU (``gumbel_splits``), the pass over every token is split:
-S programs per row each write the best score of a chunk of columns, its first column and its largest logit, and
-one program per row reduces them (the best score, among equal ones the lowest column), the same token.
+kept set, when the rows are too few to fill the GPU, the pass over every token is split over several programs per
+row (``kernels.gumbel_split``), the same token.
 
 ``choose_filtered_triton`` is the choice over kept sets that the sampled rule runs: since a kept set is a prefix
 of its row in rank order, the unfiltered choice is the answer whenever it is kept, and checking that takes one
@@ -29,11 +28,23 @@ pass; the kept set itself (``kernels.nucleus``) is computed only for the rows wh
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
-from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor, grid_processors, next_pow2
+from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
 from specdec.kernels.gumbel_noise import check_row_keys, gumbel_at, gumbel_noise, row_noise_key
+from specdec.kernels.gumbel_split import (
+    NO_INDEX,
+    SPLIT_BLOCK,
+    SPLIT_WARPS,
+    argmax_lanes,
+    first_best,
+    gumbel_max_partials,
+    gumbel_max_range,
+    pick_tokens,
+    reduce_partials,
+    split_count,
+)
 from specdec.kernels.nucleus import (
     RULE_FLOATS,
     RULE_INTS,
@@ -50,13 +61,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from specdec.row_sampling import RowSampling
 
-_NO_INDEX = 2**31 - 1
 DEFAULT_BLOCK = 2048  # with 16 warps: the fastest launch measured on the H200 (bench/gpu_sampling_kernels.py)
-# the split pass 1's programs: smaller than a row's program so that more fit on an SM at once, and about this many
-# per SM in all; guesses, not measured on a GPU yet (bench/bench_kernels.py::test_split_choice)
-SPLIT_BLOCK = 1024
-SPLIT_WARPS = 4
-SPLIT_PROGRAMS_PER_SM = 4
 
 
 def choose_tokens_reference(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
@@ -119,8 +124,8 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
                 best = tl.where(better, score, best)
                 best_i = tl.where(better, cols, best_i)
     else:  # greedy: x itself
-        best, best_i = _argmax_lanes(x_row, 0, n_cols, BLOCK, NO_INDEX)
-    first = _first_best(best, best_i, NO_INDEX)  # a row where no lane improved on -inf chooses column 0
+        best, best_i = argmax_lanes(x_row, 0, n_cols, BLOCK, NO_INDEX)
+    first = first_best(best, best_i, NO_INDEX)  # a row where no lane improved on -inf chooses column 0
     first = tl.where(first == NO_INDEX, 0, first).to(tl.int64)
     if SKIP:
         tl.store(out_ptr + row, first, mask=tl.load(skip_ptr + row) == 0)
@@ -136,19 +141,19 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
                             HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr,
                             SPLIT: tl.constexpr):
     # SPLIT > 1 (a power of two >= n_split): pass 1 (the unfiltered choice and the largest logit) is not walked
-    # here but reduced from the n_split partials ``_gumbel_max_partials_kernel`` wrote for the row
+    # here but reduced from the n_split partials ``gumbel_split.gumbel_max_partials`` wrote for the row
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     t = tl.load(t_ptr + row * stride_t).to(tl.float64)
     lanes = tl.arange(0, BLOCK)
     state = 1  # 0: a candidate to check, 1: chosen, 2: left to the kept-set kernels
     if SPLIT > 1:
-        c, xmax = _reduce_partials(part_best_ptr, part_first_ptr, part_xmax_ptr, row, n_split, SPLIT, NO_INDEX)
+        c, xmax = reduce_partials(part_best_ptr, part_first_ptr, part_xmax_ptr, row, n_split, SPLIT, NO_INDEX)
     if t > 0:
         sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
         if SPLIT == 1:  # the Gumbel-max over every token, and the largest logit
-            best, best_i, xmax = _gumbel_max_range(x_row, t, sub0, sub1, 0, n_cols, BLOCK, NO_INDEX)
-            c = _first_best(best, best_i, NO_INDEX)
+            best, best_i, xmax = gumbel_max_range(x_row, t, sub0, sub1, 0, n_cols, BLOCK, NO_INDEX)
+            c = first_best(best, best_i, NO_INDEX)
         k, nucleus, top_p, min_p = row_filter(k_ptr, p_ptr, min_p_ptr, row // rows_per_param, stride_k, stride_p,
                                               stride_min_p, n_cols, HAS_MIN_P)
         filtered = (k < n_cols) | nucleus | (min_p > 0)
@@ -185,168 +190,30 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
             kept = (count < k) & by_p & (e_c >= min_p)
             # under top-k and top-p both, top-p's mass is a share of the top k's, which this pass does not sum
             unsure = kept & (k < n_cols) & nucleus
-            nxt = _first_best(best, best_i, NO_INDEX)
+            nxt = first_best(best, best_i, NO_INDEX)
             rounds += 1
             state = tl.where(unsure | ((kept == 0) & (nxt != NO_INDEX) & (rounds >= max_rounds)), 2,
                              tl.where(kept | (nxt == NO_INDEX), 1, 0))
             c = tl.where(kept, c, tl.where(nxt == NO_INDEX, 0, nxt))  # none left: every score -inf, column 0
     else:  # greedy: x itself
         if SPLIT == 1:
-            best, best_i = _argmax_lanes(x_row, 0, n_cols, BLOCK, NO_INDEX)
-            c = _first_best(best, best_i, NO_INDEX)
+            best, best_i = argmax_lanes(x_row, 0, n_cols, BLOCK, NO_INDEX)
+            c = first_best(best, best_i, NO_INDEX)
         c = tl.where(c == NO_INDEX, 0, c)
     tl.store(out_ptr + row, c.to(tl.int64), mask=state == 1)
     tl.store(done_ptr + row, (state == 1).to(tl.int32))
-
-
-@triton.jit
-def _gumbel_max_partials_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, best_ptr, first_ptr, xmax_ptr, n_cols,
-                                chunk, stride_x, stride_t, stride_key0, stride_key1, stride_pos,
-                                BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
-    # program (row, s) walks columns [s chunk, (s + 1) chunk) of its row as the one-program pass 1 walks them all,
-    # and writes at (row, s) of the (R, S) partials its best score (x itself on a greedy row), the first column
-    # holding it (NO_INDEX: none beat -inf) and its largest x (-inf on a greedy row, which does not read it)
-    row = tl.program_id(0).to(tl.int64)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, n_cols)
-    x_row = x_ptr + row * stride_x
-    t = tl.load(t_ptr + row * stride_t).to(tl.float64)
-    xmax = tl.full((), float("-inf"), tl.float32)
-    if t > 0:
-        sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
-        best, best_i, xmax = _gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK, NO_INDEX)
-    else:
-        best, best_i = _argmax_lanes(x_row, lo, hi, BLOCK, NO_INDEX)
-    at = row * tl.num_programs(1) + tl.program_id(1)
-    tl.store(best_ptr + at, tl.max(best, axis=0))
-    tl.store(first_ptr + at, _first_best(best, best_i, NO_INDEX))
-    tl.store(xmax_ptr + at, xmax)
-
-
-@triton.jit
-def _pick_kernel(best_ptr, first_ptr, xmax_ptr, out_ptr, n_split, SPLIT: tl.constexpr, NO_INDEX: tl.constexpr):
-    # one program per row: its token from the partials of ``_gumbel_max_partials_kernel`` (none: column 0)
-    row = tl.program_id(0).to(tl.int64)
-    c, _ = _reduce_partials(best_ptr, first_ptr, xmax_ptr, row, n_split, SPLIT, NO_INDEX)
-    tl.store(out_ptr + row, tl.where(c == NO_INDEX, 0, c).to(tl.int64))
-
-
-@triton.jit
-def _reduce_partials(best_ptr, first_ptr, xmax_ptr, row, n_split, SPLIT: tl.constexpr, NO_INDEX: tl.constexpr):
-    """A row's pass 1 from its n_split partials (SPLIT a power of two >= n_split): the first column holding the best
-    score (NO_INDEX when none beat -inf; each partial's column is its chunk's first, so the lowest of them is the
-    row's first) and the largest x."""
-    s = tl.arange(0, SPLIT)
-    ok = s < n_split
-    at = row * n_split + s
-    best = tl.load(best_ptr + at, mask=ok, other=float("-inf"))
-    first = tl.load(first_ptr + at, mask=ok, other=NO_INDEX)
-    xmax = tl.max(tl.load(xmax_ptr + at, mask=ok, other=float("-inf")), axis=0)
-    return _first_best(best, first, NO_INDEX), xmax
-
-
-@triton.jit
-def _gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
-    """Per lane, the best x / t + G (float64) of a sampled row's columns [lo, hi) it reads and its first column;
-    and the largest x (float32) of those columns."""
-    best = tl.full([BLOCK], float("-inf"), tl.float64)
-    best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
-    xmax = tl.full((), float("-inf"), tl.float32)
-    for start in range(lo, hi, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < hi
-        x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        xmax = tl.maximum(xmax, tl.max(x, axis=0))
-        score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
-        better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
-        best = tl.where(better, score, best)
-        best_i = tl.where(better, cols, best_i)
-    return best, best_i, xmax
-
-
-@triton.jit
-def _argmax_lanes(x_row, lo, hi, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
-    """Per lane, the largest x (float64) of the row's columns [lo, hi) it reads and its first column (a greedy
-    row)."""
-    best = tl.full([BLOCK], float("-inf"), tl.float64)
-    best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
-    for start in range(lo, hi, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < hi
-        x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
-        better = (x > best) & ok
-        best = tl.where(better, x, best)
-        best_i = tl.where(better, cols, best_i)
-    return best, best_i
-
-
-@triton.jit
-def _first_best(best, best_i, NO_INDEX: tl.constexpr):
-    """The first column holding the lanes' best score (NO_INDEX when no lane improved on -inf)."""
-    top = tl.max(best, axis=0)
-    return tl.min(tl.where((best == top) & (best_i != NO_INDEX), best_i, NO_INDEX), axis=0)
 
 
 def _check_choice_args(rows: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
                        block: int) -> None:
     """The checks of a token choice's arguments past the logits' dtype and layout: rows (R, V)."""
     r, v = rows.shape
-    if not 1 <= v < _NO_INDEX:
-        raise ValueError(f"x must have 1 .. {_NO_INDEX - 1} columns, got {v}")
+    if not 1 <= v < NO_INDEX:
+        raise ValueError(f"x must have 1 .. {NO_INDEX - 1} columns, got {v}")
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
     check_tensor("temperature", temperature, shape=(r,), dtypes=(*FLOAT_DTYPES, torch.float64), device=rows.device)
     check_row_keys(key0, key1, position, r, rows.device)
-
-
-def gumbel_splits(rows: int, n_cols: int, block: int, device: torch.device) -> int:
-    """The programs per row that a choice's pass over every token is split over: enough for the rows to make
-    ``SPLIT_PROGRAMS_PER_SM`` programs per SM, at most one per ``block`` columns; 1 (the one-kernel path) once the
-    rows alone are that many. Known on the host from the shapes and the device: a CUDA graph can capture it."""
-    return max(1, min(SPLIT_PROGRAMS_PER_SM * grid_processors(device) // max(rows, 1), triton.cdiv(n_cols, block)))
-
-
-class GumbelPartials(NamedTuple):
-    """Pass 1 split over S programs per row: per (row, program) the best score of its chunk of columns (float64,
-    -inf when none beat it), the first column holding it (int32, ``_NO_INDEX`` when none) and the largest x
-    (float32; -inf on greedy rows)."""
-
-    best: Tensor  # (R, S) float64
-    first: Tensor  # (R, S) int32
-    xmax: Tensor  # (R, S) float32
-
-    @property
-    def split(self) -> int:
-        """The kernels' SPLIT: a power of two >= S, > 1."""
-        return max(2, next_pow2(self.best.shape[1]))
-
-
-def _split_count(splits: int | None, rows: Tensor, split_block: int) -> int:
-    """``splits`` checked (None: ``gumbel_splits``'s), for rows (R, V)."""
-    if split_block < 16 or split_block & (split_block - 1):
-        raise ValueError(f"split_block must be a power of two >= 16, got {split_block}")
-    if splits is None:
-        return gumbel_splits(rows.shape[0], rows.shape[1], split_block, rows.device)
-    if splits < 1:
-        raise ValueError(f"splits must be >= 1 or None, got {splits}")
-    return splits
-
-
-def _gumbel_max_partials(rows: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
-                         splits: int, block: int, num_warps: int) -> GumbelPartials:
-    """Pass 1 of rows (R, V) (checked) over ``splits`` > 1 programs per row, chunks a multiple of ``block``
-    columns (fewer programs where the chunks would leave some empty)."""
-    r, v = rows.shape
-    chunk = triton.cdiv(triton.cdiv(v, block), splits) * block
-    s = triton.cdiv(v, chunk)
-    parts = GumbelPartials(torch.empty((r, s), dtype=torch.float64, device=rows.device),
-                           torch.empty((r, s), dtype=torch.int32, device=rows.device),
-                           torch.empty((r, s), dtype=torch.float32, device=rows.device))
-    check_launchable(_gumbel_max_partials_kernel, rows.device)
-    _gumbel_max_partials_kernel[(r, s)](rows, temperature, key0, key1, position, *parts, v, chunk, rows.stride(0),
-                                        temperature.stride(0), key0.stride(0), key1.stride(0), position.stride(0),
-                                        BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=num_warps)
-    return parts
 
 
 def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Tensor, position: Tensor,
@@ -362,7 +229,7 @@ def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
     rows (instead of ``kept``; the same choices as kept = ``nucleus_probs(...) > 0``, with no (R, V) row written or
     read). ``skip`` (R,) int32 with ``out`` (R,) int64: rows flagged nonzero keep their entry of ``out`` (chosen
     already), the others' choices are written into it. ``splits``: the programs per row of the choice without kept
-    set, rule or skip (None: ``gumbel_splits``; 1: one program per row, one launch), each over a chunk of
+    set, rule or skip (None: ``gumbel_split.gumbel_splits``; 1: one program per row, one launch), each over a chunk of
     ``split_block`` columns at a time with ``split_warps`` warps, then one per row picks the token."""
     check_tensor("x", x, shape=(None, None), dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
     check_launchable(_choose_kernel, x.device)
@@ -385,17 +252,16 @@ def choose_tokens_triton(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
     plain = kept is None and rule is None and skip is None
     if splits is not None and splits > 1 and not plain:
         raise ValueError(f"splits must be None or 1 with kept, rule or skip, got {splits}")
-    s = _split_count(splits, x, split_block) if plain else 1
+    s = split_count(splits, x, split_block) if plain else 1
     if r and s > 1:
-        parts = _gumbel_max_partials(x, temperature, key0, key1, position, s, split_block, split_warps)
-        _pick_kernel[(r,)](*parts, out, parts.best.shape[1], SPLIT=parts.split, NO_INDEX=_NO_INDEX)
+        pick_tokens(gumbel_max_partials(x, temperature, key0, key1, position, s, split_block, split_warps), out)
     elif r:
         ints, floats = (x, x) if rule is None else (rule.ints.contiguous(), rule.floats.contiguous())
         _choose_kernel[(r,)](x, temperature, key0, key1, position, x if kept is None else kept, ints, floats,
                              x if skip is None else skip, out, v, x.stride(0), 0 if kept is None else kept.stride(0),
                              temperature.stride(0), key0.stride(0), key1.stride(0), position.stride(0),
                              HAS_KEPT=kept is not None, HAS_RULE=rule is not None, SKIP=skip is not None,
-                             BLOCK=block, NO_INDEX=_NO_INDEX, num_warps=num_warps)
+                             BLOCK=block, NO_INDEX=NO_INDEX, num_warps=num_warps)
     return out
 
 
@@ -445,21 +311,21 @@ def filtered_choice_pass(x: Tensor, temperature: Tensor, key0: Tensor, key1: Ten
     _check_choice_args(rows, temperature, key0, key1, position, block)
     if max_rounds < 1:
         raise ValueError(f"max_rounds must be >= 1, got {max_rounds}")
-    s = _split_count(splits, rows, split_block)
+    s = split_count(splits, rows, split_block)
     out = torch.empty(r, dtype=torch.int64, device=x.device)
     done = torch.empty(r, dtype=torch.int32, device=x.device)
     if r:
         min_p = sampling.min_p
         parts, n_split, split = (rows, rows, rows), 1, 1  # (SPLIT 1: the kernel walks pass 1 itself)
         if s > 1:
-            parts = _gumbel_max_partials(rows, temperature, key0, key1, position, s, split_block, split_warps)
+            parts = gumbel_max_partials(rows, temperature, key0, key1, position, s, split_block, split_warps)
             n_split, split = parts.best.shape[1], parts.split
         _filtered_choice_kernel[(r,)](
             rows, temperature, key0, key1, position, sampling.top_k, sampling.top_p,
             sampling.top_p if min_p is None else min_p, out, done, *parts, n_split, v, r // x.shape[0], max_rounds,
             rows.stride(0), temperature.stride(0), key0.stride(0), key1.stride(0), position.stride(0),
             sampling.top_k.stride(0), sampling.top_p.stride(0), 0 if min_p is None else min_p.stride(0),
-            HAS_MIN_P=min_p is not None, BLOCK=block, NO_INDEX=_NO_INDEX, SPLIT=split, num_warps=num_warps)
+            HAS_MIN_P=min_p is not None, BLOCK=block, NO_INDEX=NO_INDEX, SPLIT=split, num_warps=num_warps)
     return out, done
 
 

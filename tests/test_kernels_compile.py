@@ -55,7 +55,8 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from specdec.kernels.gumbel_choice import _filtered_choice_kernel, _gumbel_max_partials_kernel, _pick_kernel
+from specdec.kernels.gumbel_choice import _filtered_choice_kernel
+from specdec.kernels.gumbel_split import _gumbel_max_partials_kernel, _pick_kernel
 
 def build(fn, sig, consts, warps):
     src = ASTSource(fn=fn, signature={**sig, **{name: "constexpr" for name in consts}}, constexprs=consts)

@@ -15,7 +15,6 @@ from specdec.kernels.gumbel_choice import (  # noqa: E402
     choose_tokens,
     choose_tokens_reference,
     choose_tokens_triton,
-    gumbel_splits,
 )
 from specdec.kernels.gumbel_noise import (  # noqa: E402
     children_scores,
@@ -24,6 +23,7 @@ from specdec.kernels.gumbel_noise import (  # noqa: E402
     gumbel_noise,
     gumbel_noise_triton,
 )
+from specdec.kernels.gumbel_split import gumbel_splits  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INF, NAN = float("inf"), float("nan")
