@@ -41,7 +41,9 @@ class EpochConfig:
     counts tokens per live row and does not see that, and on the H100 it promised 6-9% more against plain decoding
     at batch 16 than the runs gave (bench/RESULTS.md, session 31). window: a budget's rate is the median of its
     latest window epochs' (one epoch far from the others, slowed by what no budget causes, moves nothing; two
-    agreeing ones do); max_epoch_steps: steps after which an epoch ends however few of
+    agreeing ones do); plain_reach: budget 0 is probed (once it has window epochs) only while the best measures
+    less than this much more than it (a probe of plain decoding where the best is far ahead costs a whole epoch at
+    its rate and moves nothing); max_epoch_steps: steps after which an epoch ends however few of
     them were timed (steps that ran a prefill are not); first_row_steps, first_min_steps: a budget's first
     measurement ends early, once it timed first_min_steps steps over first_row_steps rows in all (a large batch's
     step averages over many rows, so a few steps measure it; a new engine's first requests then spend less time on
@@ -57,6 +59,7 @@ class EpochConfig:
     max_hold_epochs: int = 64
     margin: float = 0.03
     plain_margin: float = 0.08
+    plain_reach: float = 0.25
     window: int = 3
     max_epoch_steps: int = 512
     first_row_steps: int = 192
@@ -111,8 +114,9 @@ class EpochBudget:
     Then the best is held, and a
     neighbour is probed every ``hold`` epochs (budget 0, above and below in turn; ``hold`` doubles while probes
     change nothing), so a change in acceptance or cost moves the choice. Budget 0 is probed however far the best
-    is from it, and first: its rate is the floor every budget must beat, and a search measures it once, in one
-    short epoch (on a new engine, often in its slowest first steps). The held budget changes only to one measured
+    is from it, and first, until it has ``window`` epochs: its rate is the floor every budget must beat, and a
+    search measures it once, in one short epoch (on a new engine, often in its slowest first steps); then only
+    while it is in reach of the best (``plain_reach``). The held budget changes only to one measured
     ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
     beats it by ``plain_margin`` (what a speculating batch's uneven ends cost, which per-row rates do not see), so
     speculating is not slower than decoding by more than the measurements err. A step
@@ -224,12 +228,21 @@ class EpochBudget:
             return
         state.since_probe += 1
         if state.since_probe >= state.hold:  # probe budget 0, then the best's neighbours above and below, in turn
-            turn = [0] if state.best > 1 else []  # (else 0 is a neighbour, or the best)
+            turn = [0] if state.best > 1 and self._plain_in_reach(state) else []  # (else a neighbour, or the best)
             turn += [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
             if turn:
                 state.held = turn[state.probes % len(turn)]
                 state.probes += 1
             state.since_probe = 0
+
+    def _plain_in_reach(self, state: _Epochs) -> bool:
+        """Whether a probe of budget 0 could move the choice: it has fewer than ``window`` epochs, or the best
+        measures less than ``plain_reach`` more than it. Budget 0 commits one token per row per step whatever the
+        text, so what would bring it back in reach is a fall of the best's own rate, which its epochs measure while
+        it is held."""
+        rates = state.rates
+        return (len(state.history[0]) < self.config.window
+                or rates[state.best] <= rates[0] * (1 + self.config.plain_reach))
 
     def _log_epoch(self, state: _Epochs, rate: float) -> None:
         times, tokens, _ = zip(*state.timed_steps)
