@@ -106,7 +106,7 @@ class EpochBudget:
     fewer rows, would otherwise make its budget look slow.
 
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
-    same kind already measured when that bucket is smaller (else at the full tree), or lower where that budget's
+    same kind already measured (one option larger per halving of the batch), or lower where that budget's
     verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens, then measures the
     neighbours of the best budget so far, below first, until the best has no unmeasured neighbour, and budget 0
     (plain decoding, the floor every budget is judged against; one short epoch) if the search did not reach it;
@@ -143,16 +143,19 @@ class EpochBudget:
         return batch_key(len(rows)), all(r.params.greedy for r in rows)
 
     def _new_state(self, key: tuple[int, bool]) -> _Epochs:
-        """A bucket's state, its search starting at the best budget of the nearest measured bucket of its kind when
-        that bucket is smaller, else at the full tree (a batch's best budget is no smaller at fewer rows: a smaller
-        bucket is most often a batch's tail, whose last rows then run the trees they run fastest, its few steps
-        rarely finishing a search), or lower: at no budget whose verify of the bucket's rows holds more than
-        ``EpochConfig.start_tokens`` tokens (the smallest speculating budget when every one does)."""
+        """A bucket's state, its search starting from the best budget of the nearest measured bucket of its kind (the
+        full tree when there is none), one option larger for each halving of the batch when that bucket is larger (a
+        batch's best budget grows as its rows fall, and the options about double: a smaller bucket is most often a
+        batch's tail, whose few steps rarely finish a search, so its last rows run larger trees from the start), or
+        lower: at no budget whose verify of the bucket's rows holds more than ``EpochConfig.start_tokens`` tokens
+        (the smallest speculating budget when every one does)."""
         b, kind = key
         seen = [(abs(math.log(b / ob)), ob, s) for (ob, okind), s in self.states.items()
                 if okind == kind and any(r is not None for r in s.rates)]
-        _, near, nearest = min(seen) if seen else (0.0, b, None)
-        start = nearest.best if nearest is not None and near < b else len(self.options) - 1
+        start = len(self.options) - 1
+        if seen:
+            _, near, nearest = min(seen)
+            start = min(start, nearest.best + max(0, round(math.log2(near / b))))
         fits = [j for j, o in enumerate(self.options) if j and (o.nodes + 1) * b <= self.config.start_tokens]
         start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
         state = _Epochs(len(self.options), start, self.config.window)

@@ -110,17 +110,19 @@ def test_the_incumbent_is_kept_unless_beaten_by_the_margin():
         assert seq[:12] == [15] * 3 + [7] * 3 + [3] * 3 + [0] * 3 and set(seq[12:]) == {want}
 
 
-def test_a_new_bucket_starts_from_the_nearest_smaller_measured_bucket_of_its_kind():
+def test_a_new_bucket_starts_from_the_nearest_measured_bucket_of_its_kind():
     """Bucket 16 settles on 3; bucket 32 then starts at 3 and measures only its neighbours (0, then 7): the full
-    tree, slow at large batches, is never run there. Bucket 8, smaller than every measured bucket (a batch's tail),
-    starts at the full tree. Sampled steps start their own search from the full tree."""
+    tree, slow at large batches, is never run there. Smaller buckets (a batch's tail) start one option larger per
+    halving of the batch: 8 at 7, 2 at 15 (the full tree; from 8's 7 had 8 been measured). Sampled steps start their
+    own search from the full tree."""
     ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=100, start_tokens=1 << 20))
     rates = {0: 1000.0, 3: 1500.0, 7: 1400.0, 15: 1000.0}
     run(ctrl, rows_of(16), rates.__getitem__, 12)
     assert held(ctrl, rows_of(16)) == 3
     seq = run(ctrl, rows_of(32), rates.__getitem__, 9 + 10)
     assert seq[:9] == [3] * 3 + [0] * 3 + [7] * 3 and set(seq[9:]) == {3}
-    assert run(ctrl, rows_of(8), rates.__getitem__, 2) == [15, 15]
+    assert run(ctrl, rows_of(8), rates.__getitem__, 2) == [7, 7]
+    assert run(ctrl, rows_of(2), rates.__getitem__, 2) == [15, 15]
     assert run(ctrl, rows_of(32, greedy=False), rates.__getitem__, 2) == [15, 15]
 
 
