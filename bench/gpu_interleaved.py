@@ -123,6 +123,12 @@ def _epoch_log(engine) -> list[dict]:
     return epochs() if epochs else []
 
 
+def _slot_use(split: dict, tokens: int, batch: int, mal: float) -> float:
+    """The share of a round's row-slots (its steps x the batch) that committed at the engine's mean accepted
+    length: what the drain, admissions and prefill steps leave of it (target-only decoding in waves: ~1)."""
+    return tokens / max(1.0, (split["decode_steps"] + split["prefill_steps"]) * batch * max(mal, 1.0))
+
+
 def _epoch_summary(epochs: list[dict]) -> str:
     """Per bucket and kind: steps in each phase (search, hold, probe), and each budget's epochs as count x median
     rate (tokens per row-second) [median of the epochs' median step ms]: whether plain decoding's figure, the floor
@@ -351,7 +357,8 @@ def main() -> None:
                         f"{1e3 * sp['decode_s'] / max(sp['decode_steps'], 1):.2f} ms each, {sp['prefill_steps']} "
                         f"prefill steps {1e3 * sp['prefill_s'] / max(sp['prefill_steps'], 1):.2f} ms each, "
                         f"{sp['outside_s']:.3f} s outside steps, adopted {sp.get('adopted')} dropped "
-                        f"{sp.get('dropped')} joined {sp.get('joined')}")
+                        f"{sp.get('dropped')} joined {sp.get('joined')}; row-slots committing "
+                        f"{_slot_use(sp, len(prompts) * params.max_new_tokens, b, e['mean_accepted_length']):.0%}")
             for n, e in entry.items():
                 if e["budget_rates"]:
                     log(f"interleaved {key}: {n} tokens per row-second by budget (held first) {e['budget_rates']}")

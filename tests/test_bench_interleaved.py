@@ -55,6 +55,17 @@ def test_the_epoch_summary_gives_each_buckets_phases_and_each_budgets_rates():
         "3: 1x 500 [1.90 ms]")
 
 
+def test_row_slot_use_is_the_tokens_over_steps_times_batch_times_mal():
+    """Target-only in lockstep (80 prompts x 128 tokens at batch 16: 640 decode steps and 5 waves' prefills) uses
+    its row-slots but for the prefill steps; a speculating run whose steps commit 24 tokens over 16 rows at MAL 1.67
+    uses 90% of them (the rest: its drain and admissions)."""
+    bench = importlib.import_module("bench.gpu_interleaved")
+    lockstep = {"decode_steps": 640, "prefill_steps": 5}
+    assert bench._slot_use(lockstep, 80 * 128, 16, 1.0) == pytest.approx(640 / 645)
+    speculating = {"decode_steps": 400, "prefill_steps": 27}
+    assert bench._slot_use(speculating, 427 * 24, 16, 1.67) == pytest.approx(24 / 16 / 1.67)
+
+
 def test_triton_compiles_are_named_through_the_post_compile_hook(monkeypatch):
     """The bench's compile log chains Triton's post-compile hook: a compile appends the kernel's name and calls the
     hook that was there before."""
