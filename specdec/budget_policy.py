@@ -106,7 +106,8 @@ class EpochBudget:
     fewer rows, would otherwise make its budget look slow.
 
     A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
-    same kind already measured (one option larger per halving of the batch), or lower where that budget's
+    same kind already measured (one option larger per halving of the batch when that bucket is larger; the full
+    tree when there is none), or lower where that budget's
     verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens, then measures the
     neighbours of the best budget so far, below first, until the best has no unmeasured neighbour, and budget 0
     (plain decoding, the floor every budget is judged against; one short epoch) if the search did not reach it;
