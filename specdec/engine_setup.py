@@ -5,6 +5,8 @@ device follow-up, the fused EAGLE verify, the overlap pipeline)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.config import ModelConfig
@@ -179,8 +181,6 @@ def fuse_verify(drafter, verifier, controller, graph_report) -> None:
     """Verify the EAGLE device program's trees from the device (``fused_step.FusedVerify``, the verifier's), and
     capture a dynamic program's tree-building graphs at start (``FusedVerify.prepare``) for every budget a step
     may use (the controller's, else the drafter's one), counted in the graph report."""
-    import time
-
     from specdec.fused_step import FusedVerify
 
     shape = drafter.program_shape()
