@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from bisect import bisect_left
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -14,17 +15,16 @@ from specdec.adaptive import BudgetController, BudgetOption, batch_key, budget_o
 from specdec.graphs import QUERY_BUCKETS, bucket
 
 
-def epoch_rate(steps: list[tuple[float, float, int]]) -> float:
-    """Tokens per row-second of an epoch's timed steps, (seconds, tokens, rows) each: the tokens its steps committed
-    per row, over its median step's seconds. A budget's steps replay one graph of one shape, so they cost alike and
-    the median is what the budget costs; the steps that cost more for reasons of no budget (the first step after
-    rows joined, which runs without overlap; the garbage collector; another process) are left out, where in a mean
-    one of them among an epoch's 16 steps lowers its figure by 5-15%, most of all budget 0's, whose figure is one
-    short epoch and the floor every budget is judged against. The tokens vary with the text, so they are summed."""
-    seconds = statistics.median(t for t, _, _ in steps)
-    tokens = sum(k for _, k, _ in steps)
-    rows = sum(r for _, _, r in steps)
-    return tokens / max(rows, 1) / max(seconds, 1e-9)
+def step_tokens(results, budgets: list[int]) -> list[int]:
+    """Tokens a step's rows committed, and would have committed under each smaller budget: for each of ``budgets``
+    (node counts, up to the step's own), its rows plus the accepted nodes that budget keeps. A proposal under a
+    smaller budget is the same proposal cut to its nodes of rank below that budget (a chain's first tokens, a static
+    tree's first levels, a dynamic tree's best nodes; ``VerifyResult.ranks``, else the node's index), and every
+    token the verify chooses is the target's own (its argmax, or its draw with the request's keyed noise), whatever
+    was proposed: so a smaller budget's path is this path up to its first node that budget does not keep, and the
+    counts are exact, on the same text as the step's own."""
+    ranks = sorted(x for r in results for x in (r.accepted_nodes if r.ranks is None else r.ranks))
+    return [len(results) + bisect_left(ranks, n) for n in budgets]
 
 
 @dataclass(frozen=True)
@@ -39,19 +39,21 @@ class EpochConfig:
     admits its next rows a few at a time, each admission a step in which the joining rows decode nothing, and the
     last rows drain alone, where plain decoding's rows end together and the next ones join at once; a budget's rate
     counts tokens per live row and does not see that, and on the H100 it promised 6-9% more against plain decoding
-    at batch 16 than the runs gave (bench/RESULTS.md, session 31). window: a budget's rate is the median of its
-    latest window epochs' (one epoch far from the others, slowed by what no budget causes, moves nothing; two
-    agreeing ones do); plain_reach: budget 0 is probed (once it has window epochs) only while the best measures
-    less than this much more than it (a probe of plain decoding where the best is far ahead costs a whole epoch at
-    its rate and moves nothing); max_epoch_steps: steps after which an epoch ends however few of
-    them were timed (steps that ran a prefill are not); first_row_steps, first_min_steps: a budget's first
-    measurement ends early, once it timed first_min_steps steps over first_row_steps rows in all (a large batch's
-    step averages over many rows, so a few steps measure it; a new engine's first requests then spend less time on
-    budgets it will not hold). Budget 0 commits exactly one token per row per step whatever the text, so its epochs
-    need no rows: epoch_steps timed steps (its first, first_min_steps if fewer). start_tokens: a bucket's search
-    starts at no budget whose verify of the bucket's rows holds more tokens than this (the optima measured on the
-    H200, bench/RESULTS.md session 21: the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's
-    first steps at a large batch do not pay for the full tree."""
+    at batch 16 than the runs gave (bench/RESULTS.md, session 31). window: the latest epochs of each budget kept
+    (its step cost is the least of their median steps: what slows a step is never the budget's doing when another
+    epoch of it ran faster; its token counts are summed); plain_reach: budget 0 is probed (once it has window
+    epochs) only while the best measures less than this much more than it (a probe of plain decoding where the best
+    is far ahead costs a whole epoch and moves nothing); cost_slack: a search re-measures, once, a budget whose step
+    measured more than this much dearer than a larger budget's (a smaller verify costs no more: something else slowed
+    that epoch); max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that ran a
+    prefill are not); first_row_steps, first_min_steps: the search's first epoch ends early, once it timed
+    first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few
+    steps measure it; a new engine's first requests then spend less time on budgets it will not hold); a budget whose
+    tokens a larger one's epochs already counted (every budget below the search's start) needs only its step cost:
+    its first epoch is first_min_steps timed steps. start_tokens: a bucket's search starts at no budget whose verify
+    of the bucket's rows holds more tokens than this (the optima measured on the H200, bench/RESULTS.md session 21:
+    the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's first steps at a large batch do not
+    pay for the full tree."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -61,6 +63,7 @@ class EpochConfig:
     plain_margin: float = 0.08
     plain_reach: float = 0.25
     window: int = 3
+    cost_slack: float = 0.05
     max_epoch_steps: int = 512
     first_row_steps: int = 192
     first_min_steps: int = 4
@@ -69,17 +72,20 @@ class EpochConfig:
 
 class _Epochs:
     """One (batch bucket, kind) of ``EpochBudget``: the budget held (an index into the options), the best one
-    (the incumbent), the epoch under way, each budget's measured rate (tokens per row-second, None until
-    measured) and whether the first search is still under way."""
+    (the incumbent), the epoch under way, each budget's latest epochs (their median steps, and their token counts:
+    rows, then tokens under each budget up to the one held) and whether the first search is still under way."""
 
     def __init__(self, n: int, start: int, window: int) -> None:
-        self.history = [deque(maxlen=window) for _ in range(n)]  # each budget's latest epoch rates
-        self.held = self.best = start
+        self.costs = [deque(maxlen=window) for _ in range(n)]  # each budget's latest epochs' median step seconds
+        self.counts = [deque(maxlen=window) for _ in range(n)]  # its latest epochs' [rows, tokens under 0..budget]
+        self.held = self.best = self.start = start
         self.searching = True
+        self.remeasured: set[int] = set()  # budgets the search measured again (``EpochConfig.cost_slack``)
         self.steps = self.row_steps = 0  # this epoch's steps, and rows in its timed steps
         self.rows = 0  # rows of the step under way
         self.key: tuple[int, bool] = (0, False)  # (batch bucket, all rows greedy)
-        self.timed_steps: list[tuple[float, float, int]] = []  # this epoch's timed steps: (seconds, tokens, rows)
+        self.times: list[float] = []  # this epoch's timed steps' seconds
+        self.tokens = [0] * n  # this epoch's timed steps' tokens under each budget up to the one held
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
@@ -87,12 +93,35 @@ class _Epochs:
     @property
     def timed(self) -> int:
         """This epoch's timed steps."""
-        return len(self.timed_steps)
+        return len(self.times)
 
-    @property
+    def cost(self, j: int) -> float | None:
+        """Budget j's step seconds: the least median step of its latest epochs, and no more than a larger budget's
+        (a larger verify costs no less); None until measured."""
+        if not self.costs[j]:
+            return None
+        return min(min(c) for c in self.costs[j:] if c)
+
+    def ratio(self, j: int, b: int) -> float | None:
+        """Tokens budget j commits over those budget b commits, counted on the same steps: every kept epoch of a
+        budget at least as large as both; None when none is."""
+        num = den = 0
+        for h in range(max(j, b), len(self.counts)):
+            for c in self.counts[h]:
+                num, den = num + c[1 + j], den + c[1 + b]
+        return num / den if den else None
+
     def rates(self) -> list[float | None]:
-        """Each budget's rate: the median of its latest epochs' (None until measured)."""
-        return [statistics.median(h) if h else None for h in self.history]
+        """Each budget's tokens per row-second on the text of the best's latest epochs: its tokens relative to the
+        best's on the same steps, the best's tokens per row there, over its own step cost (None until both are
+        known)."""
+        b = self.best
+        per_row = self.ratio(b, 0)  # the best's tokens per row (budget 0's tokens are the rows)
+        out: list[float | None] = []
+        for j in range(len(self.costs)):
+            r, c = self.ratio(j, b), self.cost(j)
+            out.append(None if r is None or c is None or not per_row else r * per_row / c)
+        return out
 
 
 class EpochBudget:
@@ -100,41 +129,42 @@ class EpochBudget:
     sampled), one budget held for epochs of steps, so that the step queued on the device behind each verify is built
     under the budget the next step uses (a change of budget drops it). Each budget is judged by what a user gets
     from it: tokens committed per row per wall second of whole engine steps (host work, the overlap and the reads
-    included), the median of its latest epochs' (``EpochConfig.window``), an epoch's cost being its median step
-    (``epoch_rate``). Per row, because a bucket's steps cost the same whatever rows of it are live (their graphs run
-    the whole bucket) while the tokens they commit scale with the rows: an epoch that fell in a batch's tail, with
-    fewer rows, would otherwise make its budget look slow.
+    included). The two parts are measured apart. Its step cost: an epoch's median step (steps that cost more for
+    reasons of no budget, such as the first after rows joined, the garbage collector or another process, are left
+    out), the least of its latest ``EpochConfig.window`` epochs'. Its tokens: counted on the same steps as every
+    budget it is compared with (``step_tokens``: a step under budget h also says what each budget below h would have
+    committed), so the text, whose acceptance moves the tokens per row by 20% from one epoch to the next, cancels
+    out of every comparison; a budget above the one held is compared through its own epochs, which count the held
+    one's tokens too. Per row, because a bucket's steps cost the same whatever rows of it are live (their graphs run
+    the whole bucket) while the tokens they commit scale with the rows.
 
-    A bucket's first budgets are found by a local search: it starts at the best budget of the nearest bucket of the
-    same kind already measured (one option larger per halving of the batch when that bucket is larger; the full
-    tree when there is none), or lower where that budget's
-    verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens, then measures the
-    neighbours of the best budget so far, below first, until the best has no unmeasured neighbour, and budget 0
-    (plain decoding, the floor every budget is judged against; one short epoch) if the search did not reach it;
-    other budgets far from the best (the full tree at a large batch, small trees at batch 1) are never paid for.
-    Then the best is held, and a
-    neighbour is probed every ``hold`` epochs (budget 0, above and below in turn; ``hold`` doubles while probes
-    change nothing), so a change in acceptance or cost moves the choice. Budget 0 is probed however far the best
-    is from it, and first, until it has ``window`` epochs: its rate is the floor every budget must beat, and a
-    search measures it once, in one short epoch (on a new engine, often in its slowest first steps); then only
-    while it is in reach of the best (``plain_reach``). The held budget changes only to one measured
-    ``margin`` faster (measurement noise does not flip it), and budget 0 (plain decoding) is chosen unless the best
-    beats it by ``plain_margin`` (what a speculating batch's uneven ends cost, which per-row rates do not see), so
-    speculating is not slower than decoding by more than the measurements err. A step
-    whose budget differs from the step before it is not timed: the step queued behind the previous verify was built
-    under the old budget and is dropped, so that step runs without overlap, a cost of the switch and not of either
-    budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface as
-    ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+    A bucket's search starts at the best budget of the nearest bucket of the same kind already measured (one option
+    larger per halving of the batch when that bucket is larger; the full tree when there is none), or lower where
+    that budget's verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens. Its first
+    epoch counts the tokens of every budget below it, so each of those needs only a short epoch for its step cost
+    (down to budget 0, plain decoding, the floor every budget is judged against); a budget measured dearer than a
+    larger one is measured once more; then the budgets above the start, while the largest measured is the best.
+    Then the best is held, and a neighbour is probed every ``hold`` epochs (budget 0, above and below in turn;
+    ``hold`` doubles while probes change nothing), so a change in acceptance or cost moves the choice. Budget 0 is
+    probed, first, until it has ``window`` epochs, then only while it is in reach of the best (``plain_reach``). The
+    held budget changes only to one measured ``margin`` faster (measurement noise does not flip it), and budget 0
+    (plain decoding) is chosen unless the best beats it by ``plain_margin`` (what a speculating batch's uneven ends
+    cost, which per-row rates do not see), so speculating is not slower than decoding by more than the measurements
+    err. A step whose budget differs from the step before it is not timed: the step queued behind the previous
+    verify was built under the old budget and is dropped, so that step runs without overlap, a cost of the switch
+    and not of either budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface
+    as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
     def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
         self.config = config or EpochConfig()
         self.options = sorted(options)
         if not self.options or self.options[0].nodes != 0:
             raise ValueError("EpochBudget needs budget 0 (plain decoding) among its options")
+        self._nodes = [o.nodes for o in self.options]
         self.states: dict[tuple[int, bool], _Epochs] = {}
         self.chosen: Counter = Counter()  # (rows, nodes) -> steps
         self.timing_valid = True  # False: this step ran a prefill, so its wall time is not the budget's
-        self._step: tuple[_Epochs, int] | None = None  # the last speculate's state and tokens committed
+        self._step: tuple[_Epochs, list[int]] | None = None  # the last speculate's state and ``step_tokens``
         self._last_nodes: int | None = None  # the budget of the step before
         self._switched = False  # this step's budget differs from the step before's: its queued step was dropped
         self.epochs: deque = deque(maxlen=4096)  # the latest ended epochs (``epoch_log``)
@@ -152,7 +182,7 @@ class EpochBudget:
         (the smallest speculating budget when every one does)."""
         b, kind = key
         seen = [(abs(math.log(b / ob)), ob, s) for (ob, okind), s in self.states.items()
-                if okind == kind and any(r is not None for r in s.rates)]
+                if okind == kind and any(s.costs)]
         start = len(self.options) - 1
         if seen:
             _, near, nearest = min(seen)
@@ -170,18 +200,19 @@ class EpochBudget:
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = self._new_state(key)
-        nodes = self.options[state.held].nodes
+        nodes = self._nodes[state.held]
         state.rows = len(rows)
         self._switched, self._last_nodes = nodes != self._last_nodes, nodes
         self.chosen[(len(rows), nodes)] += 1
-        self._step = (state, 0)
+        self._step = (state, [])
         return nodes
 
     def speculate(self, rows: list, proposer, verifier) -> list:
         """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
         proposer.budget = self.choose(rows)
         results = verifier.verify_proposal(rows, proposer.propose(rows))
-        self._step = (self._step[0], sum(len(r.accepted_nodes) + 1 for r in results))
+        state = self._step[0]
+        self._step = (state, step_tokens(results, self._nodes[:state.held + 1]))
         return results
 
     def observe_step(self, seconds: float) -> None:
@@ -191,28 +222,33 @@ class EpochBudget:
             return
         state, tokens = step
         state.steps += 1
-        if self.timing_valid and not self._switched:
+        if self.timing_valid and not self._switched and tokens:
             state.row_steps += state.rows
-            state.timed_steps.append((seconds, tokens, state.rows))
+            state.times.append(seconds)
+            for j, t in enumerate(tokens):
+                state.tokens[j] += t
         cfg = self.config
-        first = not state.history[state.held]  # a first measurement may end sooner
-        if state.held == 0:  # plain decoding: one token per row per step, whatever the rows
-            done = state.timed >= (min(cfg.first_min_steps, cfg.epoch_steps) if first else cfg.epoch_steps)
+        h = state.held
+        if h == 0 or (state.searching and any(state.counts[h + 1:])):  # its tokens are known: its cost is measured
+            short = state.searching or not state.costs[h]  # (budget 0 commits one token per row per step)
+            done = state.timed >= (min(cfg.first_min_steps, cfg.epoch_steps) if short else cfg.epoch_steps)
         else:
             done = state.timed >= cfg.epoch_steps and state.row_steps >= cfg.epoch_rows
-            done = done or (first and state.timed >= cfg.first_min_steps and state.row_steps >= cfg.first_row_steps)
+            done = done or (not state.costs[h] and state.timed >= cfg.first_min_steps
+                            and state.row_steps >= cfg.first_row_steps)
         if done or (state.steps >= cfg.max_epoch_steps and state.timed):
             self._end_epoch(state)
         elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
             state.steps = 0
 
     def _end_epoch(self, state: _Epochs) -> None:
-        cfg = self.config
-        rate = epoch_rate(state.timed_steps)
-        state.history[state.held].append(rate)
-        self._log_epoch(state, rate)
+        cfg, h = self.config, state.held
+        state.costs[h].append(statistics.median(state.times))
+        state.counts[h].append([state.row_steps, *state.tokens[:h + 1]])
+        self._log_epoch(state)
         state.steps = state.row_steps = 0
-        state.timed_steps = []
+        state.times = []
+        state.tokens = [0] * len(self.options)
         if state.searching:
             nxt = self._next_to_search(state)
             if nxt is not None:
@@ -242,43 +278,59 @@ class EpochBudget:
     def _plain_in_reach(self, state: _Epochs) -> bool:
         """Whether a probe of budget 0 could move the choice: it has fewer than ``window`` epochs, or the best
         measures less than ``plain_reach`` more than it. Budget 0 commits one token per row per step whatever the
-        text, so what would bring it back in reach is a fall of the best's own rate, which its epochs measure while
-        it is held."""
-        rates = state.rates
-        return (len(state.history[0]) < self.config.window
+        text, and its tokens are counted on the best's own steps, so what would bring it back in reach is a change in
+        the step costs, which its probes measure."""
+        rates = state.rates()
+        return (len(state.costs[0]) < self.config.window or rates[state.best] is None or rates[0] is None
                 or rates[state.best] <= rates[0] * (1 + self.config.plain_reach))
 
-    def _log_epoch(self, state: _Epochs, rate: float) -> None:
-        times, tokens, _ = zip(*state.timed_steps)
+    def _log_epoch(self, state: _Epochs) -> None:
+        h = state.held
+        median = state.costs[h][-1]
         self.epochs.append({
-            "t": time.perf_counter(), "bucket": state.key[0], "greedy": state.key[1],
-            "nodes": self.options[state.held].nodes,
-            "phase": "search" if state.searching else "hold" if state.held == state.best else "probe",
-            "steps": state.steps, "timed": state.timed, "row_steps": state.row_steps, "tokens": sum(tokens),
-            "seconds": sum(times), "rate": rate, "median_step_s": statistics.median(times), "max_step_s": max(times),
-            "best_before": self.options[state.best].nodes})
+            "t": time.perf_counter(), "bucket": state.key[0], "greedy": state.key[1], "nodes": self._nodes[h],
+            "phase": "search" if state.searching else "hold" if h == state.best else "probe",
+            "steps": state.steps, "timed": state.timed, "row_steps": state.row_steps, "tokens": state.tokens[h],
+            "seconds": sum(state.times), "rate": state.tokens[h] / max(state.row_steps, 1) / max(median, 1e-9),
+            "median_step_s": median, "max_step_s": max(state.times), "best_before": self._nodes[state.best]})
 
     def epoch_log(self) -> list[dict]:
         """The latest ended epochs, oldest first: when (perf_counter seconds), the bucket and kind, the budget held,
         why (the first ``search``, ``hold`` of the best, or a ``probe``), its steps and timed steps, rows and tokens
-        in the timed ones, their seconds, the rate it measured (tokens per row-second), its timed steps' median and
-        longest seconds, and the best budget when it ended. What the choice was made from, step by step (bench JSON
-        records it)."""
+        in the timed ones, their seconds, its rate (tokens per row over its median step), its timed steps' median
+        and longest seconds, and the best budget when it ended. What the choice was made from, step by step (bench
+        JSON records it)."""
         return list(self.epochs)
 
     def _next_to_search(self, state: _Epochs) -> int | None:
-        """The search's next budget: an unmeasured neighbour (below first) of the fastest budget measured, then
-        budget 0 if it is still unmeasured."""
-        rates = state.rates
-        top = max((j for j, r in enumerate(rates) if r is not None), key=rates.__getitem__)
-        near = (j for j in (top - 1, top + 1) if 0 <= j < len(rates) and rates[j] is None)
-        return next(near, 0 if rates[0] is None else None)
+        """The search's next budget: the largest one below the start not measured yet, else one measured dearer
+        than a larger budget by more than ``cost_slack`` (once each), else the one above the largest measured while
+        that is the best; None when the search is done."""
+        costs = [min(c) if c else None for c in state.costs]
+        below = [j for j in range(state.start, -1, -1) if costs[j] is None]
+        if below:
+            return below[0]
+        slack = 1 + self.config.cost_slack
+        for j, c in enumerate(costs):
+            larger = [k for k in costs[j + 1:] if k is not None]
+            if c is not None and j not in state.remeasured and larger and c > min(larger) * slack:
+                state.remeasured.add(j)
+                return j
+        top = max(j for j, c in enumerate(costs) if c is not None)
+        if top + 1 < len(self.options):
+            rates = state.rates()
+            known = [j for j, r in enumerate(rates) if r is not None]
+            if known and max(known, key=rates.__getitem__) == top:
+                return top + 1
+        return None
 
     def _best(self, state: _Epochs) -> int:
         """The budget to hold: the fastest measured, unless it is within ``margin`` of the incumbent (then the
         incumbent) or within ``plain_margin`` of budget 0 (then 0; ``margin`` in a bucket of one row)."""
-        rates, cfg = state.rates, self.config
+        rates, cfg = state.rates(), self.config
         known = [j for j, r in enumerate(rates) if r is not None]
+        if not known:
+            return state.best
         pick = max(known, key=rates.__getitem__)
         if rates[state.best] is not None and rates[pick] <= rates[state.best] * (1 + cfg.margin):
             pick = state.best
@@ -292,12 +344,12 @@ class EpochBudget:
         return mean_budget(self.chosen, rows, since)
 
     def measured(self) -> dict[str, dict[int, float]]:
-        """Each bucket's measured rates, 'b<bucket> greedy|sampled' -> {nodes: tokens per row-second}, the
-        budget held first: what the choice was made from (bench JSON records it)."""
+        """Each bucket's rates (``_Epochs.rates``), 'b<bucket> greedy|sampled' -> {nodes: tokens per row-second},
+        the budget held first: what the choice was made from (bench JSON records it)."""
         out = {}
         for (b, greedy), state in sorted(self.states.items()):
-            rates = {self.options[j].nodes: round(r, 1) for j, r in enumerate(state.rates) if r is not None}
-            held = self.options[state.held].nodes
+            rates = {self._nodes[j]: round(r, 1) for j, r in enumerate(state.rates()) if r is not None}
+            held = self._nodes[state.held]
             out[f"b{b} {'greedy' if greedy else 'sampled'}"] = {held: rates.get(held), **rates}
         return out
 

@@ -42,6 +42,7 @@ class FusedOutcome(NamedTuple):
     tokens: np.ndarray  # (R, n) the kept trees' node tokens (every tree has n nodes)
     max_depth: np.ndarray  # (R,) node levels below the root of each tree (``DraftTree.max_depth``)
     kv_moved: bool = False  # the accepted paths' KV already moved on the device (``pipeline_hooks.advance``)
+    ranks: np.ndarray | None = None  # (R, n) a dynamic tree's nodes' score ranks (``tree_writer.kept_ranks``)
 
 
 class FusedTrees(Sequence):
@@ -177,10 +178,11 @@ class FusedVerify:
         return self.runner.forward_packed(key, reqs, packed, [n + 1] * len(reqs), on_device=write, bt_rows=bt)
 
     def launch_program(self, key, reqs: list, out: Tensor, n: int, bt=None) -> tuple[ForwardResult, Tensor, Tensor,
-                                                                                     Tensor]:
+                                                                                     Tensor, Tensor]:
         """``launch`` of the trees a dynamic program's output ``out`` (R, 3, N) keeps under budget ``n``
         (``best_nodes_on_device``), built on the device by ``self.writer``; also returns the kept trees' tokens
-        and parents (R, min(n, N)) and max depths (R, 1), device tensors the verify does not overwrite."""
+        and parents (R, min(n, N)), max depths (R, 1) and score ranks (R, min(n, N)), device tensors the verify
+        does not overwrite."""
         k = min(n, out.shape[2])
         bt = self._tables(reqs, bt)
         packed = verify_skeleton(reqs, k, key[2], bt, self.runner.pool.block_size)
@@ -194,40 +196,41 @@ class FusedVerify:
         return fwd, *built[0]
 
     def relaunch(self, key, r: int, out: Tensor, n: int) -> tuple[ForwardResult, Tensor, Tensor | None,
-                                                                   Tensor | None]:
+                                                                   Tensor | None, Tensor | None]:
         """The verify of bucket ``key`` over the first ``r`` rows' trees that the program's output ``out`` (r, ...)
         keeps under budget ``n``, its skeleton already on the device (``pipeline_hooks.advance``): the kept trees are
         written into the inputs and the forward replays. Returns its result, the kept tokens and parents ((r, k)
-        device; parents None for a static template, whose shape the skeleton already holds) and the trees'
-        max depths ((r, 1); None for a static template)."""
+        device; parents None for a static template, whose shape the skeleton already holds), the trees'
+        max depths ((r, 1)) and the kept nodes' score ranks ((r, k)); both None for a static template, whose
+        budgets keep its first nodes (a node's index is its rank)."""
         b, q = key[1], key[2]
         views = self.runner.graphs.inputs.views(b, q)
         if self.dynamic:
-            tokens, parents, top = self.writer(views, b, q, out, n)
+            tokens, parents, top, ranks = self.writer(views, b, q, out, n)
         else:
-            tokens, parents, top = out[:, :min(n, out.shape[1])].clone(), None, None
+            tokens, parents, top, ranks = out[:, :min(n, out.shape[1])].clone(), None, None, None
             write_trees(views, b, q, tokens, None, self.levels)
         self.steps += 1
         k = tokens.shape[1]
         fwd = self.runner._graphed_result(self.runner.graphs.replay(key), q, [k + 1] * r, ["all"] * r)
-        return fwd, tokens, parents, top
+        return fwd, tokens, parents, top, ranks
 
     def launch_draft(self, draft: DeviceDraft) -> tuple[ForwardResult, Tensor, Tensor | tuple[int, ...],
-                                                        Tensor | None]:
+                                                        Tensor | None, Tensor | None]:
         """The verify of the trees ``draft`` keeps: its result, their tokens (R, k) and parents ((R, k) on the
-        device, or the static template's first k) and max depths ((R, 1); None for a static template), device
-        tensors the verify does not overwrite."""
+        device, or the static template's first k), max depths ((R, 1)) and score ranks ((R, k); both None for a
+        static template), device tensors the verify does not overwrite."""
         k = min(draft.n, draft.out.shape[-1])
         if draft.bt is None:  # queued behind the step before: the skeleton is already on the device
-            fwd, tokens, parents, top = self.relaunch(draft.key, len(draft.reqs), draft.out, draft.n)
+            fwd, tokens, parents, top, ranks = self.relaunch(draft.key, len(draft.reqs), draft.out, draft.n)
         elif draft.parents is None:
-            fwd, tokens, parents, top = self.launch_program(draft.key, draft.reqs, draft.out, draft.n, draft.bt)
+            fwd, tokens, parents, top, ranks = self.launch_program(draft.key, draft.reqs, draft.out, draft.n, draft.bt)
         else:
             # the program's output lives in the graphs' shared memory pool, where the verify graph's own
             # intermediates may reuse it: the kept trees are copied out before the verify replays
-            tokens, parents, top = draft.out[:, :k].clone(), draft.parents[:k], None
+            tokens, parents, top, ranks = draft.out[:, :k].clone(), draft.parents[:k], None, None
             fwd = self.launch(draft.key, draft.reqs, tokens, parents, draft.bt)
-        return fwd, tokens, draft.parents[:k] if parents is None else parents, top
+        return fwd, tokens, draft.parents[:k] if parents is None else parents, top, ranks
 
     def outcome(self, key, reqs: list, fwd: ForwardResult, k: int) -> Tensor:
         """(B, Q + 3) outcome of the fused verify ``fwd`` of bucket ``key`` whose trees have ``k`` nodes each:

@@ -118,7 +118,8 @@ class QueuedStep:
     node budget ``n``, forward result ``fwd`` (device outputs, valid until the bucket's next verify), ``outcome``
     (R', C) on the device ([m, bonus, path..., finite] per row, then any follow-up columns: what the read returns
     and what a successor is built from) and ``wait() -> (R, C)`` its read. ``trees``: an EAGLE step's kept trees
-    on the device (tokens, parents, max depths; ``DeviceDraft.launched``), ``draft``: its ``DeviceDraft``.
+    on the device (tokens, parents, max depths, score ranks; ``FusedVerify.launch_draft``), ``draft``: its
+    ``DeviceDraft``.
     ``lengths`` (R,): each row's length once the step before is committed (set by ``assume``);
     ``sel``: adopted by some of its rows, each adopting row's row here (None: all, in order)."""
 

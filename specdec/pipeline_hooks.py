@@ -82,7 +82,7 @@ class EagleAhead:
         if bt is None:
             runner.sync_tables(every)
             bt = runner.tables.host_rows([req.bt_row for req in every])
-        tokens, parents, _ = step.trees
+        tokens, parents = step.trees[:2]
         offsets = None if not isinstance(parents, tuple) else node_offsets(parents, runner.device)
         inputs, pool, bs, k = runner.graphs.inputs, runner.pool, runner.pool.block_size, tokens.shape[1]
         vv, pv, feats, pfeats = inputs.views(b, q), loop.inputs.views(b, loop.q), step.fwd.features.table, loop.features

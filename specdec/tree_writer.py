@@ -36,9 +36,10 @@ class TreeWriter:
         self.capture = device.type == "cuda" if capture is None else capture
         self.graphs = graphs if graphs is not None else GraphCache("tree writer", device)  # (b, q, n) ->
 
-    def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
+    def __call__(self, views: StepViews, b: int, q: int, out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Write the trees ``out`` (R, 3, N) keeps under budget ``n`` into bucket (b, q)'s ``views``: their tokens
-        and parents (R, min(n, N)) and each tree's ``DraftTree.max_depth`` (R, 1)."""
+        and parents (R, min(n, N)), each tree's ``DraftTree.max_depth`` (R, 1) and the kept nodes' score ranks
+        (R, min(n, N): ``kept_ranks``)."""
         r = out.shape[0]
         if min(n, out.shape[2]) == 0:  # no nodes (budget 0, plain decoding): nothing to write, no launch
             return _no_trees(r, out.device)
@@ -61,14 +62,14 @@ class TreeWriter:
 
     @torch.inference_mode()
     def _build(self, views: StepViews, b: int, q: int, src: Tensor, n: int,
-               live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+               live: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if self.use_triton:  # one launch (``kernels/tree_write.py``) instead of the ~30 small ops below
             from specdec.kernels.tree_write import tree_write_triton
 
-            return tree_write_triton(views, b, q, src, n, self.levels, live)
+            return *tree_write_triton(views, b, q, src, n, self.levels, live), kept_ranks(src, n)
         tokens, parents = best_nodes_on_device(src, n)
         depth = write_trees(views, b, q, tokens, parents, self.levels, live)
-        return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device)
+        return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device), kept_ranks(src, n)
 
 
 @graph_constant(maxsize=256)
@@ -78,11 +79,11 @@ def _live_rows(b: int, r: int, device: torch.device) -> Tensor:
 
 
 @graph_constant(maxsize=64)
-def _no_trees(r: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """``TreeWriter``'s result for ``r`` trees of no nodes: tokens and parents (r, 0), max depths 0 (r, 1); read
-    only, so one set per row count serves every step."""
+def _no_trees(r: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``TreeWriter``'s result for ``r`` trees of no nodes: tokens, parents and ranks (r, 0), max depths 0 (r, 1);
+    read only, so one set per row count serves every step."""
     empty = torch.zeros(r, 0, dtype=torch.int64, device=device)
-    return empty, empty, torch.zeros(r, 1, dtype=torch.int64, device=device)
+    return empty, empty, torch.zeros(r, 1, dtype=torch.int64, device=device), empty
 
 
 def verify_skeleton(reqs: list, n: int, q: int, bt: np.ndarray, block_size: int,
@@ -209,6 +210,19 @@ def _ancestry_start(r: int, n: int, device: torch.device) -> tuple[Tensor, Tenso
     own = torch.ones(n, dtype=torch.int64, device=device) << torch.arange(n, device=device)  # (n,)
     base = torch.stack([own.expand(r, n), torch.zeros(r, n, dtype=torch.int64, device=device)])
     return base, torch.stack([own, torch.ones_like(own)]).view(2, 1, n)
+
+
+def kept_ranks(out: Tensor, n: int) -> Tensor:
+    """The score ranks (R, min(n, N)) of the nodes ``best_nodes_on_device`` keeps of a dynamic tree program's output
+    ``out`` (R, 3, N), in the same (level) order: a node is kept by every budget above its rank, so what a smaller
+    budget's tree would have accepted is read off an accepted path (``budget_policy.step_tokens``)."""
+    ranks = out[:, 2]
+    m = ranks.shape[1]
+    if n >= m:
+        return ranks.clone()
+    ar = torch.arange(m, device=out.device)
+    cols = torch.where(ranks < n, ar, ar + m).sort(dim=1).values[:, :n]
+    return ranks.gather(1, cols)
 
 
 def best_nodes_on_device(out: Tensor, n: int) -> tuple[Tensor, Tensor]:

@@ -34,6 +34,8 @@ class VerifyResult(NamedTuple):
     max_depth: int
     draft_computed: frozenset[int] | None  # nodes whose draft KV exists; None = model-free drafter
     kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.pipeline)
+    ranks: list[int] | None = None  # the accepted nodes' score ranks (a budget of n keeps those below n); None:
+    #                                 their indices (a chain's or a static tree's budget keeps its first nodes)
 
 
 # A padded step whose logits are per-row tensors (not one (B * Q, V) output) runs the sampled rule eagerly over
@@ -97,10 +99,11 @@ class Verifier:
         chains the writer put in the inputs, and the follow-up launch behind it)."""
         r = len(rows)
         if draft is not None:
-            fwd, tokens, parents, top = self.fused.launch_draft(draft)
+            fwd, tokens, parents, top, ranks = self.fused.launch_draft(draft)
             accept = self.fused.outcome(key, rows, fwd, tokens.shape[1])  # (B, Q + 3): sampled rows through the rule
-            reads = [tokens] + ([] if isinstance(parents, tuple) else [parents, top]) + [accept[:r]]
-            return QueuedStep(rows, key, n, fwd, accept, self.reader.start(reads), (tokens, parents, top), draft)
+            reads = [tokens] + ([] if isinstance(parents, tuple) else [parents, top, ranks]) + [accept[:r]]
+            return QueuedStep(rows, key, n, fwd, accept, self.reader.start(reads), (tokens, parents, top, ranks),
+                              draft)
         graphs = self.runner.graphs
         fwd = graphs.replay(key)
         sampled = [i for i, req in enumerate(rows) if not req.params.greedy]
@@ -143,20 +146,20 @@ class Verifier:
         queued behind it, which is told the rows' lengths; its catch-up inputs then hold this step's features,
         and this step's accepted KV already moved on the device."""
         host = step.read()  # (R, C): the step's one device->host read
-        tokens, parents, _ = step.trees
+        tokens, parents = step.trees[:2]
         r, k = host.shape[0], tokens.shape[1]
         shared = isinstance(parents, tuple)
         if shared:
-            host_parents, depth = parents, np.full(r, shape_depth(parents), dtype=np.int64)
-        else:  # the depths came with the read (computed where the trees were written)
-            host_parents, depth = host[:, k:2 * k], host[:, 2 * k]
-        accept = host[:, k if shared else 2 * k + 1:]  # (R, Q + 3)
+            host_parents, depth, ranks = parents, np.full(r, shape_depth(parents), dtype=np.int64), None
+        else:  # the depths and score ranks came with the read (computed where the trees were written)
+            host_parents, depth, ranks = host[:, k:2 * k], host[:, 2 * k], host[:, 2 * k + 1:3 * k + 1]
+        accept = host[:, k if shared else 3 * k + 1:]  # (R, Q + 3)
         if queued is not None:
             queued.assume(rows, accept[:, 0])
         proposal.trees.fill(host[:, :k], host_parents)
         # an EAGLE step queued behind this one moved the accepted paths' KV (and features) on the device
         moved = queued is not None and queued.draft is not None
-        return _from_fused(rows, proposal.draft_computed, FusedOutcome(accept, host[:, :k], depth, kv_moved=moved))
+        return _from_fused(rows, proposal.draft_computed, FusedOutcome(accept, host[:, :k], depth, moved, ranks))
 
     def _graphed(self, rows: list[Request], trees: list[DraftTree]):
         """The target forward of a graphed step built straight from the trees, and its graph bucket; (None, None)
@@ -263,9 +266,14 @@ def _from_fused(rows: list[Request], draft_computed, fused) -> list[VerifyResult
     picked = np.take_along_axis(tokens, nodes.clip(min=0), 1) if width else nodes  # (R, width)
     n = tokens.shape[1]
     moved = fused.kv_moved
-    return [VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, moved) for path, toks, m, bonus, depth, dc in
+    if fused.ranks is None:
+        ranks = [None] * len(rows)
+    else:  # (the accepted nodes' score ranks, each row's first counts[i])
+        ranks = [p[:m] for p, m in zip(np.take_along_axis(fused.ranks, nodes.clip(min=0), 1).tolist(),
+                                       counts.tolist())] if width else [[] for _ in rows]
+    return [VerifyResult(path[:m], toks[:m], bonus, n, depth, dc, moved, rk) for path, toks, m, bonus, depth, dc, rk in
             zip(nodes.tolist(), picked.tolist(), counts.tolist(), accept[:, 1].tolist(), fused.max_depth.tolist(),
-                draft_computed)]
+                draft_computed, ranks)]
 
 
 def _packed(rows: list[Request], trees: list[DraftTree], lengths: list[int], q: int, bt: np.ndarray,

@@ -23,8 +23,8 @@ from specdec.loading.registry import load_model
 from specdec.sampling_params import SamplingParams
 from specdec.step_inputs import StepInputs, _offsets
 from specdec.tree import depths_and_masks
-from specdec.tree_writer import ancestry, best_nodes_on_device
-from specdec.verifier import _packed
+from specdec.tree_writer import ancestry, best_nodes_on_device, kept_ranks
+from specdec.verifier import VerifyResult, _packed
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -258,7 +258,8 @@ def test_no_host_read_between_the_draft_program_and_the_verify(tiny, fused, monk
 
 def test_device_best_nodes_and_ancestry_equal_the_host_trees():
     """``best_nodes_on_device`` + ``ancestry`` equal ``best_nodes`` and the host depths/masks, including nodes
-    whose parent falls outside the budget (re-rooted) and deep chains (bit 62 of the masks)."""
+    whose parent falls outside the budget (re-rooted) and deep chains (bit 62 of the masks); ``kept_ranks`` are the
+    kept nodes' ranks, so a smaller budget's nodes are the larger one's below it."""
     g = torch.Generator().manual_seed(0)
     rows, m = 6, 63
     parents = [[-1] + [int(torch.randint(0, i, (1,), generator=g)) if i % 7 else -1 for i in range(1, m)]
@@ -274,6 +275,13 @@ def test_device_best_nodes_and_ancestry_equal_the_host_trees():
             assert tok[i].tolist() == tree.host.tokens and par[i].tolist() == tree.host.parents
             d, masks = depths_and_masks(tree.host.parents)
             assert depth[i].tolist() == d and anc[i].tolist() == masks
+        # each kept node's score rank, in the same order: a smaller budget keeps exactly those below it
+        kept = kept_ranks(out, n)
+        assert kept.tolist() == [[r[j] for j in range(m) if r[j] < n] for r in ranks]
+        for j in (0, 1, 5, 17):
+            if j <= n:
+                assert [[t for t, r in zip(tok[i].tolist(), kept[i].tolist()) if r < j] for i in range(rows)] \
+                    == best_nodes_on_device(out, j)[0].tolist()
     assert int(ancestry(torch.tensor([parents[-1]]), m)[1][0, -1]) == (1 << 63) - 1  # bits 0..62
 
 
@@ -406,8 +414,23 @@ def test_fused_results_and_stats_equal_the_unfused_ones(tiny, tree):
         steps.append(eng.stats)
         trees.append(outputs)
     assert runs[True][0][-1].accepted > 0 and runs[True][0][-1].depth_accepted
-    assert runs[True] == runs[False]
+    fused = [r for step in runs[True][0][:-1] for r, _ in step]
+    if tree.startswith("dynamic"):  # a dynamic tree's accepted nodes come with their score ranks, rising along a path
+        ranked = [r.ranks for r in fused if r.num_drafted]  # (steps at budget 0 draft nothing)
+        assert any(ranked) and all(rk is not None and rk == sorted(set(rk)) for rk in ranked)
+    else:  # a static template's budgets keep its first nodes: the nodes' indices are their ranks
+        assert all(r.ranks is None for r in fused)
+    assert _no_ranks(runs[True]) == _no_ranks(runs[False])  # (the unfused path reads no ranks)
     assert runs[True][1][-1][:2] == [[want[0]], want[1:4]]
+
+
+def _no_ranks(x):
+    """``x`` with every ``VerifyResult``'s ranks left out (lists and tuples walked)."""
+    if isinstance(x, VerifyResult):
+        return x._replace(ranks=None)
+    if isinstance(x, (list, tuple)) and not hasattr(x, "_fields"):
+        return type(x)(_no_ranks(v) for v in x)
+    return x
 
 
 def test_fused_tree_depths_and_lazy_trees():
@@ -512,7 +535,7 @@ def test_gpu_fused_sampled_rows_equal_the_unfused_ones(setup):  # noqa: F811 - t
 
 def test_tree_writer_at_budget_zero_writes_nothing_and_returns_what_building_would():
     """Budget 0 (plain decoding through the EAGLE step) keeps no nodes: the writer returns at once, without
-    touching the verify inputs, the (R, 0) tokens and parents and zero depths that building the trees gives."""
+    touching the verify inputs, the (R, 0) tokens, parents and ranks and zero depths that building the trees gives."""
     from specdec.tree_writer import TreeWriter
 
     r, b, q, nodes = 3, 4, 8, 6
@@ -526,7 +549,7 @@ def test_tree_writer_at_budget_zero_writes_nothing_and_returns_what_building_wou
     got = writer(views, b, q, out, 0)
     want = writer._build(StepInputs(b, q, 2, torch.device("cpu")).views(b, q), b, q, out.clone(), 0)
     assert torch.equal(inputs.dev, before) and not writer.graphs
-    assert [tuple(t.shape) for t in got] == [(r, 0), (r, 0), (r, 1)]
+    assert [tuple(t.shape) for t in got] == [(r, 0), (r, 0), (r, 1), (r, 0)]
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
     assert torch.equal(got[2], torch.zeros(r, 1, dtype=torch.int64))
