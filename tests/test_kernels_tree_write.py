@@ -37,7 +37,7 @@ def test_tree_write_equals_the_torch_ops(dev, r, b, q, m, n, levels, live):
                                                                           flags)
         got = tree_write_triton(got_in.views(b, q), b, q, src, n, levels, flags)
         assert torch.equal(got_in.dev, want_in.dev)  # every input of the bucket, written or kept
-        for a, w in zip(got, want, strict=True):
+        for a, w in zip(got, want[:3], strict=True):  # (the writer adds the kept nodes' ranks: ``kept_ranks``)
             assert a.dtype == w.dtype and torch.equal(a, w)
 
 
