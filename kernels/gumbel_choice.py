@@ -45,15 +45,8 @@ from specdec.kernels.gumbel_split import (
     reduce_partials,
     split_count,
 )
-from specdec.kernels.nucleus import (
-    RULE_FLOATS,
-    RULE_INTS,
-    KeepRule,
-    check_nucleus_args,
-    keep_token,
-    nucleus_rule,
-    row_filter,
-)
+from specdec.kernels.nucleus import RULE_FLOATS, RULE_INTS, KeepRule, check_nucleus_args, nucleus_rule
+from specdec.kernels.nucleus_passes import keep_token, row_filter
 from specdec.kernels.topk import order_key
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
