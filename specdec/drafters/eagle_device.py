@@ -22,9 +22,8 @@ uses at the children's position for the request (``_children_scores``), so the f
 draft's distribution at temperature T / S coupled with the target's own draw there; the rule accepts a child when
 it equals the target's draw, lossless whatever the draft proposes. S (``SAMPLED_DRAFT_SHARPNESS``) > 1 sharpens
 the draft: a draft trained toward the target is less sure than it, and a draw coupled with the target's agrees
-with it more often from a sharper draft (the shipped draft, CPU float32, 8 MT-bench first turns x 64 tokens,
-``dynamic:31``: mean accepted length at T=1.0 1.92, 2.23, 2.32, 2.34 and 2.29 for S = 0.8, 1, 1.25, 1.6 and 2.2;
-at T=0.7 2.32 for 1 and 2.40 for 1.5).
+with it more often from a sharper draft (the value chosen by the shipped draft's accepted lengths at several S:
+bench/RESULTS.md, session 32).
 """
 
 from __future__ import annotations
