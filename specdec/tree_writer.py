@@ -67,9 +67,9 @@ class TreeWriter:
             from specdec.kernels.tree_write import tree_write_triton
 
             return *tree_write_triton(views, b, q, src, n, self.levels, live), kept_ranks(src, n)
-        tokens, parents = best_nodes_on_device(src, n)
+        tokens, parents, ranks = best_nodes_on_device(src, n)
         depth = write_trees(views, b, q, tokens, parents, self.levels, live)
-        return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device), kept_ranks(src, n)
+        return tokens, parents, tree_top(depth, tokens.shape[0], tokens.device), ranks
 
 
 @graph_constant(maxsize=256)
@@ -212,32 +212,33 @@ def _ancestry_start(r: int, n: int, device: torch.device) -> tuple[Tensor, Tenso
     return base, torch.stack([own, torch.ones_like(own)]).view(2, 1, n)
 
 
+def _kept_columns(ranks: Tensor, n: int) -> Tensor:
+    """(R, n) the columns of the nodes of score rank < n of each row of ``ranks`` (R, N), n < N, in level order."""
+    m = ranks.shape[1]
+    ar = torch.arange(m, device=ranks.device)
+    return torch.where(ranks < n, ar, ar + m).sort(dim=1).values[:, :n]
+
+
 def kept_ranks(out: Tensor, n: int) -> Tensor:
     """The score ranks (R, min(n, N)) of the nodes ``best_nodes_on_device`` keeps of a dynamic tree program's output
     ``out`` (R, 3, N), in the same (level) order: a node is kept by every budget above its rank, so what a smaller
-    budget's tree would have accepted is read off an accepted path (``budget_policy.step_tokens``)."""
+    budget's tree would have accepted is read off an accepted path (``budget_policy.step_tokens``). (What the Triton
+    tree writer, which returns tokens and parents alone, adds.)"""
     ranks = out[:, 2]
-    m = ranks.shape[1]
-    if n >= m:
-        return ranks.clone()
-    ar = torch.arange(m, device=out.device)
-    cols = torch.where(ranks < n, ar, ar + m).sort(dim=1).values[:, :n]
-    return ranks.gather(1, cols)
+    return ranks.clone() if n >= ranks.shape[1] else ranks.gather(1, _kept_columns(ranks, n))
 
 
-def best_nodes_on_device(out: Tensor, n: int) -> tuple[Tensor, Tensor]:
+def best_nodes_on_device(out: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor]:
     """``eagle_drafter.best_nodes`` of every row of a dynamic tree program's output (R, 3, N) on the device:
     tokens and parents (R, min(n, N)) of the nodes of score rank < n, in level order, parents re-indexed
-    among them (-1: the root, also for a node whose parent was not kept)."""
+    among them (-1: the root, also for a node whose parent was not kept), and their ranks (``kept_ranks``)."""
     tokens, parents, ranks = out.unbind(1)  # (R, N) each
-    m = tokens.shape[1]
-    if n >= m:
-        return tokens, parents
-    ar = torch.arange(m, device=out.device)
+    if n >= tokens.shape[1]:
+        return tokens, parents, ranks.clone()
     keep = ranks < n  # (R, N): exactly n per row (ranks are a permutation)
-    cols = torch.where(keep, ar, ar + m).sort(dim=1).values[:, :n]  # (R, n) kept nodes in level order
+    cols = _kept_columns(ranks, n)  # (R, n) kept nodes in level order
     new = keep.long().cumsum(1) - 1  # (R, N) index among the kept
     up = parents.gather(1, cols)  # (R, n)
     safe = up.clamp(min=0)
     kept_parent = (up >= 0) & keep.gather(1, safe)
-    return tokens.gather(1, cols), torch.where(kept_parent, new.gather(1, safe), -1)
+    return tokens.gather(1, cols), torch.where(kept_parent, new.gather(1, safe), -1), ranks.gather(1, cols)

@@ -268,7 +268,7 @@ def test_device_best_nodes_and_ancestry_equal_the_host_trees():
     tokens = torch.randint(0, 1000, (rows, m), generator=g)
     out = torch.stack([tokens, torch.tensor(parents), torch.tensor(ranks)], 1)  # (R, 3, N)
     for n in (0, 1, 17, m):
-        tok, par = best_nodes_on_device(out, n)
+        tok, par, _ = best_nodes_on_device(out, n)
         depth, anc = ancestry(par, m)
         for i in range(rows):
             tree = best_nodes(tokens[i].tolist(), parents[i], ranks[i], n)
