@@ -70,6 +70,9 @@ CONFIGS = {
     "ng_t16_b0": ("ngram", {"budget": 0}, 1.0, 16, "mtbench", 32),
     "to_t64": (None, {}, 1.0, 64, "sharegpt", 96),
     "ng_t64_b0": ("ngram", {"budget": 0}, 1.0, 64, "sharegpt", 96),
+    # n-gram forced to chains of one token (``force``: the controller never falls back to plain decoding)
+    "ng_t16_f1": ("ngram", {"force": 1}, 1.0, 16, "mtbench", 32),
+    "ng_t64_f1": ("ngram", {"force": 1}, 1.0, 64, "sharegpt", 96),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt
@@ -255,12 +258,16 @@ def main() -> None:
             draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV, target=target)
         fields = {"tree": "dynamic:31" if draft is eagle and draft is not None else "chain:8", **fields}
         held = fields.pop("budget", None)
+        forced = fields.pop("force", None)
         t0 = time.perf_counter()
         cfg = SpecConfig(device=DEV, dtype="bfloat16" if CUDA else "float32", max_batch_size=batch,
                          prefix_cache=False, kv_memory_bytes=3 << 30, **fields)
         engine = SpecEngine(draft, target, cfg)
         if held is not None and engine.adaptive is not None:  # only this budget (and 0, which it needs) left
             engine.adaptive = EpochBudget([o for o in engine.adaptive.options if o.nodes in (0, held)])
+        if forced is not None and engine.adaptive is not None:  # budget ``forced`` held whatever it measures
+            engine.adaptive = EpochBudget([o for o in engine.adaptive.options if o.nodes in (0, forced)])
+            engine.adaptive._best = lambda state: 1  # (index 1: ``forced``; budget 0 still gets its probes)
         build_s = time.perf_counter() - t0
         prompts = prompt_sets[pset][:n if CUDA else 2]
         top_p = 0.9 if temp else 1.0
