@@ -60,7 +60,8 @@ ENGINE_SETS = {
                    "target_only_admit1": {"draft": None, "admit_min_free": 1},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
                    "eagle_admit1": {"draft": "eagle", "tree": "dynamic:31", "admit_min_free": 1},
-                   "ngram": {"draft": "ngram"}},
+                   "ngram": {"draft": "ngram"},
+                   "ngram_admit1": {"draft": "ngram", "admit_min_free": 1}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
