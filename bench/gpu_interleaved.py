@@ -124,6 +124,19 @@ def _epoch_log(engine) -> list[dict]:
     return epochs() if epochs else []
 
 
+def _promised(rates: dict, batch: int) -> tuple[int, float] | None:
+    """The controller's own promise in the run's batch bucket: the budget it held and that budget's measured tokens
+    per row-second over plain decoding's (budget 0), both counted on the same steps (``EpochBudget.measured``); None
+    without both figures. Set beside the delivered ratio it shows how far per-row rates overstate a continuous
+    batch's gain (the drain and the admissions they do not see)."""
+    for name, per in rates.items():
+        if name.split()[0] == f"b{batch}" and per:
+            held = next(iter(per))  # (the held budget comes first)
+            if held and per.get(held) and per.get(0):
+                return held, per[held] / per[0]
+    return None
+
+
 def _slot_use(split: dict, tokens: int, batch: int, mal: float) -> float:
     """The share of a round's row-slots (its steps x the batch) that committed at the engine's mean accepted
     length: what the drain, admissions and prefill steps leave of it (target-only decoding in waves: ~1)."""
@@ -374,6 +387,11 @@ def main() -> None:
                 entry[name]["ratio_runs"] = ratios
                 entry[name]["speedup"] = statistics.median(ratios)
                 entry[name]["rounds_at_or_above_1"] = sum(x >= 1.0 for x in ratios)
+            for n, e in entry.items():
+                got = _promised(e.get("budget_rates") or {}, b)
+                if got and "speedup" in e:
+                    log(f"interleaved {key}: {n} held budget {got[0]} at {got[1]:.3f}x plain decoding's per-row rate; "
+                        f"delivered {e['speedup']:.3f}x target-only's")
             log(f"interleaved {key}: target-only {entry['target_only']['median']:.0f} tok/s; " + ", ".join(
                 f"{n} {e['speedup']:.3f}x ({e['rounds_at_or_above_1']}/{len(e['ratio_runs'])} rounds >= 1, "
                 f"MAL {e['mean_accepted_length']:.2f})"

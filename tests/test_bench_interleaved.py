@@ -79,3 +79,13 @@ def test_triton_compiles_are_named_through_the_post_compile_hook(monkeypatch):
     compiles = TritonCompiles()
     knobs.runtime.jit_post_compile_hook(key=7, fn=types.SimpleNamespace(name="paged_attention"))
     assert compiles.names == ["paged_attention"] and seen == [7]
+
+
+def test_promised_is_the_held_budgets_rate_over_plain_decodings_in_the_runs_bucket():
+    bench = importlib.import_module("bench.gpu_interleaved")
+    rates = {"b8 sampled": {7: 990.0, 0: 790.0}, "b16 sampled": {3: 900.0, 0: 600.0, 1: 700.0}}
+    assert bench._promised(rates, 16) == (3, 1.5)  # the held budget (first) over budget 0, in the batch's bucket
+    assert bench._promised(rates, 8) == (7, 990.0 / 790.0)
+    assert bench._promised(rates, 64) is None  # no such bucket
+    assert bench._promised({"b16 sampled": {0: 733.0, 1: 739.6}}, 16) is None  # plain decoding held: no promise
+    assert bench._promised({"b16 greedy": {3: None, 0: 600.0}}, 16) is None  # the held budget not measured yet
