@@ -354,16 +354,12 @@ class EpochBudget:
         return out
 
 
-def make_controller(enabled: bool | None, device, drafter, graphs, epochs: bool = False,
-                    ) -> BudgetController | EpochBudget | None:
-    """The engine's controller, or None (adaptive off, or a drafter with nothing to draft). ``enabled``
-    None is on for CUDA only: there a step's cost depends on the batch enough to matter and graph
-    timings are steady; on the CPU tree shapes stay fixed by default, so acceptance statistics (never
-    greedy output, which no budget changes) are reproducible run to run. ``epochs`` (a pipelined engine):
-    an ``EpochBudget`` over the drafter's budgets; else a ``BudgetController``, whose verify costs start from
-    the captured graphs' measured replay times."""
-    want = enabled if enabled is not None else device.type == "cuda"
-    if not want or drafter.max_nodes == 0:
+def make_controller(enabled: bool, drafter, graphs, epochs: bool = False) -> BudgetController | EpochBudget | None:
+    """The engine's controller (``EnginePlan.adaptive``, resolved by ``specdec.plan``), or None (off, or a drafter
+    with nothing to draft). ``epochs`` (``EnginePlan.budget_epochs``, a pipelined engine): an ``EpochBudget`` over
+    the drafter's budgets; else a ``BudgetController``, whose verify costs start from the captured graphs' measured
+    replay times."""
+    if not enabled or drafter.max_nodes == 0:
         return None
     buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
     if epochs:

@@ -192,7 +192,7 @@ def test_pipelined_steps_hold_each_buckets_budget_for_epochs(tiny):
     an epoch (a budget change drops the one queued step)."""
     draft, target, want, cfg = tiny
     eng = SpecEngine(draft, target, SpecConfig(tree="dynamic:16", **{**cfg, "adaptive": None}))
-    eng.adaptive = ctrl = make_controller(True, eng.device, eng.drafter, None, epochs=True)
+    eng.adaptive = ctrl = make_controller(True, eng.drafter, None, epochs=True)
     ctrl.config = EpochConfig(epoch_steps=2, epoch_rows=0, first_row_steps=0, hold_epochs=2, max_hold_epochs=2)
     eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
     steps, propose = [], eng.drafter.propose

@@ -58,7 +58,7 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     assert not eng.plan.warm_up  # (on the CPU it is off by default; CUDA's defaults set up by hand below)
     stand_in_verify_graphs(monkeypatch, eng)
     monkeypatch.setattr(cg, "capture_graph", _stand_in)  # (outputs that are tuples too)
-    eng.adaptive = make_controller(True, eng.device, eng.drafter, None, epochs=True)  # CUDA: budgets by epochs
+    eng.adaptive = make_controller(True, eng.drafter, None, epochs=True)  # CUDA: budgets by epochs
     eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
     eng.pipeline.hook.advance = advance = AdvanceGraphs(eng.device, capture=True)
     writer = eng.verifier.fused.writer
@@ -134,7 +134,7 @@ def test_rows_ending_across_buckets_capture_nothing_after_the_warm_up(setup, poi
     eng.pipeline.hook.advance.capture = True  # (the writer as captured graphs, as on CUDA)
     if proposer == "ngram":
         eng.drafter.device_chains.capture = True  # (the follow-up too)
-        eng.adaptive = make_controller(True, eng.device, eng.drafter, None, epochs=True)  # CUDA: budgets by epochs
+        eng.adaptive = make_controller(True, eng.drafter, None, epochs=True)  # CUDA: budgets by epochs
         eng.plan = dataclasses.replace(eng.plan, adaptive=True, budget_epochs=True)
 
     def captured() -> int:
