@@ -16,10 +16,12 @@ equal maxima) of x, as the greedy rule does.
 
 The kernel (``choose_tokens_triton``): one program per row walks the vocabulary in blocks, computing the noise
 (``gumbel_noise.gumbel_at``), and keeps a running (best score, first column) per lane, reduced at the end to the
-lowest column among the lanes holding the maximum. With a kept set, a block holding no kept token is only read:
-under top-p the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in. Without a
-kept set, when the rows are too few to fill the GPU, the pass over every token is split over several programs per
-row (``kernels.gumbel_split``), the same token.
+lowest column among the lanes holding the maximum. A block is scored exactly only where a cheap float32 bound of its
+scores (``gumbel_noise.gumbel_rough``) says one could reach the best so far (``gumbel_split.gumbel_max_block``): the
+same token, with most blocks' float64 noise never computed. With a kept set, a block holding no kept token is only
+read: under top-p the noise (most of the kernel's arithmetic) is computed for the few blocks the nucleus falls in.
+Without a kept set, when the rows are too few to fill the GPU, the pass over every token is split over several
+programs per row (``kernels.gumbel_split``), the same token.
 
 ``choose_filtered_triton`` is the choice over kept sets that the sampled rule runs: since a kept set is a prefix
 of its row in rank order, the unfiltered choice is the answer whenever it is kept, and checking that takes one
@@ -32,13 +34,14 @@ from typing import TYPE_CHECKING
 
 import torch
 from specdec.kernels.arg_checks import FLOAT_DTYPES, check_launchable, check_tensor
-from specdec.kernels.gumbel_noise import check_row_keys, gumbel_at, gumbel_noise, row_noise_key
+from specdec.kernels.gumbel_noise import check_row_keys, gumbel_noise, row_noise_key
 from specdec.kernels.gumbel_split import (
     NO_INDEX,
     SPLIT_BLOCK,
     SPLIT_WARPS,
     argmax_lanes,
     first_best,
+    gumbel_max_block,
     gumbel_max_partials,
     gumbel_max_range,
     pick_tokens,
@@ -111,11 +114,8 @@ def _choose_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, kept_ptr, rule_i_p
                     e = tl.exp(tl.math.div_rn(xf, t32) - m)
                     ok = ok & keep_token(order_key(xf) >> shift, cols, e, thr_k, cut_k, thr_p, cut_p, min_p)
             if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block with no kept token (most, under top-p) is skipped
-                x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float64)
-                score = x / t + gumbel_at(sub0, sub1, cols)
-                better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
-                best = tl.where(better, score, best)
-                best_i = tl.where(better, cols, best_i)
+                x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+                best, best_i = gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i)
     else:  # greedy: x itself
         best, best_i = argmax_lanes(x_row, 0, n_cols, BLOCK, NO_INDEX)
     first = first_best(best, best_i, NO_INDEX)  # a row where no lane improved on -inf chooses column 0
@@ -145,7 +145,7 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
     if t > 0:
         sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
         if SPLIT == 1:  # the Gumbel-max over every token, and the largest logit
-            best, best_i, xmax = gumbel_max_range(x_row, t, sub0, sub1, 0, n_cols, BLOCK, NO_INDEX)
+            best, best_i, xmax = gumbel_max_range(x_row, t, sub0, sub1, 0, n_cols, BLOCK, NO_INDEX, True)
             c = first_best(best, best_i, NO_INDEX)
         k, nucleus, top_p, min_p = row_filter(k_ptr, p_ptr, min_p_ptr, row // rows_per_param, stride_k, stride_p,
                                               stride_min_p, n_cols, HAS_MIN_P)
@@ -174,10 +174,7 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
                 mass += tl.sum(tl.where(ahead, e, 0.0), axis=0)
                 count += tl.sum(ahead.to(tl.int32), axis=0)
                 if tl.max(ahead.to(tl.int32), axis=0) > 0:  # the next candidate: the best score ranked before c
-                    score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
-                    better = (score > best) & ahead
-                    best = tl.where(better, score, best)
-                    best_i = tl.where(better, cols, best_i)
+                    best, best_i = gumbel_max_block(x, cols, ahead, t, sub0, sub1, best, best_i)
             e_c = tl.exp(tl.math.div_rn(xc, t.to(tl.float32)) - m)
             by_p = (mass < top_p * z) | (nucleus == 0)
             kept = (count < k) & by_p & (e_c >= min_p)

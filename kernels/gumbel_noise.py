@@ -8,7 +8,9 @@ children coupled with it (``children_scores``: draft logits / T + G, so a node's
 draft's distribution that agrees with the target's draw as often as the two distributions allow) read the same
 noise without any draw counter. The Triton helpers (``row_noise_key``, ``gumbel_at``) hash in uint32 (wrapping
 multiply-add and logical shifts are the reference's masked int64 arithmetic) and take the logs in float64;
-``gumbel_noise_triton`` writes their noise, to compare it with ``gumbel_noise`` bit for bit.
+``gumbel_noise_triton`` writes their noise, to compare it with ``gumbel_noise`` bit for bit. ``gumbel_rough`` is
+the same noise within a stated bound from one hash word and float32 logs: the choices use it to skip exact scoring
+where no column could win, never as the noise itself.
 """
 
 from __future__ import annotations
@@ -72,6 +74,33 @@ def gumbel_at(sub0, sub1, cols):
     lo = _hash_words(sub0, sub1, word + 1).to(tl.uint64)
     u = ((hi << 21) | (lo >> 11)).to(tl.float64) * 1.1102230246251565e-16  # 53 bits * 2**-53, exact
     return -tl.log(-tl.log(u))
+
+
+# Bound on |gumbel_rough - gumbel_at| at every column gumbel_rough does not flag (+inf): the worst case of its
+# float32 arithmetic and of the 21 uniform bits it drops is below 2**-10 (see gumbel_rough); this is 16x that.
+ROUGH_ERR: tl.constexpr = tl.constexpr(2.0**-6)
+
+
+@triton.jit
+def gumbel_rough(sub0, sub1, cols):
+    """``gumbel_at``'s noise within ``ROUGH_ERR``, in float32 from one hash word: +inf (a column to score exactly)
+    where the uniform lies within 2**-20 of 0 or 1, where one word does not bound it well enough. The uniform is
+    u = hi 2**-32 + lo 2**-53 with hi the first word (32 bits) and lo < 2**21 from the second, so u is within
+    2**-32 of hi 2**-32; G = -log(E), E = -log(u), moves by du / (u E), at most 2**-11 for u in [2**-20, 1 - 2**-20].
+    E is taken from u below 1/2 (float32's relative rounding: ~1e-7 of G) and from w = 1 - u, exact from the
+    integer 2**32 - hi, above it (log1p's series below w = 2**-10, else -log(1 - w): ~6e-5 of G). Cheap where the
+    exact noise is dear (one hash instead of two, float32 logs instead of float64): the choices score a column
+    exactly only where this bound says it could win (``gumbel_split.gumbel_max_block``)."""
+    hi = _hash_words(sub0, sub1, cols.to(tl.uint32) * 2)  # the exact noise's first word: u's top 32 bits
+    low = hi < 2147483648  # u < 1/2
+    u = hi.to(tl.float32) * 2.3283064365386963e-10  # hi 2**-32
+    w = (~hi + 1).to(tl.float32) * 2.3283064365386963e-10  # (2**32 - hi) 2**-32 = 1 - u, for hi >= 2**31
+    e_low = -tl.log(u)
+    e_series = w + w * w * 0.5 + w * w * w * 0.3333333432674408
+    e_high = tl.where(w < 0.0009765625, e_series, -tl.log(1.0 - w))
+    e = tl.where(low, e_low, e_high)
+    edge = (hi < 4096) | (hi > 4294963200)  # u < 2**-20 or 1 - u < 2**-20 (to 2**-32)
+    return tl.where(edge, float("inf"), -tl.log(e))
 
 
 @triton.jit

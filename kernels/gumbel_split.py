@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 from specdec.kernels.arg_checks import check_launchable, grid_processors, next_pow2
-from specdec.kernels.gumbel_noise import gumbel_at, row_noise_key
+from specdec.kernels.gumbel_noise import ROUGH_ERR, gumbel_at, gumbel_rough, row_noise_key
 from specdec.kernels.triton_import import tl, triton
 from torch import Tensor
 
@@ -28,12 +28,45 @@ NO_INDEX = 2**31 - 1  # "no column": no lane improved on -inf
 SPLIT_BLOCK = 1024
 SPLIT_WARPS = 4
 SPLIT_PROGRAMS_PER_SM = 4
+# a pass over at least this many blocks scores through the rough noise (``gumbel_max_range``'s ROUGH): a walk's
+# k-th block holds a new best about 1 / k of the time, so over n blocks ~ln n + 0.6 are scored exactly; a guess,
+# not measured on a GPU yet
+ROUGH_MIN_BLOCKS = 4
 
 
 @triton.jit
-def gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+def gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i):
+    """The lanes' running (best score, first column) updated with a block's columns ``cols`` where ``ok``: x (float32
+    logits) / t (float64) + G, G the exact float64 noise (``gumbel_at``), the block's later columns never displacing
+    an equal score. Scores are computed exactly only in blocks where some column could reach the best so far: a
+    column's float32 score from ``gumbel_rough`` is within ``ROUGH_ERR`` plus 2**-20 of its x / t of the exact one, so
+    a column whose upper bound is below the larger of the lanes' best and the block's best lower bound is beaten by
+    some column exactly (and is left out); after a row's first blocks, a block rarely holds a new best, and most
+    blocks cost one hash and two float32 logs a column instead of two hashes and two float64 logs."""
+    xt = x / t.to(tl.float32)
+    rough = xt + gumbel_rough(sub0, sub1, cols)
+    err = ROUGH_ERR + tl.abs(xt) * 9.5367431640625e-07  # + |x / t| 2**-20 (float32's x / t is within 2**-22 of it)
+    # bounds of the exact score: none where the rough one is not finite (a flagged column, float32 overflow, NaN),
+    # except that x = -inf scores -inf exactly
+    finite = tl.abs(rough) < float("inf")
+    lo_b = tl.where(ok & finite, rough - err, float("-inf"))
+    hi_b = tl.where(x == float("-inf"), float("-inf"), tl.where(finite, rough + err, float("inf")))
+    floor = tl.maximum(tl.max(best, axis=0), tl.max(lo_b, axis=0).to(tl.float64))
+    need = ok & (hi_b.to(tl.float64) >= floor)
+    if tl.max(need.to(tl.int32), axis=0) > 0:
+        score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
+        better = (score > best) & need  # strict: NaN never wins, the earlier column keeps a tie
+        best = tl.where(better, score, best)
+        best_i = tl.where(better, cols, best_i)
+    return best, best_i
+
+
+@triton.jit
+def gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDEX: tl.constexpr,
+                     ROUGH: tl.constexpr):
     """Per lane, the best x / t + G (float64) of a sampled row's columns [lo, hi) it reads and its first column;
-    and the largest x (float32) of those columns."""
+    and the largest x (float32) of those columns. ROUGH: blocks scored through ``gumbel_max_block`` (worth it over
+    many blocks; over one or two, nearly every block holds a new best and would pay for both noises)."""
     best = tl.full([BLOCK], float("-inf"), tl.float64)
     best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
     xmax = tl.full((), float("-inf"), tl.float32)
@@ -42,10 +75,13 @@ def gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDEX
         ok = cols < hi
         x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
         xmax = tl.maximum(xmax, tl.max(x, axis=0))
-        score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
-        better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
-        best = tl.where(better, score, best)
-        best_i = tl.where(better, cols, best_i)
+        if ROUGH:
+            best, best_i = gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i)
+        else:
+            score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
+            better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
+            best = tl.where(better, score, best)
+            best_i = tl.where(better, cols, best_i)
     return best, best_i, xmax
 
 
@@ -88,7 +124,7 @@ def reduce_partials(best_ptr, first_ptr, xmax_ptr, row, n_split, SPLIT: tl.const
 @triton.jit
 def _gumbel_max_partials_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, best_ptr, first_ptr, xmax_ptr, n_cols,
                                 chunk, stride_x, stride_t, stride_key0, stride_key1, stride_pos,
-                                BLOCK: tl.constexpr, NO_INDEX: tl.constexpr):
+                                BLOCK: tl.constexpr, NO_INDEX: tl.constexpr, ROUGH: tl.constexpr):
     # program (row, s) walks columns [s chunk, (s + 1) chunk) of its row as one program per row walks them all,
     # and writes at (row, s) of the (R, S) partials its best score (x itself on a greedy row), the first column
     # holding it (NO_INDEX: none beat -inf) and its largest x (-inf on a greedy row, which does not read it)
@@ -100,7 +136,7 @@ def _gumbel_max_partials_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, best_
     xmax = tl.full((), float("-inf"), tl.float32)
     if t > 0:
         sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, stride_key0, stride_key1, stride_pos)
-        best, best_i, xmax = gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK, NO_INDEX)
+        best, best_i, xmax = gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK, NO_INDEX, ROUGH)
     else:
         best, best_i = argmax_lanes(x_row, lo, hi, BLOCK, NO_INDEX)
     at = row * tl.num_programs(1) + tl.program_id(1)
@@ -163,7 +199,8 @@ def gumbel_max_partials(rows: Tensor, temperature: Tensor, key0: Tensor, key1: T
     check_launchable(_gumbel_max_partials_kernel, rows.device)
     _gumbel_max_partials_kernel[(r, s)](rows, temperature, key0, key1, position, *parts, v, chunk, rows.stride(0),
                                         temperature.stride(0), key0.stride(0), key1.stride(0), position.stride(0),
-                                        BLOCK=block, NO_INDEX=NO_INDEX, num_warps=num_warps)
+                                        BLOCK=block, NO_INDEX=NO_INDEX, ROUGH=chunk >= ROUGH_MIN_BLOCKS * block,
+                                        num_warps=num_warps)
     return parts
 
 

@@ -55,7 +55,7 @@ import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from specdec.kernels.gumbel_choice import _filtered_choice_kernel
+from specdec.kernels.gumbel_choice import _choose_kernel, _filtered_choice_kernel
 from specdec.kernels.gumbel_split import _gumbel_max_partials_kernel, _pick_kernel
 
 def build(fn, sig, consts, warps):
@@ -69,8 +69,9 @@ parts = {"best_ptr": "*fp64", "first_ptr": "*i32", "xmax_ptr": "*fp32"}
 strides = ("stride_x", "stride_t", "stride_key0", "stride_key1", "stride_pos")
 out = [build(_gumbel_max_partials_kernel, {**rows, **parts, "n_cols": "i32", "chunk": "i32",
                                            **{n: "i32" for n in strides}},
-             {"BLOCK": 1024, "NO_INDEX": 2**31 - 1}, 4),
-       build(_pick_kernel, {**parts, "out_ptr": "*i64", "n_split": "i32"}, {"SPLIT": 64, "NO_INDEX": 2**31 - 1}, 4)]
+             {"BLOCK": 1024, "NO_INDEX": 2**31 - 1, "ROUGH": rough}, 4) for rough in (False, True)]
+out += [
+        build(_pick_kernel, {**parts, "out_ptr": "*i64", "n_split": "i32"}, {"SPLIT": 64, "NO_INDEX": 2**31 - 1}, 4)]
 sig = {**rows, "k_ptr": "*i64", "p_ptr": "*fp64", "min_p_ptr": "*fp64", "out_ptr": "*i64", "done_ptr": "*i32",
        **{"part_" + n: t for n, t in parts.items()}}
 sig.update({n: "i32" for n in ("n_split", "n_cols", "rows_per_param", "max_rounds", *strides, "stride_k",
@@ -78,17 +79,24 @@ sig.update({n: "i32" for n in ("n_split", "n_cols", "rows_per_param", "max_round
 for split in (1, 64):
     out.append(build(_filtered_choice_kernel, sig, {"HAS_MIN_P": True, "BLOCK": 2048, "NO_INDEX": 2**31 - 1,
                                                     "SPLIT": split}, 16))
+sig = {**rows, "kept_ptr": "*i1", "rule_i_ptr": "*i32", "rule_f_ptr": "*fp32", "skip_ptr": "*i32", "out_ptr": "*i64",
+       **{n: "i32" for n in ("n_cols", "stride_x", "stride_kept", "stride_t", "stride_key0", "stride_key1",
+                             "stride_pos")}}
+for kept, rule in ((False, False), (True, False), (False, True)):
+    out.append(build(_choose_kernel, sig, {"HAS_KEPT": kept, "HAS_RULE": rule, "SKIP": rule, "BLOCK": 2048,
+                                           "NO_INDEX": 2**31 - 1}, 16))
 print(json.dumps(out))
 """
 
 
 @pytest.mark.skipif(not _PTXAS.is_file(), reason="the Triton wheel has no CUDA backend (ptxas) here")
 def test_split_choice_kernels_compile_for_sm90():
-    """The Gumbel-max choice's split pass 1 (partials, the unfiltered pick) and the filtered choice over its
-    partials (SPLIT 64) or walking pass 1 itself (SPLIT 1)."""
+    """The Gumbel-max choice's split pass 1 (partials, the unfiltered pick), the filtered choice over its partials
+    (SPLIT 64) or walking pass 1 itself (SPLIT 1), and the one-program choice unfiltered, over a kept mask and over a
+    kept-set rule with skipped rows (each scoring exactly only where the rough noise says a column could win)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", _COMPILE_CHOICE], env=env, capture_output=True, text=True,
                          timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert len(got) == 4 and all(k["cubin"] > 0 and k["entry"] for k in got), got
+    assert len(got) == 8 and all(k["cubin"] > 0 and k["entry"] for k in got), got

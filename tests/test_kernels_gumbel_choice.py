@@ -17,13 +17,18 @@ from specdec.kernels.gumbel_choice import (  # noqa: E402
     choose_tokens_triton,
 )
 from specdec.kernels.gumbel_noise import (  # noqa: E402
+    ROUGH_ERR,
     children_scores,
     children_scores_reference,
     children_scores_triton,
+    gumbel_at,
     gumbel_noise,
     gumbel_noise_triton,
+    gumbel_rough,
+    row_noise_key,
 )
 from specdec.kernels.gumbel_split import gumbel_splits  # noqa: E402
+from specdec.kernels.triton_import import tl, triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INF, NAN = float("inf"), float("nan")
@@ -408,3 +413,71 @@ def test_choices_at_neighbouring_positions_are_independent():
     assert abs(torch.corrcoef(torch.stack([here, there]))[0, 1].item()) < 0.04  # ~4 sigma of 1 / sqrt(PAIRS)
     p = torch.softmax(LOGITS.double() / 0.7, -1)
     assert abs((here == there).double().mean().item() - (p * p).sum().item()) < 0.02
+
+
+# ---------------------------------------------------------------- the rough noise that spares exact scoring
+
+@triton.jit
+def _rough_and_exact_kernel(key0_ptr, key1_ptr, pos_ptr, rough_ptr, exact_ptr, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    sub0, sub1 = row_noise_key(key0_ptr, key1_ptr, pos_ptr, row, 1, 1, 1)
+    tl.store(rough_ptr + row * n + cols, gumbel_rough(sub0, sub1, cols), mask=ok)
+    tl.store(exact_ptr + row * n + cols, gumbel_at(sub0, sub1, cols), mask=ok)
+
+
+def _rough_and_exact(key0, key1, position, n):
+    """(R, n) float32 rough noise and (R, n) float64 exact noise of columns 0..n-1 (``gumbel_rough``,
+    ``gumbel_at``)."""
+    r = key0.shape[0]
+    rough = torch.empty(r, n, dtype=torch.float32, device=key0.device)
+    exact = torch.empty(r, n, dtype=torch.float64, device=key0.device)
+    _rough_and_exact_kernel[(r, triton.cdiv(n, 1024))](key0, key1, position, rough, exact, n, BLOCK=1024)
+    return rough, exact
+
+
+def test_rough_noise_is_within_its_bound_of_the_exact_noise():
+    key0, key1, position = _keys(6, 7)
+    rough, exact = _rough_and_exact(key0, key1, position, 1 << 15)
+    assert torch.equal(exact.cpu(), gumbel_noise(key0, key1, position, torch.arange(1 << 15, device=DEVICE)).cpu())
+    flagged = torch.isinf(rough)
+    assert (rough[flagged] > 0).all()  # a flagged column is +inf: always scored exactly
+    assert flagged.float().mean() < 1e-4  # (the uniform within 2**-20 of 0 or 1: ~2e-6 of the columns)
+    diff = (rough.double() - exact)[~flagged].abs()
+    assert diff.max() <= 2.0**-10 < ROUGH_ERR.value  # the bound the choices' exact-scoring test leans on, 16x over
+    # the tails of G are where one hash word bounds it worst: the largest and smallest noise still within the bound
+    top = exact[~flagged].max()
+    assert top > 8 and diff[exact[~flagged] > top - 1].max() <= 2.0**-10
+
+
+def test_near_ties_across_blocks_choose_the_references_token():
+    """Per row a column b in the first half whose rough noise most overstates its exact noise and a column a in the
+    second half whose rough noise most understates it, their logits set so that a's exact score beats b's by one
+    float32 step of the logit (~2e-7, far below the rough noise's error): a walk that trusted the rough scores
+    (``ROUGH_ERR`` 0) skips a's block once b's was scored, and fails here; the choice must be a, the reference's
+    token, on every path (one program per row at two block sizes, split over programs, a kept set)."""
+    rows, v = 16, 4096
+    key0, key1, position = _keys(rows, 3)
+    rough, exact = _rough_and_exact(key0, key1, position, v)
+    over = (rough.double() - exact).masked_fill(torch.isinf(rough), 0.0)  # (rows, v): rough minus exact noise
+    x = torch.full((rows, v), -20.0, device=DEVICE)  # the other columns score below -20 + 12
+    temperature = torch.ones(rows, dtype=torch.float64, device=DEVICE)
+    for r in range(rows):  # scores of 3: small logits, so that the bound's share of |x / t| stays small
+        b = int(over[r, :v // 2].argmax())
+        a = v // 2 + int(over[r, v // 2:].argmin())
+        x[r, b] = torch.tensor(3.0 - exact[r, b].item(), dtype=torch.float32)
+        score_b = x[r, b].double() + exact[r, b]
+        xa = torch.tensor(score_b.item() - exact[r, a].item(), dtype=torch.float32)
+        while xa.double() + exact[r, a] <= score_b:  # the smallest float32 logit that puts a ahead of b
+            xa = torch.nextafter(xa, torch.tensor(float("inf")))
+        x[r, a] = xa
+    want = choose_tokens_reference(x, temperature, key0, key1, position)
+    assert all(want[r] >= v // 2 for r in range(rows))  # every row's exact winner is its column a
+    for kw in ({"block": 64}, {"block": 256, "splits": 1}, {"block": 64, "splits": 5},
+               {"block": 64, "splits": 2, "split_block": 64}):  # (the last: two programs of 32 blocks, rough)
+        got = choose_tokens_triton(x, temperature, key0, key1, position, **kw)
+        assert torch.equal(got.cpu(), want.cpu()), kw
+    kept = torch.ones(rows, v, dtype=torch.bool, device=DEVICE)
+    got = choose_tokens_triton(x, temperature, key0, key1, position, kept=kept, block=64)
+    assert torch.equal(got.cpu(), want.cpu())
