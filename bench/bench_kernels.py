@@ -225,6 +225,42 @@ def test_split_choice(benchmark, choice, splits, rows):
 
 
 @needs_cuda
+@pytest.mark.parametrize("rough", [False, True])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_rough_walk(benchmark, rough, rows):
+    """One program per row walking (R, 49,152) bf16 logits (``test_split_choice``'s) for the Gumbel-max at T 0.7, in
+    blocks of 1,024: every block scored exactly (``rough`` False) against blocks scored exactly only where the
+    rough noise's bound says a column could win (True; ``gumbel_split.gumbel_max_block``). Ten launches a round (a
+    launch from Python costs about what the kernel does); the same partials either way."""
+    from specdec.kernels.gumbel_split import NO_INDEX, _gumbel_max_partials_kernel
+
+    v = 49152
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, v, generator=g, device="cuda") * 2
+    likely = torch.randint(0, v, (rows, 16), generator=g, device="cuda")
+    x = x.scatter_add(-1, likely, torch.full(likely.shape, 10.0, device="cuda")).to(torch.bfloat16)
+    t = torch.full((rows,), 0.7, dtype=torch.float64, device="cuda")
+    key0, key1 = torch.randint(0, 2**32, (2, rows), generator=g, device="cuda")
+    position = torch.arange(rows, device="cuda") + 100
+    outs = {}
+    for flag in (False, True):
+        outs[flag] = (torch.empty(rows, 1, dtype=torch.float64, device="cuda"),
+                      torch.empty(rows, 1, dtype=torch.int32, device="cuda"),
+                      torch.empty(rows, 1, dtype=torch.float32, device="cuda"))
+
+    def run(flag):
+        for _ in range(10):
+            _gumbel_max_partials_kernel[(rows, 1)](x, t, key0, key1, position, *outs[flag], v, v, x.stride(0),
+                                                   t.stride(0), key0.stride(0), key1.stride(0), position.stride(0),
+                                                   BLOCK=1024, NO_INDEX=NO_INDEX, ROUGH=flag, num_warps=4)
+
+    run(False)
+    run(True)
+    assert all(torch.equal(a, b) for a, b in zip(outs[False], outs[True]))
+    _run(benchmark, lambda: run(rough), torch.cuda.synchronize)
+
+
+@needs_cuda
 @pytest.mark.parametrize("impl", ["triton", "triton_per_node", "reference"])
 @pytest.mark.parametrize("batch,nodes", [(1, 16), (16, 8), (64, 4), (64, 8)])
 def test_children_scores(benchmark, impl, batch, nodes):
