@@ -89,16 +89,14 @@ def gumbel_rough(sub0, sub1, cols):
     2**-32 of hi 2**-32; G = -log(E), E = -log(u), moves by du / (u E), at most 2**-11 for u in [2**-20, 1 - 2**-20].
     E is taken from u below 1/2 (float32's relative rounding: ~1e-7 of G) and from w = 1 - u, exact from the
     integer 2**32 - hi, above it (log1p's series below w = 2**-10, else -log(1 - w): ~6e-5 of G). Cheap where the
-    exact noise is dear (one hash instead of two, float32 logs instead of float64): the choices score a column
-    exactly only where this bound says it could win (``gumbel_split.gumbel_max_block``)."""
+    exact noise is dear (one hash instead of two, two float32 logs instead of two float64 ones): the choices score a
+    column exactly only where this bound says it could win (``gumbel_split.gumbel_max_block``)."""
     hi = _hash_words(sub0, sub1, cols.to(tl.uint32) * 2)  # the exact noise's first word: u's top 32 bits
     low = hi < 2147483648  # u < 1/2
     u = hi.to(tl.float32) * 2.3283064365386963e-10  # hi 2**-32
     w = (~hi + 1).to(tl.float32) * 2.3283064365386963e-10  # (2**32 - hi) 2**-32 = 1 - u, for hi >= 2**31
-    e_low = -tl.log(u)
-    e_series = w + w * w * 0.5 + w * w * w * 0.3333333432674408
-    e_high = tl.where(w < 0.0009765625, e_series, -tl.log(1.0 - w))
-    e = tl.where(low, e_low, e_high)
+    e_series = w + w * w * 0.5 + w * w * w * 0.3333333432674408  # -log(1 - w) for w < 2**-10
+    e = tl.where(low | (w >= 0.0009765625), -tl.log(tl.where(low, u, 1.0 - w)), e_series)
     edge = (hi < 4096) | (hi > 4294963200)  # u < 2**-20 or 1 - u < 2**-20 (to 2**-32)
     return tl.where(edge, float("inf"), -tl.log(e))
 

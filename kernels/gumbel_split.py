@@ -42,7 +42,7 @@ def gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i):
     column's float32 score from ``gumbel_rough`` is within ``ROUGH_ERR`` plus 2**-20 of its x / t of the exact one, so
     a column whose upper bound is below the larger of the lanes' best and the block's best lower bound is beaten by
     some column exactly (and is left out); after a row's first blocks, a block rarely holds a new best, and most
-    blocks cost one hash and three float32 logs a column instead of two hashes and two float64 logs."""
+    blocks cost one hash and two float32 logs a column instead of two hashes and two float64 logs."""
     xt = x / t.to(tl.float32)
     rough = xt + gumbel_rough(sub0, sub1, cols)
     err = ROUGH_ERR + tl.abs(xt) * 9.5367431640625e-07  # + |x / t| 2**-20 (float32's x / t is within 2**-22 of it)
