@@ -263,11 +263,10 @@ def main() -> None:
         cfg = SpecConfig(device=DEV, dtype="bfloat16" if CUDA else "float32", max_batch_size=batch,
                          prefix_cache=False, kv_memory_bytes=3 << 30, **fields)
         engine = SpecEngine(draft, target, cfg)
-        if held is not None and engine.adaptive is not None:  # only this budget (and 0, which it needs) left
-            engine.adaptive = EpochBudget([o for o in engine.adaptive.options if o.nodes in (0, held)])
-        if forced is not None and engine.adaptive is not None:  # budget ``forced`` held whatever it measures
-            engine.adaptive = EpochBudget([o for o in engine.adaptive.options if o.nodes in (0, forced)])
-            engine.adaptive._best = lambda state: 1  # (index 1: ``forced``; budget 0 still gets its probes)
+        if engine.adaptive is not None and (held, forced) != (None, None):  # only it (and 0, which it needs) left
+            engine.adaptive = EpochBudget([o for o in engine.adaptive.options if o.nodes in (0, held, forced)])
+            if forced is not None:  # held whatever it measures (index 1; budget 0 still gets its probes)
+                engine.adaptive._best = lambda state: 1
         build_s = time.perf_counter() - t0
         prompts = prompt_sets[pset][:n if CUDA else 2]
         top_p = 0.9 if temp else 1.0

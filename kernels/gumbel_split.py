@@ -54,11 +54,17 @@ def gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i):
     floor = tl.maximum(tl.max(best, axis=0), tl.max(lo_b, axis=0).to(tl.float64))
     need = ok & (hi_b.to(tl.float64) >= floor)
     if tl.max(need.to(tl.int32), axis=0) > 0:
-        score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
-        better = (score > best) & need  # strict: NaN never wins, the earlier column keeps a tie
-        best = tl.where(better, score, best)
-        best_i = tl.where(better, cols, best_i)
+        best, best_i = gumbel_max_exact(x, cols, need, t, sub0, sub1, best, best_i)
     return best, best_i
+
+
+@triton.jit
+def gumbel_max_exact(x, cols, ok, t, sub0, sub1, best, best_i):
+    """The lanes' running (best score, first column) updated with a block's columns ``cols`` where ``ok``, every
+    score x / t + G computed exactly (float64, ``gumbel_at``)."""
+    score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
+    better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
+    return tl.where(better, score, best), tl.where(better, cols, best_i)
 
 
 @triton.jit
@@ -78,10 +84,7 @@ def gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDEX
         if ROUGH:
             best, best_i = gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i)
         else:
-            score = x.to(tl.float64) / t + gumbel_at(sub0, sub1, cols)
-            better = (score > best) & ok  # strict: NaN never wins, the earlier column keeps a tie
-            best = tl.where(better, score, best)
-            best_i = tl.where(better, cols, best_i)
+            best, best_i = gumbel_max_exact(x, cols, ok, t, sub0, sub1, best, best_i)
     return best, best_i, xmax
 
 
