@@ -211,8 +211,8 @@ class EpochBudget:
         """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
         proposer.budget = self.choose(rows)
         results = verifier.verify_proposal(rows, proposer.propose(rows))
-        state = self._step[0]
-        self._step = (state, step_tokens(results, self._nodes[:state.held + 1]))
+        state = self._step[0]  # (plain decoding commits one token per row: nothing to count)
+        self._step = (state, step_tokens(results, self._nodes[:state.held + 1]) if state.held else [len(results)])
         return results
 
     def observe_step(self, seconds: float) -> None:

@@ -182,7 +182,10 @@ class DeviceNgram:
 
     def committed(self, rows: list[Request]) -> None:
         """After the step's commit: a commit cut short (a stop ends the row inside the accepted tokens) leaves the
-        history's valid prefix, so a row that goes on is caught up from there."""
+        history's valid prefix, so a row that goes on is caught up from there. Nothing at budget 0: ``consume``
+        recorded nothing, so no history holds more than its row's tokens."""
+        if self.decoding:
+            return
         held = self.held
         for req in rows:
             n = held.get(req)
