@@ -55,13 +55,16 @@ ENGINE_SETS = {
     "trees": {"target_only": {"draft": None},
               "eagle": {"draft": "eagle", "tree": "dynamic:31"},
               "eagle63": {"draft": "eagle", "tree": "dynamic:63"}},
-    # the CUDA defaults against the same engines admitting rows one by one (admit_min_free=1)
+    # the CUDA defaults (rows join once an eighth of the batch is free) against the same engines admitting rows one
+    # by one (admit_min_free=1) and in quarters of the batch ("admit_share": admit_min_free = batch // 4)
     "plan_admit": {"target_only": {"draft": None},
                    "target_only_admit1": {"draft": None, "admit_min_free": 1},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
                    "eagle_admit1": {"draft": "eagle", "tree": "dynamic:31", "admit_min_free": 1},
+                   "eagle_admitq": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 4},
                    "ngram": {"draft": "ngram"},
-                   "ngram_admit1": {"draft": "ngram", "admit_min_free": 1}},
+                   "ngram_admit1": {"draft": "ngram", "admit_min_free": 1},
+                   "ngram_admitq": {"draft": "ngram", "admit_share": 4}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -328,7 +331,9 @@ def main() -> None:
                 if ONLY and name not in ONLY and name != "target_only":
                     continue
                 fields = {"tree": "chain:8", **fields}
-                draft = fields.pop("draft")
+                draft, share = fields.pop("draft"), fields.pop("admit_share", None)
+                if share:
+                    fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
                     draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV,
                                                         target=target)

@@ -89,3 +89,22 @@ def test_promised_is_the_held_budgets_rate_over_plain_decodings_in_the_runs_buck
     assert bench._promised(rates, 64) is None  # no such bucket
     assert bench._promised({"b16 sampled": {0: 733.0, 1: 739.6}}, 16) is None  # plain decoding held: no promise
     assert bench._promised({"b16 greedy": {3: None, 0: 600.0}}, 16) is None  # the held budget not measured yet
+
+
+def test_admit_share_sets_the_engines_admission_group_from_its_batch(tiny_dirs, tmp_path, monkeypatch):
+    """``plan_admit``'s ``*_admitq`` engines admit once a quarter of their batch is free: 2 rows at batch 8 (the CPU
+    plan's own is 1, the unpipelined default)."""
+    target = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"mtbench": [[5, 6, 7, 8, 9]] * 8}))
+    env = {"ENGINES": "plan_admit", "ONLY": "ngram_admitq", "COLD": "1", "NUM_PROMPTS": "8", "REPEATS": "1",
+           "SCHEDULES": "continuous", "TEMPERATURE": "0"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delitem(sys.modules, "bench.gpu_interleaved", raising=False)
+    bench = importlib.import_module("bench.gpu_interleaved")
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_interleaved.py", str(out), str(target), str(prompts), "8"])
+    bench.main()
+    entry = json.loads((out / "interleaved.json").read_text())["b8_continuous"]
+    assert entry["ngram_admitq"]["plan"]["admit_min_free"] == 2 and entry["target_only"]["plan"]["admit_min_free"] == 1
