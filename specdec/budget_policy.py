@@ -145,7 +145,8 @@ class EpochBudget:
     (down to budget 0, plain decoding, the floor every budget is judged against); a budget measured dearer than a
     larger one is measured once more; then the budgets above the start, while the largest measured is the best.
     Then the best is held, and a neighbour is probed every ``hold`` epochs (budget 0, above and below in turn;
-    ``hold`` doubles while probes change nothing), so a change in acceptance or cost moves the choice. Budget 0 is
+    held at budget 0, every speculating budget in turn; ``hold`` doubles while probes change nothing), so a change in
+    acceptance or cost moves the choice. Budget 0 is
     probed, first, until it has ``window`` epochs, then only while it is in reach of the best (``plain_reach``). The
     held budget changes only to one measured ``margin`` faster (measurement noise does not flip it), and budget 0
     (plain decoding) is chosen unless the best beats it by ``plain_margin`` (what a speculating batch's uneven ends
@@ -270,6 +271,10 @@ class EpochBudget:
         if state.since_probe >= state.hold:  # probe budget 0, then the best's neighbours above and below, in turn
             turn = [0] if state.best > 1 and self._plain_in_reach(state) else []  # (else a neighbour, or the best)
             turn += [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
+            # (held at plain decoding, every larger budget in turn too: budget 0's one neighbour is the smallest
+            # budget, often the least gain, so a plain choice made from a search's slow first steps would otherwise
+            # never measure the larger ones again)
+            turn += list(range(2, len(self.options))) if state.best == 0 else []
             if turn:
                 state.held = turn[state.probes % len(turn)]
                 state.probes += 1

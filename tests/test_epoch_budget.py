@@ -337,3 +337,18 @@ def test_the_epoch_log_records_each_epochs_budget_phase_and_rate():
         assert e["rate"] == pytest.approx(TOK[e["nodes"]] / (MS[e["nodes"]] * 1e-3))
         assert e["median_step_s"] == e["max_step_s"] == pytest.approx(MS[e["nodes"]] * 1e-3)
         assert e["best_before"] == (7 if e["phase"] != "search" else 15)
+
+
+def test_held_at_plain_decoding_the_larger_budgets_are_probed_too():
+    """A search whose first steps ran slow (a new engine) left 7 and 15 dear and the smallest budget, 3, under the
+    plain margin: plain decoding is held. Its one neighbour, 3, still measures within the margin, but the probes
+    also measure the larger budgets in turn, and 7, at its real cost 25% over plain decoding, is held."""
+    tok = {0: 1.0, 3: 1.6, 7: 2.0, 15: 2.2}
+    ms = {0: 1.0, 3: 1.45, 7: 1.6, 15: 2.0}  # rates: 0 1.0, 3 1.10, 7 1.25, 15 1.1
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=2, max_hold_epochs=2, plain_margin=0.15))
+    rows = rows_of(16)
+    seq = []
+    for i in range(120):
+        slow = i < 12 and NODES.index(held(ctrl, rows) if ctrl.states else 15) >= 2  # the search's first steps
+        seq.append(step(ctrl, rows, tok.__getitem__, lambda n, s=slow: (3.0 if s else ms[n]) * 1e-3))
+    assert 0 in seq[12:40] and held(ctrl, rows) == 7 and seq[-40:].count(7) > 20
