@@ -158,9 +158,11 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
         while state == 0:  # c is the best score of the tokens that could be kept: is it kept?
             xc = tl.load(x_row + c).to(tl.float32)
             key_c = order_key(xc)
-            z = 0.0
-            mass = 0.0
-            count = 0
+            # per-lane sums, reduced once after the walk (a reduction across the program's warps per block would
+            # wait on shared memory three times a block)
+            z_lanes = tl.zeros([BLOCK], tl.float32)
+            mass_lanes = tl.zeros([BLOCK], tl.float32)
+            count_lanes = tl.zeros([BLOCK], tl.int32)
             best = tl.full([BLOCK], float("-inf"), tl.float64)
             best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
             for start in range(0, n_cols, BLOCK):
@@ -170,11 +172,14 @@ def _filtered_choice_kernel(x_ptr, t_ptr, key0_ptr, key1_ptr, pos_ptr, k_ptr, p_
                 e = tl.exp(tl.math.div_rn(x, t32) - m)
                 key = order_key(x)
                 ahead = ok & ((key > key_c) | ((key == key_c) & (cols < c)))  # ranked before c
-                z += tl.sum(tl.where(ok, e, 0.0), axis=0)
-                mass += tl.sum(tl.where(ahead, e, 0.0), axis=0)
-                count += tl.sum(ahead.to(tl.int32), axis=0)
+                z_lanes += tl.where(ok, e, 0.0)
+                mass_lanes += tl.where(ahead, e, 0.0)
+                count_lanes += ahead.to(tl.int32)
                 if tl.max(ahead.to(tl.int32), axis=0) > 0:  # the next candidate: the best score ranked before c
                     best, best_i = gumbel_max_block(x, cols, ahead, t, sub0, sub1, best, best_i)
+            z = tl.sum(z_lanes, axis=0)
+            mass = tl.sum(mass_lanes, axis=0)
+            count = tl.sum(count_lanes, axis=0)
             e_c = tl.exp(tl.math.div_rn(xc, t.to(tl.float32)) - m)
             by_p = (mass < top_p * z) | (nucleus == 0)
             kept = (count < k) & by_p & (e_c >= min_p)

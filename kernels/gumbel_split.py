@@ -75,17 +75,17 @@ def gumbel_max_range(x_row, t, sub0, sub1, lo, hi, BLOCK: tl.constexpr, NO_INDEX
     many blocks; over one or two, nearly every block holds a new best and would pay for both noises)."""
     best = tl.full([BLOCK], float("-inf"), tl.float64)
     best_i = tl.full([BLOCK], NO_INDEX, tl.int32)
-    xmax = tl.full((), float("-inf"), tl.float32)
+    xmax = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane, reduced once after the walk
     for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < hi
         x = tl.load(x_row + cols, mask=ok, other=float("-inf")).to(tl.float32)
-        xmax = tl.maximum(xmax, tl.max(x, axis=0))
+        xmax = tl.maximum(xmax, x)
         if ROUGH:
             best, best_i = gumbel_max_block(x, cols, ok, t, sub0, sub1, best, best_i)
         else:
             best, best_i = gumbel_max_exact(x, cols, ok, t, sub0, sub1, best, best_i)
-    return best, best_i, xmax
+    return best, best_i, tl.max(xmax, axis=0)
 
 
 @triton.jit
