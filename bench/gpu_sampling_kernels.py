@@ -1,6 +1,8 @@
-"""Launch settings of the sampled rule's two row kernels: the sort-free top-k/top-p filter (``kernels/nucleus.py``)
-and the Gumbel-max token choice (``kernels/gumbel_choice.py``), each one program per row walking the vocabulary;
-and of the EAGLE draft's children top-k (``kernels/topk.py``, blocks of columns per program, then a merge).
+"""Launch settings of the sampled rule's row kernels: the sort-free top-k/top-p filter (``kernels/nucleus.py``), the
+Gumbel-max token choice over a kept set (``kernels/gumbel_choice.py``), each one program per row walking the
+vocabulary, and the choice the rule runs (``choose_filtered_triton``: the unfiltered choice split over programs, then
+one program per row checking it against the row's nucleus); and of the EAGLE draft's children top-k
+(``kernels/topk.py``, blocks of columns per program, then a merge).
 
     python -P bench/gpu_sampling_kernels.py OUT_DIR [--vocab V] [--rows 16,64,256] [--topk-rows 10x10,...]
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import torch
 from specdec.kernels.gumbel_choice import DEFAULT_BLOCK as CHOOSE_BLOCK
-from specdec.kernels.gumbel_choice import choose_tokens_triton
+from specdec.kernels.gumbel_choice import choose_filtered_triton, choose_tokens_triton
 from specdec.kernels.nucleus import DEFAULT_BLOCK as NUCLEUS_BLOCK
 from specdec.kernels.nucleus import nucleus_probs
 from specdec.kernels.topk import DEFAULT_BLOCK as TOPK_BLOCK
@@ -117,7 +119,9 @@ def main() -> None:
             kernels = (("nucleus", NUCLEUS, (NUCLEUS_BLOCK, 8),
                         functools.partial(nucleus_probs, x, tv, probs, sampling)),
                        ("choose", CHOOSE, (CHOOSE_BLOCK, 16),
-                        functools.partial(choose_tokens_triton, x, t, keys[0], keys[1], pos, kept)))
+                        functools.partial(choose_tokens_triton, x, t, keys[0], keys[1], pos, kept)),
+                       ("filtered", CHOOSE, (CHOOSE_BLOCK, 16),  # (what the sampled rule runs; its checks' launch)
+                        functools.partial(choose_filtered_triton, x, t, keys[0], keys[1], pos, sampling, t.float())))
             for name, grid, default, launch in kernels:
                 same = (lambda got, kept=kept: bool(((got > 0) == kept).all())) if name == "nucleus" else \
                     (lambda got, want=want: bool((got == want).all()))
