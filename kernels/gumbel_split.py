@@ -29,9 +29,11 @@ SPLIT_BLOCK = 1024
 SPLIT_WARPS = 4
 SPLIT_PROGRAMS_PER_SM = 4
 # a pass over at least this many blocks scores through the rough noise (``gumbel_max_range``'s ROUGH): a walk's
-# k-th block holds a new best about 1 / k of the time, so over n blocks ~ln n + 0.6 are scored exactly; a guess,
-# not measured on a GPU yet
-ROUGH_MIN_BLOCKS = 4
+# k-th block holds a new best about 1 / k of the time, so over n blocks ~ln n + 0.6 are scored exactly, and every
+# block pays for the rough noise and the bound's reductions. On the H100 a walk of 48 blocks took 46-58% of the
+# exact walk's time with the bound, while batch 64's split pass (chunks of 6 blocks) took 37 us a step with it
+# against 33 without (bench/RESULTS.md, session 34)
+ROUGH_MIN_BLOCKS = 8
 
 
 @triton.jit
