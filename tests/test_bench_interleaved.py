@@ -12,20 +12,27 @@ import pytest
 from serving_helpers import with_tokenizer
 
 
-def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
+def _run(tiny_dirs, tmp_path, monkeypatch, prompt_sets: dict, env: dict, batch: int) -> dict:
+    """bench/gpu_interleaved.py's main over the tiny target with ``prompt_sets`` and the environment ``env`` at
+    ``batch`` rows: the JSON it wrote."""
     target = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"mtbench": [[5, 6, 7, 8, 9]] * 4, "sharegpt": [[9, 10, 11, 9, 10, 11]] * 4}))
-    env = {"ENGINES": "plan", "ONLY": "ngram", "COLD": "1", "PROMPT_SET": "sharegpt", "NUM_PROMPTS": "4",
-           "REPEATS": "2", "SCHEDULES": "continuous", "TEMPERATURE": "0"}
+    prompts.write_text(json.dumps(prompt_sets))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delitem(sys.modules, "bench.gpu_interleaved", raising=False)
     bench = importlib.import_module("bench.gpu_interleaved")  # reads the environment at import
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["gpu_interleaved.py", str(out), str(target), str(prompts), "2"])
+    monkeypatch.setattr(sys, "argv", ["gpu_interleaved.py", str(out), str(target), str(prompts), str(batch)])
     bench.main()
-    res = json.loads((out / "interleaved.json").read_text())
+    return json.loads((out / "interleaved.json").read_text())
+
+
+def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
+    env = {"ENGINES": "plan", "ONLY": "ngram", "COLD": "1", "PROMPT_SET": "sharegpt", "NUM_PROMPTS": "4",
+           "REPEATS": "2", "SCHEDULES": "continuous", "TEMPERATURE": "0"}
+    res = _run(tiny_dirs, tmp_path, monkeypatch,
+               {"mtbench": [[5, 6, 7, 8, 9]] * 4, "sharegpt": [[9, 10, 11, 9, 10, 11]] * 4}, env, 2)
     assert (res["engines"], res["cold"], res["prompt_set"], res["rounds"], res["temperature"]) == \
         ("plan", True, "sharegpt", 2, 0.0)
     assert "b2_waves" not in res  # SCHEDULES=continuous
@@ -94,17 +101,7 @@ def test_promised_is_the_held_budgets_rate_over_plain_decodings_in_the_runs_buck
 def test_admit_share_sets_the_engines_admission_group_from_its_batch(tiny_dirs, tmp_path, monkeypatch):
     """``plan_admit``'s ``*_admitq`` engines admit once a quarter of their batch is free: 2 rows at batch 8 (the CPU
     plan's own is 1, the unpipelined default)."""
-    target = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"mtbench": [[5, 6, 7, 8, 9]] * 8}))
     env = {"ENGINES": "plan_admit", "ONLY": "ngram_admitq", "COLD": "1", "NUM_PROMPTS": "8", "REPEATS": "1",
            "SCHEDULES": "continuous", "TEMPERATURE": "0"}
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delitem(sys.modules, "bench.gpu_interleaved", raising=False)
-    bench = importlib.import_module("bench.gpu_interleaved")
-    out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["gpu_interleaved.py", str(out), str(target), str(prompts), "8"])
-    bench.main()
-    entry = json.loads((out / "interleaved.json").read_text())["b8_continuous"]
+    entry = _run(tiny_dirs, tmp_path, monkeypatch, {"mtbench": [[5, 6, 7, 8, 9]] * 8}, env, 8)["b8_continuous"]
     assert entry["ngram_admitq"]["plan"]["admit_min_free"] == 2 and entry["target_only"]["plan"]["admit_min_free"] == 1
