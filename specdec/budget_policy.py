@@ -34,37 +34,33 @@ class EpochConfig:
     epochs run longer); hold_epochs: epochs the best budget is held before a neighbour is probed, doubled after each
     probe that leaves the best where it is (up to max_hold_epochs) and reset when the best moves; margin: how much more
     tokens per second a budget must measure than the one held to be held instead; plain_margin: how much more a
-    speculating budget must measure than plain decoding (budget 0) to be held instead of it, in a bucket of 2 to
-    wide_rows rows (one row: margin; more rows: wide_plain_margin). A speculating batch's rows end at different steps,
-    so a continuous batch admits its next rows a few at a time, each admission a step in which the joining rows decode
-    nothing, and the last rows drain alone, where plain decoding's rows end together and the next ones join at once; a
-    budget's rate counts tokens per live row and does not see that: on the H100 the rounds delivered 0.77-0.89 of the
-    held budget's promised rate over plain decoding at batch 16 and 0.93-1.0 at batch 64 (bench/RESULTS.md, sessions
-    32-34), so at batch 16 a budget promising less than ~18% more lost (n-gram at T=0.7 measured one-token chains 11%
-    over plain decoding, and the epochs where noise put them over a 15% margin cost its rounds 1-2%). window: the latest
-    epochs of each budget kept (its step cost is the least of their median steps: what slows a step is never the
-    budget's doing when another epoch of it ran faster; its token counts are summed); plain_reach: budget 0 is probed
-    (once it has window epochs) only while the best measures less than this much more than it (a probe of plain decoding
-    where the best is far ahead costs a whole epoch and moves nothing); cost_slack: a search re-measures, once, a budget
-    whose step measured more than this much dearer than a larger budget's (a smaller verify costs no more: something
-    else slowed that epoch); max_epoch_steps: steps after which an epoch ends however few of them were timed (steps that
-    ran a prefill are not); first_row_steps, first_min_steps: the search's first epoch ends early, once it timed
-    first_min_steps steps over first_row_steps rows in all (a large batch's step averages over many rows, so a few steps
-    measure it; a new engine's first requests then spend less time on budgets it will not hold); a budget whose tokens a
-    larger one's epochs already counted (every budget below the search's start) needs only its step cost: its first
-    epoch is first_min_steps timed steps. start_tokens: a bucket's search starts at no budget whose verify of the
-    bucket's rows holds more tokens than this (the optima measured on the H200, bench/RESULTS.md session 21: the full
-    31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's first steps at a large batch do not pay for the
-    full tree."""
+    speculating budget must measure than plain decoding (budget 0) to be held instead of it, in a bucket of more than
+    one row (one row: margin). A speculating batch's rows end at different steps, so a continuous batch admits its next
+    rows a few at a time, each admission a step in which the joining rows decode nothing, and the last rows drain alone,
+    where plain decoding's rows end together and the next ones join at once; a budget's rate counts tokens per live row
+    and does not see that: on the H100 the held budget's rate over plain decoding's promised 10-23% more than the runs
+    gave at batch 16 and 6-14% more at batch 64 (bench/RESULTS.md, sessions 32-34), so a budget promising less than 15%
+    more gained nothing or lost. window: the latest epochs of each budget kept (its step cost is the least of their
+    median steps: what slows a step is never the budget's doing when another epoch of it ran faster; its token counts
+    are summed); plain_reach: budget 0 is probed (once it has window epochs) only while the best measures less than this
+    much more than it (a probe of plain decoding where the best is far ahead costs a whole epoch and moves nothing);
+    cost_slack: a search re-measures, once, a budget whose step measured more than this much dearer than a larger
+    budget's (a smaller verify costs no more: something else slowed that epoch); max_epoch_steps: steps after which an
+    epoch ends however few of them were timed (steps that ran a prefill are not); first_row_steps, first_min_steps: the
+    search's first epoch ends early, once it timed first_min_steps steps over first_row_steps rows in all (a large
+    batch's step averages over many rows, so a few steps measure it; a new engine's first requests then spend less time
+    on budgets it will not hold); a budget whose tokens a larger one's epochs already counted (every budget below the
+    search's start) needs only its step cost: its first epoch is first_min_steps timed steps. start_tokens: a bucket's
+    search starts at no budget whose verify of the bucket's rows holds more tokens than this (the optima measured on the
+    H200, bench/RESULTS.md session 21: the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's
+    first steps at a large batch do not pay for the full tree."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
     hold_epochs: int = 8
     max_hold_epochs: int = 64
     margin: float = 0.03
-    plain_margin: float = 0.2
-    wide_plain_margin: float = 0.15
-    wide_rows: int = 16
+    plain_margin: float = 0.15
     plain_reach: float = 0.25
     window: int = 3
     cost_slack: float = 0.05
@@ -335,8 +331,7 @@ class EpochBudget:
 
     def _best(self, state: _Epochs) -> int:
         """The budget to hold: the fastest measured, unless it is within ``margin`` of the incumbent (then the
-        incumbent) or within ``plain_margin`` of budget 0 (then 0; ``margin`` in a bucket of one row,
-        ``wide_plain_margin`` above ``wide_rows``)."""
+        incumbent) or within ``plain_margin`` of budget 0 (then 0; ``margin`` in a bucket of one row)."""
         rates, cfg = state.rates(), self.config
         known = [j for j, r in enumerate(rates) if r is not None]
         if not known:
@@ -344,8 +339,7 @@ class EpochBudget:
         pick = max(known, key=rates.__getitem__)
         if rates[state.best] is not None and rates[pick] <= rates[state.best] * (1 + cfg.margin):
             pick = state.best
-        b = state.key[0]
-        plain = cfg.margin if b == 1 else cfg.plain_margin if b <= cfg.wide_rows else cfg.wide_plain_margin
+        plain = cfg.plain_margin if state.key[0] > 1 else cfg.margin
         if rates[0] is not None and rates[pick] <= rates[0] * (1 + plain):
             return 0
         return pick
