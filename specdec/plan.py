@@ -18,23 +18,22 @@ ADMIT_GROUP_FRACTION = 8  # pipelined engines admit waiting requests once max_ba
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """What one engine does at every step. ``proposer``: none (target-only), ngram, draft (a Llama draft model) or
-    eagle (a feature-conditioned draft). ``padded``: steps run in fixed (batch, tokens-per-row) buckets, captured as
-    CUDA graphs on CUDA and run eagerly over the same buffers elsewhere. ``device_program``: an eagle draft proposes
-    every row's tree with one device program per bucket; ``fused_verify``: its all-greedy steps launch the verify in
-    the same program. ``ngram_device``: n-gram chains looked up on the device from ``ngram_min_rows`` rows.
-    ``adaptive``: the per-step tree budget controller (0 nodes: plain decoding, where speculating does not pay); by
-    default on CUDA only, where a step's cost depends on the batch enough to matter and graph timings are steady (on
-    the CPU tree shapes stay fixed, so acceptance statistics are reproducible run to run; no budget ever changes
-    greedy output). ``pipeline``: each step queues its successor on the device before the host reads it
-    (greedy and sampled rows; not rows with a repetition penalty).
-    ``budget_epochs``: a pipelined engine's budget is held per batch bucket and kind of step (greedy, or with
-    sampled rows) for epochs of steps, chosen by measured tokens per second (``budget_policy.EpochBudget``), so
-    queued steps stay valid; an unpipelined engine's controller chooses at every step. ``warm_up``: every step shape
-    runs once at construction (``specdec.warm_up``), so the graphs captured on first use exist before the first
-    request. ``admit_min_free``: waiting requests join running ones once this many rows are free (or the queue's
-    head waited 8 steps): each admission is a prefill step, dearer than a decode step, so pipelined engines admit in
-    groups (``ADMIT_GROUP_FRACTION``)."""
+    """What one engine does at every step. ``proposer``: none (target-only), ngram, draft (a Llama draft model) or eagle
+    (a feature-conditioned draft). ``padded``: steps run in fixed (batch, tokens-per-row) buckets, captured as CUDA
+    graphs on CUDA and run eagerly over the same buffers elsewhere. ``device_program``: an eagle draft proposes every
+    row's tree with one device program per bucket; ``fused_verify``: its steps launch the verify and the acceptance rule
+    in the same program. ``ngram_device``: n-gram chains looked up on the device from ``ngram_min_rows`` rows.
+    ``adaptive``: the tree budget controller (per step, or per batch bucket with ``budget_epochs``; 0 nodes: plain
+    decoding, where speculating does not pay); by default on CUDA only, where a step's cost depends on the batch enough
+    to matter and graph timings are steady (on the CPU tree shapes stay fixed, so acceptance statistics are reproducible
+    run to run; no budget ever changes greedy output). ``pipeline``: each step queues its successor on the device before
+    the host reads it (greedy and sampled rows; not rows with a repetition penalty). ``budget_epochs``: a pipelined
+    engine's budget is held per batch bucket and kind of step (greedy, or with sampled rows) for epochs of steps, chosen
+    by measured tokens per second (``budget_policy.EpochBudget``), so queued steps stay valid; an unpipelined engine's
+    controller chooses at every step. ``warm_up``: every step shape runs once at construction (``specdec.warm_up``), so
+    the graphs captured on first use exist before the first request. ``admit_min_free``: waiting requests join running
+    ones once this many rows are free (or the queue's head waited 8 steps): each admission is a prefill step, dearer
+    than a decode step, so pipelined engines admit in groups (``ADMIT_GROUP_FRACTION``)."""
 
     device: str
     dtype: str

@@ -38,7 +38,7 @@ class SpecConfig:
     window_reuse: bool = True  # sliding-window models release blocks outside every window
     adaptive: bool | None = None  # the tree budget controller (specdec/budget_policy.py)
     fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
-    pipeline: bool | None = None  # greedy steps queue their successor on the device before the host reads them
+    pipeline: bool | None = None  # steps queue their successor on the device before the host reads them
     admit_min_free: int | None = None  # waiting requests join running ones once this many rows are free
     tensor_parallel_size: int = 1  # > 1: this process is one rank of the target's tensor-parallel group
     # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan``

@@ -38,8 +38,9 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="waves: --batch-size prompts per generate call (a wave lasts as long as its slowest row); "
                         "continuous: every prompt submitted at once, --batch-size rows running, freed rows refilled")
     b.add_argument("--adaptive", default="auto", choices=list(ADAPTIVE_CHOICES),
-                   help="per-step tree budget from measured costs (auto: on for CUDA, only for steps with sampled "
-                        "rows when the steps are pipelined); reports the mean budget")
+                   help="tree budget from measured costs, 0 = plain decoding (auto: on for CUDA, one budget per batch "
+                        "bucket held for epochs of pipelined steps; on: chosen every step, which turns pipelining off "
+                        "for drafts; off: the tree's full budget); reports the mean budget")
     b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
     b.add_argument("--seed", type=int, default=0, help="seed of the sampled requests")
     b.add_argument("--json", dest="json_out", default=None, help="write the full report here (default: not written)")
@@ -53,9 +54,9 @@ def add_bench_parser(sub, add_model_args) -> None:
 
 TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a draft model {CUDA_DRAFT_TREE} on CUDA, " \
             "else chain:4)"
-PIPELINE_HELP = "pipelined greedy steps (each step queued on the device before the host reads the previous one): " \
-    "target-only decoding, fused EAGLE steps and n-gram steps with device lookups (auto: on for CUDA with CUDA " \
-    "graphs; --adaptive on turns it off for drafts)"
+PIPELINE_HELP = "pipelined steps, greedy and sampled (each step queued on the device before the host reads the " \
+    "previous one): target-only decoding, fused EAGLE steps and n-gram steps with device lookups (auto: on for " \
+    "CUDA with CUDA graphs; --adaptive on turns it off for drafts)"
 
 
 def engine_mode(engine) -> dict:

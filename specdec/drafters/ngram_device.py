@@ -1,4 +1,4 @@
-"""n-gram drafting on the device, for graphed greedy steps of many rows.
+"""n-gram drafting on the device, for graphed steps of many rows (greedy and sampled).
 
 On the host an n-gram step looks up every row's chain in dictionaries before the verify can be launched, and
 writes the new tokens' n-grams after it: host work on every step's critical path, the largest part of what
