@@ -218,7 +218,8 @@ case "$stage" in
       tests/test_warm_up.py tests/test_pipelined_budgets.py tests/test_kernels_gumbel_choice.py \
       tests/test_kernels_nucleus.py tests/test_kernels_topk.py tests/test_kernels_advance.py \
       tests/test_kernels_kv_movement.py tests/test_eagle_budget_levels.py tests/test_mixed_batch_identity.py \
-      tests/test_eagle_features.py tests/test_pipeline_churn.py tests/test_kernels_kl_rows.py tests/test_kernels_tree_write.py}
+      tests/test_eagle_features.py tests/test_pipeline_churn.py tests/test_kernels_kl_rows.py tests/test_kernels_tree_write.py \
+      tests/test_tensor_parallel_gpu.py}
     pack
     ;;
   plan)  # plan NAME TEMPERATURE (.whl .gpu, the model assembled or .stage3/p_02): ENGINES (default plan) cold and

@@ -78,6 +78,10 @@ class SpecEngine:
         plan = self.plan
         specs = [kv_spec(self.target.config)] + ([kv_spec(self.draft.config)] if self.draft else [])
         budget = None if cfg.num_blocks is not None else kv_budget(cfg, self.device, self.target, self.draft)
+        if budget is not None and cfg.tensor_parallel_size > 1:  # every rank the same blocks (its own free memory)
+            from specdec.parallel import agree_min
+
+            budget = agree_min(budget, cfg.tensor_parallel_size)
         self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
                            device=self.device, feature_width=feature_width(self.draft, proposer))
         max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8

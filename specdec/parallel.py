@@ -34,6 +34,7 @@ def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[L
             raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 needs a Llama-family {role} (or, as the "
                              f"draft, an EAGLE draft), got {type(loaded.model).__name__}", size)
     tp = TensorParallel.current(size)
+    _check_backend(cfg, tp)
     part = _shard(target, tp, "target")
     if draft is not None and isinstance(draft.model, LlamaForCausalLM):
         draft = _shard(draft, tp, "draft")
@@ -51,21 +52,46 @@ def sync_global_seed(tp: TensorParallel) -> None:
     """Seed torch's global RNG on every rank with a seed drawn on rank 0: an unseeded sampled request draws its
     seed from it (``verifier.request_stream``), and every rank draws in the same order, so the ranks'
     requests get the same seeds."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    dist.broadcast(seed, src=0, group=tp.group)  # (gloo: a CPU tensor)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(_collective_device(tp))
+    dist.broadcast(seed, src=0, group=tp.group)
     torch.manual_seed(int(seed.item()))
 
 
+def agree_min(value: int, size: int) -> int:
+    """The least of every rank's ``value`` (the group of ``size`` ranks this process belongs to): what each rank
+    sizes alike from what it measured on its own (the KV pool from its GPU's free memory), so that every rank has
+    the same blocks and schedules the same batches."""
+    tp = TensorParallel.current(size)
+    x = torch.tensor([value], dtype=torch.int64, device=_collective_device(tp))
+    dist.all_reduce(x, op=dist.ReduceOp.MIN, group=tp.group)
+    return int(x.item())
+
+
+def _collective_device(tp: TensorParallel) -> torch.device:
+    """Where a tensor for a collective of ``tp``'s group lives: this rank's GPU under NCCL, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp.group) == "nccl" \
+        else torch.device("cpu")
+
+
+def _refuse(cfg, why: str) -> None:
+    raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 {why}", cfg.tensor_parallel_size)
+
+
 def _check_supported(cfg) -> None:
-    """FieldError for what a tensor-parallel engine cannot do yet: a device other than the CPU, and the options
-    whose per-rank timing or graphs would need rank 0's decisions broadcast."""
-    size = cfg.tensor_parallel_size
+    """FieldError for what a tensor-parallel engine cannot do yet: a device other than the CPU or CUDA, and the
+    budget controller, whose choices come from each rank's own step timings (every rank must choose the same budget;
+    the plan turns it off under tensor parallelism unless asked for)."""
+    if torch.device(cfg.device).type not in ("cpu", "cuda"):
+        _refuse(cfg, f"runs on the CPU (gloo) or CUDA (NCCL), got device {cfg.device!r}")
+    if cfg.adaptive:
+        _refuse(cfg, "does not support adaptive=True yet (each rank would choose budgets from its own timings)")
 
-    def refuse(why: str) -> None:
-        raise FieldError("SpecConfig", "tensor_parallel_size", f"> 1 {why}", size)
 
-    if torch.device(cfg.device).type != "cpu":
-        refuse(f"runs on the CPU (gloo) for now, got device {cfg.device!r}")
-    for name in ("cuda_graphs", "pipeline", "adaptive"):
-        if getattr(cfg, name):
-            refuse(f"does not support {name}=True yet")
+def _check_backend(cfg, tp: TensorParallel) -> None:
+    """FieldError unless the group's backend suits the device: NCCL for CUDA (each rank on its own GPU, made current
+    by the launcher: ``torch.cuda.set_device(LOCAL_RANK)``), gloo for the CPU."""
+    backend, cuda = dist.get_backend(tp.group), torch.device(cfg.device).type == "cuda"
+    if cuda and backend != "nccl":
+        _refuse(cfg, f"on CUDA needs an NCCL process group, got {backend!r}")
+    if not cuda and backend != "gloo":
+        _refuse(cfg, f"on the CPU needs a gloo process group, got {backend!r}")

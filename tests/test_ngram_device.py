@@ -330,7 +330,8 @@ def test_a_history_row_taken_over_is_uploaded_again():
 def test_plan_rules_on_cuda_and_cpu():
     """``resolve_plan``'s auto rules, checked without a GPU: on CUDA the controller for every proposer (target-only
     has nothing to budget), holding budgets for epochs where steps are pipelined (n-gram, EAGLE), every proposer but
-    a Llama draft pipelined, n-gram chains on the device from one row when pipelined;
+    a Llama draft pipelined, n-gram chains on the device from one row when pipelined; under tensor parallelism no
+    controller (its ranks would choose from their own timings), the rest as on one GPU;
     on the CPU all of it off; explicit options win."""
     from specdec.engine import SpecConfig
     from specdec.plan import NGRAM_DEVICE_MIN_ROWS, resolve_plan
@@ -347,6 +348,8 @@ def test_plan_rules_on_cuda_and_cpu():
     assert not none.adaptive and none.pipeline and none.padded
     eagle = resolve_plan(SpecConfig(tree="dynamic:31"), cuda, "eagle", "triton", 31)
     assert eagle.adaptive and eagle.pipeline and eagle.fused_verify and eagle.budget_epochs
+    tp = resolve_plan(SpecConfig(tree="dynamic:31", tensor_parallel_size=2), cuda, "eagle", "triton", 31)
+    assert not tp.adaptive and tp.pipeline and tp.fused_verify and tp.padded and not tp.budget_epochs
     draft = resolve_plan(SpecConfig(tree="topk:2x3"), cuda, "draft", "triton", 6)
     assert draft.adaptive and not draft.pipeline and not draft.device_program
     for proposer, nodes in (("none", 0), ("ngram", 8), ("eagle", 31)):

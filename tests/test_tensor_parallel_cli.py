@@ -60,6 +60,13 @@ def test_serve_refuses_replicas_of_tensor_parallel_groups_and_cuda_counts(capsys
         parallel.check_parallel(args, "cuda", "serve")
     with pytest.raises(UsageError, match="--device: 'cuda:1' names one GPU"):
         parallel.check_parallel(args, "cuda:1", "serve")
+    tp2 = type("Args", (), {"tensor_parallel_size": 2, "data_parallel_size": 1})()  # a rank on each GPU (NCCL)
+    with pytest.raises(UsageError, match="1 replicas x 2 GPUs each need 2 GPUs; this machine has 1"):
+        parallel.check_parallel(tp2, "cuda", "generate")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    parallel.check_parallel(tp2, "cuda", "generate")
+    with pytest.raises(UsageError, match="runs on the CPU .gloo. or CUDA"):
+        parallel.check_parallel(tp2, "mps", "generate")
 
 
 def test_launcher_keeps_rank0_output_and_ends_the_group_on_a_failure(tmp_path, monkeypatch, capfd):

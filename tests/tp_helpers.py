@@ -1,9 +1,9 @@
 """Running a function on N gloo ranks (spawned processes) for the tensor-parallel tests, with a deadline.
 
-``run_ranks(fn, size, *args)`` starts ``size`` processes; each joins a gloo group on a free local port and
-returns ``fn(rank, size, *args)``. It gives back the ranks' results in rank order, raises with the failing
-rank's traceback, and kills every process still alive at the deadline (no test hangs on a lost rank).
-"""
+``run_ranks(fn, size, *args)`` starts ``size`` processes; each joins a gloo group (``backend="nccl"``: an NCCL group,
+rank r on GPU r) on a free local port and returns ``fn(rank, size, *args)``. It gives back the ranks' results in rank
+order, raises with the failing rank's traceback, and kills every process still alive at the deadline (no test hangs on a
+lost rank)."""
 
 from __future__ import annotations
 
@@ -27,13 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(fn, size: int, *args, timeout: float = 90.0) -> list:
-    """``[fn(0, size, *args), ..., fn(size - 1, size, *args)]``, each run in its own process of a gloo group."""
+def run_ranks(fn, size: int, *args, timeout: float = 90.0, backend: str = "gloo") -> list:
+    """``[fn(0, size, *args), ..., fn(size - 1, size, *args)]``, each run in its own process of a ``backend``
+    group."""
     ctx = mp.get_context("forkserver")  # ranks fork from one clean server that imported the engine once
     ctx.set_forkserver_preload(["specdec.engine", "torch._dynamo", "tp_helpers"])  # (_dynamo: meta-device init)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, args, results), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, rank, size, port, args, results, backend), daemon=True)
              for rank in range(size)]
     for p in procs:
         p.start()
@@ -62,11 +63,13 @@ def run_ranks(fn, size: int, *args, timeout: float = 90.0) -> list:
     return [got[r] for r in range(size)]
 
 
-def _rank_main(fn, rank: int, size: int, port: int, args, results) -> None:
+def _rank_main(fn, rank: int, size: int, port: int, args, results, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=GROUP_TIMEOUT)
         try:
             results.put((rank, True, fn(rank, size, *args)))
@@ -222,3 +225,48 @@ def serve_rank(rank: int, size: int, target: str, draft: str | None, config, job
         finally:
             srv.stop()
     return texts, mirror.sent, engine.all_blocks_free()
+
+
+def pool_blocks(rank: int, size: int, model, budgets: list[int]) -> tuple[int, int]:
+    """A tensor-parallel engine over ``model`` whose KV budget (``engine_setup.kv_budget``, on CUDA each rank's own
+    free memory) is ``budgets[rank]``: (its pool's blocks, the blocks of one given the least budget outright)."""
+    import specdec.engine as engine_module
+    from specdec.engine import SpecConfig, SpecEngine
+    from specdec.loading.base import LoadedModel
+
+    target = LoadedModel("tiny", model, None, model.config)
+    least = SpecEngine(None, target, SpecConfig(tensor_parallel_size=size, block_size=4, kv_memory_bytes=min(budgets)))
+    engine_module.kv_budget = lambda *args: budgets[rank]
+    eng = SpecEngine(None, target, SpecConfig(tensor_parallel_size=size, block_size=4))
+    return eng.pool.num_blocks, least.pool.num_blocks
+
+
+def cuda_engine_runs(rank: int, size: int, models: tuple, runs: list[tuple], prompts: list[list[int]],
+                     max_new: int) -> list:
+    """``engine_runs`` with ``models`` moved to this rank's GPU first (the runs' options name device="cuda")."""
+    return engine_runs(rank, size, tuple(m.to("cuda") for m in models), runs, prompts, max_new)
+
+
+def graphed_sharded_logits(rank: int, size: int, model, prompt: list[int], other: list[int]) -> tuple[float, float]:
+    """This rank's part of ``model`` (moved to its GPU) captured in a CUDA graph, its all-reduces and all-gather
+    inside: max |logits - the whole model's| for ``prompt`` (the captured run) and for ``other`` (the same length,
+    copied into the graph's input and replayed)."""
+    from specdec.models.tensor_parallel import TensorParallel, shard_model
+    from specdec.training.dense_attention import dense_hidden
+
+    whole = model.to("cuda").fuse()
+    part = shard_model(whole, TensorParallel.current(size)).fuse()
+    ids = torch.tensor([prompt], device="cuda")
+    with torch.inference_mode():
+        part.compute_logits(dense_hidden(part, ids)[0])  # (warm-up: NCCL's communicator and the kernels, eagerly)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = part.compute_logits(dense_hidden(part, ids)[0])
+        diffs = []
+        for tokens in (prompt, other):
+            ids.copy_(torch.tensor([tokens], device="cuda"))
+            graph.replay()
+            want = whole.compute_logits(dense_hidden(whole, ids)[0])
+            diffs.append((out - want).abs().max().item())
+    return diffs[0], diffs[1]

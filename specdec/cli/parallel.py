@@ -25,8 +25,8 @@ RANK_GRACE_SECONDS = 10.0  # how long an ended command waits for each rank to st
 
 def add_parallel_args(p) -> None:
     p.add_argument(TP_FLAG, "-tp", dest="tensor_parallel_size", type=int, default=1,
-                   help="split the models over N processes (Megatron-style; CPU/gloo for now): started by this "
-                        "command, or run it under torchrun --nproc-per-node N")
+                   help="split the models over N processes (Megatron-style; gloo on the CPU, NCCL with one GPU a "
+                        "rank on CUDA): started by this command, or run it under torchrun --nproc-per-node N")
     p.add_argument(DP_FLAG, "-dp", dest="data_parallel_size", type=int, default=1,
                    help="engine replicas (serve: M processes behind one server, one GPU each on CUDA)")
 
@@ -43,9 +43,8 @@ def check_parallel(args, device: str, command: str) -> None:
     if tp > 1 and dp > 1:
         raise UsageError(TP_FLAG, f"replicas of a tensor-parallel group are not supported yet: use {TP_FLAG} or "
                                   f"{DP_FLAG}, not both, got {tp} with {DP_FLAG} {dp}")
-    if tp > 1 and not device.startswith("cpu"):
-        raise UsageError(TP_FLAG, f"> 1 runs on the CPU (gloo) for now; pass --device cpu (got --device {device}), "
-                                  f"got {tp}")
+    if tp > 1 and not device.startswith(("cpu", "cuda")):
+        raise UsageError(TP_FLAG, f"> 1 runs on the CPU (gloo) or CUDA (NCCL, one GPU a rank), got --device {device}")
     if device.startswith("cuda") and dp * tp > 1:
         import torch
 
@@ -97,10 +96,10 @@ def start_tensor_parallel(args, model: str, draft: str) -> int | None:
 
 
 def launch_tensor_parallel(args) -> int | None:
-    """Run the command on its tensor-parallel ranks. Inside a group's process (torchrun's or ours): join the group
-    (gloo) and return None, so that the caller goes on as this rank (ranks other than 0 print nothing and write no
-    files). Otherwise: start the ranks, wait, and return the command's exit status (0 when every rank ended 0,
-    else the first failing rank's, after its error output)."""
+    """Run the command on its tensor-parallel ranks. Inside a group's process (torchrun's or ours): join the group (gloo
+    on the CPU, NCCL on CUDA with GPU LOCAL_RANK current) and return None, so that the caller goes on as this rank
+    (ranks other than 0 print nothing and write no files). Otherwise: start the ranks, wait, and return the command's
+    exit status (0 when every rank ended 0, else the first failing rank's, after its error output)."""
     size = args.tensor_parallel_size
     if size == 1:
         return None
@@ -118,7 +117,15 @@ def _join_group(args, size: int) -> None:
         raise UsageError(TP_FLAG, f"is {size} but the launcher started {world} processes (torchrun --nproc-per-node "
                                   f"must equal it)")
     if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=_GROUP_TIMEOUT)
+        from specdec.cli.common import device_dtype
+
+        if device_dtype(args)[0].startswith("cuda"):  # NCCL, this rank on GPU LOCAL_RANK (torchrun's, or ours)
+            import torch
+
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+            dist.init_process_group("nccl", timeout=_GROUP_TIMEOUT)
+        else:
+            dist.init_process_group("gloo", timeout=_GROUP_TIMEOUT)
     if rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the rest of this process
         for name in _QUIET_ON_OTHER_RANKS:
