@@ -15,6 +15,7 @@
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh chisq     (sampling losslessness, 20k samples)
 #   any run after 3 (.whl)             bash bench/gpu_session.sh train_profile (a draft training step by phase)
 #   any run (.whl)                     bash bench/gpu_session.sh kernels   (launch settings of the sampling kernels)
+#   after 3, on several GPUs (.whl .gpu) bash bench/gpu_session.sh dp      (data-parallel serving against one GPU)
 #   any run (.data/distill/parts/...)  bash bench/gpu_session.sh parts     (training files split to fit a run: joined
 #                                      by the distill round; a piece's run takes one such part too)
 # Training a draft (bench/README.md, "Training the default draft"): run 1 also carries .data/distill/regen.npz (the
@@ -26,7 +27,7 @@
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | train_profile | chisq | kernels | distill 1|2}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | train_profile | chisq | kernels | dp | distill 1|2}
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
@@ -46,6 +47,9 @@ prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt fi
   for p in "$tmp"/piece.*; do mkdir -p ".stage3/p_${p##*.}" && mv "$p" ".stage3/p_${p##*.}/"; done
   rmdir "$tmp"
   "$py" -P bench/gpu_interleaved.py --prompts .gpu/mtbench_ids.json
+  "$py" -P -c "import json, sys; from specdec.benchmark.data import load_dataset
+for p in load_dataset('sharegpt', 200): print(json.dumps({'id': p.id, 'messages': p.to_messages()}))
+" > .gpu/sharegpt200.jsonl || return 1  # (the dp round's requests: bench-serve reads them on the GPU machine)
   ls -la .stage3/* .whl
 }
 
@@ -197,6 +201,32 @@ suites() {  # the pytest-benchmark suites, compared with the committed baseline 
 [ "$stage" = prep ] && { prep; exit; }
 [ "$stage" = distill_prep ] && { distill_prep; exit; }
 mkdir -p "$D"
+dp_rounds() {  # the dp round: output tokens/s of DP_SIZE replicas against one, bench-serve's JSON per run
+  local n=${DP_SIZE:-2} port=8417 r dp pid ok
+  for r in $(seq 1 "${DP_ROUNDS:-3}"); do
+    for dp in 1 "$n"; do
+      python3 -P -m specdec.cli serve --model "$MODEL" --port "$port" --data-parallel-size "$dp" --max-batch-size 64 \
+        > "$D/serve_dp${dp}_r$r.log" 2>&1 &
+      pid=$! ok=
+      for _ in $(seq 1 300); do
+        curl -sf "http://127.0.0.1:$port/health" > /dev/null && ok=1 && break
+        kill -0 "$pid" 2> /dev/null || break
+        sleep 1
+      done
+      if [ -n "$ok" ]; then
+        timeout "${DP_LIMIT:-300}" python3 -P -m specdec.cli bench-serve --url "http://127.0.0.1:$port" \
+          --dataset-path "$root/.gpu/sharegpt200.jsonl" --num-prompts 200 --max-concurrency $((64 * dp)) \
+          --max-tokens 128 --ignore-eos --label "dp${dp}_r$r" --json "$D/dp${dp}_r$r.json" \
+          > "$D/bench_dp${dp}_r$r.log" 2>&1
+        echo "dp $dp round $r: $(grep -i "output.*tok/s\|throughput" "$D/bench_dp${dp}_r$r.log" | head -2 | tr '\n' ' ')"
+      else
+        echo "dp $dp round $r: the server did not come up"; tail -5 "$D/serve_dp${dp}_r$r.log"
+      fi
+      kill -INT "$pid" 2> /dev/null; wait "$pid" 2> /dev/null
+    done
+  done
+}
+
 case "$stage" in
   piece)
     mkdir -p /tmp/stage && cp "$root"/.stage3/p_"$2"/* /tmp/stage/ && ls -la /tmp/stage
@@ -219,7 +249,7 @@ case "$stage" in
       tests/test_kernels_nucleus.py tests/test_kernels_topk.py tests/test_kernels_advance.py \
       tests/test_kernels_kv_movement.py tests/test_eagle_budget_levels.py tests/test_mixed_batch_identity.py \
       tests/test_eagle_features.py tests/test_pipeline_churn.py tests/test_kernels_kl_rows.py tests/test_kernels_tree_write.py \
-      tests/test_tensor_parallel_gpu.py}
+      tests/test_tensor_parallel_gpu.py tests/test_serving_data_parallel.py}
     pack
     ;;
   plan)  # plan NAME TEMPERATURE (.whl .gpu, the model assembled or .stage3/p_02): ENGINES (default plan) cold and
@@ -280,6 +310,14 @@ case "$stage" in
     [ -e "$MODEL" ] || assemble
     [ -n "${NO_INSTALL:-}" ] || install
     COMPARE=${COMPARE-smollm2-135m-draft} distill_round "${2:?distill 1|2}"
+    pack
+    ;;
+  dp)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02; several GPUs) `specdec serve` with 1 and with
+       # DP_SIZE (default 2) replicas of batch 64, in turn for DP_ROUNDS rounds (default 3), each loaded by `specdec
+       # bench-serve` with the 200 ShareGPT-eval requests, 64 in flight per replica, 128 tokens, EOS ignored
+    [ -s "$MODEL" ] || assemble
+    install
+    dp_rounds
     pack
     ;;
   *)

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 from serving_helpers import with_tokenizer
 
 from specdec.engine import SpecConfig, SpecEngine
@@ -77,6 +78,32 @@ def test_dp2_streams_equal_one_replica_and_free_every_block(dp_server, target_di
     assert sorted(a - b for a, b in zip(after, routed)) == [0, 3]  # the samples share one replica (and its KV)
     assert executor.run_on_replicas(held_blocks) == [0, 0]
     assert executor.run_on_replicas(SpecEngine.all_blocks_free) == [True, True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cuda_dp2_replicas_on_two_gpus_equal_one(target_dir, tiny_dirs, tiny_draft):
+    """Two replicas on cuda:0 and cuda:1 (float32, the CUDA defaults: graphs captured at start, pipelined steps)
+    behind the server: every stream equals the same request alone in one engine on cuda:0, both replicas serve,
+    and once drained neither holds a block."""
+    cfg = {"tree": "chain:4", "num_blocks": 96, "max_batch_size": 4, "dtype": "float32"}
+    recipes = [EngineRecipe(str(tiny_dirs["llama_draft"]), str(target_dir), SpecConfig(device=f"cuda:{i}", **cfg))
+               for i in range(2)]
+    replicas = start_replicas(recipes, context="spawn")
+    executor = DataParallelExecutor(replicas, block_size=replicas[0].info.block_size)
+    srv = ServerThread(build_app(executor, MODEL)).start()
+    try:
+        assert [r.info.device for r in replicas] == ["cuda:0", "cuda:1"]
+        engine = SpecEngine(str(tiny_dirs["llama_draft"]), str(target_dir), SpecConfig(device="cuda:0", **cfg))
+        want = [engine.generate(PROMPTS[i], _params(t, s))[0].text for i, _, t, s in JOBS]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        with ThreadPoolExecutor(len(JOBS)) as pool:
+            got = list(pool.map(lambda job: _ask(client, job), JOBS))
+        assert got == want
+        assert all(r["routed"] > 0 for r in httpx.get(f"{srv.url}/health").json()["replicas"])
+        assert executor.run_on_replicas(held_blocks) == [0, 0]
+    finally:
+        srv.stop()
+        executor.shutdown()
 
 
 def test_dp_refusal_names_the_field(dp_server):
