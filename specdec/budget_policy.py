@@ -156,8 +156,11 @@ class EpochBudget:
     and not of either budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface
     as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
-    def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None) -> None:
+    def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None, agree=None) -> None:
         self.config = config or EpochConfig()
+        # under tensor parallelism: each ended epoch's decisions become rank 0's (``parallel.from_rank0``); every
+        # rank ends its epochs at the same steps (they count steps, not seconds), but chooses from its own timings
+        self.agree = agree
         self.options = sorted(options)
         if not self.options or self.options[0].nodes != 0:
             raise ValueError("EpochBudget needs budget 0 (plain decoding) among its options")
@@ -239,6 +242,10 @@ class EpochBudget:
                             and state.row_steps >= cfg.first_row_steps)
         if done or (state.steps >= cfg.max_epoch_steps and state.timed):
             self._end_epoch(state)
+            if self.agree is not None:
+                decided = [state.held, state.best, state.hold, int(state.searching), state.since_probe, state.probes]
+                state.held, state.best, state.hold, searching, state.since_probe, state.probes = self.agree(decided)
+                state.searching = bool(searching)
         elif state.steps >= cfg.max_epoch_steps:  # nothing timed: the epoch starts over
             state.steps = 0
 
@@ -359,15 +366,16 @@ class EpochBudget:
         return out
 
 
-def make_controller(enabled: bool, drafter, graphs, epochs: bool = False) -> BudgetController | EpochBudget | None:
+def make_controller(enabled: bool, drafter, graphs, epochs: bool = False,
+                    agree=None) -> BudgetController | EpochBudget | None:
     """The engine's controller (``EnginePlan.adaptive``, resolved by ``specdec.plan``), or None (off, or a drafter
     with nothing to draft). ``epochs`` (``EnginePlan.budget_epochs``, a pipelined engine): an ``EpochBudget`` over
-    the drafter's budgets; else a ``BudgetController``, whose verify costs start from the captured graphs' measured
-    replay times."""
+    the drafter's budgets (``agree``: its, under tensor parallelism); else a ``BudgetController``, whose verify costs
+    start from the captured graphs' measured replay times."""
     if not enabled or drafter.max_nodes == 0:
         return None
     buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
     if epochs:
-        return EpochBudget(undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n))
+        return EpochBudget(undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n), agree=agree)
     table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
     return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)

@@ -14,6 +14,7 @@ from specdec.defaults import resolve_auto
 from specdec.drafters.base import Proposal
 from specdec.engine_guard import EngineGuard
 from specdec.engine_setup import (
+    agree_with_rank0,
     as_loaded,
     attention_backend,
     check_same_vocab,
@@ -91,7 +92,8 @@ class SpecEngine:
         self.drafter = make_drafter(draft, self.draft, cfg, self.device, self.runner, self.target.config.vocab_size)
         self.graph_report = setup_graphs(self.target, self.draft, self.drafter, self.pool, self.runner, cfg,
                                          self.device, max_blocks, plan.padded)
-        self.adaptive = make_controller(plan.adaptive, self.drafter, self.runner.graphs, epochs=plan.budget_epochs)
+        self.adaptive = make_controller(plan.adaptive, self.drafter, self.runner.graphs, epochs=plan.budget_epochs,
+                                        agree=agree_with_rank0(cfg.tensor_parallel_size))
         self.drafter.pipelined = plan.pipeline  # before the scheduler reads the drafter's lookahead
         prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
         window = None if not cfg.window_reuse else window_reuse_for(

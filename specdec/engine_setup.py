@@ -102,6 +102,17 @@ def kv_budget(cfg: SpecConfig, device: torch.device, target: LoadedModel, draft:
     return 256 << 20
 
 
+def agree_with_rank0(tensor_parallel_size: int):
+    """What makes a rank's budget decisions rank 0's under tensor parallelism (``parallel.from_rank0``), or None."""
+    if tensor_parallel_size == 1:
+        return None
+    from functools import partial
+
+    from specdec.parallel import from_rank0
+
+    return partial(from_rank0, size=tensor_parallel_size)
+
+
 def make_drafter(draft, loaded: LoadedModel | None, cfg: SpecConfig, device: torch.device, runner,
                  target_vocab: int) -> Drafter:
     """The proposer of a ``draft`` argument (``loaded``: the draft model it loaded, if any): n-gram chains, an EAGLE

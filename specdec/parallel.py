@@ -57,6 +57,15 @@ def sync_global_seed(tp: TensorParallel) -> None:
     torch.manual_seed(int(seed.item()))
 
 
+def from_rank0(values: list[int], size: int) -> list[int]:
+    """Rank 0's ``values`` (small ints) on every rank of the group of ``size``: a decision each rank could make
+    differently (from its own timings) made alike, as rank 0 made it."""
+    tp = TensorParallel.current(size)
+    x = torch.tensor(values, dtype=torch.int64, device=_collective_device(tp))
+    dist.broadcast(x, src=0, group=tp.group)
+    return x.tolist()
+
+
 def agree_min(value: int, size: int) -> int:
     """The least of every rank's ``value`` (the group of ``size`` ranks this process belongs to): what each rank
     sizes alike from what it measured on its own (the KV pool from its GPU's free memory), so that every rank has
@@ -79,8 +88,9 @@ def _refuse(cfg, why: str) -> None:
 
 def _check_supported(cfg) -> None:
     """FieldError for what a tensor-parallel engine cannot do yet: a device other than the CPU or CUDA, and the
-    budget controller, whose choices come from each rank's own step timings (every rank must choose the same budget;
-    the plan turns it off under tensor parallelism unless asked for)."""
+    per-step budget controller (``adaptive=True``), whose choices come from each rank's own step timings and would
+    need a broadcast every step (the plan's auto controller under tensor parallelism is a pipelined engine's
+    ``EpochBudget``, whose choices are rank 0's, broadcast once an epoch ends)."""
     if torch.device(cfg.device).type not in ("cpu", "cuda"):
         _refuse(cfg, f"runs on the CPU (gloo) or CUDA (NCCL), got device {cfg.device!r}")
     if cfg.adaptive:

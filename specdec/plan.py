@@ -81,10 +81,8 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
                          f"(attention_backend='auto' or 'triton'), got {cfg.attention_backend!r}")
     device_program = padded and proposer == "eagle"
     fused = cfg.fused_verify and device_program
-    # the controller: on CUDA for every proposer (pipelined engines hold budgets for epochs: ``epochs`` below), but
-    # not under tensor parallelism, whose ranks must choose alike and would choose from their own step timings
-    adaptive = cfg.adaptive if cfg.adaptive is not None else (
-        cuda and proposer in ("draft", "eagle", "ngram") and cfg.tensor_parallel_size == 1)
+    # the controller: on CUDA for every proposer (pipelined engines hold budgets for epochs: ``epochs`` below)
+    adaptive = cfg.adaptive if cfg.adaptive is not None else cuda and proposer in ("draft", "eagle", "ngram")
     adaptive = adaptive and max_nodes > 0
     want_pipeline = cfg.pipeline if cfg.pipeline is not None else cuda
     want_ngram_device = cfg.ngram_device if cfg.ngram_device is not None else cuda
@@ -98,6 +96,9 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
     else:
         pipeline = False
     pipeline = bool(pipeline)
+    # under tensor parallelism every rank must choose the budget rank 0 chose: an epoch's choice is broadcast once
+    # it ends, a per-step choice (an unpipelined engine's) would be a broadcast every step, so there is none
+    adaptive = adaptive and (pipeline or cfg.tensor_parallel_size == 1)
     epochs = pipeline and adaptive
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
     warm = cuda and padded  # (on the CPU nothing is captured, so there is nothing to warm up)

@@ -330,8 +330,9 @@ def test_a_history_row_taken_over_is_uploaded_again():
 def test_plan_rules_on_cuda_and_cpu():
     """``resolve_plan``'s auto rules, checked without a GPU: on CUDA the controller for every proposer (target-only
     has nothing to budget), holding budgets for epochs where steps are pipelined (n-gram, EAGLE), every proposer but
-    a Llama draft pipelined, n-gram chains on the device from one row when pipelined; under tensor parallelism no
-    controller (its ranks would choose from their own timings), the rest as on one GPU;
+    a Llama draft pipelined, n-gram chains on the device from one row when pipelined; under tensor parallelism
+    the controller only where it holds budgets for epochs (rank 0's choice broadcast as each ends), the rest as on
+    one GPU;
     on the CPU all of it off; explicit options win."""
     from specdec.engine import SpecConfig
     from specdec.plan import NGRAM_DEVICE_MIN_ROWS, resolve_plan
@@ -349,7 +350,9 @@ def test_plan_rules_on_cuda_and_cpu():
     eagle = resolve_plan(SpecConfig(tree="dynamic:31"), cuda, "eagle", "triton", 31)
     assert eagle.adaptive and eagle.pipeline and eagle.fused_verify and eagle.budget_epochs
     tp = resolve_plan(SpecConfig(tree="dynamic:31", tensor_parallel_size=2), cuda, "eagle", "triton", 31)
-    assert not tp.adaptive and tp.pipeline and tp.fused_verify and tp.padded and not tp.budget_epochs
+    assert tp.adaptive and tp.pipeline and tp.fused_verify and tp.padded and tp.budget_epochs
+    tp_draft = resolve_plan(SpecConfig(tree="topk:2x3", tensor_parallel_size=2), cuda, "draft", "triton", 6)
+    assert not tp_draft.adaptive and not tp_draft.pipeline
     draft = resolve_plan(SpecConfig(tree="topk:2x3"), cuda, "draft", "triton", 6)
     assert draft.adaptive and not draft.pipeline and not draft.device_program
     for proposer, nodes in (("none", 0), ("ngram", 8), ("eagle", 31)):

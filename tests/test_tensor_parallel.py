@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_eagle import PROMPTS as EAGLE_PROMPTS
 from test_eagle import setup  # noqa: F401 - the module's trained tiny EAGLE draft, a fixture
-from tp_helpers import engine_runs, passes, pool_blocks, run_ranks, sampled_runs, sharded_logits_diff
+from tp_helpers import engine_runs, epoch_choices, passes, pool_blocks, run_ranks, sampled_runs, sharded_logits_diff
 
 from specdec.config import ModelConfig
 from specdec.engine import SpecConfig, SpecEngine
@@ -163,6 +163,16 @@ def test_tp_ranks_agree_on_the_kv_pool(tiny_target):
     least of them, so every rank has the same blocks and schedules the same batches."""
     got = run_ranks(pool_blocks, 2, tiny_target.model, [3 << 20, 2 << 20])
     assert got[0] == got[1] and got[0][0] == got[0][1], got
+
+
+def test_tp_ranks_hold_rank0s_budgets():
+    """Ranks whose step timings disagree (rank 0 measures budget 7 the fastest, rank 1 budget 3) hold, step for
+    step, the budgets rank 0 chose once each ended epoch is agreed (``EpochBudget.agree``); left to themselves
+    they part."""
+    agreed = run_ranks(epoch_choices, 2, True)
+    assert agreed[0] == agreed[1] and agreed[0][-40:].count(7) > 30, agreed
+    apart = run_ranks(epoch_choices, 2, False)
+    assert apart[0] == agreed[0] and apart[1][-40:].count(3) > 30, apart
 
 
 def test_tp_config_checked(tiny_target):

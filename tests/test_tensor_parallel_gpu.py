@@ -55,8 +55,8 @@ def test_cuda_nccl_tp2_graphed_logits(tiny_factory):
 @two_gpus
 def test_cuda_nccl_tp2_greedy_equals_one_gpu(tiny_target, tiny_draft):
     """Engines of 2 ranks over NCCL with the CUDA defaults (graphs captured at start, target-only and n-gram steps
-    pipelined; no budget controller under tensor parallelism, so the one-GPU engine runs without it too) give one
-    GPU's float32 greedy tokens, target-only, n-gram and a draft model, every block free after."""
+    pipelined, n-gram's budgets held for epochs as rank 0 chose them) give one GPU's float32 greedy tokens (which
+    no budget changes), target-only, n-gram and a draft model, every block free after."""
     models = (copy.deepcopy(tiny_target.model).to("cuda"), copy.deepcopy(tiny_draft.model).to("cuda"))
     loaded = {"model": LoadedModel("tiny-draft", models[1], None, models[1].config)}
     target = LoadedModel("tiny", models[0], None, models[0].config)
