@@ -35,6 +35,7 @@ def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[L
                              f"draft, an EAGLE draft), got {type(loaded.model).__name__}", size)
     tp = TensorParallel.current(size)
     _check_backend(cfg, tp)
+    _control_group(tp)  # (made now, on every rank alike: making a group is a collective)
     part = _shard(target, tp, "target")
     if draft is not None and isinstance(draft.model, LlamaForCausalLM):
         draft = _shard(draft, tp, "draft")
@@ -52,17 +53,16 @@ def sync_global_seed(tp: TensorParallel) -> None:
     """Seed torch's global RNG on every rank with a seed drawn on rank 0: an unseeded sampled request draws its
     seed from it (``verifier.request_stream``), and every rank draws in the same order, so the ranks'
     requests get the same seeds."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64).to(_collective_device(tp))
-    dist.broadcast(seed, src=0, group=tp.group)
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    dist.broadcast(seed, src=0, group=_control_group(tp))
     torch.manual_seed(int(seed.item()))
 
 
 def from_rank0(values: list[int], size: int) -> list[int]:
     """Rank 0's ``values`` (small ints) on every rank of the group of ``size``: a decision each rank could make
     differently (from its own timings) made alike, as rank 0 made it."""
-    tp = TensorParallel.current(size)
-    x = torch.tensor(values, dtype=torch.int64, device=_collective_device(tp))
-    dist.broadcast(x, src=0, group=tp.group)
+    x = torch.tensor(values, dtype=torch.int64)
+    dist.broadcast(x, src=0, group=_control_group(TensorParallel.current(size)))
     return x.tolist()
 
 
@@ -70,16 +70,31 @@ def agree_min(value: int, size: int) -> int:
     """The least of every rank's ``value`` (the group of ``size`` ranks this process belongs to): what each rank
     sizes alike from what it measured on its own (the KV pool from its GPU's free memory), so that every rank has
     the same blocks and schedules the same batches."""
-    tp = TensorParallel.current(size)
-    x = torch.tensor([value], dtype=torch.int64, device=_collective_device(tp))
-    dist.all_reduce(x, op=dist.ReduceOp.MIN, group=tp.group)
+    x = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(x, op=dist.ReduceOp.MIN, group=_control_group(TensorParallel.current(size)))
     return int(x.item())
 
 
-def _collective_device(tp: TensorParallel) -> torch.device:
-    """Where a tensor for a collective of ``tp``'s group lives: this rank's GPU under NCCL, else the CPU (gloo)."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(tp.group) == "nccl" \
-        else torch.device("cpu")
+def control_group(size: int):
+    """The group of ``size`` ranks' channel for the host's small messages (``_control_group``): a tensor-parallel
+    server's operations go through it."""
+    return _control_group(TensorParallel.current(size))
+
+
+_CONTROL_GROUPS: dict = {}  # a tensor-parallel group (None: the default one) -> its ranks' gloo group
+
+
+def _control_group(tp: TensorParallel):
+    """The group the host's small messages go through (seeds, budgets, sizes): ``tp``'s own under gloo; under NCCL a
+    gloo group of the same ranks, made once, so that such a message neither waits for the GPU's queued work (an
+    NCCL collective is ordered behind the current stream's, a pipelined engine's next step included) nor costs a
+    copy to the GPU and back."""
+    if dist.get_backend(tp.group) == "gloo":
+        return tp.group
+    if tp.group not in _CONTROL_GROUPS:
+        ranks = None if tp.group is None else dist.get_process_group_ranks(tp.group)
+        _CONTROL_GROUPS[tp.group] = dist.new_group(ranks, backend="gloo")
+    return _CONTROL_GROUPS[tp.group]
 
 
 def _refuse(cfg, why: str) -> None:

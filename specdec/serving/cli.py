@@ -124,6 +124,7 @@ def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
 
     from specdec.cli.checks import load
     from specdec.cli.parallel import build_engine, start_tensor_parallel
+    from specdec.parallel import control_group
     from specdec.serving.executor import Executor, freeze_startup_heap
     from specdec.serving.tensor_parallel import StepMirror, follow
 
@@ -136,11 +137,12 @@ def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
         draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device,
                                                                           target=target)
         engine = build_engine(None if draft == "none" else draft, target, cfg)
+        group = control_group(args.tensor_parallel_size)  # (gloo: the operations do not wait for the GPUs)
         if sock is None:
             freeze_startup_heap()
-            follow(engine)
+            follow(engine, group)
             return 0
-        with Executor(engine, mirror=StepMirror()) as executor:
+        with Executor(engine, mirror=StepMirror(group)) as executor:
             _run_server(executor, args, sock, f"{engine.pool.num_blocks} KV blocks on each of "
                                               f"{args.tensor_parallel_size} tensor-parallel ranks")
     finally:
