@@ -49,6 +49,28 @@ def _shard(loaded: LoadedModel, tp: TensorParallel, role: str) -> LoadedModel:
     return LoadedModel(loaded.name, part, loaded.tokenizer, part.config)
 
 
+def free_port() -> int:
+    """A free TCP port on this host, for a local group's rendezvous (``MASTER_PORT``, ``tcp://127.0.0.1:PORT``)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_local_group(rank: int, size: int, port: int, device: str) -> str:
+    """Join a group of ``size`` processes on this host as ``rank`` (rendezvous at ``port``): NCCL with this rank on
+    GPU K + rank when ``device`` is cuda:K (made current), gloo on the CPU. Returns this rank's device."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = (dev.index or 0) + rank
+        torch.cuda.set_device(index)
+        device = f"cuda:{index}"
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=size)
+    return device
+
+
 def sync_global_seed(tp: TensorParallel) -> None:
     """Seed torch's global RNG on every rank with a seed drawn on rank 0: an unseeded sampled request draws its
     seed from it (``verifier.request_stream``), and every rank draws in the same order, so the ranks'

@@ -4,6 +4,7 @@ replicas serve, and once drained no replica holds a KV block. The router's choic
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -78,6 +79,35 @@ def test_dp2_streams_equal_one_replica_and_free_every_block(dp_server, target_di
     assert sorted(a - b for a, b in zip(after, routed)) == [0, 3]  # the samples share one replica (and its KV)
     assert executor.run_on_replicas(held_blocks) == [0, 0]
     assert executor.run_on_replicas(SpecEngine.all_blocks_free) == [True, True]
+
+
+def test_dp2_replicas_of_tp2_groups_equal_one_engine(target_dir, tiny_dirs, tiny_draft):
+    """Two replicas, each a tensor-parallel group of 2 ranks (gloo; rank 0 of each talks to the server and sends
+    its operations to rank 1): every stream, greedy and seeded sampled, equals the same request alone in one
+    unsplit engine, both replicas serve, and once drained no replica's pool has a block in use (no prefix cache:
+    ``/health``'s count is then what requests hold; ``run_on_loop`` is refused on a tensor-parallel rank 0)."""
+    cfg = SpecConfig(tree="chain:4", num_blocks=96, max_batch_size=4, tensor_parallel_size=2, prefix_cache=False)
+    recipe = EngineRecipe(str(tiny_dirs["llama_draft"]), str(target_dir), cfg, threads=1)
+    replicas = start_replicas([recipe, recipe], context="forkserver")
+    executor = DataParallelExecutor(replicas, block_size=replicas[0].info.block_size)
+    srv = ServerThread(build_app(executor, MODEL)).start()
+    try:
+        engine = SpecEngine(tiny_draft, str(target_dir), CONFIG)
+        jobs = JOBS[:6]
+        want = [engine.generate(PROMPTS[i], _params(t, s))[0].text for i, _, t, s in jobs]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job: _ask(client, job), jobs))
+        assert got == want
+        for _ in range(50):  # (a replica's load comes with its step statistics, just after its last step)
+            health = httpx.get(f"{srv.url}/health").json()["replicas"]
+            if all(r["kv_blocks_used"] == 0 for r in health):
+                break
+            time.sleep(0.1)
+        assert all(r["routed"] > 0 and r["kv_blocks_used"] == 0 for r in health), health
+    finally:
+        srv.stop()
+        executor.shutdown()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")

@@ -45,10 +45,7 @@ def test_parallel_flags_refused_naming_the_numbers(model_dir, capsys, extra, fla
     assert err.startswith(f"error: {flag}: ") and says in err, err
 
 
-def test_serve_refuses_replicas_of_tensor_parallel_groups_and_cuda_counts(capsys, monkeypatch):
-    assert main(["serve", "--device", "cpu", "--tensor-parallel-size", "2", "--data-parallel-size", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: --tensor-parallel-size: ") and "--data-parallel-size 2" in err
+def test_serve_checks_the_gpus_replicas_and_ranks_need(monkeypatch):
     import torch
 
     from specdec.cli import parallel
@@ -63,6 +60,10 @@ def test_serve_refuses_replicas_of_tensor_parallel_groups_and_cuda_counts(capsys
     tp2 = type("Args", (), {"tensor_parallel_size": 2, "data_parallel_size": 1})()  # a rank on each GPU (NCCL)
     with pytest.raises(UsageError, match="1 replicas x 2 GPUs each need 2 GPUs; this machine has 1"):
         parallel.check_parallel(tp2, "cuda", "generate")
+    dp2tp2 = type("Args", (), {"tensor_parallel_size": 2, "data_parallel_size": 2})()  # replicas of TP groups
+    with pytest.raises(UsageError, match="2 replicas x 2 GPUs each need 4 GPUs; this machine has 1"):
+        parallel.check_parallel(dp2tp2, "cuda", "serve")
+    parallel.check_parallel(dp2tp2, "cpu", "serve")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     parallel.check_parallel(tp2, "cuda", "generate")
     with pytest.raises(UsageError, match="runs on the CPU .gloo. or CUDA"):

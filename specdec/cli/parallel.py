@@ -40,9 +40,6 @@ def check_parallel(args, device: str, command: str) -> None:
     if dp > 1 and command != "serve":
         raise UsageError(DP_FLAG, f"replicas serve many requests: use `specdec serve {DP_FLAG} {dp}` (and "
                                   f"`specdec bench-serve` to load it); `specdec {command}` runs one engine, got {dp}")
-    if tp > 1 and dp > 1:
-        raise UsageError(TP_FLAG, f"replicas of a tensor-parallel group are not supported yet: use {TP_FLAG} or "
-                                  f"{DP_FLAG}, not both, got {tp} with {DP_FLAG} {dp}")
     if tp > 1 and not device.startswith(("cpu", "cuda")):
         raise UsageError(TP_FLAG, f"> 1 runs on the CPU (gloo) or CUDA (NCCL, one GPU a rank), got --device {device}")
     if device.startswith("cuda") and dp * tp > 1:
@@ -145,8 +142,9 @@ def start_ranks(command: list[str], size: int) -> int:
     import time
 
     from specdec.cli.common import cpu_threads
+    from specdec.parallel import free_port
 
-    port, threads = _free_port(), str(max(1, cpu_threads() // size))
+    port, threads = free_port(), str(max(1, cpu_threads() // size))
     procs, logs = [], []
     stopped, preexec = _StopOnSignals(signal.SIGTERM, signal.SIGHUP), _end_with_parent()
     try:
@@ -254,11 +252,3 @@ def _end_ranks(procs: list) -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -96,7 +96,7 @@ def cmd_serve(args) -> int:
                 gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
     check_model("--draft", args.draft, extra=("ngram", "none"))
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1 and args.data_parallel_size == 1:
         return _serve_tensor_parallel(cfg, args, device, dtype)
     sock = bind_socket(args.host, args.port)
     if args.data_parallel_size > 1:
@@ -170,17 +170,21 @@ def _serve(engine, args, sock) -> None:
 
 def _serve_replicas(cfg, args, sock) -> None:
     """--data-parallel-size M: M engine processes (replica i on cuda:i, or all on the CPU with its cores shared)
-    behind one server."""
+    behind one server; with --tensor-parallel-size N each replica is a group of N ranks (replica i on GPUs
+    i * N .. i * N + N - 1), whose rank 0 the server talks to."""
     from dataclasses import replace
 
     from specdec.cli.common import cpu_threads
+    from specdec.cli.parallel import check_split_before_loading
     from specdec.serving.data_parallel import DataParallelExecutor
     from specdec.serving.replica_process import EngineRecipe, start_replicas
 
-    size, cuda = args.data_parallel_size, cfg.device.startswith("cuda")
-    threads = None if cuda else max(1, cpu_threads(args.threads) // size)
+    size, tp, cuda = args.data_parallel_size, args.tensor_parallel_size, cfg.device.startswith("cuda")
+    check_split_before_loading("--model", args.model, tp)  # (a model that does not split: a UsageError now)
+    check_split_before_loading("--draft", args.draft, tp)
+    threads = None if cuda else max(1, cpu_threads(args.threads) // (size * tp))
     draft = None if args.draft == "none" else args.draft
-    recipes = [EngineRecipe(draft, args.model, replace(cfg, device=f"cuda:{i}" if cuda else cfg.device), threads)
+    recipes = [EngineRecipe(draft, args.model, replace(cfg, device=f"cuda:{i * tp}" if cuda else cfg.device), threads)
                for i in range(size)]
     print(f"starting {size} replicas ...", file=sys.stderr)
     replicas = start_replicas(recipes)  # (a replica that fails to start raises with its traceback)

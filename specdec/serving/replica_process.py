@@ -102,8 +102,10 @@ class ReplicaProcess(RequestStreams):
         self.index = index
         ctx = mp.get_context(context)
         self._to_child, self._from_child = ctx.Queue(), ctx.Queue()
+        # (a replica of a tensor-parallel group starts its other ranks: a daemonic process may not have children)
         self._process = ctx.Process(target=_child_main, args=(recipe, self._to_child, self._from_child),
-                                    name=f"specdec-replica-{index}", daemon=True)
+                                    name=f"specdec-replica-{index}",
+                                    daemon=recipe.config.tensor_parallel_size == 1)
         self._process.start()
         self.info: ReplicaInfo | None = None
         self.load = Load(0, 0, 0, 0)
@@ -262,7 +264,7 @@ def _child_main(recipe: EngineRecipe, inbox, outbox) -> None:
     """Build the engine, report ready (or the failure), then serve the parent's messages until "stop" or until
     the parent is gone."""
     try:
-        executor = Executor(recipe.build())
+        executor = _executor(recipe)
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         outbox.put(("failed", traceback.format_exc()))
         return
@@ -278,6 +280,50 @@ def _child_main(recipe: EngineRecipe, inbox, outbox) -> None:
     finally:
         executor.shutdown()
         workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _executor(recipe: EngineRecipe) -> Executor:
+    """The replica's Executor over ``recipe``'s engine. A recipe with ``tensor_parallel_size`` N > 1 makes the replica
+    a tensor-parallel group: this process is its rank 0 (on ``config.device``, cuda:K: ranks on GPUs K .. K + N - 1)
+    and starts ranks 1 .. N - 1 (``_follower_main``, daemonic: they end with it); its executor sends them every
+    operation (``serving.tensor_parallel``), as a tensor-parallel server's rank 0 does."""
+    size = recipe.config.tensor_parallel_size
+    if size == 1:
+        return Executor(recipe.build())
+    from specdec.parallel import control_group, free_port
+    from specdec.serving.tensor_parallel import StepMirror
+
+    port, ctx = free_port(), mp.get_context("spawn")
+    for rank in range(1, size):
+        ctx.Process(target=_follower_main, args=(recipe, rank, size, port), name=f"specdec-replica-rank-{rank}",
+                    daemon=True).start()
+    return Executor(_rank_engine(recipe, 0, size, port), mirror=StepMirror(control_group(size)))
+
+
+def _rank_engine(recipe: EngineRecipe, rank: int, size: int, port: int):
+    """Join the replica's group as ``rank`` and build this rank's engine on its device."""
+    from specdec.defaults import resolve_auto
+    from specdec.parallel import join_local_group
+
+    config = resolve_auto(recipe.config, recipe.draft, recipe.target)  # (an "auto" device: this rank's is named)
+    device = join_local_group(rank, size, port, config.device)
+    return replace(recipe, config=replace(config, device=device)).build()
+
+
+def _follower_main(recipe: EngineRecipe, rank: int, size: int, port: int) -> None:
+    """Rank ``rank`` of a tensor-parallel replica: its part of the engine, applying what rank 0 sends until "stop"
+    (or until rank 0 is gone: the group's collective then fails)."""
+    import torch.distributed as dist
+
+    from specdec.parallel import control_group
+    from specdec.serving.tensor_parallel import follow
+
+    engine = _rank_engine(recipe, rank, size, port)
+    freeze_startup_heap()
+    try:
+        follow(engine, control_group(size))
+    finally:
+        dist.destroy_process_group()
 
 
 def _serve_parent(executor: Executor, inbox, outbox, workers: ThreadPoolExecutor, sent: dict) -> None:
