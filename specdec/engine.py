@@ -63,15 +63,17 @@ class SpecEngine:
         check_roles(draft, target)  # an EAGLE draft given as the target is refused before anything loads
         self.device = torch.device(cfg.device)
         dtype = resolve_dtype(cfg.dtype)
-        self.target = as_loaded(target, dtype, self.device)
-        self.draft = None if draft is None or draft == "ngram" else as_loaded(draft, dtype, self.device,
-                                                                                self.target)
+        # (under tensor parallelism models load on the CPU and each rank moves only its part to its device: a target
+        # larger than one GPU never sits whole on one)
+        load_on = torch.device("cpu") if cfg.tensor_parallel_size > 1 else self.device
+        self.target = as_loaded(target, dtype, load_on)
+        self.draft = None if draft is None or draft == "ngram" else as_loaded(draft, dtype, load_on, self.target)
         if self.draft is not None:
             check_same_vocab(self.draft, self.target)
         if cfg.tensor_parallel_size > 1:  # this rank's part of each model (docs/parallel.md)
             from specdec.parallel import shard_models
 
-            self.target, self.draft = shard_models(self.target, self.draft, cfg)
+            self.target, self.draft = shard_models(self.target, self.draft, cfg, self.device)
         backend = attention_backend(cfg, self.device)
         proposer = proposer_kind(draft, self.draft)
         self.plan = resolve_plan(cfg, self.device, proposer, backend.name,

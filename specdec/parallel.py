@@ -18,14 +18,16 @@ from specdec.models.llama import LlamaForCausalLM
 from specdec.models.tensor_parallel import TensorParallel, check_split, shard_model
 
 
-def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[LoadedModel, LoadedModel | None]:
+def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg,
+                 device: torch.device | None = None) -> tuple[LoadedModel, LoadedModel | None]:
     """This rank's parts of ``target`` and of the ``draft`` (None: target-only or n-gram) for an engine with
     options ``cfg`` (a SpecConfig with ``tensor_parallel_size`` > 1): a Llama draft model is sharded like the
     target, an EAGLE draft is kept whole on every rank (one decoder layer: it reads the target's features, which
     are the residual stream and so the same bytes on every rank after the row-parallel all-reduces, and every rank
     runs the same draft on the same inputs, so every rank proposes the same trees). Each part's ``config`` is the
-    rank's shape (its KV heads size the pool). FieldError naming ``tensor_parallel_size`` when the combination is
-    not supported or a model does not split; also seeds torch's global RNG from rank 0 (``sync_global_seed``)."""
+    rank's shape (its KV heads size the pool), moved to ``device`` when given (only the rank's part of a model
+    loaded on the CPU reaches its GPU). FieldError naming ``tensor_parallel_size`` when the combination is not
+    supported or a model does not split; also seeds torch's global RNG from rank 0 (``sync_global_seed``)."""
     size = cfg.tensor_parallel_size
     _check_supported(cfg)
     for role, loaded in (("target", target), ("draft", draft)):
@@ -39,6 +41,10 @@ def shard_models(target: LoadedModel, draft: LoadedModel | None, cfg) -> tuple[L
     part = _shard(target, tp, "target")
     if draft is not None and isinstance(draft.model, LlamaForCausalLM):
         draft = _shard(draft, tp, "draft")
+    if device is not None:
+        for loaded in (part, draft):
+            if loaded is not None:
+                loaded.model.to(device)
     sync_global_seed(tp)
     return part, draft
 

@@ -6,7 +6,16 @@ import pytest
 import torch
 from test_eagle import PROMPTS as EAGLE_PROMPTS
 from test_eagle import setup  # noqa: F401 - the module's trained tiny EAGLE draft, a fixture
-from tp_helpers import engine_runs, epoch_choices, passes, pool_blocks, run_ranks, sampled_runs, sharded_logits_diff
+from tp_helpers import (
+    engine_runs,
+    epoch_choices,
+    parts_placed,
+    passes,
+    pool_blocks,
+    run_ranks,
+    sampled_runs,
+    sharded_logits_diff,
+)
 
 from specdec.config import ModelConfig
 from specdec.engine import SpecConfig, SpecEngine
@@ -173,6 +182,13 @@ def test_tp_ranks_hold_rank0s_budgets():
     assert agreed[0] == agreed[1] and agreed[0][-40:].count(7) > 30, agreed
     apart = run_ranks(epoch_choices, 2, False)
     assert apart[0] == agreed[0] and apart[1][-40:].count(3) > 30, apart
+
+
+def test_tp_ranks_move_only_their_part(tiny_target):
+    """Under tensor parallelism models load on the CPU and each rank moves only its part to its device (meta here,
+    for a GPU): the whole model stays where it was, so a target larger than one GPU never sits whole on one."""
+    for part, whole in run_ranks(parts_placed, 2, tiny_target.model):
+        assert part == {"meta"} and whole == {"cpu"}, (part, whole)
 
 
 def test_tp_config_checked(tiny_target):

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from tp_helpers import cuda_engine_runs, graphed_sharded_logits, run_ranks
+from tp_helpers import engine_runs, graphed_sharded_logits, run_ranks
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.base import LoadedModel
@@ -56,7 +56,8 @@ def test_cuda_nccl_tp2_graphed_logits(tiny_factory):
 def test_cuda_nccl_tp2_greedy_equals_one_gpu(tiny_target, tiny_draft):
     """Engines of 2 ranks over NCCL with the CUDA defaults (graphs captured at start, target-only and n-gram steps
     pipelined, n-gram's budgets held for epochs as rank 0 chose them) give one GPU's float32 greedy tokens (which
-    no budget changes), target-only, n-gram and a draft model, every block free after."""
+    no budget changes), target-only, n-gram and a draft model, every block free after. The ranks get the models on
+    the CPU, as a target larger than one GPU comes, and each moves only its part to its GPU."""
     models = (copy.deepcopy(tiny_target.model).to("cuda"), copy.deepcopy(tiny_draft.model).to("cuda"))
     loaded = {"model": LoadedModel("tiny-draft", models[1], None, models[1].config)}
     target = LoadedModel("tiny", models[0], None, models[0].config)
@@ -66,7 +67,7 @@ def test_cuda_nccl_tp2_greedy_equals_one_gpu(tiny_target, tiny_draft):
         eng = SpecEngine(loaded.get(draft, draft), target, SpecConfig(adaptive=False, **options))
         want.append([[o.token_ids for o in eng.generate(GEN_PROMPTS, params)] for _ in range(2 if draft == "ngram"
                                                                                               else 1)])
-    ranks = run_ranks(cuda_engine_runs, 2, (tiny_target.model, tiny_draft.model), CUDA_RUNS, GEN_PROMPTS, 16,
+    ranks = run_ranks(engine_runs, 2, (tiny_target.model, tiny_draft.model), CUDA_RUNS, GEN_PROMPTS, 16,
                       backend="nccl", timeout=300)
     for rank, got in enumerate(ranks):
         for (tokens, free, _, _), expect, (draft, _) in zip(got, want, CUDA_RUNS):

@@ -241,12 +241,6 @@ def pool_blocks(rank: int, size: int, model, budgets: list[int]) -> tuple[int, i
     return eng.pool.num_blocks, least.pool.num_blocks
 
 
-def cuda_engine_runs(rank: int, size: int, models: tuple, runs: list[tuple], prompts: list[list[int]],
-                     max_new: int) -> list:
-    """``engine_runs`` with ``models`` moved to this rank's GPU first (the runs' options name device="cuda")."""
-    return engine_runs(rank, size, tuple(m.to("cuda") for m in models), runs, prompts, max_new)
-
-
 def graphed_sharded_logits(rank: int, size: int, model, prompt: list[int], other: list[int]) -> tuple[float, float]:
     """This rank's part of ``model`` (moved to its GPU) captured in a CUDA graph, its all-reduces and all-gather
     inside: max |logits - the whole model's| for ``prompt`` (the captured run) and for ``other`` (the same length,
@@ -299,3 +293,15 @@ def epoch_choices(rank: int, size: int, agreed: bool) -> list[int]:
         ctrl.observe_step(ms[n] * 1e-3)
         held.append(n)
     return held
+
+
+def parts_placed(rank: int, size: int, model) -> tuple[set, set]:
+    """``shard_models`` of a whole ``model`` on the CPU with ``device`` meta (a stand-in for this rank's GPU): the
+    devices of the part's parameters, and of the whole model's after (untouched)."""
+    from specdec.engine import SpecConfig
+    from specdec.loading.base import LoadedModel
+    from specdec.parallel import shard_models
+
+    whole = LoadedModel("tiny", model, None, model.config)
+    part, _ = shard_models(whole, None, SpecConfig(tensor_parallel_size=size, device="cpu"), torch.device("meta"))
+    return {p.device.type for p in part.model.parameters()}, {p.device.type for p in model.parameters()}

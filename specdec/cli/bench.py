@@ -136,8 +136,9 @@ def cmd_bench(args) -> int:
     if code is not None:
         return code
     prompts = load_dataset(args.dataset, args.num_prompts)
-    target = load("--model", args.model, dtype, device)
-    draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, device, target=target)
+    on = "cpu" if args.tensor_parallel_size > 1 else device  # (each rank moves only its part to its GPU)
+    target = load("--model", args.model, dtype, on)
+    draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, on, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
     engines = (build_engine(draft, target, cfg), build_engine(None, target, cfg))
     hf = None

@@ -39,8 +39,9 @@ def cmd_generate(args) -> int:
     note = sampled_speed_note(device, args.temperature, name)
     if note:
         print(note, file=sys.stderr)
-    target = load("--model", args.model, dtype, device)
-    draft = name if name in ("ngram", "none") else load("--draft", name, dtype, device, target=target)
+    on = "cpu" if args.tensor_parallel_size > 1 else device  # (each rank moves only its part to its GPU)
+    target = load("--model", args.model, dtype, on)
+    draft = name if name in ("ngram", "none") else load("--draft", name, dtype, on, target=target)
     engine = build_engine(None if draft == "none" else draft, target, config)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if params.n > 1:

@@ -133,8 +133,8 @@ def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
         return code
     sock = bind_socket(args.host, args.port) if dist.get_rank() == 0 else None
     try:
-        target = load("--model", args.model, dtype, device)
-        draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, device,
+        target = load("--model", args.model, dtype, "cpu")  # (each rank moves only its part to its GPU)
+        draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, "cpu",
                                                                           target=target)
         engine = build_engine(None if draft == "none" else draft, target, cfg)
         group = control_group(args.tensor_parallel_size)  # (gloo: the operations do not wait for the GPUs)
