@@ -97,7 +97,7 @@ def cmd_serve(args) -> int:
     check_model("--model", args.model)
     check_model("--draft", args.draft, extra=("ngram", "none"))
     if args.tensor_parallel_size > 1 and args.data_parallel_size == 1:
-        return _serve_tensor_parallel(cfg, args, device, dtype)
+        return _serve_tensor_parallel(cfg, args, dtype)
     sock = bind_socket(args.host, args.port)
     if args.data_parallel_size > 1:
         try:
@@ -116,7 +116,7 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def _serve_tensor_parallel(cfg, args, device: str, dtype: str) -> int:
+def _serve_tensor_parallel(cfg, args, dtype: str) -> int:
     """--tensor-parallel-size N: N rank processes (this command run again in each); rank 0 binds the port and
     serves, its executor sending every add, abort and step to the other ranks, which apply them to their engines
     (``serving.tensor_parallel``)."""
