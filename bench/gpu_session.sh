@@ -206,17 +206,19 @@ dp_rounds() {  # the dp round: output tokens/s of DP_SIZE replicas against one, 
   for r in $(seq 1 "${DP_ROUNDS:-3}"); do
     for dp in 1 "$n"; do
       python3 -P -m specdec.cli serve --model "$MODEL" --port "$port" --data-parallel-size "$dp" --max-batch-size 64 \
+        ${DP_SERVE_ARGS:-} \
         > "$D/serve_dp${dp}_r$r.log" 2>&1 &
       pid=$! ok=
       for _ in $(seq 1 300); do
-        curl -sf "http://127.0.0.1:$port/health" > /dev/null && ok=1 && break
+        python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+          2> /dev/null && ok=1 && break
         kill -0 "$pid" 2> /dev/null || break
         sleep 1
       done
       if [ -n "$ok" ]; then
         timeout "${DP_LIMIT:-300}" python3 -P -m specdec.cli bench-serve --url "http://127.0.0.1:$port" \
-          --dataset-path "$root/.gpu/sharegpt200.jsonl" --num-prompts 200 --max-concurrency $((64 * dp)) \
-          --max-tokens 128 --ignore-eos --label "dp${dp}_r$r" --json "$D/dp${dp}_r$r.json" \
+          --dataset-path "$root/.gpu/sharegpt200.jsonl" --num-prompts "${DP_PROMPTS:-200}" \
+          --max-concurrency $((64 * dp)) --max-tokens "${DP_TOKENS:-128}" --ignore-eos --label "dp${dp}_r$r" --json "$D/dp${dp}_r$r.json" \
           > "$D/bench_dp${dp}_r$r.log" 2>&1
         echo "dp $dp round $r: $(grep -i "output.*tok/s\|throughput" "$D/bench_dp${dp}_r$r.log" | head -2 | tr '\n' ' ')"
       else
