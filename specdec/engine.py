@@ -25,6 +25,7 @@ from specdec.engine_setup import (
     kv_spec,
     make_drafter,
     make_pipeline,
+    on_device,
     proposer_kind,
     setup_graphs,
 )
@@ -62,65 +63,67 @@ class SpecEngine:
         self.config = cfg = resolve_auto(config or SpecConfig(), draft, target)  # "auto" fields -> defaults.py's
         check_roles(draft, target)  # an EAGLE draft given as the target is refused before anything loads
         self.device = torch.device(cfg.device)
-        dtype = resolve_dtype(cfg.dtype)
-        # (under tensor parallelism models load on the CPU and each rank moves only its part to its device: a target
-        # larger than one GPU never sits whole on one)
-        load_on = torch.device("cpu") if cfg.tensor_parallel_size > 1 else self.device
-        self.target = as_loaded(target, dtype, load_on)
-        self.draft = None if draft is None or draft == "ngram" else as_loaded(draft, dtype, load_on, self.target)
-        if self.draft is not None:
-            check_same_vocab(self.draft, self.target)
-        if cfg.tensor_parallel_size > 1:  # this rank's part of each model (docs/parallel.md)
-            from specdec.parallel import shard_models
+        with on_device(self.device):  # (its GPU current while it loads, captures and warms up)
+            dtype = resolve_dtype(cfg.dtype)
+            # (under tensor parallelism models load on the CPU and each rank moves only its part to its device: a target
+            # larger than one GPU never sits whole on one)
+            load_on = torch.device("cpu") if cfg.tensor_parallel_size > 1 else self.device
+            self.target = as_loaded(target, dtype, load_on)
+            self.draft = None if draft is None or draft == "ngram" else as_loaded(draft, dtype, load_on, self.target)
+            if self.draft is not None:
+                check_same_vocab(self.draft, self.target)
+            if cfg.tensor_parallel_size > 1:  # this rank's part of each model (docs/parallel.md)
+                from specdec.parallel import shard_models
 
-            self.target, self.draft = shard_models(self.target, self.draft, cfg, self.device)
-        backend = attention_backend(cfg, self.device)
-        proposer = proposer_kind(draft, self.draft)
-        self.plan = resolve_plan(cfg, self.device, proposer, backend.name,
-                                 0 if proposer == "none" else cfg.tree_spec.budget)
-        plan = self.plan
-        specs = [kv_spec(self.target.config)] + ([kv_spec(self.draft.config)] if self.draft else [])
-        budget = None if cfg.num_blocks is not None else kv_budget(cfg, self.device, self.target, self.draft)
-        if budget is not None and cfg.tensor_parallel_size > 1:  # every rank the same blocks (its own free memory)
-            from specdec.parallel import agree_min
+                self.target, self.draft = shard_models(self.target, self.draft, cfg, self.device)
+            backend = attention_backend(cfg, self.device)
+            proposer = proposer_kind(draft, self.draft)
+            self.plan = resolve_plan(cfg, self.device, proposer, backend.name,
+                                     0 if proposer == "none" else cfg.tree_spec.budget)
+            plan = self.plan
+            specs = [kv_spec(self.target.config)] + ([kv_spec(self.draft.config)] if self.draft else [])
+            budget = None if cfg.num_blocks is not None else kv_budget(cfg, self.device, self.target, self.draft)
+            if budget is not None and cfg.tensor_parallel_size > 1:  # every rank the same blocks (its own free memory)
+                from specdec.parallel import agree_min
 
-            budget = agree_min(budget, cfg.tensor_parallel_size)
-        self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
-                           device=self.device, feature_width=feature_width(self.draft, proposer))
-        max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
-        self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
-        self.allocator = BlockAllocator(self.pool.num_blocks)
-        self.runner = ModelRunner(self.pool, self.tables, backend, self.device)
-        self.drafter = make_drafter(draft, self.draft, cfg, self.device, self.runner, self.target.config.vocab_size)
-        self.graph_report = setup_graphs(self.target, self.draft, self.drafter, self.pool, self.runner, cfg,
-                                         self.device, max_blocks, plan.padded)
-        self.adaptive = make_controller(plan.adaptive, self.drafter, self.runner.graphs, epochs=plan.budget_epochs,
-                                        agree=agree_with_rank0(cfg.tensor_parallel_size))
-        self.drafter.pipelined = plan.pipeline  # before the scheduler reads the drafter's lookahead
-        prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
-        window = None if not cfg.window_reuse else window_reuse_for(
-            self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
-            self.drafter.lookahead)
-        self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy), plan.admit_min_free),
-            self.allocator, self.tables, cfg.block_size, self.drafter.lookahead, prefix_cache, window)
-        self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
-        if plan.ngram_device:
-            device_ngram(self.drafter, self.verifier, self.runner, cfg, plan, max_blocks * cfg.block_size)
-        if plan.fused_verify:
-            fuse_verify(self.drafter, self.verifier, self.adaptive, self.graph_report)
-        self.pipeline = make_pipeline(self.drafter, self.verifier, self.runner, plan) if plan.pipeline else None
-        self.proposer = self.pipeline or self.drafter  # propose(rows): adopts a queued step when pipelined
-        self.stopper = StopChecker(self.target.tokenizer)
-        self.stats = AcceptanceStats()
-        self.router = Router()
-        self._ids = itertools.count()
-        self.guard = EngineGuard()  # held by stream()'s engine work: several threads may generate at once
-        if plan.warm_up:
-            seconds = self.warm_up()
-            if self.graph_report is not None:
-                self.graph_report.warm_up_seconds = seconds
-                self.graph_report.parts = self.runner.graphs.parts()
+                budget = agree_min(budget, cfg.tensor_parallel_size)
+            self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
+                               device=self.device, feature_width=feature_width(self.draft, proposer))
+            max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
+            self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
+            self.allocator = BlockAllocator(self.pool.num_blocks)
+            self.runner = ModelRunner(self.pool, self.tables, backend, self.device)
+            self.drafter = make_drafter(draft, self.draft, cfg, self.device, self.runner, self.target.config.vocab_size)
+            self.graph_report = setup_graphs(self.target, self.draft, self.drafter, self.pool, self.runner, cfg,
+                                             self.device, max_blocks, plan.padded)
+            self.adaptive = make_controller(plan.adaptive, self.drafter, self.runner.graphs, epochs=plan.budget_epochs,
+                                            agree=agree_with_rank0(cfg.tensor_parallel_size))
+            self.drafter.pipelined = plan.pipeline  # before the scheduler reads the drafter's lookahead
+            prefix_cache = self._make_prefix_cache() if cfg.prefix_cache else None
+            window = None if not cfg.window_reuse else window_reuse_for(
+                self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
+                self.drafter.lookahead)
+            sched_cfg = SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy),
+                                        plan.admit_min_free)
+            self.scheduler = Scheduler(sched_cfg, self.allocator, self.tables, cfg.block_size, self.drafter.lookahead,
+                                       prefix_cache, window)
+            self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
+            if plan.ngram_device:
+                device_ngram(self.drafter, self.verifier, self.runner, cfg, plan, max_blocks * cfg.block_size)
+            if plan.fused_verify:
+                fuse_verify(self.drafter, self.verifier, self.adaptive, self.graph_report)
+            self.pipeline = make_pipeline(self.drafter, self.verifier, self.runner, plan) if plan.pipeline else None
+            self.proposer = self.pipeline or self.drafter  # propose(rows): adopts a queued step when pipelined
+            self.stopper = StopChecker(self.target.tokenizer)
+            self.stats = AcceptanceStats()
+            self.router = Router()
+            self._ids = itertools.count()
+            self.guard = EngineGuard()  # held by stream()'s engine work: several threads may generate at once
+            if plan.warm_up:
+                seconds = self.warm_up()
+                if self.graph_report is not None:
+                    self.graph_report.warm_up_seconds = seconds
+                    self.graph_report.parts = self.runner.graphs.parts()
 
     def _make_prefix_cache(self):
         from specdec.kvcache.radix_cache import RadixPrefixCache
@@ -192,9 +195,10 @@ class SpecEngine:
         ``error``); the step goes on for the others. Outputs go to the stream that owns a request.
         """
         t0 = time.perf_counter()
-        batch, prefilled = self._schedule()  # schedule, then the prefill chunks' forward
-        rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)  # propose -> verify -> accept
-        self._commit(rows, results)  # commit
+        with on_device(self.device):  # (a serving loop's thread starts on GPU 0; graphs replay on their own GPU)
+            batch, prefilled = self._schedule()  # schedule, then the prefill chunks' forward
+            rows, results = run_isolated(batch.decode, _itself, self._speculate, self._fail)  # propose/verify/accept
+            self._commit(rows, results)  # commit
         progressed = list(dict.fromkeys(prefilled + rows + self.scheduler.take_failed()))
         self._route(progressed)
         if self.adaptive is not None and rows:  # the whole step, routing included, is what a budget costs
@@ -373,7 +377,8 @@ class SpecEngine:
         seconds it took; called at construction when ``plan.warm_up``."""
         from specdec.warm_up import warm_up
 
-        seconds = warm_up(self)
+        with on_device(self.device):
+            seconds = warm_up(self)
         if self.pipeline is not None:  # queued for synthetic rows that are gone: no real step may adopt it
             self.pipeline.ahead = None
         self.stats = AcceptanceStats()

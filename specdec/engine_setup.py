@@ -5,6 +5,7 @@ device follow-up, the fused EAGLE verify, the overlap pipeline)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -100,6 +101,12 @@ def kv_budget(cfg: SpecConfig, device: torch.device, target: LoadedModel, draft:
         models = [target.model] + ([draft.model] if draft is not None else [])
         return gpu_kv_budget(cfg.gpu_memory_utilization, device, models)
     return 256 << 20
+
+
+def on_device(device: torch.device):
+    """The context of an engine's device work: on CUDA its GPU made current (CUDA graphs capture and replay on the
+    current device's streams, and every new thread, a serving loop's included, starts on GPU 0), else nothing."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def agree_with_rank0(tensor_parallel_size: int):

@@ -2,8 +2,9 @@
 
 On one GPU (a group of one rank) the sharded model's all-reduces and all-gather are captured in a CUDA graph and
 replayed with new inputs; on two GPUs the same with the model split in halves, and whole engines of 2 ranks (float32,
-the CUDA defaults: captured graphs, pipelined steps) give one GPU's greedy tokens. The
-CPU runs the same engines over gloo (test_tensor_parallel.py); here only what NCCL and graphs add."""
+the CUDA defaults: captured graphs, pipelined steps) give one GPU's greedy tokens; an engine on the second GPU,
+stepped from another thread (a data-parallel replica's case), gives the first GPU's. The CPU runs the same engines
+over gloo (test_tensor_parallel.py); here only what NCCL, graphs and several GPUs add."""
 
 from __future__ import annotations
 
@@ -72,3 +73,23 @@ def test_cuda_nccl_tp2_greedy_equals_one_gpu(tiny_target, tiny_draft):
     for rank, got in enumerate(ranks):
         for (tokens, free, _, _), expect, (draft, _) in zip(got, want, CUDA_RUNS):
             assert tokens == expect and free, (rank, draft)
+
+
+@two_gpus
+def test_cuda_engine_on_the_second_gpu_steps_from_another_thread(tiny_target):
+    """An engine on cuda:1 (a data-parallel replica's place), built in one thread and stepped from another (a
+    serving loop's, which starts on GPU 0): its graphs capture and replay on its own GPU, and its greedy tokens
+    equal an engine's on cuda:0."""
+    import threading
+
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    got = {}
+    for device in ("cuda:0", "cuda:1"):
+        model = copy.deepcopy(tiny_target.model).to(device)
+        eng = SpecEngine("ngram", LoadedModel("tiny", model, None, model.config),
+                         SpecConfig(device=device, dtype="float32", tree="chain:3", block_size=16, num_blocks=64))
+        worker = threading.Thread(target=lambda e=eng, d=device: got.__setitem__(
+            d, [o.token_ids for o in e.generate(GEN_PROMPTS, params)]))
+        worker.start()
+        worker.join(300)
+    assert got["cuda:1"] == got["cuda:0"] and len(got["cuda:0"]) == len(GEN_PROMPTS)
