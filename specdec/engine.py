@@ -23,6 +23,7 @@ from specdec.engine_setup import (
     fuse_verify,
     kv_budget,
     kv_spec,
+    load_device,
     make_drafter,
     make_pipeline,
     on_device,
@@ -65,9 +66,7 @@ class SpecEngine:
         self.device = torch.device(cfg.device)
         with on_device(self.device):  # (its GPU current while it loads, captures and warms up)
             dtype = resolve_dtype(cfg.dtype)
-            # (under tensor parallelism models load on the CPU and each rank moves only its part to its device: a target
-            # larger than one GPU never sits whole on one)
-            load_on = torch.device("cpu") if cfg.tensor_parallel_size > 1 else self.device
+            load_on = torch.device(load_device(cfg.tensor_parallel_size, self.device))
             self.target = as_loaded(target, dtype, load_on)
             self.draft = None if draft is None or draft == "ngram" else as_loaded(draft, dtype, load_on, self.target)
             if self.draft is not None:

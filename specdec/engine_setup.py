@@ -103,6 +103,13 @@ def kv_budget(cfg: SpecConfig, device: torch.device, target: LoadedModel, draft:
     return 256 << 20
 
 
+def load_device(tensor_parallel_size: int, device):
+    """Where an engine's models load: on ``device``, but on the CPU under tensor parallelism, where each rank then
+    moves only its part to its device (``parallel.shard_models``), so a target larger than one GPU never sits whole
+    on one."""
+    return "cpu" if tensor_parallel_size > 1 else device
+
+
 def on_device(device: torch.device):
     """The context of an engine's device work: on CUDA its GPU made current (CUDA graphs capture and replay on the
     current device's streams, and every new thread, a serving loop's included, starts on GPU 0), else nothing."""

@@ -90,7 +90,7 @@ def from_rank0(values: list[int], size: int) -> list[int]:
     """Rank 0's ``values`` (small ints) on every rank of the group of ``size``: a decision each rank could make
     differently (from its own timings) made alike, as rank 0 made it."""
     x = torch.tensor(values, dtype=torch.int64)
-    dist.broadcast(x, src=0, group=_control_group(TensorParallel.current(size)))
+    dist.broadcast(x, src=0, group=control_group(size))
     return x.tolist()
 
 
@@ -99,7 +99,7 @@ def agree_min(value: int, size: int) -> int:
     sizes alike from what it measured on its own (the KV pool from its GPU's free memory), so that every rank has
     the same blocks and schedules the same batches."""
     x = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(x, op=dist.ReduceOp.MIN, group=_control_group(TensorParallel.current(size)))
+    dist.all_reduce(x, op=dist.ReduceOp.MIN, group=control_group(size))
     return int(x.item())
 
 

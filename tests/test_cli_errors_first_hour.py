@@ -11,6 +11,8 @@ import socket
 import pytest
 from cli_helpers import refuse_model_loads, run_cli
 
+from specdec.parallel import free_port
+
 
 @pytest.fixture
 def no_model_load(monkeypatch):
@@ -26,12 +28,6 @@ def without(monkeypatch):
         monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in names else real(name, *a))
 
     return hide
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -106,9 +106,9 @@ def test_serve_on_two_ranks_answers_as_one_engine(model_dir, tmp_path):
 
     import httpx
     import openai
-    from tp_helpers import free_port
 
     from specdec.engine import SpecConfig, SpecEngine
+    from specdec.parallel import free_port
     from specdec.sampling_params import SamplingParams
 
     port = free_port()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -18,13 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from specdec.parallel import free_port
+
 GROUP_TIMEOUT = timedelta(seconds=60)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(fn, size: int, *args, timeout: float = 90.0, backend: str = "gloo") -> list:

@@ -110,6 +110,7 @@ def cmd_bench(args) -> int:
         start_tensor_parallel,
     )
     from specdec.engine import SpecConfig
+    from specdec.engine_setup import load_device
     from specdec.prompts import to_prompt_ids
     from specdec.sampling_params import SamplingParams
 
@@ -136,7 +137,7 @@ def cmd_bench(args) -> int:
     if code is not None:
         return code
     prompts = load_dataset(args.dataset, args.num_prompts)
-    on = "cpu" if args.tensor_parallel_size > 1 else device  # (each rank moves only its part to its GPU)
+    on = load_device(args.tensor_parallel_size, device)
     target = load("--model", args.model, dtype, on)
     draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, on, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]

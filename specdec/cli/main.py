@@ -20,6 +20,7 @@ def cmd_generate(args) -> int:
     from specdec.cli.parallel import build_engine, check_parallel, start_tensor_parallel
     from specdec.defaults import default_draft, default_tree
     from specdec.engine import SpecConfig
+    from specdec.engine_setup import load_device
     from specdec.sampling_params import SamplingParams
 
     device, dtype = _device_dtype(args)  # every argument is checked before a model loads
@@ -39,7 +40,7 @@ def cmd_generate(args) -> int:
     note = sampled_speed_note(device, args.temperature, name)
     if note:
         print(note, file=sys.stderr)
-    on = "cpu" if args.tensor_parallel_size > 1 else device  # (each rank moves only its part to its GPU)
+    on = load_device(args.tensor_parallel_size, device)
     target = load("--model", args.model, dtype, on)
     draft = name if name in ("ngram", "none") else load("--draft", name, dtype, on, target=target)
     engine = build_engine(None if draft == "none" else draft, target, config)

@@ -124,6 +124,7 @@ def _serve_tensor_parallel(cfg, args, dtype: str) -> int:
 
     from specdec.cli.checks import load
     from specdec.cli.parallel import build_engine, start_tensor_parallel
+    from specdec.engine_setup import load_device
     from specdec.parallel import control_group
     from specdec.serving.executor import Executor, freeze_startup_heap
     from specdec.serving.tensor_parallel import StepMirror, follow
@@ -133,8 +134,9 @@ def _serve_tensor_parallel(cfg, args, dtype: str) -> int:
         return code
     sock = bind_socket(args.host, args.port) if dist.get_rank() == 0 else None
     try:
-        target = load("--model", args.model, dtype, "cpu")  # (each rank moves only its part to its GPU)
-        draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, "cpu",
+        on = load_device(args.tensor_parallel_size, cfg.device)
+        target = load("--model", args.model, dtype, on)
+        draft = args.draft if args.draft in ("ngram", "none") else load("--draft", args.draft, dtype, on,
                                                                           target=target)
         engine = build_engine(None if draft == "none" else draft, target, cfg)
         group = control_group(args.tensor_parallel_size)  # (gloo: the operations do not wait for the GPUs)
