@@ -264,30 +264,19 @@ def graphed_sharded_logits(rank: int, size: int, model, prompt: list[int], other
 def epoch_choices(rank: int, size: int, agreed: bool) -> list[int]:
     """The budgets an ``EpochBudget`` holds over 200 steps of 16 rows where this rank measures its own step costs
     (rank 0: budget 7 the fastest; rank 1: budget 7 dearer, so 3), with each ended epoch's decisions agreed on
-    rank 0's (``parallel.from_rank0``) when ``agreed``."""
+    rank 0's (``parallel.from_rank0``) when ``agreed``; the steps are test_epoch_budget's."""
     from functools import partial
-    from types import SimpleNamespace
 
-    from specdec.adaptive import BudgetOption
+    from test_epoch_budget import OPTIONS, rows_of, run
+
     from specdec.budget_policy import EpochBudget, EpochConfig
     from specdec.parallel import from_rank0
 
-    options = [BudgetOption(n, d, 1) for n, d in ((0, 0), (3, 2), (7, 3), (15, 4))]
-    nodes = [o.nodes for o in options]
     config = EpochConfig(epoch_steps=4, epoch_rows=0, first_row_steps=0, hold_epochs=2)
-    ctrl = EpochBudget(options, config, agree=partial(from_rank0, size=size) if agreed else None)
-    rows = [SimpleNamespace(params=SimpleNamespace(greedy=True)) for _ in range(16)]
+    ctrl = EpochBudget(OPTIONS, config, agree=partial(from_rank0, size=size) if agreed else None)
     tok = {0: 1.0, 3: 1.6, 7: 2.0, 15: 2.2}
     ms = [{0: 1.0, 3: 1.3, 7: 1.4, 15: 2.0}, {0: 1.0, 3: 1.3, 7: 2.2, 15: 2.6}][rank]
-    held = []
-    for _ in range(200):
-        n = ctrl.choose(rows)
-        state = ctrl._step[0]
-        ctrl._step = (state, [len(rows) * tok[m] for m in nodes[:state.held + 1]])
-        ctrl.timing_valid = True
-        ctrl.observe_step(ms[n] * 1e-3)
-        held.append(n)
-    return held
+    return run(ctrl, rows_of(16), tok.__getitem__, lambda n: ms[n] * 1e-3, 200)
 
 
 def parts_placed(rank: int, size: int, model) -> tuple[set, set]:
