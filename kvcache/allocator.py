@@ -63,13 +63,5 @@ class BlockAllocator:
             if self._refcount[b] == 0:
                 self._free.append(b)
 
-    def take_if_free(self, block: int) -> bool:
-        """Revive a specific free block (used when a cached block is reclaimed from the free list)."""
-        if self._refcount[block] != 0:
-            return False
-        self._free.remove(block)
-        self._refcount[block] = 1
-        return True
-
     def all_free(self) -> bool:
         return len(self._free) == self.num_blocks and not any(self._refcount)

@@ -44,10 +44,6 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 
-    @property
-    def gqa_ratio(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
         """Build from a transformers ``PretrainedConfig`` (Llama, Qwen2 or Mistral)."""

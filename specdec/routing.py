@@ -42,9 +42,6 @@ class Router:
         self._owner[req] = queue
         queue.requests.append(req)
 
-    def owns(self, req: Request) -> bool:
-        return req in self._owner
-
     def wanting(self, reqs: list[Request]) -> list[Request]:
         """The requests of ``reqs`` whose output has a receiver now, in order: an owning stream that takes
         every output, or the request has finished."""

@@ -169,10 +169,6 @@ class DataParallelExecutor(OutputReaders):
         if ticket is not None:
             self.replicas[ticket.replica].cancel(request_id)
 
-    def replica_of(self, request_id: str) -> int:
-        """The index of the replica that runs a live request."""
-        return self._owner(request_id)[0].replica
-
     def _owner(self, request_id: str) -> tuple[_Ticket, Any]:
         with self._lock:
             ticket = self._tickets.get(request_id)
