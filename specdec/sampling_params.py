@@ -15,6 +15,9 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
 # a temperature below this samples as greedy (it is stored as 0): float32 logits divided by a smaller one can
 # overflow to infinity, and the distribution it asks for is the argmax up to float32 rounding anyway
 GREEDY_TEMPERATURE_FLOOR = 1e-5
+# the largest temperature: float32's largest finite number (the engine divides float32 logits by the temperature, and a
+# larger one rounds to infinity there)
+MAX_TEMPERATURE = 3.4028234663852886e38
 # a top_p below this is stored as it: float32 rounds 1e-300 to 0, which drops every token, and any top_p below the
 # largest probability (>= 1 / vocab) keeps just the most probable token anyway
 TOP_P_FLOOR = 1e-30
@@ -58,8 +61,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "temperature", _real(self.temperature, "temperature", "must be a finite number >= 0 (0 = greedy)",
-                                        lambda t: t >= 0))
+        set_(self, "temperature", _real(self.temperature, "temperature", "must be a finite number >= 0 (0 = greedy) "
+                                        "and <= 3.4e38 (float32's largest)", lambda t: 0 <= t <= MAX_TEMPERATURE))
         if self.temperature < GREEDY_TEMPERATURE_FLOOR:
             set_(self, "temperature", 0.0)
         set_(self, "top_p", max(TOP_P_FLOOR, _real(self.top_p, "top_p", "must be a number in (0, 1]",

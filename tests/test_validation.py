@@ -25,7 +25,8 @@ def engine(tiny_target):
 
 
 @pytest.mark.parametrize("kwargs,field,words", [
-    ({"temperature": float("inf")}, "temperature", ["finite"]),
+    ({"temperature": float("inf")}, "temperature", ["3.4e38"]),
+    ({"temperature": 3.5e38}, "temperature", ["3.4e38", "float32"]),  # (finite in float64, infinite in float32)
     ({"temperature": "0.5"}, "temperature", ["number"]),
     ({"temperature": True}, "temperature", ["number"]),
     ({"top_p": float("nan")}, "top_p", ["(0, 1]"]),
@@ -69,6 +70,16 @@ def test_top_k_keeps_the_largest_logits_at_any_temperature():
         assert kept == [2, 4, 7], temp
     with pytest.raises(ValueError, match="finite"):
         shape_probs(logits, float("inf"), top_k=3)
+
+
+def test_the_largest_temperature_samples_through_a_draft_model(tiny_target, tiny_draft):
+    """A temperature up to float32's largest samples (the draft's distribution too, uniform to rounding): no row
+    fails, where a larger one, infinite in float32, is refused before it reaches the engine."""
+    eng = SpecEngine(tiny_draft, tiny_target, SpecConfig(num_blocks=64, block_size=4, tree="chain:3"))
+    outs = eng.generate([PROMPT, PROMPT], SamplingParams(temperature=3.4e38, seed=7, max_new_tokens=6,
+                                                         ignore_eos=True))
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    assert all(len(o.outputs[0].token_ids) == 6 for o in outs)
 
 
 @pytest.mark.parametrize("kwargs,field,words", [
