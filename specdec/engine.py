@@ -54,10 +54,12 @@ from specdec.verifier import Verifier, request_stream
 class SpecEngine:
     """``SpecEngine(draft, target).generate(prompts, params)``: lossless speculative decoding.
 
-    draft: a model name/path/LoadedModel, ``"ngram"``, or None (target-only decoding).
+    draft: a model name/path/LoadedModel, ``"ngram"``, or None or ``"none"`` (target-only decoding).
     """
 
     def __init__(self, draft: Any, target: Any, config: SpecConfig | None = None) -> None:
+        if isinstance(draft, str) and draft.strip().lower() == "none":  # (the CLI's --draft none)
+            draft = None
         if config is not None and not isinstance(config, SpecConfig):
             raise TypeError(f"config must be a SpecConfig (e.g. SpecConfig(**options)) or None, got "
                             f"{type(config).__name__}")

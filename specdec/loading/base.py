@@ -5,6 +5,7 @@ Draft folders (which name a base model as their target) are loaded by ``specdec.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,26 +56,60 @@ def model_name(name_or_path: str | Path) -> str:
     return name
 
 
+# a Hugging Face repository id: "owner/name" (letters, digits, '-', '_', '.'), neither part starting with '.'
+_HUB_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*/[A-Za-z0-9_-][A-Za-z0-9_.-]*")
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``name`` reads as a Hugging Face repository id ("HuggingFaceTB/SmolLM2-135M-Instruct") and is no local path."""
+    return bool(_HUB_ID.fullmatch(name)) and not Path(name).expanduser().exists()
+
+
+def local_path(name: str) -> Path:
+    """Where model ``name`` lies on this machine: the path itself, or, for a Hugging Face repository id that is no
+    local path, its snapshot folder in the Hugging Face cache (``HF_HUB_CACHE``) when it was downloaded before.
+    Nothing is ever downloaded; an id not in the cache comes back as the path it names (which does not exist)."""
+    path = Path(name).expanduser()
+    if path.exists() or not looks_like_hub_id(name):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # (not in the cache, or no huggingface_hub: the caller's "not found" says what to do)
+        return path
+
+
+def not_found(name: str) -> ModelNotFoundError:
+    """The error for a model ``name`` that is neither a known name nor on this machine."""
+    if looks_like_hub_id(name):
+        return ModelNotFoundError(
+            f"model {name!r} is not a local path and not in the Hugging Face cache: specdec never downloads; fetch "
+            f"it first (`huggingface-cli download {name}`), then give the same id or the folder")
+    return ModelNotFoundError(
+        f"model {name!r} not found: give 'smollm2-135m', a Hugging Face checkpoint folder, a Hugging Face id "
+        f"already in the local cache, or a .gguf file")
+
+
 def load_base_model(
     name_or_path: str | Path, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu"
 ) -> LoadedModel:
-    """Load ``smollm2-135m``, a Hugging Face folder or a GGUF file (not a draft folder)."""
+    """Load ``smollm2-135m``, a Hugging Face folder (or the id of one in the Hugging Face cache) or a GGUF file (not
+    a draft folder)."""
     dtype = resolve_dtype(dtype)
     name = model_name(name_or_path)
     if name == "smollm2-135m":
         from specdec.loading.gguf_loader import smollm2_gguf_path
 
         return _from_gguf(smollm2_gguf_path(), name, dtype, device)
-    path = Path(name).expanduser()
+    path = local_path(name)
     if path.is_dir():
         return _from_hf_folder(path, name, dtype, device)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path, name, dtype, device)
     if path.is_file():
         raise UnsupportedModelError(f"{path}: expected a .gguf file or a Hugging Face checkpoint folder")
-    raise ModelNotFoundError(
-        f"model {name!r} not found: give 'smollm2-135m', a Hugging Face checkpoint folder or a .gguf file"
-    )
+    raise not_found(name)
 
 
 def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:

@@ -16,6 +16,7 @@ from specdec.loading.base import (
     LoadedModel,
     build_model,
     load_base_model,
+    local_path,
     model_name,
     resolve_dtype,
     truncate_layers,
@@ -39,7 +40,7 @@ def load_model(
         from specdec.loading.default_draft import load_default_draft
 
         return load_default_draft(dtype=dtype, device=device, target=target)
-    path = Path(name).expanduser()
+    path = local_path(name)
     if path.is_dir():
         from specdec.loading.default_draft import is_draft_folder, load_draft_folder
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.loading.base import LoadedModel
+from specdec.loading.base import LoadedModel, local_path
 
 
 class ModelRoleError(ValueError):
@@ -25,7 +25,7 @@ def eagle_draft_target(model) -> str | None:
         return None
     from specdec.loading.default_draft import DEFAULT_DRAFT_DIR, DEFAULT_DRAFT_NAME, is_draft_folder, read_draft_meta
 
-    path = DEFAULT_DRAFT_DIR if str(model) == DEFAULT_DRAFT_NAME else Path(model).expanduser()
+    path = DEFAULT_DRAFT_DIR if str(model) == DEFAULT_DRAFT_NAME else local_path(str(model))
     if not is_draft_folder(path):
         return None
     meta = read_draft_meta(path)
