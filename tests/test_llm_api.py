@@ -1,0 +1,62 @@
+"""``specdec.LLM``: vLLM's offline entry point over the same engine, with vLLM's names for its options."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, SamplingParams, SpecConfig, SpecEngine
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+PROMPTS = [[17, 4, 99, 23, 5], [3, 8, 8, 8, 8, 2]]
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def test_vllm_option_names_set_the_engine_config(tiny_target, tiny_draft):
+    llm = LLM(model=tiny_target, draft=tiny_draft, max_num_seqs=3, max_num_batched_tokens=96,
+              enable_prefix_caching=False, dtype="float", enforce_eager=True, num_blocks=48, block_size=4,
+              tree="chain:3")
+    cfg = llm.config
+    assert (cfg.max_batch_size, cfg.max_num_tokens, cfg.prefix_cache, cfg.dtype, cfg.cuda_graphs) == \
+        (3, 96, False, "float32", False)
+    assert llm.plan.proposer == "draft"
+
+
+def test_generate_under_vllms_argument_name_equals_the_engine(tiny_target, tiny_draft):
+    opts = {"num_blocks": 48, "block_size": 4, "tree": "chain:3"}
+    got = LLM(tiny_target, tiny_draft, **opts).generate(PROMPTS, sampling_params=GREEDY)
+    want = SpecEngine(None, tiny_target, SpecConfig(**opts)).generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_speculative_config_names_the_proposer_and_its_tokens(tiny_target):
+    llm = LLM(tiny_target, speculative_config={"method": "ngram", "num_speculative_tokens": 3}, num_blocks=48,
+              block_size=4)
+    assert (llm.plan.proposer, llm.config.tree) == ("ngram", "chain:3")
+    with pytest.raises(TypeError, match="num_speculative_tokens"):
+        LLM(tiny_target, speculative_config={"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(TypeError, match=r"unknown key\(s\) \['draft_tp'\]"):
+        LLM(tiny_target, speculative_config={"model": "x", "draft_tp": 2})
+
+
+def test_an_unknown_option_is_refused_by_name(tiny_target):
+    with pytest.raises(TypeError, match="unknown option 'max_model_lenght'.*max_batch_size"):
+        LLM(tiny_target, max_model_lenght=512)
+    with pytest.raises(TypeError, match="'max_batch_size' twice"):
+        LLM(tiny_target, max_num_seqs=2, max_batch_size=4)
+
+
+def test_auto_draft_is_ngram_for_a_target_without_a_shipped_draft(tiny_target):
+    assert LLM(tiny_target, num_blocks=48, block_size=4).plan.proposer == "ngram"
+    assert LLM(tiny_target, draft=None, num_blocks=48, block_size=4).plan.proposer == "none"
+
+
+def test_chat_takes_one_conversation_or_several(strict_target):
+    llm = LLM(strict_target, draft=None, num_blocks=64, block_size=4)
+    convo = [{"role": "user", "content": "hi"}]
+    one = llm.chat(convo, GREEDY)
+    two = llm.chat([convo, [{"role": "user", "content": "yo"}]], GREEDY)
+    assert len(one) == 1 and len(two) == 2
+    assert one[0].outputs[0].token_ids == two[0].outputs[0].token_ids
+    with pytest.raises(TypeError, match="conversation"):
+        llm.chat("hi", GREEDY)
