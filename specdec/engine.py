@@ -175,16 +175,24 @@ class SpecEngine:
         if len(ids) > longest:  # checked before the ids are scanned: a huge prompt is refused at once
             raise PromptError(f"prompt has {len(ids)} tokens; the model's max length {limit} leaves no room for "
                               f"output (prompt must be <= {longest} tokens)")
+        blocks, needed = self.pool.num_blocks, self.scheduler.blocks_needed
+        if needed(len(ids), 1) > blocks:  # no max_new_tokens helps: the prompt is at fault
+            raise PromptError(f"prompt has {len(ids)} tokens; the KV pool's {blocks} blocks hold a prompt of at "
+                              f"most {_largest(len(ids), lambda n: needed(n, 1) <= blocks)} tokens (with one output "
+                              "token): send a shorter prompt or raise num_blocks/kv_memory_bytes")
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
         if len(ids) + params.max_new_tokens + lookahead > limit:
-            raise ValueError(f"max_new_tokens={params.max_new_tokens} with a {len(ids)}-token prompt exceeds the "
-                             f"model's max length {limit}; allowed: <= {limit - len(ids) - lookahead}")
-        need = self.scheduler.blocks_needed(len(ids), params.max_new_tokens)
-        if need > self.pool.num_blocks:
-            raise ValueError(f"request needs {need} KV blocks; the pool has {self.pool.num_blocks} "
-                             "(raise num_blocks/kv_memory_bytes or lower max_new_tokens)")
+            raise FieldError("SamplingParams", "max_new_tokens", f"with a {len(ids)}-token prompt exceeds the "
+                             f"model's max length {limit}; allowed: <= {limit - len(ids) - lookahead}",
+                             params.max_new_tokens)
+        need = needed(len(ids), params.max_new_tokens)
+        if need > blocks:
+            most = _largest(params.max_new_tokens, lambda m: needed(len(ids), m) <= blocks)
+            raise FieldError("SamplingParams", "max_new_tokens", f"with a {len(ids)}-token prompt needs {need} KV "
+                             f"blocks; the pool has {blocks}, which hold at most {most} new tokens (raise "
+                             "num_blocks/kv_memory_bytes or lower max_new_tokens)", params.max_new_tokens)
 
     # ------------------------------------------------------------------ the loop
 
@@ -425,3 +433,13 @@ def _params_list(params, n: int) -> list[SamplingParams | None]:
         if p is not None and not isinstance(p, SamplingParams):
             raise TypeError(f"params[{i}] must be SamplingParams or None, got {type(p).__name__}")
     return plist
+
+
+def _largest(hi: int, ok) -> int:
+    """The largest n in [0, hi] with ``ok(n)``, for an ``ok`` that holds up to some n and fails after it (0 if
+    it holds for none): a bisection, as ``ok`` may cost a block count each."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+    return lo

@@ -325,3 +325,74 @@ def test_cli_registers_serve_and_bench_serve():
     assert (a.model, a.draft, a.port, a.host) == ("t", "none", 9, "0.0.0.0")
     b = build_parser().parse_args(["bench-serve", "--url", "http://x:1", "--request-rate", "4", "--concurrency", "8"])
     assert (b.url, b.request_rate, b.concurrency) == ("http://x:1", 4.0, 8)
+
+
+def test_models_retrieve(client):
+    """GET /v1/models/{model} was a 404 ({"detail": ...}) for the served model too."""
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-4")
+    assert "'gpt-4' is not served here" in str(err.value)
+
+
+def test_serve_bounds_its_graceful_shutdown_and_unfreezes_the_heap(monkeypatch):
+    """``specdec serve`` ran uvicorn with no graceful-shutdown bound (SIGTERM with a half-sent body or a long stream
+    kept it alive indefinitely), and left its startup heap frozen, so at exit triton's nanobind bindings printed
+    some 30 lines of "leaked instances" warnings."""
+    import gc
+    from types import SimpleNamespace
+
+    import uvicorn
+
+    from specdec.serving import cli
+
+    seen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(
+        (self.config.timeout_graceful_shutdown, gc.get_freeze_count())))
+    args = SimpleNamespace(served_model_name=None, model="tiny", default_max_tokens=16, max_request_bytes=None,
+                           draft="none", tree="chain:1", host="127.0.0.1", port=0, log_level="warning")
+    gc.unfreeze()
+    try:
+        cli._run_server(SimpleNamespace(add_stats_listener=lambda fn: None, load=None), args, None, "stand-ins")
+        after = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()  # (the test process goes on collecting)
+    assert len(seen) == 1 and seen[0][0] == cli.GRACEFUL_SHUTDOWN_S and seen[0][1] > 0
+    assert after == 0
+
+
+def test_serve_exits_without_nanobind_leak_warnings():
+    """The same, end to end in a fresh interpreter that imports triton: nothing on stderr after the server ran."""
+    import subprocess
+    import sys
+
+    code = ("import uvicorn, triton; from types import SimpleNamespace as NS; from specdec.serving import cli\n"
+            "uvicorn.Server.run = lambda self, sockets=None: None\n"
+            "cli._run_server(NS(add_stats_listener=lambda fn: None, load=None), NS(served_model_name=None, "
+            "model='tiny', default_max_tokens=16, max_request_bytes=None, draft='none', tree='chain:1', "
+            "host='127.0.0.1', port=0, log_level='warning'), None, 'stand-ins')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "nanobind: leaked" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_replica_unfreezes_its_heap_when_it_stops(monkeypatch, target_dir):
+    """A data-parallel replica's process serves with its startup heap frozen and unfreezes it when it stops."""
+    import gc
+    import queue
+
+    from specdec.serving import replica_process
+    from specdec.serving.replica_process import EngineRecipe
+
+    seen = []
+    monkeypatch.setattr(replica_process, "_serve_parent", lambda *args: seen.append(gc.get_freeze_count()))
+    outbox = queue.Queue()
+    gc.unfreeze()
+    try:
+        replica_process._child_main(EngineRecipe("ngram", str(target_dir), SpecConfig(num_blocks=16)),
+                                    queue.Queue(), outbox)
+        after = gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
+    assert outbox.get_nowait()[0] == "ready" and len(seen) == 1 and seen[0] > 0
+    assert after == 0

@@ -101,6 +101,14 @@ BAD = [
     ("chat", json.dumps(_chat(stream_options={"include_usage": True})), 400, "stream_options", "'stream': true"),
     # checked at every step on the engine's thread: 0.35 s per token of every stream
     ("completions", json.dumps(_completion(stop=[f"#{i}" for i in range(150_000)])), 400, "stop", "at most 128"),
+    # a message that is no {role, content} object was a plain-text 500 (KeyError/TypeError reading its role)
+    ("chat", json.dumps(_chat(messages=[{"content": "hi"}])), 400, "messages[0]", "string 'role'"),
+    ("chat", json.dumps(_chat(messages=["hi"])), 400, "messages[0]", "string 'role'"),
+    ("chat", json.dumps(_chat(messages=[None])), 400, "messages[0]", "string 'role'"),
+    ("chat", json.dumps(_chat(messages=[*GOOD_CHAT, 5])), 400, "messages[1]", "string 'role'"),
+    ("chat", json.dumps(_chat(messages=[[1]])), 400, "messages[0]", "string 'role'"),
+    ("chat", json.dumps(_chat(messages=[{"role": "wizard", "content": "hi"}])), 400, "messages[0].role",
+     "['system', 'user', 'assistant']"),
 ]
 
 
@@ -186,3 +194,94 @@ def test_a_huge_body_stalls_no_stream(server, size, status):
     if status == 400:
         assert answer["error"]["param"] == "prompt" and "tokens" in answer["error"]["message"]
     assert len(gaps) > 20 and max(gaps) < 0.5, max(gaps)
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_clients_leaving_mid_body_or_mid_request_log_nothing(server):
+    """A client that disconnected before sending its whole body logged 'Exception in ASGI application' with a
+    ClientDisconnect traceback, and one that left a non-streaming request logged asyncio's '_GatheringFuture
+    exception was never retrieved' (once the future was collected): two error logs per disconnect."""
+    import gc
+    import socket
+
+    url, executor, errors = server
+    before, seen = len(errors), _Capture()
+    logging.getLogger("asyncio").addHandler(seen)
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        for _ in range(2):
+            with socket.create_connection((host, int(port))) as sock:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: 1000\r\n\r\n{\"prompt\": \"hi")
+                time.sleep(0.2)
+        for _ in range(2):
+            with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
+                http.post(f"{url}/v1/completions", json=_completion(prompt=PROMPT, max_tokens=400, ignore_eos=True))
+        _idle_kv(executor)
+        time.sleep(0.5)  # the server notices a disconnect within its poll interval
+        gc.collect()  # (a future's unretrieved exception is logged when it is collected)
+    finally:
+        logging.getLogger("asyncio").removeHandler(seen)
+    assert [r.getMessage() for r in errors[before:]] == [] and seen.messages == []
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_routing_errors_are_openai_errors(server):
+    """Starlette's 404 and 405 came back as {"detail": ...}, which OpenAI clients do not read; HEAD /health was a
+    405 and GET /v1/models/{model} (``client.models.retrieve``) a 404."""
+    url = server[0]
+    with httpx.Client(timeout=30) as http:
+        for method, path, status in [("GET", "/v1/completions", 405), ("GET", "/v1/nothing", 404),
+                                     ("DELETE", "/v1/models", 405)]:
+            r = http.request(method, f"{url}{path}")
+            assert r.status_code == status and r.json()["error"]["code"] == status, (method, path, r.text)
+            assert path in r.json()["error"]["message"] and r.json()["error"]["type"] == "invalid_request_error"
+        assert "POST" in http.get(f"{url}/v1/completions").headers["allow"]
+        assert http.head(f"{url}/health").status_code == 200
+        assert http.get(f"{url}/v1/models/{MODEL}").json()["id"] == MODEL
+        other = http.get(f"{url}/v1/models/gpt-4")
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def small_pool(strict_target):
+    """(url, longest prompt the pool holds) of a server whose 8-block KV pool is smaller than the model's 512
+    positions."""
+    engine = SpecEngine("ngram", strict_target, SpecConfig(tree="chain:3", num_blocks=8, block_size=16))
+    executor = Executor(engine)
+    srv = ServerThread(build_app(executor, MODEL)).start()
+    # a request of p prompt tokens and m new ones holds p + m + lookahead (3) + 1 positions in 8 * 16
+    yield srv.url, 8 * 16 - 1 - 3 - 1
+    srv.stop()
+    executor.shutdown()
+
+
+def test_a_prompt_the_pool_cannot_hold_is_refused_for_its_length(small_pool):
+    """A prompt over the KV pool was refused naming max_tokens ("lower max_new_tokens") even at max_tokens 4:
+    now the prompt (or the messages), with the longest prompt the pool holds, which is served."""
+    url, longest = small_pool
+    with httpx.Client(timeout=60) as http:
+        def post(path: str, body: dict) -> httpx.Response:
+            return http.post(f"{url}/v1/{PATHS[path]}", json=body)
+
+        r = post("completions", _completion(prompt=[5] * (longest + 1), max_tokens=4))
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt"), r.text
+        assert f"at most {longest} tokens" in r.json()["error"]["message"]
+        chat = post("chat", _chat(messages=[{"role": "user", "content": "a" * 300}]))
+        assert (chat.status_code, chat.json()["error"]["param"]) == (400, "messages"), chat.text
+        fits = post("completions", _completion(prompt=[5] * longest, max_tokens=1, ignore_eos=True))
+        assert fits.status_code == 200 and fits.json()["usage"]["completion_tokens"] == 1, fits.text
+        # the prompt fits, the output does not: max_tokens (or the chat field that set it) is at fault
+        r = post("completions", _completion(prompt=[5] * 20, max_tokens=200))
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "max_tokens"), r.text
+        assert f"at most {longest - 20 + 1} new tokens" in r.json()["error"]["message"]
+        chat = post("chat", _chat(max_tokens=None, max_completion_tokens=200))
+        assert (chat.status_code, chat.json()["error"]["param"]) == (400, "max_completion_tokens"), chat.text

@@ -7,6 +7,11 @@ import sys
 from specdec.defaults import DEFAULT_TARGET
 
 ENDPOINT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # vllm bench serve --endpoint
+# after SIGTERM (or Ctrl-C), how long `specdec serve` lets in-flight requests finish before it aborts them and
+# exits: without a bound, a half-sent body or a long stream kept the process alive indefinitely. 10 s lets a
+# typical non-streamed request finish and stays well inside the 30 s a container runtime (Kubernetes'
+# terminationGracePeriodSeconds) waits before SIGKILL, leaving time to stop the engine and its replicas.
+GRACEFUL_SHUTDOWN_S = 10
 
 _MISSING = ("specdec serve needs fastapi, uvicorn and prometheus-client: pip install 'specdec[serve]' "
             "(missing: {})")
@@ -126,7 +131,7 @@ def _serve_tensor_parallel(cfg, args, dtype: str) -> int:
     from specdec.cli.parallel import build_engine, start_tensor_parallel
     from specdec.engine_setup import load_device
     from specdec.parallel import control_group
-    from specdec.serving.executor import Executor, freeze_startup_heap
+    from specdec.serving.executor import Executor, frozen_startup_heap
     from specdec.serving.tensor_parallel import StepMirror, follow
 
     code = start_tensor_parallel(args, args.model, args.draft)  # the ranks run this command; None: one of them
@@ -141,8 +146,8 @@ def _serve_tensor_parallel(cfg, args, dtype: str) -> int:
         engine = build_engine(None if draft == "none" else draft, target, cfg)
         group = control_group(args.tensor_parallel_size)  # (gloo: the operations do not wait for the GPUs)
         if sock is None:
-            freeze_startup_heap()
-            follow(engine, group)
+            with frozen_startup_heap():
+                follow(engine, group)
             return 0
         with Executor(engine, mirror=StepMirror(group)) as executor:
             _run_server(executor, args, sock, f"{engine.pool.num_blocks} KV blocks on each of "
@@ -199,7 +204,7 @@ def _serve_replicas(cfg, args, sock) -> None:
 def _run_server(executor, args, sock, what: str) -> None:
     import uvicorn
 
-    from specdec.serving.executor import freeze_startup_heap
+    from specdec.serving.executor import frozen_startup_heap
     from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     name = args.served_model_name or args.model
@@ -208,8 +213,9 @@ def _run_server(executor, args, sock, what: str) -> None:
                     else args.max_request_bytes)
     print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {what}) on http://{args.host}:{args.port}",
           file=sys.stderr)
-    freeze_startup_heap()
-    uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    with frozen_startup_heap():
+        uvicorn.Server(config).run(sockets=[sock])
 
 
 def bind_socket(host: str, port: int):

@@ -38,6 +38,9 @@ COMPLETION_FIELDS = _COMMON | {"prompt"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
                     "min_p")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+# the roles of a chat message: a "tool" message answers a tool call, and tools are refused (_OFF_VALUES); OpenAI's
+# "developer" is a role the served models' chat templates do not know
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 @dataclass(frozen=True)
@@ -62,18 +65,30 @@ def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> Par
 def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
     """A /v1/chat/completions body; ``messages`` is a list of {role, content}, content a string or a list of text
     parts (``prompts.chat_message_text``, whose PromptError is a 400 naming the message or part at fault)."""
-    from specdec.prompts import PromptError, chat_message_text
+    from specdec.prompts import PromptError
 
     _check_fields(body, CHAT_FIELDS, model)
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise BadRequest("messages", "field 'messages' must be a non-empty list of {role, content} objects")
     try:
-        messages = [{"role": m["role"], "content": chat_message_text(m, i)} for i, m in enumerate(msgs)]
+        messages = [_message(m, i) for i, m in enumerate(msgs)]
     except PromptError as err:
         raise BadRequest(err.field, str(err)) from None
     field = _max_tokens_field(body)
     return _parsed(messages, _params(body, default_max_tokens, field), body, field)
+
+
+def _message(m: Any, i: int) -> dict:
+    """``messages[i]`` as {role, content}: its shape is checked first (``chat_message_text``: a PromptError naming
+    ``messages[i]``), then its role must be one of ``CHAT_ROLES``."""
+    from specdec.prompts import chat_message_text
+
+    text = chat_message_text(m, i)
+    if m["role"] not in CHAT_ROLES:
+        raise BadRequest(f"messages[{i}].role", f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
+                                                f"{_short(m['role'])}")
+    return {"role": m["role"], "content": text}
 
 
 def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.serving.executor import Executor, IterationStats, Load, freeze_startup_heap
+from specdec.serving.executor import Executor, IterationStats, Load, frozen_startup_heap
 from specdec.serving.request_streams import Channel, RequestStreams
 
 log = logging.getLogger(__name__)
@@ -269,17 +269,17 @@ def _child_main(recipe: EngineRecipe, inbox, outbox) -> None:
         outbox.put(("failed", traceback.format_exc()))
         return
     engine = executor.engine
-    freeze_startup_heap()
-    outbox.put(("ready", ReplicaInfo(str(engine.device), engine.config.block_size, engine.allocator.num_blocks,
-                                     os.getpid())))
-    executor.add_stats_listener(lambda s: outbox.put(("stats", s)))
-    workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-replica-prepare")
-    sent: dict[str, int] = {}  # outputs sent per live request (the first and the final go whole)
-    try:
-        _serve_parent(executor, inbox, outbox, workers, sent)
-    finally:
-        executor.shutdown()
-        workers.shutdown(wait=False, cancel_futures=True)
+    with frozen_startup_heap():
+        outbox.put(("ready", ReplicaInfo(str(engine.device), engine.config.block_size, engine.allocator.num_blocks,
+                                         os.getpid())))
+        executor.add_stats_listener(lambda s: outbox.put(("stats", s)))
+        workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-replica-prepare")
+        sent: dict[str, int] = {}  # outputs sent per live request (the first and the final go whole)
+        try:
+            _serve_parent(executor, inbox, outbox, workers, sent)
+        finally:
+            executor.shutdown()
+            workers.shutdown(wait=False, cancel_futures=True)
 
 
 def _executor(recipe: EngineRecipe) -> Executor:
@@ -319,11 +319,11 @@ def _follower_main(recipe: EngineRecipe, rank: int, size: int, port: int) -> Non
     from specdec.serving.tensor_parallel import follow
 
     engine = _rank_engine(recipe, rank, size, port)
-    freeze_startup_heap()
-    try:
-        follow(engine, control_group(size))
-    finally:
-        dist.destroy_process_group()
+    with frozen_startup_heap():
+        try:
+            follow(engine, control_group(size))
+        finally:
+            dist.destroy_process_group()
 
 
 def _serve_parent(executor: Executor, inbox, outbox, workers: ThreadPoolExecutor, sent: dict) -> None:

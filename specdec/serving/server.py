@@ -1,8 +1,8 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over an Executor, with Prometheus /metrics.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events),
-GET /v1/models, GET /health, GET /metrics. A client that disconnects cancels its request, which
-frees its KV blocks.
+GET /v1/models, GET /v1/models/{model}, GET|HEAD /health, GET /metrics; every error, a routing one (404, 405)
+too, is an OpenAI error body. A client that disconnects cancels its request, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import sample_requests
@@ -48,8 +50,15 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
     executor.add_stats_listener(metrics.on_step)
     app.state.executor, app.state.metrics, app.state.model_name = executor, metrics, model_name
     created = int(time.time())
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "specdec"}
 
-    @app.get("/health")
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, err: HTTPException) -> Response:
+        """Starlette's own errors (no such path, a method the path does not take) in OpenAI's error shape."""
+        return JSONResponse(protocol.error_body(f"{err.detail}: {request.method} {request.url.path}", None,
+                                                err.status_code), status_code=err.status_code, headers=err.headers)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         replicas = {"replicas": executor.status()} if isinstance(executor, DataParallelExecutor) else {}
         if not executor.alive:
@@ -58,8 +67,14 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "specdec"}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        if model != model_name:
+            return _error(protocol.BadRequest("model", f"model {model!r} is not served here; this server serves "
+                                                       f"{model_name!r}", status=404))
+        return JSONResponse(card)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -81,6 +96,8 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
                       else protocol.parse_completion(body, model_name))
         except protocol.BadRequest as err:
             return _error(err)
+        except _ClientGone:  # gone before its body was read: nothing to answer, nothing to log
+            return Response(status_code=499)
         try:  # on a worker thread: the event loop and the engine loop go on meanwhile
             ids = await asyncio.to_thread(executor.prepare, parsed.prompt, parsed.params)
         except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
@@ -222,20 +239,26 @@ async def _until(request: Request, awaitable):
         if await request.is_disconnected():
             task.cancel()
             await asyncio.wait({task})
+            if not task.cancelled():  # retrieved, else asyncio logs "exception was never retrieved" for it
+                task.exception()
             raise _ClientGone()
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body; BadRequest (413) once it is longer than ``limit`` bytes, read no further."""
+    """The request body; BadRequest (413) once it is longer than ``limit`` bytes, read no further; _ClientGone when
+    the client disconnects before sending all of it."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise _ClientGone() from None
     return b"".join(chunks)
 
 
@@ -255,14 +278,14 @@ def _json(raw: bytes):
 
 
 def _refusal(err: Exception | None, chat: bool, max_tokens_field: str) -> protocol.BadRequest:
-    """The engine refused a request: a ValueError is the client's (400, naming the field: ``max_tokens_field``
-    for the output length), anything else ours (500)."""
+    """The engine refused a request: a ValueError is the client's (400, naming the field it names: a FieldError's
+    ``max_new_tokens`` is ``max_tokens_field``; none, as a PromptError of the whole prompt, is the prompt or
+    the messages), anything else ours (500)."""
     if not isinstance(err, ValueError):
         return protocol.BadRequest(None, f"request failed: {type(err).__name__}: {err}", 500)
-    text = str(err)
-    field = getattr(err, "field", None) or ("max_new_tokens" if "max_new_tokens" in text else None)
+    field = getattr(err, "field", None)
     field = max_tokens_field if field == "max_new_tokens" else field or ("messages" if chat else "prompt")
-    return protocol.BadRequest(field, f"{field}: {text}")
+    return protocol.BadRequest(field, f"{field}: {err}")
 
 
 def _sse(obj: dict) -> str:
