@@ -48,7 +48,8 @@ def test_user_errors_name_the_argument(capsys, no_model_load, argv, words):
 @pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"]])
 def test_cuda_without_a_gpu(capsys, no_model_load, command):
     err = run_cli(capsys, [*command, "--device", "cuda"])
-    assert "--device" in err and "CUDA is not available" in err
+    assert err.startswith(f"error: --device: 'cuda' asked for, but this torch ({torch.__version__}) sees no CUDA "
+                          f"device: use --device cpu or "), err
 
 
 def test_truncated_checkpoint(capsys, tiny_llama_dir, tmp_path):
@@ -111,3 +112,32 @@ def test_sampling_with_a_draft_on_cuda_gets_a_speed_note():
     assert sampled_speed_note("cuda", 0.0, "ngram") is None  # greedy
     assert sampled_speed_note("cuda", 0.7, "none") is None  # target-only already
     assert sampled_speed_note("cpu", 0.7, "ngram") is None
+
+
+def test_bench_refuses_draft_none_saying_why(capsys, no_model_load):
+    """bench compares a draft with target-only decoding; 'none' was "does not exist" (as if a path)."""
+    err = run_cli(capsys, ["bench", "--device", "cpu", "--draft", "none"])
+    assert err.startswith("error: --draft: bench measures a draft against target-only decoding"), err
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"], ["bench"]])
+def test_tree_auto_is_the_default_tree(monkeypatch, command):
+    """``--tree auto`` (listed in --help) is what no --tree gives, for generate and bench alike."""
+    import specdec.cli.checks as checks
+
+    trees = []
+
+    class Built(Exception):
+        pass
+
+    def build(cls, **fields):  # stop at the engine config, before any model loads
+        if cls.__name__ == "SpecConfig":
+            trees.append(fields["tree"])
+            raise Built
+        return cls(**fields)
+
+    monkeypatch.setattr(checks, "build", build)
+    for tree in ([], ["--tree", "auto"]):
+        with pytest.raises(Built):
+            main([*command, "--device", "cpu", "--draft", "ngram", *tree])
+    assert trees[0] == trees[1] == "chain:8", trees

@@ -1,6 +1,7 @@
 """The tracebacks a new user met (issue 27), each now an ``error: <argument>: <what>`` line with exit 2 before any
 model loads: missing dataset packages, no server at the URL, a bad or busy port, a bad tree on ``serve``, a draft
-given as the target, and a missing draft that suggested the target's name."""
+given as the target, and a missing draft that suggested the target's name. Also how ``specdec generate`` ends:
+Ctrl-C, a closed pipe, a chat model given a raw prompt, and the prompt / stop flags reaching the request."""
 
 from __future__ import annotations
 
@@ -126,3 +127,149 @@ def test_missing_draft_suggests_drafts_not_the_target(capsys, no_model_load):
     err = run_cli(capsys, ["generate", "--prompt", "hi", "--device", "cpu", "--draft", "/nonexistent"])
     assert err.startswith("error: --draft: '/nonexistent' does not exist") and "'smollm2-135m-draft'" in err, err
     assert "'smollm2-135m'," not in err, err
+
+
+class ScriptedEngine:
+    """An engine stand-in for ``specdec generate``: its stream yields ``texts`` one token each, then ends with
+    ``finish`` or, with ``interrupt``, raises KeyboardInterrupt (Ctrl-C) after them; ``seen`` keeps the request."""
+
+    def __init__(self, texts, finish="length", interrupt=False):
+        self.texts, self.finish, self.interrupt, self.seen = texts, finish, interrupt, {}
+
+    def stream(self, prompt, params):
+        from specdec.outputs import AcceptanceStats, RequestOutput
+
+        self.seen.update(prompt=prompt, params=params)
+        for i, text in enumerate(self.texts):
+            last = i == len(self.texts) - 1 and not self.interrupt
+            yield RequestOutput("0", [1], list(range(i + 1)), "".join(self.texts[:i + 1]),
+                                self.finish if last else None, AcceptanceStats(), new_text=text)
+        if self.interrupt:
+            raise KeyboardInterrupt
+
+
+@pytest.fixture
+def scripted(monkeypatch, tmp_path):
+    """``scripted(engine, chat_template=...)``: ``specdec generate --model <a folder>`` runs ``engine`` over a
+    loaded model whose tokenizer has that chat template (None: none); returns the argv prefix to run."""
+    from types import SimpleNamespace
+
+    def use(engine, chat_template="{{ messages }}"):
+        model = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=chat_template))
+        monkeypatch.setattr("specdec.cli.checks.load", lambda *a, **k: model)
+        monkeypatch.setattr("specdec.cli.parallel.build_engine", lambda *a: engine)
+        return ["generate", "--model", str(tmp_path), "--draft", "none", "--device", "cpu"]
+
+    return use
+
+
+def test_ctrl_c_keeps_the_text_and_ends_quietly(capsys, scripted, monkeypatch):
+    """Was a KeyboardInterrupt traceback and no final newline."""
+    from specdec.cli import main
+
+    argv = scripted(ScriptedEngine(["Once", " upon"], interrupt=True))
+    try:
+        rc = main([*argv, "--prompt", "hi"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped `specdec generate`: the user gets a traceback")
+    assert rc == 130
+    out, err = capsys.readouterr()
+    assert out == "Once upon\n" and err == "[interrupted after 2 tokens]\n", (out, err)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("specdec.cli.checks.load", interrupted)  # Ctrl-C while the model loads
+    assert main([*argv, "--prompt", "hi"]) == 130
+    assert capsys.readouterr().err == "\n[interrupted]\n"
+
+
+def test_closed_pipe_ends_quietly(capsys, scripted, monkeypatch):
+    """Was a BrokenPipeError traceback and exit 1 under ``| head -c 40``."""
+    import sys
+
+    from specdec.cli import main
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    argv = scripted(ScriptedEngine(["Once", " upon"]))
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main([*argv, "--prompt", "hi"]) == 141
+    assert capsys.readouterr().err == ""
+
+
+def _tiny_with_tokenizer(tiny_dirs, tmp_path) -> str:
+    from serving_helpers import with_tokenizer
+
+    return str(with_tokenizer(tiny_dirs["llama"], tmp_path / "llama"))
+
+
+def test_ctrl_c_and_a_closed_pipe_in_a_real_process(tiny_dirs, tmp_path, monkeypatch):
+    """The real signal and pipe: SIGINT mid-stream ends with status 130 and the one-line note; a reader that closes
+    the pipe leaves status 141 and nothing on stderr (the interpreter's last flush included)."""
+    import signal
+    import subprocess
+    import sys
+
+    model = _tiny_with_tokenizer(tiny_dirs, tmp_path)
+    monkeypatch.chdir(tmp_path)  # (a fresh interpreter never starts in the checkout: its kernels/ shadows PyPI's)
+    argv = [sys.executable, "-m", "specdec.cli", "generate", "--model", model, "--draft", "none", "--device", "cpu",
+            "--prompt", "hello", "--ignore-eos", "--max-new-tokens", "400"]
+    for closes_pipe in (False, True):
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.read(1)  # the stream has begun
+        if closes_pipe:
+            proc.stdout.close()
+        else:
+            proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read().decode()
+        rc = proc.wait(timeout=60)
+        if closes_pipe:
+            assert (rc, err) == (141, ""), (rc, err)
+        else:
+            proc.stdout.close()
+            assert rc == 130 and err.startswith("[interrupted after ") and "Traceback" not in err, (rc, err)
+
+
+def test_raw_prompt_to_a_chat_model_that_ends_at_once_gets_a_hint(capsys, scripted):
+    """Was a bare newline: the instruct model ends a prompt outside its chat template at once."""
+    from specdec.cli import main
+
+    ended = ScriptedEngine([""], finish="stop")
+    assert main([*scripted(ended), "--prompt", "Write a story"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n" and "add --chat" in err and len(err.splitlines()) == 1, err
+    for extra, template in ((["--chat"], "{{ messages }}"), ([], None), (["--stop", "x"], "{{ messages }}")):
+        main([*scripted(ScriptedEngine([""], finish="stop"), template), "--prompt", "hi", *extra])
+        assert "--chat" not in capsys.readouterr().err, (extra, template)
+    main([*scripted(ScriptedEngine(["a", "b", "c", "d"], finish="stop")), "--prompt", "hi"])
+    assert capsys.readouterr().err == ""  # a real answer that ended by EOS
+
+
+def test_prompt_from_stdin_system_stop_and_ignore_eos_reach_the_request(capsys, scripted, monkeypatch):
+    import io
+    import sys
+
+    from specdec.cli import main
+
+    engine = ScriptedEngine(["ok"])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Name a river.\n"))
+    argv = [*scripted(engine), "--prompt", "-", "--chat", "--system", "Be brief.", "--stop", "\n", "--stop", "END",
+            "--ignore-eos"]
+    assert main(argv) == 0
+    assert engine.seen["prompt"] == [{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "Name a river."}]
+    assert engine.seen["params"].stop == ("\n", "END") and engine.seen["params"].ignore_eos is True
+    monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
+    main([*scripted(engine), "--prompt", "-", "--stop", "x"])
+    assert engine.seen["prompt"] == "  "  # raw: only the trailing newline goes
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    err = run_cli(capsys, [*scripted(engine), "--prompt", "-"])
+    assert err.startswith("error: --prompt: ") and "stdin" in err, err
+    err = run_cli(capsys, [*scripted(engine), "--prompt", "hi", "--system", "Be brief."])
+    assert err.startswith("error: --system: ") and "--chat" in err, err

@@ -35,12 +35,59 @@ def test_help_shows_every_default(command):
 
 @pytest.mark.parametrize("command,rest", [("generate", ["--prompt", "hi"]), ("bench", []), ("serve", []),
                                           ("bench-serve", [])])
-def test_unknown_flag_shows_the_subcommands_usage(capsys, command, rest):
+def test_unknown_flag_is_one_line_naming_it(capsys, command, rest):
+    """``error: --flag: what`` on one line (no usage block), pointing at the subcommand's help, exit status 2."""
     with pytest.raises(SystemExit) as done:
         main([command, *rest, "--no-such-flag=1"])
     err = capsys.readouterr().err
     assert done.value.code == 2
-    assert err.startswith(f"usage: specdec {command} ") and "unrecognized arguments: --no-such-flag=1" in err, err
+    assert err == f"error: --no-such-flag: unknown flag (`specdec {command} --help` lists the flags)\n", err
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["--max-tokns", "8"], "error: --max-tokns: unknown flag (did you mean --max-tokens or --max-new-tokens?)"),
+    (["--temprature", "0.5"], "error: --temprature: unknown flag (did you mean --temperature?)"),
+    (["--top_p", "0.5"], "error: --top_p: unknown flag (did you mean --top-p?)"),
+    (["--model-path", "x"], "error: --model-path: unknown flag (did you mean --model?)"),
+    (["--do-sample"], "error: --do-sample: not a specdec generate flag; use --temperature T (> 0 samples; 0, the "
+                      "default, is greedy)"),
+    (["--max-length", "9"], "error: --max-length: not a specdec generate flag; use --max-new-tokens N (it counts new "
+                            "tokens only)"),
+    (["--max-model-len", "4096"], "error: --max-model-len: not supported by specdec generate (the model's own "
+                                  "context length, its max_position_embeddings, is used)"),
+    (["--api-key", "k"], "error: --api-key: not supported by specdec generate (specdec serve has no "
+                         "authentication: put a proxy in front of it)"),
+    (["story"], "error: unexpected argument story (options take --flag VALUE)"),
+    (["--temperature", "hot"], "error: --temperature: invalid float value: 'hot'"),
+    (["--max-tokens", "x"], "error: --max-new-tokens: invalid int value: 'x'"),
+])
+def test_flag_typos_and_other_engines_flags_get_one_line_with_a_suggestion(capsys, argv, line):
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--prompt", "hi", *argv])
+    assert done.value.code == 2
+    assert capsys.readouterr().err == line + "\n"
+
+
+def test_a_flag_another_command_has_is_not_suggested_where_it_is_missing(capsys):
+    """``--n`` is generate's; ``bench`` has none, so --num-return-sequences is just not supported there."""
+    with pytest.raises(SystemExit):
+        main(["bench", "--num-return-sequences", "2"])
+    assert capsys.readouterr().err == "error: --num-return-sequences: not supported by specdec bench\n"
+
+
+def test_each_commands_help_shows_only_what_it_accepts():
+    """generate has no --adaptive, and runs one engine (--data-parallel-size only 1); --tree lists every form
+    SpecConfig takes; bench's --draft does not offer 'none'."""
+    commands = build_parser().commands
+    generate, bench = (" ".join(commands[c].format_help().split()) for c in ("generate", "bench"))
+    assert "--adaptive" not in generate and "--adaptive on" in bench
+    for text in (generate, bench):
+        assert "dynamic:BUDGET:KxD" in text and "| auto" in text
+        assert "1 only: this command runs one engine" in text
+    assert "engine replicas: M processes" in commands["serve"].format_help()
+    assert "no 'none'" in bench
+    for flag in ("--stop STR", "--ignore-eos", "--system SYSTEM", "or - to read it from stdin"):
+        assert flag in generate, flag
 
 
 def test_cpu_runs_set_a_sane_thread_count(monkeypatch):

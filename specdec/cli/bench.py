@@ -20,7 +20,9 @@ def add_bench_parser(sub, add_model_args) -> None:
 
     b = sub.add_parser("bench", help="acceptance + speed report on a prompt set")
     add_target_arg(b)
-    b.add_argument("--draft", default=None, help="draft model, 'ngram' (default: the shipped draft, else ngram)")
+    b.add_argument("--draft", default=None,
+                   help="draft model name/path or 'ngram' (default: the shipped draft, else ngram; no 'none': "
+                        "the target-only column is in every report)")
     b.add_argument("--dataset", default="mtbench", help="mtbench | sharegpt | PATH.jsonl")
     b.add_argument("--num-prompts", type=int, default=None, help="the first N prompts (default: all)")
     add_max_tokens_arg(b, 128)
@@ -41,22 +43,23 @@ def add_bench_parser(sub, add_model_args) -> None:
                    help="tree budget from measured costs, 0 = plain decoding (auto: on for CUDA, one budget per batch "
                         "bucket held for epochs of pipelined steps; on: chosen every step, which turns pipelining off "
                         "for drafts; off: the tree's full budget); reports the mean budget")
-    b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
+    b.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES),
+                   help=f"{_PIPELINE_WHAT} (auto: on for CUDA with CUDA graphs; --adaptive on turns it off for drafts)")
     b.add_argument("--seed", type=int, default=0, help="seed of the sampled requests")
     b.add_argument("--json", dest="json_out", default=None, help="write the full report here (default: not written)")
     b.add_argument("--plot", default=None, help="write a plot of the report here, e.g. bench.png (default: none)")
     b.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton kernels on CUDA, torch on the CPU")
-    add_parallel_args(b)
+    add_parallel_args(b, replicas=False)
     add_model_args(b)
     b.set_defaults(func=cmd_bench)
 
 
-TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET (default: n-gram chain:8; a draft model {CUDA_DRAFT_TREE} on CUDA, " \
-            "else chain:4)"
-PIPELINE_HELP = "pipelined steps, greedy and sampled (each step queued on the device before the host reads the " \
-    "previous one): target-only decoding, fused EAGLE steps and n-gram steps with device lookups (auto: on for " \
-    "CUDA with CUDA graphs; --adaptive on turns it off for drafts)"
+TREE_HELP = f"chain:K | topk:WxD | dynamic:BUDGET | dynamic:BUDGET:KxD | auto (the default: n-gram chain:8; a " \
+            f"draft model {CUDA_DRAFT_TREE} on CUDA, else chain:4)"
+_PIPELINE_WHAT = "pipelined steps, greedy and sampled (each step queued on the device before the host reads the " \
+    "previous one): target-only decoding, fused EAGLE steps and n-gram steps with device lookups"
+PIPELINE_HELP = f"{_PIPELINE_WHAT} (auto: on for CUDA with CUDA graphs)"  # (generate's: it has no --adaptive)
 
 
 def engine_mode(engine) -> dict:
@@ -124,7 +127,10 @@ def cmd_bench(args) -> int:
     check_positive("--num-prompts", args.num_prompts, allow_none=True)
     check_dataset("--dataset", args.dataset, DATASET_NAMES)
     draft_name = args.draft or default_draft(args.model, device)
-    tree = args.tree or default_tree(draft_name, device)
+    if draft_name == "none":
+        raise UsageError("--draft", "bench measures a draft against target-only decoding, which every report "
+                                    "holds: give a draft model or 'ngram', got 'none'")
+    tree = args.tree if args.tree not in (None, "auto") else default_tree(draft_name, device)
     cfg = build(SpecConfig, tree=tree, device=device, dtype=dtype, attention_backend=args.attention_backend,
                 max_batch_size=max(64, *batch_sizes), pipeline=PIPELINE_CHOICES[args.pipeline],
                 adaptive=ADAPTIVE_CHOICES[args.adaptive], gpu_memory_utilization=args.gpu_memory_utilization,

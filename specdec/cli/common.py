@@ -4,22 +4,76 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from specdec.defaults import DEFAULT_TARGET, GPU_MEMORY_UTILIZATION
 
+_ARGUMENT = re.compile(r"^argument ([^/: ]+)(/[^: ]+)*: ")  # argparse's "argument --flag/--alias: " prefix
 
-class CommandParser(argparse.ArgumentParser):
-    """The top-level ``specdec`` parser: an unknown flag is reported with its subcommand's usage, not the top
-    level's (``commands``: the subcommand parsers by name, set by ``build_parser``)."""
+
+class OneLineErrors(argparse.ArgumentParser):
+    """A parser whose errors are one line, ``error: --flag: what`` (argparse's ``argument --flag: what`` without
+    the usage block above it), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, "error: " + _ARGUMENT.sub(r"\1: ", message) + "\n")
+
+
+class CommandParser(OneLineErrors):
+    """The top-level ``specdec`` parser: an unknown flag is reported by :func:`unknown_flag_message` with its
+    subcommand's flags, not the top level's (``commands``: the subcommand parsers by name, set by ``build_parser``)."""
 
     commands: dict[str, argparse.ArgumentParser] = {}
 
     def parse_args(self, args=None, namespace=None):
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:
-            owner = self.commands.get(getattr(parsed, "command", None), self)
-            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+            command = getattr(parsed, "command", None)
+            owner = self.commands.get(command, self)
+            owner.error(unknown_flag_message(extra, owner, command))
         return parsed
+
+
+# Flags of vLLM / transformers that specdec lacks: (the specdec flag that does the job or None, what to do instead)
+FOREIGN_FLAGS = {
+    "--max-model-len": (None, "the model's own context length, its max_position_embeddings, is used"),
+    "--max-length": ("--max-new-tokens", "--max-new-tokens N (it counts new tokens only)"),
+    "--do-sample": ("--temperature", "--temperature T (> 0 samples; 0, the default, is greedy)"),
+    "--num-return-sequences": ("--n", "--n N"),
+    "--num-beams": (None, "there is no beam search"),
+    "--api-key": (None, "specdec serve has no authentication: put a proxy in front of it"),
+    "--speculative-model": ("--draft", "--draft NAME"),
+    "--num-speculative-tokens": ("--tree", "--tree chain:K"),
+    "--system-prompt": ("--system", "--system TEXT"),
+    "--stop-sequences": ("--stop", "--stop STR (repeatable)"),
+    "--tokenizer": (None, "the model's own tokenizer is used"),
+    "--trust-remote-code": (None, "specdec runs its own model code"),
+    "--quantization": (None, "weights run in --dtype; a .gguf file's are dequantized to it"),
+    "--enforce-eager": (None, "CUDA graphs are chosen by the engine"),
+}
+
+
+def unknown_flag_message(extra: list[str], parser: argparse.ArgumentParser, command: str | None) -> str:
+    """One line about the arguments ``parser`` did not recognise: its first unknown flag with the closest known
+    flags (``--max-tokns: unknown flag (did you mean --max-tokens?)``), or with what to use instead of a vLLM /
+    transformers flag the command lacks; stray values (no flag) are named as such."""
+    import difflib
+
+    flags = [a.split("=", 1)[0] for a in extra if a.startswith("-") and a != "-"]
+    if not flags:
+        return f"unexpected argument{'s' if len(extra) > 1 else ''} {' '.join(extra)} (options take --flag VALUE)"
+    flag, known = flags[0], [o for a in parser._actions for o in a.option_strings]
+    where = f"specdec {command}" if command else "specdec"
+    if flag in FOREIGN_FLAGS:
+        instead, what = FOREIGN_FLAGS[flag]
+        if instead in known:
+            return f"{flag}: not a {where} flag; use {what}"
+        return f"{flag}: not supported by {where}" + (f" ({what})" if instead is None else "")
+    name, names = flag.lstrip("-").replace("_", "-"), [o[2:] for o in known if o.startswith("--")]
+    close = [name] if name in names else difflib.get_close_matches(name, names, n=2, cutoff=0.7) or \
+        [n for n in names if name.startswith(f"{n}-")][:2]  # --model-path: --model
+    hint = f"did you mean {' or '.join('--' + c for c in close)}?" if close else f"`{where} --help` lists the flags"
+    return f"{flag}: unknown flag ({hint})"
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):

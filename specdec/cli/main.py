@@ -6,10 +6,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from functools import partial
 
-from specdec.cli.common import CommandParser, DefaultsHelpFormatter, add_max_tokens_arg, add_target_arg
+from specdec.cli.common import (
+    CommandParser,
+    DefaultsHelpFormatter,
+    OneLineErrors,
+    add_max_tokens_arg,
+    add_target_arg,
+)
 from specdec.cli.common import add_model_args as _add_model_args
 from specdec.cli.common import device_dtype as _device_dtype
 
@@ -26,14 +33,16 @@ def cmd_generate(args) -> int:
     device, dtype = _device_dtype(args)  # every argument is checked before a model loads
     check_parallel(args, device, "generate")
     name = args.draft or default_draft(args.model, device)
-    tree = args.tree or default_tree(name, device)
+    tree = args.tree if args.tree not in (None, "auto") else default_tree(name, device)
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
-                   repetition_penalty=args.repetition_penalty, n=args.n)
+                   repetition_penalty=args.repetition_penalty, n=args.n, stop=tuple(args.stop or ()),
+                   ignore_eos=args.ignore_eos)
     config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
     check_model("--draft", name, extra=("ngram", "none"))
+    prompt = _prompt(args)
     code = start_tensor_parallel(args, args.model, name)  # the ranks' processes run this command; None: one of them
     if code is not None:
         return code
@@ -44,21 +53,72 @@ def cmd_generate(args) -> int:
     target = load("--model", args.model, dtype, on)
     draft = name if name in ("ngram", "none") else load("--draft", name, dtype, on, target=target)
     engine = build_engine(None if draft == "none" else draft, target, config)
-    prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if params.n > 1:
-        return _print_samples(engine.generate([prompt], params)[0], engine, args.stats)
-    final = None
-    for out in engine.stream(prompt, params):
-        if out.error is not None:
-            print(f"error: {out.error}", file=sys.stderr)
-            return 2
-        sys.stdout.write(out.new_text)
+        out = engine.generate([prompt], params)[0]
+        code = _print_samples(out, engine, args.stats)
+    else:
+        code, out = _stream(engine, prompt, params)
+        if out is not None and args.stats:
+            _print_stats(out, engine)
+    if code == 0 and out is not None and (hint := chat_hint(out, args, target.tokenizer)):
+        print(hint, file=sys.stderr)
+    return code
+
+
+def _prompt(args) -> str | list[dict]:
+    """The request's prompt: ``--prompt`` (``-``: stdin, read here once; tensor-parallel ranks get the text in
+    their arguments), with ``--chat`` a message list (``--system`` first). UsageError for ``--system`` without
+    ``--chat`` or nothing on stdin."""
+    from specdec.cli.checks import UsageError
+
+    if args.system is not None and not args.chat:
+        raise UsageError("--system", "is a chat message: add --chat")
+    text = args.prompt
+    if text == "-":
+        text = sys.stdin.read().rstrip("\n")  # (the newline `echo` adds is no part of the prompt)
+        if not text:
+            raise UsageError("--prompt", "- reads the prompt from stdin, which gave nothing")
+        args.argv = [*args.argv, f"--prompt={text}"]  # (the last --prompt wins)
+    if not args.chat:
+        return text
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    return [*system, {"role": "user", "content": text}]
+
+
+def _stream(engine, prompt, params):
+    """Stream one request's text to stdout: (exit status, its last output or None). Ctrl-C keeps the text printed
+    so far, ends its line and notes ``[interrupted after N tokens]`` on stderr: status 130, as a shell reports
+    SIGINT."""
+    final, tokens = None, 0
+    try:
+        for out in engine.stream(prompt, params):
+            if out.error is not None:
+                print(f"error: {out.error}", file=sys.stderr)
+                return 2, None
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            final, tokens = out, len(out.token_ids)
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
         sys.stdout.flush()
-        final = out
+        print(f"[interrupted after {tokens} tokens]", file=sys.stderr)
+        return 130, None
     sys.stdout.write("\n")
-    if final is not None and args.stats:
-        _print_stats(final, engine)
-    return 0
+    return 0, final
+
+
+EARLY_EOS_TOKENS = 3  # an output ended by EOS within this many tokens counts as "ended at once"
+
+
+def chat_hint(final, args, tokenizer) -> str | None:
+    """The note for a raw prompt (no ``--chat``) to a model with a chat template whose every sample ended by EOS
+    within ``EARLY_EOS_TOKENS`` tokens: such models often end a prompt that is not in their template at once;
+    None otherwise (stop strings given, or EOS ignored, leave nothing to tell)."""
+    if args.chat or args.stop or args.ignore_eos or not getattr(tokenizer, "chat_template", None):
+        return None
+    if all(c.finish_reason == "stop" and len(c.token_ids) <= EARLY_EOS_TOKENS for c in final.outputs):
+        return "note: the model ended at once; it is a chat model: add --chat to wrap the prompt in its template"
+    return None
 
 
 def _print_samples(out, engine, stats: bool) -> int:
@@ -98,15 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="specdec", description="Lossless speculative decoding engine")
     parser.add_argument("--version", action="version", version=f"specdec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True,
-                                parser_class=partial(argparse.ArgumentParser, formatter_class=DefaultsHelpFormatter))
+                                parser_class=partial(OneLineErrors, formatter_class=DefaultsHelpFormatter))
 
     g = sub.add_parser("generate", help="generate text, streaming it to the terminal")
     add_target_arg(g)
     g.add_argument("--draft", default=None,
                    help="draft model name/path, 'ngram', or 'none' (default: the shipped draft, else ngram)")
     g.add_argument("--tree", default=None, help=TREE_HELP)
-    g.add_argument("--prompt", required=True, help="the prompt text (with --chat: the user's message)")
+    g.add_argument("--prompt", required=True,
+                   help="the prompt text, or - to read it from stdin (with --chat: the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message before the prompt (default: none)")
     add_max_tokens_arg(g, 128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
@@ -116,10 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop tokens below this share of the likeliest token's probability (0 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="penalty of the tokens already in the prompt or output (1 = off)")
+    g.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="end the output before this text; repeat for several (default: none)")
+    g.add_argument("--ignore-eos", action="store_true", help="go on past EOS, up to --max-new-tokens")
     g.add_argument("--n", type=int, default=1, help="independent samples of the prompt, printed one after another")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
     g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
-    add_parallel_args(g)
+    add_parallel_args(g, replicas=False)
     _add_model_args(g)
     g.set_defaults(func=cmd_generate)
 
@@ -148,7 +213,8 @@ def _version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a user error (bad argument, missing or unreadable model or file) prints
-    ``error: <message>`` and returns 2, only an internal error shows a traceback."""
+    ``error: <message>`` and returns 2, only an internal error shows a traceback. Ctrl-C returns 130 after a
+    one-line note; stdout's reader going away (``| head``) returns 141 silently, as for a tool killed by SIGPIPE."""
     from specdec.loading.errors import ModelNotFoundError
 
     args = build_parser().parse_args(argv)
@@ -158,6 +224,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, ModelNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # (generate notes what it had printed itself)
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        _discard_stdout()
+        return 141
+
+
+def _discard_stdout() -> None:
+    """Point stdout's file descriptor at /dev/null, so that the interpreter's last flush at exit does not fail on
+    the closed pipe (and print a traceback of its own)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, ValueError, OSError):  # a stream without a descriptor (a test's capture)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

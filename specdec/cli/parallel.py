@@ -23,12 +23,15 @@ _QUIET_ON_OTHER_RANKS = ("json_out", "json", "plot")  # files only rank 0 writes
 RANK_GRACE_SECONDS = 10.0  # how long an ended command waits for each rank to stop before killing it
 
 
-def add_parallel_args(p) -> None:
+def add_parallel_args(p, replicas: bool = True) -> None:
+    """``--tensor-parallel-size`` and ``--data-parallel-size``; ``replicas`` False: a command that runs one engine,
+    whose help says that only 1 is accepted (``check_parallel`` refuses more, naming ``serve``)."""
     p.add_argument(TP_FLAG, "-tp", dest="tensor_parallel_size", type=int, default=1,
                    help="split the models over N processes (Megatron-style; gloo on the CPU, NCCL with one GPU a "
                         "rank on CUDA): started by this command, or run it under torchrun --nproc-per-node N")
     p.add_argument(DP_FLAG, "-dp", dest="data_parallel_size", type=int, default=1,
-                   help="engine replicas (serve: M processes behind one server, one GPU each on CUDA)")
+                   help="engine replicas: M processes behind one server, one GPU each on CUDA" if replicas else
+                   "1 only: this command runs one engine (replicas: specdec serve --data-parallel-size M)")
 
 
 def check_parallel(args, device: str, command: str) -> None:
