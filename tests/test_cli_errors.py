@@ -18,6 +18,8 @@ def no_model_load(monkeypatch):
 @pytest.mark.parametrize("argv,words", [
     (["generate", "--prompt", "hi", "--model", "/nonexistent"], ["--model", "/nonexistent", "does not exist"]),
     (["generate", "--prompt", "hi", "--model", ""], ["--model", "empty"]),
+    (["generate", "--prompt", "hi", "--model", "no-such-org/no-such-model"],
+     ["--model", "not in the Hugging Face cache", "huggingface-cli download no-such-org/no-such-model"]),
     (["generate", "--prompt", "hi", "--draft", "/no/draft"], ["--draft", "/no/draft"]),
     (["generate", "--prompt", "hi", "--temperature", "-1"], ["--temperature", ">= 0"]),
     (["generate", "--prompt", "hi", "--temperature", "inf"], ["--temperature", "finite"]),

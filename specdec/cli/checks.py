@@ -78,9 +78,13 @@ def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
         return
     if not name.strip():
         raise UsageError(flag, "is empty; give " + _model_forms(flag, extra))
-    path = Path(name).expanduser()
+    from specdec.loading.base import local_path, looks_like_hub_id, not_found
+
+    path = local_path(name)  # (a Hugging Face id: its snapshot in the local cache, when it is there)
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return
+    if looks_like_hub_id(name):
+        raise UsageError(flag, str(not_found(name)))
     what = "is not a folder or a .gguf file" if path.exists() else "does not exist"
     raise UsageError(flag, f"{name!r} {what}; give {_model_forms(flag, extra)}")
 

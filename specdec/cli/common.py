@@ -102,7 +102,8 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
 
 
 MAX_DEFAULT_THREADS = 8
-TARGET_HELP = "target: smollm2-135m, a Hugging Face checkpoint folder or a .gguf file"
+TARGET_HELP = ("target: smollm2-135m, a Hugging Face checkpoint folder (or its id, once in the local cache) or a "
+               ".gguf file")
 
 
 def add_target_arg(p: argparse.ArgumentParser, default: str | None = DEFAULT_TARGET, help: str = TARGET_HELP) -> None:
