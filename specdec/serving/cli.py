@@ -211,8 +211,8 @@ def _run_server(executor, args, sock, what: str) -> None:
     app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens,
                     max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
                     else args.max_request_bytes)
-    print(f"serving {name!r} (draft {args.draft}, tree {args.tree}, {what}) on http://{args.host}:{args.port}",
-          file=sys.stderr)
+    drafting = "target-only" if args.draft == "none" else f"draft {args.draft}, tree {args.tree}"
+    print(f"serving {name!r} ({drafting}, {what}) on http://{args.host}:{args.port}", file=sys.stderr)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     with frozen_startup_heap():
         uvicorn.Server(config).run(sockets=[sock])
