@@ -34,6 +34,7 @@ def no_model_load(monkeypatch):
     (["bench", "--dataset", "missing.jsonl"], ["--dataset", "missing.jsonl", "does not exist"]),
     (["serve", "--draft", "none", "--max-batch-size", "1000000000"], ["--max-batch-size", "<= 4096"]),
     (["serve", "--draft", "none", "--max-request-bytes", "0"], ["--max-request-bytes", ">= 1"]),
+    (["serve", "--draft", "none", "--max-num-batched-tokens", "0"], ["--max-num-batched-tokens", ">= 1"]),
     (["bench", "--dataset", "nosuchset"], ["--dataset", "mtbench"]),
     (["bench", "--batch-size", "0"], ["--batch-size", ">= 1"]),
     (["bench", "--num-prompts", "0"], ["--num-prompts", ">= 1"]),

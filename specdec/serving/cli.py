@@ -22,6 +22,7 @@ def add_serve_parsers(sub, add_model_args) -> None:
     from specdec.cli.bench import TREE_HELP
     from specdec.cli.common import TARGET_HELP, add_max_tokens_arg, add_target_arg
     from specdec.cli.parallel import add_parallel_args
+    from specdec.spec_config import SpecConfig
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
@@ -37,6 +38,10 @@ def add_serve_parsers(sub, add_model_args) -> None:
                    help="KV pool size in blocks (default: by --gpu-memory-utilization on cuda, 256 MiB on cpu)")
     s.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=64,
                    help="most requests running at once")
+    s.add_argument("--max-num-batched-tokens", "--max-num-tokens", dest="max_num_tokens", type=int,
+                   default=SpecConfig.max_num_tokens,
+                   help="most prompt tokens prefilled in one step (lower: a long prompt holds running requests up "
+                        "for less time a step, and takes more steps)")
     s.add_argument("--policy", default="guaranteed_no_evict", choices=["guaranteed_no_evict", "max_utilization"],
                    help="KV admission: admit only what can finish, or greedily with preemption by recompute")
     s.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix reuse across requests")
@@ -97,7 +102,8 @@ def cmd_serve(args) -> int:
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         raise UsageError("--max-request-bytes", f"must be an int >= 1, got {args.max_request_bytes}")
     cfg = build(SpecConfig, tree=args.tree, device=device, dtype=dtype, num_blocks=args.num_blocks,
-                max_batch_size=args.max_batch_size, policy=args.policy, prefix_cache=not args.no_prefix_cache,
+                max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens, policy=args.policy,
+                prefix_cache=not args.no_prefix_cache,
                 gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
     check_model("--draft", args.draft, extra=("ngram", "none"))
