@@ -19,7 +19,7 @@ UPPER_BOUNDS = {"block_size": 1024, "max_batch_size": 4096, "max_num_tokens": 1 
 def check_spec_config(cfg) -> None:
     """Raise FieldError naming the first field of ``cfg`` with a wrong type or value; normalises
     ``policy`` (a CapacityPolicy becomes its string) and ``device`` (a torch.device becomes a str)."""
-    from specdec.loading.registry import DTYPES
+    from specdec.loading.base import DTYPE_ALIASES, DTYPES
     from specdec.scheduler.scheduler import CapacityPolicy
     from specdec.tree_spec import template_from_spec
 
@@ -40,8 +40,10 @@ def check_spec_config(cfg) -> None:
     _require(isinstance(cfg.prefix_cache, bool), "prefix_cache", "must be a bool", cfg.prefix_cache)
     _require(cfg.attention_backend in ATTENTION_BACKENDS, "attention_backend",
              f"must be one of {list(ATTENTION_BACKENDS)}", cfg.attention_backend)
+    if isinstance(cfg.dtype, str) and cfg.dtype in DTYPE_ALIASES:  # ("half" is "float16", as in vLLM)
+        object.__setattr__(cfg, "dtype", DTYPE_ALIASES[cfg.dtype])
     known = cfg.dtype in DTYPES.values() if isinstance(cfg.dtype, torch.dtype) else cfg.dtype in ["auto", *DTYPES]
-    _require(known, "dtype", f"must be 'auto' or one of {sorted(DTYPES)}", cfg.dtype)
+    _require(known, "dtype", f"must be 'auto' or one of {sorted(DTYPES)} (or {sorted(DTYPE_ALIASES)})", cfg.dtype)
     if cfg.device != "auto":
         object.__setattr__(cfg, "device", check_device(cfg.device))
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # the device "auto" most likely becomes

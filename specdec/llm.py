@@ -2,8 +2,8 @@
 over ``SpecEngine``, so that code written for ``vllm.LLM`` runs with speculative decoding unchanged.
 
 It is the same engine: ``LLM(model, draft, **options)`` is ``SpecEngine(draft, model, SpecConfig(**options))`` with
-vLLM's option names taken as well (``VLLM_OPTIONS``), its ``speculative_config`` read for the draft and its
-``dtype`` spellings ("half", "float") accepted."""
+vLLM's option names taken as well (``VLLM_OPTIONS``) and its ``speculative_config`` read for the draft (SpecConfig
+takes vLLM's ``dtype`` spellings, "half" and "float", itself)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from specdec.spec_config import SpecConfig
 # vLLM's engine options and the SpecConfig field each sets
 VLLM_OPTIONS = {"max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_num_tokens",
                 "enable_prefix_caching": "prefix_cache"}
-# vLLM's dtype spellings and the name SpecConfig takes
-DTYPE_NAMES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 class LLM(SpecEngine):
@@ -57,8 +55,8 @@ class LLM(SpecEngine):
 
 
 def _spec_options(options: dict) -> dict:
-    """``options`` as SpecConfig fields: vLLM's names renamed, vLLM's dtype spellings mapped; TypeError naming an
-    option neither knows (with the fields it could have meant)."""
+    """``options`` as SpecConfig fields (vLLM's names renamed); TypeError naming an option neither knows (with the
+    fields it could have meant)."""
     known = {f.name for f in fields(SpecConfig)}
     out = {}
     for name, value in options.items():
@@ -68,7 +66,7 @@ def _spec_options(options: dict) -> dict:
                             f"or one of vLLM's names it maps ({', '.join(sorted(VLLM_OPTIONS))})")
         if field in out:
             raise TypeError(f"LLM got {field!r} twice (as {name!r} too)")
-        out[field] = DTYPE_NAMES.get(value, value) if field == "dtype" and isinstance(value, str) else value
+        out[field] = value
     return out
 
 

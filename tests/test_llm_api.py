@@ -20,6 +20,7 @@ def test_vllm_option_names_set_the_engine_config(tiny_target, tiny_draft):
     assert (cfg.max_batch_size, cfg.max_num_tokens, cfg.prefix_cache, cfg.dtype, cfg.cuda_graphs) == \
         (3, 96, False, "float32", False)
     assert llm.plan.proposer == "draft"
+    assert SpecConfig(dtype="half").dtype == "float16" and SpecConfig(dtype="bf16").dtype == "bfloat16"
 
 
 def test_generate_under_vllms_argument_name_equals_the_engine(tiny_target, tiny_draft):

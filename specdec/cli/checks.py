@@ -47,7 +47,9 @@ def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
         device = check_device(device)
     except FieldError as err:
         raise UsageError("--device", str(err).replace("SpecConfig.device ", "", 1)) from None
-    return device, default_dtype(device) if dtype in (None, "auto") else dtype
+    from specdec.loading.base import DTYPE_ALIASES
+
+    return device, default_dtype(device) if dtype in (None, "auto") else DTYPE_ALIASES.get(dtype, dtype)
 
 
 def _check_cuda_present(device: str) -> None:
