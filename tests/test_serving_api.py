@@ -1,9 +1,10 @@
 """The OpenAI-compatible server, run for real (uvicorn on a free port) and spoken to with the `openai`
-client: completions and chat, streaming and not, stop strings, seeded sampling, 400s naming the field,
-disconnects that free every KV block, /metrics."""
+client: completions (one prompt or several) and chat, streaming and not, stop strings, seeded sampling, 400s
+naming the field, disconnects that free every KV block, /metrics."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -172,6 +173,77 @@ def test_n_streams_n_choices(client, server, chat):
     assert _idle_and_free(server[1])
 
 
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_several_prompts_equal_one_request_each(client, server, reference, as_ids):
+    """A list of prompts (strings or token-id lists, as lm-eval sends them) runs every prompt: choice i is prompt i's
+    greedy text alone, and usage counts every prompt's tokens and every choice's."""
+    prompts = [list(p.encode()) for p in PROMPTS[:2]] if as_ids else PROMPTS[:2]  # byte tokenizer: id = byte
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [c.text for c in r.choices] == reference[:2]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).usage for p in prompts]
+    assert r.usage.prompt_tokens == sum(u.prompt_tokens for u in alone) == sum(len(p.encode()) for p in PROMPTS[:2])
+    assert r.usage.completion_tokens == sum(u.completion_tokens for u in alone)
+    assert _idle_and_free(server[1])
+
+
+def test_several_prompts_with_n_and_seed_equal_single_requests(client, server):
+    """n = 2 seeded samples of two prompts: four choices, index = prompt * n + sample, each the same as that
+    sample of the prompt sent alone with the same seed."""
+    kw = dict(model=MODEL, max_tokens=10, temperature=1.0, n=2, seed=11, extra_body={"ignore_eos": True})
+    r = client.completions.create(prompt=PROMPTS[:2], **kw)
+    alone = [c.text for p in PROMPTS[:2] for c in client.completions.create(prompt=p, **kw).choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert [c.text for c in r.choices] == alone and len(set(alone)) == 4
+    assert r.usage.completion_tokens == 4 * 10
+    assert _idle_and_free(server[1])
+
+
+def test_several_prompts_stream(server, reference):
+    """Streamed, every chunk carries its choice's index; joined per index they are the prompts' greedy texts; one
+    [DONE] ends the stream, after a usage chunk over both prompts."""
+    body = {"prompt": PROMPTS[:2], "max_tokens": 24, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=60) as http:
+        lines = [ln for ln in http.post(f"{server[0]}/v1/completions", json=body).text.splitlines() if ln]
+        whole = http.post(f"{server[0]}/v1/completions", json={"prompt": PROMPTS[:2], "max_tokens": 24,
+                                                                "temperature": 0}).json()["usage"]
+    assert lines[-1] == "data: [DONE]" and lines.count("data: [DONE]") == 1
+    events = [json.loads(ln.removeprefix("data: ")) for ln in lines[:-1]]
+    texts, reasons = ["", ""], [None, None]
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["text"]
+        reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == reference[:2] and None not in reasons
+    usage = events[-1]["usage"]
+    assert events[-1]["choices"] == [] and usage["prompt_tokens"] == sum(len(p.encode()) for p in PROMPTS[:2])
+    assert (usage["completion_tokens"], usage["total_tokens"]) == (whole["completion_tokens"], whole["total_tokens"])
+    assert _idle_and_free(server[1])
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt=["hi", 5]), "prompt[1]"),  # mixed: prompts and a bare token id
+    (dict(prompt=[5, "hi"]), "prompt[0]"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=["hi", ""]), "prompt[1]"),
+    (dict(prompt=[[5, 6], []]), "prompt[1]"),
+    (dict(prompt=[[5, 6], [5, "x"]]), "prompt[1]"),
+    (dict(prompt=["hi"] * 257), "prompt"),  # over MAX_PROMPTS
+    (dict(prompt=["hi"] * 16, n=65), "n"),  # 1,040 choices: over MAX_CHOICES
+    (dict(prompt=["hi", [5] * 600]), "prompt[1]"),  # refused by the engine: longer than the model holds
+    (dict(prompt=["hi", 5], stream=True), "prompt[1]"),
+])
+def test_bad_prompt_list_is_400_naming_the_prompt(client, server, kwargs, field):
+    kw = {"model": MODEL, "max_tokens": 4} | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        r = client.completions.create(**kw)
+        list(r) if kw.get("stream") else None
+    assert err.value.status_code == 400
+    assert field in str(err.value) and err.value.body["param"] == field
+    assert _idle_and_free(server[1])
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-1), "temperature"),
     (dict(top_p=1.5), "top_p"),
@@ -239,6 +311,20 @@ def test_disconnect_frees_every_sample(server, stream):
     """A client that goes away while n = 3 samples run cancels all three."""
     url, executor = server
     body = {"prompt": PROMPTS[2], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "n": 3}
+    if stream:
+        with httpx.Client(timeout=30) as http:
+            assert stream_completion(http, url, body, disconnect_after=3).disconnected
+    else:
+        with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
+            http.post(f"{url}/v1/completions", json=body)
+    assert _idle_and_free(executor)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_frees_every_prompt(server, stream):
+    """A client that goes away while two prompts' n = 2 samples run cancels all four requests."""
+    url, executor = server
+    body = {"prompt": [PROMPTS[2], PROMPTS[0]], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "n": 2}
     if stream:
         with httpx.Client(timeout=30) as http:
             assert stream_completion(http, url, body, disconnect_after=3).disconnected
@@ -333,66 +419,3 @@ def test_models_retrieve(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4")
     assert "'gpt-4' is not served here" in str(err.value)
-
-
-def test_serve_bounds_its_graceful_shutdown_and_unfreezes_the_heap(monkeypatch):
-    """``specdec serve`` ran uvicorn with no graceful-shutdown bound (SIGTERM with a half-sent body or a long stream
-    kept it alive indefinitely), and left its startup heap frozen, so at exit triton's nanobind bindings printed
-    some 30 lines of "leaked instances" warnings."""
-    import gc
-    from types import SimpleNamespace
-
-    import uvicorn
-
-    from specdec.serving import cli
-
-    seen = []
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(
-        (self.config.timeout_graceful_shutdown, gc.get_freeze_count())))
-    args = SimpleNamespace(served_model_name=None, model="tiny", default_max_tokens=16, max_request_bytes=None,
-                           draft="none", tree="chain:1", host="127.0.0.1", port=0, log_level="warning")
-    gc.unfreeze()
-    try:
-        cli._run_server(SimpleNamespace(add_stats_listener=lambda fn: None, load=None), args, None, "stand-ins")
-        after = gc.get_freeze_count()
-    finally:
-        gc.unfreeze()  # (the test process goes on collecting)
-    assert len(seen) == 1 and seen[0][0] == cli.GRACEFUL_SHUTDOWN_S and seen[0][1] > 0
-    assert after == 0
-
-
-def test_serve_exits_without_nanobind_leak_warnings():
-    """The same, end to end in a fresh interpreter that imports triton: nothing on stderr after the server ran."""
-    import subprocess
-    import sys
-
-    code = ("import uvicorn, triton; from types import SimpleNamespace as NS; from specdec.serving import cli\n"
-            "uvicorn.Server.run = lambda self, sockets=None: None\n"
-            "cli._run_server(NS(add_stats_listener=lambda fn: None, load=None), NS(served_model_name=None, "
-            "model='tiny', default_max_tokens=16, max_request_bytes=None, draft='none', tree='chain:1', "
-            "host='127.0.0.1', port=0, log_level='warning'), None, 'stand-ins')\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "nanobind: leaked" not in done.stderr, done.stderr[-2000:]
-
-
-def test_a_replica_unfreezes_its_heap_when_it_stops(monkeypatch, target_dir):
-    """A data-parallel replica's process serves with its startup heap frozen and unfreezes it when it stops."""
-    import gc
-    import queue
-
-    from specdec.serving import replica_process
-    from specdec.serving.replica_process import EngineRecipe
-
-    seen = []
-    monkeypatch.setattr(replica_process, "_serve_parent", lambda *args: seen.append(gc.get_freeze_count()))
-    outbox = queue.Queue()
-    gc.unfreeze()
-    try:
-        replica_process._child_main(EngineRecipe("ngram", str(target_dir), SpecConfig(num_blocks=16)),
-                                    queue.Queue(), outbox)
-        after = gc.get_freeze_count()
-    finally:
-        gc.unfreeze()
-    assert outbox.get_nowait()[0] == "ready" and len(seen) == 1 and seen[0] > 0
-    assert after == 0

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> (prompt, SamplingParams), and engine outputs -> OpenAI response bodies.
+"""OpenAI request bodies -> (prompts, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
 engine does not have (logprobs, frequency/presence penalties, tools) is a ``BadRequest`` naming the
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.errors import FieldError
-from specdec.outputs import RequestOutput
+from specdec.outputs import AcceptanceStats, RequestOutput
 from specdec.sampling_params import SamplingParams
 
 
@@ -34,6 +34,11 @@ _OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0,
                "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
+# prompts of one /v1/completions body: each runs as n requests of its own, so a cap keeps one body from queueing an
+# unbounded number of requests (lm-eval batches a few dozen; a client with more sends several requests)
+MAX_PROMPTS = 256
+# choices of one body (prompts x n): the requests it queues at most, whatever the mix of the two
+MAX_CHOICES = 1024
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
                     "min_p")  # -> SamplingParams
@@ -45,9 +50,11 @@ CHAT_ROLES = ("system", "user", "assistant")
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """What the engine needs from one OpenAI request."""
+    """What the engine needs from one OpenAI request: one prompt, or several of a completions batch, each run with
+    ``params`` (its n samples); ``prompt_fields[i]`` is the field that errors of ``prompts[i]`` name."""
 
-    prompt: Any  # text, token ids, or chat messages
+    prompts: tuple[Any, ...]  # text, token ids, or chat messages
+    prompt_fields: tuple[str, ...]  # "prompt" (one prompt), "prompt[i]" (a batch) or "messages"
     params: SamplingParams
     stream: bool
     include_usage: bool
@@ -55,11 +62,17 @@ class ParsedRequest:
 
 
 def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> ParsedRequest:
-    """A /v1/completions body; ``prompt`` is a string, one string in a list, or a list of token ids."""
+    """A /v1/completions body; ``prompt`` is one prompt (a string or a list of token ids, alone or in a list of
+    one) or, as in OpenAI's API and vLLM, a list of up to ``MAX_PROMPTS`` of them (errors name ``prompt[i]``)."""
     _check_fields(body, COMPLETION_FIELDS, model)
     if "prompt" not in body:
         raise BadRequest("prompt", "field 'prompt' is required")
-    return _parsed(_completion_prompt(body["prompt"]), _params(body, default_max_tokens), body)
+    prompts, fields = _completion_prompts(body["prompt"])
+    params = _params(body, default_max_tokens)
+    if len(prompts) * params.n > MAX_CHOICES:
+        raise BadRequest("n", f"{len(prompts)} prompts x n={params.n} are {len(prompts) * params.n} choices; a "
+                              f"request holds at most {MAX_CHOICES} (send fewer prompts or samples a request)")
+    return ParsedRequest(prompts, fields, params, *_stream_flags(body))
 
 
 def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
@@ -76,7 +89,8 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
     except PromptError as err:
         raise BadRequest(err.field, str(err)) from None
     field = _max_tokens_field(body)
-    return _parsed(messages, _params(body, default_max_tokens, field), body, field)
+    return ParsedRequest((messages,), ("messages",), _params(body, default_max_tokens, field), *_stream_flags(body),
+                         field)
 
 
 def _message(m: Any, i: int) -> dict:
@@ -89,10 +103,6 @@ def _message(m: Any, i: int) -> dict:
         raise BadRequest(f"messages[{i}].role", f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
                                                 f"{_short(m['role'])}")
     return {"role": m["role"], "content": text}
-
-
-def _parsed(prompt: Any, params: SamplingParams, body: dict, field: str = "max_tokens") -> ParsedRequest:
-    return ParsedRequest(prompt, params, *_stream_flags(body), field)
 
 
 def _max_tokens_field(body: dict) -> str:
@@ -132,18 +142,34 @@ def _is_off(value: Any, off_values: tuple) -> bool:
     return any(value is None if off is None else type(value) is type(off) and value == off for off in off_values)
 
 
-def _completion_prompt(prompt: Any, nested: bool = False) -> Any:
+def _completion_prompts(prompt: Any) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """(prompts, the field each one's errors name). A list holding a string or a list is a batch of prompts (one
+    prompt when it holds one: named ``prompt``, as before batches); anything else is one prompt."""
+    if not isinstance(prompt, list) or not any(isinstance(p, (str, list)) for p in prompt):
+        return (_one_prompt(prompt, "prompt"),), ("prompt",)
+    if len(prompt) > MAX_PROMPTS:
+        raise BadRequest("prompt", f"field 'prompt' holds {len(prompt)} prompts; a request holds at most "
+                                   f"{MAX_PROMPTS} (send the rest in other requests)")
+    if len(prompt) == 1:
+        return (_one_prompt(prompt[0], "prompt"),), ("prompt",)
+    bare = next((i for i, p in enumerate(prompt) if not isinstance(p, (str, list))), None)
+    if bare is not None:  # e.g. ["A", 5]: neither a list of prompts nor one list of token ids
+        raise BadRequest(f"prompt[{bare}]", f"field 'prompt' mixes prompts and other values: prompt[{bare}] is "
+                                            f"{_short(prompt[bare])}; send a list of token ids, or a list of prompts "
+                                            "(strings or lists of token ids)")
+    fields = tuple(f"prompt[{i}]" for i in range(len(prompt)))
+    return tuple(_one_prompt(p, field) for p, field in zip(prompt, fields)), fields
+
+
+def _one_prompt(prompt: Any, field: str) -> str | list[int]:
+    """``prompt`` (the body's ``field``) when it is a non-empty string or a non-empty list of token ids."""
+    if isinstance(prompt, (str, list)) and not prompt:
+        raise BadRequest(field, f"field '{field}' must not be empty")
     if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt", "field 'prompt' must not be empty")
         return prompt
-    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
         return list(prompt)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)) and not nested:
-        return _completion_prompt(prompt[0], nested=True)  # a batch of one prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise BadRequest("prompt", "field 'prompt' holds several prompts; send one prompt per request")
-    raise BadRequest("prompt", "field 'prompt' must be a string or a list of token ids")
+    raise BadRequest(field, f"field '{field}' must be a string or a list of token ids, got {_short(prompt)}")
 
 
 def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
@@ -216,25 +242,33 @@ def error_body(message: str, field: str | None, status: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": field, "code": status}}
 
 
-def usage(out: RequestOutput) -> dict:
-    """OpenAI usage plus ``mean_accepted_length`` (tokens committed per target forward); the completion tokens of
-    every choice."""
-    n_prompt, n_out = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
+def usage(outs: list[RequestOutput]) -> dict:
+    """OpenAI usage plus ``mean_accepted_length`` (tokens committed per target forward) and ``acceptance_rate``,
+    over every prompt's output (``outs[i]``: prompt i's, its samples in ``outputs``): each prompt's tokens counted
+    once, the completion tokens of every choice."""
+    stats = AcceptanceStats()
+    for out in outs:
+        stats.merge(out.stats)
+    n_prompt = sum(len(out.prompt_token_ids) for out in outs)
+    n_out = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
-            "mean_accepted_length": out.stats.mean_accepted_length,
-            "acceptance_rate": out.stats.acceptance_rate}
+            "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
 
 
-def completion_body(rid: str, model: str, out: RequestOutput, chat: bool) -> dict:
-    """The non-streaming response for a finished request: one choice per sample (``RequestOutput.outputs``)."""
-    if chat:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason} for c in out.outputs]
-    else:
-        choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
-                   for c in out.outputs]
+def completion_body(rid: str, model: str, outs: list[RequestOutput], chat: bool) -> dict:
+    """The non-streaming response for finished requests: one choice per sample of each prompt (``outs[i]``: prompt
+    i's output, its samples in ``outputs``), in that order; choice ``index`` is i * n + sample (vLLM's)."""
+    choices = []
+    for i, out in enumerate(outs):
+        for c in out.outputs:
+            index = i * len(out.outputs) + c.index
+            if chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                                "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(out)}
+            "model": model, "choices": choices, "usage": usage(outs)}
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None, chat: bool,
@@ -249,6 +283,7 @@ def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None
             "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, out: RequestOutput, chat: bool) -> dict:
+def usage_chunk(rid: str, model: str, outs: list[RequestOutput], chat: bool) -> dict:
+    """The last event of a stream with ``stream_options.include_usage``: ``usage(outs)`` and no choice."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [], "usage": usage(out)}
+            "model": model, "choices": [], "usage": usage(outs)}

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events),
 GET /v1/models, GET /v1/models/{model}, GET|HEAD /health, GET /metrics; every error, a routing one (404, 405)
-too, is an OpenAI error body. A client that disconnects cancels its request, which frees its KV blocks.
+too, is an OpenAI error body. A completions ``prompt`` may hold several prompts (vLLM's batch): each runs as
+its own requests. A client that disconnects cancels its requests, which frees their KV blocks.
 """
 
 from __future__ import annotations
@@ -94,29 +95,30 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
             body = _json(await _body(request, max_request_bytes))
             parsed = (protocol.parse_chat(body, model_name, default_chat_max_tokens) if chat
                       else protocol.parse_completion(body, model_name))
+            # on a worker thread: the event loop and the engine loop go on meanwhile
+            ids = await asyncio.to_thread(_prepare, executor, parsed)
         except protocol.BadRequest as err:
             return _error(err)
         except _ClientGone:  # gone before its body was read: nothing to answer, nothing to log
             return Response(status_code=499)
-        try:  # on a worker thread: the event loop and the engine loop go on meanwhile
-            ids = await asyncio.to_thread(executor.prepare, parsed.prompt, parsed.params)
-        except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
-            return _error(_refusal(err, chat, parsed.max_tokens_field))
-        # n samples: n requests of the same prompt (the engine shares its KV), one choice each
-        rids = executor.enqueue_samples(ids, [p for _, p in sample_requests("", parsed.params)])
-        rid, samples = rids[0], [executor.astream(r) for r in rids]
+        # n samples of each prompt: n requests of it (the engine shares its KV), one choice each; every prompt's
+        # requests are queued at once, so the engine batches them as it batches separate clients' requests
+        n = parsed.params.n
+        per_sample = [p for _, p in sample_requests("", parsed.params)]
+        rids = [rid for prompt_ids in ids for rid in executor.enqueue_samples(prompt_ids, per_sample)]
+        rid, samples = rids[0], [executor.astream(r) for r in rids]  # samples[i * n + j]: prompt i's sample j
         try:
             acks = await _until(request, asyncio.gather(*[s.__anext__() for s in samples]))  # admission or refusal
         except _ClientGone:
             await _close_all(samples)
             return Response(status_code=499)
-        refused = next((a for a in acks if a.finish_reason == "error"), None)
+        refused = next((k for k, a in enumerate(acks) if a.finish_reason == "error"), None)
         if refused is not None:
             await _close_all(samples)
-            return _error(_refusal(refused.error, chat, parsed.max_tokens_field))
+            return _error(_refusal(acks[refused].error, parsed.prompt_fields[refused // n], parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
         if parsed.stream:
-            return StreamingResponse(_events(rid, samples, chat, parsed.include_usage, timing),
+            return StreamingResponse(_events(rid, samples, n, chat, parsed.include_usage, timing),
                                      media_type="text/event-stream")
         try:
             finals = await _until(request, asyncio.gather(*[_final(s, timing, a) for s, a in zip(samples, acks)]))
@@ -124,43 +126,62 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
             timing.abandoned()
             await _close_all(samples)
             return Response(status_code=499)
-        final = finals[0] if len(finals) == 1 else RequestOutput.of_samples(rid, finals)
-        timing.report(final)
-        if final.finish_reason == "error":
-            return _error(protocol.BadRequest(None, str(final.error), 500))
-        return JSONResponse(protocol.completion_body(rid, model_name, final, chat))
+        outs = _per_prompt(rid, finals, n)
+        timing.report(outs[0])
+        failed = next((f for f in finals if f.finish_reason == "error"), None)
+        if failed is not None:
+            return _error(protocol.BadRequest(None, str(failed.error), 500))
+        return JSONResponse(protocol.completion_body(rid, model_name, outs, chat))
 
-    async def _events(rid: str, samples: list, chat: bool, include_usage: bool,
+    async def _events(rid: str, samples: list, n: int, chat: bool, include_usage: bool,
                       timing: _Timing) -> AsyncIterator[str]:
-        """The event stream of the samples' outputs (choice i: sample i), in the order they come."""
+        """The event stream of the samples' outputs (choice k: ``samples[k]``, prompt k // n's sample k % n), in
+        the order they come; the usage event and [DONE] once every sample has finished."""
         finals: dict[int, RequestOutput] = {}
         merged = _merged(samples)
         try:
             if chat:
-                for i in range(len(samples)):
-                    yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True, index=i))
-            async for i, out in merged:
+                for k in range(len(samples)):
+                    yield _sse(protocol.chunk_body(rid, model_name, None, None, chat, role=True, index=k))
+            async for k, out in merged:
                 timing.saw(out)
                 if out.finish_reason == "error":
                     timing.report(out)
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
                 if out.new_text or out.finished:
-                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=i))
+                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=k))
                 if out.finished:
-                    finals[i] = out
+                    finals[k] = out
                 if len(finals) == len(samples):
-                    final = finals[0] if len(finals) == 1 else RequestOutput.of_samples(rid, [finals[j] for j in
-                                                                                               range(len(finals))])
-                    timing.report(final)
+                    outs = _per_prompt(rid, [finals[k] for k in range(len(samples))], n)
+                    timing.report(outs[0])
                     if include_usage:
-                        yield _sse(protocol.usage_chunk(rid, model_name, final, chat))
+                        yield _sse(protocol.usage_chunk(rid, model_name, outs, chat))
             yield "data: [DONE]\n\n"
-        finally:  # also on disconnect: closing the stream cancels an unfinished request
+        finally:  # also on disconnect: closing the stream cancels every unfinished request
             timing.abandoned()
             await merged.aclose()
 
     return app
+
+
+def _prepare(executor: Executor | DataParallelExecutor, parsed: protocol.ParsedRequest) -> list[list[int]]:
+    """Every prompt's token ids, checked as the engine checks a request; the first refusal is a BadRequest naming
+    its prompt's field (``_refusal``)."""
+    ids = []
+    for prompt, field in zip(parsed.prompts, parsed.prompt_fields):
+        try:
+            ids.append(executor.prepare(prompt, parsed.params))
+        except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
+            raise _refusal(err, field, parsed.max_tokens_field) from None
+    return ids
+
+
+def _per_prompt(rid: str, finals: list[RequestOutput], n: int) -> list[RequestOutput]:
+    """The samples' final outputs (``finals[i * n + j]``: prompt i's sample j) as one output per prompt."""
+    groups = [finals[i:i + n] for i in range(0, len(finals), n)]
+    return [g[0] if n == 1 else RequestOutput.of_samples(rid, g) for g in groups]
 
 
 class _Timing:
@@ -277,15 +298,17 @@ def _json(raw: bytes):
         raise protocol.BadRequest(None, "the request body is not valid JSON (nested too deeply)") from None
 
 
-def _refusal(err: Exception | None, chat: bool, max_tokens_field: str) -> protocol.BadRequest:
-    """The engine refused a request: a ValueError is the client's (400, naming the field it names: a FieldError's
-    ``max_new_tokens`` is ``max_tokens_field``; none, as a PromptError of the whole prompt, is the prompt or
-    the messages), anything else ours (500)."""
+def _refusal(err: Exception | None, prompt_field: str, max_tokens_field: str) -> protocol.BadRequest:
+    """The engine refused the prompt that errors name ``prompt_field`` ("prompt", "prompt[i]" or "messages"): a
+    ValueError is the client's (400, naming the field it names: a FieldError's ``max_new_tokens`` is
+    ``max_tokens_field``; none or "prompt", as a PromptError of the whole prompt, is ``prompt_field``), anything
+    else ours (500)."""
+    where = f"{prompt_field}: " if prompt_field.endswith("]") else ""  # which prompt of a batch
     if not isinstance(err, ValueError):
-        return protocol.BadRequest(None, f"request failed: {type(err).__name__}: {err}", 500)
+        return protocol.BadRequest(None, f"request failed: {where}{type(err).__name__}: {err}", 500)
     field = getattr(err, "field", None)
-    field = max_tokens_field if field == "max_new_tokens" else field or ("messages" if chat else "prompt")
-    return protocol.BadRequest(field, f"{field}: {err}")
+    field = max_tokens_field if field == "max_new_tokens" else prompt_field if field in (None, "prompt") else field
+    return protocol.BadRequest(field, f"{field}: {err}" if field == prompt_field else f"{field}: {where}{err}")
 
 
 def _sse(obj: dict) -> str:
