@@ -306,25 +306,13 @@ def test_disconnect_mid_stream_frees_every_block(server):
     assert "specdec_running_requests 0.0" in metrics and "specdec_kv_blocks_used 0.0" in metrics
 
 
+@pytest.mark.parametrize("prompt, n", [(PROMPTS[2], 3), ([PROMPTS[2], PROMPTS[0]], 2)])
 @pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_frees_every_sample(server, stream):
-    """A client that goes away while n = 3 samples run cancels all three."""
+def test_disconnect_frees_every_request(server, stream, prompt, n):
+    """A client that goes away while its requests run (n = 3 samples of a prompt; n = 2 of each of two prompts)
+    cancels all of them."""
     url, executor = server
-    body = {"prompt": PROMPTS[2], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "n": 3}
-    if stream:
-        with httpx.Client(timeout=30) as http:
-            assert stream_completion(http, url, body, disconnect_after=3).disconnected
-    else:
-        with httpx.Client(timeout=httpx.Timeout(30, read=0.3)) as http, pytest.raises(httpx.ReadTimeout):
-            http.post(f"{url}/v1/completions", json=body)
-    assert _idle_and_free(executor)
-
-
-@pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_frees_every_prompt(server, stream):
-    """A client that goes away while two prompts' n = 2 samples run cancels all four requests."""
-    url, executor = server
-    body = {"prompt": [PROMPTS[2], PROMPTS[0]], "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "n": 2}
+    body = {"prompt": prompt, "max_tokens": 300, "ignore_eos": True, "temperature": 1.0, "n": n}
     if stream:
         with httpx.Client(timeout=30) as http:
             assert stream_completion(http, url, body, disconnect_after=3).disconnected
