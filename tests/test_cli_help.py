@@ -55,8 +55,8 @@ def test_unknown_flag_is_one_line_naming_it(capsys, command, rest):
                             "tokens only)"),
     (["--max-model-len", "4096"], "error: --max-model-len: not supported by specdec generate (the model's own "
                                   "context length, its max_position_embeddings, is used)"),
-    (["--api-key", "k"], "error: --api-key: not supported by specdec generate (specdec serve has no "
-                         "authentication: put a proxy in front of it)"),
+    (["--api-key", "k"], "error: --api-key: not supported by specdec generate (the key of `specdec serve "
+                         "--api-key`: a client's requests carry it)"),
     (["story"], "error: unexpected argument story (options take --flag VALUE)"),
     (["--temperature", "hot"], "error: --temperature: invalid float value: 'hot'"),
     (["--max-tokens", "x"], "error: --max-new-tokens: invalid int value: 'x'"),

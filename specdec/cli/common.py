@@ -41,7 +41,7 @@ FOREIGN_FLAGS = {
     "--do-sample": ("--temperature", "--temperature T (> 0 samples; 0, the default, is greedy)"),
     "--num-return-sequences": ("--n", "--n N"),
     "--num-beams": (None, "there is no beam search"),
-    "--api-key": (None, "specdec serve has no authentication: put a proxy in front of it"),
+    "--api-key": (None, "the key of `specdec serve --api-key`: a client's requests carry it"),
     "--speculative-model": ("--draft", "--draft NAME"),
     "--num-speculative-tokens": ("--tree", "--tree chain:K"),
     "--system-prompt": ("--system", "--system TEXT"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from specdec.defaults import DEFAULT_TARGET
@@ -49,6 +50,9 @@ def add_serve_parsers(sub, add_model_args) -> None:
                    help="max_tokens of a chat request that sets none (completions: 16, as OpenAI)")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse (413) request bodies longer than this, before parsing them (default: 2 MiB)")
+    s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (401 without it; /health and "
+                        "/metrics stay open) (default: $SPECDEC_API_KEY, else no key)")
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_parallel_args(s)
     add_model_args(s)
@@ -214,7 +218,7 @@ def _run_server(executor, args, sock, what: str) -> None:
     from specdec.serving.server import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     name = args.served_model_name or args.model
-    app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens,
+    app = build_app(executor, name, default_chat_max_tokens=args.default_max_tokens, api_key=args.api_key,
                     max_request_bytes=DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None
                     else args.max_request_bytes)
     drafting = "target-only" if args.draft == "none" else f"draft {args.draft}, tree {args.tree}"

@@ -9,6 +9,7 @@ its own requests. A client that disconnects cancels its requests, which frees th
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -40,13 +41,28 @@ class _ClientGone(Exception):
 
 
 def build_app(executor: Executor | DataParallelExecutor, model_name: str, default_chat_max_tokens: int = 256,
-              metrics: ServingMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              metrics: ServingMetrics | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving ``executor``'s engine (or data-parallel replicas) under the name
-    ``model_name``. A body over
-    ``max_request_bytes`` is refused (413) before it is parsed; prompts are tokenised off the engine's loop."""
+    ``model_name``. A body over ``max_request_bytes`` is refused (413) before it is parsed; prompts are tokenised off
+    the engine's loop. With ``api_key``, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else
+    401, as vLLM's ``--api-key``); /health and /metrics stay open to probes and scrapers."""
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty string or None")
     app = FastAPI(title="specdec", docs_url=None, redoc_url=None)
+    if api_key is not None:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            given = request.headers.get("authorization", "").encode()
+            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+                return _error(protocol.BadRequest(None, "missing or wrong API key: send 'Authorization: Bearer "
+                                                        "<key>' with the key the server was started with", 401))
+            return await call_next(request)
+
     metrics = metrics or ServingMetrics(lambda: executor.load)
     executor.add_stats_listener(metrics.on_step)
     app.state.executor, app.state.metrics, app.state.model_name = executor, metrics, model_name

@@ -1,0 +1,61 @@
+"""``specdec serve --api-key``: every /v1 request carries the key (401 in OpenAI's shape without it), while /health
+and /metrics stay open to probes and scrapers."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from serving_helpers import with_tokenizer
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.serving.executor import Executor
+from specdec.serving.server import ServerThread, build_app
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+KEY = "sk-test-0123"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_dirs, tmp_path_factory):
+    target = with_tokenizer(tiny_dirs["llama"], tmp_path_factory.mktemp("served") / "llama")
+    executor = Executor(SpecEngine(None, str(target), SpecConfig(num_blocks=64)))
+    srv = ServerThread(build_app(executor, "tiny", api_key=KEY)).start()
+    yield srv.url
+    srv.stop()
+    executor.shutdown()
+
+
+@pytest.mark.parametrize("key", ["wrong", KEY + "x", KEY[:-1]])
+def test_a_wrong_key_is_401(keyed_server, key):
+    client = openai.OpenAI(base_url=keyed_server + "/v1", api_key=key, max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+
+def test_no_key_is_401_and_probes_stay_open(keyed_server):
+    answer = httpx.post(f"{keyed_server}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert answer.status_code == 401 and answer.json()["error"]["code"] == 401
+    assert httpx.get(f"{keyed_server}/health").status_code == 200
+    assert httpx.get(f"{keyed_server}/metrics").status_code == 200
+
+
+def test_the_key_serves(keyed_server):
+    client = openai.OpenAI(base_url=keyed_server + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 3
+    assert [m.id for m in client.models.list()] == ["tiny"]
+
+
+def test_serve_takes_its_key_from_the_flag_or_the_environment(monkeypatch):
+    from specdec.cli.main import build_parser
+
+    monkeypatch.setenv("SPECDEC_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve"]).api_key == "from-env"
+    assert build_parser().parse_args(["serve", "--api-key", "flag"]).api_key == "flag"
+    monkeypatch.delenv("SPECDEC_API_KEY")
+    assert build_parser().parse_args(["serve"]).api_key is None
+    with pytest.raises(ValueError, match="api_key"):
+        build_app(None, "tiny", api_key="")
