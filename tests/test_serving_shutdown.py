@@ -29,7 +29,7 @@ def test_serve_bounds_its_graceful_shutdown_and_unfreezes_the_heap(monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(
         (self.config.timeout_graceful_shutdown, gc.get_freeze_count())))
     args = SimpleNamespace(served_model_name=None, model="tiny", default_max_tokens=16, max_request_bytes=None,
-                           draft="none", tree="chain:1", host="127.0.0.1", port=0, log_level="warning")
+                           draft="none", tree="chain:1", host="127.0.0.1", port=0, log_level="warning", api_key=None)
     gc.unfreeze()
     try:
         cli._run_server(SimpleNamespace(add_stats_listener=lambda fn: None, load=None), args, None, "stand-ins")
@@ -49,7 +49,7 @@ def test_serve_exits_without_nanobind_leak_warnings():
             "uvicorn.Server.run = lambda self, sockets=None: None\n"
             "cli._run_server(NS(add_stats_listener=lambda fn: None, load=None), NS(served_model_name=None, "
             "model='tiny', default_max_tokens=16, max_request_bytes=None, draft='none', tree='chain:1', "
-            "host='127.0.0.1', port=0, log_level='warning'), None, 'stand-ins')\n")
+            "host='127.0.0.1', port=0, log_level='warning', api_key=None), None, 'stand-ins')\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "nanobind: leaked" not in done.stderr, done.stderr[-2000:]
