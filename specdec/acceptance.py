@@ -1,8 +1,8 @@
 """Sampling distributions and the greedy accept rule of tree verification.
 
 Pure functions. `shape_probs` is the one place where temperature / top-k / top-p / min-p turn
-logits into the distribution that is sampled, for the target and the draft alike (a repetition penalty
-changes the logits before, ``repetition_penalty``). `verify_greedy` accepts the longest path whose every
+logits into the distribution that is sampled, for the target and the draft alike (the penalties change the
+logits before: ``repetition_penalty``, then ``count_penalty``). `verify_greedy` accepts the longest path whose every
 token equals the target's choice at its parent; with the argmax that is greedy decoding, and with the
 target's position-keyed Gumbel-max sample (``kernels.gumbel_choice``) it is the lossless sampled rule
 (docs/design.md, "The sampled rule").
@@ -87,6 +87,14 @@ def repetition_penalty(logits: Tensor, present: Tensor, penalty: Tensor | float)
     wider, like ``shape_probs``; ``penalty`` a number or a tensor broadcast against the logits (1 = unchanged)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
     return torch.where(present, torch.where(x > 0, x / penalty, x * penalty), x)
+
+
+def count_penalty(logits: Tensor, counts: Tensor, presence: Tensor | float, frequency: Tensor | float) -> Tensor:
+    """(..., V) logits less OpenAI/vLLM's presence and frequency penalties: ``frequency * count + presence *
+    (count > 0)`` for each token's ``counts`` (..., V) (its occurrences in the output so far). Float32 or wider;
+    ``presence`` and ``frequency`` numbers or tensors broadcast against the logits (0 = unchanged)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V)
+    return x - (frequency * counts + presence * (counts > 0))
 
 
 # ---------------------------------------------------------------- whole-tree verification

@@ -94,9 +94,9 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
     """(B, Q + 3) outcome of a padded step: the sampled rows' from ``accept_sampled`` over ``logits`` (B * Q, V),
     the others' ``accept`` (B, Q + 3, the verify's greedy outcome; its last column, the finite flag, is kept
     for every row). ``inputs``: ``step_array``'s (B, 3 Q + 9) on the device. ``penalty``: the rows' repetition
-    penalty, applied to the logits first; ``any_greedy``: some sampled row has temperature 0 (a penalized greedy
-    row: its outcome is the penalized argmax's); ``positions`` (B, Q): the verify tokens' sequence positions
-    (None: from each row's root position column and its tree). No host reads."""
+    and count penalties, applied to the logits first; ``any_greedy``: some sampled row has temperature 0 (a
+    penalized greedy row: its outcome is the penalized argmax's); ``positions`` (B, Q): the verify tokens'
+    sequence positions (None: from each row's root position column and its tree). No host reads."""
     b, q = accept.shape[0], accept.shape[1] - 3
 
     def col(j: int) -> Tensor:  # (B,) column j after the tree columns

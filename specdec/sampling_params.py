@@ -23,6 +23,7 @@ MAX_TEMPERATURE = 3.4028234663852886e38
 TOP_P_FLOOR = 1e-30
 # repetition_penalty bounds: logits divided or multiplied by a penalty outside them overflow float32
 REPETITION_PENALTY_RANGE = (1e-30, 1e30)
+COUNT_PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty (OpenAI's and vLLM's range)
 MAX_N = 128  # samples of one prompt (OpenAI's limit): each is a request of its own
 # stop strings: every step checks each against the output on the engine's thread
 MAX_STOPS, MAX_STOP_CHARS = 128, 4096  # strings, characters in all
@@ -43,8 +44,11 @@ class SamplingParams:
     ``min_p`` (0 = off) drops, after temperature, top-k and top-p, the tokens whose probability is below min_p
     times the most probable token's. ``repetition_penalty`` (1 = off) divides the positive raw logits (and
     multiplies the negative ones) of every token in the prompt or the output so far, before temperature; greedy
-    rows take the argmax of the penalized logits. ``n`` samples of the prompt are returned as the ``outputs`` of
-    one ``RequestOutput``; with a seed, sample i draws from ``sample_seed(seed, i)``.
+    rows take the argmax of the penalized logits. ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and
+    vLLM's, in [-2, 2], 0 = off) then subtract ``frequency_penalty * count + presence_penalty * (count > 0)`` from
+    each token's raw logit, count being its occurrences in the output so far (the prompt is not counted). ``n``
+    samples of the prompt are returned as the ``outputs`` of one ``RequestOutput``; with a seed, sample i draws
+    from ``sample_seed(seed, i)``.
     """
 
     temperature: float = 0.0
@@ -58,6 +62,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -81,6 +87,10 @@ class SamplingParams:
         rule = f"must be a number > 0 (1 = off) in [{lo:g}, {hi:g}]"
         set_(self, "repetition_penalty", _real(self.repetition_penalty, "repetition_penalty", rule,
                                                lambda r: lo <= r <= hi))
+        lo, hi = COUNT_PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            set_(self, name, _real(getattr(self, name), name, f"must be a number in [{lo:g}, {hi:g}] (0 = off)",
+                                   lambda v: lo <= v <= hi))
         set_(self, "n", _integer(self.n, "n", f"must be an int >= 1 and <= {MAX_N}", 1, MAX_N))
 
     @property
@@ -94,8 +104,9 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """The logits are changed by a repetition penalty (which depends on each verify token's context)."""
-        return self.repetition_penalty != 1.0
+        """The logits are changed by a repetition, presence or frequency penalty (which depends on each verify
+        token's context)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def plain_greedy(self) -> bool:

@@ -324,7 +324,7 @@ def _positions(req: Request, tree: DraftTree) -> list[int]:
 
 
 def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
-    """The host acceptance rule of one row over its verify logits ((N+1) x V), after its repetition penalty: the
+    """The host acceptance rule of one row over its verify logits ((N+1) x V), after its penalties: the
     tree's path matching the target's choice after each verify token (its argmax, or for a sampled row the
     Gumbel-max sample keyed by the request and the position, ``kernels.gumbel_choice``)."""
     p = req.params

@@ -29,6 +29,8 @@ def no_model_load(monkeypatch):
     (["generate", "--prompt", "hi", "--n", "0"], ["--n", ">= 1"]),
     (["generate", "--prompt", "hi", "--min-p", "1.5"], ["--min-p", "[0, 1]"]),
     (["generate", "--prompt", "hi", "--repetition-penalty", "0"], ["--repetition-penalty", "> 0"]),
+    (["generate", "--prompt", "hi", "--presence-penalty", "3"], ["--presence-penalty", "[-2, 2]"]),
+    (["generate", "--prompt", "hi", "--frequency-penalty", "-2.5"], ["--frequency-penalty", "[-2, 2]"]),
     (["generate", "--prompt", "hi", "--tree", "foo:3"], ["--tree", "foo:3"]),
     (["generate", "--prompt", "hi", "--device", "gpu"], ["--device", "gpu"]),
     (["bench", "--dataset", "missing.jsonl"], ["--dataset", "missing.jsonl", "does not exist"]),

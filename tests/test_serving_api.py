@@ -136,6 +136,23 @@ def test_seeded_sampling_is_reproducible(client):
     assert a == b and a != c
 
 
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.9, seed=5)])
+def test_presence_and_frequency_penalties_equal_the_python_api(client, server, target_dir, sampling):
+    """The two OpenAI fields reach SamplingParams: a completion (greedy, or seeded sampled) equals target-only
+    decoding of the same params through the Python API, and differs from the unpenalized one; chat takes them
+    too."""
+    penalties = dict(presence_penalty=-2.0, frequency_penalty=-1.0)  # repeats are likely, greedy or sampled
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, **sampling, **penalties)
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    want, plain = engine.generate([PROMPTS[2]] * 2, [SamplingParams(max_tokens=16, **sampling, **penalties),
+                                                     SamplingParams(max_tokens=16, **sampling)])
+    assert r.choices[0].text == want.text != plain.text
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          **sampling, **penalties)
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    assert _idle_and_free(server[1])
+
+
 def test_n_returns_n_choices(client, server):
     """n = 3 seeded samples: three choices (indexes 0..2), distinct at T = 1, the same again for the same seed,
     usage counting every choice's tokens; chat too; every block free afterwards."""
@@ -252,6 +269,8 @@ def test_bad_prompt_list_is_400_naming_the_prompt(client, server, kwargs, field)
     (dict(n=0), "n"),
     (dict(extra_body={"min_p": 1.5}), "min_p"),
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
     (dict(logprobs=2), "logprobs"),
     (dict(prompt=""), "prompt"),
     (dict(stop=[""]), "stop"),
@@ -277,7 +296,8 @@ def test_bad_completion_request_is_400_naming_the_field(client, kwargs, field):
     ([{"role": "user", "content": None}], {}, "messages[0]"),
     ([], {}, "messages"),
     ([{"role": "user", "content": "hi"}], dict(n=0), "n"),
-    ([{"role": "user", "content": "hi"}], dict(presence_penalty=0.5), "presence_penalty"),
+    ([{"role": "user", "content": "hi"}], dict(presence_penalty=2.5), "presence_penalty"),
+    ([{"role": "user", "content": "hi"}], dict(frequency_penalty="high"), "frequency_penalty"),
 ])
 def test_bad_chat_request_is_400_naming_the_field(client, messages, kwargs, field):
     with pytest.raises(openai.BadRequestError) as err:

@@ -37,7 +37,8 @@ def cmd_generate(args) -> int:
     params = build(SamplingParams, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                    seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, n=args.n, stop=tuple(args.stop or ()),
-                   ignore_eos=args.ignore_eos)
+                   ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
+                   frequency_penalty=args.frequency_penalty)
     config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
@@ -178,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop tokens below this share of the likeliest token's probability (0 = off)")
     g.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="penalty of the tokens already in the prompt or output (1 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtracted from the logit of each token already in the output (in [-2, 2]; 0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="times its count in the output, subtracted from each token's logit (in [-2, 2]; 0 = off)")
     g.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="end the output before this text; repeat for several (default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="go on past EOS, up to --max-new-tokens")

@@ -1,8 +1,8 @@
 """OpenAI request bodies -> (prompts, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
-engine does not have (logprobs, frequency/presence penalties, tools) is a ``BadRequest`` naming the
-field. The sampling fields (n, repetition_penalty and min_p included) are checked
+engine does not have (logprobs, logit_bias, tools) is a ``BadRequest`` naming the field. The sampling fields
+(n, min_p and the repetition, presence and frequency penalties included) are checked
 by ``SamplingParams`` itself.
 """
 
@@ -27,11 +27,10 @@ class BadRequest(ValueError):
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
-           "user", "ignore_eos", "repetition_penalty", "min_p"}
+           "user", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"}
 # accepted only at the value that means "off": these features do not exist here
-_OFF_VALUES = {"frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "logprobs": (None, False),
-               "logit_bias": (None,), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
-               "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
+_OFF_VALUES = {"logprobs": (None, False), "logit_bias": (None,), "best_of": (None, 1), "echo": (None, False),
+               "suffix": (None,), "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
 # prompts of one /v1/completions body: each runs as n requests of its own, so a cap keeps one body from queueing an
@@ -41,7 +40,7 @@ MAX_PROMPTS = 256
 MAX_CHOICES = 1024
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
-                    "min_p")  # -> SamplingParams
+                    "presence_penalty", "frequency_penalty", "min_p")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 # the roles of a chat message: a "tool" message answers a tool call, and tools are refused (_OFF_VALUES); OpenAI's
 # "developer" is a role the served models' chat templates do not know
