@@ -184,7 +184,7 @@ def test_a_server_freezes_its_startup_heap_before_it_serves(monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(gc.get_freeze_count()))
     marker = [object() for _ in range(1000)]  # alive before the server starts: must be frozen
     args = SimpleNamespace(served_model_name=None, model="tiny", default_max_tokens=16, max_request_bytes=None,
-                           draft="none", tree="chain:1", host="127.0.0.1", port=0, log_level="warning")
+                           draft="none", tree="chain:1", host="127.0.0.1", port=0, log_level="warning", api_key=None)
     gc.unfreeze()
     try:
         cli._run_server(SimpleNamespace(add_stats_listener=lambda fn: None, load=None), args, None, "stand-ins")
