@@ -7,6 +7,7 @@ the CPU the same engine runs eagerly ([cpu]), on CUDA ([cuda]) the GPU round of 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from test_eagle import DEVICES, _sentence, setup, trained_pair  # noqa: F401 - setup: the trained tiny draft, a fixture
@@ -43,3 +44,23 @@ def test_mixed_greedy_and_sampled_rows_equal_target_only(setup, device, n_rows):
     sampled = next((i for i, p in enumerate(params) if not p.greedy), None)
     if sampled is not None:  # a seeded sampled row alone: the same tokens as in the batch
         assert eng.generate([prompts[sampled]], params[sampled])[0].token_ids == want[sampled]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalized_rows_in_a_mixed_batch_equal_target_only(setup, device):  # noqa: F811 - the fixture
+    """Rows with presence, frequency and repetition penalties (greedy and seeded sampled) among plain ones, through
+    the device's defaults (on CUDA a batch with a penalized row steps unpipelined, its penalties applied on the
+    device to each verify token's path): every row gives eager target-only decoding's tokens."""
+    prompts, params = _rows(7)
+    penalties = [dict(presence_penalty=0.8, frequency_penalty=0.6), dict(presence_penalty=-1.5, frequency_penalty=-0.5,
+                                                                         repetition_penalty=1.2)]
+    params = [replace(p, **penalties[i // 3 % 2]) if i in (0, 1, 4) else p for i, p in enumerate(params)]
+    draft, target, _ = trained_pair(setup, device, params[0])
+    cfg = dict(num_blocks=800, block_size=8, max_batch_size=32, device=device, prefix_cache=False)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, pipeline=False, **cfg))
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    eng = SpecEngine(draft, target, SpecConfig(**cfg))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    unpenalized = [replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) for p in params]
+    assert [o.token_ids for o in plain.generate(prompts, unpenalized)] != want  # the penalties changed something
+    assert eng.all_blocks_free()
