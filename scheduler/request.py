@@ -42,6 +42,7 @@ class Request:
     stream: UniformStream | None = None  # sampled: the key of its noise (kernels.gumbel_choice, uniform_stream)
     arrival: int = 0
     text: str = ""
+    prompt_text: str | None = None  # the prompt as text (a chat's rendered by its template); None: given as ids
     emitted_tokens: int = 0  # output tokens already streamed
     emitted_chars: int = 0
     detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text

@@ -40,7 +40,7 @@ from specdec.loading.registry import resolve_dtype
 from specdec.loading.roles import check_roles
 from specdec.outputs import AcceptanceStats, RequestOutput, request_output
 from specdec.plan import resolve_plan
-from specdec.prompts import PromptError, as_prompt_list, to_prompt_ids
+from specdec.prompts import PromptError, as_prompt_list, is_chat, to_prompt_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampling_params import SamplingParams, sample_requests
@@ -148,10 +148,18 @@ class SpecEngine:
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
         req = Request(request_id or str(next(self._ids)), ids, params, eos)
+        req.prompt_text = self._prompt_text(prompt, ids)
         if not params.greedy:
             req.stream = request_stream(params.seed)
         self.scheduler.add(req)
         return req
+
+    def _prompt_text(self, prompt, ids: list[int]) -> str | None:
+        """``RequestOutput.prompt``: a text prompt itself, a chat's rendered text (its ids decoded), else None."""
+        if isinstance(prompt, str):
+            return prompt
+        tok = self.target.tokenizer
+        return tok.decode(ids) if is_chat(prompt) and tok is not None else None
 
     def prepare(self, prompt, params: SamplingParams) -> list[int]:
         """The prompt's token ids, checked against the model and the pool as ``add_request`` checks them; bad
@@ -353,9 +361,12 @@ class SpecEngine:
                 order.append((rid, [sid for sid, _ in samples]))
                 try:
                     ids = self.prepare(prompt, samples[0][1])  # tokenised outside the guard
+                    text = self._prompt_text(prompt, ids)
                     with self.guard:
                         for sid, sp in samples:  # (together: the scheduler lets them share the prompt's KV)
-                            self.router.own(queue, self.add_request(ids, sp, sid))
+                            req = self.add_request(ids, sp, sid)
+                            req.prompt_text = text
+                            self.router.own(queue, req)
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))

@@ -19,6 +19,12 @@ from specdec.spec_config import SpecConfig
 # vLLM's engine options and the SpecConfig field each sets
 VLLM_OPTIONS = {"max_num_seqs": "max_batch_size", "max_num_batched_tokens": "max_num_tokens",
                 "enable_prefix_caching": "prefix_cache"}
+# vLLM's engine options that have no SpecConfig field, and what to do instead
+VLLM_ELSEWHERE = {"seed": "a request's seed is SamplingParams(seed=...) (each request draws its own keyed stream)",
+                  "trust_remote_code": "specdec runs its own Llama-family code: no remote code is ever run",
+                  "tokenizer": "the model's own tokenizer is used",
+                  "max_model_len": "the model's own context length (max_position_embeddings) is used",
+                  "quantization": "weights run in dtype; a .gguf file's are dequantized to it"}
 
 
 class LLM(SpecEngine):
@@ -58,15 +64,17 @@ def _spec_options(options: dict) -> dict:
     """``options`` as SpecConfig fields (vLLM's names renamed); TypeError naming an option neither knows (with the
     fields it could have meant)."""
     known = {f.name for f in fields(SpecConfig)}
-    out = {}
+    out, given = {}, {}
     for name, value in options.items():
         field = VLLM_OPTIONS.get(name, name)
+        if name in VLLM_ELSEWHERE:
+            raise TypeError(f"LLM has no option {name!r}: {VLLM_ELSEWHERE[name]}")
         if field not in known:
             raise TypeError(f"LLM got an unknown option {name!r}: give a SpecConfig field ({', '.join(sorted(known))}) "
                             f"or one of vLLM's names it maps ({', '.join(sorted(VLLM_OPTIONS))})")
         if field in out:
-            raise TypeError(f"LLM got {field!r} twice (as {name!r} too)")
-        out[field] = value
+            raise TypeError(f"LLM got {field!r} twice: as {given[field]!r} and as {name!r}")
+        out[field], given[field] = value, name
     return out
 
 

@@ -96,6 +96,7 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_text: str = ""
     samples: list[RequestOutput] | None = None  # SamplingParams.n > 1: every sample's output (this one is sample 0)
+    prompt: str | None = None  # vLLM's: the prompt's text (a chat rendered by its template); None when given as ids
 
     @property
     def finished(self) -> bool:
@@ -117,7 +118,7 @@ class RequestOutput:
             stats.merge(s.stats)
         error = next((s.error for s in samples if s.error is not None), None)
         return RequestOutput(request_id, first.prompt_token_ids, first.token_ids, first.text, first.finish_reason,
-                             stats, error, first.new_token_ids, first.new_text, list(samples))
+                             stats, error, first.new_token_ids, first.new_text, list(samples), first.prompt)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
     new_text = text[req.emitted_chars:]
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,
-                         req.stats, req.error, new_ids, new_text)
+                         req.stats, req.error, new_ids, new_text, prompt=req.prompt_text)
 
 
 def stable_text(text: str, stops: tuple[str, ...]) -> str:

@@ -268,6 +268,9 @@ def test_prompt_from_stdin_system_stop_and_ignore_eos_reach_the_request(capsys, 
     monkeypatch.setattr(sys, "stdin", io.StringIO("  \n"))
     main([*scripted(engine), "--prompt", "-", "--stop", "x"])
     assert engine.seen["prompt"] == "  "  # raw: only the trailing newline goes
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Line one\nLine two\n\n"))
+    main([*scripted(engine), "--prompt", "-", "--stop", "x"])
+    assert engine.seen["prompt"] == "Line one\nLine two\n"  # (a blank line the text ends with is kept)
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     err = run_cli(capsys, [*scripted(engine), "--prompt", "-"])
     assert err.startswith("error: --prompt: ") and "stdin" in err, err

@@ -43,8 +43,19 @@ def test_speculative_config_names_the_proposer_and_its_tokens(tiny_target):
 def test_an_unknown_option_is_refused_by_name(tiny_target):
     with pytest.raises(TypeError, match="unknown option 'max_model_lenght'.*max_batch_size"):
         LLM(tiny_target, max_model_lenght=512)
-    with pytest.raises(TypeError, match="'max_batch_size' twice"):
+    with pytest.raises(TypeError, match="'max_batch_size' twice: as 'max_num_seqs' and as 'max_batch_size'"):
         LLM(tiny_target, max_num_seqs=2, max_batch_size=4)
+    with pytest.raises(TypeError, match=r"no option 'seed': a request's seed is SamplingParams\(seed=...\)"):
+        LLM(tiny_target, seed=0)
+
+
+def test_outputs_carry_the_prompt_text(strict_target):
+    """vLLM's ``RequestOutput.prompt``: a text prompt itself, a chat's rendered text, None for token ids."""
+    llm = LLM(strict_target, draft=None, num_blocks=64, block_size=4)
+    text, ids = llm.generate(["hello", [104, 105]], GREEDY)
+    assert (text.prompt, ids.prompt) == ("hello", None)
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, n=2, seed=1, temperature=1.0))
+    assert chat[0].prompt == strict_target.tokenizer.decode(chat[0].prompt_token_ids) and "hi" in chat[0].prompt
 
 
 def test_auto_draft_is_ngram_for_a_target_without_a_shipped_draft(tiny_target):

@@ -91,7 +91,8 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
     """Add ``--device`` and ``--dtype`` to a subcommand; ``engine``: also the engine's memory option."""
     p.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float"],
+    p.add_argument("--dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16", "half", "float", "fp16", "fp32", "bf16"],
                    help="auto: bfloat16 on cuda, float32 on cpu")
     if engine:
         p.add_argument("--gpu-memory-utilization", type=float, default=GPU_MEMORY_UTILIZATION,

@@ -76,7 +76,7 @@ def _prompt(args) -> str | list[dict]:
         raise UsageError("--system", "is a chat message: add --chat")
     text = args.prompt
     if text == "-":
-        text = sys.stdin.read().rstrip("\n")  # (the newline `echo` adds is no part of the prompt)
+        text = sys.stdin.read().removesuffix("\n")  # (the newline `echo` adds is no part of the prompt)
         if not text:
             raise UsageError("--prompt", "- reads the prompt from stdin, which gave nothing")
         args.argv = [*args.argv, f"--prompt={text}"]  # (the last --prompt wins)
@@ -220,9 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run a command; a user error (bad argument, missing or unreadable model or file) prints
     ``error: <message>`` and returns 2, only an internal error shows a traceback. Ctrl-C returns 130 after a
     one-line note; stdout's reader going away (``| head``) returns 141 silently, as for a tool killed by SIGPIPE."""
-    from specdec.loading.errors import ModelNotFoundError
+    try:
+        from specdec.loading.errors import ModelNotFoundError
 
-    args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(argv)  # (imports torch: a Ctrl-C may land here too)
+    except KeyboardInterrupt:
+        print("\n[interrupted]", file=sys.stderr)
+        return 130
     args.argv = list(sys.argv[1:] if argv is None else argv)  # what tensor-parallel ranks run again
     try:
         return args.func(args)
