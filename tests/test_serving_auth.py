@@ -59,3 +59,27 @@ def test_serve_takes_its_key_from_the_flag_or_the_environment(monkeypatch):
     assert build_parser().parse_args(["serve"]).api_key is None
     with pytest.raises(ValueError, match="api_key"):
         build_app(None, "tiny", api_key="")
+
+
+def test_bench_serve_sends_the_key(keyed_server, tmp_path, monkeypatch):
+    """bench-serve against a keyed server: with the key every request completes; without it, or with another, the
+    server check names --api-key; the flag's default is $OPENAI_API_KEY (as vLLM's benchmark reads it)."""
+    import json
+
+    from specdec.cli.checks import UsageError
+    from specdec.cli.main import build_parser
+    from specdec.serving.bench_client import BenchServeConfig, run_bench
+    from specdec.serving.cli import check_server
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(["hi", "abc", "xyz"])))
+    rep = run_bench(BenchServeConfig(url=keyed_server, dataset=str(path), num_prompts=3, concurrency=2, max_tokens=4,
+                                     endpoint="completions", ignore_eos=True, api_key=KEY))
+    assert rep["completed"] == 3 and rep["failed"] == 0
+    check_server("--base-url", keyed_server, api_key=KEY)
+    for key in (None, "other"):
+        with pytest.raises(UsageError) as err:
+            check_server("--base-url", keyed_server, api_key=key)
+        assert err.value.flag == "--api-key", err.value
+    monkeypatch.setenv("OPENAI_API_KEY", "env-key")
+    assert build_parser().parse_args(["bench-serve"]).api_key == "env-key"

@@ -28,6 +28,7 @@ class BenchServeConfig:
     ignore_eos: bool = False
     seed: int = 0
     label: str | None = None
+    api_key: str | None = None  # sent as "Authorization: Bearer <key>" (a server started with --api-key)
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
@@ -131,7 +132,8 @@ async def _run(cfg: BenchServeConfig) -> tuple[list[RequestRecord], float, str]:
     import httpx
 
     limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
         model = (await client.get(f"{cfg.url}/v1/models")).json()["data"][0]["id"]
         bodies = _bodies(cfg, model)
         url = f"{cfg.url}/v1/chat/completions" if cfg.endpoint == "chat" else f"{cfg.url}/v1/completions"

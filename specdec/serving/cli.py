@@ -75,6 +75,9 @@ def add_serve_parsers(sub, add_model_args) -> None:
                    help="chat (/v1/chat/completions) or completions (/v1/completions)")
     b.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens per request")
     b.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    b.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
+                   help="the key of a server started with --api-key, sent as 'Authorization: Bearer KEY' "
+                        "(default: $OPENAI_API_KEY, else none)")
     b.add_argument("--label", default=None, help="a name for this run in the JSON (default: none)")
     b.add_argument("--json", default=None, help="write the full report here (default: not written)")
     b.add_argument("--save-result", action="store_true",
@@ -268,12 +271,12 @@ def cmd_bench_serve(args) -> int:
     if args.dataset_path and not args.dataset_path.endswith(".jsonl"):
         raise UsageError("--dataset-path", f"must be a .jsonl prompt file, got {args.dataset_path!r}")
     check_dataset("--dataset-path" if args.dataset_path else "--dataset-name", dataset, DATASET_NAMES)
-    check_server("--base-url", args.url, args.model)
+    check_server("--base-url", args.url, args.model, api_key=args.api_key)
     cfg = BenchServeConfig(url=args.url, dataset=dataset, num_prompts=args.num_prompts,
                            request_rate=args.request_rate, concurrency=args.concurrency,
                            max_tokens=args.max_new_tokens, temperature=args.temperature,
                            endpoint=ENDPOINT_PATHS.get(args.endpoint, args.endpoint), ignore_eos=args.ignore_eos,
-                           seed=args.seed, label=args.label)
+                           seed=args.seed, label=args.label, api_key=args.api_key)
     report = run_bench(cfg)
     print_report(report)
     for path in [args.json] + ([result_path(args)] if args.save_result else []):
@@ -295,19 +298,26 @@ def result_path(args) -> str:
     return str(Path(args.result_dir) / name)
 
 
-def check_server(flag: str, url: str, model: str | None = None, timeout_s: float = 10.0) -> None:
-    """An OpenAI-compatible server answers ``GET url/v1/models`` (listing ``model`` when given); UsageError
-    naming ``flag`` (or --model) otherwise."""
+def check_server(flag: str, url: str, model: str | None = None, timeout_s: float = 10.0,
+                 api_key: str | None = None) -> None:
+    """An OpenAI-compatible server answers ``GET url/v1/models`` (listing ``model`` when given; with ``api_key``
+    sent as a bearer token); UsageError naming ``flag`` (--api-key when the server refuses the key, --model)
+    otherwise."""
     import httpx
 
     from specdec.cli.checks import UsageError
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        reply = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s)
-        models = [m["id"] for m in reply.json()["data"]] if reply.status_code == 200 else None
+        reply = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, headers=headers)
     except (httpx.HTTPError, httpx.InvalidURL) as err:
         raise UsageError(flag, f"nothing answers at {url!r} ({type(err).__name__}: {err}); start a server "
                                f"first (`specdec serve MODEL`) or give its address") from None
+    if reply.status_code == 401:
+        raise UsageError("--api-key", f"{url!r} wants an API key{' other than the one given' if api_key else ''}: "
+                                      "give the server's with --api-key or $OPENAI_API_KEY")
+    try:
+        models = [m["id"] for m in reply.json()["data"]] if reply.status_code == 200 else None
     except (ValueError, KeyError, TypeError):
         models = None
     if not models:
