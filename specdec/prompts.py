@@ -5,8 +5,8 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable, Mapping
 
-PROMPT_FORMS = ("a str, a list/tuple of int token ids, a 1-D integer tensor or array, or a list of chat "
-                "messages ({role, content} dicts)")
+PROMPT_FORMS = ("a str, a list/tuple of int token ids, a 1-D integer tensor or array, a list of chat "
+                "messages ({role, content} dicts), or vLLM's {'prompt': text} / {'prompt_token_ids': ids}")
 
 
 class PromptError(ValueError):
@@ -30,8 +30,29 @@ def is_chat(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
+def is_vllm_prompt(prompt) -> bool:
+    """vLLM's prompt dicts: ``{"prompt": text}`` (TextPrompt) or ``{"prompt_token_ids": ids}`` (TokensPrompt), told
+    from a chat message by having one of those keys and no role."""
+    return isinstance(prompt, Mapping) and "role" not in prompt and ("prompt" in prompt or "prompt_token_ids" in prompt)
+
+
+def unwrap_vllm_prompt(prompt):
+    """The text or the token ids of a vLLM prompt dict (its token ids when it has both); PromptError for a key this
+    engine does not read (multi-modal data, a cache salt, ...), named."""
+    extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if extra:
+        raise PromptError(f"a vLLM prompt dict's {extra} {'is' if len(extra) == 1 else 'are'} not supported: give "
+                          "'prompt' (text) or 'prompt_token_ids'", "prompt")
+    return prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt["prompt"]
+
+
 def as_prompt_list(prompts) -> list:
-    """One prompt (text, token ids, chat messages) or a batch of them (a list, a 2-D tensor) -> a list."""
+    """One prompt (text, token ids, chat messages, a vLLM prompt dict) or a batch of them (a list, a 2-D tensor) ->
+    a list (vLLM's prompt dicts as their text or ids)."""
+    if is_vllm_prompt(prompts):
+        return [unwrap_vllm_prompt(prompts)]
+    if isinstance(prompts, (list, tuple)) and prompts and all(is_vllm_prompt(p) for p in prompts):
+        return [unwrap_vllm_prompt(p) for p in prompts]
     if isinstance(prompts, str) or is_chat(prompts) or (is_token_ids(prompts) and len(prompts) > 0):
         return [prompts]
     _check_batch(prompts)
@@ -56,6 +77,8 @@ def _check_batch(prompts) -> None:
 
 def to_prompt_ids(prompt, tokenizer) -> list[int]:
     """Token ids (Python ints) of one prompt in any form of ``PROMPT_FORMS``."""
+    if is_vllm_prompt(prompt):
+        prompt = unwrap_vllm_prompt(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise PromptError("prompt is text but the model has no tokenizer; pass token ids")

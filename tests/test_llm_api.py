@@ -72,3 +72,17 @@ def test_chat_takes_one_conversation_or_several(strict_target):
     assert one[0].outputs[0].token_ids == two[0].outputs[0].token_ids
     with pytest.raises(TypeError, match="conversation"):
         llm.chat("hi", GREEDY)
+
+
+def test_vllm_prompt_dicts(tiny_target):
+    """vLLM's {"prompt": text} and {"prompt_token_ids": ids}, alone or in a list, run as the text or ids they hold;
+    a key the engine does not read is refused by name."""
+    from specdec.prompts import PromptError
+
+    llm = LLM(tiny_target, draft=None, num_blocks=64, block_size=4)
+    want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    dicts = [{"prompt_token_ids": p} for p in PROMPTS]
+    assert [o.token_ids for o in llm.generate(dicts, GREEDY)] == want
+    assert llm.generate(dicts[1], GREEDY)[0].token_ids == want[1]
+    with pytest.raises(PromptError, match="multi_modal_data"):
+        llm.generate({"prompt_token_ids": PROMPTS[0], "multi_modal_data": {}}, GREEDY)
