@@ -1,7 +1,7 @@
 """``LLM``: the offline entry point of vLLM (``LLM(model=...).generate(prompts, sampling_params)`` and ``.chat``)
 over ``SpecEngine``, so that code written for ``vllm.LLM`` runs with speculative decoding unchanged.
 
-It is the same engine: ``LLM(model, draft, **options)`` is ``SpecEngine(draft, model, SpecConfig(**options))`` with
+It is the same engine: ``LLM(model, draft=..., **options)`` is ``SpecEngine(draft, model, SpecConfig(**options))`` with
 vLLM's option names taken as well (``VLLM_OPTIONS``) and its ``speculative_config`` read for the draft (SpecConfig
 takes vLLM's ``dtype`` spellings, "half" and "float", itself)."""
 
@@ -29,13 +29,13 @@ VLLM_ELSEWHERE = {"seed": "a request's seed is SamplingParams(seed=...) (each re
 
 class LLM(SpecEngine):
     """``LLM(model="smollm2-135m", draft="auto", **options)``: ``model`` the target (any form ``SpecEngine`` takes,
-    ``model=`` as in vLLM); ``draft`` the proposer ("auto": as the command line's, the shipped draft for the default
-    target, n-gram lookup for any other; None: target-only); ``speculative_config`` as vLLM's ({"model": ...,
-    "method": "ngram", "num_speculative_tokens": K}: the draft, and a chain of K tokens); ``enforce_eager=True``
-    captures no graphs; every other option a ``SpecConfig`` field or its vLLM name. An option neither knows is
-    refused by name."""
+    ``model=`` as in vLLM); ``draft``, by keyword (vLLM's second positional argument is a tokenizer), the proposer
+    ("auto": as the command line's, the shipped draft for the default target, n-gram lookup for any other; None:
+    target-only); ``speculative_config`` as vLLM's ({"model": ..., "method": "ngram", "num_speculative_tokens": K}:
+    the draft, and a chain of K tokens); ``enforce_eager=True`` captures no graphs; every other option a
+    ``SpecConfig`` field or its vLLM name. An option neither knows is refused by name."""
 
-    def __init__(self, model: Any = DEFAULT_TARGET, draft: Any = "auto", *,
+    def __init__(self, model: Any = DEFAULT_TARGET, *, draft: Any = "auto",
                  speculative_config: dict | None = None, enforce_eager: bool | None = None, **options) -> None:
         if speculative_config is not None:
             draft, tree = _speculative(speculative_config)

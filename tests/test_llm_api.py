@@ -25,7 +25,7 @@ def test_vllm_option_names_set_the_engine_config(tiny_target, tiny_draft):
 
 def test_generate_under_vllms_argument_name_equals_the_engine(tiny_target, tiny_draft):
     opts = {"num_blocks": 48, "block_size": 4, "tree": "chain:3"}
-    got = LLM(tiny_target, tiny_draft, **opts).generate(PROMPTS, sampling_params=GREEDY)
+    got = LLM(tiny_target, draft=tiny_draft, **opts).generate(PROMPTS, sampling_params=GREEDY)
     want = SpecEngine(None, tiny_target, SpecConfig(**opts)).generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
 
@@ -47,6 +47,8 @@ def test_an_unknown_option_is_refused_by_name(tiny_target):
         LLM(tiny_target, max_num_seqs=2, max_batch_size=4)
     with pytest.raises(TypeError, match=r"no option 'seed': a request's seed is SamplingParams\(seed=...\)"):
         LLM(tiny_target, seed=0)
+    with pytest.raises(TypeError, match="positional"):  # (vLLM's second positional argument is a tokenizer)
+        LLM(tiny_target, tiny_target)
 
 
 def test_outputs_carry_the_prompt_text(strict_target):
