@@ -65,6 +65,14 @@ ENGINE_SETS = {
                    "ngram": {"draft": "ngram"},
                    "ngram_admit1": {"draft": "ngram", "admit_min_free": 1},
                    "ngram_admitq": {"draft": "ngram", "admit_share": 4}},
+    # the CUDA defaults (an admission group prefilled ahead of the rows it will take) against the same engines
+    # admitting only into free rows (admit_ahead=0)
+    "plan_ahead": {"target_only": {"draft": None},
+                   "target_only_noahead": {"draft": None, "admit_ahead": 0},
+                   "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                   "eagle_noahead": {"draft": "eagle", "tree": "dynamic:31", "admit_ahead": 0},
+                   "ngram": {"draft": "ngram"},
+                   "ngram_noahead": {"draft": "ngram", "admit_ahead": 0}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},

@@ -41,6 +41,7 @@ class Request:
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     stream: UniformStream | None = None  # sampled: the key of its noise (kernels.gumbel_choice, uniform_stream)
     arrival: int = 0
+    decoding: bool = False  # among the batch's decode rows (a running request prefilled ahead waits until a row frees)
     text: str = ""
     prompt_text: str | None = None  # the prompt as text (a chat's rendered by its template); None: given as ids
     emitted_tokens: int = 0  # output tokens already streamed

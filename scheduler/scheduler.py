@@ -27,6 +27,10 @@ class SchedulerConfig:
     # would drop it at almost every step of a large batch.
     admit_min_free: int = 1
     admit_max_wait: int = 8
+    # Prefill ahead: up to this many requests beyond ``max_batch_size`` are admitted and prefilled while every decode
+    # row is taken, and wait, their prompt's KV computed, for a row to free: a row that ends is taken at the next step
+    # by a request whose prefill is done, so grouped admission leaves no row idle while the group gathers.
+    admit_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -40,6 +44,13 @@ class SchedulerConfig:
                              f"got {self.admit_min_free}")
         if self.admit_max_wait < 0:
             raise ValueError(f"admit_max_wait must be >= 0, got {self.admit_max_wait}")
+        if self.admit_ahead < 0:
+            raise ValueError(f"admit_ahead must be >= 0, got {self.admit_ahead}")
+
+    @property
+    def max_running(self) -> int:
+        """Requests admitted at once: the decode rows and those prefilled ahead."""
+        return self.max_batch_size + self.admit_ahead
 
 
 @dataclass
@@ -56,6 +67,8 @@ class StepBatch:
     prefill: list[PrefillChunk] = field(default_factory=list)
     decode: list[Request] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    joining: list[Request] = field(default_factory=list)  # decode from the next step: their prefill ends in this one
+    #                                                       or ended earlier (prefilled ahead), and a row is free
 
     @property
     def empty(self) -> bool:
@@ -138,16 +151,42 @@ class Scheduler:
             if self.prefix_cache is not None:
                 self.prefix_cache.note_in_progress(req, req.num_computed, end)
             budget -= end - req.num_computed
-        bs = self.block_size
-        for req in list(self.running):
-            if req.num_computed >= len(req.tokens) - 1 and req.status is running:  # prefill done (inlined)
+        self._promote(batch)
+        bs, joining = self.block_size, {id(r) for r in batch.joining}
+        for req in list(self.running):  # (prefill done: inlined; joining rows decode from the next step)
+            if req.decoding and req.num_computed >= len(req.tokens) - 1 and req.status is running and \
+                    id(req) not in joining:
                 reach = len(req.tokens) + self.lookahead
                 if len(req.blocks) * bs >= reach or self._reserve(req, reach, batch):  # most rows have the blocks
                     batch.decode.append(req)
         if batch.preempted:
             batch.decode = [r for r in batch.decode if r.status is running]
             batch.prefill = [c for c in batch.prefill if c.req.status is running]  # drop preempted rows' chunks
+            batch.joining = [r for r in batch.joining if r.status is running]
         return batch
+
+    def _promote(self, batch: StepBatch) -> None:
+        """Give free decode rows to running requests that are not decoding yet, oldest first: those whose prefill
+        ends in this step's chunks (they decode from the next step: ``batch.joining``), and those prefilled ahead
+        (already done: they take the rows of requests that ended). A request prefilled ahead decodes in this step
+        when nothing else does or when nothing is prefilled ahead (``admit_ahead`` 0: a prompt the prefix cache held
+        whole), else from the next step too, so that a pipelined engine takes it into the step it queues now."""
+        free = self.cfg.max_batch_size - sum(1 for r in self.running if r.decoding)
+        if free <= 0:
+            return
+        ending = {id(c.req) for c in batch.prefill if c.end >= len(c.req.tokens) - 1}
+        ahead_waits = self.cfg.admit_ahead > 0 and any(r.decoding for r in self.running)
+        for req in self.running:
+            if free == 0:
+                break
+            if req.decoding or req.status is not RequestStatus.RUNNING:
+                continue
+            if id(req) in ending or (req.prefill_done and ahead_waits):
+                batch.joining.append(req)
+            elif not req.prefill_done:
+                continue
+            req.decoding = True
+            free -= 1
 
     def _wait_for_shared_prefix(self, req: Request) -> bool:
         """Prefix-aware skipping: wait while another request computes our next block; adopt it after."""
@@ -161,13 +200,14 @@ class Scheduler:
         return req.prefill_done
 
     def _admit(self) -> None:
-        free = self.cfg.max_batch_size - len(self.running)
+        most = self.cfg.max_running
+        free = most - len(self.running)
         if self.running and 0 < free < min(self.cfg.admit_min_free, len(self.waiting)) and \
                 self._held < self.cfg.admit_max_wait:
             self._held += 1
             return
         self._held = 0
-        while self.waiting and len(self.running) < self.cfg.max_batch_size:
+        while self.waiting and len(self.running) < most:
             req = self.waiting[0]
             if not self._can_admit(req):
                 break
@@ -263,7 +303,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed = req.num_computed_draft = 0
-        req.status = RequestStatus.WAITING
+        req.status, req.decoding = RequestStatus.WAITING, False
         self.waiting.insert(0, req)
 
     def shrink(self, req: Request) -> None:

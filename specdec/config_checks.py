@@ -32,6 +32,10 @@ def check_spec_config(cfg) -> None:
     for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n", "tensor_parallel_size"):
         _positive_int(cfg, name, optional=False, hi=UPPER_BOUNDS[name])
     _positive_int(cfg, "admit_min_free", optional=True, why=" or None (auto)", hi=cfg.max_batch_size)
+    ahead = cfg.admit_ahead
+    _require(ahead is None or (isinstance(ahead, numbers.Integral) and not isinstance(ahead, bool)
+                               and 0 <= ahead <= cfg.max_batch_size),
+             "admit_ahead", f"must be None (auto) or an int >= 0 and <= max_batch_size={cfg.max_batch_size}", ahead)
     _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)", hi=UPPER_BOUNDS["num_blocks"])
     if isinstance(cfg.policy, CapacityPolicy):
         object.__setattr__(cfg, "policy", cfg.policy.value)

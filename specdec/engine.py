@@ -91,7 +91,7 @@ class SpecEngine:
             self.pool = KVPool(specs, cfg.block_size, num_blocks=cfg.num_blocks, memory_bytes=budget, dtype=dtype,
                                device=self.device, feature_width=feature_width(self.draft, proposer))
             max_blocks = -(-self.target.config.max_position_embeddings // cfg.block_size) + 8
-            self.tables = BlockTables(cfg.max_batch_size, max_blocks, self.device)
+            self.tables = BlockTables(cfg.max_batch_size + plan.admit_ahead, max_blocks, self.device)
             self.allocator = BlockAllocator(self.pool.num_blocks)
             self.runner = ModelRunner(self.pool, self.tables, backend, self.device)
             self.drafter = make_drafter(draft, self.draft, cfg, self.device, self.runner, self.target.config.vocab_size)
@@ -105,7 +105,7 @@ class SpecEngine:
                 self.target.config, self.draft and self.draft.config, self.drafter.uses_kv, cfg.block_size,
                 self.drafter.lookahead)
             sched_cfg = SchedulerConfig(cfg.max_batch_size, cfg.max_num_tokens, CapacityPolicy(cfg.policy),
-                                        plan.admit_min_free)
+                                        plan.admit_min_free, admit_ahead=plan.admit_ahead)
             self.scheduler = Scheduler(sched_cfg, self.allocator, self.tables, cfg.block_size, self.drafter.lookahead,
                                        prefix_cache, window)
             self.verifier = Verifier(self.target.model, self.runner, self.drafter.target_features)
@@ -230,21 +230,22 @@ class SpecEngine:
             self._fail_stuck()
         prefilled = self._prefill(batch)
         self.drafter.step_prefilled = bool(prefilled)
-        self.drafter.joining = self._joining(prefilled)
+        self.drafter.joining = self._joining(batch.joining)
         if self.adaptive is not None:  # a prefill's device work would be timed as part of the verify
             self.adaptive.timing_valid = not prefilled
         return batch, prefilled
 
-    def _joining(self, prefilled: list[Request]) -> tuple[Request, ...]:
-        """The prefilled requests that decode from the next step and may join the step a pipelined engine queues
-        now (``StepPipeline.queue``): their prompt is done, and they get now the KV blocks the next step's
-        schedule would give them (its tree and the queued one's) as far as the pool holds them (a row left short
-        of them makes ``StepPipeline.queue`` queue nothing); none without a pipeline, or with a sliding window
-        (whose blocks come chunk by chunk)."""
+    def _joining(self, promoted: list[Request]) -> tuple[Request, ...]:
+        """The requests that decode from the next step (``StepBatch.joining``: their prefill ended in this step, or
+        earlier when they were prefilled ahead) and may join the step a pipelined engine queues now
+        (``StepPipeline.queue``): their prompt is done, and they get now the KV blocks the next step's schedule would
+        give them (its tree and the queued one's) as far as the pool holds them (a row left short of them makes
+        ``StepPipeline.queue`` queue nothing); none without a pipeline, or with a sliding window (whose blocks come
+        chunk by chunk)."""
         sched = self.scheduler
         if self.pipeline is None or sched.window is not None:
             return ()
-        joining = tuple(r for r in prefilled if r.prefill_done and r.status is RequestStatus.RUNNING)
+        joining = tuple(r for r in promoted if r.prefill_done and r.status is RequestStatus.RUNNING)
         for req in joining:
             try:
                 sched.allocator_grow(req, len(req.tokens) + sched.lookahead)

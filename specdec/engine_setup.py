@@ -182,7 +182,7 @@ def device_ngram(drafter, verifier, runner, cfg: SpecConfig, plan, max_len: int)
     from specdec.drafters.ngram_device import DeviceNgram
 
     drafter.device_chains = verifier.followup = DeviceNgram(
-        runner, cfg.max_batch_size, max_len, drafter.k, drafter.max_n, drafter.min_n,
+        runner, cfg.max_batch_size + plan.admit_ahead, max_len, drafter.k, drafter.max_n, drafter.min_n,
         min_rows=plan.ngram_min_rows, budget=lambda: drafter.node_budget)
 
 

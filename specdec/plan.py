@@ -33,7 +33,10 @@ class EnginePlan:
     controller chooses at every step. ``warm_up``: every step shape runs once at construction (``specdec.warm_up``), so
     the graphs captured on first use exist before the first request. ``admit_min_free``: waiting requests join running
     ones once this many rows are free (or the queue's head waited 8 steps): each admission is a prefill step, dearer
-    than a decode step, so pipelined engines admit in groups (``ADMIT_GROUP_FRACTION``)."""
+    than a decode step, so pipelined engines admit in groups (``ADMIT_GROUP_FRACTION``). ``admit_ahead``: that many
+    requests beyond ``max_batch_size`` are admitted and prefilled while every row decodes, and take the rows of
+    those that end at the next step (a pipelined engine's group: rows do not wait idle while a group gathers; a
+    speculating batch's rows end at different steps)."""
 
     device: str
     dtype: str
@@ -50,6 +53,7 @@ class EnginePlan:
     budget_epochs: bool
     warm_up: bool = False
     admit_min_free: int = 1
+    admit_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -66,6 +70,7 @@ class EnginePlan:
                                    "pipeline", "warm_up") if getattr(self, name)]
         extra = ", budget per batch bucket by measured epochs" if self.budget_epochs else ""
         extra += f", admits once {self.admit_min_free} rows are free" if self.admit_min_free > 1 else ""
+        extra += f", prefills {self.admit_ahead} ahead" if self.admit_ahead else ""
         return (f"plan: {self.proposer}{tree} on {self.device} {self.dtype}, attention {self.attention_backend}; "
                 f"{' '.join(flags) or 'eager'}{extra}")
 
@@ -103,6 +108,7 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
     warm = cuda and padded  # (on the CPU nothing is captured, so there is nothing to warm up)
     admit = cfg.admit_min_free or (max(1, cfg.max_batch_size // ADMIT_GROUP_FRACTION) if pipeline else 1)
+    ahead = cfg.admit_ahead if cfg.admit_ahead is not None else admit if pipeline else 0
     return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
                       bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(epochs),
-                      bool(warm), admit)
+                      bool(warm), admit, ahead)

@@ -40,9 +40,10 @@ class SpecConfig:
     fused_verify: bool = True  # EAGLE device-program steps launch the verify (and the sampled rule) with the draft
     pipeline: bool | None = None  # steps queue their successor on the device before the host reads them
     admit_min_free: int | None = None  # waiting requests join running ones once this many rows are free
+    admit_ahead: int | None = None  # requests prefilled beyond max_batch_size, each taking the next row that frees
     tensor_parallel_size: int = 1  # > 1: this process is one rank of the target's tensor-parallel group
-    # None = auto for ngram_device, cuda_graphs, adaptive and pipeline: ``specdec.plan.resolve_plan``
-    # decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
+    # None = auto for ngram_device, cuda_graphs, adaptive, pipeline, admit_min_free and admit_ahead:
+    # ``specdec.plan.resolve_plan`` decides, once (``SpecEngine.plan``; docs/design.md lists the rules)
 
     def __post_init__(self) -> None:
         check_spec_config(self)  # types and ranges of every field; raises FieldError naming it

@@ -191,3 +191,96 @@ def test_a_pool_full_of_cached_prefixes_is_not_walked_per_admission(monkeypatch)
     sched.finish(sched.running[0], "length")  # a release: checked again, and now it fits
     sched.schedule()
     assert not sched.waiting
+
+
+def test_requests_prefilled_ahead_take_freed_rows_at_the_next_step():
+    """``admit_ahead``: 2 requests beyond the 4 decode rows are admitted and prefilled at once; when a row ends, the
+    next schedule gives it to the oldest of them (a joining row: it decodes from the step after, as a row whose
+    prefill just ended does), no more than 4 rows ever decode, and a new group is admitted only once
+    ``admit_min_free`` places are free among the 6."""
+    cfg = SchedulerConfig(max_batch_size=4, admit_min_free=2, admit_ahead=2, admit_max_wait=100)
+    sched = Scheduler(cfg, BlockAllocator(512), BlockTables(6, 64), 4, 0)
+    reqs = _requests(10)
+    for req in reqs:
+        sched.add(req)
+    batch = sched.schedule()
+    assert sched.running == reqs[:6] and [c.req for c in batch.prefill] == reqs[:6]
+    assert batch.joining == reqs[:4] and not batch.decode  # decode from the next step; 4 and 5 wait, prefilled
+    for c in batch.prefill:
+        c.req.num_computed = c.end
+    batch = sched.schedule()
+    assert batch.decode == reqs[:4] and not batch.joining and not batch.prefill
+    sched.finish(reqs[1], "length")
+    batch = sched.schedule()
+    assert batch.joining == [reqs[4]] and batch.decode == [reqs[0], reqs[2], reqs[3]]
+    assert len(sched.running) == 5 and not batch.prefill  # one place free of the 6: the group waits
+    sched.finish(reqs[2], "length")
+    batch = sched.schedule()
+    assert batch.joining == [reqs[5]] and batch.decode == [reqs[0], reqs[3], reqs[4]]
+    assert [c.req for c in batch.prefill] == reqs[6:8]  # two places free: the next group, prefilled ahead
+    for c in batch.prefill:
+        c.req.num_computed = c.end
+    batch = sched.schedule()
+    assert batch.decode == [reqs[0], reqs[3], reqs[4], reqs[5]] and not batch.joining
+    assert sum(r.decoding for r in sched.running) == 4 and len(sched.running) == 6
+
+
+def _prefilled_ahead(rows: int, ahead: int) -> tuple[Scheduler, list[Request]]:
+    """A scheduler of ``rows`` decode rows that admitted and prefilled ``rows + ahead`` requests (nothing decoded)."""
+    cfg = SchedulerConfig(max_batch_size=rows, admit_min_free=1, admit_ahead=ahead)
+    sched = Scheduler(cfg, BlockAllocator(512), BlockTables(rows + ahead, 64), 4, 0)
+    reqs = _requests(rows + ahead)
+    for req in reqs:
+        sched.add(req)
+    for c in sched.schedule().prefill:
+        c.req.num_computed = c.end
+    return sched, reqs
+
+
+def test_a_request_prefilled_ahead_decodes_at_once_when_no_row_decodes():
+    """Every decode row ended in one step: the requests prefilled ahead decode in the next step itself (there is
+    no running step for them to join)."""
+    sched, reqs = _prefilled_ahead(rows=2, ahead=2)
+    sched.finish(reqs[0], "length")
+    sched.finish(reqs[1], "length")
+    batch = sched.schedule()
+    assert batch.decode == reqs[2:] and not batch.joining
+
+
+def test_preempted_request_loses_its_decode_row():
+    sched, reqs = _prefilled_ahead(rows=2, ahead=1)
+    sched.preempt(reqs[0])
+    assert not reqs[0].decoding
+    batch = sched.schedule()
+    assert batch.joining == [reqs[2]] and batch.decode == [reqs[1]]
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_no_row_idles_while_a_request_waits_prefilled(tiny_target, draft):
+    """A pipelined engine (padded steps run eagerly on the CPU) of 4 rows, admitting in pairs, over requests that
+    end at different steps: prefilling 2 ahead (the plan's default there), every step after the first decodes or
+    joins all 4 rows while requests remain, where admitting only into free rows leaves rows idle while a pair
+    gathers; the tokens are the same both ways (greedy and seeded sampled rows), and no block leaks."""
+    prompts = [[3 + (7 * i + j) % 200 for j in range(4 + i % 5)] for i in range(12)]
+    params = [SamplingParams(max_new_tokens=5 + 4 * (i % 4), ignore_eos=True, temperature=0.0 if i % 2 else 0.8,
+                             seed=i) for i in range(12)]
+    outs, idle = {}, {}
+    for ahead in (None, 0):
+        cfg = SpecConfig(max_batch_size=4, cuda_graphs=True, pipeline=True, admit_min_free=2, admit_ahead=ahead,
+                         num_blocks=300, block_size=8, ngram_device=draft == "ngram" or None)
+        eng = SpecEngine(draft, tiny_target, cfg)
+        assert eng.plan.admit_ahead == (2 if ahead is None else 0)
+        schedule, idle[ahead] = eng.scheduler.schedule, 0
+
+        def counted(schedule=schedule, eng=eng, ahead=ahead):
+            batch = schedule()
+            busy = len(batch.decode) + len(batch.joining)
+            if busy < 4 and eng.scheduler.waiting:
+                idle[ahead] += 1
+            return batch
+
+        eng.scheduler.schedule = counted
+        outs[ahead] = [o.token_ids for o in eng.generate(prompts, params)]
+        assert eng.all_blocks_free()
+    assert outs[None] == outs[0]
+    assert idle[None] <= 1 < idle[0], idle  # (the first step: every row prefills, nothing decodes or joins yet)
