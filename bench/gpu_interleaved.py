@@ -73,6 +73,17 @@ ENGINE_SETS = {
                    "eagle_noahead": {"draft": "eagle", "tree": "dynamic:31", "admit_ahead": 0},
                    "ngram": {"draft": "ngram"},
                    "ngram_noahead": {"draft": "ngram", "admit_ahead": 0}},
+    # admission groups (each prefilled ahead of the rows it will take) of an eighth of the batch (the CUDA default),
+    # a quarter ("admit_share": 4) and a half (2)
+    "plan_groups": {"target_only": {"draft": None},
+                    "target_only_q": {"draft": None, "admit_share": 4},
+                    "target_only_h": {"draft": None, "admit_share": 2},
+                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                    "eagle_q": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 4},
+                    "eagle_h": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 2},
+                    "ngram": {"draft": "ngram"},
+                    "ngram_q": {"draft": "ngram", "admit_share": 4},
+                    "ngram_h": {"draft": "ngram", "admit_share": 2}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
