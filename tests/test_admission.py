@@ -78,6 +78,12 @@ def test_plan_groups_admission_for_pipelined_engines(tiny_target):
     assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32, admit_min_free=2)).plan.admit_min_free == 2
     with pytest.raises(FieldError, match="admit_min_free"):
         SpecConfig(max_batch_size=8, admit_min_free=9)
+    assert pipelined.plan.admit_ahead == 4 and pipelined.scheduler.cfg.max_running == 36
+    assert "prefills 4 ahead" in pipelined.plan.describe()
+    assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32)).plan.admit_ahead == 0  # (unpipelined)
+    for bad in (-1, 9, True, 2.0):
+        with pytest.raises(FieldError, match="admit_ahead"):
+            SpecConfig(max_batch_size=8, admit_ahead=bad)
 
 
 @pytest.mark.parametrize("draft", [None, "ngram"])
