@@ -76,8 +76,10 @@ def check_device(device) -> str:
     except (RuntimeError, TypeError):
         raise FieldError("SpecConfig", "device", "must be a torch device such as 'cpu' or 'cuda:0'", device) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FieldError("SpecConfig", "device", "is a CUDA device but CUDA is not available on this machine",
-                         str(device))
+        remedy = "install a CUDA build of torch" if torch.version.cuda is None else \
+            "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
+        raise FieldError("SpecConfig", "device", f"is a CUDA device, but this torch ({torch.__version__}) sees no CUDA "
+                         f"device: use 'cpu' or {remedy}", str(device))
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise FieldError("SpecConfig", "device", f"must name one of the {torch.cuda.device_count()} CUDA devices",
                          str(device))

@@ -43,7 +43,6 @@ def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
 
     if device in (None, "auto"):
         device = default_device()
-    _check_cuda_present(device)
     try:
         device = check_device(device)
     except FieldError as err:
@@ -51,22 +50,6 @@ def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:
     from specdec.loading.base import DTYPE_ALIASES
 
     return device, default_dtype(device) if dtype in (None, "auto") else DTYPE_ALIASES.get(dtype, dtype)
-
-
-def _check_cuda_present(device: str) -> None:
-    """A CUDA ``device`` needs a CUDA device that this torch sees: UsageError naming torch's build and the remedy."""
-    import torch
-
-    try:
-        cuda = torch.device(device).type == "cuda"
-    except (RuntimeError, TypeError):  # not a device at all: check_device says so
-        return
-    if not cuda or torch.cuda.is_available():
-        return
-    remedy = "install a CUDA build of torch" if torch.version.cuda is None else \
-        "check the driver (nvidia-smi) and CUDA_VISIBLE_DEVICES"
-    raise UsageError("--device", f"{device!r} asked for, but this torch ({torch.__version__}) sees no CUDA device: "
-                                 f"use --device cpu or {remedy}")
 
 
 def check_model(flag: str, name: str, extra: tuple[str, ...] = ()) -> None:
