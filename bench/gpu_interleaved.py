@@ -22,6 +22,7 @@ the set, default all), ``TEMPERATURE`` (sampled runs at that temperature with to
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
+from specdec.budget_policy import EpochBudget
 from specdec.graphs import CAPTURED
 from specdec.loading.registry import load_model
 
@@ -84,6 +86,11 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_q": {"draft": "ngram", "admit_share": 4},
                     "ngram_h": {"draft": "ngram", "admit_share": 2}},
+    # n-gram's budget controller as it is, and with no probe once a bucket's first search has chosen ("no_probes":
+    # what the probes' rows, ending at different steps, cost a batch held at plain decoding)
+    "ngram_probes": {"target_only": {"draft": None},
+                     "ngram": {"draft": "ngram"},
+                     "ngram_noprobes": {"draft": "ngram", "no_probes": True}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -351,13 +358,17 @@ def main() -> None:
                     continue
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
+                no_probes = fields.pop("no_probes", False)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
                     draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV,
                                                         target=target)
-                engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
-                                                                     prefix_cache=False, **KV, **fields))
+                eng = engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
+                                                                           prefix_cache=False, **KV, **fields))
+                if no_probes and isinstance(eng.adaptive, EpochBudget):  # (read as each bucket's state is made)
+                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, hold_epochs=1 << 30,
+                                                              max_hold_epochs=1 << 30)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}
