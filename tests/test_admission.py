@@ -290,3 +290,28 @@ def test_no_row_idles_while_a_request_waits_prefilled(tiny_target, draft):
         assert eng.all_blocks_free()
     assert outs[None] == outs[0]
     assert idle[None] <= 1 < idle[0], idle  # (the first step: every row prefills, nothing decodes or joins yet)
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_aborting_a_request_prefilled_ahead(tiny_target, draft):
+    """A request prefilled ahead (its KV computed, no decode row yet) aborted between steps, as the server does when
+    its client goes away: its blocks come back, it never decodes, and every other request's tokens are those of a
+    run without it (greedy and seeded sampled rows, pipelined padded steps run eagerly on the CPU)."""
+    prompts = [[3 + (5 * i + j) % 150 for j in range(5 + i % 3)] for i in range(8)]
+    params = [SamplingParams(max_new_tokens=6 + 3 * (i % 3), ignore_eos=True, temperature=0.0 if i % 2 else 0.8,
+                             seed=i) for i in range(8)]
+    cfg = SpecConfig(max_batch_size=3, cuda_graphs=True, pipeline=True, admit_min_free=2, num_blocks=300,
+                     block_size=8, ngram_device=draft == "ngram" or None)
+    eng = SpecEngine(draft, tiny_target, cfg)
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    eng.step()
+    ready = [r for r in eng.scheduler.running if r.prefill_done and not r.decoding]
+    assert len(ready) == 2  # 3 decode rows, 2 prefilled ahead
+    victim = ready[0]
+    eng.scheduler.abort(victim)
+    while eng.scheduler.has_work:
+        eng.step()
+    assert victim.finish_reason == "abort" and victim.num_output == 0 and eng.all_blocks_free()
+    kept = [i for i, r in enumerate(reqs) if r is not victim]
+    alone = SpecEngine(draft, tiny_target, cfg).generate([prompts[i] for i in kept], [params[i] for i in kept])
+    assert [reqs[i].output_ids for i in kept] == [o.token_ids for o in alone]
