@@ -40,6 +40,16 @@ def test_a_hub_id_in_the_cache_loads_its_snapshot(hub_cache, tiny_llama_dir):
     assert got == want
 
 
+def test_a_hub_id_downloaded_at_a_revision_loads_its_one_snapshot(hub_cache):
+    """A cache entry with one snapshot and no ``main`` ref (downloaded with ``--revision``) loads that snapshot;
+    with two such snapshots the id is ambiguous and not found."""
+    (hub_cache.parent.parent / "refs" / "main").unlink()
+    assert load_model("tiny-org/tiny-llama").name == "tiny-org/tiny-llama"
+    shutil.copytree(hub_cache, hub_cache.parent / "4567cdef")
+    with pytest.raises(ModelNotFoundError, match="not in the Hugging Face cache"):
+        load_model("tiny-org/tiny-llama")
+
+
 def test_a_hub_id_not_in_the_cache_says_how_to_fetch_it(hub_cache):
     with pytest.raises(ModelNotFoundError, match=r"not in the Hugging Face cache.*huggingface-cli download "
                                                  r"other-org/missing"):

@@ -80,7 +80,19 @@ def local_path(name: str) -> Path:
 
         return Path(snapshot_download(name, local_files_only=True))
     except Exception:  # (not in the cache, or no huggingface_hub: the caller's "not found" says what to do)
-        return path
+        return _lone_snapshot(name) or path
+
+
+def _lone_snapshot(name: str) -> Path | None:
+    """The snapshot folder of hub id ``name`` when the cache holds exactly one and no ``main`` ref points at any
+    (what `huggingface-cli download ID --revision REV` leaves), else None."""
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    snapshots = Path(constants.HF_HUB_CACHE) / f"models--{name.replace('/', '--')}" / "snapshots"
+    found = [p for p in snapshots.iterdir() if p.is_dir()] if snapshots.is_dir() else []
+    return found[0] if len(found) == 1 else None
 
 
 def not_found(name: str) -> ModelNotFoundError:
