@@ -57,16 +57,6 @@ ENGINE_SETS = {
     "trees": {"target_only": {"draft": None},
               "eagle": {"draft": "eagle", "tree": "dynamic:31"},
               "eagle63": {"draft": "eagle", "tree": "dynamic:63"}},
-    # the CUDA defaults (rows join once an eighth of the batch is free) against the same engines admitting rows one
-    # by one (admit_min_free=1) and in quarters of the batch ("admit_share": admit_min_free = batch // 4)
-    "plan_admit": {"target_only": {"draft": None},
-                   "target_only_admit1": {"draft": None, "admit_min_free": 1},
-                   "eagle": {"draft": "eagle", "tree": "dynamic:31"},
-                   "eagle_admit1": {"draft": "eagle", "tree": "dynamic:31", "admit_min_free": 1},
-                   "eagle_admitq": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 4},
-                   "ngram": {"draft": "ngram"},
-                   "ngram_admit1": {"draft": "ngram", "admit_min_free": 1},
-                   "ngram_admitq": {"draft": "ngram", "admit_share": 4}},
     # the CUDA defaults (an admission group prefilled ahead of the rows it will take) against the same engines
     # admitting only into free rows (admit_ahead=0)
     "plan_ahead": {"target_only": {"draft": None},
