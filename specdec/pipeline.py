@@ -22,15 +22,16 @@ Steps with sampled rows (not with a repetition penalty) are queued by both: the 
 verify (its choices read each row's positions from the queued inputs), and the next step is built from its
 outcome.
 
-Requests whose prompt a step's prefill finished join the step queued in that same step (``Drafter.joining``; EAGLE
-steps, decode steps and n-gram chain steps, whose joining rows' first chains are looked up on the host): each enters
-as if it had been a row of verify K that accepted nothing and chose its pending token, an outcome written into a row
-of verify K that no one reads (a padding row, or the row of a request that ended). Without that, every admission
-would cost one step without overlap: continuous batching admits a few rows at a time when rows end at different
-steps, as they do when a draft's acceptance varies. The writers rewrite every part of a live row that a padding row
-holds as padding (an EAGLE row's root mask and query count too), since a joining row may take a padding row. Prefill
-pieces and draft forwards read inputs of their own (``GraphRunner.side_inputs``), so a prefill between verify K
-and the queue leaves verify K's inputs, which the queued step's writer reads, as they were.
+Requests that take a decode row at a step (``StepBatch.joining``: their prefill ended in it, or earlier when they
+were prefilled ahead of a free row) join the step queued in that same step (``Drafter.joining``; EAGLE steps, decode
+steps and n-gram chain steps, whose joining rows' first chains are looked up on the host): each enters as if it had
+been a row of verify K that accepted nothing and chose its pending token, an outcome written into a row of verify K
+that no one reads (a padding row, or the row of a request that ended). Without that, every admission would cost one
+step without overlap: continuous batching admits a few rows at a time when rows end at different steps, as they do
+when a draft's acceptance varies. The writers rewrite every part of a live row that a padding row holds as padding
+(an EAGLE row's root mask and query count too), since a joining row may take a padding row. Prefill pieces and draft
+forwards read inputs of their own (``GraphRunner.side_inputs``), so a prefill between verify K and the queue leaves
+verify K's inputs, which the queued step's writer reads, as they were.
 Nothing changes in what is computed: the device builds the inputs the host would have built (tests compare
 them), so outputs are the same with and without the pipeline.
 """
@@ -129,7 +130,7 @@ class QueuedStep:
         self.trees, self.draft = trees, draft
         self.lengths: np.ndarray | None = None
         self.sel: np.ndarray | None = None
-        self.joined: tuple = ()  # its last rows, which the step before did not have (their prefill had just ended)
+        self.joined: tuple = ()  # its last rows, which the step before did not have (they took a row at that step)
 
     @property
     def draft_seconds(self) -> float | None:
@@ -197,18 +198,18 @@ class StepPipeline:
         return self.hook.min_query(rows)
 
     def queue(self, rows: list[Request], step: QueuedStep) -> QueuedStep | None:
-        """Queue the step after ``step`` (launched, its read started) for ``rows`` (its rows, or those of them
-        that adopted it) and the rows whose prefill this step finished (``Drafter.joining``: they decode from the
-        next step), built on the device, with its verify and read; returns it (also ``ahead``), or None when
-        nothing is queued: when joining rows do not fit the bucket, when a row lacks the KV blocks the queued step
-        writes, or when the hook declines.
+        """Queue the step after ``step`` (launched, its read started) for ``rows`` (its rows, or those of them that
+        adopted it) and the rows that took a decode row at this step (``Drafter.joining``: their prompt is
+        done, and they decode from the next step), built on the device, with its verify and read; returns it
+        (also ``ahead``), or None when nothing is queued: when joining rows do not fit the bucket, when a row
+        lacks the KV blocks the queued step writes, or when the hook declines.
 
         A joining row enters as if it had been a row of ``step`` whose verify accepted nothing and chose its pending
         token (the prompt's last) as the bonus token: the hook writes such an outcome into a row of ``step`` no one
         reads (a padding row, or the row of one that ended), and the next step's inputs are built from it as from
         the others'."""
         drafter = self.drafter
-        joining = list(drafter.joining)  # (set by the engine every step: none without a prefill)
+        joining = list(drafter.joining)  # (set by the engine every step: none when no row took a decode row)
         if joining and (len(rows) + len(joining) > step.key[1] or any(len(r.tokens) < 2 for r in joining)):
             return None
         bs, need, every = self.runner.pool.block_size, drafter.lookahead, rows + joining
