@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator
@@ -141,6 +142,7 @@ class SpecEngine:
         """
         params = SamplingParams() if params is None else params
         ids = self.prepare(prompt, params)
+        params = self._bounded(ids, params)
         if params.n != 1:
             raise FieldError("SamplingParams", "n", "must be 1 for add_request, which queues one sample (generate "
                              "and stream run n > 1 as n requests: sampling_params.sample_requests)", params.n)
@@ -174,6 +176,14 @@ class SpecEngine:
         self._validate(ids, params)
         return ids
 
+    def _bounded(self, ids: list[int], params: SamplingParams) -> SamplingParams:
+        """``params`` with a number of new tokens: ``max_new_tokens=None`` (vLLM's ``max_tokens=None``) becomes as many
+        as the model's context leaves after the prompt ``ids`` (and the draft tree's lookahead)."""
+        if params.max_new_tokens is not None:
+            return params
+        room = self.target.config.max_position_embeddings - len(ids) - self.drafter.lookahead
+        return dataclasses.replace(params, max_new_tokens=max(1, room))
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         cfg = self.target.config
         if not ids:
@@ -191,6 +201,7 @@ class SpecEngine:
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        params = self._bounded(ids, params)
         if len(ids) + params.max_new_tokens + lookahead > limit:
             raise FieldError("SamplingParams", "max_new_tokens", f"with a {len(ids)}-token prompt exceeds the "
                              f"model's max length {limit}; allowed: <= {limit - len(ids) - lookahead}",

@@ -40,7 +40,9 @@ class SamplingParams:
     disable those filters. ``stop`` is one string or a sequence of strings (needs a model with a tokenizer);
     ``stop_token_ids`` a sequence of token ids; None (vLLM's default) is none for both. Integers of any integral
     type (numpy included) are stored as int.
-    ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back).
+    ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back); None, as
+    in vLLM, generates until a stop or the model's context is full (the engine sets the number as the request is
+    queued).
     ``min_p`` (0 = off) drops, after temperature, top-k and top-p, the tokens whose probability is below min_p
     times the most probable token's. ``repetition_penalty`` (1 = off) divides the positive raw logits (and
     multiplies the negative ones) of every token in the prompt or the output so far, before temperature; greedy
@@ -55,7 +57,7 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -74,7 +76,10 @@ class SamplingParams:
         set_(self, "top_p", max(TOP_P_FLOOR, _real(self.top_p, "top_p", "must be a number in (0, 1]",
                                                    lambda p: 0 < p <= 1)))
         set_(self, "top_k", max(0, _integer(self.top_k, "top_k", "must be an int >= -1 (0 or -1 = off)", -1, None)))
-        set_(self, "max_new_tokens", _integer(self.max_new_tokens, "max_new_tokens", "must be an int >= 1", 1, None))
+        if self.max_new_tokens is not None:
+            set_(self, "max_new_tokens", _integer(self.max_new_tokens, "max_new_tokens",
+                                                  "must be an int >= 1 or None (until the model's context is full)",
+                                                  1, None))
         if self.seed is not None:
             set_(self, "seed", _integer(self.seed, "seed", "must be None or an int >= 0 and < 2**64", 0,
                                         MAX_SEED))
@@ -136,16 +141,21 @@ def sample_requests(request_id: str, params: SamplingParams) -> list[tuple[str, 
     return [(f"{request_id}.{i}", replace(params, n=1, seed=sample_seed(params.seed, i))) for i in range(params.n)]
 
 
+_UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the context is full")
+
+
 def _taking_max_tokens(init):
     """``SamplingParams(max_tokens=N)``: vLLM's name of ``max_new_tokens`` (not a field of its own, so
     ``dataclasses.replace`` and equality see one value); giving both names is an error."""
 
     @functools.wraps(init)
-    def __init__(self, *args, max_tokens=None, **kwargs):
-        if max_tokens is not None:
+    def __init__(self, *args, max_tokens=_UNSET, **kwargs):
+        if max_tokens is not _UNSET:  # (None too: vLLM's "until the context is full")
             _check("max_new_tokens" not in kwargs, "max_tokens",
                    "is vLLM's name of max_new_tokens: give one of the two, not both", max_tokens)
-            _integer(max_tokens, "max_tokens", "must be an int >= 1 (vLLM's name of max_new_tokens)", 1, None)
+            if max_tokens is not None:
+                _integer(max_tokens, "max_tokens", "must be an int >= 1 or None (vLLM's name of max_new_tokens)",
+                         1, None)
             kwargs["max_new_tokens"] = max_tokens
         init(self, *args, **kwargs)
 

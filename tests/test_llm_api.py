@@ -88,3 +88,19 @@ def test_vllm_prompt_dicts(tiny_target):
     assert llm.generate(dicts[1], GREEDY)[0].token_ids == want[1]
     with pytest.raises(PromptError, match="multi_modal_data"):
         llm.generate({"prompt_token_ids": PROMPTS[0], "multi_modal_data": {}}, GREEDY)
+
+
+def test_max_tokens_none_generates_until_the_context_is_full(tiny_factory):
+    """``max_tokens=None`` (vLLM's: no limit but the model's) is ``max_new_tokens=None``; the engine turns it into
+    what the context leaves after the prompt (and the tree's lookahead): ignoring EOS, a request runs to exactly
+    there, with finish_reason "length"; an omitted max_tokens stays the default (64)."""
+    from specdec.loading.registry import load_model
+
+    assert SamplingParams(max_tokens=None).max_new_tokens is None
+    assert SamplingParams(max_new_tokens=None).max_tokens is None
+    assert SamplingParams().max_new_tokens == SamplingParams(max_tokens=64).max_new_tokens == 64
+    target = load_model(tiny_factory("ctx48", max_position_embeddings=48))
+    for draft in (None, "ngram"):
+        llm = LLM(model=target, draft=draft, num_blocks=64, block_size=4)
+        out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
+        assert len(out.token_ids) == 48 - 6 - llm.drafter.lookahead and out.finish_reason == "length"
