@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"  # the shipped EAGLE-style draft of DEFAULT_TARGET
 NGRAM_TREE = "chain:8"
@@ -20,6 +18,7 @@ CPU_DRAFT_TREE = "chain:4"
 # of the GPU's total memory, for one engine's weights and KV pool (specdec/memory_budget.py): two engines in a
 # process (bench's speculative and target-only ones) fit side by side
 GPU_MEMORY_UTILIZATION = 0.4
+MAX_NUM_TOKENS = 2048  # prompt tokens prefilled in a step (SpecConfig.max_num_tokens, --max-num-batched-tokens)
 
 
 def default_draft(target: str = DEFAULT_TARGET, device: str = "cpu") -> str:
@@ -45,13 +44,16 @@ def default_device(target=None) -> str:
     """Where a loaded ``target`` lives; otherwise CUDA when this machine has it, else the CPU."""
     if hasattr(target, "device"):
         return str(target.device)
+    import torch
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def default_dtype(device: str, target=None) -> str:
     """A loaded ``target``'s dtype; otherwise bfloat16 on CUDA, float32 on the CPU."""
-    if isinstance(getattr(target, "dtype", None), torch.dtype):
-        return str(target.dtype).removeprefix("torch.")
+    dtype = getattr(target, "dtype", None)
+    if dtype is not None and type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+        return str(dtype).removeprefix("torch.")
     return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config_checks import check_spec_config
-from specdec.defaults import GPU_MEMORY_UTILIZATION
+from specdec.defaults import GPU_MEMORY_UTILIZATION, MAX_NUM_TOKENS
 from specdec.tree_spec import template_from_spec
 
 
@@ -24,7 +24,7 @@ class SpecConfig:
     num_blocks: int | None = None
     kv_memory_bytes: int | None = None
     max_batch_size: int = 64
-    max_num_tokens: int = 2048
+    max_num_tokens: int = MAX_NUM_TOKENS
     policy: str = "guaranteed_no_evict"
     prefix_cache: bool = True
     attention_backend: str = "auto"

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-HF_PARTS = ("hf", "hf_static", "hf_assisted")
+from specdec.benchmark.report import HF_PARTS
 
 
 def to_hf_model(loaded):

@@ -61,7 +61,7 @@ SUMMARY_KEYS = (
 )
 REPORT_KEYS = ("schema_version", "overall", "per_depth_acceptance", "per_category", "records", "env",
                "config", "sweep")
-HF_PARTS = ("hf", "hf_assisted", "hf_static")
+HF_PARTS = ("hf", "hf_static", "hf_assisted")  # the transformers baselines, in the order bench runs them
 _SPEC_KEYS = ("output_tokens", "time_s", "drafted", "accepted", "target_forwards", "per_depth_drafted",
               "per_depth_accepted", "token_ids")
 _RUN_KEYS = ("output_tokens", "time_s")

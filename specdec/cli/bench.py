@@ -5,9 +5,7 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
-
-from specdec.benchmark.hf import HF_PARTS
+from specdec.benchmark.report import HF_PARTS
 from specdec.defaults import CUDA_DRAFT_TREE, default_draft, default_tree
 
 ADAPTIVE_CHOICES = {"auto": None, "on": True, "off": False}  # --adaptive -> SpecConfig.adaptive
@@ -236,6 +234,8 @@ def _cached(make):
 
 def _sync(device: str) -> None:
     if str(device).startswith("cuda"):
+        import torch
+
         torch.cuda.synchronize()
 
 

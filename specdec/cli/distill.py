@@ -7,7 +7,7 @@ import argparse
 from dataclasses import MISSING, fields
 from pathlib import Path
 
-from specdec.cli.common import device_dtype
+from specdec.cli.common import DISTILL_HELP, device_dtype
 from specdec.loading.base import DTYPES
 from specdec.training.distill import DistillConfig, distill, summary_line
 
@@ -29,7 +29,7 @@ def add_distill_parser(sub, add_model_args) -> None:
     """Register ``specdec distill`` on the CLI's subparsers (options left unset take the kind's defaults)."""
     from specdec.training.eagle_train import DRAFT_VOCAB, LR, WARM_LR
 
-    p = sub.add_parser("distill", help="train a draft model for a target (layer copy or EAGLE-style head)")
+    p = sub.add_parser("distill", help=DISTILL_HELP)
     add = p.add_argument
     add("--kind", default="layers", choices=["layers", "eagle"],
         help="layers: decoder layers copied from the target; eagle: one layer over the target's features")

@@ -11,6 +11,7 @@ import sys
 from functools import partial
 
 from specdec.cli.common import (
+    DISTILL_HELP,
     CommandParser,
     DefaultsHelpFormatter,
     OneLineErrors,
@@ -152,7 +153,10 @@ def sampled_speed_note(device: str, temperature: float, draft: str) -> str | Non
     return None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(distill: bool = True) -> argparse.ArgumentParser:
+    """The ``specdec`` parser. ``distill`` False: ``distill`` is only named (with its help line), not built: its
+    options come from the training code, which imports torch, and a command that is not ``distill`` (or
+    ``--help``) needs none of them."""
     from specdec.cli.bench import PIPELINE_CHOICES, PIPELINE_HELP, TREE_HELP, add_bench_parser
     from specdec.cli.parallel import add_parallel_args
 
@@ -198,9 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub, _add_model_args)
     add_serve_parsers(sub, _add_model_args)
     try:
+        if not distill:
+            raise ImportError
         from specdec.cli.distill import add_distill_parser
-    except ImportError:
-        pass
+    except ImportError:  # (not built, or no training code: named only)
+        sub.add_parser("distill", help=DISTILL_HELP)
     else:
         add_distill_parser(sub, _add_model_args)
     parser.commands = dict(sub.choices)
@@ -223,7 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from specdec.loading.errors import ModelNotFoundError
 
-        args = build_parser().parse_args(argv)  # (imports torch: a Ctrl-C may land here too)
+        given = sys.argv[1:] if argv is None else argv
+        command = next((a for a in given if not a.startswith("-")), None)
+        args = build_parser(distill=command == "distill").parse_args(argv)  # (a Ctrl-C may land here too)
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130

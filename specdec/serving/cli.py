@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from specdec.defaults import DEFAULT_TARGET
+from specdec.defaults import DEFAULT_TARGET, MAX_NUM_TOKENS
 
 ENDPOINT_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}  # vllm bench serve --endpoint
 # after SIGTERM (or Ctrl-C), how long `specdec serve` lets in-flight requests finish before it aborts them and
@@ -23,8 +23,6 @@ def add_serve_parsers(sub, add_model_args) -> None:
     from specdec.cli.bench import TREE_HELP
     from specdec.cli.common import TARGET_HELP, add_max_tokens_arg, add_target_arg
     from specdec.cli.parallel import add_parallel_args
-    from specdec.spec_config import SpecConfig
-
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (completions, chat, SSE, /metrics)")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="the target, as in `vllm serve MODEL` (the same as --model)")
@@ -40,7 +38,7 @@ def add_serve_parsers(sub, add_model_args) -> None:
     s.add_argument("--max-batch-size", "--max-num-seqs", dest="max_batch_size", type=int, default=64,
                    help="most requests running at once")
     s.add_argument("--max-num-batched-tokens", "--max-num-tokens", dest="max_num_tokens", type=int,
-                   default=SpecConfig.max_num_tokens,
+                   default=MAX_NUM_TOKENS,
                    help="most prompt tokens prefilled in one step (lower: a long prompt holds running requests up "
                         "for less time a step, and takes more steps)")
     s.add_argument("--policy", default="guaranteed_no_evict", choices=["guaranteed_no_evict", "max_utilization"],
