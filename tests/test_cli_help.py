@@ -115,3 +115,24 @@ def test_bad_thread_count_is_a_usage_error(capsys):
 
     err = run_cli(capsys, ["generate", "--prompt", "hi", "--device", "cpu", "--threads", "0"])
     assert err.startswith("error: --threads: must be an integer >= 1"), err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["serve", "--help"], ["--version"]])
+def test_help_does_not_import_torch(argv):
+    """Help and the version answer without importing torch (a second and more): the package's names load on first
+    use and distill's parser, built from the training code, is only named unless distill is the command."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from specdec.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
+    assert "specdec" in done.stdout
+
+
+def test_distill_is_listed_when_not_built():
+    parser = build_parser(distill=False)
+    assert "distill" in parser.commands and parser.commands["distill"].format_help().count("--kind") == 0
+    assert "--kind" in build_parser().commands["distill"].format_help()
