@@ -142,15 +142,20 @@ class SpecEngine:
         """
         params = SamplingParams() if params is None else params
         ids = self.prepare(prompt, params)
-        params = self._bounded(ids, params)
         if params.n != 1:
             raise FieldError("SamplingParams", "n", "must be 1 for add_request, which queues one sample (generate "
                              "and stream run n > 1 as n requests: sampling_params.sample_requests)", params.n)
+        return self._queue(ids, params, request_id, self._prompt_text(prompt, ids))
+
+    def _queue(self, ids: list[int], params: SamplingParams, request_id: str | None,
+               prompt_text: str | None) -> Request:
+        """Queue one sample (``params.n`` 1) of a prompt whose token ids ``prepare`` gave (and checked)."""
+        params = self._bounded(ids, params)
         eos = tuple(self.target.config.eos_token_ids)
         if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
             eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
         req = Request(request_id or str(next(self._ids)), ids, params, eos)
-        req.prompt_text = self._prompt_text(prompt, ids)
+        req.prompt_text = prompt_text
         if not params.greedy:
             req.stream = request_stream(params.seed)
         self.scheduler.add(req)
@@ -372,13 +377,11 @@ class SpecEngine:
                 samples = sample_requests(rid, SamplingParams() if p is None else p)
                 order.append((rid, [sid for sid, _ in samples]))
                 try:
-                    ids = self.prepare(prompt, samples[0][1])  # tokenised outside the guard
+                    ids = self.prepare(prompt, samples[0][1])  # tokenised and checked outside the guard, once
                     text = self._prompt_text(prompt, ids)
                     with self.guard:
                         for sid, sp in samples:  # (together: the scheduler lets them share the prompt's KV)
-                            req = self.add_request(ids, sp, sid)
-                            req.prompt_text = text
-                            self.router.own(queue, req)
+                            self.router.own(queue, self._queue(ids, sp, sid, text))
                 except ValueError as err:
                     queue.pending.append(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             bar = _progress(use_tqdm, sum(r.params.max_new_tokens for r in queue.requests))

@@ -97,16 +97,16 @@ def test_bad_params_entry_queues_nothing(engine, reference, bad):
 
 def test_failed_submission_aborts_what_it_queued(engine, reference, monkeypatch):
     """Bug A: any exception while submitting aborts the requests this call already queued."""
-    add = engine.add_request
+    add = engine._queue
     calls = []
 
-    def flaky(prompt, params=None, request_id=None):
-        calls.append(prompt)
+    def flaky(ids, params, request_id, prompt_text):
+        calls.append(ids)
         if len(calls) == 3:
             raise RuntimeError("submission failed")
-        return add(prompt, params, request_id)
+        return add(ids, params, request_id, prompt_text)
 
-    monkeypatch.setattr(engine, "add_request", flaky)
+    monkeypatch.setattr(engine, "_queue", flaky)
     with pytest.raises(RuntimeError, match="submission failed"):
         engine.generate(P2, PARAMS)
     monkeypatch.undo()
