@@ -30,13 +30,11 @@ def check_spec_config(cfg) -> None:
     except ValueError as err:
         raise FieldError("SpecConfig", "tree", f"is not a valid tree ({err})", cfg.tree) from None
     for name in ("block_size", "max_batch_size", "max_num_tokens", "ngram_max_n", "tensor_parallel_size"):
-        _positive_int(cfg, name, optional=False, hi=UPPER_BOUNDS[name])
-    _positive_int(cfg, "admit_min_free", optional=True, why=" or None (auto)", hi=cfg.max_batch_size)
-    ahead = cfg.admit_ahead
-    _require(ahead is None or (isinstance(ahead, numbers.Integral) and not isinstance(ahead, bool)
-                               and 0 <= ahead <= cfg.max_batch_size),
-             "admit_ahead", f"must be None (auto) or an int >= 0 and <= max_batch_size={cfg.max_batch_size}", ahead)
-    _positive_int(cfg, "num_blocks", optional=True, why=" or None (sized by memory)", hi=UPPER_BOUNDS["num_blocks"])
+        _int_field(cfg, name, optional=False, hi=UPPER_BOUNDS[name])
+    _int_field(cfg, "admit_min_free", optional=True, why=" or None (auto)", hi=cfg.max_batch_size)
+    _int_field(cfg, "admit_ahead", optional=True, why=" or None (auto)", hi=cfg.max_batch_size,
+               unit=" (max_batch_size)", lo=0)
+    _int_field(cfg, "num_blocks", optional=True, why=" or None (sized by memory)", hi=UPPER_BOUNDS["num_blocks"])
     if isinstance(cfg.policy, CapacityPolicy):
         object.__setattr__(cfg, "policy", cfg.policy.value)
     policies = [p.value for p in CapacityPolicy]
@@ -52,7 +50,7 @@ def check_spec_config(cfg) -> None:
         object.__setattr__(cfg, "device", check_device(cfg.device))
     auto = "cuda" if torch.cuda.is_available() else "cpu"  # the device "auto" most likely becomes
     memory = device_memory(auto if cfg.device == "auto" else cfg.device)
-    _positive_int(cfg, "kv_memory_bytes", optional=True, why=" or None", hi=memory, unit=" (the device's memory)")
+    _int_field(cfg, "kv_memory_bytes", optional=True, why=" or None", hi=memory, unit=" (the device's memory)")
     util = cfg.gpu_memory_utilization
     _require(isinstance(util, numbers.Real) and not isinstance(util, bool) and 0 < util <= 1,
              "gpu_memory_utilization", "must be a number in (0, 1] (a fraction of the GPU's total memory)", util)
@@ -97,12 +95,13 @@ def device_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _positive_int(cfg, name: str, optional: bool, hi: int, why: str = "", unit: str = "") -> None:
+def _int_field(cfg, name: str, optional: bool, hi: int, why: str = "", unit: str = "", lo: int = 1) -> None:
+    """Field ``name`` an int in [lo, hi] (None too when ``optional``), stored as int; FieldError otherwise."""
     value = getattr(cfg, name)
     if optional and value is None:
         return
     ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    _require(ok and 1 <= value <= hi, name, f"must be an int >= 1 and <= {hi}{unit}{why}", value)
+    _require(ok and lo <= value <= hi, name, f"must be an int >= {lo} and <= {hi}{unit}{why}", value)
     object.__setattr__(cfg, name, int(value))
 
 
