@@ -51,9 +51,11 @@ def default_device(target=None) -> str:
 
 def default_dtype(device: str, target=None) -> str:
     """A loaded ``target``'s dtype; otherwise bfloat16 on CUDA, float32 on the CPU."""
-    dtype = getattr(target, "dtype", None)
-    if dtype is not None and type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
-        return str(dtype).removeprefix("torch.")
+    if getattr(target, "dtype", None) is not None:  # (a loaded target: torch is imported already)
+        import torch
+
+        if isinstance(target.dtype, torch.dtype):
+            return str(target.dtype).removeprefix("torch.")
     return "bfloat16" if str(device).startswith("cuda") else "float32"
 
 

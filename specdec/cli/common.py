@@ -34,9 +34,9 @@ class CommandParser(OneLineErrors):
         return parsed
 
 
-# Flags of vLLM / transformers that specdec lacks: (the specdec flag that does the job or None, what to do instead)
 DISTILL_HELP = "train a draft model for a target (layer copy or EAGLE-style head)"
 
+# Flags of vLLM / transformers that specdec lacks: (the specdec flag that does the job or None, what to do instead)
 FOREIGN_FLAGS = {
     "--max-model-len": (None, "the model's own context length, its max_position_embeddings, is used"),
     "--max-length": ("--max-new-tokens", "--max-new-tokens N (it counts new tokens only)"),

@@ -201,14 +201,16 @@ def build_parser(distill: bool = True) -> argparse.ArgumentParser:
 
     add_bench_parser(sub, _add_model_args)
     add_serve_parsers(sub, _add_model_args)
-    try:
-        if not distill:
-            raise ImportError
-        from specdec.cli.distill import add_distill_parser
-    except ImportError:  # (not built, or no training code: named only)
+    add_distill = None
+    if distill:
+        try:
+            from specdec.cli.distill import add_distill_parser as add_distill
+        except ImportError:  # (no training code)
+            pass
+    if add_distill is None:  # named only
         sub.add_parser("distill", help=DISTILL_HELP)
     else:
-        add_distill_parser(sub, _add_model_args)
+        add_distill(sub, _add_model_args)
     parser.commands = dict(sub.choices)
     return parser
 
@@ -229,13 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from specdec.loading.errors import ModelNotFoundError
 
-        given = sys.argv[1:] if argv is None else argv
+        given = list(sys.argv[1:] if argv is None else argv)
         command = next((a for a in given if not a.startswith("-")), None)
-        args = build_parser(distill=command == "distill").parse_args(argv)  # (a Ctrl-C may land here too)
+        args = build_parser(distill=command == "distill").parse_args(given)  # (a Ctrl-C may land here too)
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # what tensor-parallel ranks run again
+    args.argv = given  # what tensor-parallel ranks run again
     try:
         return args.func(args)
     except (ValueError, ModelNotFoundError) as err:
