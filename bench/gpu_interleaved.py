@@ -23,6 +23,7 @@ the set, default all), ``TEMPERATURE`` (sampled runs at that temperature with to
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import json
@@ -76,11 +77,14 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_q": {"draft": "ngram", "admit_share": 4},
                     "ngram_h": {"draft": "ngram", "admit_share": 2}},
-    # n-gram's budget controller as it is, and with no probe once a bucket's first search has chosen ("no_probes":
-    # what the probes' rows, ending at different steps, cost a batch held at plain decoding)
+    # n-gram's budget controller as it is, with no probe once a bucket's first search has chosen ("no_probes":
+    # what the probes' rows, ending at different steps, cost a batch held at plain decoding), and held at plain
+    # decoding from its first step, no search and no probe ("plain_only": what an n-gram engine's plain steps cost
+    # beside target-only's)
     "ngram_probes": {"target_only": {"draft": None},
                      "ngram": {"draft": "ngram"},
-                     "ngram_noprobes": {"draft": "ngram", "no_probes": True}},
+                     "ngram_noprobes": {"draft": "ngram", "no_probes": True},
+                     "ngram_plain": {"draft": "ngram", "plain_only": True}},
     # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
     "plan_fixed": {"target_only": {"draft": None},
                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -120,6 +124,14 @@ NUM_PROMPTS = int(os.environ.get("NUM_PROMPTS", "0")) or None  # the first N pro
 
 REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x longer
 FAILURES_SHOWN = [0]
+
+
+def _held_plain(make, key):
+    """An ``EpochBudget`` bucket state (``make``: its ``_new_state``) held at plain decoding with no search and no
+    probe (the ``plain_only`` engines)."""
+    state = make(key)
+    state.searching, state.held, state.best, state.hold = False, 0, 0, 1 << 30
+    return state
 
 
 def _budget_steps(engine) -> dict[int, int]:
@@ -348,7 +360,7 @@ def main() -> None:
                     continue
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
-                no_probes = fields.pop("no_probes", False)
+                no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
@@ -359,6 +371,8 @@ def main() -> None:
                 if no_probes and isinstance(eng.adaptive, EpochBudget):  # (read as each bucket's state is made)
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, hold_epochs=1 << 30,
                                                               max_hold_epochs=1 << 30)
+                if plain_only and isinstance(eng.adaptive, EpochBudget):
+                    eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}
