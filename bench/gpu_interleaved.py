@@ -67,7 +67,8 @@ ENGINE_SETS = {
                    "ngram": {"draft": "ngram"},
                    "ngram_noahead": {"draft": "ngram", "admit_ahead": 0}},
     # admission groups (each prefilled ahead of the rows it will take) of an eighth of the batch (the CUDA default),
-    # a quarter ("admit_share": 4) and a half (2)
+    # a quarter ("admit_share": 4) and a half (2); n-gram in halves also with a plain margin of 5% (its budget epochs'
+    # ``EpochConfig.plain_margin``, 15% by default: what rows ending at different steps were measured to cost)
     "plan_groups": {"target_only": {"draft": None},
                     "target_only_q": {"draft": None, "admit_share": 4},
                     "target_only_h": {"draft": None, "admit_share": 2},
@@ -76,7 +77,8 @@ ENGINE_SETS = {
                     "eagle_h": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 2},
                     "ngram": {"draft": "ngram"},
                     "ngram_q": {"draft": "ngram", "admit_share": 4},
-                    "ngram_h": {"draft": "ngram", "admit_share": 2}},
+                    "ngram_h": {"draft": "ngram", "admit_share": 2},
+                    "ngram_h5": {"draft": "ngram", "admit_share": 2, "plain_margin": 0.05}},
     # n-gram's budget controller as it is, with no probe once a bucket's first search has chosen ("no_probes":
     # what the probes' rows, ending at different steps, cost a batch held at plain decoding), and held at plain
     # decoding from its first step, no search and no probe ("plain_only": what an n-gram engine's plain steps cost
@@ -361,6 +363,7 @@ def main() -> None:
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
+                plain_margin = fields.pop("plain_margin", None)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
@@ -371,6 +374,8 @@ def main() -> None:
                 if no_probes and isinstance(eng.adaptive, EpochBudget):  # (read as each bucket's state is made)
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, hold_epochs=1 << 30,
                                                               max_hold_epochs=1 << 30)
+                if plain_margin is not None and isinstance(eng.adaptive, EpochBudget):
+                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, plain_margin=plain_margin)
                 if plain_only and isinstance(eng.adaptive, EpochBudget):
                     eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
