@@ -79,6 +79,14 @@ ENGINE_SETS = {
                     "ngram_q": {"draft": "ngram", "admit_share": 4},
                     "ngram_h": {"draft": "ngram", "admit_share": 2},
                     "ngram_h5": {"draft": "ngram", "admit_share": 2, "plain_margin": 0.05}},
+    # the defaults (admission groups of an eighth of the batch and at least 8 rows from 16 on: ``plan.admit_group``)
+    # against groups of an eighth ("_e", the default before; the same at batch 64)
+    "plan_group8": {"target_only": {"draft": None},
+                    "target_only_e": {"draft": None, "admit_share": 8},
+                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                    "eagle_e": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 8},
+                    "ngram": {"draft": "ngram"},
+                    "ngram_e": {"draft": "ngram", "admit_share": 8}},
     # n-gram's budget controller as it is, with no probe once a bucket's first search has chosen ("no_probes":
     # what the probes' rows, ending at different steps, cost a batch held at plain decoding), and held at plain
     # decoding from its first step, no search and no probe ("plain_only": what an n-gram engine's plain steps cost

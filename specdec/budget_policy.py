@@ -170,6 +170,7 @@ class EpochBudget:
         self.timing_valid = True  # False: this step ran a prefill, so its wall time is not the budget's
         self._step: tuple[_Epochs, list[int]] | None = None  # the last speculate's state and ``step_tokens``
         self._last_nodes: int | None = None  # the budget of the step before
+        self._last_key: tuple[int, bool] | None = None  # the bucket and kind of the step before
         self._switched = False  # this step's budget differs from the step before's: its queued step was dropped
         self.epochs: deque = deque(maxlen=4096)  # the latest ended epochs (``epoch_log``)
 
@@ -199,8 +200,15 @@ class EpochBudget:
         return state
 
     def choose(self, rows: list) -> int:
-        """The node budget of a step over ``rows``: the one its bucket holds."""
-        key = self.key(rows)
+        """The node budget of a step over ``rows``: the one its bucket holds. A step that runs a prefill
+        (``timing_valid`` False) over fewer rows than the step before, of the same kind, is a step of that step's
+        bucket: its batch is short only while the prompts of the rows that join it are prefilled (a wave of rows that
+        ended together), and a budget of its own small bucket would drop the step queued under the batch's budget, then
+        switch back (and drop again) at the next step, when the joining rows decode."""
+        key, last = self.key(rows), self._last_key
+        if not self.timing_valid and last is not None and last[1] == key[1] and last[0] > key[0]:
+            key = last
+        self._last_key = key
         state = self.states.get(key)
         if state is None:
             state = self.states[key] = self._new_state(key)

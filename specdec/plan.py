@@ -13,7 +13,8 @@ import torch
 
 PROPOSERS = ("none", "ngram", "draft", "eagle")
 NGRAM_DEVICE_MIN_ROWS = 8  # unpipelined n-gram steps of fewer rows look chains up on the host (shared table)
-ADMIT_GROUP_FRACTION = 8  # pipelined engines admit waiting requests once max_batch_size // 8 rows are free
+ADMIT_GROUP_FRACTION = 8  # pipelined engines admit in groups of an eighth of max_batch_size, and of at least
+ADMIT_GROUP_ROWS = 8  # this many rows in batches of twice as many: ``admit_group``
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class EnginePlan:
     controller chooses at every step. ``warm_up``: every step shape runs once at construction (``specdec.warm_up``), so
     the graphs captured on first use exist before the first request. ``admit_min_free``: waiting requests join running
     ones once this many rows are free (or the queue's head waited 8 steps): each admission is a prefill step, dearer
-    than a decode step, so pipelined engines admit in groups (``ADMIT_GROUP_FRACTION``). ``admit_ahead``: that many
+    than a decode step, so pipelined engines admit in groups (``admit_group``). ``admit_ahead``: that many
     requests beyond ``max_batch_size`` are admitted and prefilled while every row decodes, and take the rows of
     those that end at the next step (a pipelined engine's group: rows do not wait idle while a group gathers; a
     speculating batch's rows end at different steps)."""
@@ -75,6 +76,16 @@ class EnginePlan:
                 f"{' '.join(flags) or 'eager'}{extra}")
 
 
+def admit_group(max_batch_size: int) -> int:
+    """A pipelined engine's admission group (``EnginePlan.admit_min_free``, and its ``admit_ahead``): an eighth of the
+    batch, and at least ``ADMIT_GROUP_ROWS`` rows from twice that many rows on. Each group costs a prefill step, and
+    a speculating batch's rows end at different steps, so a group of a few rows is a prefill step every few steps; each
+    group is prefilled ahead, so no row waits for it. Groups of 8 rows measured fastest at batch 16 and at 64
+    (bench/RESULTS.md)."""
+    least = ADMIT_GROUP_ROWS if max_batch_size >= 2 * ADMIT_GROUP_ROWS else 1
+    return max(least, max_batch_size // ADMIT_GROUP_FRACTION)
+
+
 def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nodes: int) -> EnginePlan:
     """The plan of an engine with options ``cfg`` (a SpecConfig) on ``device`` whose drafter is ``proposer``
     with at most ``max_nodes`` nodes per tree, its attention backend named ``backend`` ("triton" or "torch").
@@ -107,7 +118,7 @@ def resolve_plan(cfg, device: torch.device, proposer: str, backend: str, max_nod
     epochs = pipeline and adaptive
     min_rows = 1 if cfg.ngram_device or pipeline else NGRAM_DEVICE_MIN_ROWS
     warm = cuda and padded  # (on the CPU nothing is captured, so there is nothing to warm up)
-    admit = cfg.admit_min_free or (max(1, cfg.max_batch_size // ADMIT_GROUP_FRACTION) if pipeline else 1)
+    admit = cfg.admit_min_free or (admit_group(cfg.max_batch_size) if pipeline else 1)
     ahead = cfg.admit_ahead if cfg.admit_ahead is not None else admit if pipeline else 0
     return EnginePlan(str(device), str(cfg.dtype).removeprefix("torch."), proposer, cfg.tree, backend, bool(padded),
                       bool(device_program), bool(fused), ngram_device, min_rows, bool(adaptive), pipeline, bool(epochs),

@@ -10,6 +10,7 @@ from specdec.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import FieldError
+from specdec.plan import admit_group
 from specdec.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -73,13 +74,15 @@ def test_fewer_waiting_than_the_group_size_join_as_soon_as_they_fit():
 
 def test_plan_groups_admission_for_pipelined_engines(tiny_target):
     pipelined = SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32, cuda_graphs=True, pipeline=True))
-    assert pipelined.plan.admit_min_free == 4 and pipelined.scheduler.cfg.admit_min_free == 4
+    assert pipelined.plan.admit_min_free == 8 and pipelined.scheduler.cfg.admit_min_free == 8  # (admit_group)
+    # an eighth of the batch, and at least 8 rows from 16 on
+    assert [admit_group(b) for b in (1, 2, 4, 8, 15, 16, 32, 64, 128, 256)] == [1, 1, 1, 1, 1, 8, 8, 8, 16, 32]
     assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32)).plan.admit_min_free == 1
     assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32, admit_min_free=2)).plan.admit_min_free == 2
     with pytest.raises(FieldError, match="admit_min_free"):
         SpecConfig(max_batch_size=8, admit_min_free=9)
-    assert pipelined.plan.admit_ahead == 4 and pipelined.scheduler.cfg.max_running == 36
-    assert "prefills 4 ahead" in pipelined.plan.describe()
+    assert pipelined.plan.admit_ahead == 8 and pipelined.scheduler.cfg.max_running == 40
+    assert "prefills 8 ahead" in pipelined.plan.describe()
     assert SpecEngine(None, tiny_target, SpecConfig(max_batch_size=32)).plan.admit_ahead == 0  # (unpipelined)
     for bad in (-1, 9, True, 2.0):
         with pytest.raises(FieldError, match="admit_ahead"):

@@ -271,6 +271,32 @@ def test_steps_with_a_prefill_are_not_timed_and_an_untimed_epoch_starts_over():
     assert state.cost(3) == pytest.approx(2e-3) and state.held == 2
 
 
+def test_a_prefill_step_whose_batch_shrank_keeps_the_batchs_bucket():
+    """A wave of 16 sampled rows ends together: the next step decodes the 2 rows prefilled ahead while the others'
+    prompts are prefilled. That step (a prefill step over fewer rows) is a step of the batch's bucket: its budget (plain
+    decoding here), no switch, no state of its own; the same few rows without a prefill take their own bucket's budget
+    (a small bucket's search starts larger), and a prefill step over more rows than the step before its own bucket's."""
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
+    big, few = rows_of(16, greedy=False), rows_of(2, greedy=False)
+    tok, cost = model({0: 1.0, 3: 1.05, 7: 1.1, 15: 1.1}, MS)  # plain decoding is the best at 16 rows
+    run(ctrl, big, tok, cost, 60)
+    assert held(ctrl, big) == 0 and not state_of(ctrl, big).searching
+    ctrl.timing_valid = False  # (the engine sets it before the step: this step runs a prefill)
+    assert ctrl.choose(few) == 0 and not ctrl._switched
+    assert ctrl.key(few) not in ctrl.states and ctrl._step[0] is state_of(ctrl, big)
+    ctrl.observe_step(5e-3)
+    assert ctrl.choose(big) == 0 and not ctrl._switched  # the rows that joined decode: the same bucket, no switch
+    ctrl.observe_step(5e-3)
+    ctrl.timing_valid = True
+    assert ctrl.choose(few) == 15  # a batch that is short without a prefill (its tail): its own bucket
+    ctrl.observe_step(1e-3)
+    ctrl.timing_valid = False
+    assert ctrl.choose(big) == 0 and ctrl._switched  # more rows than the step before: its own bucket
+    mixed = rows_of(2, greedy=True)
+    ctrl.choose(big)
+    assert ctrl.choose(mixed) == 15 and ctrl.key(mixed) in ctrl.states  # (another kind: its own bucket)
+
+
 def test_a_step_after_a_change_of_budget_is_not_timed():
     """The step after a change of budget runs without the step queued behind the last verify (built under the old
     budget), so it costs a fixed extra 2 ms here; it is left out, and each budget's cost is its own."""
