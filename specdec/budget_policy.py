@@ -89,6 +89,7 @@ class _Epochs:
         self.since_probe = 0
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
+        self.ended = 0  # ``EpochBudget``'s count of ended epochs when this state was made (its start was derived)
 
     @property
     def timed(self) -> int:
@@ -140,7 +141,9 @@ class EpochBudget:
 
     A bucket's search starts at the best budget of the nearest bucket of the same kind already measured (one option
     larger per halving of the batch when that bucket is larger; the full tree when there is none), or lower where
-    that budget's verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens. Its first
+    that budget's verify of the bucket's rows would hold more than ``EpochConfig.start_tokens`` tokens; a bucket that
+    has not timed a step yet derives its start again once epochs of other buckets have ended since (the buckets a
+    new engine's first steps pass through, as its batch fills, are made before any is measured). Its first
     epoch counts the tokens of every budget below it, so each of those needs only a short epoch for its step cost
     (down to budget 0, plain decoding, the floor every budget is judged against); a budget measured dearer than a
     larger one is measured once more; then the budgets above the start, while the largest measured is the best.
@@ -173,6 +176,7 @@ class EpochBudget:
         self._last_key: tuple[int, bool] | None = None  # the bucket and kind of the step before
         self._switched = False  # this step's budget differs from the step before's: its queued step was dropped
         self.epochs: deque = deque(maxlen=4096)  # the latest ended epochs (``epoch_log``)
+        self._ended = 0  # epochs ended so far, in every bucket
 
     def key(self, rows: list) -> tuple[int, bool]:
         """(batch bucket, whether every row is greedy): the budgets are chosen apart for each."""
@@ -195,7 +199,7 @@ class EpochBudget:
         fits = [j for j, o in enumerate(self.options) if j and (o.nodes + 1) * b <= self.config.start_tokens]
         start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
         state = _Epochs(len(self.options), start, self.config.window)
-        state.key = key
+        state.key, state.ended = key, self._ended
         state.hold = self.config.hold_epochs
         return state
 
@@ -210,8 +214,8 @@ class EpochBudget:
             key = last
         self._last_key = key
         state = self.states.get(key)
-        if state is None:
-            state = self.states[key] = self._new_state(key)
+        if state is None or (state.ended < self._ended and not state.timed and not any(state.costs)):
+            state = self.states[key] = self._new_state(key)  # (a state never measured: its start from those since)
         nodes = self._nodes[state.held]
         state.rows = len(rows)
         self._switched, self._last_nodes = nodes != self._last_nodes, nodes
@@ -259,6 +263,7 @@ class EpochBudget:
 
     def _end_epoch(self, state: _Epochs) -> None:
         cfg, h = self.config, state.held
+        self._ended += 1
         state.costs[h].append(statistics.median(state.times))
         state.counts[h].append([state.row_steps, *state.tokens[:h + 1]])
         self._log_epoch(state)

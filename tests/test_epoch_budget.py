@@ -207,6 +207,24 @@ def test_a_new_bucket_starts_from_the_nearest_measured_bucket_of_its_kind():
     assert run(ctrl, rows_of(32, greedy=False), tok_f, cost, 2) == [15, 15]
 
 
+def test_a_bucket_not_measured_yet_starts_from_buckets_measured_since_it_was_made():
+    """A new engine's batch fills through small buckets in prefill steps (untimed) before any bucket is measured:
+    bucket 8 is made then, at the full tree. Once bucket 16 has settled on plain decoding, bucket 8 (a batch's tail,
+    not measured yet) starts one option above it, not at the full tree; a bucket that has timed steps keeps its
+    search."""
+    tok = {0: 1.0, 3: 1.05, 7: 1.1, 15: 1.1}  # plain decoding is the best
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=100))
+    tok_f, cost = model(tok, MS)
+    assert step(ctrl, rows_of(8), tok_f, cost, valid=False) == 15  # (made before anything was measured)
+    ctrl.timing_valid = True
+    run(ctrl, rows_of(16), tok_f, cost, 40)
+    assert held(ctrl, rows_of(16)) == 0
+    assert run(ctrl, rows_of(8), tok_f, cost, 2) == [3, 3]
+    state = state_of(ctrl, rows_of(8))
+    run(ctrl, rows_of(16), tok_f, cost, 8)
+    assert run(ctrl, rows_of(8), tok_f, cost, 1) == [3] and state_of(ctrl, rows_of(8)) is state
+
+
 def test_a_search_starts_no_higher_than_its_verify_token_cap():
     """With no bucket measured and the default cap (512 tokens), batches 16 and 32 start at 15 (32 x 16 tokens) and
     64 at 7 (64 x 8); the search from 7 counts 3 and 0 on its steps, measures their costs, then 15 above (7 the best
