@@ -80,13 +80,15 @@ ENGINE_SETS = {
                     "ngram_h": {"draft": "ngram", "admit_share": 2},
                     "ngram_h5": {"draft": "ngram", "admit_share": 2, "plain_margin": 0.05}},
     # the defaults (admission groups of an eighth of the batch and at least 8 rows from 16 on: ``plan.admit_group``)
-    # against groups of an eighth ("_e", the default before; the same at batch 64)
+    # against groups of an eighth ("_e", the default before; the same at batch 64); n-gram with its probes from plain
+    # decoding cut to one token per row ("cut_probes": ``EpochConfig.cut_probes``)
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_e": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 8},
                     "ngram": {"draft": "ngram"},
-                    "ngram_e": {"draft": "ngram", "admit_share": 8}},
+                    "ngram_e": {"draft": "ngram", "admit_share": 8},
+                    "ngram_cut": {"draft": "ngram", "cut_probes": True}},
     # n-gram's budget controller as it is, with no probe once a bucket's first search has chosen ("no_probes":
     # what the probes' rows, ending at different steps, cost a batch held at plain decoding), and held at plain
     # decoding from its first step, no search and no probe ("plain_only": what an n-gram engine's plain steps cost
@@ -371,7 +373,7 @@ def main() -> None:
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
-                plain_margin = fields.pop("plain_margin", None)
+                plain_margin, cut_probes = fields.pop("plain_margin", None), fields.pop("cut_probes", False)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
@@ -384,6 +386,8 @@ def main() -> None:
                                                               max_hold_epochs=1 << 30)
                 if plain_margin is not None and isinstance(eng.adaptive, EpochBudget):
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, plain_margin=plain_margin)
+                if cut_probes and isinstance(eng.adaptive, EpochBudget):
+                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, cut_probes=True)
                 if plain_only and isinstance(eng.adaptive, EpochBudget):
                     eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
