@@ -185,3 +185,31 @@ def test_gpu_budgets_with_captured_graphs(tiny_dirs):
     assert outs[True] == outs[False]
     assert pipe.adopted > eng.verifier.followup.launches // 3 and pipe.dropped > 0
     assert {key[0][2] for key in pipe.hook.advance.graphs} == {1, 2, 4, 9}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cut_probe_steps_with_captured_graphs(tiny_dirs):
+    """float32 on CUDA, graphs captured, 16 rows of which a third seeded and sampled: chains of 8 whose queued steps
+    are cut to each row's first token (the cut written into the captured verify's outcome buffer before the
+    follow-up graph and the writer's graph read it) give plain decoding's tokens, committing one token per row."""
+    from specdec.loading.registry import load_model
+
+    target = load_model(tiny_dirs["llama"], device="cuda")
+    rng = random.Random(12)
+    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
+    params = [SamplingParams(max_new_tokens=rng.randrange(30, 60), ignore_eos=True, seed=i,
+                             **({} if i % 3 else dict(temperature=0.7, top_p=0.9) if i % 2 else dict(temperature=1.0)))
+              for i in range(len(prompts))]
+    base = dict(tree="chain:8", num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16,
+                admit_min_free=1, cuda_graphs=True, adaptive=False, ngram_shared=False, ngram_device=True,
+                pipeline=True)
+    plain = SpecEngine("ngram", target, SpecConfig(**base))
+    plain.drafter.budget = 0
+    want = _generated(plain, prompts, params)
+    eng = SpecEngine("ngram", target, SpecConfig(**base))
+    eng.adaptive = probe = CutProbe(8)
+    assert _generated(eng, prompts, params) == want
+    assert eng.all_blocks_free() and eng.pipeline.adopted > 0
+    cut = [r for r in probe.results if r.ranks is not None]
+    assert len(cut) > len(probe.results) // 2 and all(r.accepted_nodes == [] for r in cut)
+    assert sum(len(r.ranks) for r in cut) > 0
