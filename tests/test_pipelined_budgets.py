@@ -159,22 +159,29 @@ def test_cut_to_first_keeps_the_first_token_and_the_count():
     assert accept[:, -1].tolist() == [1, 1, 1]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_budgets_with_captured_graphs(tiny_dirs):
-    """float32 on CUDA, graphs captured, 16 rows of which a third seeded and sampled: budgets 8, 0, 3, 1 of chain:8
-    held four steps each give the unpipelined engine's tokens under the same script, queued steps are adopted under
-    each budget, and their inputs are written by a graph per bucket (1, 2, 4 and 9 queries) reading the follow-up
-    graph's output."""
+def _gpu_case(tiny_dirs, seed: int):
+    """The tiny target in float32 on CUDA, 24 requests (a third greedy, the rest seeded at T=0.7 top-p 0.9 or T=1.0)
+    and the SpecConfig fields of a graphed n-gram engine of 16 rows with device chains."""
     from specdec.loading.registry import load_model
 
     target = load_model(tiny_dirs["llama"], device="cuda")
-    rng = random.Random(11)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
     params = [SamplingParams(max_new_tokens=rng.randrange(30, 60), ignore_eos=True, seed=i,
                              **({} if i % 3 else dict(temperature=0.7, top_p=0.9) if i % 2 else dict(temperature=1.0)))
               for i in range(len(prompts))]
     base = dict(tree="chain:8", num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16,
                 admit_min_free=1, cuda_graphs=True, adaptive=False, ngram_shared=False, ngram_device=True)
+    return target, prompts, params, base
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_budgets_with_captured_graphs(tiny_dirs):
+    """float32 on CUDA, graphs captured, 16 rows of which a third seeded and sampled: budgets 8, 0, 3, 1 of chain:8
+    held four steps each give the unpipelined engine's tokens under the same script, queued steps are adopted under
+    each budget, and their inputs are written by a graph per bucket (1, 2, 4 and 9 queries) reading the follow-up
+    graph's output."""
+    target, prompts, params, base = _gpu_case(tiny_dirs, 11)
     outs = {}
     for pipeline in (False, True):
         eng = SpecEngine("ngram", target, SpecConfig(pipeline=pipeline, **base))
@@ -192,17 +199,8 @@ def test_gpu_cut_probe_steps_with_captured_graphs(tiny_dirs):
     """float32 on CUDA, graphs captured, 16 rows of which a third seeded and sampled: chains of 8 whose queued steps
     are cut to each row's first token (the cut written into the captured verify's outcome buffer before the
     follow-up graph and the writer's graph read it) give plain decoding's tokens, committing one token per row."""
-    from specdec.loading.registry import load_model
-
-    target = load_model(tiny_dirs["llama"], device="cuda")
-    rng = random.Random(12)
-    prompts = [[rng.randrange(3, 40) for _ in range(rng.randrange(6, 40))] * 2 for _ in range(24)]
-    params = [SamplingParams(max_new_tokens=rng.randrange(30, 60), ignore_eos=True, seed=i,
-                             **({} if i % 3 else dict(temperature=0.7, top_p=0.9) if i % 2 else dict(temperature=1.0)))
-              for i in range(len(prompts))]
-    base = dict(tree="chain:8", num_blocks=1024, block_size=16, prefix_cache=False, device="cuda", max_batch_size=16,
-                admit_min_free=1, cuda_graphs=True, adaptive=False, ngram_shared=False, ngram_device=True,
-                pipeline=True)
+    target, prompts, params, base = _gpu_case(tiny_dirs, 12)
+    base["pipeline"] = True
     plain = SpecEngine("ngram", target, SpecConfig(**base))
     plain.drafter.budget = 0
     want = _generated(plain, prompts, params)
