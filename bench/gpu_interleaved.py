@@ -381,15 +381,13 @@ def main() -> None:
                                                         target=target)
                 eng = engines[name] = SpecEngine(draft, target, SpecConfig(device=DEV, dtype=dt, max_batch_size=b,
                                                                            prefix_cache=False, **KV, **fields))
-                if no_probes and isinstance(eng.adaptive, EpochBudget):  # (read as each bucket's state is made)
-                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, hold_epochs=1 << 30,
-                                                              max_hold_epochs=1 << 30)
-                if plain_margin is not None and isinstance(eng.adaptive, EpochBudget):
-                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, plain_margin=plain_margin)
-                if cut_probes and isinstance(eng.adaptive, EpochBudget):
-                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, cut_probes=True)
-                if plain_only and isinstance(eng.adaptive, EpochBudget):
-                    eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
+                if isinstance(eng.adaptive, EpochBudget):  # (its config is read as each bucket's state is made)
+                    epochs = dict(hold_epochs=1 << 30, max_hold_epochs=1 << 30) if no_probes else {}
+                    epochs.update({} if plain_margin is None else {"plain_margin": plain_margin})
+                    epochs.update({"cut_probes": True} if cut_probes else {})
+                    eng.adaptive.config = dataclasses.replace(eng.adaptive.config, **epochs)
+                    if plain_only:
+                        eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}

@@ -56,8 +56,9 @@ class Verifier:
         self.fused = None  # a ``fused_step.FusedVerify``: the verify of trees still on the device (``DeviceDraft``)
         self.pipeline = None  # a ``pipeline.StepPipeline``: queues the next step behind each verify launched here
         self.reader = HostRead(runner.device)  # the one read of a step launched here (two in flight at most)
-        # queued chain steps commit only their first token per row (``cut_to_first``): the budget controller's probes
-        # from plain decoding (``EpochBudget.cut``), which measure a budget's tokens without the rows ending apart
+        # queued chain steps commit only their first token per row (``cut_to_first``): set by the budget controller
+        # for its probes from plain decoding (``EpochConfig.cut_probes``), which measure a budget's tokens without the
+        # rows ending apart
         self.cut = False
         # the sampled rows of a padded step, graphed on CUDA
         self.sampled_rule = SampledRule(runner.device, use_triton=runner.backend.uses_triton,
@@ -108,13 +109,12 @@ class Verifier:
             return QueuedStep(rows, key, n, fwd, accept, self.reader.start(reads), (tokens, parents, top, ranks),
                               draft)
         graphs = self.runner.graphs
-        fwd = graphs.replay(key)
+        fwd, views = graphs.replay(key), graphs.inputs.views(key[1], key[2])
         sampled = [i for i, req in enumerate(rows) if not req.params.greedy]
         if sampled:  # each chain at most q - 1 nodes, cut on the device: the rule reads its length from the inputs
-            views = graphs.inputs.views(key[1], key[2])
             _write(fwd.accept, self.sampled_rule.on_views(rows, sampled, key[2], views, fwd.logits, fwd.accept,
                                                           graphs.captured(key), ragged=True))
-        uncut = cut_to_first(fwd.accept, graphs.inputs.views(key[1], key[2]).ids) if self.cut else None
+        uncut = cut_to_first(fwd.accept, views.ids) if self.cut else None
         out = self.followup.follow(rows, key, fwd.accept)
         step = QueuedStep(rows, key, n, fwd, out, self.reader.start([out] if uncut is None else [out, uncut[:r]]))
         step.cut = uncut is not None
