@@ -205,6 +205,7 @@ class Verifier:
         sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
+        uncut = None  # a cut step's uncut accepted counts (``cut_to_first``)
         if step is None:
             host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         else:
@@ -224,7 +225,7 @@ class Verifier:
             else:
                 nodes, bonus = unpack_greedy(row)
             h = tree.host
-            ranks = list(range(uncut[i])) if step is not None and step.cut else None  # (a chain's nodes: its ranks)
+            ranks = None if uncut is None else list(range(uncut[i]))  # (a chain's nodes: its ranks)
             results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc,
                                         ranks=ranks))
         return results
