@@ -172,9 +172,17 @@ def _check(ok: bool, name: str, rule: str, value) -> None:
 
 
 def _real(value, name: str, rule: str, in_range) -> float:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(_as_float(value))
     _check(ok and in_range(value), name, rule, value)
     return float(value)
+
+
+def _as_float(value: numbers.Real) -> float:
+    """``float(value)``; inf for an int (or Fraction) past float64's range, which ``float`` refuses."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
 
 
 def _integer(value, name: str, rule: str, lo: int, hi: int | None) -> int:

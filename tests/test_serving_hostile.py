@@ -81,6 +81,8 @@ BAD = [
     ("completions", "{not json", 400, None, "not valid JSON"),
     ("completions", b'{"prompt": "\xff\xfe"}', 400, None, "not valid JSON"),
     ("completions", json.dumps(_completion(seed=2**64)), 400, "seed", "< 2**64"),
+    # an integer past float64's range was a 500 (OverflowError checking that it is finite)
+    ("completions", json.dumps(_completion(temperature=10**400)), 400, "temperature", "3.4e38"),
     ("completions", json.dumps(_completion(prompt=[5] * 510)), 400, "prompt", "510 tokens"),
     ("chat", json.dumps(_chat(max_completion_tokens=0)), 400, "max_completion_tokens", ">= 1"),
     ("chat", json.dumps(_chat(max_completion_tokens=-2, max_tokens=None)), 400, "max_completion_tokens", ">= 1"),

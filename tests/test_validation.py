@@ -29,6 +29,9 @@ def engine(tiny_target):
     ({"temperature": 3.5e38}, "temperature", ["3.4e38", "float32"]),  # (finite in float64, infinite in float32)
     ({"temperature": "0.5"}, "temperature", ["number"]),
     ({"temperature": True}, "temperature", ["number"]),
+    ({"temperature": 10**400}, "temperature", ["3.4e38"]),  # OverflowError: int too large to convert to float
+    ({"repetition_penalty": 10**400}, "repetition_penalty", ["1e+30"]),
+    ({"presence_penalty": -10**400}, "presence_penalty", ["[-2, 2]"]),
     ({"top_p": float("nan")}, "top_p", ["(0, 1]"]),
     ({"top_k": 2.5}, "top_k", ["int"]),
     ({"seed": 2**70}, "seed", ["2**64"]),
