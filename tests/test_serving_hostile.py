@@ -90,6 +90,8 @@ BAD = [
     ("chat", json.dumps(_chat(max_completion_tokens=10**6, max_tokens=None)), 400, "max_completion_tokens",
      "max length"),
     ("completions", json.dumps(_completion(user=5)), 400, "user", "string"),
+    # the error quoting a lone surrogate (not UTF-8) failed to render: a 500 and a traceback in the log
+    ("completions", json.dumps(_completion(**{"\ud800": 1})), 400, "\ud800", "unknown field"),
     ("chat", json.dumps(_chat(user={"id": 1})), 400, "user", "string"),
     ("completions", "x" * (DEFAULT_MAX_REQUEST_BYTES + 1), 413, None, "--max-request-bytes"),
     # ran as [1]: one level of nesting is a batch of one prompt, two are no prompt at all

@@ -331,8 +331,11 @@ def _sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _error(err: protocol.BadRequest) -> JSONResponse:
-    return JSONResponse(protocol.error_body(str(err), err.field, err.status), status_code=err.status)
+def _error(err: protocol.BadRequest) -> Response:
+    """``err`` as OpenAI's error body, in ASCII JSON: a lone surrogate it quotes from the request (which UTF-8 cannot
+    encode) goes out as its \\u escape."""
+    body = json.dumps(protocol.error_body(str(err), err.field, err.status))
+    return Response(body, status_code=err.status, media_type="application/json")
 
 
 class ServerThread:
