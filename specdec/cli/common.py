@@ -105,6 +105,7 @@ def add_model_args(p: argparse.ArgumentParser, engine: bool = True) -> None:
 
 
 MAX_DEFAULT_THREADS = 8
+MAX_THREADS = 1024  # --threads: torch's thread pool segfaulted (or libgomp aborted) making 10**4 or 10**5 of them
 TARGET_HELP = ("target: smollm2-135m, a Hugging Face checkpoint folder (or its id, once in the local cache) or a "
                ".gguf file")
 
@@ -127,11 +128,13 @@ def device_dtype(args) -> tuple[str, str]:
     Raises UsageError (naming the flag) for a device that does not exist here or a bad thread count."""
     import torch
 
-    from specdec.cli.checks import check_positive, device_and_dtype
+    from specdec.cli.checks import UsageError, check_positive, device_and_dtype
 
     device, dtype = device_and_dtype(args.device, args.dtype)
     threads = getattr(args, "threads", None)
     check_positive("--threads", threads, allow_none=True)
+    if threads is not None and threads > MAX_THREADS:
+        raise UsageError("--threads", f"must be an integer in [1, {MAX_THREADS}], got {threads}")
     if device == "cpu" and (threads is not None or "OMP_NUM_THREADS" not in os.environ):  # (a set OMP_NUM_THREADS wins)
         torch.set_num_threads(cpu_threads(threads))
     return device, dtype
