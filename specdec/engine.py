@@ -183,11 +183,13 @@ class SpecEngine:
 
     def _bounded(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params`` with a number of new tokens: ``max_new_tokens=None`` (vLLM's ``max_tokens=None``) becomes as many
-        as the model's context leaves after the prompt ``ids`` (and the draft tree's lookahead)."""
+        as the model's context leaves after the prompt ``ids`` (and the draft tree's lookahead), or as the KV pool
+        holds for the request if that is fewer."""
         if params.max_new_tokens is not None:
             return params
         room = self.target.config.max_position_embeddings - len(ids) - self.drafter.lookahead
-        return dataclasses.replace(params, max_new_tokens=max(1, room))
+        held = _largest(room, lambda m: self.scheduler.blocks_needed(len(ids), m) <= self.pool.num_blocks)
+        return dataclasses.replace(params, max_new_tokens=max(1, held))
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         cfg = self.target.config

@@ -41,8 +41,8 @@ class SamplingParams:
     ``stop_token_ids`` a sequence of token ids; None (vLLM's default) is none for both. Integers of any integral
     type (numpy included) are stored as int.
     ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back); None, as
-    in vLLM, generates until a stop or the model's context is full (the engine sets the number as the request is
-    queued).
+    in vLLM, generates until a stop or the model's context is full (or the KV pool, if it holds less; the engine sets
+    the number as the request is queued).
     ``min_p`` (0 = off) drops, after temperature, top-k and top-p, the tokens whose probability is below min_p
     times the most probable token's. ``repetition_penalty`` (1 = off) divides the positive raw logits (and
     multiplies the negative ones) of every token in the prompt or the output so far, before temperature; greedy

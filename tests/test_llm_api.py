@@ -104,3 +104,15 @@ def test_max_tokens_none_generates_until_the_context_is_full(tiny_factory):
         llm = LLM(model=target, draft=draft, num_blocks=64, block_size=4)
         out = llm.generate([[5, 6, 7, 8, 9, 10]], SamplingParams(max_tokens=None, ignore_eos=True))[0].outputs[0]
         assert len(out.token_ids) == 48 - 6 - llm.drafter.lookahead and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_max_tokens_none_stops_where_the_pool_is_full(tiny_target, draft):
+    """With a KV pool smaller than the context, ``max_tokens=None`` was refused for every prompt ("needs 33 KV
+    blocks; the pool has 8, which hold at most 125 new tokens ..., got 510": a number the caller never gave). It now
+    runs until the context or the pool is full, whichever comes first."""
+    llm = LLM(model=tiny_target, draft=draft, num_blocks=8, block_size=16)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert out.finish_reason == "length", out.error
+    assert len(out.outputs[0].token_ids) == 8 * 16 - 3 - llm.drafter.lookahead - 1  # the pool holds p + m + la + 1
+    assert llm.all_blocks_free()
