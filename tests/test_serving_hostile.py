@@ -103,6 +103,11 @@ BAD = [
     ("chat", json.dumps(_chat(top_logprobs=False)), 400, "top_logprobs", "not supported"),
     ("completions", json.dumps(_completion(stream_options=[])), 400, "stream_options", "object"),  # was ignored
     ("chat", json.dumps(_chat(stream_options={"include_usage": True})), 400, "stream_options", "'stream': true"),
+    # usage in every chunk (vLLM's) was dropped silently, and any value taken
+    ("completions", json.dumps(_completion(stream=True, stream_options={"continuous_usage_stats": True})), 400,
+     "stream_options", "continuous_usage_stats"),
+    ("chat", json.dumps(_chat(stream=True, stream_options={"continuous_usage_stats": "x"})), 400, "stream_options",
+     "continuous_usage_stats"),
     # checked at every step on the engine's thread: 0.35 s per token of every stream
     ("completions", json.dumps(_completion(stop=[f"#{i}" for i in range(150_000)])), 400, "stop", "at most 128"),
     # a message that is no {role, content} object was a plain-text 500 (KeyError/TypeError reading its role)

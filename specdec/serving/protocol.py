@@ -208,6 +208,9 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
     include = opts.get("include_usage", False)
     if not isinstance(include, bool):
         raise BadRequest("stream_options", "stream_options.include_usage must be a boolean")
+    if not _is_off(opts.get("continuous_usage_stats"), (None, False)):  # vLLM's usage in every chunk
+        raise BadRequest("stream_options", "stream_options.continuous_usage_stats is not supported by this server "
+                                           "(allowed: false); the usage comes in one chunk at the end")
     if opts and not stream:  # (OpenAI and vLLM refuse it too: a non-streamed reply has no chunks to add usage to)
         raise BadRequest("stream_options", "field 'stream_options' is only allowed with 'stream': true")
     return bool(stream), include
