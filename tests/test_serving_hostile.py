@@ -90,6 +90,9 @@ BAD = [
     ("chat", json.dumps(_chat(max_completion_tokens=10**6, max_tokens=None)), 400, "max_completion_tokens",
      "max length"),
     ("completions", json.dumps(_completion(user=5)), 400, "user", "string"),
+    # a model that is no string was a 404 ("model ['tiny'] is not served here")
+    ("completions", json.dumps(_completion(model=[MODEL])), 400, "model", "string"),
+    ("chat", json.dumps(_chat(model={"id": MODEL})), 400, "model", "string"),
     # the error quoting a lone surrogate (not UTF-8) failed to render: a 500 and a traceback in the log
     ("completions", json.dumps(_completion(**{"\ud800": 1})), 400, "\ud800", "unknown field"),
     ("chat", json.dumps(_chat(user={"id": 1})), 400, "user", "string"),

@@ -126,6 +126,8 @@ def _check_fields(body: Any, allowed: set[str], model: str) -> None:
                                       f"{[v for v in _OFF_VALUES[key] if v is not None] or 'null'})")
         elif key not in allowed:
             raise BadRequest(key, f"unknown field '{key}'; allowed fields: {sorted(allowed)}")
+    if not isinstance(body.get("model"), (str, type(None))):
+        raise BadRequest("model", f"field 'model' must be a string, got {_short(body['model'])}")
     if body.get("model") not in (None, model):
         raise BadRequest("model", f"model {body.get('model')!r} is not served here; this server serves {model!r}",
                          status=404)
