@@ -182,12 +182,15 @@ class SpecEngine:
         return ids
 
     def _bounded(self, ids: list[int], params: SamplingParams) -> SamplingParams:
-        """``params`` with a number of new tokens: ``max_new_tokens=None`` (vLLM's ``max_tokens=None``) becomes as many
-        as the model's context leaves after the prompt ``ids`` (and the draft tree's lookahead), or as the KV pool
-        holds for the request if that is fewer."""
-        if params.max_new_tokens is not None:
+        """``params`` with a number of new tokens: ``max_new_tokens=None`` (vLLM's ``max_tokens=None``) becomes the
+        room the prompt ``ids`` leaves: as many as the model's context leaves after it (and the draft tree's
+        lookahead), or as the KV pool holds for the request if that is fewer; with ``fit_max_new_tokens``, a
+        ``max_new_tokens`` over that room becomes the room."""
+        if params.max_new_tokens is not None and not params.fit_max_new_tokens:
             return params
         room = self.target.config.max_position_embeddings - len(ids) - self.drafter.lookahead
+        if params.max_new_tokens is not None:
+            room = min(room, params.max_new_tokens)
         held = _largest(room, lambda m: self.scheduler.blocks_needed(len(ids), m) <= self.pool.num_blocks)
         return dataclasses.replace(params, max_new_tokens=max(1, held))
 

@@ -42,7 +42,9 @@ class SamplingParams:
     type (numpy included) are stored as int.
     ``max_tokens`` is vLLM's name of ``max_new_tokens``: give either (``params.max_tokens`` reads it back); None, as
     in vLLM, generates until a stop or the model's context is full (or the KV pool, if it holds less; the engine sets
-    the number as the request is queued).
+    the number as the request is queued). ``fit_max_new_tokens`` makes ``max_new_tokens`` a ceiling rather than a
+    demand: a prompt that leaves less room (the context after the prompt and the draft's lookahead, or the KV pool)
+    gets that room instead of a refusal (a server's default for a request that set no max_tokens, as vLLM's).
     ``min_p`` (0 = off) drops, after temperature, top-k and top-p, the tokens whose probability is below min_p
     times the most probable token's. ``repetition_penalty`` (1 = off) divides the positive raw logits (and
     multiplies the negative ones) of every token in the prompt or the output so far, before temperature; greedy
@@ -66,6 +68,7 @@ class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    fit_max_new_tokens: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -87,6 +90,8 @@ class SamplingParams:
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         set_(self, "_stop_id_set", frozenset(self.stop_token_ids))  # (not a field: equality and repr ignore it)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
+        _check(isinstance(self.fit_max_new_tokens, bool), "fit_max_new_tokens", "must be a bool",
+               self.fit_max_new_tokens)
         set_(self, "min_p", _real(self.min_p, "min_p", "must be a number in [0, 1] (0 = off)", lambda p: 0 <= p <= 1))
         lo, hi = REPETITION_PENALTY_RANGE
         rule = f"must be a number > 0 (1 = off) in [{lo:g}, {hi:g}]"

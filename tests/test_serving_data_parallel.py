@@ -167,3 +167,12 @@ def test_router_balances_and_keeps_prefix_affinity():
     router.finish(b)
     router.finish(b)  # once only
     assert router.tokens[1] == before[1] - 15 and router.requests[1] == 3
+
+
+def test_dp_unset_max_tokens_shrinks_to_the_room_left(dp_server):
+    """A request that set no max_tokens and whose prompt leaves less room than the default 16 gets the room left
+    (512 positions less the prompt and the 4-token lookahead), as with one engine, not a 400 naming max_tokens."""
+    with httpx.Client(timeout=60) as http:
+        r = http.post(f"{dp_server[0]}/v1/completions", json={"model": MODEL, "prompt": [5] * 500, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 512 - 4 - 500

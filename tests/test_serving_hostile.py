@@ -297,3 +297,31 @@ def test_a_prompt_the_pool_cannot_hold_is_refused_for_its_length(small_pool):
         assert f"at most {longest - 20 + 1} new tokens" in r.json()["error"]["message"]
         chat = post("chat", _chat(max_tokens=None, max_completion_tokens=200))
         assert (chat.status_code, chat.json()["error"]["param"]) == (400, "max_completion_tokens"), chat.text
+
+
+def test_an_unset_max_tokens_is_the_default_or_the_room_the_prompt_leaves(server, small_pool):
+    """A request that set no max_tokens, with a prompt leaving less room than the endpoint's default (chat 256,
+    completions 16), was a 400 blaming a max_tokens "got 256" it never sent; as in vLLM it now gets the room left
+    (the 512-position context less the 3-token lookahead, or what the KV pool holds). A max_tokens it sent that does
+    not fit is still a 400 naming max_tokens; a prompt leaving no room, one naming the prompt."""
+    (url, _, _), (pool_url, longest) = server, small_pool
+    with httpx.Client(timeout=60) as http:
+        def post(base: str, path: str, body: dict) -> httpx.Response:
+            return http.post(f"{base}/v1/{PATHS[path]}", json={"model": MODEL, "ignore_eos": True, **body})
+
+        def generated(r: httpx.Response) -> tuple[int, int, str]:
+            assert r.status_code == 200, r.text
+            usage, choice = r.json()["usage"], r.json()["choices"][0]
+            return usage["prompt_tokens"], usage["completion_tokens"], choice["finish_reason"]
+
+        assert generated(post(url, "completions", {"prompt": [5] * 500})) == (500, 512 - 3 - 500, "length")
+        assert generated(post(url, "completions", {"prompt": [5] * 20})) == (20, 16, "length")
+        prompt, out, reason = generated(post(url, "chat", {"messages": [{"role": "user", "content": "a" * 400}]}))
+        assert prompt > 400 and (out, reason) == (512 - 3 - prompt, "length")
+        prompt, out, _ = generated(post(pool_url, "chat", {"messages": GOOD_CHAT}))
+        assert out == longest + 1 - prompt < 256
+        sent = post(url, "completions", {"prompt": [5] * 500, "max_tokens": 16})
+        assert (sent.status_code, sent.json()["error"]["param"]) == (400, "max_tokens"), sent.text
+        full = post(url, "completions", {"prompt": [5] * 509})
+        assert (full.status_code, full.json()["error"]["param"]) == (400, "prompt"), full.text
+        assert "prompt has 509 tokens" in full.json()["error"]["message"]

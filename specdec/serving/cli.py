@@ -45,7 +45,8 @@ def add_serve_parsers(sub, add_model_args) -> None:
                    help="KV admission: admit only what can finish, or greedily with preemption by recompute")
     s.add_argument("--no-prefix-cache", action="store_true", help="turn off prefix reuse across requests")
     s.add_argument("--default-max-tokens", type=int, default=256,
-                   help="max_tokens of a chat request that sets none (completions: 16, as OpenAI)")
+                   help="max_tokens of a chat request that sets none (completions: 16, as OpenAI), lowered "
+                        "to the room its prompt leaves")
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse (413) request bodies longer than this, before parsing them (default: 2 MiB)")
     s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None,

@@ -180,9 +180,10 @@ def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_to
     given = {name: body[name] for name in _SAMPLING_FIELDS if name != "max_tokens" and body.get(name) is not None}
     if body.get(max_tokens_field) is not None:
         given["max_tokens"] = body[max_tokens_field]
+    else:  # the default, as vLLM's: the engine lowers it to the room the prompt leaves
+        given.update(max_tokens=default_max_tokens, fit_max_new_tokens=True)
     try:
-        return SamplingParams(**{"temperature": 1.0, "max_tokens": default_max_tokens, **given},
-                              stop=_stop(body.get("stop")))
+        return SamplingParams(**{"temperature": 1.0, **given}, stop=_stop(body.get("stop")))
     except FieldError as err:
         name = max_tokens_field if err.field in ("max_new_tokens", "max_tokens") else err.field
         raise BadRequest(name, f"field '{name}': {err}") from None
