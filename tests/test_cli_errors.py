@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cli_helpers import refuse_model_loads, run_cli
+from serving_helpers import with_tokenizer
 
 from specdec.cli import main
 
@@ -73,6 +74,17 @@ def test_generate_with_token_level_errors_still_exits_2(capsys, tiny_llama_dir):
     err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(tiny_llama_dir), "--draft", "none",
                            "--device", "cpu"])
     assert "tokenizer" in err
+
+
+@pytest.mark.parametrize("n", ["1", "2"])
+def test_max_new_tokens_beyond_the_context_names_the_flag(capsys, tiny_dirs, tmp_path, n):
+    """Was ``error: SamplingParams.max_new_tokens with a 2-token prompt exceeds ...``: the request's field, not the
+    flag that set it (streamed, and --n 2's samples printed at the end)."""
+    model = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
+    err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(model), "--draft", "none", "--device", "cpu",
+                           "--max-new-tokens", "100000", "--n", n])
+    assert err.startswith("error: --max-new-tokens: ") and "max length 512" in err, err
+    assert len(err.splitlines()) == 1, err
 
 
 def test_pipeline_and_adaptive_flags_reach_the_engine_config(monkeypatch):

@@ -33,7 +33,15 @@ def build(cls, **kwargs):
     try:
         return cls(**kwargs)
     except FieldError as err:
-        raise UsageError(FIELD_FLAGS.get(err.field, f"--{err.field.replace('_', '-')}"), str(err)) from None
+        raise flag_error(err) from None
+
+
+def flag_error(err: Exception) -> Exception:
+    """``err`` as the command line reports it: a FieldError (a field the arguments set, checked at construction or
+    by the engine against the prompt) becomes a UsageError naming its flag; anything else is itself."""
+    if not isinstance(err, FieldError):
+        return err
+    return UsageError(FIELD_FLAGS.get(err.field, f"--{err.field.replace('_', '-')}"), str(err))
 
 
 def device_and_dtype(device: str | None, dtype: str | None) -> tuple[str, str]:

@@ -95,8 +95,7 @@ def _stream(engine, prompt, params):
     try:
         for out in engine.stream(prompt, params):
             if out.error is not None:
-                print(f"error: {out.error}", file=sys.stderr)
-                return 2, None
+                return _request_failed(out.error), None
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
             final, tokens = out, len(out.token_ids)
@@ -107,6 +106,14 @@ def _stream(engine, prompt, params):
         return 130, None
     sys.stdout.write("\n")
     return 0, final
+
+
+def _request_failed(err: Exception) -> int:
+    """Print the request's error on one line (a field the flags set names its flag); the exit status, 2."""
+    from specdec.cli.checks import flag_error
+
+    print(f"error: {flag_error(err)}", file=sys.stderr)
+    return 2
 
 
 EARLY_EOS_TOKENS = 3  # an output ended by EOS within this many tokens counts as "ended at once"
@@ -126,8 +133,7 @@ def chat_hint(final, args, tokenizer) -> str | None:
 def _print_samples(out, engine, stats: bool) -> int:
     """``--n`` > 1: each sample's text after a ``[sample i]`` line, once all are done."""
     if out.error is not None:
-        print(f"error: {out.error}", file=sys.stderr)
-        return 2
+        return _request_failed(out.error)
     for c in out.outputs:
         print(f"[sample {c.index}]\n{c.text}")
     if stats:
