@@ -184,23 +184,42 @@ def test_ctrl_c_keeps_the_text_and_ends_quietly(capsys, scripted, monkeypatch):
     assert capsys.readouterr().err == "\n[interrupted]\n"
 
 
+class FailingStdout:
+    """A stdout whose every write raises ``error`` (a closed pipe, a full disk)."""
+
+    def __init__(self, error: OSError) -> None:
+        self.error = error
+
+    def write(self, text):
+        raise self.error
+
+    def flush(self):
+        pass
+
+
 def test_closed_pipe_ends_quietly(capsys, scripted, monkeypatch):
     """Was a BrokenPipeError traceback and exit 1 under ``| head -c 40``."""
     import sys
 
     from specdec.cli import main
 
-    class ClosedPipe:
-        def write(self, text):
-            raise BrokenPipeError(32, "Broken pipe")
-
-        def flush(self):
-            pass
-
     argv = scripted(ScriptedEngine(["Once", " upon"]))
-    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    monkeypatch.setattr(sys, "stdout", FailingStdout(BrokenPipeError(32, "Broken pipe")))
     assert main([*argv, "--prompt", "hi"]) == 141
     assert capsys.readouterr().err == ""
+
+
+def test_a_full_disk_ends_with_one_line(capsys, scripted, monkeypatch):
+    """Was an OSError traceback under ``> /dev/full``: now one line and exit 1, as coreutils end."""
+    import errno
+    import sys
+
+    from specdec.cli import main
+
+    argv = scripted(ScriptedEngine(["Once", " upon"]))
+    monkeypatch.setattr(sys, "stdout", FailingStdout(OSError(errno.ENOSPC, "No space left on device")))
+    assert main([*argv, "--prompt", "hi"]) == 1
+    assert capsys.readouterr().err == "error: writing the output failed: [Errno 28] No space left on device\n"
 
 
 def _tiny_with_tokenizer(tiny_dirs, tmp_path) -> str:
@@ -234,6 +253,23 @@ def test_ctrl_c_and_a_closed_pipe_in_a_real_process(tiny_dirs, tmp_path, monkeyp
         else:
             proc.stdout.close()
             assert rc == 130 and err.startswith("[interrupted after ") and "Traceback" not in err, (rc, err)
+
+
+@pytest.mark.parametrize("stdout,n,cause", [("> /dev/full", "2", "[Errno 28] No space left on device"),
+                                            (">&-", "1", "[Errno 9] stdout is closed")])
+def test_a_full_or_closed_stdout_in_a_real_process(tiny_dirs, tmp_path, monkeypatch, stdout, n, cause):
+    """A full stdout was an OSError traceback (exit 1), a closed one an AttributeError traceback (sys.stdout None):
+    both now end with one line and exit 1, streamed or (--n 2) printed at the end into stdout's buffer, which the
+    interpreter flushed at exit."""
+    import subprocess
+    import sys
+
+    model = _tiny_with_tokenizer(tiny_dirs, tmp_path)
+    monkeypatch.chdir(tmp_path)  # (a fresh interpreter never starts in the checkout: its kernels/ shadows PyPI's)
+    argv = [sys.executable, "-m", "specdec.cli", "generate", "--model", model, "--draft", "none", "--device", "cpu",
+            "--prompt", "hello", "--ignore-eos", "--max-new-tokens", "8", "--n", n]
+    done = subprocess.run(["sh", "-c", f'exec "$@" {stdout}', "sh", *argv], stderr=subprocess.PIPE, timeout=120)
+    assert (done.returncode, done.stderr.decode()) == (1, f"error: writing the output failed: {cause}\n")
 
 
 def test_raw_prompt_to_a_chat_model_that_ends_at_once_gets_a_hint(capsys, scripted):

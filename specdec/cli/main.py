@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import io
 import os
 import sys
 from functools import partial
@@ -233,7 +235,9 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a user error (bad argument, missing or unreadable model or file) prints
     ``error: <message>`` and returns 2, only an internal error shows a traceback. Ctrl-C returns 130 after a
-    one-line note; stdout's reader going away (``| head``) returns 141 silently, as for a tool killed by SIGPIPE."""
+    one-line note; stdout's reader going away (``| head``) returns 141 silently, as for a tool killed by SIGPIPE;
+    output that cannot be written (``> /dev/full``, ``>&-``) prints ``error: writing the output failed: ...`` and
+    returns 1, as coreutils do."""
     try:
         from specdec.loading.errors import ModelNotFoundError
 
@@ -244,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\n[interrupted]", file=sys.stderr)
         return 130
     args.argv = given  # what tensor-parallel ranks run again
+    if sys.stdout is None and args.command != "serve":  # started with stdout closed (``>&-``): Python leaves it
+        sys.stdout = _ClosedStdout()  # None and print drops the output (serve's log, sent there, goes to stderr)
     try:
-        return args.func(args)
+        code = args.func(args)
+        if sys.stdout is not None:  # (output still buffered fails here, not in the interpreter's flush at exit)
+            sys.stdout.flush()
+        return code
     except (ValueError, ModelNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -255,6 +264,26 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _discard_stdout()
         return 141
+    except OSError as err:
+        if err.errno not in WRITE_ERRNOS or err.filename is not None:  # (not a write: opening a file names it)
+            raise
+        _discard_stdout()
+        print(f"error: writing the output failed: {err}", file=sys.stderr)
+        return 1
+
+
+# a write to a stream that cannot take it: a full disk or quota, a file too large, an I/O error, a closed descriptor
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EBADF)
+
+
+class _ClosedStdout(io.TextIOBase):
+    """``sys.stdout`` of a command started with it closed: a write raises the OSError of a closed descriptor."""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
 
 
 def _discard_stdout() -> None:
