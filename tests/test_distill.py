@@ -20,8 +20,8 @@ from specdec.loading.draft_layers import target_layer_map
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.loading.registry import LoadedModel, build_model, load_model
 from specdec.sampling_params import SamplingParams
+from specdec.training.configs import DistillConfig
 from specdec.training.dense_attention import dense_hidden
-from specdec.training.distill import DistillConfig
 from specdec.training.distill_data import describe_source, load_train_prompts, prompt_token_ids
 from specdec.training.training import batch_indices, lr_at
 

@@ -22,11 +22,12 @@ from specdec.engine import SpecEngine
 from specdec.loading.registry import load_model
 from specdec.models.eagle import EagleShape, eagle_from_target
 from specdec.sampling_params import SamplingParams
+from specdec.training.configs import LR, WARM_LR, EagleTrainConfig
 from specdec.training.eagle_data import load_token_file
 from specdec.training.eagle_distill import draft_vocabulary
 from specdec.training.eagle_measure import better_everywhere
 from specdec.training.eagle_regen import RegenConfig, assistant_runs, eos_ids, prompt_token_file, regenerate_token_file
-from specdec.training.eagle_train import LR, WARM_LR, EagleTrainConfig, evaluate, split_docs
+from specdec.training.eagle_train import evaluate, split_docs
 from specdec.training.eagle_unroll import LossMix, TeacherOut, unrolled_loss
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -23,9 +23,10 @@ from specdec.loading.registry import LoadedModel, build_model, load_model
 from specdec.models.eagle import EagleDraft, EagleShape, default_aux_layers, eagle_from_target
 from specdec.models.llama import ForwardContext
 from specdec.sampling_params import SamplingParams
+from specdec.training.configs import EagleTrainConfig
 from specdec.training.dense_attention import DenseBatch, DenseCausalBackend
 from specdec.training.eagle_data import build_token_file, conversation_messages, coverage, load_token_file, top_vocab
-from specdec.training.eagle_train import ROW_MULTIPLE, EagleTrainConfig, batch_docs, padded_length
+from specdec.training.eagle_train import ROW_MULTIPLE, batch_docs, padded_length
 from specdec.training.eagle_unroll import unrolled_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")

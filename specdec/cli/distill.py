@@ -8,8 +8,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from specdec.cli.common import DISTILL_HELP, device_dtype
-from specdec.loading.base import DTYPES
-from specdec.training.distill import DistillConfig, distill, summary_line
+from specdec.defaults import DTYPE_NAMES
+from specdec.training.configs import DRAFT_VOCAB, LR, WARM_LR, DistillConfig, EagleTrainConfig
 
 LAYER_ONLY = ("layers", "init_layers", "data", "num_prompts", "val_prompts", "response_tokens", "max_prompt_tokens",
               "temperature", "gen_batch_size", "batch_size", "write_prompts")
@@ -27,8 +27,6 @@ SHARED = {"max_turns": ("prompts_only", "regenerate"), "top_p": ("regenerate", "
 
 def add_distill_parser(sub, add_model_args) -> None:
     """Register ``specdec distill`` on the CLI's subparsers (options left unset take the kind's defaults)."""
-    from specdec.training.eagle_train import DRAFT_VOCAB, LR, WARM_LR
-
     p = sub.add_parser("distill", help=DISTILL_HELP)
     add = p.add_argument
     add("--kind", default="layers", choices=["layers", "eagle"],
@@ -128,7 +126,7 @@ def add_distill_parser(sub, add_model_args) -> None:
     add("--stop-after", type=int, default=None, help="stop after this step (checkpointed; default: none)")
     add("--seed", type=int, default=None, help="seed of the initialisation and the data order")
     add("--resume", action="store_true", help="continue from OUT/ckpt.pt (and OUT/data.pt)")
-    add("--save-dtype", default=None, choices=sorted(DTYPES), help="dtype of the stored weights")
+    add("--save-dtype", default=None, choices=sorted(DTYPE_NAMES), help="dtype of the stored weights")
     add("--write-prompts", default=None, metavar="PATH.jsonl",
         help="[layers] only write the training prompts (--data, --num-prompts) to a JSONL file and exit "
              "(default: none, train a draft)")
@@ -139,8 +137,6 @@ def add_distill_parser(sub, add_model_args) -> None:
 
 def _show_kind_defaults(p: argparse.ArgumentParser) -> None:
     """Each option left at None takes its --kind's config default; its help says which (``--help`` shows them)."""
-    from specdec.training.eagle_train import EagleTrainConfig
-
     configs = {kind: {f.name: f.default for f in fields(cls) if f.default is not MISSING}
                for kind, cls in (("layers", DistillConfig), ("eagle", EagleTrainConfig))}
     for action in p._actions:
@@ -196,12 +192,13 @@ def cmd_distill(args) -> int:
     if args.kind == "eagle":
         from specdec.training.eagle_distill import distill_eagle
         from specdec.training.eagle_distill import summary_line as eagle_summary
-        from specdec.training.eagle_train import EagleTrainConfig
 
         if not args.tokens:
             raise ValueError("distill --kind eagle needs --tokens FILE.npz (write one with --write-tokens)")
         print(eagle_summary(distill_eagle(EagleTrainConfig(**_options(args, EagleTrainConfig, device, dtype)))))
         return 0
+    from specdec.training.distill import distill, summary_line
+
     print(summary_line(distill(DistillConfig(**_options(args, DistillConfig, device, dtype)))))
     return 0
 

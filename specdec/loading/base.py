@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from specdec.config import ModelConfig
+from specdec.defaults import DTYPE_NAMES
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.models.llama import LlamaForCausalLM
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # other spellings of them, as vLLM's --dtype and common shorthands take
 DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "bf16": "bfloat16"}
 

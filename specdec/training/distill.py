@@ -20,65 +20,11 @@ from pathlib import Path
 import torch
 
 from specdec.loading.base import DTYPES, LoadedModel
-from specdec.training.distill_data import DataSpec, DistillData
-from specdec.training.schedule import RunOptions, check_counts, check_optimizer_fields
+from specdec.training.configs import DistillConfig
+from specdec.training.distill_data import DistillData
 from specdec.training.training import TrainState
 
 TRAINING_FILES = ("data.pt", "ckpt.pt")  # in OUT next to the draft, but not part of it
-
-
-@dataclass(frozen=True)
-class DistillConfig(RunOptions):
-    """Options of one run (``specdec distill --help`` explains each); validated at construction."""
-
-    out: str
-    target: str = "smollm2-135m"
-    layers: int = 2
-    init_layers: tuple[int, ...] | None = None
-    data: str = "sharegpt"
-    num_prompts: int = 4000
-    val_prompts: int | None = None
-    response_tokens: int = 128
-    max_prompt_tokens: int = 256
-    temperature: float = 0.0
-    gen_batch_size: int = 128
-    steps: int = 3000
-    batch_size: int = 32
-    lr: float = 5e-4
-    warmup_steps: int | None = None  # None: min(100, steps // 10)
-    ckpt_every: int = 500
-
-    def __post_init__(self) -> None:
-        check_counts(self, _require, ("layers", "num_prompts", "response_tokens", "max_prompt_tokens",
-                                      "gen_batch_size", "steps", "batch_size", "ckpt_every"))
-        if self.init_layers is not None:
-            object.__setattr__(self, "init_layers", tuple(self.init_layers))
-        _require(self.init_layers is None or len(self.init_layers) == self.layers, "init_layers",
-                 f"None or {self.layers} target layer indices (one per draft layer)", self.init_layers)
-        _require(isinstance(self.out, str) and self.out != "", "out", "a folder path", self.out)
-        _require(self.data == "sharegpt" or self.data.endswith(".jsonl"), "data",
-                 "'sharegpt' or a path to a .jsonl prompt file", self.data)
-        _require(self.val_prompts is None or 0 <= self.val_prompts < self.num_prompts, "val_prompts",
-                 f"None (auto) or in [0, num_prompts={self.num_prompts})", self.val_prompts)
-        _require(self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)", self.temperature)
-        check_optimizer_fields(self, _require)
-        _require(self.dtype in DTYPES, "dtype", f"one of {sorted(DTYPES)}", self.dtype)
-        _require(self.save_dtype in DTYPES, "save_dtype", f"one of {sorted(DTYPES)}", self.save_dtype)
-
-    @property
-    def num_val(self) -> int:
-        """Prompts held out for the validation KL: ``val_prompts``, or min(64, num_prompts // 10)."""
-        return min(64, self.num_prompts // 10) if self.val_prompts is None else self.val_prompts
-
-    @property
-    def data_spec(self) -> DataSpec:
-        return DataSpec(self.target, self.data, self.num_prompts, self.response_tokens,
-                        self.max_prompt_tokens, float(self.temperature), self.seed, self.dtype)
-
-
-def _require(ok: bool, name: str, rule: str, value) -> None:
-    if not ok:
-        raise ValueError(f"DistillConfig.{name} must be {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)

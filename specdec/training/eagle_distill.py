@@ -10,8 +10,9 @@ import numpy as np
 import torch
 
 from specdec.loading.registry import DTYPES
+from specdec.training.configs import EagleTrainConfig
 from specdec.training.eagle_data import TokenFile, coverage, load_token_files, top_vocab
-from specdec.training.eagle_train import EagleState, EagleTrainConfig, config_record, evaluate, split_docs, train
+from specdec.training.eagle_train import EagleState, config_record, evaluate, split_docs, train
 
 COVERAGE_SIZES = (4096, 8192, 16384, 24576, 32768)
 RUN_ONLY = ("out", "resume", "tokens", "run_seconds", "stop_after")  # options that do not shape the draft

@@ -23,86 +23,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.training.configs import EagleTrainConfig
 from specdec.training.eagle_data import TokenFile
-from specdec.training.schedule import (
-    RunOptions,
-    check_counts,
-    check_optimizer_fields,
-    report_losses,
-    warmup_cosine,
-)
+from specdec.training.schedule import report_losses, warmup_cosine
 
 PROBE_STEPS = 20  # steps a run times before a time budget first plans the step count
 REPLAN_UNTIL = 0.25  # the step count is planned again at doubling intervals until this fraction of the budget is spent
 LOG_EVERY = 10
-DRAFT_VOCAB = 24576  # the most frequent target tokens; ~98% of held-out ShareGPT assistant tokens
-LR = 1e-3  # peak learning rate of a fresh draft
-WARM_LR = 3e-4  # of a warm start: a trained draft's weights survive the first steps of a new loss and data
 MUST_MATCH = ("target", "tokens", "init_from", "draft_vocab", "aux_layers", "unroll", "step_decay", "max_len",
               "batch_tokens", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "grad_clip", "seed", "val_docs",
               "loss_on", "loss_temperature", "sampled_weight")
-
-
-@dataclass(frozen=True)
-class EagleTrainConfig(RunOptions):
-    """Options of one eagle-draft run (``specdec distill --help``); validated at construction."""
-
-    out: str
-    tokens: str
-    target: str = "smollm2-135m"
-    target_name: str | None = None  # the target the folder names (default: target, a path resolved)
-    init_from: str | None = None  # a trained eagle draft (folder or registered name) to start from
-    draft_vocab: int | None = None  # default DRAFT_VOCAB, or init_from's
-    aux_layers: tuple[int, ...] | None = None  # default low, middle, high, or init_from's
-    unroll: int = 3
-    step_decay: float = 0.8
-    max_len: int = 1024
-    batch_tokens: int = 16384
-    steps: int = 2000
-    time_budget: float | None = None
-    run_seconds: float | None = None
-    loss_temperature: float = 0.7
-    sampled_weight: float = 0.0
-    lr: float | None = None  # default LR, or WARM_LR with init_from
-    warmup_steps: int | None = None
-    ckpt_every: int = 200
-    val_docs: int = 32
-    loss_on: str = "assistant"
-
-    def __post_init__(self) -> None:
-        if self.draft_vocab is None and self.init_from is None:
-            object.__setattr__(self, "draft_vocab", DRAFT_VOCAB)
-        if self.lr is None:
-            object.__setattr__(self, "lr", LR if self.init_from is None else WARM_LR)
-        check_counts(self, _require, ("unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
-        _require(self.draft_vocab is None or isinstance(self.draft_vocab, int) and self.draft_vocab >= 1,
-                 "draft_vocab", "an int >= 1 (None: init_from's)", self.draft_vocab)
-        _require(self.init_from is None or isinstance(self.init_from, str) and self.init_from.strip() != "",
-                 "init_from", "None or a draft folder or registered draft name", self.init_from)
-        if self.aux_layers is not None:
-            object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
-        _require(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}", self.batch_tokens)
-        _require(0 < self.step_decay <= 1, "step_decay", "in (0, 1]", self.step_decay)
-        _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
-                 self.time_budget)
-        _require(self.run_seconds is None or self.run_seconds > 0, "run_seconds", "None or seconds > 0",
-                 self.run_seconds)
-        _require(self.loss_temperature > 0, "loss_temperature", "a number > 0", self.loss_temperature)
-        _require(0 <= self.sampled_weight <= 1, "sampled_weight", "in [0, 1]", self.sampled_weight)
-        check_optimizer_fields(self, _require)
-        _require(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
-        _require(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
-
-    @property
-    def mix(self):
-        from specdec.training.eagle_unroll import LossMix
-
-        return LossMix(self.loss_temperature, self.sampled_weight)
-
-
-def _require(ok: bool, name: str, rule: str, value) -> None:
-    if not ok:
-        raise ValueError(f"EagleTrainConfig.{name} must be {rule}, got {value!r}")
 
 
 @dataclass

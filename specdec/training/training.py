@@ -24,7 +24,7 @@ from specdec.training.distill_data import DistillData, atomic_save
 from specdec.training.schedule import report_losses, warmup_cosine
 
 if TYPE_CHECKING:
-    from specdec.training.distill import DistillConfig
+    from specdec.training.configs import DistillConfig
 
 LOG_EVERY = 10  # steps between progress-bar loss updates (each one syncs the device)
 MUST_MATCH = ("target", "layers", "init_layers", "data", "num_prompts", "response_tokens",
