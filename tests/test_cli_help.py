@@ -134,9 +134,3 @@ def test_help_does_not_import_torch(argv):
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
     assert done.stderr.strip().splitlines()[-1] == "False", done.stderr
     assert "specdec" in done.stdout
-
-
-def test_distill_is_listed_when_not_built():
-    parser = build_parser(distill=False)
-    assert "distill" in parser.commands and parser.commands["distill"].format_help().count("--kind") == 0
-    assert "--kind" in build_parser().commands["distill"].format_help()

@@ -13,7 +13,6 @@ import sys
 from functools import partial
 
 from specdec.cli.common import (
-    DISTILL_HELP,
     CommandParser,
     DefaultsHelpFormatter,
     OneLineErrors,
@@ -161,11 +160,10 @@ def sampled_speed_note(device: str, temperature: float, draft: str) -> str | Non
     return None
 
 
-def build_parser(distill: bool = True) -> argparse.ArgumentParser:
-    """The ``specdec`` parser. ``distill`` False: ``distill`` is only named (with its help line), not built: its
-    options come from the training code, which imports torch, and a command that is not ``distill`` (or
-    ``--help``) needs none of them."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``specdec`` parser (torch is imported by the commands, not by their options)."""
     from specdec.cli.bench import PIPELINE_CHOICES, PIPELINE_HELP, TREE_HELP, add_bench_parser
+    from specdec.cli.distill import add_distill_parser
     from specdec.cli.parallel import add_parallel_args
 
     parser = CommandParser(prog="specdec", description="Lossless speculative decoding engine")
@@ -209,16 +207,7 @@ def build_parser(distill: bool = True) -> argparse.ArgumentParser:
 
     add_bench_parser(sub, _add_model_args)
     add_serve_parsers(sub, _add_model_args)
-    add_distill = None
-    if distill:
-        try:
-            from specdec.cli.distill import add_distill_parser as add_distill
-        except ImportError:  # (no training code)
-            pass
-    if add_distill is None:  # named only
-        sub.add_parser("distill", help=DISTILL_HELP)
-    else:
-        add_distill(sub, _add_model_args)
+    add_distill_parser(sub, _add_model_args)
     parser.commands = dict(sub.choices)
     return parser
 
@@ -242,8 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         from specdec.loading.errors import ModelNotFoundError
 
         given = list(sys.argv[1:] if argv is None else argv)
-        command = next((a for a in given if not a.startswith("-")), None)
-        args = build_parser(distill=command == "distill").parse_args(given)  # (a Ctrl-C may land here too)
+        args = build_parser().parse_args(given)  # (a Ctrl-C may land here too)
     except KeyboardInterrupt:
         print("\n[interrupted]", file=sys.stderr)
         return 130
