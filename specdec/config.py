@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a model runs and stores in (loading.base.DTYPES)
 
 
 @dataclass(frozen=True)

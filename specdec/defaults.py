@@ -19,7 +19,6 @@ CPU_DRAFT_TREE = "chain:4"
 # process (bench's speculative and target-only ones) fit side by side
 GPU_MEMORY_UTILIZATION = 0.4
 MAX_NUM_TOKENS = 2048  # prompt tokens prefilled in a step (SpecConfig.max_num_tokens, --max-num-batched-tokens)
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a model runs and stores in (loading.base.DTYPES)
 
 
 def default_draft(target: str = DEFAULT_TARGET, device: str = "cpu") -> str:

@@ -8,7 +8,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 from specdec.cli.common import DISTILL_HELP, device_dtype
-from specdec.defaults import DTYPE_NAMES
+from specdec.config import DTYPE_NAMES
 from specdec.training.configs import DRAFT_VOCAB, LR, WARM_LR, DistillConfig, EagleTrainConfig
 
 LAYER_ONLY = ("layers", "init_layers", "data", "num_prompts", "val_prompts", "response_tokens", "max_prompt_tokens",

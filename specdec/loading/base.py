@@ -12,8 +12,7 @@ from typing import Any
 
 import torch
 
-from specdec.config import ModelConfig
-from specdec.defaults import DTYPE_NAMES
+from specdec.config import DTYPE_NAMES, ModelConfig
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
 from specdec.models.llama import LlamaForCausalLM
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from specdec.defaults import DTYPE_NAMES
+from specdec.config import DTYPE_NAMES
 
 if TYPE_CHECKING:
     from specdec.training.distill_data import DataSpec
