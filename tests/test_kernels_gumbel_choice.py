@@ -440,7 +440,11 @@ def _rough_and_exact(key0, key1, position, n):
 def test_rough_noise_is_within_its_bound_of_the_exact_noise():
     key0, key1, position = _keys(6, 7)
     rough, exact = _rough_and_exact(key0, key1, position, 1 << 15)
-    assert torch.equal(exact.cpu(), gumbel_noise(key0, key1, position, torch.arange(1 << 15, device=DEVICE)).cpu())
+    reference = gumbel_noise(key0, key1, position, torch.arange(1 << 15, device=DEVICE))
+    if DEVICE == "cuda":  # the kernel's float64 logs are torch's (libdevice): the same noise to the bit
+        assert torch.equal(exact, reference)
+    else:  # the interpreter's logs are numpy's, whose SIMD float64 log (AVX-512 hosts) may round one ulp off torch's
+        torch.testing.assert_close(exact, reference, rtol=2.0**-50, atol=2.0**-50)
     flagged = torch.isinf(rough)
     assert (rough[flagged] > 0).all()  # a flagged column is +inf: always scored exactly
     assert flagged.float().mean() < 1e-4  # (the uniform within 2**-20 of 0 or 1: ~2e-6 of the columns)
