@@ -145,6 +145,9 @@ class SpecEngine:
         if params.n != 1:
             raise FieldError("SamplingParams", "n", "must be 1 for add_request, which queues one sample (generate "
                              "and stream run n > 1 as n requests: sampling_params.sample_requests)", params.n)
+        if request_id is not None and any(r.request_id == request_id
+                                          for r in (*self.scheduler.waiting, *self.scheduler.running)):
+            raise ValueError(f"request_id {request_id!r} is already in use by a request that has not finished")
         return self._queue(ids, params, request_id, self._prompt_text(prompt, ids))
 
     def _queue(self, ids: list[int], params: SamplingParams, request_id: str | None,

@@ -138,6 +138,20 @@ def test_add_request_rejects_wrong_params_type(engine):
     assert not engine.scheduler.has_work
 
 
+def test_add_request_refuses_a_live_request_id(engine):
+    first = engine.add_request(GOOD[0], PARAMS, request_id="mine")
+    with pytest.raises(ValueError, match="'mine' is already in use"):
+        engine.add_request(GOOD[1], PARAMS, request_id="mine")
+    assert engine.scheduler.waiting == [first]  # the second was not queued
+    while engine.scheduler.has_work:
+        engine.step()
+    assert first.finished and engine.all_blocks_free()
+    again = engine.add_request(GOOD[1], PARAMS, request_id="mine")  # free again once the first has finished
+    while engine.scheduler.has_work:
+        engine.step()
+    assert again.finished and engine.all_blocks_free()
+
+
 def test_engine_still_works_after_bad_input(engine, good_outputs):
     for p, _ in BAD_PROMPTS:
         with pytest.raises(ValueError):
