@@ -63,6 +63,16 @@ def check_optimizer_fields(cfg, require: Callable[[bool, str, str, object], None
     require(cfg.device.split(":")[0] in ("cpu", "cuda"), "device", "cpu, cuda or cuda:N", cfg.device)
 
 
+def _requirer(config: str) -> Callable[[bool, str, str, object], None]:
+    """``require(ok, name, rule, value)``: a ValueError "<config>.<name> must be <rule>, got <value>" unless ok."""
+
+    def require(ok: bool, name: str, rule: str, value) -> None:
+        if not ok:
+            raise ValueError(f"{config}.{name} must be {rule}, got {value!r}")
+
+    return require
+
+
 @dataclass(frozen=True)
 class DistillConfig(RunOptions):
     """Options of one run (``specdec distill --help`` explains each); validated at construction."""
@@ -85,22 +95,22 @@ class DistillConfig(RunOptions):
     ckpt_every: int = 500
 
     def __post_init__(self) -> None:
-        check_counts(self, _require_distill, ("layers", "num_prompts", "response_tokens", "max_prompt_tokens",
+        _require = _requirer("DistillConfig")
+        check_counts(self, _require, ("layers", "num_prompts", "response_tokens", "max_prompt_tokens",
                                       "gen_batch_size", "steps", "batch_size", "ckpt_every"))
         if self.init_layers is not None:
             object.__setattr__(self, "init_layers", tuple(self.init_layers))
-        _require_distill(self.init_layers is None or len(self.init_layers) == self.layers, "init_layers",
+        _require(self.init_layers is None or len(self.init_layers) == self.layers, "init_layers",
                  f"None or {self.layers} target layer indices (one per draft layer)", self.init_layers)
-        _require_distill(isinstance(self.out, str) and self.out != "", "out", "a folder path", self.out)
-        _require_distill(self.data == "sharegpt" or self.data.endswith(".jsonl"), "data",
+        _require(isinstance(self.out, str) and self.out != "", "out", "a folder path", self.out)
+        _require(self.data == "sharegpt" or self.data.endswith(".jsonl"), "data",
                  "'sharegpt' or a path to a .jsonl prompt file", self.data)
-        _require_distill(self.val_prompts is None or 0 <= self.val_prompts < self.num_prompts, "val_prompts",
+        _require(self.val_prompts is None or 0 <= self.val_prompts < self.num_prompts, "val_prompts",
                  f"None (auto) or in [0, num_prompts={self.num_prompts})", self.val_prompts)
-        _require_distill(self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)", self.temperature)
-        check_optimizer_fields(self, _require_distill)
-        _require_distill(self.dtype in DTYPE_NAMES, "dtype", f"one of {sorted(DTYPE_NAMES)}", self.dtype)
-        _require_distill(self.save_dtype in DTYPE_NAMES, "save_dtype", f"one of {sorted(DTYPE_NAMES)}",
-                         self.save_dtype)
+        _require(self.temperature >= 0, "temperature", "a number >= 0 (0 = greedy)", self.temperature)
+        check_optimizer_fields(self, _require)
+        _require(self.dtype in DTYPE_NAMES, "dtype", f"one of {sorted(DTYPE_NAMES)}", self.dtype)
+        _require(self.save_dtype in DTYPE_NAMES, "save_dtype", f"one of {sorted(DTYPE_NAMES)}", self.save_dtype)
 
     @property
     def num_val(self) -> int:
@@ -113,11 +123,6 @@ class DistillConfig(RunOptions):
 
         return DataSpec(self.target, self.data, self.num_prompts, self.response_tokens,
                         self.max_prompt_tokens, float(self.temperature), self.seed, self.dtype)
-
-
-def _require_distill(ok: bool, name: str, rule: str, value) -> None:
-    if not ok:
-        raise ValueError(f"DistillConfig.{name} must be {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -147,37 +152,32 @@ class EagleTrainConfig(RunOptions):
     loss_on: str = "assistant"
 
     def __post_init__(self) -> None:
+        _require = _requirer("EagleTrainConfig")
         if self.draft_vocab is None and self.init_from is None:
             object.__setattr__(self, "draft_vocab", DRAFT_VOCAB)
         if self.lr is None:
             object.__setattr__(self, "lr", LR if self.init_from is None else WARM_LR)
-        check_counts(self, _require_eagle, ("unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
-        _require_eagle(self.draft_vocab is None or isinstance(self.draft_vocab, int) and self.draft_vocab >= 1,
+        check_counts(self, _require, ("unroll", "max_len", "batch_tokens", "steps", "ckpt_every"))
+        _require(self.draft_vocab is None or isinstance(self.draft_vocab, int) and self.draft_vocab >= 1,
                  "draft_vocab", "an int >= 1 (None: init_from's)", self.draft_vocab)
-        _require_eagle(self.init_from is None or isinstance(self.init_from, str) and self.init_from.strip() != "",
+        _require(self.init_from is None or isinstance(self.init_from, str) and self.init_from.strip() != "",
                  "init_from", "None or a draft folder or registered draft name", self.init_from)
         if self.aux_layers is not None:
             object.__setattr__(self, "aux_layers", tuple(self.aux_layers))
-        _require_eagle(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}",
-                       self.batch_tokens)
-        _require_eagle(0 < self.step_decay <= 1, "step_decay", "in (0, 1]", self.step_decay)
-        _require_eagle(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
+        _require(self.batch_tokens >= self.max_len, "batch_tokens", f">= max_len={self.max_len}", self.batch_tokens)
+        _require(0 < self.step_decay <= 1, "step_decay", "in (0, 1]", self.step_decay)
+        _require(self.time_budget is None or self.time_budget > 0, "time_budget", "None or seconds > 0",
                  self.time_budget)
-        _require_eagle(self.run_seconds is None or self.run_seconds > 0, "run_seconds", "None or seconds > 0",
+        _require(self.run_seconds is None or self.run_seconds > 0, "run_seconds", "None or seconds > 0",
                  self.run_seconds)
-        _require_eagle(self.loss_temperature > 0, "loss_temperature", "a number > 0", self.loss_temperature)
-        _require_eagle(0 <= self.sampled_weight <= 1, "sampled_weight", "in [0, 1]", self.sampled_weight)
-        check_optimizer_fields(self, _require_eagle)
-        _require_eagle(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
-        _require_eagle(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
+        _require(self.loss_temperature > 0, "loss_temperature", "a number > 0", self.loss_temperature)
+        _require(0 <= self.sampled_weight <= 1, "sampled_weight", "in [0, 1]", self.sampled_weight)
+        check_optimizer_fields(self, _require)
+        _require(isinstance(self.val_docs, int) and self.val_docs >= 0, "val_docs", "an int >= 0", self.val_docs)
+        _require(self.loss_on in ("assistant", "all"), "loss_on", "'assistant' or 'all'", self.loss_on)
 
     @property
     def mix(self):
         from specdec.training.eagle_unroll import LossMix
 
         return LossMix(self.loss_temperature, self.sampled_weight)
-
-
-def _require_eagle(ok: bool, name: str, rule: str, value) -> None:
-    if not ok:
-        raise ValueError(f"EagleTrainConfig.{name} must be {rule}, got {value!r}")
