@@ -272,6 +272,23 @@ def test_a_full_or_closed_stdout_in_a_real_process(tiny_dirs, tmp_path, monkeypa
     assert (done.returncode, done.stderr.decode()) == (1, f"error: writing the output failed: {cause}\n")
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["--version"]])
+@pytest.mark.parametrize("stdout,cause", [("> /dev/full", "[Errno 28] No space left on device"),
+                                          (">&-", "[Errno 9] stdout is closed")])
+def test_help_into_a_full_or_closed_stdout_fails_with_one_line(tmp_path, monkeypatch, argv, stdout, cause):
+    """Was exit 0 with the text lost (argparse drops a failed write of its help): now one line and exit 1, while
+    help to a working stdout still exits 0."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)  # (a fresh interpreter never starts in the checkout: its kernels/ shadows PyPI's)
+    cmd = [sys.executable, "-m", "specdec.cli", *argv]
+    done = subprocess.run(["sh", "-c", f'exec "$@" {stdout}', "sh", *cmd], stderr=subprocess.PIPE, timeout=60)
+    assert (done.returncode, done.stderr.decode()) == (1, f"error: writing the output failed: {cause}\n")
+    done = subprocess.run(cmd, capture_output=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith(b"usage: " if "--help" in argv else b"specdec "), done
+
+
 def test_raw_prompt_to_a_chat_model_that_ends_at_once_gets_a_hint(capsys, scripted):
     """Was a bare newline: the instruct model ends a prompt outside its chat template at once."""
     from specdec.cli import main

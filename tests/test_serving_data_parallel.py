@@ -15,7 +15,7 @@ from serving_helpers import with_tokenizer
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.outputs import RequestOutput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.serving.data_parallel import DataParallelExecutor, Router, held_blocks
 from specdec.serving.replica_process import EngineRecipe, ReplicaValueError, portable, start_replicas
 from specdec.serving.server import ServerThread, build_app
@@ -167,6 +167,15 @@ def test_router_balances_and_keeps_prefix_affinity():
     router.finish(b)
     router.finish(b)  # once only
     assert router.tokens[1] == before[1] - 15 and router.requests[1] == 3
+
+
+def test_router_counts_an_unbounded_request_as_a_default_reply():
+    router = Router(2, block_size=4)
+    open_ended = router.route([1, 2, 3], None, [True, True])
+    assert router.tokens[open_ended.replica] == 3 + DEFAULT_MAX_NEW_TOKENS
+    assert router.route([1, 2, 3], 8, [True, True]).replica != open_ended.replica  # it counts as work
+    router.progress(open_ended, RequestOutput("a", [1, 2, 3], [7] * 5, "", None, None))
+    assert router.tokens[open_ended.replica] == DEFAULT_MAX_NEW_TOKENS - 5
 
 
 def test_dp_unset_max_tokens_shrinks_to_the_room_left(dp_server):

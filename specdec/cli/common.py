@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from specdec.defaults import DEFAULT_TARGET, GPU_MEMORY_UTILIZATION
 
@@ -17,6 +18,17 @@ class OneLineErrors(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, "error: " + _ARGUMENT.sub(r"\1: ", message) + "\n")
+
+    def _print_message(self, message: str, file=None) -> None:
+        """Write help, usage or version text; a failed write to stdout raises (argparse's own drops the OSError,
+        so that ``specdec --help > /dev/full`` would lose the text and exit 0). Errors to stderr keep argparse's
+        way: nowhere is left to report a failed write there."""
+        file = file or sys.stdout
+        if file is not sys.stdout:
+            return super()._print_message(message, file)
+        if message:
+            file.write(message)
+            file.flush()
 
 
 class CommandParser(OneLineErrors):

@@ -227,18 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     one-line note; stdout's reader going away (``| head``) returns 141 silently, as for a tool killed by SIGPIPE;
     output that cannot be written (``> /dev/full``, ``>&-``) prints ``error: writing the output failed: ...`` and
     returns 1, as coreutils do."""
-    try:
-        from specdec.loading.errors import ModelNotFoundError
+    from specdec.loading.errors import ModelNotFoundError
 
-        given = list(sys.argv[1:] if argv is None else argv)
-        args = build_parser().parse_args(given)  # (a Ctrl-C may land here too)
-    except KeyboardInterrupt:
-        print("\n[interrupted]", file=sys.stderr)
-        return 130
-    args.argv = given  # what tensor-parallel ranks run again
-    if sys.stdout is None and args.command != "serve":  # started with stdout closed (``>&-``): Python leaves it
-        sys.stdout = _ClosedStdout()  # None and print drops the output (serve's log, sent there, goes to stderr)
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
+        if sys.stdout is None and given[:1] != ["serve"]:  # started with stdout closed (``>&-``): Python leaves it
+            sys.stdout = _ClosedStdout()  # None and print drops the output (serve's log, sent there, goes to stderr)
+        args = build_parser().parse_args(given)  # (--help writes here; a Ctrl-C may land here too)
+        args.argv = given  # what tensor-parallel ranks run again
         code = args.func(args)
         if sys.stdout is not None:  # (output still buffered fails here, not in the interpreter's flush at exit)
             sys.stdout.flush()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.outputs import RequestOutput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import DEFAULT_MAX_NEW_TOKENS, SamplingParams
 from specdec.serving.executor import IterationStats, Load
 from specdec.serving.request_streams import OutputReaders, UnknownRequest
 
@@ -49,10 +49,13 @@ class Router:
         self._homes: OrderedDict[tuple[int, ...], int] = OrderedDict()
         self._lock = threading.Lock()
 
-    def route(self, prompt_ids: list[int] | None, max_tokens: int, alive: list[bool],
+    def route(self, prompt_ids: list[int] | None, max_tokens: int | None, alive: list[bool],
               beside: _Ticket | None = None) -> _Ticket:
         """Pick a replica among the ``alive`` ones for a prompt (token ids; None: text, routed by load only) and
-        count the request against it; with ``beside``, that ticket's replica (another sample of the prompt)."""
+        count the request against it; with ``beside``, that ticket's replica (another sample of the prompt).
+        ``max_tokens`` None (generate until a stop or the context's end, which only the replica knows) counts
+        as the default reply length, ``DEFAULT_MAX_NEW_TOKENS``, until outputs come back."""
+        max_tokens = DEFAULT_MAX_NEW_TOKENS if max_tokens is None else max_tokens
         candidates = [i for i, ok in enumerate(alive) if ok]
         if not candidates:
             raise RuntimeError("no replica is running")
