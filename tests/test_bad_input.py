@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
@@ -227,3 +233,122 @@ def test_text_prompts_with_a_tokenizer(smollm2):
     assert "role" in str(outs[4].error)
     assert all(len(outs[i].token_ids) == 2 for i in (1, 3))
     assert eng.all_blocks_free()
+
+
+# ---------------------------------------------------------------- hostile checkpoint folders
+
+def broken_copy(src: Path, dst: Path, config=None, config_text: str | None = None, state=None) -> Path:
+    """A copy of checkpoint folder ``src`` at ``dst``; ``config(dict)`` / ``state(dict)`` edit config.json and
+    model.safetensors in place, ``config_text`` replaces config.json."""
+    shutil.copytree(src, dst)
+    cfg_path = dst / "config.json"
+    if config_text is not None:
+        cfg_path.write_text(config_text)
+    if config is not None:
+        cfg = json.loads(cfg_path.read_text())
+        config(cfg)
+        cfg_path.write_text(json.dumps(cfg))
+    if state is not None:
+        tensors = load_file(str(dst / "model.safetensors"))
+        state(tensors)
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _no_head_dim(cfg, **sizes):
+    cfg.pop("head_dim", None)
+    cfg.update(sizes)
+
+
+@pytest.mark.parametrize("edit,words", [
+    (dict(config_text="{not json"), ["config.json", "not valid JSON"]),
+    (dict(config_text=""), ["config.json", "not valid JSON"]),
+    (dict(config_text="[1, 2]"), ["config.json", "JSON object", "list"]),
+    (dict(config=lambda c: c.update(num_attention_heads=0)), ["config.json", "num_attention_heads", ">= 1", "got 0"]),
+    (dict(config=lambda c: c.update(num_attention_heads=-4)), ["config.json", "num_attention_heads", "got -4"]),
+    (dict(config=lambda c: _no_head_dim(c, num_attention_heads=3, num_key_value_heads=3)),
+     ["config.json", "hidden_size (64)", "num_attention_heads (3)"]),
+    (dict(config=lambda c: c.update(num_key_value_heads=3)),
+     ["config.json", "num_attention_heads (4)", "num_key_value_heads (3)"]),
+    (dict(config=lambda c: c.update(num_key_value_heads=0)), ["config.json", "num_key_value_heads", "got 0"]),
+    (dict(config=lambda c: c.update(vocab_size=0)), ["config.json", "vocab_size", "got 0"]),
+    (dict(config=lambda c: c.update(hidden_size="64")), ["config.json", "hidden_size", "integer", "'64'"]),
+    (dict(config=lambda c: c.update(vocab_size=256.0)), ["config.json", "vocab_size", "integer", "256.0"]),
+    (dict(config=lambda c: c.update(rms_norm_eps="x")), ["config.json", "rms_norm_eps", "number > 0", "'x'"]),
+    (dict(config=lambda c: c.update(rope_theta=-1.0)), ["config.json", "rope_theta", "number > 0", "-1.0"]),
+    (dict(config=lambda c: c.update(rope_scaling={"type": "foo", "factor": 2.0})),
+     ["config.json", "rope_scaling", "'foo'", "linear, llama3"]),
+    (dict(config=lambda c: c.update(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0})),
+     ["config.json", "rope_parameters", "low_freq_factor"]),
+    (dict(config=lambda c: c.update(rope_scaling="x")), ["config.json", "rope_scaling", "object or null"]),
+    (dict(config=lambda c: c.update(architectures="LlamaForCausalLM")), ["config.json", "architectures", "list"]),
+    (dict(state=lambda s: s.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 32))),
+     ["model.layers.0.self_attn.q_proj.weight", "(64, 32)", "expected (64, 64)"]),
+    (dict(state=lambda s: s.__setitem__("model.norm.weight", torch.zeros(65))), ["model.norm.weight", "(65,)"]),
+    (dict(state=lambda s: s.pop("model.layers.1.mlp.up_proj.weight")), ["missing", "model.layers.1.mlp.up_proj"]),
+    (dict(state=lambda s: s.__setitem__("model.layers.0.foo.weight", torch.zeros(3))),
+     ["unexpected", "model.layers.0.foo.weight"]),
+    (dict(state=lambda s: s.update({k: v.to(torch.int8) for k, v in s.items()})), ["floating point", "int8"]),
+], ids=["not-json", "empty", "json-list", "heads-0", "heads-negative", "heads-not-dividing-hidden",
+        "kv-heads-not-dividing", "kv-heads-0", "vocab-0", "size-as-string", "size-as-float", "eps-as-string",
+        "theta-negative", "rope-unknown-type", "rope-llama3-incomplete", "rope-not-an-object", "architectures-a-string",
+        "wrong-shape", "wrong-shape-norm", "missing-weight", "unexpected-weight", "int8-weights"])
+def test_broken_checkpoint_folder_names_the_file(tiny_llama_dir, tmp_path, edit, words):
+    """Each problem is an UnsupportedModelError naming the folder (or its config.json) and what is wrong."""
+    broken = broken_copy(tiny_llama_dir, tmp_path / "broken", **edit)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(broken)
+    msg = str(info.value)
+    assert str(broken) in msg and "\n" not in msg, msg
+    for w in words:
+        assert w in msg, (msg, w)
+
+
+def test_broken_checkpoint_through_the_engine(tiny_llama_dir, tmp_path):
+    broken = broken_copy(tiny_llama_dir, tmp_path / "broken", config=lambda c: c.update(num_attention_heads=0))
+    with pytest.raises(UnsupportedModelError, match="num_attention_heads must be an integer >= 1, got 0"):
+        SpecEngine(None, str(broken), SpecConfig(num_blocks=8))
+
+
+def test_config_without_architectures_loads_by_model_type(tiny_llama_dir, tmp_path):
+    folder = broken_copy(tiny_llama_dir, tmp_path / "noarch", config=lambda c: c.pop("architectures"))
+    assert load_model(folder).config.architecture == "LlamaForCausalLM"
+    other = broken_copy(tiny_llama_dir, tmp_path / "gpt2", config=lambda c: c.pop("architectures"))
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2", "n_embd": 64}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'"):
+        load_model(other)
+
+
+@pytest.mark.parametrize("index,words", [
+    ("{bad", ["model.safetensors.index.json", "not valid JSON"]),
+    ("[]", ["model.safetensors.index.json", "JSON object"]),
+    ("{}", ["model.safetensors.index.json", "weight_map"]),
+])
+def test_broken_shard_index_names_the_file(tiny_llama_dir, tmp_path, index, words):
+    broken = broken_copy(tiny_llama_dir, tmp_path / "broken")
+    (broken / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(broken)
+    assert all(w in str(info.value) for w in words), str(info.value)
+
+
+@pytest.mark.parametrize("spoil,words", [
+    (lambda d: (d / "tokenizer.json").write_text("{corrupt"), ["tokenizer.json", "not valid JSON"]),
+    (lambda d: (d / "tokenizer.json").write_text(""), ["tokenizer.json", "not valid JSON"]),
+    (lambda d: (d / "tokenizer_config.json").write_text("[]"), ["tokenizer_config.json", "JSON object"]),
+    (lambda d: (d / "tokenizer.json").write_text("{}"), ["cannot load the tokenizer"]),
+    (lambda d: (d / "tokenizer.json").unlink(), ["cannot load the tokenizer"]),
+], ids=["corrupt", "empty", "config-a-list", "wrong-structure", "tokenizer-json-missing"])
+def test_broken_tokenizer_names_the_file(tiny_llama_dir, tmp_path, spoil, words):
+    from serving_helpers import byte_tokenizer
+
+    folder = broken_copy(tiny_llama_dir, tmp_path / "tok")
+    byte_tokenizer().save_pretrained(str(folder))
+    assert load_model(folder).tokenizer is not None
+    spoil(folder)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(folder)
+    msg = str(info.value)
+    assert str(folder) in msg and "\n" not in msg, msg
+    assert all(w in msg for w in words), msg

@@ -69,6 +69,41 @@ def test_truncated_checkpoint(capsys, tiny_llama_dir, tmp_path):
     assert "--model" in err and str(broken / "model.safetensors") in err
 
 
+def _spoiled(src, dst, config: dict | None = None, weights: dict | None = None, index: str | None = None):
+    """A copy of checkpoint folder ``src`` with ``config`` merged into config.json, ``weights`` into
+    model.safetensors and ``index`` written as model.safetensors.index.json."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**cfg, **config}))
+    if weights is not None:
+        save_file({**load_file(str(dst / "model.safetensors")), **weights}, str(dst / "model.safetensors"))
+    if index is not None:
+        (dst / "model.safetensors.index.json").write_text(index)
+    return dst
+
+
+@pytest.mark.parametrize("spoil,words", [
+    (dict(config={"num_attention_heads": 0}), ["config.json", "num_attention_heads must be an integer >= 1, got 0"]),
+    (dict(config={"rms_norm_eps": "x"}), ["config.json", "rms_norm_eps must be a number > 0, got 'x'"]),
+    (dict(config={"num_key_value_heads": 0}), ["config.json", "num_key_value_heads must be an integer >= 1"]),
+    (dict(weights={"model.norm.weight": torch.zeros(65)}), ["model.norm.weight (65,), expected (64,)"]),
+    (dict(index="{}"), ["model.safetensors.index.json", "weight_map"]),
+], ids=["heads-0", "eps-string", "kv-heads-0", "wrong-shape", "index-without-weight-map"])
+def test_hostile_checkpoint_folders(capsys, tiny_llama_dir, tmp_path, spoil, words):
+    """What used to end in a traceback from transformers or torch is one ``error: --model: <file>: ...`` line."""
+    broken = _spoiled(tiny_llama_dir, tmp_path / "broken", **spoil)
+    err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(broken), "--draft", "none", "--device", "cpu",
+                           "--max-new-tokens", "4"])
+    assert err.startswith("error: --model: ") and str(broken) in err and err.count("\n") == 1, err
+    assert all(w in err for w in words), err
+
+
 def test_generate_with_token_level_errors_still_exits_2(capsys, tiny_llama_dir):
     """A text prompt for a model without a tokenizer: the request error is printed, exit 2."""
     err = run_cli(capsys, ["generate", "--prompt", "hi", "--model", str(tiny_llama_dir), "--draft", "none",

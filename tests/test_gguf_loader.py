@@ -209,6 +209,67 @@ def test_unknown_tensor_and_bad_files(tmp_path) -> None:
         load_gguf(tmp_path / "cut.gguf")
 
 
+def _write_with_metadata(path, monkeypatch, method: str, value) -> None:
+    """``_write_tiny_llama`` writing ``value`` through ``GGUFWriter.method`` instead of its own value."""
+    own = getattr(GGUFWriter, method)
+    monkeypatch.setattr(GGUFWriter, method, lambda self, _: own(self, value))
+    _write_tiny_llama(path)
+    monkeypatch.undo()
+
+
+@pytest.mark.parametrize("method,value,words", [
+    ("add_head_count", 0, ["'llama.attention.head_count': 0", ">= 1"]),
+    ("add_block_count", 0, ["'llama.block_count': 0", ">= 1"]),
+    ("add_context_length", 0, ["'llama.context_length': 0", ">= 1"]),
+    ("add_head_count", 3, ["llama.attention.head_count (3)", "llama.attention.head_count_kv (2)"]),
+    ("add_head_count_kv", 3, ["llama.attention.head_count (4)", "llama.attention.head_count_kv (3)"]),
+    ("add_embedding_length", HIDDEN + 2, [f"{HIDDEN + 2}"]),  # not a multiple of the 4 heads
+])
+def test_bad_size_metadata_is_named(tmp_path, monkeypatch, method, value, words) -> None:
+    from specdec.loading.registry import load_model
+
+    path = tmp_path / "bad.gguf"
+    _write_with_metadata(path, monkeypatch, method, value)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: ") and "\n" not in msg, msg
+    assert all(w in msg for w in words), msg
+
+
+def test_tensors_of_the_wrong_shape_name_the_file(tmp_path, monkeypatch) -> None:
+    from specdec.loading.registry import load_model
+
+    path = tmp_path / "ffn.gguf"
+    _write_with_metadata(path, monkeypatch, "add_feed_forward_length", FFN + 32)
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path)
+    msg = str(info.value)
+    assert msg.startswith(f"{path}: tensor shapes do not match its config"), msg
+    assert f"model.layers.0.mlp.down_proj.weight ({HIDDEN}, {FFN}), expected ({HIDDEN}, {FFN + 32})" in msg, msg
+
+
+def test_rope_scaling_the_model_lacks_names_the_file(tmp_path) -> None:
+    from specdec.loading.registry import load_model
+
+    path = tmp_path / "yarn.gguf"
+    _write_tiny_llama(path, rope=(RopeScalingType.YARN, 4.0))
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path)
+    assert str(info.value).startswith(f"{path}: rope_scaling type 'yarn' is not supported"), str(info.value)
+
+
+def test_a_tokenizer_that_cannot_be_built_names_the_file(tmp_path, monkeypatch) -> None:
+    from specdec.loading.registry import load_model
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_llama(path)  # its vocabulary has no tokenizer.ggml.model
+    with pytest.raises(UnsupportedModelError) as info:
+        load_model(path)
+    assert str(info.value).startswith(f"{path}: cannot build the tokenizer"), str(info.value)
+
+
 def test_missing_file_errors(tmp_path) -> None:
     missing = tmp_path / "nope.gguf"
     with pytest.raises(ModelNotFoundError, match="nope.gguf"):

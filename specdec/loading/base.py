@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from specdec.config import DTYPE_NAMES, ModelConfig
-from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
+from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError, unreadable
 from specdec.models.llama import LlamaForCausalLM
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -127,22 +127,21 @@ def load_base_model(
     raise not_found(name)
 
 
-def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype, device) -> LlamaForCausalLM:
-    """Instantiate the module and load ``state`` strictly (missing or unexpected names are errors)."""
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype, device,
+                source: str | Path = "checkpoint") -> LlamaForCausalLM:
+    """Instantiate the module and load ``state`` strictly: a missing, unexpected, misshapen or non-float tensor
+    is an UnsupportedModelError naming ``source`` (the file or folder the tensors came from)."""
+    try:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(cfg)
+    except ValueError as err:  # (e.g. a rope scaling type the model does not implement)
+        raise UnsupportedModelError(f"{source}: {err}") from err
     state = dict(state)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    expected = {k for k in model.state_dict() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
-    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
-    if missing or unexpected:
-        raise UnsupportedModelError(
-            f"checkpoint does not match {cfg.architecture}: missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}"
-        )
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    wanted = {k: v for k, v in model.state_dict().items() if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+    _check_tensors(state, wanted, source, cfg.architecture)
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in wanted}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -150,16 +149,31 @@ def build_model(cfg: ModelConfig, state: dict[str, torch.Tensor], dtype, device)
     return model.eval().requires_grad_(False)
 
 
-def _from_hf_folder(path: Path, name: str, dtype, device) -> LoadedModel:
-    from transformers import AutoTokenizer
+def _check_tensors(state: dict[str, torch.Tensor], wanted: dict[str, torch.Tensor], source, arch: str) -> None:
+    """``state`` holds exactly the ``wanted`` names (a stored ``rotary_emb.inv_freq`` aside), each of the wanted
+    shape and a floating-point dtype (integer weights would load as their raw quantized codes)."""
+    missing = wanted.keys() - state.keys()
+    unexpected = {k for k in state.keys() - wanted.keys() if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise UnsupportedModelError(f"{source} does not match {arch}: missing {sorted(missing)[:5]}, "
+                                    f"unexpected {sorted(unexpected)[:5]}")
+    shapes = sorted(f"{k} {tuple(state[k].shape)}, expected {tuple(v.shape)}" for k, v in wanted.items()
+                    if state[k].shape != v.shape)
+    if shapes:
+        raise UnsupportedModelError(f"{source}: tensor shapes do not match its config: {'; '.join(shapes[:3])}")
+    ints = sorted(f"{k} {str(state[k].dtype).removeprefix('torch.')}" for k in wanted
+                  if not state[k].is_floating_point())
+    if ints:
+        raise UnsupportedModelError(f"{source}: weights must be floating point (quantized integer weights are not "
+                                    f"supported), got {'; '.join(ints[:3])}")
 
-    from specdec.loading.hf import read_hf_config, read_hf_state_dict
+
+def _from_hf_folder(path: Path, name: str, dtype, device) -> LoadedModel:
+    from specdec.loading.hf import read_hf_config, read_hf_state_dict, read_hf_tokenizer
 
     cfg = ModelConfig.from_hf(read_hf_config(path))
-    model = build_model(cfg, read_hf_state_dict(path), dtype, device)
-    has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True) if has_tok else None
-    return LoadedModel(name, model, tok, cfg)
+    model = build_model(cfg, read_hf_state_dict(path), dtype, device, source=path)
+    return LoadedModel(name, model, read_hf_tokenizer(path), cfg)
 
 
 def _from_gguf(path: Path, name: str, dtype, device) -> LoadedModel:
@@ -167,8 +181,12 @@ def _from_gguf(path: Path, name: str, dtype, device) -> LoadedModel:
 
     ckpt = load_gguf(path)
     cfg = ModelConfig.from_hf(ckpt.hf_config)
-    model = build_model(cfg, ckpt.state_dict, dtype, device)
-    return LoadedModel(name, model, _cached_gguf_tokenizer(path, load_gguf_tokenizer), cfg)
+    model = build_model(cfg, ckpt.state_dict, dtype, device, source=path)
+    try:
+        tok = _cached_gguf_tokenizer(path, load_gguf_tokenizer)
+    except Exception as err:  # transformers' GGUF conversion raises ValueError, KeyError, ... on odd metadata
+        raise unreadable(path, "cannot build the tokenizer from its tokenizer.ggml.* metadata", err) from err
+    return LoadedModel(name, model, tok, cfg)
 
 
 def _cached_gguf_tokenizer(path: Path, convert):

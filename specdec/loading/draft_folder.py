@@ -122,7 +122,7 @@ def load_draft_folder(path: str | Path, dtype: torch.dtype | str = torch.float32
     for key in meta["shared"]:
         check_shared(path, key, target_state.get(key), meta["shared_fingerprint"][key], target.name)
         own[key] = target_state[key]
-    model = build_model(cfg, own, dtype, device)
+    model = build_model(cfg, own, dtype, device, source=path)
     tok = (AutoTokenizer.from_pretrained(str(path), local_files_only=True)
            if (path / "tokenizer_config.json").is_file() else target.tokenizer)
     return LoadedModel(str(path), model, tok, cfg)

@@ -25,7 +25,7 @@ import transformers
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from transformers import LlamaConfig
 
-from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError
+from specdec.loading.errors import ModelNotFoundError, UnsupportedModelError, unreadable
 
 __all__ = ["GGUFCheckpoint", "dequantize", "load_gguf", "load_gguf_tokenizer", "smollm2_gguf_path"]
 
@@ -293,33 +293,45 @@ def _build_config(meta: dict[str, Any], tied: bool, path: Path) -> LlamaConfig:
     missing = [f"llama.{k}" for k in required if f"llama.{k}" not in meta]
     if missing:
         raise UnsupportedModelError(f"{path}: missing GGUF metadata {missing}")
-    heads, hidden = int(meta["llama.attention.head_count"]), int(meta["llama.embedding_length"])
+    heads, hidden = meta["llama.attention.head_count"], meta["llama.embedding_length"]
     kv_heads = meta.get("llama.attention.head_count_kv", heads)
     if isinstance(kv_heads, list):
         if len(set(kv_heads)) != 1:
             raise UnsupportedModelError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))}")
         kv_heads = kv_heads[0]
+    sizes = {k: meta[k] for k in (*(f"llama.{k}" for k in required), "llama.context_length") if k in meta}
+    sizes["llama.attention.head_count_kv"] = kv_heads
+    bad = {k: v for k, v in sizes.items() if type(v) is not int or v < 1}
+    if bad:
+        raise UnsupportedModelError(f"{path}: GGUF metadata must be integers >= 1, got {bad}")
+    if heads % kv_heads:
+        raise UnsupportedModelError(f"{path}: llama.attention.head_count ({heads}) must be a multiple of "
+                                    f"llama.attention.head_count_kv ({kv_heads})")
     vocab = meta.get("llama.vocab_size", len(meta.get("tokenizer.ggml.tokens", [])))
     if not vocab:
         raise UnsupportedModelError(f"{path}: neither llama.vocab_size nor tokenizer.ggml.tokens is present")
     head_dim = meta.get("llama.attention.key_length", meta.get("llama.rope.dimension_count", hidden // heads))
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=int(vocab),
-        hidden_size=hidden,
-        intermediate_size=int(meta["llama.feed_forward_length"]),
-        num_hidden_layers=int(meta["llama.block_count"]),
-        num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(meta.get("llama.context_length", 2048)),
-        rope_parameters=_rope_parameters(meta, path),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
-        pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-        tie_word_embeddings=tied,
-    )
+    rope = _rope_parameters(meta, path)
+    try:
+        return LlamaConfig(
+            architectures=["LlamaForCausalLM"],
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(meta["llama.feed_forward_length"]),
+            num_hidden_layers=int(meta["llama.block_count"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(meta.get("llama.context_length", 2048)),
+            rope_parameters=rope,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            tie_word_embeddings=tied,
+        )
+    except Exception as err:  # transformers' validators raise ValueError, TypeError, huggingface_hub's own errors
+        raise unreadable(path, "GGUF metadata does not make a valid Llama config", err) from err
 
 
 def _unpermute_rope_rows(rows: np.ndarray, n_heads: int) -> np.ndarray:
