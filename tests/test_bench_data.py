@@ -91,6 +91,14 @@ def test_prompt_file_bad_line_names_file_and_line(tmp_path, bad, reason):
     assert isinstance(info.value, ValueError)
 
 
+def test_prompt_file_not_utf8_names_file_and_line(tmp_path):
+    """Was ``UnicodeDecodeError`` naming neither the file nor the line."""
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(json.dumps({"prompt": "ok"}).encode() + b"\r\n" + b'{"prompt": "\xff\xfe"}\n')
+    with pytest.raises(PromptFileError, match=f"^{path}:2: not UTF-8 text"):
+        load_prompt_file(path)
+
+
 def test_prompt_file_empty_file_rejected(tmp_path):
     path = write_lines(tmp_path, ["", "  "])
     with pytest.raises(PromptFileError, match="no prompts"):

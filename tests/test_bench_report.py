@@ -206,6 +206,15 @@ def test_write_json_and_plot(tmp_path, records):
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_write_json_that_fails_leaves_no_file(tmp_path, records):
+    """A failed replace (the path a folder) left the whole report behind as ``<path>.tmp``."""
+    report = build_report(records, env=environment_info(), config={"k": 1})
+    (tmp_path / "out").mkdir()
+    with pytest.raises(OSError):
+        write_json(report, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
 def test_environment_info_keys():
     env = environment_info()
     for key in ("device", "torch", "triton", "transformers", "git_commit", "python"):

@@ -329,3 +329,179 @@ def test_prompt_from_stdin_system_stop_and_ignore_eos_reach_the_request(capsys, 
     assert err.startswith("error: --prompt: ") and "stdin" in err, err
     err = run_cli(capsys, [*scripted(engine), "--prompt", "hi", "--system", "Be brief."])
     assert err.startswith("error: --system: ") and "--chat" in err, err
+
+
+# ------------------------------------------------------------------------ bench and bench-serve under hostile input
+
+
+def test_bench_report_paths_are_checked_before_the_run(capsys, no_model_load, tmp_path, prompt_file):
+    """--json / --plot to a folder or under a file were a traceback after the whole benchmark had run."""
+    (tmp_path / "a-file").write_text("x")
+    for flag, path, words in (("--json", tmp_path, "is a folder"), ("--plot", tmp_path, "is a folder"),
+                              ("--json", tmp_path / "a-file" / "r.json", "is a file, not a folder")):
+        err = run_cli(capsys, ["bench", "--device", "cpu", "--draft", "ngram", "--dataset", prompt_file,
+                               flag, str(path)])
+        assert err.startswith(f"error: {flag}: ") and words in err and str(path) in err, err
+    err = run_cli(capsys, ["bench", "--device", "cpu", "--hf-configs", "zzz"])
+    assert err.startswith("error: --hf-configs: must be a comma list of hf, "), err
+
+
+def test_bench_prompt_file_not_utf8(capsys, no_model_load, tmp_path):
+    """Was ``error: 'utf-8' codec can't decode byte 0xff ...``, naming neither the file nor the line."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "hi"}\n\xff\n')
+    err = run_cli(capsys, ["bench", "--device", "cpu", "--draft", "ngram", "--dataset", str(path)])
+    assert err.startswith(f"error: {path}:2: not UTF-8 text"), err
+
+
+def test_bench_requests_the_engine_refuses_name_the_prompt_or_the_flag(capsys, tiny_dirs, tmp_path):
+    """A prompt past the model's length was ``error: prompt has 1200 tokens; ...`` (which prompt?), and a
+    --max-new-tokens past it ``error: SamplingParams.max_new_tokens ...`` (the field, not the flag)."""
+    from serving_helpers import with_tokenizer
+
+    from specdec.cli import main
+
+    model = str(with_tokenizer(tiny_dirs["llama"], tmp_path / "llama"))
+    path = tmp_path / "p.jsonl"
+    lines = [{"id": "short", "prompt": "hi"}, {"id": "long", "prompt": "a " * 600}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    argv = ["bench", "--model", model, "--draft", "ngram", "--device", "cpu", "--dataset", str(path)]
+    for extra, start in ((["--max-new-tokens", "4"], "error: --dataset: prompt 'long': prompt has "),
+                         (["--num-prompts", "1", "--max-new-tokens", "100000"], "error: --max-new-tokens: ")):
+        assert main([*argv, *extra]) == 2
+        err = capsys.readouterr().err
+        last = err.splitlines()[-1]  # (after the progress bars)
+        assert last.startswith(start) and "max length 512" in last and "Traceback" not in err, err
+
+
+class FakeServer:
+    """An OpenAI-like server on a thread that lists ``models`` and answers each completion as ``answer(n)`` says
+    (n counts the requests from 1): "ok" streams two tokens and [DONE], "cut" one token and then closes the
+    stream, "html" a 200 HTML page, "hang" headers and then nothing. ``bodies`` keeps the requests."""
+
+    def __init__(self, answer, models=("tiny",)):
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from threading import Event, Lock, Thread
+
+        self.bodies, self.release, lock = [], Event(), Lock()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):  # (HTTP/1.0: a reply ends when its connection closes)
+            def log_message(self, *args):
+                pass
+
+            def reply(self, kind: str, body: bytes = b"") -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self.reply("application/json", json.dumps({"data": [{"id": m} for m in models]}).encode())
+
+            def do_POST(self):
+                with lock:
+                    fake.bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                    mode = answer(len(fake.bodies))
+                events = [{"choices": [{"index": 0, "text": t, "delta": {"content": t}}]} for t in ("a", "b")]
+                events.append({"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 2}})
+                sse = b"".join(b"data: %s\n\n" % json.dumps(e).encode() for e in events) + b"data: [DONE]\n\n"
+                if mode == "html":
+                    self.reply("text/html", b"<html>sign in</html>")
+                elif mode == "hang":
+                    self.reply("text/event-stream")
+                    self.wfile.flush()
+                    fake.release.wait(30)
+                else:
+                    self.reply("text/event-stream", sse if mode == "ok" else sse[:sse.index(b"\n\n") + 2])
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(answer, models=("tiny",)):
+        servers.append(FakeServer(answer, models))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+@pytest.fixture
+def four_prompts(tmp_path):
+    path = tmp_path / "four.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "prompt": f"prompt {i}"}) + "\n" for i in range(4)))
+    return str(path)
+
+
+def _bench_serve(capsys, url: str, prompts: str, *argv: str) -> tuple[int, str, str]:
+    from specdec.cli import main
+
+    rc = main(["bench-serve", "--url", url, "--dataset", prompts, "--max-concurrency", "1", "--max-tokens", "2",
+               *argv])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, out + err
+    return rc, out, err
+
+
+def test_bench_serve_counts_a_stream_cut_off_mid_run_as_failed(capsys, fake_server, four_prompts, tmp_path):
+    """A server that ends its streams early from the third request on: those were counted as completed (exit 0);
+    now the report says 2 completed, 2 failed and why, exits 1, and its JSON holds the same."""
+    server = fake_server(lambda n: "ok" if n <= 2 else "cut")
+    report = tmp_path / "r.json"
+    rc, out, err = _bench_serve(capsys, server.url, four_prompts, "--json", str(report))
+    assert rc == 1 and "completed 2, failed 2" in out, out
+    assert "error: the stream was cut off: it ended without its last event (data: [DONE])" in out, out
+    saved = json.loads(report.read_text())
+    assert (saved["completed"], saved["failed"]) == (2, 2) and saved["errors"], saved
+
+
+def test_bench_serve_counts_an_html_page_as_failed(capsys, fake_server, four_prompts):
+    """A proxy's HTML page in place of the event stream was a completed request of 0 tokens (exit 0)."""
+    server = fake_server(lambda n: "html")
+    rc, out, err = _bench_serve(capsys, server.url, four_prompts)
+    assert rc == 1 and "completed 0, failed 4" in out, out
+    assert "error: HTTP 200 (text/html, not an event stream): <html>sign in</html>" in out, out
+
+
+def test_bench_serve_gives_up_on_a_silent_server(capsys, fake_server, four_prompts):
+    """A server that sends headers and then nothing held bench-serve forever (its client had no timeout)."""
+    server = fake_server(lambda n: "ok" if n == 1 else "hang")
+    rc, out, err = _bench_serve(capsys, server.url, four_prompts, "--num-prompts", "2", "--request-timeout", "0.5")
+    assert rc == 1 and "completed 1, failed 1" in out, out
+    assert "error: ReadTimeout: nothing from the server for 0.5 s (--request-timeout)" in out, out
+
+
+def test_bench_serve_asks_for_the_model_given(capsys, fake_server, four_prompts):
+    """--model was checked against the server's list, then the first listed model was asked for."""
+    server = fake_server(lambda n: "ok", models=("first", "second"))
+    rc, out, err = _bench_serve(capsys, server.url, four_prompts, "--model", "second")
+    assert rc == 0 and {b["model"] for b in server.bodies} == {"second"}, (out, server.bodies)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--temperature", "-1"], ["--temperature", ">= 0"]),
+    (["--temperature", "nan"], ["--temperature", "finite"]),
+    (["--request-timeout", "0"], ["--request-timeout", "> 0"]),
+    (["--json", "{tmp}"], ["--json", "is a folder"]),
+    (["--save-result", "--result-dir", "{tmp}/a-file"], ["--result-dir", "is a file, not a folder"]),
+])
+def test_bench_serve_flags_checked_before_the_server(capsys, prompt_file, tmp_path, argv, words):
+    """Each was sent to the server (a negative temperature: every request refused) or, for the report paths, a
+    traceback after the whole run; now an error before the server is asked anything (none is listening here)."""
+    (tmp_path / "a-file").write_text("x")
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    err = run_cli(capsys, ["bench-serve", "--url", f"http://127.0.0.1:{free_port()}", "--dataset", prompt_file, *argv])
+    assert err.startswith(f"error: {words[0]}: ") and all(w in err for w in words), err

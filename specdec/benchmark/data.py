@@ -278,8 +278,13 @@ def load_prompt_file(path: str | Path) -> list[BenchPrompt]:
     path = Path(path)
     out: list[BenchPrompt] = []
     seen: dict[str, int] = {}
-    with path.open(encoding="utf-8") as fp:
-        for lineno, line in enumerate(fp, start=1):
+    with path.open("rb") as fp:
+        for lineno, raw in enumerate(fp, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PromptFileError(f"{path}:{lineno}: not UTF-8 text (byte {exc.start + 1} of the line: "
+                                     f"{exc.reason})") from None
             if not line.strip():
                 continue
             try:

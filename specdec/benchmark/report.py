@@ -302,13 +302,21 @@ def divergence_lines(records: Iterable[dict]) -> list[str]:
     return [f"{label[c]}: {', '.join(ids)}" for c, ids in sorted(by_class.items())]
 
 
-def write_json(report: dict, path: str | Path) -> Path:
-    """Write ``report`` as indented JSON (creating parent dirs, replacing atomically); returns the path."""
+def write_json(report: dict, path: str | Path, allow_nan: bool = False) -> Path:
+    """Write ``report`` as indented JSON (creating parent dirs, replacing atomically: a failed write leaves neither
+    a partial file nor its temporary one); returns the path. ``allow_nan``: inf and nan written as JavaScript's
+    Infinity and NaN (ValueError otherwise)."""
     path = Path(path)
+    text = json.dumps(report, indent=2, allow_nan=allow_nan) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp.is_file():
+            tmp.unlink()
+        raise
     return path
 
 

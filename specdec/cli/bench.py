@@ -81,12 +81,51 @@ def parse_batch_sizes(text: str) -> list[int]:
 
 
 def parse_hf_configs(text: str) -> tuple[str, ...]:
-    """``"hf,hf_static"`` -> ("hf", "hf_static"); each must be one of :data:`HF_PARTS` (ValueError otherwise)."""
+    """``"hf,hf_static"`` -> ("hf", "hf_static"); each must be one of :data:`HF_PARTS` (UsageError otherwise)."""
+    from specdec.cli.checks import UsageError
+
     parts = tuple(p.strip() for p in str(text).split(",") if p.strip())
     bad = [p for p in parts if p not in HF_PARTS]
     if bad or not parts:
-        raise ValueError(f"--hf-configs must be a comma list of {', '.join(HF_PARTS)}, got {text!r}")
+        raise UsageError("--hf-configs", f"must be a comma list of {', '.join(HF_PARTS)}, got {text!r}")
     return parts
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """A report can be written at ``path`` (None: none asked for): it is no folder and its nearest existing folder
+    takes a new file (the missing ones are made when it is written). UsageError naming ``flag`` otherwise, found
+    before the benchmark runs."""
+    import tempfile
+    from pathlib import Path
+
+    from specdec.cli.checks import UsageError
+
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise UsageError(flag, f"{path!r} is a folder; give a file path")
+    folder = target.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UsageError(flag, f"cannot write {path!r}: {str(folder)!r} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UsageError(flag, f"cannot write {path!r}: no new file can be made in {str(folder)!r} "
+                               f"({err.strerror})") from None
+
+
+def write_report(flag: str, path: str, write) -> None:
+    """``write(path)``; an OSError (a full disk, a folder gone) becomes a UsageError naming ``flag`` and ``path``."""
+    from specdec.cli.checks import UsageError
+
+    try:
+        write(path)
+    except OSError as err:
+        raise UsageError(flag, f"writing {path!r} failed ({err.strerror or err})") from None
 
 
 def cmd_bench(args) -> int:
@@ -123,6 +162,8 @@ def cmd_bench(args) -> int:
     batch_sizes = parse_batch_sizes(args.batch_size)
     hf_configs = parse_hf_configs(args.hf_configs)
     check_positive("--num-prompts", args.num_prompts, allow_none=True)
+    check_output_path("--json", args.json_out)
+    check_output_path("--plot", args.plot)
     check_dataset("--dataset", args.dataset, DATASET_NAMES)
     draft_name = args.draft or default_draft(args.model, device)
     if draft_name == "none":
@@ -172,10 +213,10 @@ def cmd_bench(args) -> int:
     print(budget_line(report), end="")
     print(format_sweep(report), end="")
     if args.json_out:
-        write_json(report, args.json_out)
+        write_report("--json", args.json_out, lambda path: write_json(report, path))
     if args.plot:
         try:
-            plot_report(report, args.plot)
+            write_report("--plot", args.plot, lambda path: plot_report(report, path))
         except ImportError as err:  # matplotlib is a bench extra; the JSON can be plotted elsewhere
             later = f"python -m specdec.benchmark.plot {args.plot} {args.json_out or 'REPORT.json'}"
             print(f"no plot ({err}); later: {later}", file=sys.stderr)
@@ -202,10 +243,12 @@ def run_batch_size(engines, hf, prompts, ids, params, batch_size: int, target, d
     device = target.device
     mark = Counter(spec.adaptive.chosen) if spec.adaptive is not None else None
     continuous = schedule == "continuous"
-    spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device, continuous)
+    names = [p.id for p in prompts]
+    spec_runs = _run_engine(spec, ids, params, batch_size, f"speculative b={batch_size}", device, continuous, names)
     if mark is not None and budgets is not None:
         budgets[batch_size] = spec.adaptive.mean_budget(since=mark)
-    plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device, continuous)
+    plain_runs = _run_engine(plain, ids, params, batch_size, f"target-only b={batch_size}", device, continuous,
+                             names)
     after = time_probe(plain, ids[:batch_size], params)
     if probes is not None:
         probes[batch_size] = (before, after)
@@ -250,10 +293,12 @@ def _warm_up(spec, plain, group, params) -> None:
         engine.forget_drafts()
 
 
-def _run_engine(engine, ids, params, batch_size, label, device, continuous: bool = False) -> list[dict]:
+def _run_engine(engine, ids, params, batch_size, label, device, continuous: bool = False,
+                names: list[str] | None = None) -> list[dict]:
     """Per prompt: output ids, stats and time (a generate call's time is split by output tokens). Waves:
     ``batch_size`` prompts per generate call; ``continuous``: one call with every prompt, at most
-    ``batch_size`` of them running at once (the engine refills a finished row's place at the next step)."""
+    ``batch_size`` of them running at once (the engine refills a finished row's place at the next step).
+    A request that fails raises ``_request_error`` naming its prompt (``names``: the prompts' ids)."""
     from dataclasses import replace
 
     from tqdm.auto import tqdm
@@ -274,11 +319,22 @@ def _run_engine(engine, ids, params, batch_size, label, device, continuous: bool
             total = sum(len(o.token_ids) for o in outs) or 1
             for o in outs:
                 if o.error is not None:
-                    raise o.error
+                    raise _request_error(o.error, names[len(runs)] if names else str(len(runs) + 1))
                 runs.append({"token_ids": o.token_ids, "stats": o.stats, "time_s": elapsed * len(o.token_ids) / total})
     finally:
         sched.cfg = limit
     return runs
+
+
+def _request_error(err: Exception, name: str) -> Exception:
+    """A failed benchmark request as the command line reports it: a field the flags set names its flag
+    (``--max-new-tokens``), a prompt the engine refuses names itself in ``--dataset``; anything else is itself."""
+    from specdec.cli.checks import UsageError, flag_error
+    from specdec.prompts import PromptError
+
+    if isinstance(err, PromptError):
+        return UsageError("--dataset", f"prompt {name!r}: {err}")
+    return flag_error(err)
 
 
 def _record(prompt, ids, spec, plain, hf: dict, greedy: bool) -> dict:

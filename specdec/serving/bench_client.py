@@ -29,12 +29,18 @@ class BenchServeConfig:
     seed: int = 0
     label: str | None = None
     api_key: str | None = None  # sent as "Authorization: Bearer <key>" (a server started with --api-key)
+    model: str | None = None  # the served model id to ask for (None: the first GET /v1/models lists)
+    request_timeout: float = 600.0  # seconds a request may wait for the server's next bytes before it fails
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1:
             raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf = all at once), got {self.request_rate}")
+        if not 0 < self.request_timeout < math.inf:
+            raise ValueError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
         if self.max_tokens < 1:
@@ -91,36 +97,63 @@ def _bodies(cfg: BenchServeConfig, model: str) -> list[dict]:
     return bodies
 
 
+def _event_text(rec: RequestRecord, line: str, chat: bool) -> str:
+    """The text of one ``data: {...}`` event of an OpenAI stream; its usage and error go into ``rec``. ValueError
+    naming the line when it is no such event."""
+    try:
+        obj = json.loads(line[6:])
+        if "error" in obj:
+            err = obj["error"]
+            rec.error = str(err.get("message", err) if isinstance(err, dict) else err)
+            return ""
+        if obj.get("usage"):
+            u = obj["usage"]
+            rec.prompt_tokens, rec.output_tokens = int(u["prompt_tokens"]), int(u["completion_tokens"])
+            rec.mean_accepted_length = u.get("mean_accepted_length")
+        return "".join((c["delta"].get("content") if chat else c["text"]) or "" for c in obj["choices"])
+    except (ValueError, LookupError, TypeError, AttributeError):
+        raise ValueError(f"not an OpenAI stream event: {line[:120]!r}") from None
+
+
 async def _one(client, url: str, body: dict, chat: bool) -> RequestRecord:
+    """One streamed request; a request the server refuses, answers with no event stream, ends before ``[DONE]``
+    or leaves silent for the client's read timeout is a record with ``error`` set."""
+    import httpx
+
     rec, t0 = RequestRecord(), time.perf_counter()
-    last = t0
+    last, done = t0, False
     try:
         async with client.stream("POST", url, json=body) as r:
-            if r.status_code != 200:
-                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"
+            kind = r.headers.get("content-type", "")
+            if r.status_code != 200 or not kind.startswith("text/event-stream"):
+                what = f"HTTP {r.status_code}" + (f" ({kind or 'no content-type'}, not an event stream)"
+                                                  if r.status_code == 200 else "")
+                rec.error = f"{what}: {(await r.aread()).decode(errors='replace')[:200]}"
                 return rec
             async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                if not line.startswith("data: "):
                     continue
-                obj = json.loads(line[6:])
-                if "error" in obj:
-                    rec.error = obj["error"].get("message", "error event")
+                text = _event_text(rec, line, chat)
+                if rec.error is not None:
                     return rec
-                if obj.get("usage"):
-                    u = obj["usage"]
-                    rec.prompt_tokens, rec.output_tokens = u["prompt_tokens"], u["completion_tokens"]
-                    rec.mean_accepted_length = u.get("mean_accepted_length")
-                for choice in obj["choices"]:
-                    text = choice["delta"].get("content") if chat else choice["text"]
-                    if text:
-                        now = time.perf_counter()
-                        if rec.ttft is None:
-                            rec.ttft = now - t0
-                        else:
-                            rec.chunk_gaps.append(now - last)
-                        last = now
+                if text:
+                    now = time.perf_counter()
+                    if rec.ttft is None:
+                        rec.ttft = now - t0
+                    else:
+                        rec.chunk_gaps.append(now - last)
+                    last = now
+    except httpx.TimeoutException as err:
+        rec.error = f"{type(err).__name__}: nothing from the server for {client.timeout.read:g} s (--request-timeout)"
+        return rec
     except Exception as err:  # noqa: BLE001 - a failed request is counted, the benchmark goes on
         rec.error = f"{type(err).__name__}: {err}"
+        return rec
+    if not done:
+        rec.error = "the stream was cut off: it ended without its last event (data: [DONE])"
         return rec
     rec.latency = time.perf_counter() - t0
     rec.ok = rec.ttft is not None or rec.output_tokens == 0
@@ -133,8 +166,9 @@ async def _run(cfg: BenchServeConfig) -> tuple[list[RequestRecord], float, str]:
 
     limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=headers) as client:
-        model = (await client.get(f"{cfg.url}/v1/models")).json()["data"][0]["id"]
+    timeout = httpx.Timeout(cfg.request_timeout, pool=None)  # (the gate below holds requests, not the pool)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
+        model = cfg.model or (await client.get(f"{cfg.url}/v1/models")).json()["data"][0]["id"]
         bodies = _bodies(cfg, model)
         url = f"{cfg.url}/v1/chat/completions" if cfg.endpoint == "chat" else f"{cfg.url}/v1/completions"
         gate = asyncio.Semaphore(cfg.concurrency)

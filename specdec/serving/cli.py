@@ -74,6 +74,8 @@ def add_serve_parsers(sub, add_model_args) -> None:
                    help="chat (/v1/chat/completions) or completions (/v1/completions)")
     b.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens tokens per request")
     b.add_argument("--seed", type=int, default=0, help="seed of the arrival times")
+    b.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may wait for the server's next bytes; then it counts as failed")
     b.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None,
                    help="the key of a server started with --api-key, sent as 'Authorization: Bearer KEY' "
                         "(default: $OPENAI_API_KEY, else none)")
@@ -256,6 +258,8 @@ def bind_socket(host: str, port: int):
 
 def cmd_bench_serve(args) -> int:
     from specdec.benchmark.data import DATASET_NAMES
+    from specdec.benchmark.report import write_json
+    from specdec.cli.bench import check_output_path, write_report
     from specdec.cli.checks import UsageError, check_dataset, check_positive
     from specdec.serving.bench_client import BenchServeConfig, print_report, run_bench
 
@@ -266,24 +270,29 @@ def cmd_bench_serve(args) -> int:
         check_positive(flag, value)
     if not args.request_rate > 0:
         raise UsageError("--request-rate", f"must be > 0 (inf = all at once), got {args.request_rate}")
+    if not 0 <= args.temperature < float("inf"):
+        raise UsageError("--temperature", f"must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.request_timeout < float("inf"):
+        raise UsageError("--request-timeout", f"must be a finite number of seconds > 0, got {args.request_timeout}")
     dataset = args.dataset_path or args.dataset
     if args.dataset_path and not args.dataset_path.endswith(".jsonl"):
         raise UsageError("--dataset-path", f"must be a .jsonl prompt file, got {args.dataset_path!r}")
     check_dataset("--dataset-path" if args.dataset_path else "--dataset-name", dataset, DATASET_NAMES)
-    check_server("--base-url", args.url, args.model, api_key=args.api_key)
+    outputs = [("--json", args.json)] + ([("--result-dir", result_path(args))] if args.save_result else [])
+    for flag, path in outputs:
+        check_output_path(flag, path)
+    model = check_server("--base-url", args.url, args.model, api_key=args.api_key)
     cfg = BenchServeConfig(url=args.url, dataset=dataset, num_prompts=args.num_prompts,
                            request_rate=args.request_rate, concurrency=args.concurrency,
                            max_tokens=args.max_new_tokens, temperature=args.temperature,
                            endpoint=ENDPOINT_PATHS.get(args.endpoint, args.endpoint), ignore_eos=args.ignore_eos,
-                           seed=args.seed, label=args.label, api_key=args.api_key)
+                           seed=args.seed, label=args.label, api_key=args.api_key, model=model,
+                           request_timeout=args.request_timeout)
     report = run_bench(cfg)
     print_report(report)
-    for path in [args.json] + ([result_path(args)] if args.save_result else []):
+    for flag, path in outputs:
         if path:
-            import json
-
-            with open(path, "w") as f:
-                json.dump(report, f, indent=2)
+            write_report(flag, path, lambda to: write_json(report, to, allow_nan=True))  # (rate inf: Infinity)
             print(f"report written to {path}", file=sys.stderr)
     return 0 if report["failed"] == 0 else 1
 
@@ -298,10 +307,10 @@ def result_path(args) -> str:
 
 
 def check_server(flag: str, url: str, model: str | None = None, timeout_s: float = 10.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None) -> str:
     """An OpenAI-compatible server answers ``GET url/v1/models`` (listing ``model`` when given; with ``api_key``
-    sent as a bearer token); UsageError naming ``flag`` (--api-key when the server refuses the key, --model)
-    otherwise."""
+    sent as a bearer token): the model to ask for, ``model`` or else the first listed; UsageError naming ``flag``
+    (--api-key when the server refuses the key, --model) otherwise."""
     import httpx
 
     from specdec.cli.checks import UsageError
@@ -324,6 +333,7 @@ def check_server(flag: str, url: str, model: str | None = None, timeout_s: float
                                f"{reply.status_code} without a model list")
     if model is not None and model not in models:
         raise UsageError("--model", f"{model!r} is not served at {url!r}, which serves {models}")
+    return model or models[0]
 
 
 def _importable(name: str) -> bool:
