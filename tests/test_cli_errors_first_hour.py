@@ -354,6 +354,14 @@ def test_bench_prompt_file_not_utf8(capsys, no_model_load, tmp_path):
     assert err.startswith(f"error: {path}:2: not UTF-8 text"), err
 
 
+def test_bench_prompt_file_that_is_a_folder(capsys, no_model_load, tmp_path):
+    """Was ``prompt file '...jsonl' does not exist`` for a folder of that name."""
+    folder = tmp_path / "p.jsonl"
+    folder.mkdir()
+    err = run_cli(capsys, ["bench", "--device", "cpu", "--draft", "ngram", "--dataset", str(folder)])
+    assert err.startswith(f"error: --dataset: '{folder}' is a folder, not a prompt file"), err
+
+
 def test_bench_requests_the_engine_refuses_name_the_prompt_or_the_flag(capsys, tiny_dirs, tmp_path):
     """A prompt past the model's length was ``error: prompt has 1200 tokens; ...`` (which prompt?), and a
     --max-new-tokens past it ``error: SamplingParams.max_new_tokens ...`` (the field, not the flag)."""

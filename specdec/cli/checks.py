@@ -133,7 +133,10 @@ def check_dataset(flag: str, name: str, names: tuple[str, ...]) -> None:
         return
     if not name.endswith(".jsonl"):
         raise UsageError(flag, f"must be one of {', '.join(names)} or a .jsonl prompt file, got {name!r}")
-    if not Path(name).expanduser().is_file():
+    path = Path(name).expanduser()
+    if path.is_dir():
+        raise UsageError(flag, f"{name!r} is a folder, not a prompt file")
+    if not path.is_file():
         raise UsageError(flag, f"prompt file {name!r} does not exist")
 
 
