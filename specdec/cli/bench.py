@@ -187,6 +187,12 @@ def cmd_bench(args) -> int:
     draft = "ngram" if draft_name == "ngram" else load("--draft", draft_name, dtype, on, target=target)
     ids = [to_prompt_ids(p.messages if p.messages is not None else p.prompt, target.tokenizer) for p in prompts]
     engines = (build_engine(draft, target, cfg), build_engine(None, target, cfg))
+    for prompt, prompt_ids in zip(prompts, ids):  # every prompt checked before the first one runs
+        for engine in engines:
+            try:
+                engine.prepare(prompt_ids, params)
+            except ValueError as err:
+                raise _request_error(err, prompt.id) from None
     hf = None
     if args.baseline == "hf":
         from specdec.benchmark.hf import HFBaselines
