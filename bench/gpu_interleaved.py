@@ -80,15 +80,13 @@ ENGINE_SETS = {
                     "ngram_h": {"draft": "ngram", "admit_share": 2},
                     "ngram_h5": {"draft": "ngram", "admit_share": 2, "plain_margin": 0.05}},
     # the defaults (admission groups of an eighth of the batch and at least 8 rows from 16 on: ``plan.admit_group``)
-    # against groups of an eighth ("_e", the default before; the same at batch 64); n-gram with its probes from plain
-    # decoding cut to one token per row ("cut_probes": ``EpochConfig.cut_probes``)
+    # against groups of an eighth ("_e", the default before; the same at batch 64)
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
                     "eagle_e": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 8},
                     "ngram": {"draft": "ngram"},
-                    "ngram_e": {"draft": "ngram", "admit_share": 8},
-                    "ngram_cut": {"draft": "ngram", "cut_probes": True}},
+                    "ngram_e": {"draft": "ngram", "admit_share": 8}},
     # n-gram's budget controller as it is, with no probe once a bucket's first search has chosen ("no_probes":
     # what the probes' rows, ending at different steps, cost a batch held at plain decoding), and held at plain
     # decoding from its first step, no search and no probe ("plain_only": what an n-gram engine's plain steps cost
@@ -373,7 +371,7 @@ def main() -> None:
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
-                plain_margin, cut_probes = fields.pop("plain_margin", None), fields.pop("cut_probes", False)
+                plain_margin = fields.pop("plain_margin", None)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
@@ -384,7 +382,6 @@ def main() -> None:
                 if isinstance(eng.adaptive, EpochBudget):  # (its config is read as each bucket's state is made)
                     epochs = dict(hold_epochs=1 << 30, max_hold_epochs=1 << 30) if no_probes else {}
                     epochs.update({} if plain_margin is None else {"plain_margin": plain_margin})
-                    epochs.update({"cut_probes": True} if cut_probes else {})
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, **epochs)
                     if plain_only:
                         eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)

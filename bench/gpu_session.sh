@@ -41,7 +41,7 @@ prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt fi
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .whl blake3 gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection annotated-doc \
-    uvicorn openai distro jiter sniffio httpx2 httpcore2 truststore h11 || return 1  # the GPU image lacks them
+    opentelemetry-api uvicorn openai distro jiter sniffio httpx2 httpcore2 truststore h11 || return 1  # the GPU image lacks them
     # (Python 3.12 there): the server's and the openai client's, for the dp round and tests/test_serving_data_parallel.py
   "$py" -m pip wheel -q --no-deps -w .whl . && rm -rf build || return 1
   git describe --always --dirty > .whl/commit.txt

@@ -53,10 +53,7 @@ class EpochConfig:
     search's start) needs only its step cost: its first epoch is first_min_steps timed steps. start_tokens: a bucket's
     search starts at no budget whose verify of the bucket's rows holds more tokens than this (the optima measured on the
     H200, bench/RESULTS.md session 21: the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's
-    first steps at a large batch do not pay for the full tree. cut_probes: a probe of a speculating budget in a bucket
-    held at plain decoding commits one token per row in its queued chain steps (``verifier.cut_to_first``; the chains'
-    whole accepted counts are what it measures; an epoch's first step, launched fresh, commits its chains whole), so
-    the rows go on ending together as plain decoding's do; off until measured on a GPU (bench/RESULTS.md)."""
+    first steps at a large batch do not pay for the full tree."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -71,7 +68,6 @@ class EpochConfig:
     first_row_steps: int = 192
     first_min_steps: int = 4
     start_tokens: int = 512
-    cut_probes: bool = False
 
 
 class _Epochs:
@@ -231,7 +227,6 @@ class EpochBudget:
         """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
         proposer.budget = self.choose(rows)
         state = self._step[0]
-        verifier.cut = (self.config.cut_probes and not state.searching and state.best == 0 and state.held != 0)
         results = verifier.verify_proposal(rows, proposer.propose(rows))
         # (plain decoding commits one token per row: nothing to count)
         self._step = (state, step_tokens(results, self._nodes[:state.held + 1]) if state.held else [len(results)])

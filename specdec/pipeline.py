@@ -131,7 +131,6 @@ class QueuedStep:
         self.lengths: np.ndarray | None = None
         self.sel: np.ndarray | None = None
         self.joined: tuple = ()  # its last rows, which the step before did not have (they took a row at that step)
-        self.cut = False  # its outcome was cut to each row's first token, the uncut counts read last (``cut_to_first``)
 
     @property
     def draft_seconds(self) -> float | None:

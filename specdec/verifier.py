@@ -56,10 +56,6 @@ class Verifier:
         self.fused = None  # a ``fused_step.FusedVerify``: the verify of trees still on the device (``DeviceDraft``)
         self.pipeline = None  # a ``pipeline.StepPipeline``: queues the next step behind each verify launched here
         self.reader = HostRead(runner.device)  # the one read of a step launched here (two in flight at most)
-        # queued chain steps commit only their first token per row (``cut_to_first``): set by the budget controller
-        # for its probes from plain decoding (``EpochConfig.cut_probes``), which measure a budget's tokens without the
-        # rows ending apart
-        self.cut = False
         # the sampled rows of a padded step, graphed on CUDA
         self.sampled_rule = SampledRule(runner.device, use_triton=runner.backend.uses_triton,
                                         graphs=cache_for(runner.graphs, "sampled rule", runner.device, "own"))
@@ -114,11 +110,8 @@ class Verifier:
         if sampled:  # each chain at most q - 1 nodes, cut on the device: the rule reads its length from the inputs
             _write(fwd.accept, self.sampled_rule.on_views(rows, sampled, key[2], views, fwd.logits, fwd.accept,
                                                           graphs.captured(key), ragged=True))
-        uncut = cut_to_first(fwd.accept, views.ids) if self.cut else None
         out = self.followup.follow(rows, key, fwd.accept)
-        step = QueuedStep(rows, key, n, fwd, out, self.reader.start([out] if uncut is None else [out, uncut[:r]]))
-        step.cut = uncut is not None
-        return step
+        return QueuedStep(rows, key, n, fwd, out, self.reader.start([out]))
 
     def _outcome(self, rows: list[Request], trees: list[DraftTree], fwd, key) -> torch.Tensor | None:
         """(B, Q + 3) outcome of a padded step of graph bucket ``key``: the verify's greedy acceptance, its sampled
@@ -205,13 +198,10 @@ class Verifier:
         sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
-        uncut = None  # a cut step's uncut accepted counts (``cut_to_first``)
         if step is None:
             host = accept.tolist()  # (B, Q + 3): [m, bonus, path..., finite], the step's one device->host read
         else:
             full, width = step.read().tolist(), accept.shape[1]  # the same read, the follow-up's columns after each
-            if step.cut:  # (each row's uncut count last: the tokens its chain would have committed)
-                uncut = [row.pop() for row in full]
             self.followup.consume(rows, full)
             if queued is not None:
                 queued.assume(rows, np.fromiter((row[0] for row in full), np.int64, len(full)))
@@ -225,9 +215,7 @@ class Verifier:
             else:
                 nodes, bonus = unpack_greedy(row)
             h = tree.host
-            ranks = None if uncut is None else list(range(uncut[i]))  # (a chain's nodes: its ranks)
-            results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc,
-                                        ranks=ranks))
+            results.append(VerifyResult(nodes, [h.tokens[j] for j in nodes], bonus, len(h.tokens), tree.max_depth, dc))
         return results
 
     def _sampled_outcome(self, rows: list[Request], trees: list[DraftTree], sampled: list[int], fwd, key):
@@ -256,21 +244,6 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, _positions(req, tree), L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
-
-
-@torch.inference_mode()
-def cut_to_first(accept: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Cut a chain step's outcome ``accept`` (B, Q + 3) in place to each row's first token, and return the uncut
-    accepted counts (B, 1). ``ids``: the verify tokens (B * Q,) (a chain's nodes at verify indices 1..). A row that
-    accepted m >= 1 nodes commits its first node instead, else its bonus token: in both cases the target's own
-    choice after the pending token (its argmax, or its draw under the request's keyed noise), so the row's tokens
-    are plain decoding's, and the rows commit one token each, ending together as plain decoding's do."""
-    b, q = accept.shape[0], accept.shape[1] - 3
-    uncut = accept[:, :1].clone()
-    first = ids.view(-1, q)[:b].gather(1, accept[:, 2:3].clamp(0, q - 1)).squeeze(1)  # (B,) the path's first node
-    accept[:, 1] = torch.where(accept[:, 0] > 0, first, accept[:, 1])
-    accept[:, 0] = 0
-    return uncut
 
 
 @torch.inference_mode()

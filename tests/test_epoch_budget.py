@@ -396,24 +396,3 @@ def test_held_at_plain_decoding_the_larger_budgets_are_probed_too():
         slow = i < 12 and NODES.index(held(ctrl, rows) if ctrl.states else 15) >= 2  # the search's first steps
         seq.append(step(ctrl, rows, tok.__getitem__, lambda n, s=slow: (3.0 if s else ms[n]) * 1e-3))
     assert 0 in seq[12:40] and held(ctrl, rows) == 7 and seq[-40:].count(7) > 20
-
-
-@pytest.mark.parametrize("cut_probes", [False, True])
-def test_probes_from_plain_decoding_are_cut_to_one_token_when_asked(cut_probes):
-    """Held at plain decoding (chains accept nothing here), the speculating budgets are probed in turn; with
-    ``cut_probes`` each probe's steps ask the verifier to cut their outcome to one token per row (``verifier.cut``),
-    and no other step does (the search's, plain decoding's); without it none does."""
-    ctrl = EpochBudget(OPTIONS, short(epoch_steps=2, hold_epochs=2, max_hold_epochs=2, cut_probes=cut_probes))
-    rows = rows_of(16, greedy=False)
-    proposer = SimpleNamespace(budget=None, propose=lambda rows: None)
-    verifier = SimpleNamespace(cut=None, verify_proposal=lambda rows, proposal: [
-        SimpleNamespace(accepted_nodes=[], ranks=None)] * len(rows))
-    seen = []
-    for _ in range(120):
-        ctrl.speculate(rows, proposer, verifier)
-        state = ctrl._step[0]
-        seen.append((state.searching, state.best, ctrl.options[state.held].nodes, verifier.cut))
-        ctrl.observe_step(MS[proposer.budget] * 1e-3)
-    probes = [cut for searching, best, nodes, cut in seen if not searching and best == 0 and nodes]
-    assert len(probes) > 4 and set(probes) == {cut_probes}
-    assert not any(cut for searching, best, nodes, cut in seen if searching or not nodes)

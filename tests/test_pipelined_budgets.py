@@ -108,57 +108,6 @@ def test_a_budget_changing_every_few_steps(tiny_target, monkeypatch):
     assert {n for n, _ in shapes} == {8, 0, 3, 1, 2} and {q for _, q in shapes} == {9, 1, 4, 2}
 
 
-class CutProbe(ScriptedBudget):
-    """Budget ``nodes`` at every step, each step's queued chain step cut to its first token per row (what
-    ``EpochBudget`` does in a probe from plain decoding with ``EpochConfig.cut_probes``); keeps every step's results."""
-
-    def __init__(self, nodes: int) -> None:
-        super().__init__([nodes], 1)
-        self.results: list = []
-
-    def speculate(self, rows: list, proposer, verifier) -> list:
-        proposer.budget, verifier.cut = self.script[0], True
-        results = verifier.verify_proposal(rows, proposer.propose(rows))
-        self.results += results
-        return results
-
-
-def test_cut_probe_steps_commit_plain_decodings_tokens(tiny_target, monkeypatch):
-    """Chains of 8 whose queued steps are cut to each row's first token: every request's tokens are plain decoding's
-    (greedy rows target-only's, seeded sampled rows the same draws), a cut step commits one token per row while its
-    results still carry the chain's whole accepted count (``ranks``: what ``step_tokens`` measures for the probe), and
-    every adopted queued step's inputs are what the host packs for the chains the drafter proposes."""
-    prompts, params, ref = _sampled_case(tiny_target)
-    checked, wrong, _ = _checked_queued(monkeypatch)
-    plain = _engine(tiny_target, "chain:8", True)
-    plain.drafter.budget = 0
-    want = _generated(plain, prompts, params)
-    assert [want[i] for i, p in enumerate(params) if p.greedy] == [ref[i] for i, p in enumerate(params) if p.greedy]
-    eng, before = _engine(tiny_target, "chain:8", True), checked[0]
-    eng.adaptive = probe = CutProbe(8)
-    assert _generated(eng, prompts, params) == want
-    assert wrong == [], wrong[:2]
-    assert eng.all_blocks_free() and eng.pipeline.adopted == checked[0] - before > 0
-    cut = [r for r in probe.results if r.ranks is not None]
-    assert len(cut) > len(probe.results) // 2  # (the first step of each request is not queued, so not cut)
-    assert all(r.accepted_nodes == [] for r in cut) and sum(len(r.ranks) for r in cut) > 0
-    assert eng.stats.mean_accepted_length == 1.0
-
-
-def test_cut_to_first_keeps_the_first_token_and_the_count():
-    """Rows that accepted 2, 0 and 1 nodes of their chains: each commits only its first token (the first node, the
-    bonus token, the first node), and the uncut counts come back."""
-    from specdec.verifier import cut_to_first
-
-    q = 4
-    ids = torch.tensor([[9, 11, 12, 13], [9, 21, 22, 23], [9, 31, 32, 33]])  # (root, chain of 3) per row
-    accept = torch.tensor([[2, 14, 1, 2, 0, 0, 1], [0, 5, 0, 1, 2, 3, 1], [1, 7, 1, 0, 2, 3, 1]])  # (B, Q + 3)
-    uncut = cut_to_first(accept, ids.flatten())
-    assert uncut.flatten().tolist() == [2, 0, 1]
-    assert accept[:, :2].tolist() == [[0, 11], [0, 5], [0, 31]] and accept.shape == (3, q + 3)
-    assert accept[:, -1].tolist() == [1, 1, 1]
-
-
 def _gpu_case(tiny_dirs, seed: int):
     """The tiny target in float32 on CUDA, 24 requests (a third greedy, the rest seeded at T=0.7 top-p 0.9 or T=1.0)
     and the SpecConfig fields of a graphed n-gram engine of 16 rows with device chains."""
@@ -192,22 +141,3 @@ def test_gpu_budgets_with_captured_graphs(tiny_dirs):
     assert outs[True] == outs[False]
     assert pipe.adopted > eng.verifier.followup.launches // 3 and pipe.dropped > 0
     assert {key[0][2] for key in pipe.hook.advance.graphs} == {1, 2, 4, 9}
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cut_probe_steps_with_captured_graphs(tiny_dirs):
-    """float32 on CUDA, graphs captured, 16 rows of which a third seeded and sampled: chains of 8 whose queued steps
-    are cut to each row's first token (the cut written into the captured verify's outcome buffer before the
-    follow-up graph and the writer's graph read it) give plain decoding's tokens, committing one token per row."""
-    target, prompts, params, base = _gpu_case(tiny_dirs, 12)
-    base["pipeline"] = True
-    plain = SpecEngine("ngram", target, SpecConfig(**base))
-    plain.drafter.budget = 0
-    want = _generated(plain, prompts, params)
-    eng = SpecEngine("ngram", target, SpecConfig(**base))
-    eng.adaptive = probe = CutProbe(8)
-    assert _generated(eng, prompts, params) == want
-    assert eng.all_blocks_free() and eng.pipeline.adopted > 0
-    cut = [r for r in probe.results if r.ranks is not None]
-    assert len(cut) > len(probe.results) // 2 and all(r.accepted_nodes == [] for r in cut)
-    assert sum(len(r.ranks) for r in cut) > 0
