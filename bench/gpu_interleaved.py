@@ -81,6 +81,13 @@ ENGINE_SETS = {
                     "ngram_h5": {"draft": "ngram", "admit_share": 2, "plain_margin": 0.05}},
     # the defaults (admission groups of an eighth of the batch and at least 8 rows from 16 on: ``plan.admit_group``)
     # against groups of an eighth ("_e", the default before; the same at batch 64)
+    # n-gram watched at plain decoding (``EpochBudget.watch``: probes only where its free chains say they may pay)
+    # against the same without watching ("blind"), where the probes ran in turn
+    "ngram_watch": {"target_only": {"draft": None},
+                    "target_only_e": {"draft": None, "admit_share": 8},
+                    "ngram": {"draft": "ngram"},
+                    "ngram_blind": {"draft": "ngram", "blind": True},
+                    "eagle": {"draft": "eagle", "tree": "dynamic:31"}},
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -371,7 +378,7 @@ def main() -> None:
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
-                plain_margin = fields.pop("plain_margin", None)
+                plain_margin, blind = fields.pop("plain_margin", None), fields.pop("blind", False)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
@@ -383,6 +390,7 @@ def main() -> None:
                     epochs = dict(hold_epochs=1 << 30, max_hold_epochs=1 << 30) if no_probes else {}
                     epochs.update({} if plain_margin is None else {"plain_margin": plain_margin})
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, **epochs)
+                    eng.adaptive.shadow = None if blind else eng.adaptive.shadow
                     if plain_only:
                         eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once

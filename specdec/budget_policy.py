@@ -53,7 +53,12 @@ class EpochConfig:
     search's start) needs only its step cost: its first epoch is first_min_steps timed steps. start_tokens: a bucket's
     search starts at no budget whose verify of the bucket's rows holds more tokens than this (the optima measured on the
     H200, bench/RESULTS.md session 21: the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's
-    first steps at a large batch do not pay for the full tree."""
+    first steps at a large batch do not pay for the full tree. shadow_rows, shadow_min_rows, shadow_kept: with a
+    proposer whose chains cost nothing on the device (``Drafter.free_chain``: n-gram lookup), a bucket held at plain
+    decoding looks up the chains of shadow_rows of its rows per step (in turn) and counts what each budget would have
+    committed on them once their tokens are known (``EpochBudget.watch``); a speculating budget is probed only when
+    those counts, over at least shadow_min_rows looked-up rows (halved past shadow_kept, so they follow the text),
+    say it may beat plain decoding."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -68,6 +73,9 @@ class EpochConfig:
     first_row_steps: int = 192
     first_min_steps: int = 4
     start_tokens: int = 512
+    shadow_rows: int = 1
+    shadow_min_rows: int = 64
+    shadow_kept: int = 2048
 
 
 class _Epochs:
@@ -90,6 +98,8 @@ class _Epochs:
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
         self.ended = 0  # ``EpochBudget``'s count of ended epochs when this state was made (its start was derived)
+        # rows looked up while held at plain decoding, then the tokens each budget would have committed on them
+        self.shadow = [0] * (n + 1)
 
     @property
     def timed(self) -> int:
@@ -159,8 +169,14 @@ class EpochBudget:
     and not of either budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface
     as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
-    def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None, agree=None) -> None:
+    def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None, agree=None,
+                 shadow=None) -> None:
         self.config = config or EpochConfig()
+        # ``shadow(req, k)``: the chain of at most k tokens the proposer would give ``req`` now, looked up on the host
+        # at no device cost (``Drafter.free_chain``), or None: probes are gated by what those chains would commit
+        self.shadow = shadow
+        self._watched: deque = deque(maxlen=1024)  # (state, request, its length, chain) not yet resolved
+        self._turn = 0  # the next row ``watch`` looks up
         # under tensor parallelism: each ended epoch's decisions become rank 0's (``parallel.from_rank0``); every
         # rank ends its epochs at the same steps (they count steps, not seconds), but chooses from its own timings
         self.agree = agree
@@ -227,10 +243,56 @@ class EpochBudget:
         """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
         proposer.budget = self.choose(rows)
         state = self._step[0]
+        self.watch(rows)
         results = verifier.verify_proposal(rows, proposer.propose(rows))
         # (plain decoding commits one token per row: nothing to count)
         self._step = (state, step_tokens(results, self._nodes[:state.held + 1]) if state.held else [len(results)])
         return results
+
+    def watch(self, rows: list) -> None:
+        """With a ``shadow`` proposer, in a bucket held at plain decoding after its search: look up the chains of
+        ``EpochConfig.shadow_rows`` of ``rows`` (in turn), and count the chains looked up earlier whose rows' tokens
+        are now known. Each token a row commits is the target's own choice at its position (its argmax, or its draw
+        under the request's keyed noise) whatever was proposed, so a chain proposed at a row's length L would have
+        had accepted exactly its longest prefix equal to the tokens the row committed from L on: a budget of n
+        commits 1 + min(that prefix, n) tokens there."""
+        state = self._step[0] if self._step is not None else None
+        if self.shadow is None or state is None:
+            return
+        cfg, longest = self.config, self._nodes[-1]
+        if state.held == 0 and not state.searching and rows:
+            for _ in range(min(cfg.shadow_rows, len(rows))):
+                req = rows[self._turn % len(rows)]
+                self._turn += 1
+                self._watched.append((state, req, len(req.tokens), self.shadow(req, longest)))
+        while self._watched:
+            st, req, length, chain = self._watched[0]
+            known = req.tokens[length:length + len(chain)]
+            if len(known) < len(chain) and not req.finished:
+                break  # (rows move together: the later ones are not known yet either)
+            self._watched.popleft()
+            accepted = next((i for i, (a, b) in enumerate(zip(chain, known)) if a != b), min(len(chain), len(known)))
+            counts = st.shadow
+            counts[0] += 1
+            for j, n in enumerate(self._nodes):
+                counts[1 + j] += 1 + min(accepted, n)
+            if counts[0] > cfg.shadow_kept:
+                st.shadow = [c / 2 for c in counts]
+
+    def _may_pay(self, state: _Epochs, j: int) -> bool:
+        """Whether a probe of speculating budget j could move a bucket held at plain decoding: its looked-up
+        chains (``watch``) would commit enough more tokens per row than plain decoding, over budget j's step cost
+        relative to plain decoding's when both are measured (else plain's: a larger verify costs no less), to come
+        within ``margin`` of what ``_best`` asks of it. True until enough rows were looked up."""
+        rows, cfg = state.shadow[0], self.config
+        if self.shadow is None or rows < cfg.shadow_min_rows:
+            return True
+        gain = state.shadow[1 + j] / rows
+        c0, cj = state.cost(0), state.cost(j)
+        if c0 and cj:
+            gain *= c0 / cj
+        plain = cfg.plain_margin if state.key[0] > 1 else cfg.margin
+        return gain > 1 + plain - cfg.margin
 
     def observe_step(self, seconds: float) -> None:
         """Wall seconds of the whole engine step whose rows ``speculate`` ran last."""
@@ -296,6 +358,8 @@ class EpochBudget:
             # budget, often the least gain, so a plain choice made from a search's slow first steps would otherwise
             # never measure the larger ones again)
             turn += list(range(2, len(self.options))) if state.best == 0 else []
+            if state.best == 0:  # (a proposer whose chains are free: only the budgets they say may pay)
+                turn = [j for j in turn if self._may_pay(state, j)]
             if turn:
                 state.held = turn[state.probes % len(turn)]
                 state.probes += 1
@@ -390,6 +454,7 @@ def make_controller(enabled: bool, drafter, graphs, epochs: bool = False,
         return None
     buckets = graphs.query_buckets[0] if graphs is not None else QUERY_BUCKETS
     if epochs:
-        return EpochBudget(undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n), agree=agree)
+        return EpochBudget(undominated(budget_options(drafter), lambda n: bucket(n, buckets) or n), agree=agree,
+                           shadow=drafter.free_chain if drafter.free_chains else None)
     table = graphs.measure_costs() if graphs is not None and graphs.graphs else None
     return BudgetController(budget_options(drafter), cost_table=table, query_buckets=buckets)

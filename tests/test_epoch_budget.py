@@ -396,3 +396,73 @@ def test_held_at_plain_decoding_the_larger_budgets_are_probed_too():
         slow = i < 12 and NODES.index(held(ctrl, rows) if ctrl.states else 15) >= 2  # the search's first steps
         seq.append(step(ctrl, rows, tok.__getitem__, lambda n, s=slow: (3.0 if s else ms[n]) * 1e-3))
     assert 0 in seq[12:40] and held(ctrl, rows) == 7 and seq[-40:].count(7) > 20
+
+
+class Row:
+    """A sampled row whose committed tokens follow ``text`` (token p is text(p)), one per plain step."""
+
+    def __init__(self, length: int, text) -> None:
+        self.params = SimpleNamespace(greedy=False)
+        self.text, self.tokens, self.finished = text, [text(p) for p in range(length)], False
+
+    def commit(self) -> None:
+        self.tokens.append(self.text(len(self.tokens)))
+
+
+def watched_step(ctrl: EpochBudget, rows: list, tok, cost) -> int:
+    """``step``, with ``watch`` where ``speculate`` calls it and each row committing one token."""
+    nodes = ctrl.choose(rows)
+    ctrl.watch(rows)
+    state = ctrl._step[0]
+    ctrl._step = (state, [len(rows) * tok(n) for n in NODES[:state.held + 1]])
+    for r in rows:
+        r.commit()
+    ctrl.observe_step(cost(nodes) * 1e-3)
+    return nodes
+
+
+def test_watch_counts_what_each_budget_would_have_committed():
+    """A chain looked up at a row's length L would have accepted its longest prefix equal to the tokens the row
+    committed from L on: a budget of n commits 1 + min(that prefix, n) tokens. Counted once those tokens are known,
+    or once the row ended with fewer."""
+    text = {5: 50, 6: 60, 7: 70}.get
+    chains = iter([[50, 60, 99, 0], [50], []])
+    ctrl = EpochBudget(OPTIONS, short(shadow_rows=1), shadow=lambda req, k: next(chains)[:k])
+    row = Row(5, lambda p: text(p, p))
+    ctrl.choose([row])
+    state = ctrl._step[0]
+    state.searching, state.held = False, 0  # (held at plain decoding after its search)
+    ctrl.watch([row])
+    assert state.shadow == [0] * 5  # (its tokens from 5 on are not known yet)
+    for _ in range(4):
+        row.commit()
+    ctrl.watch([row])  # resolves the first chain (2 of 4 accepted), looks up the second at length 9
+    assert state.shadow == [1, 1, 3, 3, 3]
+    row.finished = True  # ended at length 9: the second chain's token never came
+    ctrl.watch([row])  # (and looks up an empty chain, known at once: one token under every budget)
+    assert state.shadow == [3, 3, 5, 5, 5]
+
+
+@pytest.mark.parametrize("chains", ["none", "wrong", "right"])
+def test_plain_decoding_probes_only_budgets_its_free_chains_say_may_pay(chains):
+    """Held at plain decoding after its search (speculating gains 5-10% tokens here, short of plain_margin), a
+    bucket probes every speculating budget in turn; with free chains (``shadow``) it probes none of them while the
+    chains it looks up would commit nothing more than plain decoding, and goes on probing while they would."""
+    text = lambda p: p % 11  # noqa: E731 - a row's tokens
+    shadow = {"none": None, "wrong": lambda req, k: [99] * k,
+              "right": lambda req, k: [text(p) for p in range(len(req.tokens), len(req.tokens) + k)]}[chains]
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=2, max_hold_epochs=2, shadow_min_rows=16),
+                       shadow=shadow)
+    rows = [Row(12, text) for _ in range(8)]
+    tok, cost = model({0: 1.0, 3: 1.05, 7: 1.08, 15: 1.1}, MS)
+    seq = [watched_step(ctrl, rows, tok, cost) for _ in range(600)]
+    state = state_of(ctrl, rows)
+    assert state.best == 0 and seq[-1] == 0
+    probes = [e for e in ctrl.epoch_log() if e["phase"] == "probe"]
+    if chains == "wrong":
+        assert state.shadow[0] >= 16 and state.shadow[1:] == [state.shadow[0]] * 4
+        assert len(probes) <= 3  # (only before enough rows were looked up)
+    else:
+        assert len(probes) > 10 and {e["nodes"] for e in probes} == {3, 7, 15}
+    if chains == "right":
+        assert state.shadow[2] == 4 * state.shadow[0]  # budget 3: every chain's 3 tokens and the bonus

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec import SamplingParams, SpecConfig, SpecEngine
-from specdec.drafters.ngram import NgramDrafter, NgramIndex, ngram_lookup
+from specdec.drafters.ngram import NgramDrafter, NgramIndex, ngram_lookup, ngram_lookup_array
 from specdec.drafters.ngram_ops import ngram_follow_reference
 from specdec.errors import FieldError
 
@@ -65,6 +65,18 @@ def test_kernel_equals_reference(dev, q, k, max_n, min_n, vocab):
         ref = ngram_follow_reference(ref_hist, rows, ids, positions, accept, k, long_n, min_n)
         out = ngram_follow(hist, rows, ids, positions, accept, k, long_n, min_n, use_triton=use_triton)
         assert torch.equal(hist, ref_hist) and torch.equal(out, ref)
+
+
+def test_array_lookup_equals_the_scan():
+    """``ngram_lookup_array`` (the budget controller's free chains) gives ``ngram_lookup``'s chain on random texts
+    of small vocabularies (many matches) and large ones (few), for every n range and chain length."""
+    rng = random.Random(3)
+    for _ in range(2000):
+        vocab = rng.choice([2, 3, 7, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 50))]
+        k, max_n = rng.randrange(0, 9), rng.randrange(1, 5)
+        min_n = rng.randrange(1, max_n + 1)
+        assert ngram_lookup_array(tokens, k, max_n, min_n) == ngram_lookup(tokens, k, max_n, min_n), (tokens, k)
 
 
 def test_reference_extends_the_history_then_looks_up():

@@ -141,3 +141,32 @@ def test_gpu_budgets_with_captured_graphs(tiny_dirs):
     assert outs[True] == outs[False]
     assert pipe.adopted > eng.verifier.followup.launches // 3 and pipe.dropped > 0
     assert {key[0][2] for key in pipe.hook.advance.graphs} == {1, 2, 4, 9}
+
+
+def test_free_chains_watched_at_plain_decoding_change_no_token(tiny_target):
+    """The n-gram engine's epoch controller looks its rows' chains up on the host while it holds plain decoding
+    (``EpochBudget.watch``): the tokens are those of the same controller without free chains (greedy rows
+    target-only's, seeded sampled rows the same draws), the chains looked up are counted once their rows' tokens are
+    known, and they count more than plain decoding's tokens under a speculating budget only where a chain matched."""
+    from specdec.budget_policy import EpochBudget, EpochConfig, make_controller
+
+    prompts, params, ref = _sampled_case(tiny_target)
+    outs, ctrls = {}, {}
+    for free in (False, True):
+        eng = _engine(tiny_target, "chain:8", True)
+        ctrl = ctrls[free] = make_controller(True, eng.drafter, None, epochs=True)
+        assert isinstance(ctrl, EpochBudget) and (ctrl.shadow is not None)
+        ctrl.shadow = ctrl.shadow if free else None
+        # held at plain decoding: the search's speculating budgets cost far more than they commit
+        ctrl.config = EpochConfig(epoch_steps=2, epoch_rows=0, first_row_steps=0, hold_epochs=2, max_hold_epochs=2,
+                                  plain_margin=10.0, shadow_rows=4, shadow_min_rows=4)
+        eng.adaptive = ctrl
+        outs[free] = _generated(eng, prompts, params)
+        assert eng.all_blocks_free()
+    assert outs[True] == outs[False]
+    assert [outs[True][i] for i, p in enumerate(params) if p.greedy] == [ref[i] for i, p in enumerate(params)
+                                                                         if p.greedy]
+    shadow = [s.shadow for s in ctrls[True].states.values() if s.shadow[0]]
+    assert shadow and all(s[1] == s[0] and s[-1] >= s[2] >= s[0] for s in shadow)  # (budget 0: one token a row)
+    assert any(s[-1] > s[0] for s in shadow)  # (a chain that matched: here one token of one)
+    assert all(s.shadow[0] == 0 for s in ctrls[False].states.values())

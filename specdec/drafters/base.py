@@ -32,6 +32,7 @@ class Drafter(ABC):
     step_prefilled: bool = False  # the engine's current step ran a prefill (set by the engine every step)
     joining: tuple = ()  # requests whose prompt that prefill finished: they decode from the next step (ditto)
     pipelined: bool = False  # steps are queued one step early (``specdec.pipeline``): set before ``lookahead`` is read
+    free_chains: bool = False  # ``free_chain`` gives the chain ``propose`` would, at no device cost (n-gram lookup)
 
     @property
     def node_budget(self) -> int:
@@ -54,6 +55,12 @@ class Drafter(ABC):
     def forget(self) -> None:  # noqa: B027 - optional hook, most drafters keep nothing across requests
         """Drop what was learned from earlier requests' text (benchmarks call it before each timed run, so a
         repeated prompt is not drafted from its own earlier reply)."""
+
+    def free_chain(self, req: Request, k: int) -> list[int]:
+        """The chain of at most ``k`` tokens this drafter would propose for ``req`` now, computed on the host without
+        device work (only where ``free_chains``): the budget controller's look at what speculating would commit
+        while it decodes plainly (``EpochBudget.watch``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no free chains")
 
     @abstractmethod
     def propose(self, rows: list[Request]) -> Proposal:

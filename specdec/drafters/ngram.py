@@ -8,6 +8,8 @@ prompts repeat each other, and a longer match is accepted further.
 
 from __future__ import annotations
 
+import numpy as np
+
 from specdec.drafters.base import Drafter, Proposal
 from specdec.scheduler.request import Request
 from specdec.tree import DraftTree
@@ -21,6 +23,23 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
         for start in range(L - n - 1, -1, -1):
             if tokens[start:start + n] == suffix:
                 return tokens[start + n:start + n + k]
+    return []
+
+
+def ngram_lookup_array(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """``ngram_lookup``'s result by numpy comparisons over the whole list (one pass per n in C), without an index."""
+    L = len(tokens)
+    if L < 2 or k < 1:
+        return []
+    a = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hit = a[:L - n] == a[L - n]  # starts 0 .. L - n - 1: an n-gram followed by at least one token
+        for j in range(1, n):
+            hit &= a[j:L - n + j] == a[L - n + j]
+        found = np.flatnonzero(hit)
+        if found.size:
+            start = int(found[-1])
+            return tokens[start + n:start + n + k]
     return []
 
 
@@ -226,6 +245,7 @@ class NgramDrafter(Drafter):
     ``shared``: greedy rows also draw from every other request's text (``SharedNgrams``)."""
 
     uses_kv = False
+    free_chains = True  # a chain is a host lookup (``free_chain``)
 
     def __init__(self, k: int = 8, max_n: int = 4, min_n: int = 1, device="cpu", shared: bool = True) -> None:
         if not 1 <= k <= 63:
@@ -315,6 +335,11 @@ class NgramDrafter(Drafter):
                 drafts.append([] if served else self.host_chain(req, k))
         # host trees: verification reads their host view (a queued step adopted in their place verified these chains)
         return Proposal(DraftTree.chains(drafts), [None] * n)
+
+    def free_chain(self, req: Request, k: int) -> list[int]:
+        """``req``'s chain from its own text (``ngram_lookup``, as the device lookups of ``ngram_device`` give), by
+        whole-array comparisons: no index is kept, so a row looked up now and then costs O(its length) in C."""
+        return ngram_lookup_array(req.tokens, _most(req, k), self.max_n, self.min_n)
 
     def host_chain(self, req: Request, k: int) -> list[int]:
         """``req``'s chain of at most ``k`` tokens (and of the tokens still to come) looked up on the host."""
