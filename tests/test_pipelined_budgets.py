@@ -143,20 +143,29 @@ def test_gpu_budgets_with_captured_graphs(tiny_dirs):
     assert {key[0][2] for key in pipe.hook.advance.graphs} == {1, 2, 4, 9}
 
 
+def _recorded(free_chain, looked: list):
+    """``free_chain``, each call's (request, its length, the chain) appended to ``looked``."""
+    def look(req, k: int) -> list[int]:
+        looked.append((req, len(req.tokens), free_chain(req, k)))
+        return looked[-1][2]
+    return look
+
+
 def test_free_chains_watched_at_plain_decoding_change_no_token(tiny_target):
     """The n-gram engine's epoch controller looks its rows' chains up on the host while it holds plain decoding
     (``EpochBudget.watch``): the tokens are those of the same controller without free chains (greedy rows
-    target-only's, seeded sampled rows the same draws), the chains looked up are counted once their rows' tokens are
-    known, and they count more than plain decoding's tokens under a speculating budget only where a chain matched."""
+    target-only's, seeded sampled rows the same draws), and every chain looked up is counted, once its row's tokens
+    are known, as its longest prefix equal to the tokens the row went on to commit (recomputed here from the
+    finished requests), cut to each budget."""
     from specdec.budget_policy import EpochBudget, EpochConfig, make_controller
 
     prompts, params, ref = _sampled_case(tiny_target)
-    outs, ctrls = {}, {}
+    outs, ctrls, looked = {}, {}, []
     for free in (False, True):
         eng = _engine(tiny_target, "chain:8", True)
         ctrl = ctrls[free] = make_controller(True, eng.drafter, None, epochs=True)
-        assert isinstance(ctrl, EpochBudget) and (ctrl.shadow is not None)
-        ctrl.shadow = ctrl.shadow if free else None
+        assert isinstance(ctrl, EpochBudget) and ctrl.shadow is not None
+        ctrl.shadow = _recorded(eng.drafter.free_chain, looked) if free else None
         # held at plain decoding: the search's speculating budgets cost far more than they commit
         ctrl.config = EpochConfig(epoch_steps=2, epoch_rows=0, first_row_steps=0, hold_epochs=2, max_hold_epochs=2,
                                   plain_margin=10.0, shadow_rows=4, shadow_min_rows=4)
@@ -166,7 +175,11 @@ def test_free_chains_watched_at_plain_decoding_change_no_token(tiny_target):
     assert outs[True] == outs[False]
     assert [outs[True][i] for i, p in enumerate(params) if p.greedy] == [ref[i] for i, p in enumerate(params)
                                                                          if p.greedy]
-    shadow = [s.shadow for s in ctrls[True].states.values() if s.shadow[0]]
-    assert shadow and all(s[1] == s[0] and s[-1] >= s[2] >= s[0] for s in shadow)  # (budget 0: one token a row)
-    assert any(s[-1] > s[0] for s in shadow)  # (a chain that matched: here one token of one)
+    want = [0] * (len(ctrl.options) + 1)
+    for req, length, chain in looked:
+        done = req.tokens[length:length + len(chain)]
+        prefix = next((i for i, (a, b) in enumerate(zip(chain, done)) if a != b), min(len(chain), len(done)))
+        want = [want[0] + 1] + [w + 1 + min(prefix, o.nodes) for w, o in zip(want[1:], ctrl.options)]
+    got = [sum(col) for col in zip(*(s.shadow for s in ctrls[True].states.values()))]
+    assert len(looked) > 8 and got == want
     assert all(s.shadow[0] == 0 for s in ctrls[False].states.values())
