@@ -26,20 +26,21 @@ def ngram_lookup(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> l
     return []
 
 
-def ngram_lookup_array(tokens: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
-    """``ngram_lookup``'s result by numpy comparisons over the whole list (one pass per n in C), without an index."""
+def ngram_lookup_array(tokens, k: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """``ngram_lookup``'s result by numpy over the whole text (a list or an int array), without an index: one pass in
+    C finds the earlier positions of the last token, and each longer suffix only filters those."""
     L = len(tokens)
     if L < 2 or k < 1:
         return []
     a = np.asarray(tokens, dtype=np.int64)
+    ends = np.flatnonzero(a[:L - 1] == a[L - 1])  # where an earlier match would end (each followed by a token)
     for n in range(min(max_n, L - 1), min_n - 1, -1):
-        hit = a[:L - n] == a[L - n]  # starts 0 .. L - n - 1: an n-gram followed by at least one token
+        e = ends[ends >= n - 1]
         for j in range(1, n):
-            hit &= a[j:L - n + j] == a[L - n + j]
-        found = np.flatnonzero(hit)
-        if found.size:
-            start = int(found[-1])
-            return tokens[start + n:start + n + k]
+            e = e[a[e - j] == a[L - 1 - j]]
+        if e.size:
+            end = int(e[-1])
+            return a[end + 1:end + 1 + k].tolist()
     return []
 
 
@@ -258,6 +259,8 @@ class NgramDrafter(Drafter):
         self.max_nodes = k
         self.unrolled = NgramIndex.unrolled_shape(max_n, min_n, self.shared)  # its indexes take lookup_unrolled
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
+        self._texts: dict[Request, tuple[np.ndarray, int]] = {}  # requests -> a copy of their text (``free_chain``)
+        self._texts_prune_at = 64
         self._prune_at = 64
         self.device_chains = None  # a ``DeviceNgram`` (the engine sets it): chains looked up on the device
 
@@ -338,8 +341,24 @@ class NgramDrafter(Drafter):
 
     def free_chain(self, req: Request, k: int) -> list[int]:
         """``req``'s chain from its own text (``ngram_lookup``, as the device lookups of ``ngram_device`` give), by
-        whole-array comparisons: no index is kept, so a row looked up now and then costs O(its length) in C."""
-        return ngram_lookup_array(req.tokens, _most(req, k), self.max_n, self.min_n)
+        whole-array comparisons over a copy of the text kept per request (extended by the tokens since its last
+        lookup; copies of requests that ended are dropped once their number has doubled): no index is kept, so a
+        row looked up now and then costs O(its length) in C."""
+        buf, filled = self._texts.get(req, (None, 0))
+        n = len(req.tokens)
+        if buf is None or buf.size < n:
+            if buf is None and len(self._texts) >= self._texts_prune_at:
+                for old in [r for r in self._texts if r.finished]:
+                    del self._texts[old]
+                self._texts_prune_at = 2 * len(self._texts) + 64
+            grown = np.empty(max(2 * n, 256), dtype=np.int64)
+            if filled:
+                grown[:filled] = buf[:filled]
+            buf = grown
+        if n > filled:
+            buf[filled:n] = req.tokens[filled:n]
+        self._texts[req] = (buf, n)
+        return ngram_lookup_array(buf[:n], _most(req, k), self.max_n, self.min_n)
 
     def host_chain(self, req: Request, k: int) -> list[int]:
         """``req``'s chain of at most ``k`` tokens (and of the tokens still to come) looked up on the host."""
