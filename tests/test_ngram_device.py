@@ -79,6 +79,37 @@ def test_array_lookup_equals_the_scan():
         assert ngram_lookup_array(tokens, k, max_n, min_n) == ngram_lookup(tokens, k, max_n, min_n), (tokens, k)
 
 
+class _Row:
+    """What ``free_chain`` reads of a request: its tokens, prompt, max_new_tokens and whether it ended."""
+
+    def __init__(self, tokens: list[int], max_new_tokens: int) -> None:
+        from types import SimpleNamespace
+
+        self.tokens, self.prompt_ids, self.finished = tokens, tokens[:], False
+        self.params = SimpleNamespace(max_new_tokens=max_new_tokens)
+
+
+def test_free_chain_follows_a_growing_text():
+    """``NgramDrafter.free_chain`` (its copy of each row's text extended as the row grows, past its first capacity)
+    gives ``ngram_lookup``'s chain of the row's current text, cut to the tokens still to come; the copies of rows that
+    ended are dropped once their number has doubled."""
+    rng = random.Random(4)
+    drafter = NgramDrafter(k=8)
+    rows = [_Row([rng.randrange(5) for _ in range(rng.randrange(2, 40))], 400) for _ in range(3)]
+    for step in range(420):
+        row = rows[step % 3]
+        room = row.params.max_new_tokens + len(row.prompt_ids) - len(row.tokens) - 1
+        assert drafter.free_chain(row, 8) == ngram_lookup(row.tokens, min(8, max(room, 0))), step
+        for r in rows:
+            r.tokens.append(rng.randrange(5))
+    assert len(drafter._texts) == 3
+    for row in rows:
+        row.finished = True
+    for _ in range(70):  # new rows: the ended ones' copies go once 64 are kept
+        drafter.free_chain(_Row([1, 2, 1], 4), 2)
+    assert not any(r in drafter._texts for r in rows)
+
+
 def test_reference_extends_the_history_then_looks_up():
     """One row by hand: pending token 2 at position 4 of [7, 1, 2, 3, 2]; the verify accepts node 2 then node 3
     (tokens 1, 2) and its bonus token is 3, so the history is [7, 1, 2, 3, 2, 1, 2, 3]: the suffix (1, 2, 3) last
