@@ -39,26 +39,26 @@ class EpochConfig:
     rows a few at a time, each admission a step in which the joining rows decode nothing, and the last rows drain alone,
     where plain decoding's rows end together and the next ones join at once; a budget's rate counts tokens per live row
     and does not see that: on the H100 the held budget's rate over plain decoding's promised 10-23% more than the runs
-    gave at batch 16 and 6-14% more at batch 64 (bench/RESULTS.md, sessions 32-34), so a budget promising less than 15%
-    more gained nothing or lost. window: the latest epochs of each budget kept (its step cost is the least of their
-    median steps: what slows a step is never the budget's doing when another epoch of it ran faster; its token counts
-    are summed); plain_reach: budget 0 is probed (once it has window epochs) only while the best measures less than this
-    much more than it (a probe of plain decoding where the best is far ahead costs a whole epoch and moves nothing);
-    cost_slack: a search re-measures, once, a budget whose step measured more than this much dearer than a larger
-    budget's (a smaller verify costs no more: something else slowed that epoch); max_epoch_steps: steps after which an
-    epoch ends however few of them were timed (steps that ran a prefill are not); first_row_steps, first_min_steps: the
-    search's first epoch ends early, once it timed first_min_steps steps over first_row_steps rows in all (a large
-    batch's step averages over many rows, so a few steps measure it; a new engine's first requests then spend less time
-    on budgets it will not hold); a budget whose tokens a larger one's epochs already counted (every budget below the
-    search's start) needs only its step cost: its first epoch is first_min_steps timed steps. start_tokens: a bucket's
-    search starts at no budget whose verify of the bucket's rows holds more tokens than this (the optima measured on the
-    H200, bench/RESULTS.md session 21: the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64), so a new engine's
-    first steps at a large batch do not pay for the full tree. shadow_rows, shadow_min_rows, shadow_kept: with a
-    proposer whose chains cost nothing on the device (``Drafter.free_chain``: n-gram lookup), a bucket held at plain
-    decoding looks up the chains of shadow_rows of its rows per step (in turn) and counts what each budget would have
-    committed on them once their tokens are known (``EpochBudget.watch``); a speculating budget is probed only when
-    those counts, over at least shadow_min_rows looked-up rows (halved past shadow_kept, so they follow the text),
-    say it may beat plain decoding."""
+    gave at batch 16 and 6-14% more at batch 64 (bench/RESULTS.md, "Findings behind current defaults"), so a budget
+    promising less than 15% more gained nothing or lost. window: the latest epochs of each budget kept (its step cost is
+    the least of their median steps: what slows a step is never the budget's doing when another epoch of it ran faster;
+    its token counts are summed); plain_reach: budget 0 is probed (once it has window epochs) only while the best
+    measures less than this much more than it (a probe of plain decoding where the best is far ahead costs a whole epoch
+    and moves nothing); cost_slack: a search re-measures, once, a budget whose step measured more than this much dearer
+    than a larger budget's (a smaller verify costs no more: something else slowed that epoch); max_epoch_steps: steps
+    after which an epoch ends however few of them were timed (steps that ran a prefill are not); first_row_steps,
+    first_min_steps: the search's first epoch ends early, once it timed first_min_steps steps over first_row_steps rows
+    in all (a large batch's step averages over many rows, so a few steps measure it; a new engine's first requests then
+    spend less time on budgets it will not hold); a budget whose tokens a larger one's epochs already counted (every
+    budget below the search's start) needs only its step cost: its first epoch is first_min_steps timed steps.
+    start_tokens: a bucket's search starts at no budget whose verify of the bucket's rows holds more tokens than this
+    (the measured optima were the full 31-node tree at batch 16, 7 at 32, 7 to 15 at 64: bench/RESULTS.md, "Findings
+    behind current defaults"), so a new engine's first steps at a large batch do not pay for the full tree. shadow_rows,
+    shadow_min_rows, shadow_kept: with a proposer whose chains cost nothing on the device (``Drafter.free_chain``:
+    n-gram lookup), a bucket held at plain decoding looks up the chains of shadow_rows of its rows per step (in turn)
+    and counts what each budget would have committed on them once their tokens are known (``EpochBudget.watch``); a
+    speculating budget is probed only when those counts, over at least shadow_min_rows looked-up rows (halved past
+    shadow_kept, so they follow the text), say it may beat plain decoding."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256

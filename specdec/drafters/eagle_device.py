@@ -23,7 +23,7 @@ draft's distribution at temperature T / S coupled with the target's own draw the
 it equals the target's draw, lossless whatever the draft proposes. S (``SAMPLED_DRAFT_SHARPNESS``) > 1 sharpens
 the draft: a draft trained toward the target is less sure than it, and a draw coupled with the target's agrees
 with it more often from a sharper draft (the value chosen by the shipped draft's accepted lengths at several S:
-bench/RESULTS.md, session 32).
+bench/RESULTS.md, "Findings behind current defaults").
 """
 
 from __future__ import annotations
