@@ -163,8 +163,9 @@ def test_a_client_leaving_a_non_streaming_request_logs_no_traceback(server):
     assert [r.getMessage() for r in errors[before:]] == []
 
 
-def _stream_gaps(url: str, until: threading.Event) -> list[float]:
-    """Stream completions back to back until ``until`` is set; every wait for an event (the first one too)."""
+def _stream_gaps(url: str, until: threading.Event, started: threading.Event | None = None) -> list[float]:
+    """Stream completions back to back until ``until`` is set (the one under way when it is set runs to its end);
+    every wait for an event (the first one too). ``started`` is set at the first event."""
     gaps = []
     with httpx.Client(timeout=60) as http:
         while not until.is_set():
@@ -176,6 +177,8 @@ def _stream_gaps(url: str, until: threading.Event) -> list[float]:
                         now = time.perf_counter()
                         gaps.append(now - last)
                         last = now
+                        if started is not None:
+                            started.set()
     return gaps
 
 
@@ -185,11 +188,12 @@ def test_a_huge_body_stalls_no_stream(server, size, status):
     tokenizer) and refused for its length. Meanwhile streams see no gap over 0.5 s between events: the prompt was
     tokenised on the engine loop and every stream froze for as long."""
     url = server[0]
-    done, answer = threading.Event(), {}
+    done, streaming, answer = threading.Event(), threading.Event(), {}
     body = json.dumps(_completion(prompt="y" * size)).encode()  # (encoded here: the server shares this process's GIL)
 
     def send_big() -> None:
         try:
+            streaming.wait(30)  # (sent while a stream runs, which then goes on to its 64 events)
             with httpx.Client(timeout=120) as http:
                 r = http.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
                 answer["status"], answer["error"] = r.status_code, r.json()["error"]
@@ -199,9 +203,8 @@ def test_a_huge_body_stalls_no_stream(server, size, status):
             done.set()
 
     big = threading.Thread(target=send_big)
-    time.sleep(0.1)
     big.start()
-    gaps = _stream_gaps(url, done)
+    gaps = _stream_gaps(url, done, streaming)
     big.join()
     assert answer["status"] == status, answer
     if status == 400:
