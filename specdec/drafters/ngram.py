@@ -260,8 +260,7 @@ class NgramDrafter(Drafter):
         self.unrolled = NgramIndex.unrolled_shape(max_n, min_n, self.shared)  # its indexes take lookup_unrolled
         self._index: dict[Request, NgramIndex] = {}  # requests (identity-hashed) -> their index
         self._texts: dict[Request, tuple[np.ndarray, int]] = {}  # requests -> a copy of their text (``free_chain``)
-        self._texts_prune_at = 64
-        self._prune_at = 64
+        self._prune_at = {"index": 64, "texts": 64}  # each table's size at which its ended requests are dropped
         self.device_chains = None  # a ``DeviceNgram`` (the engine sets it): chains looked up on the device
 
     @property
@@ -311,12 +310,17 @@ class NgramDrafter(Drafter):
         are dropped once the table has doubled since the last clean-up."""
         index = self._index.get(req)
         if index is None:
-            if len(self._index) >= self._prune_at:
-                for old in [r for r in self._index if r.finished]:
-                    del self._index[old]
-                self._prune_at = 2 * len(self._index) + 64
+            self._prune("index", self._index)
             index = self._index[req] = NgramIndex(self.max_n, self.min_n, self.shared)
         return index
+
+    def _prune(self, name: str, table: dict) -> None:
+        """Drop the entries of requests that ended (finished, aborted or failed) from ``table`` (one of this
+        drafter's per-request tables, ``name`` in ``_prune_at``) once it has doubled since its last clean-up."""
+        if len(table) >= self._prune_at[name]:
+            for old in [r for r in table if r.finished]:
+                del table[old]
+            self._prune_at[name] = 2 * len(table) + 64
 
     def accepted(self, rows: list[Request], results) -> None:
         if self.device_chains is not None:
@@ -347,10 +351,8 @@ class NgramDrafter(Drafter):
         buf, filled = self._texts.get(req, (None, 0))
         n = len(req.tokens)
         if buf is None or buf.size < n:
-            if buf is None and len(self._texts) >= self._texts_prune_at:
-                for old in [r for r in self._texts if r.finished]:
-                    del self._texts[old]
-                self._texts_prune_at = 2 * len(self._texts) + 64
+            if buf is None:
+                self._prune("texts", self._texts)
             grown = np.empty(max(2 * n, 256), dtype=np.int64)
             if filled:
                 grown[:filled] = buf[:filled]
