@@ -78,7 +78,7 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_q": {"draft": "ngram", "admit_share": 4},
                     "ngram_h": {"draft": "ngram", "admit_share": 2},
-                    "ngram_h5": {"draft": "ngram", "admit_share": 2, "plain_margin": 0.05}},
+                    "ngram_h5": {"draft": "ngram", "admit_share": 2, "epoch": {"plain_margin": 0.05}}},
     # the defaults (admission groups of an eighth of the batch and at least 8 rows from 16 on: ``plan.admit_group``)
     # against groups of an eighth ("_e", the default before; the same at batch 64)
     # n-gram watched at plain decoding (``EpochBudget.watch``: probes only where its free chains say they may pay)
@@ -88,6 +88,13 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_blind": {"draft": "ngram", "blind": True},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"}},
+    # n-gram held at plain decoding probes the budget its free chains say would be chosen after one epoch
+    # (``EpochConfig.shadow_wait``) against waiting for its turn ("_wait", the watch before), greedy where text turns
+    # to what chains predict, and sampled where their counts should keep it from probing
+    "ngram_eager": {"target_only": {"draft": None},
+                    "ngram": {"draft": "ngram"},
+                    "ngram_wait": {"draft": "ngram", "epoch": {"shadow_wait": 1 << 30}},
+                    "ngram_blind": {"draft": "ngram", "blind": True}},
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -378,7 +385,7 @@ def main() -> None:
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
-                plain_margin, blind = fields.pop("plain_margin", None), fields.pop("blind", False)
+                epoch, blind = fields.pop("epoch", {}), fields.pop("blind", False)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
                 if draft == "eagle":
@@ -388,7 +395,7 @@ def main() -> None:
                                                                            prefix_cache=False, **KV, **fields))
                 if isinstance(eng.adaptive, EpochBudget):  # (its config is read as each bucket's state is made)
                     epochs = dict(hold_epochs=1 << 30, max_hold_epochs=1 << 30) if no_probes else {}
-                    epochs.update({} if plain_margin is None else {"plain_margin": plain_margin})
+                    epochs.update(epoch)
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, **epochs)
                     eng.adaptive.shadow = None if blind else eng.adaptive.shadow
                     if plain_only:

@@ -58,7 +58,10 @@ class EpochConfig:
     n-gram lookup), a bucket held at plain decoding looks up the chains of shadow_rows of its rows per step (in turn)
     and counts what each budget would have committed on them once their tokens are known (``EpochBudget.watch``); a
     speculating budget is probed only when those counts, over at least shadow_min_rows looked-up rows (halved past
-    shadow_kept, so they follow the text), say it may beat plain decoding."""
+    shadow_kept, so they follow the text), say it may beat plain decoding; shadow_wait: once they say a budget would be
+    chosen over plain decoding, it is probed after shadow_wait epochs instead of waiting for its turn (the text turned
+    to one the chains predict: the turn can be hundreds of steps away), the wait doubling while such probes change
+    nothing (a budget's kept epochs from older text weigh on its rate for a few epochs) until they stop saying so."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -76,6 +79,7 @@ class EpochConfig:
     shadow_rows: int = 1
     shadow_min_rows: int = 64
     shadow_kept: int = 2048
+    shadow_wait: int = 1
 
 
 class _Epochs:
@@ -100,6 +104,7 @@ class _Epochs:
         self.ended = 0  # ``EpochBudget``'s count of ended epochs when this state was made (its start was derived)
         # rows looked up while held at plain decoding, then the tokens each budget would have committed on them
         self.shadow = [0] * (n + 1)
+        self.eager_wait = 0  # epochs before the next probe the chains ask for (``EpochConfig.shadow_wait``)
 
     @property
     def timed(self) -> int:
@@ -157,17 +162,17 @@ class EpochBudget:
     epoch counts the tokens of every budget below it, so each of those needs only a short epoch for its step cost
     (down to budget 0, plain decoding, the floor every budget is judged against); a budget measured dearer than a
     larger one is measured once more; then the budgets above the start, while the largest measured is the best.
-    Then the best is held, and a neighbour is probed every ``hold`` epochs (budget 0, above and below in turn;
-    held at budget 0, every speculating budget in turn; ``hold`` doubles while probes change nothing), so a change in
-    acceptance or cost moves the choice. Budget 0 is
-    probed, first, until it has ``window`` epochs, then only while it is in reach of the best (``plain_reach``). The
-    held budget changes only to one measured ``margin`` faster (measurement noise does not flip it), and budget 0
-    (plain decoding) is chosen unless the best beats it by ``plain_margin`` (what a speculating batch's uneven ends
-    cost, which per-row rates do not see), so speculating is not slower than decoding by more than the measurements
-    err. A step whose budget differs from the step before it is not timed: the step queued behind the previous
-    verify was built under the old budget and is dropped, so that step runs without overlap, a cost of the switch
-    and not of either budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same interface
-    as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
+    Then the best is held, and a neighbour is probed every ``hold`` epochs (budget 0, above and below in turn; held at
+    budget 0, every speculating budget in turn, and with free chains only those they say may pay, the one they say would
+    be chosen sooner; ``hold`` doubles while probes change nothing), so a change in acceptance or cost moves the choice.
+    Budget 0 is probed, first, until it has ``window`` epochs, then only while it is in reach of the best
+    (``plain_reach``). The held budget changes only to one measured ``margin`` faster (measurement noise does not flip
+    it), and budget 0 (plain decoding) is chosen unless the best beats it by ``plain_margin`` (what a speculating
+    batch's uneven ends cost, which per-row rates do not see), so speculating is not slower than decoding by more than
+    the measurements err. A step whose budget differs from the step before it is not timed: the step queued behind the
+    previous verify was built under the old budget and is dropped, so that step runs without overlap, a cost of the
+    switch and not of either budget (it would weigh most on the cheapest budgets, whose steps are shortest). Same
+    interface as ``BudgetController`` (``speculate``, ``observe_step``, ``timing_valid``, ``chosen``)."""
 
     def __init__(self, options: list[BudgetOption], config: EpochConfig | None = None, agree=None,
                  shadow=None) -> None:
@@ -216,7 +221,7 @@ class EpochBudget:
         start = min(start, fits[-1] if fits else min(1, len(self.options) - 1))
         state = _Epochs(len(self.options), start, self.config.window)
         state.key, state.ended = key, self._ended
-        state.hold = self.config.hold_epochs
+        state.hold, state.eager_wait = self.config.hold_epochs, self.config.shadow_wait
         return state
 
     def choose(self, rows: list) -> int:
@@ -279,20 +284,36 @@ class EpochBudget:
             if counts[0] > cfg.shadow_kept:
                 st.shadow = [c / 2 for c in counts]
 
-    def _may_pay(self, state: _Epochs, j: int) -> bool:
-        """Whether a probe of speculating budget j could move a bucket held at plain decoding: its looked-up
-        chains (``watch``) would commit enough more tokens per row than plain decoding, over budget j's step cost
-        relative to plain decoding's when both are measured (else plain's: a larger verify costs no less), to come
-        within ``margin`` of what ``_best`` asks of it. True until enough rows were looked up."""
-        rows, cfg = state.shadow[0], self.config
-        if self.shadow is None or rows < cfg.shadow_min_rows:
-            return True
+    def _shadow_gain(self, state: _Epochs, j: int) -> float | None:
+        """Budget j's rate over plain decoding's in a bucket held at plain decoding, as its looked-up chains
+        (``watch``) count it: the tokens per row they would commit, over budget j's step cost relative to plain
+        decoding's when both are measured (else plain's: a larger verify costs no less); None until enough rows were
+        looked up."""
+        rows = state.shadow[0]
+        if self.shadow is None or rows < self.config.shadow_min_rows:
+            return None
         gain = state.shadow[1 + j] / rows
         c0, cj = state.cost(0), state.cost(j)
-        if c0 and cj:
-            gain *= c0 / cj
-        plain = cfg.plain_margin if state.key[0] > 1 else cfg.margin
-        return gain > 1 + plain - cfg.margin
+        return gain * c0 / cj if c0 and cj else gain
+
+    def _plain_bar(self, state: _Epochs) -> float:
+        """How much more than plain decoding a budget must measure to be held instead (``_best``)."""
+        return 1 + (self.config.plain_margin if state.key[0] > 1 else self.config.margin)
+
+    def _may_pay(self, state: _Epochs, j: int) -> bool:
+        """Whether a probe of speculating budget j could move a bucket held at plain decoding: its looked-up chains
+        say it comes within ``margin`` of what ``_best`` asks of it (True until enough rows were looked up)."""
+        gain = self._shadow_gain(state, j)
+        return gain is None or gain > self._plain_bar(state) - self.config.margin
+
+    def _would_be_chosen(self, state: _Epochs) -> int | None:
+        """Held at plain decoding: the speculating budget whose looked-up chains say it beats plain decoding by more
+        than ``_best`` asks (and ``margin``), the fastest such, or None."""
+        if state.best != 0:
+            return None
+        bar = self._plain_bar(state) + self.config.margin
+        gains = [(g, j) for j in range(1, len(self.options)) if (g := self._shadow_gain(state, j)) and g > bar]
+        return max(gains)[1] if gains else None
 
     def observe_step(self, seconds: float) -> None:
         """Wall seconds of the whole engine step whose rows ``speculate`` ran last."""
@@ -344,13 +365,20 @@ class EpochBudget:
         probing = state.held != state.best
         best = self._best(state)
         if best != state.best:  # the choice moved: probe its neighbours soon again
-            state.best, state.hold = best, cfg.hold_epochs
+            state.best, state.hold, state.eager_wait = best, cfg.hold_epochs, cfg.shadow_wait
         elif probing:  # a probe that changed nothing: probe less often
             state.hold = min(2 * state.hold, cfg.max_hold_epochs)
         if state.held != state.best:  # a probe ended (or the held budget fell behind): back to the best
             state.held, state.since_probe = state.best, 0
             return
         state.since_probe += 1
+        eager = self._would_be_chosen(state)
+        if eager is None:
+            state.eager_wait = cfg.shadow_wait
+        elif state.since_probe >= state.eager_wait:
+            state.held, state.since_probe, state.eager_wait = eager, 0, 2 * state.eager_wait
+            state.probes += 1
+            return
         if state.since_probe >= state.hold:  # probe budget 0, then the best's neighbours above and below, in turn
             turn = [0] if state.best > 1 and self._plain_in_reach(state) else []  # (else a neighbour, or the best)
             turn += [j for j in (state.best + 1, state.best - 1) if 0 <= j < len(self.options)]
