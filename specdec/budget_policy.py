@@ -59,9 +59,10 @@ class EpochConfig:
     and counts what each budget would have committed on them once their tokens are known (``EpochBudget.watch``); a
     speculating budget is probed only when those counts, over at least shadow_min_rows looked-up rows (halved past
     shadow_kept, so they follow the text), say it may beat plain decoding; shadow_wait: once they say a budget would be
-    chosen over plain decoding, it is probed after shadow_wait epochs instead of waiting for its turn (the text turned
-    to one the chains predict: the turn can be hundreds of steps away), the wait doubling while such probes change
-    nothing (a budget's kept epochs from older text weigh on its rate for a few epochs) until they stop saying so."""
+    chosen over plain decoding in a greedy bucket, it is probed after shadow_wait epochs instead of at its turn (the
+    text turned to one the chains predict: the turn can be hundreds of steps away), the wait doubling while such
+    probes change nothing (a budget's kept epochs from older text weigh on its rate for a few epochs) until they stop
+    saying so."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -307,9 +308,11 @@ class EpochBudget:
         return gain is None or gain > self._plain_bar(state) - self.config.margin
 
     def _would_be_chosen(self, state: _Epochs) -> int | None:
-        """Held at plain decoding: the speculating budget whose looked-up chains say it beats plain decoding by more
-        than ``_best`` asks (and ``margin``), the fastest such, or None."""
-        if state.best != 0:
+        """A greedy bucket held at plain decoding: the speculating budget whose looked-up chains say it beats plain
+        decoding by more than ``_best`` asks (and ``margin``), the fastest such, or None. (With sampled rows such
+        counts come from a few rows whose samples loop for a while, and on the H100 those probes held chains that
+        lost: bench/RESULTS.md, "Findings behind current defaults".)"""
+        if state.best != 0 or not state.key[1]:
             return None
         bar = self._plain_bar(state) + self.config.margin
         gains = [(g, j) for j in range(1, len(self.options)) if (g := self._shadow_gain(state, j)) and g > bar]
