@@ -95,12 +95,6 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_wait": {"draft": "ngram", "epoch": {"shadow_wait": 1 << 30}},
                     "ngram_blind": {"draft": "ngram", "blind": True}},
-    # n-gram's sampled buckets with no search: held at plain decoding from their first step, probing what the watch's
-    # counts let through ("_first"), against the defaults and against plain decoding throughout
-    "ngram_first": {"target_only": {"draft": None},
-                    "ngram": {"draft": "ngram"},
-                    "ngram_first": {"draft": "ngram", "watch_first": True},
-                    "ngram_plain": {"draft": "ngram", "plain_only": True}},
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -161,16 +155,6 @@ def _held_plain(make, key):
     probe (the ``plain_only`` engines)."""
     state = make(key)
     state.searching, state.held, state.best, state.hold = False, 0, 0, 1 << 30
-    return state
-
-
-def _watched_first(make, key):
-    """An ``EpochBudget`` bucket state (``make``: its ``_new_state``) that, when its rows sample, starts held at
-    plain decoding with no search: its first probes are the ones its free chains' counts let through (the
-    ``watch_first`` engines)."""
-    state = make(key)
-    if not key[1]:
-        state.searching, state.held, state.best = False, 0, 0
     return state
 
 
@@ -401,7 +385,6 @@ def main() -> None:
                 fields = {"tree": "chain:8", **fields}
                 draft, share = fields.pop("draft"), fields.pop("admit_share", None)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
-                watch_first = fields.pop("watch_first", False)
                 epoch, blind = fields.pop("epoch", {}), fields.pop("blind", False)
                 if share:
                     fields["admit_min_free"] = max(1, b // share)
@@ -417,8 +400,6 @@ def main() -> None:
                     eng.adaptive.shadow = None if blind else eng.adaptive.shadow
                     if plain_only:
                         eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
-                    if watch_first:
-                        eng.adaptive._new_state = functools.partial(_watched_first, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}
