@@ -502,12 +502,15 @@ def test_bench_serve_asks_for_the_model_given(capsys, fake_server, four_prompts)
     (["--temperature", "-1"], ["--temperature", ">= 0"]),
     (["--temperature", "nan"], ["--temperature", "finite"]),
     (["--request-timeout", "0"], ["--request-timeout", "> 0"]),
+    (["--request-rate", "1e-300", "--num-prompts", "2"], ["--request-rate", "within 86400 s", "1e+300 s"]),
+    (["--max-tokens", "0"], ["--max-tokens", ">= 1"]),
     (["--json", "{tmp}"], ["--json", "is a folder"]),
     (["--save-result", "--result-dir", "{tmp}/a-file"], ["--result-dir", "is a file, not a folder"]),
 ])
 def test_bench_serve_flags_checked_before_the_server(capsys, prompt_file, tmp_path, argv, words):
-    """Each was sent to the server (a negative temperature: every request refused) or, for the report paths, a
-    traceback after the whole run; now an error before the server is asked anything (none is listening here)."""
+    """Each was sent to the server (a negative temperature: every request refused), or waited for ever (a rate whose
+    second request was due in 1e300 s) or, for the report paths, a traceback after the whole run; now an error before
+    the server is asked anything (none is listening here)."""
     (tmp_path / "a-file").write_text("x")
     argv = [a.format(tmp=tmp_path) for a in argv]
     err = run_cli(capsys, ["bench-serve", "--url", f"http://127.0.0.1:{free_port()}", "--dataset", prompt_file, *argv])

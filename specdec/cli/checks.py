@@ -11,13 +11,16 @@ from pathlib import Path
 from specdec.errors import FieldError
 
 BUILTIN_MODELS = ("smollm2-135m", "smollm2-135m-draft")
-# SamplingParams / SpecConfig fields -> the command-line argument that sets them
+# SamplingParams / SpecConfig / BenchServeConfig fields -> the command-line argument that sets them
 FIELD_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "n": "--n",
                "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
                "max_new_tokens": "--max-new-tokens", "tree": "--tree", "device": "--device", "dtype": "--dtype",
                "attention_backend": "--attention-backend", "max_num_tokens": "--max-num-batched-tokens",
-               "max_batch_size": "--max-batch-size", "num_blocks": "--num-blocks"}
+               "max_batch_size": "--max-batch-size", "num_blocks": "--num-blocks",
+               # BenchServeConfig's (``specdec bench-serve``)
+               "num_prompts": "--num-prompts", "concurrency": "--max-concurrency", "max_tokens": "--max-tokens",
+               "request_rate": "--request-rate", "request_timeout": "--request-timeout", "endpoint": "--endpoint"}
 
 
 class UsageError(ValueError):

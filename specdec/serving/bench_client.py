@@ -14,6 +14,10 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 
+from specdec.errors import FieldError
+
+MAX_SCHEDULE_S = 86400.0  # the longest arrival schedule a request rate may ask for (a day)
+
 
 @dataclass(frozen=True)
 class BenchServeConfig:
@@ -33,20 +37,25 @@ class BenchServeConfig:
     request_timeout: float = 600.0  # seconds a request may wait for the server's next bytes before it fails
 
     def __post_init__(self) -> None:
-        if self.num_prompts < 1:
-            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
+        """FieldError naming the field at fault (the command line maps it to its flag)."""
+        def bad(name: str, rule: str) -> FieldError:
+            return FieldError("BenchServeConfig", name, rule, getattr(self, name))
+
+        for name in ("num_prompts", "concurrency", "max_tokens"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise bad(name, "must be an integer >= 1")
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (inf = all at once), got {self.request_rate}")
+            raise bad("request_rate", "must be > 0 (inf = all at once)")
+        if (self.num_prompts - 1) / self.request_rate > MAX_SCHEDULE_S:  # (inf: 0)
+            raise bad("request_rate", f"must send the {self.num_prompts} requests within {MAX_SCHEDULE_S:.0f} s "
+                                      f"(a day), on average; that rate would take "
+                                      f"{(self.num_prompts - 1) / self.request_rate:.3g} s")
         if not 0 < self.request_timeout < math.inf:
-            raise ValueError(f"request_timeout must be a finite number of seconds > 0, got {self.request_timeout}")
+            raise bad("request_timeout", "must be a finite number of seconds > 0")
         if not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
         if self.endpoint not in ("chat", "completions"):
-            raise ValueError(f"endpoint must be 'chat' or 'completions', got {self.endpoint!r}")
+            raise bad("endpoint", "must be 'chat' or 'completions'")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -260,34 +261,24 @@ def cmd_bench_serve(args) -> int:
     from specdec.benchmark.data import DATASET_NAMES
     from specdec.benchmark.report import write_json
     from specdec.cli.bench import check_output_path, write_report
-    from specdec.cli.checks import UsageError, check_dataset, check_positive
+    from specdec.cli.checks import UsageError, build, check_dataset
     from specdec.serving.bench_client import BenchServeConfig, print_report, run_bench
 
     if not _importable("httpx"):
         raise UsageError("bench-serve", "needs httpx: pip install 'specdec[serve]'")
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-concurrency", args.concurrency),
-                        ("--max-tokens", args.max_new_tokens)):
-        check_positive(flag, value)
-    if not args.request_rate > 0:
-        raise UsageError("--request-rate", f"must be > 0 (inf = all at once), got {args.request_rate}")
-    if not 0 <= args.temperature < float("inf"):
-        raise UsageError("--temperature", f"must be a finite number >= 0 (0 = greedy), got {args.temperature}")
-    if not 0 < args.request_timeout < float("inf"):
-        raise UsageError("--request-timeout", f"must be a finite number of seconds > 0, got {args.request_timeout}")
     dataset = args.dataset_path or args.dataset
+    cfg = build(BenchServeConfig, url=args.url, dataset=dataset, num_prompts=args.num_prompts,
+                request_rate=args.request_rate, concurrency=args.concurrency, max_tokens=args.max_new_tokens,
+                temperature=args.temperature, endpoint=ENDPOINT_PATHS.get(args.endpoint, args.endpoint),
+                ignore_eos=args.ignore_eos, seed=args.seed, label=args.label, api_key=args.api_key,
+                request_timeout=args.request_timeout)  # (its ranges, each error naming its flag)
     if args.dataset_path and not args.dataset_path.endswith(".jsonl"):
         raise UsageError("--dataset-path", f"must be a .jsonl prompt file, got {args.dataset_path!r}")
     check_dataset("--dataset-path" if args.dataset_path else "--dataset-name", dataset, DATASET_NAMES)
     outputs = [("--json", args.json)] + ([("--result-dir", result_path(args))] if args.save_result else [])
     for flag, path in outputs:
         check_output_path(flag, path)
-    model = check_server("--base-url", args.url, args.model, api_key=args.api_key)
-    cfg = BenchServeConfig(url=args.url, dataset=dataset, num_prompts=args.num_prompts,
-                           request_rate=args.request_rate, concurrency=args.concurrency,
-                           max_tokens=args.max_new_tokens, temperature=args.temperature,
-                           endpoint=ENDPOINT_PATHS.get(args.endpoint, args.endpoint), ignore_eos=args.ignore_eos,
-                           seed=args.seed, label=args.label, api_key=args.api_key, model=model,
-                           request_timeout=args.request_timeout)
+    cfg = dataclasses.replace(cfg, model=check_server("--base-url", args.url, args.model, api_key=args.api_key))
     report = run_bench(cfg)
     print_report(report)
     for flag, path in outputs:
