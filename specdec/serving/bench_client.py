@@ -170,11 +170,16 @@ async def _one(client, url: str, body: dict, chat: bool) -> RequestRecord:
     return rec
 
 
+def auth_headers(api_key: str | None) -> dict:
+    """The headers that carry ``api_key`` to a server started with ``--api-key`` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def _run(cfg: BenchServeConfig) -> tuple[list[RequestRecord], float, str]:
     import httpx
 
     limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    headers = auth_headers(cfg.api_key)
     timeout = httpx.Timeout(cfg.request_timeout, pool=None)  # (the gate below holds requests, not the pool)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, headers=headers) as client:
         model = cfg.model or (await client.get(f"{cfg.url}/v1/models")).json()["data"][0]["id"]

@@ -305,8 +305,9 @@ def check_server(flag: str, url: str, model: str | None = None, timeout_s: float
     import httpx
 
     from specdec.cli.checks import UsageError
+    from specdec.serving.bench_client import auth_headers
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_headers(api_key)
     try:
         reply = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=timeout_s, headers=headers)
     except (httpx.HTTPError, httpx.InvalidURL) as err:
