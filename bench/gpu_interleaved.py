@@ -211,8 +211,21 @@ def _epoch_summary(epochs: list[dict]) -> str:
             of = [e for e in mine if e["nodes"] == nodes]
             per.append(f"{nodes}: {len(of)}x {statistics.median(e['rate'] for e in of):.0f} "
                        f"[{1e3 * statistics.median(e['median_step_s'] for e in of):.2f} ms]")
-        out.append(f"b{bucket} {'greedy' if greedy else 'sampled'} steps {phases} | " + ", ".join(per))
+        line = f"b{bucket} {'greedy' if greedy else 'sampled'} steps {phases} | " + ", ".join(per)
+        plain = [e["rate"] for e in mine if e["nodes"] == 0 and e["phase"] == "hold"]
+        probes = [e for e in mine if e["phase"] == "probe" and e["best_before"] == 0 and e["nodes"]]
+        if plain and probes:  # (what the watch's counts said of each probe from plain decoding, and what it measured)
+            floor = statistics.median(plain)
+            said = [f"{e['nodes']}: {_gain_of(e):.2f}->{e['rate'] / floor:.2f}" for e in probes]
+            line += " | probes from plain (counted -> measured over plain's rate) " + ", ".join(said)
+        out.append(line)
     return "; ".join(out)
+
+
+def _gain_of(epoch: dict) -> float:
+    """The watch's counted rate over plain decoding's for the budget an epoch held (nan when nothing was counted)."""
+    gain = (epoch.get("shadow_gains") or {}).get(epoch["nodes"])
+    return float("nan") if gain is None else gain
 
 
 def log(*a) -> None:
