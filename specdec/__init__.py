@@ -1,7 +1,7 @@
 """specdec: lossless speculative decoding on one shared paged KV pool.
 
 The names below load on first use (PEP 562), so ``specdec --help`` and other commands that load no model do not
-import torch first.
+import torch first; ``specdec.__version__`` is the installed distribution's.
 """
 
 from __future__ import annotations
@@ -25,10 +25,23 @@ if TYPE_CHECKING:
     from specdec.sampling_params import SamplingParams
 
 
+def _installed_version() -> str:
+    """The installed distribution's version ("unknown (not installed)" in a source tree never installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specdec")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def __getattr__(name: str):
-    if name not in _WHERE:
+    if name == "__version__":
+        value = _installed_version()
+    elif name not in _WHERE:
         raise AttributeError(f"module 'specdec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
+    else:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
     globals()[name] = value
     return value
 

@@ -184,6 +184,20 @@ class SpecEngine:
         self._validate(ids, params)
         return ids
 
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids ``ids`` as the target's tokenizer decodes them, special tokens kept (a chat's
+        rendered ids give back its template's text); a PromptError naming ``tokens[i]`` for an id outside the
+        vocabulary, or ``tokens`` for a model without a tokenizer. Any thread may call it, as ``prepare``."""
+        tok = self.target.tokenizer
+        if tok is None:
+            raise PromptError(f"{self.target.name!r} has no tokenizer: its token ids have no text", "tokens")
+        vocab = self.target.config.vocab_size
+        bad = next((i for i, t in enumerate(ids)
+                    if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise PromptError(f"tokens[{bad}] must be a token id in [0, {vocab}), got {ids[bad]!r}", f"tokens[{bad}]")
+        return tok.decode(list(ids))
+
     def _bounded(self, ids: list[int], params: SamplingParams) -> SamplingParams:
         """``params`` with a number of new tokens: ``max_new_tokens=None`` (vLLM's ``max_tokens=None``) becomes the
         room the prompt ``ids`` leaves: as many as the model's context leaves after it (and the draft tree's

@@ -427,3 +427,45 @@ def test_models_retrieve(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-4")
     assert "'gpt-4' is not served here" in str(err.value)
+
+
+def test_tokenize_gives_the_ids_a_request_runs(client, server):
+    """vLLM's /tokenize: a prompt's or a chat's ids as the engine runs them (a chat completion's usage counts as
+    many), their count and the model's length; /detokenize gives their text back."""
+    url, executor = server
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[0]}]
+    for body, prompt in (({"prompt": PROMPTS[2]}, PROMPTS[2]), ({"messages": chat, "model": MODEL}, chat)):
+        r = httpx.post(f"{url}/tokenize", json=body)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["tokens"] == executor.prepare(prompt) and got["count"] == len(got["tokens"])
+        assert got["max_model_len"] == executor.engine.target.config.max_position_embeddings
+        text = httpx.post(f"{url}/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+        assert all(part in text for part in ([PROMPTS[2]] if "prompt" in body else [m["content"] for m in chat]))
+    used = client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2).usage.prompt_tokens
+    assert used == httpx.post(f"{url}/tokenize", json={"messages": chat}).json()["count"]
+
+
+@pytest.mark.parametrize("path,body,field,status", [
+    ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, None, 400),
+    ("tokenize", {}, None, 400),
+    ("tokenize", {"prompt": 5}, "prompt", 400),
+    ("tokenize", {"prompt": "a", "add_special_tokens": False}, "add_special_tokens", 400),
+    ("tokenize", {"messages": [{"role": "tool", "content": "a"}]}, "messages[0].role", 400),
+    ("tokenize", {"prompt": "a", "model": "gpt-4"}, "model", 404),
+    ("tokenize", {"prompt": "a" * 5000}, "prompt", 400),  # (longer than the tiny model holds)
+    ("detokenize", {"tokens": "abc"}, "tokens", 400),
+    ("detokenize", {"tokens": [1, True]}, "tokens", 400),
+    ("detokenize", {"tokens": [1, -1]}, "tokens[1]", 400),
+    ("detokenize", {"tokens": [10 ** 9]}, "tokens[0]", 400),
+    ("detokenize", {"tokens": [1], "extra": 1}, "extra", 400),
+])
+def test_tokenize_and_detokenize_refuse_bad_bodies(server, path, body, field, status):
+    r = httpx.post(f"{server[0]}/{path}", json=body)
+    assert r.status_code == status and r.json()["error"]["param"] == field, r.text
+
+
+def test_version(server):
+    import specdec
+
+    assert httpx.get(f"{server[0]}/version").json() == {"version": specdec.__version__}

@@ -1,5 +1,5 @@
-"""``specdec serve --api-key``: every /v1 request carries the key (401 in OpenAI's shape without it), while /health
-and /metrics stay open to probes and scrapers."""
+"""``specdec serve --api-key``: every request carries the key (401 in OpenAI's shape without it), while /health,
+/metrics and /version stay open to probes and scrapers."""
 
 from __future__ import annotations
 
@@ -40,6 +40,11 @@ def test_no_key_is_401_and_probes_stay_open(keyed_server):
     assert answer.status_code == 401 and answer.json()["error"]["code"] == 401
     assert httpx.get(f"{keyed_server}/health").status_code == 200
     assert httpx.get(f"{keyed_server}/metrics").status_code == 200
+    assert httpx.get(f"{keyed_server}/version").status_code == 200
+    for path, body in (("tokenize", {"prompt": "hi"}), ("detokenize", {"tokens": [1]})):  # (vLLM leaves them open)
+        assert httpx.post(f"{keyed_server}/{path}", json=body).status_code == 401
+        keyed = httpx.post(f"{keyed_server}/{path}", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert keyed.status_code == 200, keyed.text
 
 
 def test_the_key_serves(keyed_server):

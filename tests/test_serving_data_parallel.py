@@ -149,6 +149,20 @@ def test_dp_refusal_names_the_field(dp_server):
     assert isinstance(crossed, ReplicaValueError) and crossed.field == "top_p" and "top_p" in str(crossed)
 
 
+def test_dp_tokenize_and_detokenize_cross_to_the_replicas(dp_server, target_dir):
+    """/tokenize and /detokenize run on a replica (in turn) and answer what one engine answers; a refusal crosses
+    naming its token."""
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=16))
+    for _ in range(2):  # (both replicas)
+        got = httpx.post(f"{dp_server[0]}/tokenize", json={"prompt": PROMPTS[0]}).json()
+        assert got["tokens"] == engine.prepare(PROMPTS[0], SamplingParams(max_new_tokens=1))
+        assert got["max_model_len"] == engine.target.config.max_position_embeddings
+        text = httpx.post(f"{dp_server[0]}/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+        assert text == engine.detokenize(got["tokens"])
+    bad = httpx.post(f"{dp_server[0]}/detokenize", json={"tokens": [1, -5]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens[1]", bad.text
+
+
 def test_router_balances_and_keeps_prefix_affinity():
     router = Router(2, block_size=4, affinity_slack=8)
     shared = [1, 2, 3, 4]

@@ -162,12 +162,13 @@ def sampled_speed_note(device: str, temperature: float, draft: str) -> str | Non
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``specdec`` parser (torch is imported by the commands, not by their options)."""
+    import specdec
     from specdec.cli.bench import PIPELINE_CHOICES, PIPELINE_HELP, TREE_HELP, add_bench_parser
     from specdec.cli.distill import add_distill_parser
     from specdec.cli.parallel import add_parallel_args
 
     parser = CommandParser(prog="specdec", description="Lossless speculative decoding engine")
-    parser.add_argument("--version", action="version", version=f"specdec {_version()}")
+    parser.add_argument("--version", action="version", version=f"specdec {specdec.__version__}")
     sub = parser.add_subparsers(dest="command", required=True,
                                 parser_class=partial(OneLineErrors, formatter_class=DefaultsHelpFormatter))
 
@@ -210,15 +211,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_distill_parser(sub, _add_model_args)
     parser.commands = dict(sub.choices)
     return parser
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("specdec")
-    except PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

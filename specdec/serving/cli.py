@@ -51,8 +51,8 @@ def add_serve_parsers(sub, add_model_args) -> None:
     s.add_argument("--max-request-bytes", type=int, default=None,
                    help="refuse (413) request bodies longer than this, before parsing them (default: 2 MiB)")
     s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 request (401 without it; /health and "
-                        "/metrics stay open) (default: $SPECDEC_API_KEY, else no key)")
+                   help="require 'Authorization: Bearer KEY' on every request (401 without it; /health, /metrics "
+                        "and /version stay open) (default: $SPECDEC_API_KEY, else no key)")
     s.add_argument("--log-level", default="info", help="uvicorn's log level")
     add_parallel_args(s)
     add_model_args(s)

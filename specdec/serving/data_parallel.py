@@ -120,6 +120,16 @@ class DataParallelExecutor(OutputReaders):
         alive = [r for r in self.replicas if r.alive] or self.replicas
         return alive[next(self._prepare_turn) % len(alive)].prepare(prompt, params)
 
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids, decoded by one running replica (in turn, as ``prepare``)."""
+        alive = [r for r in self.replicas if r.alive] or self.replicas
+        return alive[next(self._prepare_turn) % len(alive)].detokenize(ids)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens a request may hold (every replica serves the same model)."""
+        return self.replicas[0].max_model_len
+
     def enqueue(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                 beside: str | None = None) -> str:
         """Route one request to a replica (token ids route with prefix affinity; ``beside``: the replica of that

@@ -134,6 +134,15 @@ class Executor(RequestStreams):
         requests wait. Several threads may call it at once."""
         return self.engine.prepare(prompt, params or SamplingParams())
 
+    def detokenize(self, ids: list[int]) -> str:
+        """``SpecEngine.detokenize`` on the calling thread (several threads may call it at once)."""
+        return self.engine.detokenize(ids)
+
+    @property
+    def max_model_len(self) -> int:
+        """The most tokens (prompt and output) a request may hold: the target's context."""
+        return self.engine.target.config.max_position_embeddings
+
     def cancel(self, request_id: str) -> None:
         """End a request early (finish_reason "abort") and free its KV; a finished one is left alone."""
         self._inbox.put(("cancel", request_id))

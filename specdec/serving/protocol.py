@@ -42,6 +42,10 @@ COMPLETION_FIELDS = _COMMON | {"prompt"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "min_p")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+# /tokenize and /detokenize (vLLM's, outside /v1); the flags only at what a request runs with (True)
+TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
+TOKENIZE_FIELDS = {"model", "prompt", "messages", *TOKENIZE_FLAGS}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 # the roles of a chat message: a "tool" message answers a tool call, and tools are refused (_OFF_VALUES); OpenAI's
 # "developer" is a role the served models' chat templates do not know
 CHAT_ROLES = ("system", "user", "assistant")
@@ -90,6 +94,42 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
     field = _max_tokens_field(body)
     return ParsedRequest((messages,), ("messages",), _params(body, default_max_tokens, field), *_stream_flags(body),
                          field)
+
+
+def parse_tokenize(body: Any, model: str) -> tuple[Any, str]:
+    """A /tokenize body (vLLM's): ``prompt`` (a string) or ``messages`` (a chat, rendered as /v1/chat/completions
+    renders it), with an optional ``model`` (and ``add_special_tokens``, ``add_generation_prompt``, only true):
+    (the prompt, the field its errors name)."""
+    _check_fields(body, TOKENIZE_FIELDS, model)
+    for flag in TOKENIZE_FLAGS:
+        if body.get(flag, True) is not True:
+            raise BadRequest(flag, f"field '{flag}' may only be true (the ids a request runs), got "
+                                   f"{_short(body[flag])}")
+    if ("prompt" in body) == ("messages" in body):
+        raise BadRequest(None, "give one of 'prompt' (a string) and 'messages' (a chat)")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise BadRequest("prompt", f"field 'prompt' must be a string, got {_short(body['prompt'])}")
+        return body["prompt"], "prompt"
+    msgs = body["messages"]
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("messages", "field 'messages' must be a non-empty list of {role, content} objects")
+    from specdec.prompts import PromptError
+
+    try:
+        return [_message(m, i) for i, m in enumerate(msgs)], "messages"
+    except PromptError as err:
+        raise BadRequest(err.field, str(err)) from None
+
+
+def parse_detokenize(body: Any, model: str) -> list[int]:
+    """A /detokenize body (vLLM's): ``tokens``, a list of token ids, with an optional ``model``. Whether each id is
+    in the vocabulary is the engine's check (``SpecEngine.detokenize``)."""
+    _check_fields(body, DETOKENIZE_FIELDS, model)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise BadRequest("tokens", f"field 'tokens' must be a list of token ids (integers), got {_short(tokens)}")
+    return tokens
 
 
 def _message(m: Any, i: int) -> dict:

@@ -2,11 +2,11 @@
 ``ReplicaProcess``, its caller's side in the server's process, with the Executor's API (docs/parallel.md).
 
 Two ``multiprocessing`` queues connect them. Parent to child: ("add", id, prompt, params), ("cancel", id),
-("prepare", call, prompt, params), ("call", call, fn), ("stop",). Child to parent: ("ready", ReplicaInfo) or
-("failed", traceback) once, then ("out", id, output), ("stats", IterationStats), ("reply", call, ok, value). A
-request's outputs cross as deltas (no prompt, no earlier tokens) except its first and final ones, so streaming
-costs the same per step however long the request is. Tokenising (``prepare``) runs on the child's worker
-threads, off its engine loop and off the server's event loop.
+("prepare", call, prompt, params), ("detokenize", call, ids), ("call", call, fn), ("stop",). Child to parent:
+("ready", ReplicaInfo) or ("failed", traceback) once, then ("out", id, output), ("stats", IterationStats), ("reply",
+call, ok, value). A request's outputs cross as deltas (no prompt, no earlier tokens) except its first and final
+ones, so streaming costs the same per step however long the request is. Tokenising (``prepare``, ``detokenize``)
+runs on the child's worker threads, off its engine loop and off the server's event loop.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ class ReplicaInfo:
     block_size: int
     num_blocks: int
     pid: int
+    max_model_len: int
 
 
 class ReplicaValueError(ValueError):
@@ -177,6 +178,15 @@ class ReplicaProcess(RequestStreams):
         """As ``Executor.prepare``, on one of the child's worker threads (this thread waits)."""
         return self._ask("prepare", prompt, params or SamplingParams()).result()
 
+    def detokenize(self, ids: list[int]) -> str:
+        """As ``Executor.detokenize``, on one of the child's worker threads (this thread waits)."""
+        return self._ask("detokenize", ids).result()
+
+    @property
+    def max_model_len(self) -> int:
+        """As ``Executor.max_model_len`` (reported when the replica started)."""
+        return self.info.max_model_len
+
     def run_on_loop(self, fn, timeout: float | None = 60.0) -> Any:
         """``fn(engine)`` on the child's loop thread between steps (``fn`` must pickle); its result or exception."""
         return self._ask("call", fn, timeout).result()
@@ -271,7 +281,7 @@ def _child_main(recipe: EngineRecipe, inbox, outbox) -> None:
     engine = executor.engine
     with frozen_startup_heap():
         outbox.put(("ready", ReplicaInfo(str(engine.device), engine.config.block_size, engine.allocator.num_blocks,
-                                         os.getpid())))
+                                         os.getpid(), executor.max_model_len)))
         executor.add_stats_listener(lambda s: outbox.put(("stats", s)))
         workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="specdec-replica-prepare")
         sent: dict[str, int] = {}  # outputs sent per live request (the first and the final go whole)
@@ -343,8 +353,8 @@ def _serve_parent(executor: Executor, inbox, outbox, workers: ThreadPoolExecutor
             executor.enqueue(prompt, params, rid, sink=partial(_send_output, outbox, sent, rid))
         elif kind == "cancel":
             executor.cancel(msg[1])
-        elif kind == "prepare":
-            workers.submit(_reply, outbox, msg[1], executor.prepare, *msg[2:])
+        elif kind in ("prepare", "detokenize"):
+            workers.submit(_reply, outbox, msg[1], getattr(executor, kind), *msg[2:])
         elif kind == "call":
             workers.submit(_reply, outbox, msg[1], executor.run_on_loop, *msg[2:])
 

@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP server (FastAPI + uvicorn) over an Executor, with Prometheus /metrics.
 
-Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events),
-GET /v1/models, GET /v1/models/{model}, GET|HEAD /health, GET /metrics; every error, a routing one (404, 405)
-too, is an OpenAI error body. A completions ``prompt`` may hold several prompts (vLLM's batch): each runs as
-its own requests. A client that disconnects cancels its requests, which frees their KV blocks.
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON or server-sent events), GET /v1/models, GET
+/v1/models/{model}, GET|HEAD /health, GET /metrics, and vLLM's POST /tokenize, POST /detokenize and GET /version;
+every error, a routing one (404, 405) too, is an OpenAI error body. A completions ``prompt`` may hold several
+prompts (vLLM's batch): each runs as its own requests. A client that disconnects cancels its requests, which frees
+their KV blocks.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+import specdec
 from specdec.outputs import RequestOutput
-from specdec.sampling_params import sample_requests
+from specdec.sampling_params import SamplingParams, sample_requests
 from specdec.serving import protocol
 from specdec.serving.data_parallel import DataParallelExecutor
 from specdec.serving.executor import Executor
@@ -34,6 +36,7 @@ _DISCONNECT_POLL_S = 0.25
 # the largest request body read (``--max-request-bytes``): far above any prompt the served models hold (1 MiB of
 # text is about 250k tokens), so only a hostile body is refused, before it is parsed or tokenised
 DEFAULT_MAX_REQUEST_BYTES = 2 << 20
+OPEN_PATHS = ("/health", "/metrics", "/version")  # answered without the API key: probes, scrapers
 
 
 class _ClientGone(Exception):
@@ -45,8 +48,8 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
               api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving ``executor``'s engine (or data-parallel replicas) under the name
     ``model_name``. A body over ``max_request_bytes`` is refused (413) before it is parsed; prompts are tokenised off
-    the engine's loop. With ``api_key``, every /v1 request must carry ``Authorization: Bearer <api_key>`` (else
-    401, as vLLM's ``--api-key``); /health and /metrics stay open to probes and scrapers."""
+    the engine's loop. With ``api_key``, every request but those of ``OPEN_PATHS`` (probes, scrapers) must carry
+    ``Authorization: Bearer <api_key>`` (else 401, as vLLM's ``--api-key``, which also guards /tokenize here)."""
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be an int >= 1, got {max_request_bytes!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -58,7 +61,7 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         @app.middleware("http")
         async def require_key(request: Request, call_next):
             given = request.headers.get("authorization", "").encode()
-            if request.url.path.startswith("/v1") and not hmac.compare_digest(given, expected):
+            if request.url.path not in OPEN_PATHS and not hmac.compare_digest(given, expected):
                 return _error(protocol.BadRequest(None, "missing or wrong API key: send 'Authorization: Bearer "
                                                         "<key>' with the key the server was started with", 401))
             return await call_next(request)
@@ -96,6 +99,34 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": specdec.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's: the token ids a request with this prompt (or chat) runs, their count and the model's length."""
+        try:
+            prompt, field = protocol.parse_tokenize(_json(await _body(request, max_request_bytes)), model_name)
+            ids = await asyncio.to_thread(_prepare_one, executor, prompt, field)
+        except protocol.BadRequest as err:
+            return _error(err)
+        except _ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({"count": len(ids), "max_model_len": executor.max_model_len, "tokens": ids})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's: the text of token ids (special tokens kept)."""
+        try:
+            ids = protocol.parse_detokenize(_json(await _body(request, max_request_bytes)), model_name)
+            text = await asyncio.to_thread(_detokenize, executor, ids)
+        except protocol.BadRequest as err:
+            return _error(err)
+        except _ClientGone:
+            return Response(status_code=499)
+        return JSONResponse({"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -192,6 +223,23 @@ def _prepare(executor: Executor | DataParallelExecutor, parsed: protocol.ParsedR
         except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
             raise _refusal(err, field, parsed.max_tokens_field) from None
     return ids
+
+
+def _prepare_one(executor: Executor | DataParallelExecutor, prompt, field: str) -> list[int]:
+    """/tokenize's ids: ``prompt``'s as a request of one new token runs them (so a prompt the model cannot hold
+    is refused as a request would be), a BadRequest naming ``field`` otherwise."""
+    try:
+        return executor.prepare(prompt, SamplingParams(max_new_tokens=1))
+    except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
+        raise _refusal(err, field, "max_tokens") from None
+
+
+def _detokenize(executor: Executor | DataParallelExecutor, ids: list[int]) -> str:
+    """/detokenize's text; a BadRequest naming the token at fault."""
+    try:
+        return executor.detokenize(ids)
+    except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
+        raise _refusal(err, "tokens", "max_tokens") from None
 
 
 def _per_prompt(rid: str, finals: list[RequestOutput], n: int) -> list[RequestOutput]:
