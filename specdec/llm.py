@@ -51,6 +51,11 @@ class LLM(SpecEngine):
         """``SpecEngine.generate`` under vLLM's argument name: one output per prompt, in order."""
         return super().generate(prompts, sampling_params, use_tqdm)
 
+    def get_tokenizer(self):
+        """The target's tokenizer (a transformers tokenizer; None for a model without one), as vLLM's
+        ``LLM.get_tokenizer``: what renders ``chat`` prompts and decodes outputs."""
+        return self.target.tokenizer
+
     def chat(self, messages, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} messages) or a list of them, each rendered with the
         target's chat template: one output per conversation."""

@@ -58,6 +58,9 @@ def test_outputs_carry_the_prompt_text(strict_target):
     assert (text.prompt, ids.prompt) == ("hello", None)
     chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3, n=2, seed=1, temperature=1.0))
     assert chat[0].prompt == strict_target.tokenizer.decode(chat[0].prompt_token_ids) and "hi" in chat[0].prompt
+    tok = llm.get_tokenizer()  # (vLLM's: a chat rendered by hand runs as the same ids)
+    rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok.encode(rendered, add_special_tokens=False) == chat[0].prompt_token_ids
 
 
 def test_auto_draft_is_ngram_for_a_target_without_a_shipped_draft(tiny_target):
