@@ -57,6 +57,10 @@ def test_unknown_flag_is_one_line_naming_it(capsys, command, rest):
                                   "context length, its max_position_embeddings, is used)"),
     (["--api-key", "k"], "error: --api-key: not supported by specdec generate (the key of `specdec serve "
                          "--api-key`: a client's requests carry it)"),
+    (["--speculative-config", '{"method": "ngram"}'], "error: --speculative-config: not a specdec generate flag; use "
+     "--draft NAME (a draft model, or ngram) and --tree chain:K for its num_speculative_tokens"),
+    (["--enable-prefix-caching"], "error: --enable-prefix-caching: not supported by specdec generate (prefix caching "
+                                  "is on by default; serve's --no-prefix-cache turns it off)"),
     (["story"], "error: unexpected argument story (options take --flag VALUE)"),
     (["--temperature", "hot"], "error: --temperature: invalid float value: 'hot'"),
     (["--max-tokens", "x"], "error: --max-new-tokens: invalid int value: 'x'"),

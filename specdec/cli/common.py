@@ -58,6 +58,10 @@ FOREIGN_FLAGS = {
     "--api-key": (None, "the key of `specdec serve --api-key`: a client's requests carry it"),
     "--speculative-model": ("--draft", "--draft NAME"),
     "--num-speculative-tokens": ("--tree", "--tree chain:K"),
+    "--speculative-config": ("--draft", "--draft NAME (a draft model, or ngram) and --tree chain:K for its "
+                                        "num_speculative_tokens"),
+    "--enable-prefix-caching": (None, "prefix caching is on by default; serve's --no-prefix-cache turns it off"),
+    "--disable-log-requests": ("--log-level", "--log-level warning (requests are logged at info)"),
     "--system-prompt": ("--system", "--system TEXT"),
     "--stop-sequences": ("--stop", "--stop STR (repeatable)"),
     "--tokenizer": (None, "the model's own tokenizer is used"),
