@@ -40,9 +40,12 @@ prep() {  # on the CPU machine: the model's pieces, the wheels and the prompt fi
   rm -rf build .whl .stage3 && mkdir -p .whl .gpu
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl blake3 gguf fastapi starlette pydantic pydantic-core annotated-types typing-inspection annotated-doc \
-    opentelemetry-api uvicorn openai distro jiter sniffio httpx2 httpcore2 truststore h11 || return 1  # the GPU image lacks them
-    # (Python 3.12 there): the server's and the openai client's, for the dp round and tests/test_serving_data_parallel.py
+    -d .whl blake3==1.0.11 gguf==0.19.0 fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+    annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7 opentelemetry-api==1.45.3 uvicorn==0.55.0 \
+    openai==3.63.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 \
+    h11==0.16.0 || return 1  # the GPU image lacks them (Python 3.12 there): the server's and the openai client's, for
+    # the dp round and tests/test_serving_data_parallel.py; pinned to the set the GPU tests passed with (session 42):
+    # newer releases twice needed packages the image lacks
   "$py" -m pip wheel -q --no-deps -w .whl . && rm -rf build || return 1
   git describe --always --dirty > .whl/commit.txt
   tmp=$(mktemp -d) && split -b 35000000 -d "$src" "$tmp/piece."
