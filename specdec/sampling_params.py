@@ -149,12 +149,52 @@ def sample_requests(request_id: str, params: SamplingParams) -> list[tuple[str, 
 _UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the context is full")
 
 
+# vLLM SamplingParams fields specdec lacks -> what to do instead (the TypeError an unknown field raises says it)
+VLLM_LACKING = {
+    "logprobs": "outputs carry no log-probabilities", "prompt_logprobs": "outputs carry no log-probabilities",
+    "min_tokens": "not supported; ignore_eos=True generates exactly max_tokens tokens",
+    "best_of": "there is no best-of or beam search (n samples are n independent requests)",
+    "use_beam_search": "there is no beam search", "length_penalty": "there is no beam search",
+    "include_stop_str_in_output": "a stop string is cut from the output, with what follows it",
+    "skip_special_tokens": "output text always skips special tokens",
+    "spaces_between_special_tokens": "output text always skips special tokens",
+    "bad_words": "no logits processors besides the penalties, top_k, top_p and min_p",
+    "logit_bias": "no logits processors besides the penalties, top_k, top_p and min_p",
+    "allowed_token_ids": "no logits processors besides the penalties, top_k, top_p and min_p",
+    "logits_processors": "no logits processors besides the penalties, top_k, top_p and min_p",
+    "guided_decoding": "no structured (guided) output", "structured_outputs": "no structured (guided) output",
+    "truncate_prompt_tokens": "prompts are not truncated: one longer than the model's context is refused",
+    "detokenize": "outputs always carry their text", "output_kind": "outputs always carry their text",
+}
+
+
+def _unknown_field_error(name: str) -> TypeError:
+    """The TypeError of ``SamplingParams(name=...)`` for a name that is no field: what to do instead of a vLLM
+    field specdec lacks, else the closest fields."""
+    import difflib
+    from dataclasses import fields
+
+    if name in VLLM_LACKING:
+        return TypeError(f"SamplingParams has no field {name!r} (vLLM's): {VLLM_LACKING[name]}")
+    known = sorted({f.name for f in fields(SamplingParams) if f.init} | {"max_tokens"})
+    close = difflib.get_close_matches(name, known, n=2, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else f"fields: {', '.join(known)}"
+    return TypeError(f"SamplingParams has no field {name!r} ({hint})")
+
+
 def _taking_max_tokens(init):
     """``SamplingParams(max_tokens=N)``: vLLM's name of ``max_new_tokens`` (not a field of its own, so
-    ``dataclasses.replace`` and equality see one value); giving both names is an error."""
+    ``dataclasses.replace`` and equality see one value); giving both names is an error. A name that is no field is
+    a TypeError saying what to use instead (``_unknown_field_error``)."""
+    from dataclasses import fields
+
+    known = {f.name for f in fields(SamplingParams) if f.init}
 
     @functools.wraps(init)
     def __init__(self, *args, max_tokens=_UNSET, **kwargs):
+        unknown = next((k for k in kwargs if k not in known), None)
+        if unknown is not None:
+            raise _unknown_field_error(unknown)
         if max_tokens is not _UNSET:  # (None too: vLLM's "until the context is full")
             _check("max_new_tokens" not in kwargs, "max_tokens",
                    "is vLLM's name of max_new_tokens: give one of the two, not both", max_tokens)

@@ -65,6 +65,21 @@ def test_sampling_params_normalises_integral_types():
     assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"min_tokens": 4}, "SamplingParams has no field 'min_tokens' (vLLM's): not supported; ignore_eos=True"),
+    ({"logprobs": 1}, "SamplingParams has no field 'logprobs' (vLLM's): outputs carry no log-probabilities"),
+    ({"temprature": 0.5}, "SamplingParams has no field 'temprature' (did you mean temperature?)"),
+    ({"max_token": 3}, "SamplingParams has no field 'max_token' (did you mean max_tokens or max_new_tokens?)"),
+    ({"xyz": 1}, "SamplingParams has no field 'xyz' (fields: fit_max_new_tokens, frequency_penalty,"),
+])
+def test_sampling_params_unknown_fields_say_what_to_use(kwargs, message):
+    """Was Python's "__init__() got an unexpected keyword argument": a vLLM field specdec lacks now says what to do
+    instead, a misspelt one the field it meant."""
+    with pytest.raises(TypeError) as info:
+        SamplingParams(max_tokens=4, **kwargs)
+    assert str(info.value).startswith(message), info.value
+
+
 def test_top_k_keeps_the_largest_logits_at_any_temperature():
     """Huge temperatures flatten the scaled logits to ties; the kept set still follows the logits."""
     logits = torch.tensor([0.0, 1.0, 5.0, -2.0, 4.0, 3.0, 2.5, 6.0])
