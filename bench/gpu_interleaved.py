@@ -223,7 +223,8 @@ def _epoch_summary(epochs: list[dict]) -> str:
         probes = [e for e in mine if e["phase"] == "probe" and e["best_before"] == 0 and e["nodes"]]
         if plain and probes:  # (what the watch's counts said of each probe from plain decoding, and what it measured)
             floor = statistics.median(plain)
-            said = [f"{e['nodes']}: {_gain_of(e):.2f}->{e['rate'] / floor:.2f}" for e in probes]
+            said = [f"{e['nodes']}: {_gain_of(e):.2f}->{e['rate'] / floor:.2f}"
+                    + (f" ({e['shadow_hits']:.0%} right)" if e.get("shadow_hits") is not None else "") for e in probes]
             line += " | probes from plain (counted -> measured over plain's rate) " + ", ".join(said)
         out.append(line)
     return "; ".join(out)

@@ -422,15 +422,17 @@ class EpochBudget:
             "seconds": sum(state.times), "rate": state.tokens[h] / max(state.row_steps, 1) / max(median, 1e-9),
             "median_step_s": median, "max_step_s": max(state.times), "best_before": self._nodes[state.best],
             "shadow_gains": {self._nodes[j]: None if (g := self._shadow_gain(state, j)) is None else round(g, 4)
-                             for j in range(1, len(self.options))}})
+                             for j in range(1, len(self.options))},
+            "shadow_hits": round(state.shadow[-1] / state.shadow[0], 4) if state.shadow[0] else None})
 
     def epoch_log(self) -> list[dict]:
         """The latest ended epochs, oldest first: when (perf_counter seconds), the bucket and kind, the budget held,
         why (the first ``search``, ``hold`` of the best, or a ``probe``), its steps and timed steps, rows and tokens
         in the timed ones, their seconds, its rate (tokens per row over its median step), its timed steps' median
         and longest seconds, the best budget when it ended, and each speculating budget's rate over plain decoding's
-        as the watch's counts then said (by node budget; ``_shadow_gain``, None without them). What the choice was
-        made from, step by step (bench JSON records it)."""
+        as the watch's counts then said (by node budget; ``_shadow_gain``, None without them) with the share of its
+        looked-up rows whose chain began right. What the choice was made from, step by step (bench JSON records
+        it)."""
         return list(self.epochs)
 
     def _next_to_search(self, state: _Epochs) -> int | None:
