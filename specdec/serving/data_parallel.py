@@ -117,13 +117,16 @@ class DataParallelExecutor(OutputReaders):
 
     def prepare(self, prompt, params: SamplingParams | None = None) -> list[int]:
         """The prompt's token ids, checked by one running replica (in turn: tokenising spreads over them)."""
-        alive = [r for r in self.replicas if r.alive] or self.replicas
-        return alive[next(self._prepare_turn) % len(alive)].prepare(prompt, params)
+        return self._tokenizing_replica().prepare(prompt, params)
 
     def detokenize(self, ids: list[int]) -> str:
         """The text of token ids, decoded by one running replica (in turn, as ``prepare``)."""
+        return self._tokenizing_replica().detokenize(ids)
+
+    def _tokenizing_replica(self):
+        """The next running replica in turn (any, when none runs: its call then fails as a stopped one does)."""
         alive = [r for r in self.replicas if r.alive] or self.replicas
-        return alive[next(self._prepare_turn) % len(alive)].detokenize(ids)
+        return alive[next(self._prepare_turn) % len(alive)]
 
     @property
     def max_model_len(self) -> int:

@@ -109,7 +109,8 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         """vLLM's: the token ids a request with this prompt (or chat) runs, their count and the model's length."""
         try:
             prompt, field = protocol.parse_tokenize(_json(await _body(request, max_request_bytes)), model_name)
-            ids = await asyncio.to_thread(_prepare_one, executor, prompt, field)
+            # (as a request of one new token runs it: a prompt the model cannot hold is refused as a request is)
+            ids = await asyncio.to_thread(_refused, executor.prepare, (prompt, SamplingParams(max_new_tokens=1)), field)
         except protocol.BadRequest as err:
             return _error(err)
         except _ClientGone:
@@ -121,7 +122,7 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         """vLLM's: the text of token ids (special tokens kept)."""
         try:
             ids = protocol.parse_detokenize(_json(await _body(request, max_request_bytes)), model_name)
-            text = await asyncio.to_thread(_detokenize, executor, ids)
+            text = await asyncio.to_thread(_refused, executor.detokenize, (ids,), "tokens")
         except protocol.BadRequest as err:
             return _error(err)
         except _ClientGone:
@@ -216,30 +217,17 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
 def _prepare(executor: Executor | DataParallelExecutor, parsed: protocol.ParsedRequest) -> list[list[int]]:
     """Every prompt's token ids, checked as the engine checks a request; the first refusal is a BadRequest naming
     its prompt's field (``_refusal``)."""
-    ids = []
-    for prompt, field in zip(parsed.prompts, parsed.prompt_fields):
-        try:
-            ids.append(executor.prepare(prompt, parsed.params))
-        except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
-            raise _refusal(err, field, parsed.max_tokens_field) from None
-    return ids
+    return [_refused(executor.prepare, (prompt, parsed.params), field, parsed.max_tokens_field)
+            for prompt, field in zip(parsed.prompts, parsed.prompt_fields)]
 
 
-def _prepare_one(executor: Executor | DataParallelExecutor, prompt, field: str) -> list[int]:
-    """/tokenize's ids: ``prompt``'s as a request of one new token runs them (so a prompt the model cannot hold
-    is refused as a request would be), a BadRequest naming ``field`` otherwise."""
+def _refused(fn, args: tuple, field: str, max_tokens_field: str = "max_tokens"):
+    """``fn(*args)`` (the executor's tokenising); what it raises becomes the BadRequest naming ``field``
+    (``_refusal``)."""
     try:
-        return executor.prepare(prompt, SamplingParams(max_new_tokens=1))
+        return fn(*args)
     except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
-        raise _refusal(err, field, "max_tokens") from None
-
-
-def _detokenize(executor: Executor | DataParallelExecutor, ids: list[int]) -> str:
-    """/detokenize's text; a BadRequest naming the token at fault."""
-    try:
-        return executor.detokenize(ids)
-    except Exception as err:  # noqa: BLE001 - a ValueError is the client's (400), anything else ours (500)
-        raise _refusal(err, "tokens", "max_tokens") from None
+        raise _refusal(err, field, max_tokens_field) from None
 
 
 def _per_prompt(rid: str, finals: list[RequestOutput], n: int) -> list[RequestOutput]:
