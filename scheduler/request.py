@@ -48,6 +48,7 @@ class Request:
     emitted_chars: int = 0
     detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text
     stop_scan: int = 0  # characters of the output text already searched for stop strings (StopChecker)
+    stop_cut: bool = False  # a stop string ended it: ``text`` is the output's text cut before it
 
     def __post_init__(self) -> None:
         if not self.tokens:
@@ -64,6 +65,19 @@ class Request:
     @property
     def num_output(self) -> int:
         return len(self.tokens) - self.num_prompt
+
+    @property
+    def penalized(self) -> bool:
+        """Its next step's logits are changed (``SamplingParams.logits_processed``, or ``min_tokens`` still holds the
+        ending tokens back): the step's fast paths, which read the raw logits, do not serve it."""
+        p = self.params
+        return p.logits_processed or self.num_output < p.min_tokens
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy on the raw logits at its next step: the steps' greedy fast paths (the verify's own argmax) serve
+        it."""
+        return self.params.greedy and not self.penalized
 
     @property
     def prefill_done(self) -> bool:

@@ -64,11 +64,13 @@ class StopChecker:
         if p.stop:
             stable, tail = self._decode_new(req)  # a few tokens decoded, not the whole output (linear, not square)
             text = stable + tail
-            # only text that can hold a stop string not seen before: the earlier text was searched already
-            cut = _first_stop(text, p.stop, max(0, req.stop_scan - max(map(len, p.stop)) + 1))
+            # only text that can hold a stop string not seen before: the earlier text was searched already (or came
+            # before min_tokens, where stop strings do not end a request: one that ends past it still does)
+            cut = None if req.num_output < p.min_tokens else _first_stop(
+                text, p.stop, max(0, req.stop_scan - max(map(len, p.stop)) + 1))
             req.stop_scan = len(stable)
             if cut is not None:
-                req.text = text[:cut]
+                req.text, req.stop_cut = text[:cut], True
                 return "stop"
         if req.num_output >= p.max_new_tokens:
             return "length"
@@ -103,8 +105,7 @@ class StopChecker:
 
     def finalize_text(self, req: Request, reason: str | None) -> None:
         """Refresh ``req.text`` unless a stop string already fixed it."""
-        if reason == "stop" and req.params.stop and _first_stop(self.decode(req.output_ids),
-                                                                  req.params.stop) is not None:
+        if reason == "stop" and req.stop_cut:
             return
         req.text = self.decode(req.output_ids)
 

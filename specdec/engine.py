@@ -154,15 +154,19 @@ class SpecEngine:
                prompt_text: str | None) -> Request:
         """Queue one sample (``params.n`` 1) of a prompt whose token ids ``prepare`` gave (and checked)."""
         params = self._bounded(ids, params)
-        eos = tuple(self.target.config.eos_token_ids)
-        if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
-            eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
-        req = Request(request_id or str(next(self._ids)), ids, params, eos)
+        req = Request(request_id or str(next(self._ids)), ids, params, self._eos_ids())
         req.prompt_text = prompt_text
         if not params.greedy:
             req.stream = request_stream(params.seed)
         self.scheduler.add(req)
         return req
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        """The target's EOS token ids: its config's and its tokenizer's."""
+        eos = tuple(self.target.config.eos_token_ids)
+        if self.target.tokenizer is not None and self.target.tokenizer.eos_token_id is not None:
+            eos = tuple(sorted(set(eos) | {self.target.tokenizer.eos_token_id}))
+        return eos
 
     def _prompt_text(self, prompt, ids: list[int]) -> str | None:
         """``RequestOutput.prompt``: a text prompt itself, a chat's rendered text (its ids decoded), else None."""
@@ -228,6 +232,7 @@ class SpecEngine:
         bad = [t for t in ids if not 0 <= t < cfg.vocab_size]
         if bad:
             raise PromptError(f"prompt token id {bad[0]} is outside the vocabulary [0, {cfg.vocab_size})")
+        self._validate_processors(params)
         params = self._bounded(ids, params)
         if len(ids) + params.max_new_tokens + lookahead > limit:
             raise FieldError("SamplingParams", "max_new_tokens", f"with a {len(ids)}-token prompt exceeds the "
@@ -239,6 +244,23 @@ class SpecEngine:
             raise FieldError("SamplingParams", "max_new_tokens", f"with a {len(ids)}-token prompt needs {need} KV "
                              f"blocks; the pool has {blocks}, which hold at most {most} new tokens (raise "
                              "num_blocks/kv_memory_bytes or lower max_new_tokens)", params.max_new_tokens)
+
+    def _validate_processors(self, params: SamplingParams) -> None:
+        """The token ids of ``logit_bias`` and ``allowed_token_ids`` are in the vocabulary, and ``min_tokens`` leaves
+        some allowed token to generate before it is reached."""
+        vocab = self.target.config.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]),
+                          ("allowed_token_ids", params.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise FieldError("SamplingParams", name, f"holds token id {bad}, outside the vocabulary [0, {vocab})",
+                                 bad)
+        if params.min_tokens and params.allowed_token_ids is not None:
+            ending = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos_ids()))
+            if ending.issuperset(params.allowed_token_ids):
+                raise FieldError("SamplingParams", "min_tokens", "leaves no token to generate: allowed_token_ids "
+                                 "holds only ending tokens (EOS, stop_token_ids), which min_tokens holds back",
+                                 params.min_tokens)
 
     # ------------------------------------------------------------------ the loop
 

@@ -237,7 +237,7 @@ class FusedVerify:
         its greedy acceptance itself when every row is greedy, else with the sampled rows (and greedy ones with a
         repetition penalty) through the lossless rule (``SampledRule.on_views``: the trees are read where the
         verify inputs hold them)."""
-        sampled = [i for i, r in enumerate(reqs) if not r.params.plain_greedy]
+        sampled = [i for i, r in enumerate(reqs) if not r.plain_greedy]
         if not sampled:
             return fwd.accept
         graphs = self.runner.graphs

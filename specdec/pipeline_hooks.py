@@ -68,7 +68,7 @@ class EagleAhead:
         if self.decoding:
             return step.trees is None and self.decode.may_queue(rows, step)
         return (step.trees is not None and step.fwd.features is not None
-                and not any(r.params.penalized for r in rows))
+                and not any(r.penalized for r in rows))
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, DeviceDraft | None] | None:
@@ -161,14 +161,14 @@ class ChainAhead:
         """The budget's queries (n + 1: the queued verify runs in the same bucket, whatever its chains' lengths)
         when no row has a repetition penalty, greedy and sampled rows alike; else 0 (nothing is queued, and the
         verify keeps its own bucket)."""
-        return 0 if any(r.params.penalized for r in rows) else self.nodes + 1
+        return 0 if any(r.penalized for r in rows) else self.nodes + 1
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
         """Behind a verify in its budget's bucket, of rows greedy or sampled but without a repetition penalty (a
         queued step would need the penalty of tokens not committed yet), with room in the n-gram histories for what
         the queued step appends."""
         key = self.runner.packed_key(0, len(step.rows), self.nodes + 1, self.drafter.target_features)
-        return (key is not None and step.key[2] == key[2] and not any(r.params.penalized for r in rows)
+        return (key is not None and step.key[2] == key[2] and not any(r.penalized for r in rows)
                 and self.follow.room(rows, step.key[2]))
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),

@@ -1,17 +1,22 @@
 """The inputs of the logit penalties at the verify tokens of a step (``SamplingParams.repetition_penalty``,
-``presence_penalty`` and ``frequency_penalty``).
+``presence_penalty`` and ``frequency_penalty``), and of the request's logits processors (``logit_bias``,
+``allowed_token_ids``, ``min_tokens``).
 
 The penalty of a token depends on its context: at verify token j of a row (0 the root, the pending token) the
 context is the request's tokens (prompt and committed output, the pending token included) plus the draft tokens
 on j's path (its ancestors and j itself). So every verify token gets its own penalty inputs: the row's host
 context (``ContextPenalty``, (B, V) tensors copied to the device) joined on the device with the path tokens that
 the tree masks select. The repetition penalty reads which tokens the prompt and output hold, the presence and
-frequency penalties how often each token occurs in the output alone (as in vLLM). Rules apply them to the raw
-logits (``acceptance.repetition_penalty``, then ``acceptance.count_penalty``) before shaping.
+frequency penalties how often each token occurs in the output alone (as in vLLM). ``min_tokens`` depends on j's
+depth: the token chosen after j is output token ``len(output) + depth(j)``, and the row's ending tokens are held
+back there while that is below ``min_tokens``. As in vLLM, the bias and the held-back tokens apply to the raw logits
+first, then the rules apply the penalties (``acceptance.repetition_penalty``, then ``acceptance.count_penalty``),
+then shaping.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -30,25 +35,46 @@ class OutputCounts(NamedTuple):
     frequency: Tensor  # (B,) float32; 0 = off
 
 
-class ContextPenalty(NamedTuple):
-    """Each row's penalties and the tokens of its committed context, on the device."""
+class HeldBack(NamedTuple):
+    """Each row's ending tokens and how many more output tokens must come before them (``min_tokens``)."""
 
-    present: Tensor  # (B, V) bool: the token is in the row's prompt or output so far
-    penalty: Tensor  # (B,) float32 repetition penalty; 1 = off
+    tokens: Tensor  # (B, V) bool: the tokens that end the row (its EOS unless ignore_eos, its stop_token_ids)
+    left: Tensor  # (B,) int64: min_tokens less the row's output so far (<= 0: none held back)
+
+
+class ContextPenalty(NamedTuple):
+    """Each row's penalties and the tokens of its committed context, and its logits processors, on the device."""
+
+    present: Tensor | None  # (B, V) bool: the token is in the row's prompt or output so far; None: no row has a
+    penalty: Tensor | None  # (B,) float32 repetition penalty; 1 = off                      repetition penalty
     output: OutputCounts | None = None  # None: no row has a presence or frequency penalty
+    bias: Tensor | None = None  # (B, V) float32 added to the raw logits (logit_bias; -inf outside allowed_token_ids)
+    held: HeldBack | None = None  # None: no row holds its ending tokens back
 
     @staticmethod
     def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str) -> ContextPenalty:
-        """The penalties of rows ``rows`` of ``reqs`` (each with ``tokens``, ``output_ids`` and ``params``) in a
-        batch of ``b`` rows; other rows are unpenalized. One host->device copy of each tensor."""
-        present = np.zeros((b, vocab), dtype=bool)
-        penalty = np.ones(b, dtype=np.float32)
-        for i in rows:
-            present[i, np.asarray(reqs[i].tokens, dtype=np.int64)] = True
-            penalty[i] = reqs[i].params.repetition_penalty
-        counted = [i for i in rows if reqs[i].params.presence_penalty or reqs[i].params.frequency_penalty]
-        output = _output_counts(reqs, counted, b, vocab, device) if counted else None
-        return ContextPenalty(torch.from_numpy(present).to(device), torch.from_numpy(penalty).to(device), output)
+        """The penalties and processors of rows ``rows`` of ``reqs`` (each a ``Request``: ``tokens``,
+        ``output_ids``, ``num_output``, ``eos_token_ids`` and ``params``) in a batch of ``b`` rows; other rows are
+        unchanged. One host->device copy of each tensor."""
+        params = {i: reqs[i].params for i in rows}
+        present = penalty = output = bias = held = None
+        repeated = [i for i in rows if params[i].repetition_penalty != 1.0]
+        if repeated:
+            present, penalty = np.zeros((b, vocab), dtype=bool), np.ones(b, dtype=np.float32)
+            for i in repeated:
+                present[i, np.asarray(reqs[i].tokens, dtype=np.int64)] = True
+                penalty[i] = params[i].repetition_penalty
+            present, penalty = torch.from_numpy(present).to(device), torch.from_numpy(penalty).to(device)
+        counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
+        if counted:
+            output = _output_counts(reqs, counted, b, vocab, device)
+        biased = [i for i in rows if params[i].logit_bias or params[i].allowed_token_ids is not None]
+        if biased:
+            bias = torch.from_numpy(_bias_rows([params[i] for i in biased], biased, b, vocab)).to(device)
+        early = [i for i in rows if reqs[i].num_output < params[i].min_tokens]
+        if early:
+            held = _held_back([reqs[i] for i in early], early, b, vocab, device)
+        return ContextPenalty(present, penalty, output, bias, held)
 
     def at_tokens(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
         """(B, Q, V) bool: the context of each verify token, the row's ``present`` plus the tokens (B, Q) whose bit
@@ -65,13 +91,54 @@ class ContextPenalty(NamedTuple):
         return out.scatter_add_(-1, where, torch.ones(where.shape, dtype=out.dtype, device=out.device))[..., :-1]
 
     def apply(self, logits: Tensor, tokens: Tensor, tree_mask: Tensor) -> Tensor:
-        """(B, Q, V) float32-or-wider logits at the verify tokens (B, Q) with each one's penalties applied: the
-        repetition penalty, then the frequency and presence penalties."""
-        x = repetition_penalty(logits, self.at_tokens(tokens, tree_mask), self.penalty.view(-1, 1, 1))
+        """(B, Q, V) float32-or-wider logits at the verify tokens (B, Q) with each one's processors and penalties
+        applied: the bias and the held-back tokens, then the repetition penalty, then the frequency and presence
+        penalties."""
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if self.bias is not None:
+            x = x + self.bias.unsqueeze(1)
+        if self.held is not None:
+            early = path_depth(tree_mask) < self.held.left.view(-1, 1)  # (B, Q): its next token is output < min
+            x = x.masked_fill(early.unsqueeze(-1) & self.held.tokens.unsqueeze(1), -math.inf)
+        if self.present is not None:
+            x = repetition_penalty(x, self.at_tokens(tokens, tree_mask), self.penalty.view(-1, 1, 1))
         if self.output is None:
             return x
         return count_penalty(x, self.at_counts(tokens, tree_mask), self.output.presence.view(-1, 1, 1),
                              self.output.frequency.view(-1, 1, 1))
+
+
+def path_depth(tree_mask: Tensor) -> Tensor:
+    """(B, Q) int64 depth of each verify token from its tree mask (B, Q) (bit i: token i is on its path, the root's
+    bit 0 included): the bits set less one (the root 0; a padding token's empty mask -1)."""
+    bits = torch.arange(tree_mask.shape[-1], device=tree_mask.device)
+    return ((tree_mask.unsqueeze(-1) >> bits) & 1).sum(-1) - 1
+
+
+def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int) -> np.ndarray:
+    """(b, vocab) float32: row ``rows[k]`` holds ``params[k]``'s logit biases, -inf outside its allowed token ids
+    (0 elsewhere, and in the other rows)."""
+    out = np.zeros((b, vocab), dtype=np.float32)
+    for i, p in zip(rows, params):
+        if p.allowed_token_ids is not None:
+            out[i] = -np.inf
+            out[i, np.asarray(p.allowed_token_ids, dtype=np.int64)] = 0
+        if p.logit_bias:
+            ids, values = zip(*p.logit_bias)
+            out[i, np.asarray(ids, dtype=np.int64)] += np.asarray(values, dtype=np.float32)
+    return out
+
+
+def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> HeldBack:
+    """The ``HeldBack`` of requests ``reqs`` at rows ``rows`` of a batch of ``b`` (the others hold nothing back)."""
+    tokens = np.zeros((b, vocab), dtype=bool)
+    left = np.zeros(b, dtype=np.int64)
+    for i, r in zip(rows, reqs):
+        p = r.params
+        ending = [*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids]
+        tokens[i, np.asarray([t for t in ending if t < vocab], dtype=np.int64)] = True
+        left[i] = p.min_tokens - r.num_output
+    return HeldBack(torch.from_numpy(tokens).to(device), torch.from_numpy(left).to(device))
 
 
 def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> OutputCounts:
@@ -99,5 +166,5 @@ def _on_path(context: Tensor, tokens: Tensor, tree_mask: Tensor) -> tuple[Tensor
 
 
 def penalized_rows(reqs: Sequence, rows: Sequence[int]) -> list[int]:
-    """The rows of ``rows`` whose request has a repetition, presence or frequency penalty."""
-    return [i for i in rows if reqs[i].params.penalized]
+    """The rows of ``rows`` whose request's logits this step are changed (``Request.penalized``)."""
+    return [i for i in rows if reqs[i].penalized]

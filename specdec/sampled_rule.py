@@ -22,6 +22,7 @@ logits') run the same rule eagerly, with their context's tokens as one more inpu
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -111,9 +112,10 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
     if penalty is not None:
         x = penalty.apply(x.float(), tokens, masks)
     out = accept_sampled(x, tokens, parents, masks, col(_N), sampling, col(_KEY0), col(_KEY1), positions, use_triton)
-    # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails
+    # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails (the
+    # tokens its processors took out, -inf, are not in it)
     real = torch.arange(q, device=x.device) < col(_N).view(-1, 1)  # (B, Q)
-    low, high = torch.aminmax(x, dim=-1)  # (B, Q): one pass, no |x| written
+    low, high = torch.aminmax(x if penalty is None else x.masked_fill(x == -math.inf, 0), dim=-1)  # (B, Q)
     peak = torch.where(real, torch.maximum(high, -low).float(), 0.0).amax(-1)  # (B,) max |x| (exact in x's dtype)
     t = sampling.temperature.float()
     t = torch.where(t > 0, t, 1.0) if any_greedy else t  # a greedy row's argmax needs finite logits only

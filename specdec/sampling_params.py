@@ -6,6 +6,7 @@ import functools
 import hashlib
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from specdec.errors import FieldError
@@ -28,6 +29,9 @@ MAX_N = 128  # samples of one prompt (OpenAI's limit): each is a request of its 
 # stop strings: every step checks each against the output on the engine's thread
 MAX_STOPS, MAX_STOP_CHARS = 128, 4096  # strings, characters in all
 MAX_STOP_TOKEN_IDS = 4096  # stop_token_ids per request (every committed token is looked up in them)
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 makes it all but certain
+MAX_LOGIT_BIAS = 4096  # logit_bias entries per request (a dense bias row is built for it at every step)
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request: a vocabulary's worth
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,12 @@ class SamplingParams:
     each token's raw logit, count being its occurrences in the output so far (the prompt is not counted). ``n``
     samples of the prompt are returned as the ``outputs`` of one ``RequestOutput``; with a seed, sample i draws
     from ``sample_seed(seed, i)``.
+    ``logit_bias`` ({token id: bias in [-100, 100]}, OpenAI's) adds each bias to its token's raw logit, and
+    ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens, both before the penalties, as in vLLM; each is
+    stored as a tuple (of sorted (id, bias) pairs, and of ids), so the params stay hashable. ``min_tokens`` (vLLM's)
+    holds back the tokens that end a request (its EOS unless ``ignore_eos``, and ``stop_token_ids``) until the output
+    has that many tokens, and stop strings do not end it before then. Token ids are checked against the model's
+    vocabulary when the request is queued.
     """
 
     temperature: float = 0.0
@@ -69,6 +79,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     fit_max_new_tokens: bool = False
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -102,6 +115,11 @@ class SamplingParams:
             set_(self, name, _real(getattr(self, name), name, f"must be a number in [{lo:g}, {hi:g}] (0 = off)",
                                    lambda v: lo <= v <= hi))
         set_(self, "n", _integer(self.n, "n", f"must be an int >= 1 and <= {MAX_N}", 1, MAX_N))
+        most = self.max_new_tokens if self.max_new_tokens is not None else None
+        set_(self, "min_tokens", _integer(self.min_tokens, "min_tokens", "must be an int >= 0" + (
+            f" and <= max_new_tokens ({most})" if most is not None else ""), 0, most))
+        set_(self, "logit_bias", _logit_bias(self.logit_bias))
+        set_(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
 
     @property
     def stop_id_set(self) -> frozenset[int]:
@@ -113,10 +131,17 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def logits_processed(self) -> bool:
+        """Every step's logits are changed: by a repetition, presence or frequency penalty (which depends on each
+        verify token's context), ``logit_bias`` or ``allowed_token_ids``."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias) or self.allowed_token_ids is not None)
+
+    @property
     def penalized(self) -> bool:
-        """The logits are changed by a repetition, presence or frequency penalty (which depends on each verify
-        token's context)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Some step's logits are changed: ``logits_processed``, or ``min_tokens`` holds the ending tokens back (a
+        request's own ``Request.penalized`` says whether its next step's are)."""
+        return self.logits_processed or self.min_tokens > 0
 
     @property
     def plain_greedy(self) -> bool:
@@ -152,16 +177,14 @@ _UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the co
 # vLLM SamplingParams fields specdec lacks -> what to do instead (the TypeError an unknown field raises says it)
 VLLM_LACKING = {
     "logprobs": "outputs carry no log-probabilities", "prompt_logprobs": "outputs carry no log-probabilities",
-    "min_tokens": "not supported; ignore_eos=True generates exactly max_tokens tokens",
     "best_of": "there is no best-of or beam search (n samples are n independent requests)",
     "use_beam_search": "there is no beam search", "length_penalty": "there is no beam search",
     "include_stop_str_in_output": "a stop string is cut from the output, with what follows it",
     "skip_special_tokens": "output text always skips special tokens",
     "spaces_between_special_tokens": "output text always skips special tokens",
-    "bad_words": "no logits processors besides the penalties, top_k, top_p and min_p",
-    "logit_bias": "no logits processors besides the penalties, top_k, top_p and min_p",
-    "allowed_token_ids": "no logits processors besides the penalties, top_k, top_p and min_p",
-    "logits_processors": "no logits processors besides the penalties, top_k, top_p and min_p",
+    "bad_words": "no bad words; logit_bias={id: -100} bans single tokens",
+    "logits_processors": "no logits processors besides the penalties, logit_bias, allowed_token_ids, min_tokens, "
+                         "top_k, top_p and min_p",
     "guided_decoding": "no structured (guided) output", "structured_outputs": "no structured (guided) output",
     "truncate_prompt_tokens": "prompts are not truncated: one longer than the model's context is refused",
     "detokenize": "outputs always carry their text", "output_kind": "outputs always carry their text",
@@ -255,3 +278,29 @@ def _token_ids(ids) -> tuple[int, ...]:
         return ()
     _check(isinstance(ids, (list, tuple)) and len(ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", rule, ids)
     return tuple(_integer(t, "stop_token_ids", rule, 0, None) for t in ids)
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs, from a mapping (or such pairs); None is none."""
+    lo, hi = LOGIT_BIAS_RANGE
+    rule = (f"must be None or a dict of at most {MAX_LOGIT_BIAS} token ids (ints >= 0) to biases in "
+            f"[{lo:g}, {hi:g}]")
+    if bias is None:
+        return ()
+    if isinstance(bias, Mapping):
+        bias = tuple(bias.items())
+    _check(isinstance(bias, (list, tuple)) and len(bias) <= MAX_LOGIT_BIAS
+           and all(isinstance(e, (list, tuple)) and len(e) == 2 for e in bias), "logit_bias", rule, bias)
+    pairs = {_integer(t, "logit_bias", rule, 0, None): _real(b, "logit_bias", rule, lambda v: lo <= v <= hi)
+             for t, b in bias}
+    _check(len(pairs) == len(bias), "logit_bias", rule + " (each id once)", bias)
+    return tuple(sorted(pairs.items()))
+
+
+def _allowed_ids(ids) -> tuple[int, ...] | None:
+    """``allowed_token_ids`` as a sorted tuple of distinct ids; None (every token) stays None."""
+    rule = f"must be None or a non-empty list/tuple of at most {MAX_ALLOWED_TOKEN_IDS} ints >= 0"
+    if ids is None:
+        return None
+    _check(isinstance(ids, (list, tuple)) and 0 < len(ids) <= MAX_ALLOWED_TOKEN_IDS, "allowed_token_ids", rule, ids)
+    return tuple(sorted({_integer(t, "allowed_token_ids", rule, 0, None) for t in ids}))

@@ -117,7 +117,7 @@ class Verifier:
         """(B, Q + 3) outcome of a padded step of graph bucket ``key``: the verify's greedy acceptance, its sampled
         rows (and greedy ones with a repetition penalty: their argmax is the penalized logits') through the device
         rule (``_sampled_outcome``); None when those take the host rule."""
-        sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.plain_greedy]
         return self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
 
     def _read_behind(self, rows: list[Request], key, fwd, outcome: torch.Tensor | None) -> QueuedStep | None:
@@ -128,8 +128,8 @@ class Verifier:
         outcome buffer, which the follow-up and a queued step's writer read."""
         if self.followup is None or key is None or outcome is None:
             return None
-        if not all(r.params.plain_greedy for r in rows):
-            if self.pipeline is None or any(r.params.penalized for r in rows):
+        if not all(r.plain_greedy for r in rows):
+            if self.pipeline is None or any(r.penalized for r in rows):
                 return None
             _write(fwd.accept, outcome)
         out = self.followup.launch(rows, key, fwd)
@@ -195,7 +195,7 @@ class Verifier:
         when a follow-up ran behind its verify; its read (the outcome rows, then the follow-up's columns) is read
         instead and handed to ``followup.consume``; ``queued``: the step queued behind it, told the rows' lengths.
         Greedy rows with a repetition penalty count as sampled here: their argmax is the penalized logits'."""
-        sampled = [i for i, r in enumerate(rows) if not r.params.plain_greedy]
+        sampled = [i for i, r in enumerate(rows) if not r.plain_greedy]
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome
         if step is None:
@@ -328,7 +328,7 @@ def _host_rule(req: Request, tree: DraftTree, logits: torch.Tensor):
     Gumbel-max sample keyed by the request and the position, ``kernels.gumbel_choice``)."""
     p = req.params
     lg = logits.view(-1, logits.shape[-1])  # (N+1, V)
-    if p.penalized:
+    if req.penalized:
         masks = torch.tensor([tree.verify_rows()[0]], dtype=torch.int64, device=lg.device)  # (1, N+1)
         tokens = torch.tensor([[0, *tree.host.tokens]], dtype=torch.int64, device=lg.device)  # (1, N+1)
         lg = ContextPenalty.of([req], [0], 1, lg.shape[-1], lg.device).apply(lg.unsqueeze(0), tokens, masks)[0]

@@ -42,7 +42,7 @@ def _case(seed: int, b: int = 8, r: int = 6, plain: bool = False, chains: bool =
             temperature=rng.choice([0.6, 1.0]), top_k=0 if plain else rng.choice([0, 3]),
             top_p=1.0 if plain else rng.choice([1.0, 0.8]), seed=i)
         rows.append(SimpleNamespace(params=params, stream=None if params.greedy else UniformStream(seed * 100 + i),
-                                    tokens=[1] * rng.randrange(3, 40)))
+                                    tokens=[1] * rng.randrange(3, 40), penalized=False))
     g = torch.Generator().manual_seed(seed)
     logits = 2.0 * torch.randn(b, Q, VOCAB, generator=g)
     for t, lg in zip(trees, logits):  # the target often agrees with the tree, so paths get deep
@@ -111,7 +111,7 @@ def test_choices_follow_the_position_not_the_tree():
     for i in sampled:
         first = got[i, 1] if got[i, 0] == 0 else trees[i].host.tokens[got[i, 2] - 1]
         assert alone[i, 1] == first, i
-    shifted = [SimpleNamespace(params=r.params, stream=r.stream, tokens=r.tokens + [1]) for r in rows]
+    shifted = [SimpleNamespace(params=r.params, stream=r.stream, tokens=r.tokens + [1], penalized=False) for r in rows]
     moved = SampledRule("cpu")(shifted, empty, sampled, logits, accept, captured=False)
     assert sum(int(moved[i, 1] != alone[i, 1]) for i in sampled) >= 1
 

@@ -14,6 +14,7 @@ BUILTIN_MODELS = ("smollm2-135m", "smollm2-135m-draft")
 # SamplingParams / SpecConfig / BenchServeConfig fields -> the command-line argument that sets them
 FIELD_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed",
                "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "n": "--n",
+               "min_tokens": "--min-tokens",
                "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
                "max_new_tokens": "--max-new-tokens", "tree": "--tree", "device": "--device", "dtype": "--dtype",
                "attention_backend": "--attention-backend", "max_num_tokens": "--max-num-batched-tokens",

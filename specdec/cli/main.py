@@ -40,7 +40,7 @@ def cmd_generate(args) -> int:
                    seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, n=args.n, stop=tuple(args.stop or ()),
                    ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
-                   frequency_penalty=args.frequency_penalty)
+                   frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, metavar="STR",
                    help="end the output before this text; repeat for several (default: none)")
     g.add_argument("--ignore-eos", action="store_true", help="go on past EOS, up to --max-new-tokens")
+    g.add_argument("--min-tokens", type=int, default=0,
+                   help="no EOS and no --stop before the output has this many tokens (0 = off)")
     g.add_argument("--n", type=int, default=1, help="independent samples of the prompt, printed one after another")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
     g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)

@@ -83,7 +83,7 @@ class DeviceNgram:
         """The follow-up can run behind a verify of ``rows`` with ``q`` queries per row: no row has a repetition
         penalty (such rows step unpipelined, looking up on the host) and every row's history row holds its tokens
         and the verify's (else the host path)."""
-        return not any(r.params.penalized for r in rows) and max(len(r.tokens) for r in rows) + q <= self.hist.shape[1]
+        return not any(r.penalized for r in rows) and max(len(r.tokens) for r in rows) + q <= self.hist.shape[1]
 
     @property
     def decoding(self) -> bool:

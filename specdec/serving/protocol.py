@@ -1,9 +1,9 @@
 """OpenAI request bodies -> (prompts, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
-engine does not have (logprobs, logit_bias, tools) is a ``BadRequest`` naming the field. The sampling fields
-(n, min_p and the repetition, presence and frequency penalties included) are checked
-by ``SamplingParams`` itself.
+engine does not have (logprobs, tools) is a ``BadRequest`` naming the field. The sampling fields (n, min_p, the
+repetition, presence and frequency penalties, logit_bias, vLLM's min_tokens and allowed_token_ids included) are
+checked by ``SamplingParams`` itself.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ class BadRequest(ValueError):
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
-           "user", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"}
+           "user", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "logit_bias",
+           "min_tokens", "allowed_token_ids"}
 # accepted only at the value that means "off": these features do not exist here
-_OFF_VALUES = {"logprobs": (None, False), "logit_bias": (None,), "best_of": (None, 1), "echo": (None, False),
+_OFF_VALUES = {"logprobs": (None, False), "best_of": (None, 1), "echo": (None, False),
                "suffix": (None,), "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
@@ -40,7 +41,8 @@ MAX_PROMPTS = 256
 MAX_CHOICES = 1024
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "min_p")  # -> SamplingParams
+                    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "allowed_token_ids",
+                    "logit_bias")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 # /tokenize and /detokenize (vLLM's, outside /v1); the flags only at what a request runs with (True)
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
@@ -218,6 +220,8 @@ def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_to
     Python API does (top_k -1 = off, as in vLLM); the output length comes from ``max_tokens_field``. A FieldError
     becomes a BadRequest naming the body's field."""
     given = {name: body[name] for name in _SAMPLING_FIELDS if name != "max_tokens" and body.get(name) is not None}
+    if "logit_bias" in given:
+        given["logit_bias"] = _logit_bias(given["logit_bias"])
     if body.get(max_tokens_field) is not None:
         given["max_tokens"] = body[max_tokens_field]
     else:  # the default, as vLLM's: the engine lowers it to the room the prompt leaves
@@ -227,6 +231,18 @@ def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_to
     except FieldError as err:
         name = max_tokens_field if err.field in ("max_new_tokens", "max_tokens") else err.field
         raise BadRequest(name, f"field '{name}': {err}") from None
+
+
+def _logit_bias(bias: Any) -> Any:
+    """OpenAI's ``logit_bias``, an object whose keys are token ids as strings (JSON's keys are), with int keys;
+    its values (and a value that is no object) are left for ``SamplingParams`` to check."""
+    if not isinstance(bias, dict):
+        return bias
+    bad = next((k for k in bias if not (isinstance(k, str) and k.isascii() and k.isdigit())), None)
+    if bad is not None:
+        raise BadRequest("logit_bias", f"field 'logit_bias' must map token ids (strings of digits, as \"50256\") "
+                                       f"to biases, got the key {_short(bad)}")
+    return {int(k): v for k, v in bias.items()}
 
 
 def _stop(stop: Any) -> tuple[str, ...]:
