@@ -120,6 +120,9 @@ class SamplingParams:
             f" and <= max_new_tokens ({most})" if most is not None else ""), 0, most))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
+        # (not a field: read for every row at every step, ``Request.penalized``)
+        set_(self, "_processed", self.repetition_penalty != 1.0 or self.presence_penalty != 0
+             or self.frequency_penalty != 0 or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     @property
     def stop_id_set(self) -> frozenset[int]:
@@ -134,8 +137,7 @@ class SamplingParams:
     def logits_processed(self) -> bool:
         """Every step's logits are changed: by a repetition, presence or frequency penalty (which depends on each
         verify token's context), ``logit_bias`` or ``allowed_token_ids``."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
-                or bool(self.logit_bias) or self.allowed_token_ids is not None)
+        return self._processed
 
     @property
     def penalized(self) -> bool:

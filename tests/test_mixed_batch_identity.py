@@ -64,3 +64,26 @@ def test_penalized_rows_in_a_mixed_batch_equal_target_only(setup, device):  # no
     unpenalized = [replace(p, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0) for p in params]
     assert [o.token_ids for o in plain.generate(prompts, unpenalized)] != want  # the penalties changed something
     assert eng.all_blocks_free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_processed_rows_in_a_mixed_batch_equal_target_only(setup, device):  # noqa: F811 - the fixture
+    """Rows with a ``logit_bias``, an ``allowed_token_ids`` set and ``min_tokens`` (its stop ids held back; such a
+    row steps unpipelined on CUDA until it has its tokens, pipelined after), greedy and seeded sampled, among plain
+    ones, through the device's defaults: every row gives eager target-only decoding's tokens."""
+    prompts, params = _rows(9)
+    draft, target, _ = trained_pair(setup, device, params[0])
+    plain_cfg = dict(num_blocks=800, block_size=8, max_batch_size=32, device=device, prefix_cache=False)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, pipeline=False, **plain_cfg))
+    free = [o.token_ids for o in plain.generate(prompts, params)]
+    vocab = target.config.vocab_size
+    processors = [dict(logit_bias={free[0][0]: -100.0, free[0][1]: 5.0}),
+                  dict(allowed_token_ids=tuple(range(0, vocab, 2))),
+                  dict(min_tokens=6, stop_token_ids=[free[2][3], free[2][4]])]
+    params = [replace(p, **processors[i % 3]) if i < 6 else p for i, p in enumerate(params)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    eng = SpecEngine(draft, target, SpecConfig(**plain_cfg))
+    assert [o.token_ids for o in eng.generate(prompts, params)] == want
+    assert want[:6] != free[:6] and all(t % 2 == 0 for i in (1, 4) for t in want[i])
+    assert all(not set(want[i][:6]) & set(params[i].stop_token_ids) for i in (2, 5))
+    assert eng.all_blocks_free()
