@@ -49,6 +49,7 @@ class Request:
     detok: list = field(default_factory=lambda: [0, 0, ""])  # incremental decoding: prefix/read offsets, text
     stop_scan: int = 0  # characters of the output text already searched for stop strings (StopChecker)
     stop_cut: bool = False  # a stop string ended it: ``text`` is the output's text cut before it
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (``bad_word_ids``)
 
     def __post_init__(self) -> None:
         if not self.tokens:

@@ -42,6 +42,7 @@ from specdec.loading.roles import check_roles
 from specdec.outputs import AcceptanceStats, RequestOutput, request_output
 from specdec.plan import resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, is_chat, to_prompt_ids
+from specdec.repetition_penalty import bad_word_ids
 from specdec.routing import OutputQueue, Router
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampling_params import SamplingParams, sample_requests
@@ -156,6 +157,8 @@ class SpecEngine:
         params = self._bounded(ids, params)
         req = Request(request_id or str(next(self._ids)), ids, params, self._eos_ids())
         req.prompt_text = prompt_text
+        if params.bad_words:
+            req.bad_word_ids = bad_word_ids(params.bad_words, self.target.tokenizer)
         if not params.greedy:
             req.stream = request_stream(params.seed)
         self.scheduler.add(req)
@@ -181,9 +184,10 @@ class SpecEngine:
         it (a server tokenises off the thread that runs the engine)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.stop and self.target.tokenizer is None:
-            raise FieldError("SamplingParams", "stop", f"needs a model with a tokenizer ({self.target.name!r} has "
-                             "none; use stop_token_ids)", params.stop)
+        for name, instead in (("stop", "stop_token_ids"), ("bad_words", "logit_bias={id: -100}")):
+            if getattr(params, name) and self.target.tokenizer is None:
+                raise FieldError("SamplingParams", name, f"needs a model with a tokenizer ({self.target.name!r} has "
+                                 f"none; use {instead})", getattr(params, name))
         ids = to_prompt_ids(prompt, self.target.tokenizer)
         self._validate(ids, params)
         return ids

@@ -1,6 +1,6 @@
 """The inputs of the logit penalties at the verify tokens of a step (``SamplingParams.repetition_penalty``,
 ``presence_penalty`` and ``frequency_penalty``), and of the request's logits processors (``logit_bias``,
-``allowed_token_ids``, ``min_tokens``).
+``allowed_token_ids``, ``bad_words``, ``min_tokens``).
 
 The penalty of a token depends on its context: at verify token j of a row (0 the root, the pending token) the
 context is the request's tokens (prompt and committed output, the pending token included) plus the draft tokens
@@ -9,9 +9,10 @@ context (``ContextPenalty``, (B, V) tensors copied to the device) joined on the 
 the tree masks select. The repetition penalty reads which tokens the prompt and output hold, the presence and
 frequency penalties how often each token occurs in the output alone (as in vLLM). ``min_tokens`` depends on j's
 depth: the token chosen after j is output token ``len(output) + depth(j)``, and the row's ending tokens are held
-back there while that is below ``min_tokens``. As in vLLM, the bias and the held-back tokens apply to the raw logits
-first, then the rules apply the penalties (``acceptance.repetition_penalty``, then ``acceptance.count_penalty``),
-then shaping.
+back there while that is below ``min_tokens``. A bad word's last token is banned at j where the output up to j (the
+committed tail, then j's path by depth) ends with the rest of the word. As in vLLM, the bias and the banned tokens
+apply to the raw logits first, then the rules apply the penalties (``acceptance.repetition_penalty``, then
+``acceptance.count_penalty``), then shaping.
 """
 
 from __future__ import annotations
@@ -42,6 +43,17 @@ class HeldBack(NamedTuple):
     left: Tensor  # (B,) int64: min_tokens less the row's output so far (<= 0: none held back)
 
 
+class BadWords(NamedTuple):
+    """Each row's bad words (token sequences, right-aligned) and the tail of its committed output, on the device."""
+
+    tail: Tensor  # (B, W) int64: the row's last W output tokens, -1 before its output's start
+    words: Tensor  # (B, N, W + 1) int64: a word's leading tokens right-aligned in the first W columns (WILDCARD
+    #                before them), the token it bans last (-1: no word)
+
+
+WILDCARD = -2  # a bad word's column before its leading tokens: any token (or none) matches it
+
+
 class ContextPenalty(NamedTuple):
     """Each row's penalties and the tokens of its committed context, and its logits processors, on the device."""
 
@@ -50,6 +62,7 @@ class ContextPenalty(NamedTuple):
     output: OutputCounts | None = None  # None: no row has a presence or frequency penalty
     bias: Tensor | None = None  # (B, V) float32 added to the raw logits (logit_bias; -inf outside allowed_token_ids)
     held: HeldBack | None = None  # None: no row holds its ending tokens back
+    bad: BadWords | None = None  # None: no row has bad words
 
     @staticmethod
     def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str) -> ContextPenalty:
@@ -74,7 +87,9 @@ class ContextPenalty(NamedTuple):
         early = [i for i in rows if reqs[i].num_output < params[i].min_tokens]
         if early:
             held = _held_back([reqs[i] for i in early], early, b, vocab, device)
-        return ContextPenalty(present, penalty, output, bias, held)
+        worded = [i for i in rows if reqs[i].bad_word_ids]
+        bad = _bad_words([reqs[i] for i in worded], worded, b, vocab, device) if worded else None
+        return ContextPenalty(present, penalty, output, bias, held, bad)
 
     def at_tokens(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
         """(B, Q, V) bool: the context of each verify token, the row's ``present`` plus the tokens (B, Q) whose bit
@@ -100,12 +115,36 @@ class ContextPenalty(NamedTuple):
         if self.held is not None:
             early = path_depth(tree_mask) < self.held.left.view(-1, 1)  # (B, Q): its next token is output < min
             x = x.masked_fill(early.unsqueeze(-1) & self.held.tokens.unsqueeze(1), -math.inf)
+        if self.bad is not None:
+            x = x.masked_fill(self.banned_words(tokens, tree_mask, x.shape[-1]), -math.inf)
         if self.present is not None:
             x = repetition_penalty(x, self.at_tokens(tokens, tree_mask), self.penalty.view(-1, 1, 1))
         if self.output is None:
             return x
         return count_penalty(x, self.at_counts(tokens, tree_mask), self.output.presence.view(-1, 1, 1),
                              self.output.frequency.view(-1, 1, 1))
+
+
+    def banned_words(self, tokens: Tensor, tree_mask: Tensor, vocab: int) -> Tensor:
+        """(B, Q, V) bool: at each verify token (B, Q), the last token of every bad word whose leading tokens end
+        the output there (the committed tail, then the tokens of its path by depth)."""
+        b, q = tokens.shape
+        tail, words = self.bad
+        w = tail.shape[1]
+        depth = path_depth(tree_mask)  # (B, Q)
+        bits = torch.arange(q, device=tokens.device)
+        on_path = ((tree_mask.unsqueeze(-1) >> bits) & 1).bool() & (bits > 0)  # (B, Q, Q): token i on j's path
+        at = torch.where(on_path, (depth - 1).unsqueeze(1), q)  # (B, Q, Q): i's place in j's path (q: none)
+        path = torch.full((b, q, q + 1), -1, dtype=torch.int64, device=tokens.device)
+        path.scatter_(-1, at, tokens.unsqueeze(1).expand(b, q, q))  # (B, Q, Q + 1): j's path tokens by depth
+        seq = torch.cat([tail.unsqueeze(1).expand(b, q, w), path[..., :q - 1]], -1)  # (B, Q, W + Q - 1)
+        ends = depth.clamp(min=0).unsqueeze(-1) + torch.arange(w, device=tokens.device)  # (B, Q, W)
+        window = seq.gather(-1, ends)  # (B, Q, W): the output's last W tokens up to j
+        lead, last = words[..., :w].unsqueeze(1), words[..., w]  # (B, 1, N, W), (B, N)
+        match = ((window.unsqueeze(2) == lead) | (lead == WILDCARD)).all(-1) & (last >= 0).unsqueeze(1)  # (B,Q,N)
+        where = torch.where(match, last.unsqueeze(1), vocab)  # (B, Q, N)
+        out = torch.zeros(b, q, vocab + 1, dtype=torch.bool, device=tokens.device)
+        return out.scatter_(-1, where, True)[..., :vocab]
 
 
 def path_depth(tree_mask: Tensor) -> Tensor:
@@ -127,6 +166,36 @@ def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int) -> np.
             ids, values = zip(*p.logit_bias)
             out[i, np.asarray(ids, dtype=np.int64)] += np.asarray(values, dtype=np.float32)
     return out
+
+
+def bad_word_ids(words: Sequence[str], tokenizer) -> tuple[tuple[int, ...], ...]:
+    """The token sequences of ``bad_words``: each word tokenised as it is and, when it has no leading space, with
+    one (the form a word takes inside text for most vocabularies), no special tokens; each distinct sequence once."""
+    seqs: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word, " " + word) if not word.startswith(" ") else (word,):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids:
+                seqs[ids] = None
+    return tuple(seqs)
+
+
+def _bad_words(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> BadWords:
+    """The ``BadWords`` of requests ``reqs`` at rows ``rows`` of a batch of ``b`` (the others ban nothing); a word
+    whose last token is outside the vocabulary bans nothing."""
+    w = max(len(s) for r in reqs for s in r.bad_word_ids) - 1
+    n = max(len(r.bad_word_ids) for r in reqs)
+    tail = np.full((b, w), -1, dtype=np.int64)
+    words = np.full((b, n, w + 1), WILDCARD, dtype=np.int64)
+    words[..., w] = -1
+    for i, r in zip(rows, reqs):
+        out = r.output_ids[-w:] if w else []
+        tail[i, w - len(out):] = out
+        for k, seq in enumerate(r.bad_word_ids):
+            words[i, k, w - len(seq) + 1:] = seq
+            if seq[-1] >= vocab:
+                words[i, k, w] = -1
+    return BadWords(torch.from_numpy(tail).to(device), torch.from_numpy(words).to(device))
 
 
 def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> HeldBack:

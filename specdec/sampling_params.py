@@ -32,6 +32,7 @@ MAX_STOP_TOKEN_IDS = 4096  # stop_token_ids per request (every committed token i
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100 makes it all but certain
 MAX_LOGIT_BIAS = 4096  # logit_bias entries per request (a dense bias row is built for it at every step)
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request: a vocabulary's worth
+MAX_BAD_WORDS = 128  # bad_words per request, of at most MAX_STOP_CHARS characters in all (as stop strings)
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,10 @@ class SamplingParams:
     ``allowed_token_ids`` (vLLM's; None = all) keeps only those tokens, both before the penalties, as in vLLM; each is
     stored as a tuple (of sorted (id, bias) pairs, and of ids), so the params stay hashable. ``min_tokens`` (vLLM's)
     holds back the tokens that end a request (its EOS unless ``ignore_eos``, and ``stop_token_ids``) until the output
-    has that many tokens, and stop strings do not end it before then. Token ids are checked against the model's
-    vocabulary when the request is queued.
+    has that many tokens, and stop strings do not end it before then. ``bad_words`` (vLLM's; needs a tokenizer)
+    are strings the output must not hold: each is tokenised as it is and with a leading space, and the last token of
+    such a sequence is banned wherever the output ends with the rest of it (a one-token word everywhere). Token ids
+    are checked against the model's vocabulary when the request is queued.
     """
 
     temperature: float = 0.0
@@ -82,6 +85,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -99,7 +103,7 @@ class SamplingParams:
         if self.seed is not None:
             set_(self, "seed", _integer(self.seed, "seed", "must be None or an int >= 0 and < 2**64", 0,
                                         MAX_SEED))
-        set_(self, "stop", _stop_strings(self.stop))
+        set_(self, "stop", _strings(self.stop, "stop", MAX_STOPS))
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         set_(self, "_stop_id_set", frozenset(self.stop_token_ids))  # (not a field: equality and repr ignore it)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
@@ -120,9 +124,11 @@ class SamplingParams:
             f" and <= max_new_tokens ({most})" if most is not None else ""), 0, most))
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
+        set_(self, "bad_words", _strings(self.bad_words, "bad_words", MAX_BAD_WORDS))
         # (not a field: read for every row at every step, ``Request.penalized``)
         set_(self, "_processed", self.repetition_penalty != 1.0 or self.presence_penalty != 0
-             or self.frequency_penalty != 0 or bool(self.logit_bias) or self.allowed_token_ids is not None)
+             or self.frequency_penalty != 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
+             or bool(self.bad_words))
 
     @property
     def stop_id_set(self) -> frozenset[int]:
@@ -136,7 +142,7 @@ class SamplingParams:
     @property
     def logits_processed(self) -> bool:
         """Every step's logits are changed: by a repetition, presence or frequency penalty (which depends on each
-        verify token's context), ``logit_bias`` or ``allowed_token_ids``."""
+        verify token's context), ``logit_bias``, ``allowed_token_ids`` or ``bad_words``."""
         return self._processed
 
     @property
@@ -184,9 +190,8 @@ VLLM_LACKING = {
     "include_stop_str_in_output": "a stop string is cut from the output, with what follows it",
     "skip_special_tokens": "output text always skips special tokens",
     "spaces_between_special_tokens": "output text always skips special tokens",
-    "bad_words": "no bad words; logit_bias={id: -100} bans single tokens",
-    "logits_processors": "no logits processors besides the penalties, logit_bias, allowed_token_ids, min_tokens, "
-                         "top_k, top_p and min_p",
+    "logits_processors": "no logits processors besides the penalties, logit_bias, allowed_token_ids, bad_words, "
+                         "min_tokens, top_k, top_p and min_p",
     "guided_decoding": "no structured (guided) output", "structured_outputs": "no structured (guided) output",
     "truncate_prompt_tokens": "prompts are not truncated: one longer than the model's context is refused",
     "detokenize": "outputs always carry their text", "output_kind": "outputs always carry their text",
@@ -261,17 +266,19 @@ def _integer(value, name: str, rule: str, lo: int, hi: int | None) -> int:
     return int(value)
 
 
-def _stop_strings(stop) -> tuple[str, ...]:
-    rule = (f"must be None, a non-empty string or a list/tuple of non-empty strings (at most {MAX_STOPS} strings "
+def _strings(values, name: str, most: int) -> tuple[str, ...]:
+    """``stop`` or ``bad_words``: one non-empty string or a list/tuple of them, at most ``most`` strings of
+    ``MAX_STOP_CHARS`` characters in all; None (vLLM's default) is none."""
+    rule = (f"must be None, a non-empty string or a list/tuple of non-empty strings (at most {most} strings "
             f"of at most {MAX_STOP_CHARS} characters in all)")
-    if stop is None:  # vLLM's default
+    if values is None:
         return ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    _check(isinstance(stop, (list, tuple)) and len(stop) <= MAX_STOPS, "stop", rule, stop)
-    _check(all(isinstance(s, str) and s for s in stop), "stop", rule, stop)
-    _check(sum(map(len, stop)) <= MAX_STOP_CHARS, "stop", rule, stop)
-    return tuple(stop)
+    if isinstance(values, str):
+        values = (values,)
+    _check(isinstance(values, (list, tuple)) and len(values) <= most, name, rule, values)
+    _check(all(isinstance(s, str) and s for s in values), name, rule, values)
+    _check(sum(map(len, values)) <= MAX_STOP_CHARS, name, rule, values)
+    return tuple(values)
 
 
 def _token_ids(ids) -> tuple[int, ...]:

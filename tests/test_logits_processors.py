@@ -1,9 +1,9 @@
-"""The request's logits processors (``SamplingParams.logit_bias``, OpenAI's; ``allowed_token_ids`` and
-``min_tokens``, vLLM's): greedy output with every proposer and step kind equals a plain reference loop over the full
-model's logits with the bias, the allowed set and the held-back ending tokens written out; seeded sampled rows equal
-target-only decoding's tokens and keep to their allowed set; a row held back by ``min_tokens`` takes the fast paths
-again once it has that many tokens; stop strings do not end a request before ``min_tokens``; bad values are refused
-with the field named, by the Python API and by the server."""
+"""The request's logits processors (``SamplingParams.logit_bias``, OpenAI's; ``allowed_token_ids``, ``bad_words``
+and ``min_tokens``, vLLM's): greedy output with every proposer and step kind equals a plain reference loop over the
+full model's logits with the bias, the allowed set, the bad words and the held-back ending tokens written out;
+seeded sampled rows equal target-only decoding's tokens and keep to their allowed set; a row held back by
+``min_tokens`` takes the fast paths again once it has that many tokens; stop strings do not end a request before
+``min_tokens``; bad values are refused with the field named, by the Python API and by the server."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from test_spec_sampling import tiny_eagle  # noqa: F401 (the fixture)
 
 from specdec.engine import SpecConfig, SpecEngine
 from specdec.errors import FieldError
-from specdec.repetition_penalty import ContextPenalty, path_depth
+from specdec.repetition_penalty import ContextPenalty, bad_word_ids, path_depth
 from specdec.sampling_params import SamplingParams
 from specdec.serving.protocol import BadRequest, parse_completion
 
@@ -190,13 +190,81 @@ def test_the_engine_checks_ids_against_the_vocabulary(tiny_target):
 
 
 def test_the_server_takes_openai_and_vllm_fields():
-    """``logit_bias`` with OpenAI's string keys, ``min_tokens`` and ``allowed_token_ids`` reach SamplingParams; a
+    """``logit_bias`` with OpenAI's string keys, ``min_tokens``, ``allowed_token_ids`` and ``bad_words`` reach
+    SamplingParams; a
     key that is no token id, or a bias out of range, is a 400 naming logit_bias."""
-    body = {"prompt": "hi", "logit_bias": {"50": -100, "7": 2.5}, "min_tokens": 3, "allowed_token_ids": [7, 50, 9]}
+    body = {"prompt": "hi", "logit_bias": {"50": -100, "7": 2.5}, "min_tokens": 3, "allowed_token_ids": [7, 50, 9],
+            "bad_words": ["no", "never"]}
     params = parse_completion(body, "m").params
     assert params.logit_bias == ((7, 2.5), (50, -100.0)) and params.min_tokens == 3
+    assert params.bad_words == ("no", "never")
     assert params.allowed_token_ids == (7, 9, 50)
     for bias in ({"x7": 1}, {"-3": 1}, {"7": 300}, [1, 2]):
         with pytest.raises(BadRequest) as err:
             parse_completion({"prompt": "hi", "logit_bias": bias}, "m")
         assert err.value.field == "logit_bias"
+
+
+@pytest.fixture(scope="module")
+def spaced_target(tiny_target):
+    """The tiny target with a word-level tokenizer that splits text at spaces: token i is "t<i>", so "t5 t9" is
+    the two tokens 5 and 9 (bad words of several tokens)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.loading.registry import LoadedModel
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY_VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.Fuse()
+    return LoadedModel("tiny-spaced", tiny_target.model, PreTrainedTokenizerFast(tokenizer_object=tok),
+                       tiny_target.config)
+
+
+def _reference_bad(model, prompt: list[int], seqs: list[tuple[int, ...]]) -> list[int]:
+    """Greedy decoding with bad words: the last token of each sequence is -inf wherever the output so far ends
+    with the rest of it."""
+    tokens = list(prompt)
+    with torch.inference_mode():
+        for _ in range(NEW_TOKENS):
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()  # (V,)
+            out = tokens[len(prompt):]
+            for seq in seqs:
+                if len(out) >= len(seq) - 1 and tuple(out[len(out) - len(seq) + 1:]) == seq[:-1]:
+                    logits[seq[-1]] = -torch.inf
+            tokens.append(int(logits.argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("name,options", CONFIGS[::2], ids=[f"{n}-{'-'.join(o) or 'packed'}" for n, o in CONFIGS[::2]])
+def test_bad_words_equal_the_reference(tiny_dirs, spaced_target, tiny_draft, tiny_eagle, name, options):  # noqa: F811
+    """Bad words of one and of two tokens taken from each prompt's plain output: greedy rows equal the reference
+    loop (so the pair's second token never follows its first, the single token never comes), with every proposer;
+    a seeded sampled row equals target-only decoding's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_dirs["llama"]), dtype=torch.float32).eval()
+    fixed = dict(max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain = [_reference_bad(hf, p, []) for p in PROMPTS]
+    words = [[f"t{out[2]} t{out[3]}", f"t{out[6]}"] for out in plain]
+    seqs = [bad_word_ids(w, spaced_target.tokenizer) for w in words]
+    assert seqs[0] == ((plain[0][2], plain[0][3]), (plain[0][6],))
+    refs = [_reference_bad(hf, p, list(s)) for p, s in zip(PROMPTS, seqs)]
+    assert all(r != o for r, o in zip(refs, plain))
+    params = [SamplingParams(bad_words=w, **fixed) for w in words]
+    params.append(SamplingParams(temperature=0.9, seed=3, bad_words=words[0], **fixed))
+    prompts = [*PROMPTS, PROMPTS[0]]
+    alone = SpecEngine(None, spaced_target, SpecConfig(num_blocks=256, block_size=4))
+    want = [o.token_ids for o in alone.generate(prompts, params)]
+    draft = {"none": None, "ngram": "ngram", "model": tiny_draft, "eagle": tiny_eagle}[name]
+    tree = "chain:3" if name in ("none", "ngram") else "topk:2x2"
+    eng = SpecEngine(draft, spaced_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
+                                                      **options))
+    outs = [o.token_ids for o in eng.generate(prompts, params)]
+    assert outs[:len(refs)] == refs and outs == want
+    assert eng.all_blocks_free()
+
+
+def test_bad_words_need_a_tokenizer(tiny_target):
+    eng = SpecEngine(None, tiny_target, SpecConfig(num_blocks=64, block_size=4))
+    with pytest.raises(FieldError, match=r"bad_words needs a model with a tokenizer.*logit_bias=\{id: -100\}"):
+        eng.add_request(PROMPTS[0], SamplingParams(bad_words=["x"]))

@@ -66,11 +66,11 @@ def test_sampling_params_normalises_integral_types():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"bad_words": ["x"]}, "SamplingParams has no field 'bad_words' (vLLM's): no bad words; logit_bias={id: -100}"),
+    ({"best_of": 2}, "SamplingParams has no field 'best_of' (vLLM's): there is no best-of or beam search"),
     ({"logprobs": 1}, "SamplingParams has no field 'logprobs' (vLLM's): outputs carry no log-probabilities"),
     ({"temprature": 0.5}, "SamplingParams has no field 'temprature' (did you mean temperature?)"),
     ({"max_token": 3}, "SamplingParams has no field 'max_token' (did you mean max_tokens or max_new_tokens?)"),
-    ({"xyz": 1}, "SamplingParams has no field 'xyz' (fields: allowed_token_ids, fit_max_new_tokens,"),
+    ({"xyz": 1}, "SamplingParams has no field 'xyz' (fields: allowed_token_ids, bad_words, fit_max_new_tokens,"),
 ])
 def test_sampling_params_unknown_fields_say_what_to_use(kwargs, message):
     """Was Python's "__init__() got an unexpected keyword argument": a vLLM field specdec lacks now says what to do

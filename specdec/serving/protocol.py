@@ -2,8 +2,8 @@
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
 engine does not have (logprobs, tools) is a ``BadRequest`` naming the field. The sampling fields (n, min_p, the
-repetition, presence and frequency penalties, logit_bias, vLLM's min_tokens and allowed_token_ids included) are
-checked by ``SamplingParams`` itself.
+repetition, presence and frequency penalties, logit_bias, vLLM's min_tokens, allowed_token_ids and bad_words
+included) are checked by ``SamplingParams`` itself.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class BadRequest(ValueError):
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
            "user", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "logit_bias",
-           "min_tokens", "allowed_token_ids"}
+           "min_tokens", "allowed_token_ids", "bad_words"}
 # accepted only at the value that means "off": these features do not exist here
 _OFF_VALUES = {"logprobs": (None, False), "best_of": (None, 1), "echo": (None, False),
                "suffix": (None,), "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
@@ -42,7 +42,7 @@ MAX_CHOICES = 1024
 COMPLETION_FIELDS = _COMMON | {"prompt"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "allowed_token_ids",
-                    "logit_bias")  # -> SamplingParams
+                    "logit_bias", "bad_words")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 # /tokenize and /detokenize (vLLM's, outside /v1); the flags only at what a request runs with (True)
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
