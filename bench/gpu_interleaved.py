@@ -95,14 +95,6 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_wait": {"draft": "ngram", "epoch": {"shadow_wait": 1 << 30}},
                     "ngram_blind": {"draft": "ngram", "blind": True}},
-    # n-gram whose watch says nothing pays unless 15% of the rows it looked up had a chain whose first token was
-    # right (``EpochConfig.shadow_breadth``; "_b15": on the CPU 30% of positions were so greedy, 18% at T=0.7 and 10%
-    # at T=1.0), against the defaults (any share) and plain decoding throughout: whether chains right on a few rows
-    # (samples that loop) are what n-gram's sampled rounds lose
-    "ngram_breadth": {"target_only": {"draft": None},
-                      "ngram": {"draft": "ngram"},
-                      "ngram_b15": {"draft": "ngram", "epoch": {"shadow_breadth": 0.15}},
-                      "ngram_plain": {"draft": "ngram", "plain_only": True}},
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},
@@ -224,8 +216,7 @@ def _epoch_summary(epochs: list[dict]) -> str:
         probes = [e for e in mine if e["phase"] == "probe" and e["best_before"] == 0 and e["nodes"]]
         if plain and probes:  # (what the watch's counts said of each probe from plain decoding, and what it measured)
             floor = statistics.median(plain)
-            said = [f"{e['nodes']}: {_gain_of(e):.2f}->{e['rate'] / floor:.2f}"
-                    + (f" ({e['shadow_hits']:.0%} right)" if e.get("shadow_hits") is not None else "") for e in probes]
+            said = [f"{e['nodes']}: {_gain_of(e):.2f}->{e['rate'] / floor:.2f}" for e in probes]
             line += " | probes from plain (counted -> measured over plain's rate) " + ", ".join(said)
         out.append(line)
     return "; ".join(out)

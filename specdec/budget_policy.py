@@ -62,8 +62,7 @@ class EpochConfig:
     chosen over plain decoding in a greedy bucket, it is probed after shadow_wait epochs instead of at its turn (the
     text turned to one the chains predict: the turn can be hundreds of steps away), the wait doubling while such
     probes change nothing (a budget's kept epochs from older text weigh on its rate for a few epochs) until they stop
-    saying so; shadow_breadth: the share of looked-up rows whose chain's first token was right below which the counts
-    say nothing pays (a step's verify costs every row, and gains only where chains are right), 0 = any share."""
+    saying so."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -82,7 +81,6 @@ class EpochConfig:
     shadow_min_rows: int = 64
     shadow_kept: int = 2048
     shadow_wait: int = 1
-    shadow_breadth: float = 0.0
 
 
 class _Epochs:
@@ -105,9 +103,8 @@ class _Epochs:
         self.hold = 0  # epochs between probes (set by EpochBudget)
         self.probes = 0  # probes so far: which of the best's neighbours (and budget 0) the next one measures
         self.ended = 0  # ``EpochBudget``'s count of ended epochs when this state was made (its start was derived)
-        # rows looked up while held at plain decoding, the tokens each budget would have committed on them, and the
-        # rows whose chain's first token was right
-        self.shadow = [0] * (n + 2)
+        # rows looked up while held at plain decoding, and the tokens each budget would have committed on them
+        self.shadow = [0] * (n + 1)
         self.eager_wait = 0  # epochs before the next probe the chains ask for (``EpochConfig.shadow_wait``)
 
     @property
@@ -285,21 +282,17 @@ class EpochBudget:
             counts[0] += 1
             for j, n in enumerate(self._nodes):
                 counts[1 + j] += 1 + min(accepted, n)
-            counts[-1] += accepted > 0
             if counts[0] > cfg.shadow_kept:
                 st.shadow = [c / 2 for c in counts]
 
     def _shadow_gain(self, state: _Epochs, j: int) -> float | None:
         """Budget j's rate over plain decoding's in a bucket held at plain decoding, as its looked-up chains
         (``watch``) count it: the tokens per row they would commit, over budget j's step cost relative to plain
-        decoding's when both are measured (else plain's: a larger verify costs no less); 1 (no gain) while fewer
-        than ``shadow_breadth`` of the rows had a chain whose first token was right; None until enough rows were
+        decoding's when both are measured (else plain's: a larger verify costs no less); None until enough rows were
         looked up."""
         rows, cfg = state.shadow[0], self.config
         if self.shadow is None or rows < cfg.shadow_min_rows:
             return None
-        if state.shadow[-1] < cfg.shadow_breadth * rows:  # (a few rows' chains: every row pays the verify)
-            return 1.0
         gain = state.shadow[1 + j] / rows
         c0, cj = state.cost(0), state.cost(j)
         return gain * c0 / cj if c0 and cj else gain
@@ -422,17 +415,15 @@ class EpochBudget:
             "seconds": sum(state.times), "rate": state.tokens[h] / max(state.row_steps, 1) / max(median, 1e-9),
             "median_step_s": median, "max_step_s": max(state.times), "best_before": self._nodes[state.best],
             "shadow_gains": {self._nodes[j]: None if (g := self._shadow_gain(state, j)) is None else round(g, 4)
-                             for j in range(1, len(self.options))},
-            "shadow_hits": round(state.shadow[-1] / state.shadow[0], 4) if state.shadow[0] else None})
+                             for j in range(1, len(self.options))}})
 
     def epoch_log(self) -> list[dict]:
         """The latest ended epochs, oldest first: when (perf_counter seconds), the bucket and kind, the budget held,
         why (the first ``search``, ``hold`` of the best, or a ``probe``), its steps and timed steps, rows and tokens
         in the timed ones, their seconds, its rate (tokens per row over its median step), its timed steps' median
         and longest seconds, the best budget when it ended, and each speculating budget's rate over plain decoding's
-        as the watch's counts then said (by node budget; ``_shadow_gain``, None without them) with the share of its
-        looked-up rows whose chain began right. What the choice was made from, step by step (bench JSON records
-        it)."""
+        as the watch's counts then said (by node budget; ``_shadow_gain``, None without them). What the choice was
+        made from, step by step (bench JSON records it)."""
         return list(self.epochs)
 
     def _next_to_search(self, state: _Epochs) -> int | None:
