@@ -188,6 +188,12 @@ class SpecEngine:
             if getattr(params, name) and self.target.tokenizer is None:
                 raise FieldError("SamplingParams", name, f"needs a model with a tokenizer ({self.target.name!r} has "
                                  f"none; use {instead})", getattr(params, name))
+        if params.bad_words:  # (tokenised again as the request is queued: here a tokenizer's error names the field)
+            try:
+                bad_word_ids(params.bad_words, self.target.tokenizer)
+            except Exception as err:  # noqa: BLE001 - third-party tokenizers raise anything
+                raise FieldError("SamplingParams", "bad_words", f"could not be tokenised ({type(err).__name__}: "
+                                 f"{err})", params.bad_words) from err
         ids = to_prompt_ids(prompt, self.target.tokenizer)
         self._validate(ids, params)
         return ids

@@ -269,8 +269,8 @@ def _integer(value, name: str, rule: str, lo: int, hi: int | None) -> int:
 def _strings(values, name: str, most: int) -> tuple[str, ...]:
     """``stop`` or ``bad_words``: one non-empty string or a list/tuple of them, at most ``most`` strings of
     ``MAX_STOP_CHARS`` characters in all; None (vLLM's default) is none."""
-    rule = (f"must be None, a non-empty string or a list/tuple of non-empty strings (at most {most} strings "
-            f"of at most {MAX_STOP_CHARS} characters in all)")
+    rule = (f"must be None, a non-empty string or a list/tuple of non-empty strings of valid Unicode (at most "
+            f"{most} strings of at most {MAX_STOP_CHARS} characters in all)")
     if values is None:
         return ()
     if isinstance(values, str):
@@ -278,7 +278,16 @@ def _strings(values, name: str, most: int) -> tuple[str, ...]:
     _check(isinstance(values, (list, tuple)) and len(values) <= most, name, rule, values)
     _check(all(isinstance(s, str) and s for s in values), name, rule, values)
     _check(sum(map(len, values)) <= MAX_STOP_CHARS, name, rule, values)
+    _check(all(_utf8(s) for s in values), name, rule, values)  # (a lone surrogate: no text holds it)
     return tuple(values)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _token_ids(ids) -> tuple[int, ...]:

@@ -7,6 +7,8 @@ seeded sampled rows equal target-only decoding's tokens and keep to their allowe
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import PAIR_EOS, TINY_VOCAB
@@ -168,6 +170,8 @@ def test_stop_strings_wait_for_min_tokens(letter_target):
     (dict(allowed_token_ids=[]), "allowed_token_ids must be None or a non-empty"),
     (dict(min_tokens=9, max_tokens=8), r"min_tokens must be an int >= 0 and <= max_new_tokens \(8\)"),
     (dict(min_tokens=-1), "min_tokens"),
+    (dict(bad_words=["fine", "\ud800"]), "bad_words must be .* of valid Unicode"),
+    (dict(bad_words=[""]), "bad_words"),
 ])
 def test_bad_values_name_the_field(fields, match):
     with pytest.raises(FieldError, match=match):
@@ -203,6 +207,9 @@ def test_the_server_takes_openai_and_vllm_fields():
         with pytest.raises(BadRequest) as err:
             parse_completion({"prompt": "hi", "logit_bias": bias}, "m")
         assert err.value.field == "logit_bias"
+    with pytest.raises(BadRequest) as err:  # (JSON's "\ud800" escape: a lone surrogate no tokenizer takes)
+        parse_completion(json.loads('{"prompt": "hi", "bad_words": ["\\ud800"]}'), "m")
+    assert err.value.field == "bad_words"
 
 
 @pytest.fixture(scope="module")
