@@ -153,6 +153,25 @@ def test_presence_and_frequency_penalties_equal_the_python_api(client, server, t
     assert _idle_and_free(server[1])
 
 
+def test_logits_processors_equal_the_python_api(client, server, target_dir):
+    """``logit_bias`` (OpenAI's, string keys) and vLLM's ``min_tokens``, ``allowed_token_ids`` and ``bad_words``
+    (the openai client's ``extra_body``) reach SamplingParams: a greedy completion equals target-only decoding of the
+    same params through the Python API, and differs from the plain one."""
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    tok = engine.target.tokenizer
+    plain = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0]
+    first = plain.token_ids[0]
+    fields = dict(logit_bias={first: -100.0}, min_tokens=4, allowed_token_ids=list(range(0, 200)) + [first],
+                  bad_words=[tok.decode([plain.token_ids[2]]).strip() or "x"])
+    want = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, **fields))[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                  logit_bias={str(first): -100},
+                                  extra_body={k: v for k, v in fields.items() if k != "logit_bias"})
+    assert r.choices[0].text == want.text != plain.text
+    assert want.token_ids[0] != first and all(t < 200 for t in want.token_ids)
+    assert _idle_and_free(server[1])
+
+
 def test_n_returns_n_choices(client, server):
     """n = 3 seeded samples: three choices (indexes 0..2), distinct at T = 1, the same again for the same seed,
     usage counting every choice's tokens; chat too; every block free afterwards."""
