@@ -146,17 +146,6 @@ class SamplingParams:
         return self._processed
 
     @property
-    def penalized(self) -> bool:
-        """Some step's logits are changed: ``logits_processed``, or ``min_tokens`` holds the ending tokens back (a
-        request's own ``Request.penalized`` says whether its next step's are)."""
-        return self.logits_processed or self.min_tokens > 0
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy on the raw logits: the steps' greedy fast paths (the verify's own argmax) serve it."""
-        return self.greedy and not self.penalized
-
-    @property
     def filtered(self) -> bool:
         """Some filter (top-k, top-p, min-p) drops tokens: the sampled rules need their sorting variant."""
         return (self.top_k or 0) > 0 or self.top_p < 1.0 or self.min_p > 0

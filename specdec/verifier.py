@@ -115,7 +115,7 @@ class Verifier:
 
     def _outcome(self, rows: list[Request], trees: list[DraftTree], fwd, key) -> torch.Tensor | None:
         """(B, Q + 3) outcome of a padded step of graph bucket ``key``: the verify's greedy acceptance, its sampled
-        rows (and greedy ones with a repetition penalty: their argmax is the penalized logits') through the device
+        rows (and penalized greedy ones, ``Request.penalized``: their argmax is the changed logits') through the device
         rule (``_sampled_outcome``); None when those take the host rule."""
         sampled = [i for i, r in enumerate(rows) if not r.plain_greedy]
         return self._sampled_outcome(rows, trees, sampled, fwd, key) if sampled else fwd.accept
@@ -123,7 +123,7 @@ class Verifier:
     def _read_behind(self, rows: list[Request], key, fwd, outcome: torch.Tensor | None) -> QueuedStep | None:
         """The step of a graphed verify ``fwd`` (bucket ``key``, its step's ``outcome``) when a follow-up runs behind
         it and is read with its outcome, else None (the outcome alone is read). The follow-up runs behind plain
-        greedy rows, and when pipelined behind sampled rows too (not with a repetition penalty: a queued step would
+        greedy rows, and when pipelined behind sampled rows too (not with a penalized row: a queued step would
         need the penalty of tokens not committed yet); their outcome is the rule's, written into the verify's
         outcome buffer, which the follow-up and a queued step's writer read."""
         if self.followup is None or key is None or outcome is None:
@@ -194,7 +194,7 @@ class Verifier:
         outcome), its sampled rows put through the host rule on their logits when it is None. ``step``: the step
         when a follow-up ran behind its verify; its read (the outcome rows, then the follow-up's columns) is read
         instead and handed to ``followup.consume``; ``queued``: the step queued behind it, told the rows' lengths.
-        Greedy rows with a repetition penalty count as sampled here: their argmax is the penalized logits'."""
+        Penalized greedy rows count as sampled here: their argmax is the changed logits'."""
         sampled = [i for i, r in enumerate(rows) if not r.plain_greedy]
         on_host = set(sampled) if outcome is None else set()
         accept = fwd.accept if outcome is None else outcome

@@ -150,5 +150,5 @@ def test_validation_names_the_field():
         for bad in (2.5, -2.01, float("nan"), float("inf"), "1", True, None):
             with pytest.raises(ValueError, match=rf"{name} must be a number in \[-2, 2\]"):
                 SamplingParams(**{name: bad})
-        assert SamplingParams(**{name: -2}).penalized and SamplingParams(**{name: 2.0}).penalized
-        assert not SamplingParams(**{name: 0}).penalized
+        assert SamplingParams(**{name: -2}).logits_processed and SamplingParams(**{name: 2.0}).logits_processed
+        assert not SamplingParams(**{name: 0}).logits_processed

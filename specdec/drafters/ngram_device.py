@@ -69,7 +69,7 @@ class DeviceNgram:
         """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: launch the follow-up and
         return its output (R, Q + 4 + k) on the device (the outcome rows first), to read instead of ``fwd.accept``
         (sampled rows' outcome already there: the verifier launches this behind them only when pipelined); None when
-        it does not apply (a row with a repetition penalty, too few rows not yet on the device, a row longer than
+        it does not apply (a penalized row, too few rows not yet on the device, a row longer than
         the history buffer, or an eager step)."""
         if key is None or fwd.accept is None or not self.serves(rows, key[2]):
             return None
