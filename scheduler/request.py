@@ -72,7 +72,7 @@ class Request:
         """Its next step's logits are changed (``SamplingParams.logits_processed``, or ``min_tokens`` still holds the
         ending tokens back): the step's fast paths, which read the raw logits, do not serve it."""
         p = self.params
-        return p.logits_processed or (p.min_tokens > 0 and len(self.tokens) - len(self.prompt_ids) < p.min_tokens)
+        return p.logits_processed or (p.min_tokens > 0 and self.num_output < p.min_tokens)
 
     @property
     def plain_greedy(self) -> bool:

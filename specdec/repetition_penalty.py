@@ -132,9 +132,7 @@ class ContextPenalty(NamedTuple):
         tail, words = self.bad
         w = tail.shape[1]
         depth = path_depth(tree_mask)  # (B, Q)
-        bits = torch.arange(q, device=tokens.device)
-        on_path = ((tree_mask.unsqueeze(-1) >> bits) & 1).bool() & (bits > 0)  # (B, Q, Q): token i on j's path
-        at = torch.where(on_path, (depth - 1).unsqueeze(1), q)  # (B, Q, Q): i's place in j's path (q: none)
+        at = torch.where(path_nodes(tree_mask), (depth - 1).unsqueeze(1), q)  # (B, Q, Q): i's place in j's path
         path = torch.full((b, q, q + 1), -1, dtype=torch.int64, device=tokens.device)
         path.scatter_(-1, at, tokens.unsqueeze(1).expand(b, q, q))  # (B, Q, Q + 1): j's path tokens by depth
         seq = torch.cat([tail.unsqueeze(1).expand(b, q, w), path[..., :q - 1]], -1)  # (B, Q, W + Q - 1)
@@ -147,11 +145,23 @@ class ContextPenalty(NamedTuple):
         return out.scatter_(-1, where, True)[..., :vocab]
 
 
+def _mask_bits(tree_mask: Tensor) -> Tensor:
+    """(B, Q, Q) int64: [b, j, i] bit i of verify token j's tree mask (B, Q) (token i is on j's path, the root's
+    bit 0 included)."""
+    return (tree_mask.unsqueeze(-1) >> torch.arange(tree_mask.shape[-1], device=tree_mask.device)) & 1
+
+
 def path_depth(tree_mask: Tensor) -> Tensor:
-    """(B, Q) int64 depth of each verify token from its tree mask (B, Q) (bit i: token i is on its path, the root's
-    bit 0 included): the bits set less one (the root 0; a padding token's empty mask -1)."""
-    bits = torch.arange(tree_mask.shape[-1], device=tree_mask.device)
-    return ((tree_mask.unsqueeze(-1) >> bits) & 1).sum(-1) - 1
+    """(B, Q) int64 depth of each verify token from its tree mask (B, Q): the bits set less one (the root 0; a
+    padding token's empty mask -1)."""
+    return _mask_bits(tree_mask).sum(-1) - 1
+
+
+def path_nodes(tree_mask: Tensor) -> Tensor:
+    """(B, Q, Q) bool: [b, j, i] draft token i (the root's bit 0 left out) is on verify token j's path."""
+    bits = _mask_bits(tree_mask).bool()
+    bits[..., 0] = False
+    return bits
 
 
 def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int) -> np.ndarray:
@@ -226,9 +236,7 @@ def _on_path(context: Tensor, tokens: Tensor, tree_mask: Tensor) -> tuple[Tensor
     path tokens into ``out`` at ``where`` and dropping column V adds each verify token's path to its context."""
     b, q = tokens.shape
     vocab = context.shape[1]
-    bits = torch.arange(q, device=tokens.device)
-    on_path = ((tree_mask.unsqueeze(-1) >> bits) & 1).bool() & (bits > 0)  # (B, Q, Q): token i on j's path
-    where = torch.where(on_path, tokens.unsqueeze(1), vocab)  # (B, Q, Q)
+    where = torch.where(path_nodes(tree_mask), tokens.unsqueeze(1), vocab)  # (B, Q, Q)
     out = torch.zeros(b, q, vocab + 1, dtype=context.dtype, device=tokens.device)
     out[..., :vocab] = context.unsqueeze(1)
     return out, where

@@ -34,7 +34,7 @@ from specdec.graphs import GraphCache
 from specdec.kernels.gumbel_choice import choose_filtered_triton, choose_tokens
 from specdec.kernels.nucleus import takes_logits as nucleus_takes
 from specdec.pipeline import HostUpload
-from specdec.repetition_penalty import ContextPenalty, penalized_rows
+from specdec.repetition_penalty import ContextPenalty, path_depth, penalized_rows
 from specdec.row_sampling import RowSampling, shape_probs_rows
 from specdec.tree import DraftTree
 
@@ -60,9 +60,7 @@ def verify_positions(root: Tensor, tree_mask: Tensor) -> Tensor:
     """(B, Q) sequence positions of the verify tokens: ``root`` (B,) the root's (the pending token's), a node's
     the root's plus its depth (the bits of ``tree_mask`` (B, Q) int64 set: itself and its ancestors, root
     included, less one)."""
-    bits = torch.arange(tree_mask.shape[1], device=tree_mask.device)
-    depth = ((tree_mask.unsqueeze(-1) >> bits) & 1).sum(-1) - 1  # (B, Q); padding (mask 0): -1, never read
-    return root.view(-1, 1) + depth.clamp(min=0)
+    return root.view(-1, 1) + path_depth(tree_mask).clamp(min=0)  # (padding, mask 0: depth -1, never read)
 
 
 def accept_sampled(x: Tensor, tokens: Tensor, parents: Tensor, tree_mask: Tensor, num_tokens: Tensor,
