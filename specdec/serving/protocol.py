@@ -26,9 +26,10 @@ class BadRequest(ValueError):
         self.status = status
 
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "n", "stream", "stream_options",
-           "user", "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_p", "logit_bias",
-           "min_tokens", "allowed_token_ids", "bad_words"}
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
+                    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "allowed_token_ids",
+                    "logit_bias", "bad_words")  # -> SamplingParams
+_COMMON = {"model", "stop", "stream", "stream_options", "user", *_SAMPLING_FIELDS}
 # accepted only at the value that means "off": these features do not exist here
 _OFF_VALUES = {"logprobs": (None, False), "best_of": (None, 1), "echo": (None, False),
                "suffix": (None,), "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
@@ -40,9 +41,6 @@ MAX_PROMPTS = 256
 # choices of one body (prompts x n): the requests it queues at most, whatever the mix of the two
 MAX_CHOICES = 1024
 COMPLETION_FIELDS = _COMMON | {"prompt"}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
-                    "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "allowed_token_ids",
-                    "logit_bias", "bad_words")  # -> SamplingParams
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 # /tokenize and /detokenize (vLLM's, outside /v1); the flags only at what a request runs with (True)
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
