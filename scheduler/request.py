@@ -50,10 +50,15 @@ class Request:
     stop_scan: int = 0  # characters of the output text already searched for stop strings (StopChecker)
     stop_cut: bool = False  # a stop string ended it: ``text`` is the output's text cut before it
     bad_word_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words as token sequences (``bad_word_ids``)
+    # params.logprobs: per output token {token id: Logprob} (the chosen token's first, then the most probable ones)
+    logprobs: list[dict] | None = None
+    cumulative_logprob: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def num_prompt(self) -> int:
@@ -73,6 +78,13 @@ class Request:
         ending tokens back): the step's fast paths, which read the raw logits, do not serve it."""
         p = self.params
         return p.logits_processed or (p.min_tokens > 0 and self.num_output < p.min_tokens)
+
+    @property
+    def reads_logits(self) -> bool:
+        """Its step's verify logits are read after the acceptance: it is penalized (its penalties read the committed
+        tokens on the host) or asks for log-probabilities (``SamplingParams.logprobs``), so no step is queued behind
+        its verify (whose graph would overwrite them)."""
+        return self.params.logprobs is not None or self.penalized
 
     @property
     def plain_greedy(self) -> bool:

@@ -387,6 +387,8 @@ def commit_accepted(sched: Scheduler, stopper, pool, rows: list[Request], result
         if res.draft_computed is None or req.num_computed_draft >= base:  # (else the draft did not run: it lags)
             req.num_computed_draft = base + _draft_kept(nodes, res.draft_computed)
         reason, appended = stopper.extend(req, [*res.accepted_tokens, res.bonus_token])
+        if res.logprobs is not None and req.logprobs is not None:
+            stopper.add_logprobs(req, res.logprobs[:appended])
         req.stats.record(res.num_drafted, res.max_depth, min(m, appended), appended)
         if reason:  # running requests' text is decoded incrementally where it is streamed
             stopper.finalize_text(req, reason)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from specdec.scheduler.request import Request
 
+from specdec.outputs import Logprob
+
 
 class StopChecker:
     """Decides, token by token, whether a request ends; keeps the request's output text current."""
@@ -12,6 +14,7 @@ class StopChecker:
         self.tokenizer = tokenizer
         self._backend = _plain_backend(tokenizer)
         self._one_token: dict[int, str] = {}  # decode([t]) by t: a one-token context window is decoded once
+        self._token_text: dict[int, str] = {}  # a token's own text, special tokens included (log-probabilities')
 
     def decode(self, ids: list[int]) -> str:
         """``tokenizer.decode(ids, skip_special_tokens=True)``; "" without a tokenizer."""
@@ -20,6 +23,27 @@ class StopChecker:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_text(self, token: int) -> str:
+        """One token's own text (special tokens spelled out), as log-probabilities name tokens; "" without a
+        tokenizer."""
+        text = self._token_text.get(token)
+        if text is None:
+            tok = self.tokenizer
+            if self._backend is not None:
+                text = self._backend.decode([token], skip_special_tokens=False)
+            else:
+                text = "" if tok is None else tok.decode([token], skip_special_tokens=False)
+            self._token_text[token] = text
+        return text
+
+    def add_logprobs(self, req: Request, entries: list[dict[int, tuple[float, int]]]) -> None:
+        """Append committed tokens' log-probabilities (``VerifyResult.logprobs``, one dict per token, the chosen
+        token first) to ``req.logprobs`` as vLLM's ``{token id: Logprob}``, and add the chosen ones to
+        ``req.cumulative_logprob``."""
+        for entry in entries:
+            req.cumulative_logprob += next(iter(entry.values()))[0]
+            req.logprobs.append({t: Logprob(v, r, self.token_text(t)) for t, (v, r) in entry.items()})
 
     def running_text(self, req: Request) -> str:
         """The output's text so far, decoded incrementally: each call decodes only the tokens added

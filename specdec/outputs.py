@@ -73,6 +73,16 @@ class AcceptanceStats:
         }
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability in an output (vLLM's ``Logprob``): under the target's raw distribution, its rank
+    there (1 = the most probable) and the token's own text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 def _grow(xs: list[int], n: int) -> None:
     xs.extend([0] * (n - len(xs)))
 
@@ -97,6 +107,11 @@ class RequestOutput:
     new_text: str = ""
     samples: list[RequestOutput] | None = None  # SamplingParams.n > 1: every sample's output (this one is sample 0)
     prompt: str | None = None  # vLLM's: the prompt's text (a chat rendered by its template); None when given as ids
+    # SamplingParams.logprobs: per output token {token id: Logprob} (the chosen token's first, then the most probable
+    # ones), the ones new since the last output, and the chosen tokens' sum; None when not asked for
+    logprobs: list[dict[int, Logprob]] | None = None
+    new_logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -106,7 +121,8 @@ class RequestOutput:
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape of the same output: one completion per sample (``out.outputs[i].text``)."""
         samples = self.samples or [self]
-        return [CompletionOutput(i, s.text, s.token_ids, s.finish_reason) for i, s in enumerate(samples)]
+        return [CompletionOutput(i, s.text, s.token_ids, s.finish_reason, s.cumulative_logprob, s.logprobs)
+                for i, s in enumerate(samples)]
 
     @staticmethod
     def of_samples(request_id: str, samples: list[RequestOutput]) -> RequestOutput:
@@ -118,20 +134,22 @@ class RequestOutput:
             stats.merge(s.stats)
         error = next((s.error for s in samples if s.error is not None), None)
         return RequestOutput(request_id, first.prompt_token_ids, first.token_ids, first.text, first.finish_reason,
-                             stats, error, first.new_token_ids, first.new_text, list(samples), first.prompt)
+                             stats, error, first.new_token_ids, first.new_text, list(samples), first.prompt,
+                             first.logprobs, first.new_logprobs, first.cumulative_logprob)
 
 
 @dataclass(frozen=True)
 class CompletionOutput:
     """One completion of a request, as vLLM's ``RequestOutput.outputs[i]`` holds it (a view, not a copy:
-    ``token_ids`` is the request output's list). No log-probabilities are computed, so those fields are None."""
+    ``token_ids`` is the request output's list). ``logprobs`` and ``cumulative_logprob`` are None unless the request
+    asked for them (``SamplingParams.logprobs``)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    cumulative_logprob: None = None
-    logprobs: None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
 
 
 def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
@@ -145,9 +163,13 @@ def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
         text, stops = stopper.running_text(req), req.params.stop
         text = stable_text(text, stops) if stops else text.rstrip("\ufffd")
     new_text = text[req.emitted_chars:]
+    lps = None if req.logprobs is None else req.logprobs[:len(out_ids)]  # (a fresh list, as the tokens')
+    new_lps = None if lps is None else lps[req.emitted_tokens:]
+    cumulative = None if lps is None else req.cumulative_logprob
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,
-                         req.stats, req.error, new_ids, new_text, prompt=req.prompt_text)
+                         req.stats, req.error, new_ids, new_text, prompt=req.prompt_text, logprobs=lps,
+                         new_logprobs=new_lps, cumulative_logprob=cumulative)
 
 
 def stable_text(text: str, stops: tuple[str, ...]) -> str:

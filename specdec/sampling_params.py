@@ -33,6 +33,7 @@ LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's: -100 bans a token in effect, 100
 MAX_LOGIT_BIAS = 4096  # logit_bias entries per request (a dense bias row is built for it at every step)
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # allowed_token_ids per request: a vocabulary's worth
 MAX_BAD_WORDS = 128  # bad_words per request, of at most MAX_STOP_CHARS characters in all (as stop strings)
+MAX_LOGPROBS = 20  # top log-probabilities per output token (vLLM's default max_logprobs, OpenAI's top_logprobs limit)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class SamplingParams:
     are strings the output must not hold: each is tokenised as it is and with a leading space, and the last token of
     such a sequence is banned wherever the output ends with the rest of it (a one-token word everywhere). Token ids
     are checked against the model's vocabulary when the request is queued.
+    ``logprobs`` (vLLM's; None = off) returns, for every output token, its log-probability under the target's raw
+    distribution (its logits before temperature, filters and processors: vLLM's default ``raw_logprobs``) with its
+    rank, and the ``logprobs`` most probable tokens' (0: the chosen token's alone; at most ``MAX_LOGPROBS``).
     """
 
     temperature: float = 0.0
@@ -86,6 +90,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -125,6 +130,10 @@ class SamplingParams:
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
         set_(self, "bad_words", _strings(self.bad_words, "bad_words", MAX_BAD_WORDS))
+        if self.logprobs is not None:
+            set_(self, "logprobs", _integer(self.logprobs, "logprobs", f"must be None or an int >= 0 and <= "
+                                            f"{MAX_LOGPROBS} (the most probable tokens returned beside the chosen one)",
+                                            0, MAX_LOGPROBS))
         # (not a field: read for every row at every step, ``Request.penalized``)
         set_(self, "_processed", self.repetition_penalty != 1.0 or self.presence_penalty != 0
              or self.frequency_penalty != 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
@@ -173,7 +182,7 @@ _UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the co
 
 # vLLM SamplingParams fields specdec lacks -> what to do instead (the TypeError an unknown field raises says it)
 VLLM_LACKING = {
-    "logprobs": "outputs carry no log-probabilities", "prompt_logprobs": "outputs carry no log-probabilities",
+    "prompt_logprobs": "outputs carry the output tokens' log-probabilities (logprobs), not the prompt's",
     "best_of": "there is no best-of or beam search (n samples are n independent requests)",
     "use_beam_search": "there is no beam search", "length_penalty": "there is no beam search",
     "include_stop_str_in_output": "a stop string is cut from the output, with what follows it",

@@ -36,6 +36,8 @@ class VerifyResult(NamedTuple):
     kv_moved: bool = False  # the accepted path's KV is already in place (moved on the device: specdec.pipeline)
     ranks: list[int] | None = None  # the accepted nodes' score ranks (a budget of n keeps those below n); None:
     #                                 their indices (a chain's or a static tree's budget keeps its first nodes)
+    logprobs: list[dict[int, tuple[float, int]]] | None = None  # SamplingParams.logprobs: per committed token
+    #                                 (accepted, then bonus) {token: (log-probability, rank)}, the chosen one first
 
 
 # A padded step whose logits are per-row tensors (not one (B * Q, V) output) runs the sampled rule eagerly over
@@ -74,7 +76,7 @@ class Verifier:
             results = self._from_device(rows, trees, draft_computed, fwd, outcome, step, self._queue(rows, step))
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
-        return results
+        return with_logprobs(rows, fwd.logits, results)
 
     def verify_proposal(self, rows: list[Request], proposal) -> list[VerifyResult]:
         """``verify`` of a proposer's ``Proposal``, then the acceptance rule, with the step's one read. Trees still
@@ -87,10 +89,11 @@ class Verifier:
         step = device if isinstance(device, QueuedStep) else self.launch_queued(rows, device.key, device.n, device)
         queued = self._queue(rows, step)
         if step.trees is not None:  # an EAGLE step: its trees and outcome come with the read
-            return self._fused_results(rows, proposal, step, queued)
-        # (a queued chain step's sampled rows went through the rule when it was launched: its read holds them)
-        return self._from_device(rows, proposal.trees, proposal.draft_computed, step.fwd, step.fwd.accept, step,
-                                 queued)
+            results = self._fused_results(rows, proposal, step, queued)
+        else:  # (a queued chain step's sampled rows went through the rule when it was launched: its read holds them)
+            results = self._from_device(rows, proposal.trees, proposal.draft_computed, step.fwd, step.fwd.accept,
+                                        step, queued)
+        return with_logprobs(rows, step.fwd.logits, results)
 
     def launch_queued(self, rows: list[Request], key, n: int, draft: DeviceDraft | None) -> QueuedStep:
         """Launch the verify of bucket ``key`` over ``rows`` whose inputs are on the device, and start its read:
@@ -244,6 +247,44 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, _positions(req, tree), L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
+
+
+@torch.inference_mode()
+def with_logprobs(rows: list[Request], logits, results: list[VerifyResult]) -> list[VerifyResult]:
+    """``results`` with the log-probabilities of the rows that ask for them (``SamplingParams.logprobs``): each
+    committed token's under the target's raw distribution at the verify query it was chosen at (the root for the
+    first, then each accepted node's), its rank among them (1 = the most probable) and the ``logprobs`` most
+    probable tokens'; one log-softmax over those queries of every such row, and one read. ``logits``: the
+    verify's per-row logits (queries in verify order), read before any later forward overwrites them
+    (``Request.reads_logits`` keeps a queued step from doing so)."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not asking:
+        return results
+    picked, chosen = [], []
+    for i in asking:
+        res = results[i]
+        queries = torch.tensor([0, *(n + 1 for n in res.accepted_nodes)], dtype=torch.long)
+        picked.append(logits[i].index_select(0, queries.to(logits[i].device)))  # (m + 1, V)
+        chosen += [*res.accepted_tokens, res.bonus_token]
+    lp = torch.log_softmax(torch.cat(picked).float(), -1)  # (M, V)
+    ids = torch.tensor(chosen, dtype=torch.long, device=lp.device)
+    own = lp.gather(1, ids[:, None])  # (M, 1)
+    ranks = (lp > own).sum(1) + 1  # (M,)
+    k = max(rows[i].params.logprobs for i in asking)
+    top_lp, top_ids = lp.topk(k, -1) if k else (lp[:, :0], ids[:, None][:, :0])  # (M, k)
+    own_h, rank_h, top_lp_h, top_ids_h = (t.tolist() for t in (own[:, 0], ranks, top_lp, top_ids))
+    out, at = list(results), 0
+    for i in asking:
+        res, want = results[i], rows[i].params.logprobs
+        entries = []
+        for j in range(at, at + len(res.accepted_tokens) + 1):
+            entry = {chosen[j]: (own_h[j], rank_h[j])}
+            for r, (t, v) in enumerate(zip(top_ids_h[j][:want], top_lp_h[j][:want])):
+                entry.setdefault(t, (v, r + 1))
+            entries.append(entry)
+        at += len(entries)
+        out[i] = res._replace(logprobs=entries)
+    return out
 
 
 @torch.inference_mode()

@@ -172,6 +172,42 @@ def test_logits_processors_equal_the_python_api(client, server, target_dir):
     assert _idle_and_free(server[1])
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_the_python_api(client, server, target_dir, stream):
+    """Completions' ``logprobs`` (OpenAI's legacy shape) and chat's ``logprobs``/``top_logprobs``: each token's
+    log-probability, text and top tokens equal the Python API's for the same params, streamed or not."""
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    want = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0, logprobs=3))[0]
+    chosen = [e[t] for e, t in zip(want.logprobs, want.token_ids)]
+    kw = dict(model=MODEL, max_tokens=8, temperature=0, stream=stream)
+    r = client.completions.create(prompt=PROMPTS[0], logprobs=3, **kw)
+    if stream:
+        parts = [c.choices[0].logprobs for c in r if c.choices and c.choices[0].logprobs]
+        lp = {k: sum((getattr(p, k) for p in parts), []) for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                    "text_offset")}
+    else:
+        lp = {k: getattr(r.choices[0].logprobs, k) for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                               "text_offset")}
+    assert lp["tokens"] == [c.decoded_token for c in chosen]
+    assert lp["token_logprobs"] == pytest.approx([c.logprob for c in chosen], abs=1e-5)
+    assert [set(d) for d in lp["top_logprobs"]] == [{v.decoded_token for v in e.values()} for e in want.logprobs]
+    assert lp["text_offset"] == [sum(len(c.decoded_token) for c in chosen[:j]) for j in range(len(chosen))]
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    want = engine.generate([messages], SamplingParams(max_tokens=8, temperature=0, logprobs=2))[0]
+    r = client.chat.completions.create(messages=messages, logprobs=True, top_logprobs=2, **kw)
+    content = (sum((c.choices[0].logprobs.content for c in r if c.choices and c.choices[0].logprobs), [])
+               if stream else r.choices[0].logprobs.content)
+    assert [c.token for c in content] == [e[t].decoded_token for e, t in zip(want.logprobs, want.token_ids)]
+    assert [c.logprob for c in content] == pytest.approx([e[t].logprob for e, t in zip(want.logprobs,
+                                                                                       want.token_ids)], abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+               and bytes(c.bytes).decode() == c.token for c in content)
+    plain = client.chat.completions.create(messages=messages, **kw)
+    if not stream:
+        assert plain.choices[0].logprobs is None
+    assert _idle_and_free(server[1])
+
+
 def test_n_returns_n_choices(client, server):
     """n = 3 seeded samples: three choices (indexes 0..2), distinct at T = 1, the same again for the same seed,
     usage counting every choice's tokens; chat too; every block free afterwards."""
@@ -290,7 +326,7 @@ def test_bad_prompt_list_is_400_naming_the_prompt(client, server, kwargs, field)
     (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"),
     (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(frequency_penalty=-2.01), "frequency_penalty"),
-    (dict(logprobs=2), "logprobs"),
+    (dict(logprobs=30), "logprobs"),
     (dict(prompt=""), "prompt"),
     (dict(stop=[""]), "stop"),
     (dict(seed=-3), "seed"),

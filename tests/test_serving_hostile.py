@@ -100,10 +100,13 @@ BAD = [
     # ran as [1]: one level of nesting is a batch of one prompt, two are no prompt at all
     ("completions", json.dumps(_completion(prompt=[[[5, 6]]])), 400, "prompt", "list of token ids"),
     ("completions", json.dumps(_completion(prompt=[True, 5])), 400, "prompt", "list of token ids"),
-    # 0 == False and True == 1 in Python: logprobs=0 (the sampled token's logprob) was dropped silently
-    ("completions", json.dumps(_completion(logprobs=0)), 400, "logprobs", "not supported"),
+    # True == 1 in Python: a bool is no count of log-probabilities, and a count is no chat flag
+    ("completions", json.dumps(_completion(logprobs=True)), 400, "logprobs", "integer"),
+    ("completions", json.dumps(_completion(logprobs=21)), 400, "logprobs", "integer in [0, 20]"),
     ("completions", json.dumps(_completion(best_of=True)), 400, "best_of", "not supported"),
-    ("chat", json.dumps(_chat(top_logprobs=False)), 400, "top_logprobs", "not supported"),
+    ("chat", json.dumps(_chat(top_logprobs=False)), 400, "top_logprobs", "integer"),
+    ("chat", json.dumps(_chat(logprobs=1)), 400, "logprobs", "boolean"),
+    ("chat", json.dumps(_chat(top_logprobs=3)), 400, "top_logprobs", "'logprobs': true"),
     ("completions", json.dumps(_completion(stream_options=[])), 400, "stream_options", "object"),  # was ignored
     ("chat", json.dumps(_chat(stream_options={"include_usage": True})), 400, "stream_options", "'stream': true"),
     # usage in every chunk (vLLM's) was dropped silently, and any value taken

@@ -1,7 +1,7 @@
 """OpenAI request bodies -> (prompts, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
-engine does not have (logprobs, tools) is a ``BadRequest`` naming the field. The sampling fields (n, min_p, the
+engine does not have (tools, echo) is a ``BadRequest`` naming the field. The sampling fields (n, min_p, the
 repetition, presence and frequency penalties, logit_bias, vLLM's min_tokens, allowed_token_ids and bad_words
 included) are checked by ``SamplingParams`` itself.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.errors import FieldError
-from specdec.outputs import AcceptanceStats, RequestOutput
-from specdec.sampling_params import SamplingParams
+from specdec.outputs import AcceptanceStats, Logprob, RequestOutput
+from specdec.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class BadRequest(ValueError):
@@ -31,8 +31,8 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "igno
                     "logit_bias", "bad_words")  # -> SamplingParams
 _COMMON = {"model", "stop", "stream", "stream_options", "user", *_SAMPLING_FIELDS}
 # accepted only at the value that means "off": these features do not exist here
-_OFF_VALUES = {"logprobs": (None, False), "best_of": (None, 1), "echo": (None, False),
-               "suffix": (None,), "top_logprobs": (None, 0), "tools": (None,), "tool_choice": (None, "none"),
+_OFF_VALUES = {"best_of": (None, 1), "echo": (None, False),
+               "suffix": (None,), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
 # prompts of one /v1/completions body: each runs as n requests of its own, so a cap keeps one body from queueing an
@@ -40,8 +40,8 @@ MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never 
 MAX_PROMPTS = 256
 # choices of one body (prompts x n): the requests it queues at most, whatever the mix of the two
 MAX_CHOICES = 1024
-COMPLETION_FIELDS = _COMMON | {"prompt"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}  # logprobs: how many top tokens' (an int, OpenAI's legacy form)
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}  # logprobs: a bool
 # /tokenize and /detokenize (vLLM's, outside /v1); the flags only at what a request runs with (True)
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
 TOKENIZE_FIELDS = {"model", "prompt", "messages", *TOKENIZE_FLAGS}
@@ -71,7 +71,7 @@ def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> Par
     if "prompt" not in body:
         raise BadRequest("prompt", "field 'prompt' is required")
     prompts, fields = _completion_prompts(body["prompt"])
-    params = _params(body, default_max_tokens)
+    params = _params(body, default_max_tokens, logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS))
     if len(prompts) * params.n > MAX_CHOICES:
         raise BadRequest("n", f"{len(prompts)} prompts x n={params.n} are {len(prompts) * params.n} choices; a "
                               f"request holds at most {MAX_CHOICES} (send fewer prompts or samples a request)")
@@ -92,8 +92,8 @@ def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRe
     except PromptError as err:
         raise BadRequest(err.field, str(err)) from None
     field = _max_tokens_field(body)
-    return ParsedRequest((messages,), ("messages",), _params(body, default_max_tokens, field), *_stream_flags(body),
-                         field)
+    return ParsedRequest((messages,), ("messages",), _params(body, default_max_tokens, field, _chat_logprobs(body)),
+                         *_stream_flags(body), field)
 
 
 def parse_tokenize(body: Any, model: str) -> tuple[Any, str]:
@@ -142,6 +142,18 @@ def _message(m: Any, i: int) -> dict:
         raise BadRequest(f"messages[{i}].role", f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got "
                                                 f"{_short(m['role'])}")
     return {"role": m["role"], "content": text}
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """``SamplingParams.logprobs`` of a chat body: None unless ``logprobs`` is true, then ``top_logprobs`` (0 when
+    not given), which asks for ``logprobs`` true (OpenAI's rule)."""
+    want = body.get("logprobs")
+    if want is not None and not isinstance(want, bool):
+        raise BadRequest("logprobs", f"field 'logprobs' must be a boolean, got {_short(want)}")
+    top = _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    if top and not want:
+        raise BadRequest("top_logprobs", "field 'top_logprobs' needs 'logprobs': true")
+    return top if want else None
 
 
 def _max_tokens_field(body: dict) -> str:
@@ -213,11 +225,15 @@ def _one_prompt(prompt: Any, field: str) -> str | list[int]:
     raise BadRequest(field, f"field '{field}' must be a string or a list of token ids, got {_short(prompt)}")
 
 
-def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_tokens") -> SamplingParams:
+def _params(body: dict, default_max_tokens: int, max_tokens_field: str = "max_tokens",
+            logprobs: int | None = None) -> SamplingParams:
     """The body's sampling fields checked by ``SamplingParams`` itself, so the server accepts exactly what the
-    Python API does (top_k -1 = off, as in vLLM); the output length comes from ``max_tokens_field``. A FieldError
-    becomes a BadRequest naming the body's field."""
+    Python API does (top_k -1 = off, as in vLLM); the output length comes from ``max_tokens_field``; ``logprobs``:
+    the top tokens' log-probabilities asked for (the endpoints spell it differently). A FieldError becomes a
+    BadRequest naming the body's field."""
     given = {name: body[name] for name in _SAMPLING_FIELDS if name != "max_tokens" and body.get(name) is not None}
+    if logprobs is not None:
+        given["logprobs"] = logprobs
     if "logit_bias" in given:
         given["logit_bias"] = _logit_bias(given["logit_bias"])
     if body.get(max_tokens_field) is not None:
@@ -314,30 +330,35 @@ def usage(outs: list[RequestOutput]) -> dict:
             "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
 
 
-def completion_body(rid: str, model: str, outs: list[RequestOutput], chat: bool) -> dict:
+def completion_body(rid: str, model: str, outs: list[RequestOutput], chat: bool, top: int = 0) -> dict:
     """The non-streaming response for finished requests: one choice per sample of each prompt (``outs[i]``: prompt
-    i's output, its samples in ``outputs``), in that order; choice ``index`` is i * n + sample (vLLM's)."""
+    i's output, its samples in ``outputs``), in that order; choice ``index`` is i * n + sample (vLLM's). ``top``:
+    the most probable tokens each token's log-probabilities list (when the request asked for them)."""
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
             index = i * len(out.outputs) + c.index
+            lps = logprobs_body(c.logprobs, top, chat)
             if chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                "finish_reason": c.finish_reason})
+                                "logprobs": lps, "finish_reason": c.finish_reason})
             else:
-                choices.append({"index": index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason})
+                choices.append({"index": index, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(outs)}
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None, chat: bool,
-               role: bool = False, index: int = 0) -> dict:
-    """One server-sent event of a streaming response, for choice ``index``."""
+               role: bool = False, index: int = 0, logprobs: list[dict[int, Logprob]] | None = None, top: int = 0,
+               offset: int = 0) -> dict:
+    """One server-sent event of a streaming response, for choice ``index``; ``logprobs``: its new tokens' (their
+    text starting ``offset`` characters into the choice's, for a completion's ``text_offset``)."""
+    lps = logprobs_body(logprobs, top, chat, offset)
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": lps, "finish_reason": finish_reason}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice]}
 
@@ -346,3 +367,35 @@ def usage_chunk(rid: str, model: str, outs: list[RequestOutput], chat: bool) -> 
     """The last event of a stream with ``stream_options.include_usage``: ``usage(outs)`` and no choice."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [], "usage": usage(outs)}
+
+
+def logprobs_body(entries: list[dict[int, Logprob]] | None, top: int, chat: bool, offset: int = 0) -> dict | None:
+    """Output tokens' log-probabilities (``RequestOutput.logprobs``: per token the chosen one first) in OpenAI's
+    shape: a chat's ``{"content": [{token, logprob, bytes, top_logprobs}]}`` with the ``top`` most probable, or a
+    completion's ``{tokens, token_logprobs, top_logprobs, text_offset}`` (each top dict holds the chosen token too,
+    as vLLM's). None when not asked for."""
+    if entries is None:
+        return None
+    tokens = [next(iter(e.items())) for e in entries]  # the chosen (id, Logprob) of each token
+    ranked = [sorted(e.values(), key=lambda v: -v.logprob)[:top] for e in entries]
+    if chat:
+        return {"content": [{**_token_logprob(lp), "top_logprobs": [_token_logprob(v) for v in best]}
+                            for (_, lp), best in zip(tokens, ranked)]}
+    offsets, at = [], offset
+    for _, lp in tokens:
+        offsets.append(at)
+        at += len(lp.decoded_token or "")
+    return {"tokens": [lp.decoded_token for _, lp in tokens], "token_logprobs": [_finite(lp) for _, lp in tokens],
+            "top_logprobs": [{v.decoded_token: _finite(v) for v in [lp, *best]}
+                             for (_, lp), best in zip(tokens, ranked)],
+            "text_offset": offsets}
+
+
+def _token_logprob(lp: Logprob) -> dict:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8", "replace"))}
+
+
+def _finite(lp: Logprob) -> float:
+    """A log-probability JSON can carry: OpenAI's -9999.0 for an impossible token (-inf)."""
+    return max(lp.logprob, -9999.0)

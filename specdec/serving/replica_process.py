@@ -246,7 +246,8 @@ class ReplicaProcess(RequestStreams):
         before = self._partial.get(rid)
         if before is not None and not out.finished:  # (the first and the final output come whole)
             out = replace(out, prompt_token_ids=before.prompt_token_ids, token_ids=before.token_ids + out.new_token_ids,
-                          text=before.text + out.new_text)
+                          text=before.text + out.new_text, logprobs=None if out.logprobs is None else
+                          before.logprobs + out.new_logprobs)
         if out.finished:
             self._partial.pop(rid, None)
         else:
@@ -369,7 +370,8 @@ def _send_output(outbox, sent: dict, rid: str, out: RequestOutput) -> bool:
     else:
         sent[rid] = n + 1
         if n:
-            out = replace(out, prompt_token_ids=[], token_ids=[], text="")
+            out = replace(out, prompt_token_ids=[], token_ids=[], text="",
+                          logprobs=None if out.logprobs is None else [])
     outbox.put(("out", rid, out))
     return True
 

@@ -166,7 +166,8 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
             return _error(_refusal(acks[refused].error, parsed.prompt_fields[refused // n], parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
         if parsed.stream:
-            return StreamingResponse(_events(rid, samples, n, chat, parsed.include_usage, timing),
+            return StreamingResponse(_events(rid, samples, n, chat, parsed.include_usage, timing,
+                                             parsed.params.logprobs or 0),
                                      media_type="text/event-stream")
         try:
             finals = await _until(request, asyncio.gather(*[_final(s, timing, a) for s, a in zip(samples, acks)]))
@@ -179,12 +180,13 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         failed = next((f for f in finals if f.finish_reason == "error"), None)
         if failed is not None:
             return _error(protocol.BadRequest(None, str(failed.error), 500))
-        return JSONResponse(protocol.completion_body(rid, model_name, outs, chat))
+        return JSONResponse(protocol.completion_body(rid, model_name, outs, chat, parsed.params.logprobs or 0))
 
     async def _events(rid: str, samples: list, n: int, chat: bool, include_usage: bool,
-                      timing: _Timing) -> AsyncIterator[str]:
+                      timing: _Timing, top: int) -> AsyncIterator[str]:
         """The event stream of the samples' outputs (choice k: ``samples[k]``, prompt k // n's sample k % n), in
-        the order they come; the usage event and [DONE] once every sample has finished."""
+        the order they come, with their new tokens' log-probabilities when asked for (``top``: how many of the most
+        probable); the usage event and [DONE] once every sample has finished."""
         finals: dict[int, RequestOutput] = {}
         merged = _merged(samples)
         try:
@@ -197,8 +199,9 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
                     timing.report(out)
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
-                if out.new_text or out.finished:
-                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=k))
+                if out.new_text or out.finished or out.new_logprobs:
+                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=k,
+                                                   logprobs=out.new_logprobs, top=top, offset=_offset(out)))
                 if out.finished:
                     finals[k] = out
                 if len(finals) == len(samples):
@@ -402,3 +405,12 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(10)
+
+
+def _offset(out: RequestOutput) -> int:
+    """Where an output's new tokens start in its text, counted as the completions' ``text_offset`` counts (the
+    earlier tokens' own texts); 0 without log-probabilities."""
+    if not out.new_logprobs:
+        return 0
+    done = out.logprobs[:len(out.logprobs) - len(out.new_logprobs)]
+    return sum(len(next(iter(e.values())).decoded_token or "") for e in done)

@@ -1,0 +1,138 @@
+"""Log-probabilities of the output tokens (``SamplingParams.logprobs``, vLLM's): with every proposer and step kind,
+each output token's log-probability, rank and top-k equal a reference computed from the full model's raw logits
+over the prompt and the output; the tokens are those of the same requests without logprobs; stop rules cut the
+log-probabilities with the tokens; streaming hands each token's once; bad values are refused with the field
+named; the server answers OpenAI's shapes (chat ``logprobs``/``top_logprobs``, completion ``logprobs``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import PAIR_EOS
+from test_repetition_penalty import CONFIGS, PROMPTS
+from test_spec_sampling import tiny_eagle  # noqa: F401 (the fixture)
+
+from specdec.engine import SpecConfig, SpecEngine
+from specdec.errors import FieldError
+from specdec.outputs import Logprob
+from specdec.sampling_params import MAX_LOGPROBS, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+NEW_TOKENS = 12
+TOL = 2e-4  # float32: the engine's log-softmax over a verify's logits against one over a full forward's
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_dirs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_dirs["llama"]), dtype=torch.float32).eval()
+
+
+def _reference(hf, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """(len(output), V) raw log-probabilities of the full model at each output token's position."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + output])).logits[0].float()  # (P + O, V)
+    return torch.log_softmax(logits[len(prompt) - 1:len(prompt) - 1 + len(output)], -1)
+
+
+def _check(hf, prompt: list[int], out, k: int) -> None:
+    """``out``'s log-probabilities: one dict per token, its chosen token with the reference's log-probability and
+    rank, then the reference's top k (as a set: ties may order them either way), and the cumulative sum."""
+    ref = _reference(hf, prompt, out.token_ids)
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for j, (tok, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        first = next(iter(entry))
+        assert first == tok
+        lp = entry[tok]
+        assert isinstance(lp, Logprob) and abs(lp.logprob - ref[j, tok].item()) < TOL
+        assert lp.rank == int((ref[j] > ref[j, tok] + TOL).sum()) + 1 or abs(
+            ref[j].sort(descending=True).values[lp.rank - 1] - ref[j, tok]) < TOL
+        total += lp.logprob
+        top = ref[j].topk(k)
+        others = {t: v for t, v in entry.items() if t != tok or tok in top.indices.tolist()}
+        assert len(others) == k
+        for t, v in others.items():
+            assert abs(v.logprob - ref[j, t].item()) < TOL and v.rank <= k
+        assert min(v.logprob for v in others.values()) >= top.values[-1].item() - TOL if k else True
+    assert abs(out.outputs[0].cumulative_logprob - total) < 1e-6 * max(1.0, abs(total))
+    assert out.outputs[0].logprobs is out.logprobs
+
+
+@pytest.mark.parametrize("name,options", CONFIGS, ids=[f"{n}-{'-'.join(o) or 'packed'}" for n, o in CONFIGS])
+def test_logprobs_equal_the_full_models(tiny_target, tiny_draft, tiny_eagle, hf, name, options):  # noqa: F811
+    """Every proposer and step kind (float32): greedy rows (top 3), seeded sampled rows (the chosen token's alone,
+    and top 5) and rows without logprobs in one batch; the tokens equal the same requests' without logprobs."""
+    draft = {"none": None, "ngram": "ngram", "model": tiny_draft, "eagle": tiny_eagle}[name]
+    tree = "chain:3" if name in ("none", "ngram") else "topk:2x2"
+    eng = SpecEngine(draft, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
+                                                    **options))
+    greedy = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    hot = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.9, seed=4, logprobs=0),
+           SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, top_p=0.8, seed=9, logprobs=5)]
+    prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    params = [greedy] * len(PROMPTS) + hot + [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)]
+    outs = eng.generate(prompts, params)
+    for prompt, p, out in zip(prompts, params, outs):
+        if p.logprobs is None:
+            assert out.logprobs is None and out.outputs[0].cumulative_logprob is None
+        else:
+            _check(hf, prompt, out, p.logprobs)
+    plain = eng.generate(prompts, [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=p.temperature,
+                                                  top_p=p.top_p, seed=p.seed) for p in params])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert eng.all_blocks_free()
+
+
+def test_logprobs_stop_with_the_tokens_and_stream_once(tiny_target, hf):
+    """EOS inside an accepted chain and max_tokens cut the log-probabilities with the tokens; streamed outputs
+    hand each token's log-probabilities once (``new_logprobs``), in order, ending with the whole list."""
+    eng = SpecEngine("ngram", tiny_target, SpecConfig(tree="chain:4", num_blocks=256, block_size=4, adaptive=False))
+    free = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
+    stop_at = free[5]
+    params = SamplingParams(max_tokens=NEW_TOKENS, stop_token_ids=[stop_at], logprobs=2)
+    out = eng.generate([PROMPTS[1]], params)[0]
+    assert out.token_ids == free[:free.index(stop_at) + 1] and out.finish_reason == "stop"
+    _check(hf, PROMPTS[1], out, 2)
+    short = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True, logprobs=1))[0]
+    assert len(short.token_ids) == len(short.logprobs) == 3
+    seen, last = [], None
+    for last in eng.stream([PROMPTS[1]], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)):
+        assert len(last.new_logprobs) == len(last.new_token_ids)
+        seen += last.new_logprobs
+    assert seen == last.logprobs and len(seen) == NEW_TOKENS
+    assert math.isclose(last.cumulative_logprob, sum(e[t].logprob for e, t in zip(seen, last.token_ids)),
+                        rel_tol=1e-9)
+
+
+def test_token_text_and_samples(letter_target):
+    """Each entry names its token's text; n samples each carry their own."""
+    eng = SpecEngine(None, letter_target, SpecConfig(num_blocks=128, block_size=4))
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2, n=2,
+                                                    temperature=1.0, seed=1))[0]
+    tok = letter_target.tokenizer
+    for sample in out.outputs:
+        assert len(sample.logprobs) == 6
+        for entry in sample.logprobs:
+            assert all(v.decoded_token == tok.decode([t]) for t, v in entry.items())
+    assert out.outputs[0].token_ids != out.outputs[1].token_ids
+
+
+@pytest.mark.parametrize("value", [-1, MAX_LOGPROBS + 1, 2.0, True, "3"])
+def test_bad_logprobs_name_the_field(value):
+    with pytest.raises(FieldError, match="logprobs must be None or an int >= 0 and <= 20"):
+        SamplingParams(logprobs=value)
+
+
+def test_rows_with_logprobs_queue_nothing_behind_their_verify():
+    """``Request.reads_logits``: a row with logprobs (greedy or not) reads its verify's logits after acceptance,
+    so the pipelines queue no step behind it; a plain row does not."""
+    from specdec.scheduler.request import Request
+
+    assert Request("a", [1], SamplingParams(logprobs=0), (PAIR_EOS,)).reads_logits
+    assert Request("a", [1], SamplingParams(logprobs=0), (PAIR_EOS,)).plain_greedy
+    assert not Request("b", [1], SamplingParams(), (PAIR_EOS,)).reads_logits
