@@ -136,3 +136,27 @@ def test_rows_with_logprobs_queue_nothing_behind_their_verify():
     assert Request("a", [1], SamplingParams(logprobs=0), (PAIR_EOS,)).reads_logits
     assert Request("a", [1], SamplingParams(logprobs=0), (PAIR_EOS,)).plain_greedy
     assert not Request("b", [1], SamplingParams(), (PAIR_EOS,)).reads_logits
+
+
+def test_cli_prints_each_tokens_logprobs(tiny_dirs, tmp_path, capsys):
+    """``specdec generate --logprobs K``: one stderr line per output token with the engine's log-probability and
+    K most probable tokens, then the sum; a K out of range is a usage error naming the flag."""
+    from serving_helpers import with_tokenizer
+
+    from specdec.cli import main
+
+    model = with_tokenizer(tiny_dirs["llama"], tmp_path / "llama")
+    args = ["generate", "--model", str(model), "--draft", "ngram", "--device", "cpu", "--prompt", "abc",
+            "--max-new-tokens", "5", "--ignore-eos"]
+    assert main(args + ["--logprobs", "2"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    rows = [line.split() for line in err if line[:4].strip().isdigit()]
+    assert [int(r[0]) for r in rows] == list(range(5))
+    eng = SpecEngine("ngram", str(model), SpecConfig(num_blocks=64))
+    want = eng.generate(["abc"], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2))[0]
+    for line, tok, entry in zip([line for line in err if line[:4].strip().isdigit()], want.token_ids,
+                                want.logprobs):
+        assert f"{entry[tok].logprob:.4f}" in line and line.count(" -") >= 3  # its own, then two most probable
+    assert err[-1] == f"[cumulative logprob {want.outputs[0].cumulative_logprob:.4f}]"
+    assert main(args + ["--logprobs", "21"]) == 2
+    assert "--logprobs" in capsys.readouterr().err

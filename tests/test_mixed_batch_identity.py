@@ -87,3 +87,28 @@ def test_processed_rows_in_a_mixed_batch_equal_target_only(setup, device):  # no
     assert want[:6] != free[:6] and all(t % 2 == 0 for i in (1, 4) for t in want[i])
     assert all(not set(want[i][:6]) & set(params[i].stop_token_ids) for i in (2, 5))
     assert eng.all_blocks_free()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_with_logprobs_in_a_mixed_batch_equal_target_only(setup, device):  # noqa: F811 - the fixture
+    """Rows asking for log-probabilities (greedy and seeded sampled; on CUDA their batch steps unpipelined, reading
+    each verify's graph output after its acceptance) among plain ones, through the device's defaults, twice: every
+    row gives eager target-only decoding's tokens, and each asked-for token's log-probability, rank and top 4 equal
+    eager target-only decoding's (float32, 1e-4)."""
+    prompts, params = _rows(9)
+    params = [replace(p, logprobs=4) if i % 2 == 0 else p for i, p in enumerate(params)]
+    draft, target, _ = trained_pair(setup, device, params[0])
+    cfg = dict(num_blocks=800, block_size=8, max_batch_size=32, device=device, prefix_cache=False)
+    plain = SpecEngine(None, target, SpecConfig(cuda_graphs=False, pipeline=False, **cfg))
+    want = plain.generate(prompts, params)
+    eng = SpecEngine(draft, target, SpecConfig(**cfg))
+    for _ in range(2):
+        outs = eng.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in want]
+        for o, w, p in zip(outs, want, params):
+            assert (o.logprobs is None) == (p.logprobs is None)
+            for got, ref in zip(o.logprobs or (), w.logprobs or ()):
+                assert list(got) == list(ref) or set(got) == set(ref)  # (near-ties may order the top ones apart)
+                assert all(abs(got[t].logprob - ref[t].logprob) < 1e-4 for t in ref)
+                assert next(iter(got.values())).rank == next(iter(ref.values())).rank
+    assert eng.all_blocks_free()

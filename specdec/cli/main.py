@@ -40,7 +40,7 @@ def cmd_generate(args) -> int:
                    seed=args.seed, max_new_tokens=args.max_new_tokens, min_p=args.min_p,
                    repetition_penalty=args.repetition_penalty, n=args.n, stop=tuple(args.stop or ()),
                    ignore_eos=args.ignore_eos, presence_penalty=args.presence_penalty,
-                   frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
+                   frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens, logprobs=args.logprobs)
     config = build(SpecConfig, tree=tree, device=device, dtype=dtype, pipeline=PIPELINE_CHOICES[args.pipeline],
                    gpu_memory_utilization=args.gpu_memory_utilization, tensor_parallel_size=args.tensor_parallel_size)
     check_model("--model", args.model)
@@ -63,6 +63,8 @@ def cmd_generate(args) -> int:
         code, out = _stream(engine, prompt, params)
         if out is not None and args.stats:
             _print_stats(out, engine)
+    if code == 0 and out is not None and args.logprobs is not None:
+        _print_logprobs(out, args.logprobs)
     if code == 0 and out is not None and (hint := chat_hint(out, args, target.tokenizer)):
         print(hint, file=sys.stderr)
     return code
@@ -142,6 +144,20 @@ def _print_samples(out, engine, stats: bool) -> int:
     return 0
 
 
+def _print_logprobs(final, k: int) -> None:
+    """``--logprobs K``: per output token (each sample's, after a ``[sample i]`` line when there are several) its
+    text, log-probability and rank, then the K most probable tokens', to stderr; then the cumulative log-probability."""
+    for c in final.outputs:
+        if len(final.outputs) > 1:
+            print(f"[sample {c.index}]", file=sys.stderr)
+        print(f"{'#':>4}  {'token':<16} {'logprob':>9} {'rank':>5}  most probable", file=sys.stderr)
+        for j, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            lp, best = entry[tok], sorted(entry.values(), key=lambda v: -v.logprob)[:k]
+            top = "  ".join(f"{v.decoded_token!r} {v.logprob:.3f}" for v in best)
+            print(f"{j:>4}  {lp.decoded_token!r:<16} {lp.logprob:>9.4f} {lp.rank:>5}  {top}", file=sys.stderr)
+        print(f"[cumulative logprob {c.cumulative_logprob:.4f}]", file=sys.stderr)
+
+
 def _print_stats(final, engine) -> None:
     s = final.stats
     tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -199,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="go on past EOS, up to --max-new-tokens")
     g.add_argument("--min-tokens", type=int, default=0,
                    help="no EOS and no --stop before the output has this many tokens (0 = off)")
+    g.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="print each output token's log-probability and rank, and the K most probable tokens', to "
+                        "stderr (0-20; default: off)")
     g.add_argument("--n", type=int, default=1, help="independent samples of the prompt, printed one after another")
     g.add_argument("--stats", action="store_true", help="print acceptance statistics to stderr")
     g.add_argument("--pipeline", default="auto", choices=list(PIPELINE_CHOICES), help=PIPELINE_HELP)
