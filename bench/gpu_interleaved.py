@@ -95,14 +95,6 @@ ENGINE_SETS = {
                     "ngram": {"draft": "ngram"},
                     "ngram_wait": {"draft": "ngram", "epoch": {"shadow_wait": 1 << 30}},
                     "ngram_blind": {"draft": "ngram", "blind": True}},
-    # n-gram whose watch lets a probe from plain decoding through in a sampled bucket only when its counts say 12%
-    # more than in a greedy one (``EpochConfig.shadow_sampled_margin``; "_bar": 1.24 of plain decoding's rate at
-    # batch 16 and 64, where the T=1.0 probes that lost were counted at 1.19-1.27), against the defaults and plain
-    # decoding throughout
-    "ngram_bar": {"target_only": {"draft": None},
-                  "ngram": {"draft": "ngram"},
-                  "ngram_bar": {"draft": "ngram", "epoch": {"shadow_sampled_margin": 0.12}},
-                  "ngram_plain": {"draft": "ngram", "plain_only": True}},
     "plan_group8": {"target_only": {"draft": None},
                     "target_only_e": {"draft": None, "admit_share": 8},
                     "eagle": {"draft": "eagle", "tree": "dynamic:31"},

@@ -62,9 +62,7 @@ class EpochConfig:
     chosen over plain decoding in a greedy bucket, it is probed after shadow_wait epochs instead of at its turn (the
     text turned to one the chains predict: the turn can be hundreds of steps away), the wait doubling while such
     probes change nothing (a budget's kept epochs from older text weigh on its rate for a few epochs) until they stop
-    saying so; shadow_sampled_margin: how much more the counts must say in a bucket with sampled rows, where chains
-    right on a few rows whose samples loop pass the counts and their probes then lose to the rows they leave ending
-    apart (0: as in a greedy bucket; under measurement)."""
+    saying so."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -83,7 +81,6 @@ class EpochConfig:
     shadow_min_rows: int = 64
     shadow_kept: int = 2048
     shadow_wait: int = 1
-    shadow_sampled_margin: float = 0.0
 
 
 class _Epochs:
@@ -306,11 +303,9 @@ class EpochBudget:
 
     def _may_pay(self, state: _Epochs, j: int) -> bool:
         """Whether a probe of speculating budget j could move a bucket held at plain decoding: its looked-up chains
-        say it comes within ``margin`` of what ``_best`` asks of it, and ``shadow_sampled_margin`` more with sampled
-        rows (True until enough rows were looked up)."""
+        say it comes within ``margin`` of what ``_best`` asks of it (True until enough rows were looked up)."""
         gain, cfg = self._shadow_gain(state, j), self.config
-        extra = 0.0 if state.key[1] else cfg.shadow_sampled_margin
-        return gain is None or gain > self._plain_bar(state) - cfg.margin + extra
+        return gain is None or gain > self._plain_bar(state) - cfg.margin
 
     def _would_be_chosen(self, state: _Epochs) -> int | None:
         """A greedy bucket held at plain decoding: the speculating budget whose looked-up chains say it beats plain

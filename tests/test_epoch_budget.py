@@ -499,25 +499,3 @@ def test_a_budget_the_free_chains_say_would_be_chosen_is_probed_soon(wait, greed
         assert state_of(ctrl, rows).best == 2 and seq[-100:].count(7) > 80
     else:
         assert first >= 200 + 16 + 2 * 4 and state_of(ctrl, rows).best == 0
-
-
-
-@pytest.mark.parametrize("margin, greedy", [(0.0, False), (0.12, False), (0.12, True)])
-def test_sampled_buckets_ask_more_of_the_counts_under_shadow_sampled_margin(margin, greedy):
-    """Chains whose first token is right on a quarter of the rows count 1.25 tokens a row: 1.18-1.23 of plain
-    decoding's rate over each budget's step cost, past the 1.12 a probe from plain decoding needs, so a sampled bucket
-    probes; with ``shadow_sampled_margin`` 0.12 it needs 1.24 and probes nothing once enough rows were looked up,
-    while a greedy bucket is not held to it."""
-    text = lambda p: p % 11  # noqa: E731 - a row's tokens
-    rows = [Row(12, text, greedy=greedy) for _ in range(8)]
-    lucky = {id(rows[0]), id(rows[4])}
-    shadow = lambda req, k: ([text(len(req.tokens))] + [99] * (k - 1) if id(req) in lucky  # noqa: E731
-                             else [99] * k)[:k]
-    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=2, max_hold_epochs=2, shadow_min_rows=16,
-                                      shadow_sampled_margin=margin), shadow=shadow)
-    tok, cost = model({0: 1.0, 3: 1.05, 7: 1.08, 15: 1.1}, {0: 1.0, 3: 1.02, 7: 1.04, 15: 1.06})
-    [watched_step(ctrl, rows, tok, cost) for _ in range(600)]
-    state = state_of(ctrl, rows)
-    assert state.best == 0 and state.shadow[2] == pytest.approx(1.25 * state.shadow[0], rel=0.05)
-    late = [e for e in ctrl.epoch_log()[-60:] if e["phase"] == "probe"]
-    assert (not late) if margin and not greedy else len(late) > 5
