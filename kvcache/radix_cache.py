@@ -135,7 +135,11 @@ class RadixPrefixCache:
             n.last_use = self._clock
 
     def _max_reusable_blocks(self, req) -> int:
-        """Full blocks of ``tokens[:-1]``: the pending last token is never served from the cache."""
+        """Full blocks of ``tokens[:-1]``: the pending last token is never served from the cache; none for a request
+        that asks for its prompt's log-probabilities (``SamplingParams.prompt_logprobs``), which its prefill's logits
+        give: it computes the whole prompt (and its blocks are cached for others after)."""
+        if req.params.prompt_logprobs is not None:
+            return 0
         return max(len(req.tokens) - 1, 0) // self.block_size
 
     # ------------------------------------------------------------------ request lifecycle

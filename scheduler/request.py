@@ -53,12 +53,16 @@ class Request:
     # params.logprobs: per output token {token id: Logprob} (the chosen token's first, then the most probable ones)
     logprobs: list[dict] | None = None
     cumulative_logprob: float = 0.0
+    # params.prompt_logprobs: per prompt token {token id: Logprob}, None for the first (and until its chunk ran)
+    prompt_logprobs: list[dict | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.tokens:
             self.tokens = list(self.prompt_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
 
     @property
     def num_prompt(self) -> int:

@@ -43,7 +43,11 @@ class StopChecker:
         ``req.cumulative_logprob``."""
         for entry in entries:
             req.cumulative_logprob += next(iter(entry.values()))[0]
-            req.logprobs.append({t: Logprob(v, r, self.token_text(t)) for t, (v, r) in entry.items()})
+            req.logprobs.append(self.logprob_entry(entry))
+
+    def logprob_entry(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        """One token's ``{token: (log-probability, rank)}`` as vLLM's ``{token: Logprob}``, with each token's text."""
+        return {t: Logprob(v, r, self.token_text(t)) for t, (v, r) in entry.items()}
 
     def running_text(self, req: Request) -> str:
         """The output's text so far, decoded incrementally: each call decodes only the tokens added

@@ -39,6 +39,7 @@ from specdec.kvcache.pool import KVPool
 from specdec.kvcache.sliding_window import window_reuse_for
 from specdec.loading.registry import resolve_dtype
 from specdec.loading.roles import check_roles
+from specdec.logprobs import prompt_logprobs, wants_prompt_logprobs
 from specdec.outputs import AcceptanceStats, RequestOutput, request_output
 from specdec.plan import resolve_plan
 from specdec.prompts import PromptError, as_prompt_list, is_chat, to_prompt_ids
@@ -356,8 +357,9 @@ class SpecEngine:
         if not chunks:
             return []
         rows = [RowInput(c.req, c.req.tokens[c.start:c.end], list(range(c.start, c.end)), c.start, c.end,
-                         want_logits="none") for c in chunks]
+                         want_logits="all" if wants_prompt_logprobs(c.req, c.start) else "none") for c in chunks]
         fwd = self.runner.forward(0, self.target.model, rows, self.drafter.target_features)  # (features: to slots)
+        prompt_logprobs(chunks, fwd.logits, self.stopper)  # (rows that want logits: their prompt's log-probabilities)
         if not fwd.draft_kv:  # (a graphed prefill wrote the draft model's KV in the same replays)
             self.drafter.prefill(chunks)
         for c in chunks:

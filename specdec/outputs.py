@@ -112,6 +112,7 @@ class RequestOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     new_logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # SamplingParams.prompt_logprobs (the first None)
 
     @property
     def finished(self) -> bool:
@@ -135,7 +136,7 @@ class RequestOutput:
         error = next((s.error for s in samples if s.error is not None), None)
         return RequestOutput(request_id, first.prompt_token_ids, first.token_ids, first.text, first.finish_reason,
                              stats, error, first.new_token_ids, first.new_text, list(samples), first.prompt,
-                             first.logprobs, first.new_logprobs, first.cumulative_logprob)
+                             first.logprobs, first.new_logprobs, first.cumulative_logprob, first.prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -163,13 +164,19 @@ def request_output(req: Request, stopper: StopChecker) -> RequestOutput:
         text, stops = stopper.running_text(req), req.params.stop
         text = stable_text(text, stops) if stops else text.rstrip("\ufffd")
     new_text = text[req.emitted_chars:]
-    lps = None if req.logprobs is None else req.logprobs[:len(out_ids)]  # (a fresh list, as the tokens')
-    new_lps = None if lps is None else lps[req.emitted_tokens:]
-    cumulative = None if lps is None else req.cumulative_logprob
+    fields = logprob_fields(req, len(out_ids), req.emitted_tokens)
     req.emitted_tokens, req.emitted_chars = len(out_ids), len(text)
     return RequestOutput(req.request_id, list(req.prompt_ids), out_ids, text, req.finish_reason,
-                         req.stats, req.error, new_ids, new_text, prompt=req.prompt_text, logprobs=lps,
-                         new_logprobs=new_lps, cumulative_logprob=cumulative)
+                         req.stats, req.error, new_ids, new_text, prompt=req.prompt_text, **fields)
+
+
+def logprob_fields(req: Request, num_output: int, emitted: int = 0) -> dict:
+    """The log-probability fields of an output of ``req`` holding its first ``num_output`` tokens, of which
+    ``emitted`` were sent before (each list a fresh one, as the tokens'); None where the request did not ask."""
+    lps = None if req.logprobs is None else req.logprobs[:num_output]
+    return {"logprobs": lps, "new_logprobs": None if lps is None else lps[emitted:],
+            "cumulative_logprob": None if lps is None else req.cumulative_logprob,
+            "prompt_logprobs": None if req.prompt_logprobs is None else list(req.prompt_logprobs)}
 
 
 def stable_text(text: str, stops: tuple[str, ...]) -> str:

@@ -152,6 +152,8 @@ class ModelRunner:
         features of ``aux_layers`` (those forwards run eagerly)."""
         if model_idx == 0 and self._prefill_graphed(rows, aux_layers):  # (short chunks too: not in a verify's
             return self._forward_prefill(rows)  # buckets, whose inputs a step queued behind a verify reads)
+        if model_idx == 0 and any(r.parents is None and r.want_logits == "all" for r in rows):  # prefill rows that
+            return ForwardResult(*self._forward_eager(model_idx, model, rows, aux_layers))  # want logits: eagerly
         key = self._graph_key(model_idx, rows, aux_layers)
         if key is not None:
             return self._forward_graphed(key, rows)

@@ -70,6 +70,8 @@ class SamplingParams:
     ``logprobs`` (vLLM's; None = off) returns, for every output token, its log-probability under the target's raw
     distribution (its logits before temperature, filters and processors: vLLM's default ``raw_logprobs``) with its
     rank, and the ``logprobs`` most probable tokens' (0: the chosen token's alone; at most ``MAX_LOGPROBS``).
+    ``prompt_logprobs`` (vLLM's) does the same for each prompt token after the first (the first's entry is None); such
+    a request computes its whole prompt (no prefix-cache hit serves it).
     """
 
     temperature: float = 0.0
@@ -91,6 +93,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words: tuple[str, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -130,10 +133,11 @@ class SamplingParams:
         set_(self, "logit_bias", _logit_bias(self.logit_bias))
         set_(self, "allowed_token_ids", _allowed_ids(self.allowed_token_ids))
         set_(self, "bad_words", _strings(self.bad_words, "bad_words", MAX_BAD_WORDS))
-        if self.logprobs is not None:
-            set_(self, "logprobs", _integer(self.logprobs, "logprobs", f"must be None or an int >= 0 and <= "
-                                            f"{MAX_LOGPROBS} (the most probable tokens returned beside the chosen one)",
-                                            0, MAX_LOGPROBS))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                set_(self, name, _integer(getattr(self, name), name, f"must be None or an int >= 0 and <= "
+                                          f"{MAX_LOGPROBS} (the most probable tokens returned beside the chosen one)",
+                                          0, MAX_LOGPROBS))
         # (not a field: read for every row at every step, ``Request.penalized``)
         set_(self, "_processed", self.repetition_penalty != 1.0 or self.presence_penalty != 0
              or self.frequency_penalty != 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
@@ -182,7 +186,6 @@ _UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the co
 
 # vLLM SamplingParams fields specdec lacks -> what to do instead (the TypeError an unknown field raises says it)
 VLLM_LACKING = {
-    "prompt_logprobs": "outputs carry the output tokens' log-probabilities (logprobs), not the prompt's",
     "best_of": "there is no best-of or beam search (n samples are n independent requests)",
     "use_beam_search": "there is no beam search", "length_penalty": "there is no beam search",
     "include_stop_str_in_output": "a stop string is cut from the output, with what follows it",

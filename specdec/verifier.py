@@ -14,6 +14,7 @@ from specdec.fault_isolation import check_distribution, check_finite, check_fini
 from specdec.fused_step import DeviceDraft, FusedOutcome
 from specdec.graphs import cache_for
 from specdec.kernels.gumbel_choice import choose_tokens
+from specdec.logprobs import with_logprobs
 from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.row_sampling import sampling_rows
@@ -247,44 +248,6 @@ class Verifier:
         masks, parents = tree.verify_rows()
         return RowInput(req, [req.tokens[-1]] + h.tokens, _positions(req, tree), L - 1, L + n, masks if n else None,
                         want_logits="all", parents=parents)
-
-
-@torch.inference_mode()
-def with_logprobs(rows: list[Request], logits, results: list[VerifyResult]) -> list[VerifyResult]:
-    """``results`` with the log-probabilities of the rows that ask for them (``SamplingParams.logprobs``): each
-    committed token's under the target's raw distribution at the verify query it was chosen at (the root for the
-    first, then each accepted node's), its rank among them (1 = the most probable) and the ``logprobs`` most
-    probable tokens'; one log-softmax over those queries of every such row, and one read. ``logits``: the
-    verify's per-row logits (queries in verify order), read before any later forward overwrites them
-    (``Request.reads_logits`` keeps a queued step from doing so)."""
-    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-    if not asking:
-        return results
-    picked, chosen = [], []
-    for i in asking:
-        res = results[i]
-        queries = torch.tensor([0, *(n + 1 for n in res.accepted_nodes)], dtype=torch.long)
-        picked.append(logits[i].index_select(0, queries.to(logits[i].device)))  # (m + 1, V)
-        chosen += [*res.accepted_tokens, res.bonus_token]
-    lp = torch.log_softmax(torch.cat(picked).float(), -1)  # (M, V)
-    ids = torch.tensor(chosen, dtype=torch.long, device=lp.device)
-    own = lp.gather(1, ids[:, None])  # (M, 1)
-    ranks = (lp > own).sum(1) + 1  # (M,)
-    k = max(rows[i].params.logprobs for i in asking)
-    top_lp, top_ids = lp.topk(k, -1) if k else (lp[:, :0], ids[:, None][:, :0])  # (M, k)
-    own_h, rank_h, top_lp_h, top_ids_h = (t.tolist() for t in (own[:, 0], ranks, top_lp, top_ids))
-    out, at = list(results), 0
-    for i in asking:
-        res, want = results[i], rows[i].params.logprobs
-        entries = []
-        for j in range(at, at + len(res.accepted_tokens) + 1):
-            entry = {chosen[j]: (own_h[j], rank_h[j])}
-            for r, (t, v) in enumerate(zip(top_ids_h[j][:want], top_lp_h[j][:want])):
-                entry.setdefault(t, (v, r + 1))
-            entries.append(entry)
-        at += len(entries)
-        out[i] = res._replace(logprobs=entries)
-    return out
 
 
 @torch.inference_mode()

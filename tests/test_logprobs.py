@@ -160,3 +160,35 @@ def test_cli_prints_each_tokens_logprobs(tiny_dirs, tmp_path, capsys):
     assert err[-1] == f"[cumulative logprob {want.outputs[0].cumulative_logprob:.4f}]"
     assert main(args + ["--logprobs", "21"]) == 2
     assert "--logprobs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options", [{}, dict(max_num_tokens=8), dict(cuda_graphs=True, pipeline=True)],
+                         ids=["whole", "chunked", "pipelined"])
+def test_prompt_logprobs_equal_the_full_models(tiny_target, tiny_draft, hf, options):
+    """``prompt_logprobs`` (vLLM's): entry 0 is None, entry p the full model's log-probability and rank of prompt
+    token p and its top k, whether the prompt is prefilled whole or in chunks of 8 tokens, batched with plain
+    requests; a request after the same prompt was cached still gets every entry (no prefix hit serves it), and a
+    plain request after it still hits the cache."""
+    eng = SpecEngine(tiny_draft, tiny_target, SpecConfig(tree="chain:3", num_blocks=256, block_size=4, adaptive=False,
+                                                         **options))
+    asking = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    plain = SamplingParams(max_tokens=4, ignore_eos=True)
+    for _ in range(2):  # (the second time the prompts are cached)
+        outs = eng.generate(list(PROMPTS), [asking, plain] + [asking] * (len(PROMPTS) - 2))
+        for prompt, out in zip(PROMPTS, outs):
+            if out.prompt_logprobs is None:
+                continue
+            assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+            ref = _reference(hf, prompt[:1], prompt[1:])  # (P - 1, V): position p - 1 gives token p
+            for p in range(1, len(prompt)):
+                entry = out.prompt_logprobs[p]
+                assert next(iter(entry)) == prompt[p]
+                assert abs(entry[prompt[p]].logprob - ref[p - 1, prompt[p]].item()) < TOL
+                top = set(ref[p - 1].topk(2).indices.tolist())
+                assert set(entry) - {prompt[p]} <= top and len(set(entry) | top) <= 3
+        assert outs[1].prompt_logprobs is None and outs[0].logprobs is None
+    cache = eng.scheduler.prefix_cache
+    before = cache.stats.hit_tokens
+    eng.generate([PROMPTS[2]], plain)
+    assert cache.stats.hit_tokens > before  # (the prompt_logprobs requests computed and cached it)
+    assert eng.all_blocks_free()

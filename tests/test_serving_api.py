@@ -524,3 +524,37 @@ def test_version(server):
     import specdec
 
     assert httpx.get(f"{server[0]}/version").json() == {"version": specdec.__version__}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_scores_the_prompt(client, server, target_dir, stream):
+    """Completions' ``echo`` with ``logprobs``: the choice's text is the prompt's and the output's, its legacy
+    log-probabilities the prompt's tokens (the first with none) then the output's, equal to the Python API's
+    ``prompt_logprobs`` and ``logprobs``; ``max_tokens: 0`` scores the prompt alone (OpenAI's way), streamed or not."""
+    engine = SpecEngine(None, str(target_dir), SpecConfig(num_blocks=64))
+    want = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, logprobs=1,
+                                                        prompt_logprobs=1))[0]
+    prompt_lps = [e[t].logprob for e, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])]
+    out_lps = [e[t].logprob for e, t in zip(want.logprobs, want.token_ids)]
+
+    def run(max_tokens: int):
+        r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0, echo=True,
+                                      logprobs=1, stream=stream)
+        if not stream:
+            return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.choices[0].logprobs.tokens
+        text, lps, toks = "", [], []
+        for c in r:
+            if c.choices:
+                text += c.choices[0].text
+                if c.choices[0].logprobs:
+                    lps += c.choices[0].logprobs.token_logprobs
+                    toks += c.choices[0].logprobs.tokens
+        return text, lps, toks
+
+    text, lps, toks = run(3)
+    assert text == PROMPTS[0] + want.text and lps[0] is None and len(toks) == len(lps)
+    assert lps[1:] == pytest.approx(prompt_lps + out_lps, abs=1e-5)
+    assert "".join(toks) == engine.detokenize(want.prompt_token_ids + want.token_ids)
+    text, lps, _ = run(0)
+    assert text == PROMPTS[0] and lps[0] is None and lps[1:] == pytest.approx(prompt_lps, abs=1e-5)
+    assert _idle_and_free(server[1])

@@ -81,6 +81,22 @@ def test_dp2_streams_equal_one_replica_and_free_every_block(dp_server, target_di
     assert executor.run_on_replicas(SpecEngine.all_blocks_free) == [True, True]
 
 
+def test_dp2_log_probabilities_equal_one_engine(dp_server, target_dir, tiny_draft):
+    """Streamed through a replica process (whose outputs after the first come as deltas): echo with logprobs gives
+    the prompt's and the output's log-probabilities of one engine alone, once each."""
+    url, _ = dp_server
+    engine = SpecEngine(tiny_draft, str(target_dir), CONFIG)
+    want = engine.generate(PROMPTS[2], SamplingParams(max_new_tokens=12, logprobs=2, prompt_logprobs=2))[0]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    lps = []
+    for c in client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0, echo=True,
+                                       logprobs=2, stream=True):
+        lps += c.choices[0].logprobs.token_logprobs if c.choices and c.choices[0].logprobs else []
+    entries = [*want.prompt_logprobs[1:], *want.logprobs]
+    chosen = [*want.prompt_token_ids[1:], *want.token_ids]
+    assert lps[0] is None and lps[1:] == pytest.approx([e[t].logprob for e, t in zip(entries, chosen)], abs=1e-5)
+
+
 def test_dp2_replicas_of_tp2_groups_equal_one_engine(target_dir, tiny_dirs, tiny_draft):
     """Two replicas, each a tensor-parallel group of 2 ranks (gloo; rank 0 of each talks to the server and sends
     its operations to rank 1): every stream, greedy and seeded sampled, equals the same request alone in one

@@ -107,6 +107,10 @@ BAD = [
     ("chat", json.dumps(_chat(top_logprobs=False)), 400, "top_logprobs", "integer"),
     ("chat", json.dumps(_chat(logprobs=1)), 400, "logprobs", "boolean"),
     ("chat", json.dumps(_chat(top_logprobs=3)), 400, "top_logprobs", "'logprobs': true"),
+    ("completions", json.dumps(_completion(echo=1)), 400, "echo", "boolean"),
+    ("completions", json.dumps(_completion(echo=False, max_tokens=0)), 400, "max_tokens", "max_tokens"),
+    ("chat", json.dumps(_chat(echo=True)), 400, "echo", "unknown field"),
+    ("completions", json.dumps(_completion(prompt_logprobs=2)), 400, "prompt_logprobs", "unknown field"),
     ("completions", json.dumps(_completion(stream_options=[])), 400, "stream_options", "object"),  # was ignored
     ("chat", json.dumps(_chat(stream_options={"include_usage": True})), 400, "stream_options", "'stream': true"),
     # usage in every chunk (vLLM's) was dropped silently, and any value taken

@@ -67,8 +67,8 @@ def test_sampling_params_normalises_integral_types():
 
 @pytest.mark.parametrize("kwargs,message", [
     ({"best_of": 2}, "SamplingParams has no field 'best_of' (vLLM's): there is no best-of or beam search"),
-    ({"prompt_logprobs": 1}, "SamplingParams has no field 'prompt_logprobs' (vLLM's): outputs carry the output "
-                             "tokens' log-probabilities (logprobs), not the prompt's"),
+    ({"logits_processors": [print]}, "SamplingParams has no field 'logits_processors' (vLLM's): no logits "
+                                     "processors besides the penalties"),
     ({"temprature": 0.5}, "SamplingParams has no field 'temprature' (did you mean temperature?)"),
     ({"max_token": 3}, "SamplingParams has no field 'max_token' (did you mean max_tokens or max_new_tokens?)"),
     ({"xyz": 1}, "SamplingParams has no field 'xyz' (fields: allowed_token_ids, bad_words, fit_max_new_tokens,"),

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from specdec.engine import SpecEngine
-from specdec.outputs import AcceptanceStats, RequestOutput, request_output
+from specdec.outputs import AcceptanceStats, RequestOutput, logprob_fields, request_output
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler.request import Request
 from specdec.serving.request_streams import Channel, RequestStreams
@@ -270,7 +270,8 @@ class Executor(RequestStreams):
             channel.put(RequestOutput(rid, [], [], "", "error", AcceptanceStats(), error=err))
             return
         live = self._live[rid] = _Live(req, channel)
-        if not channel.put(RequestOutput(rid, list(req.prompt_ids), [], "", None, req.stats)):
+        if not channel.put(RequestOutput(rid, list(req.prompt_ids), [], "", None, req.stats,
+                                         **logprob_fields(req, 0))):
             self._end(live, "abort")
 
     def _cancel(self, rid: str) -> None:
@@ -286,7 +287,7 @@ class Executor(RequestStreams):
         req.finish_reason = reason
         self._live.pop(req.request_id, None)
         out = RequestOutput(req.request_id, list(req.prompt_ids), list(req.output_ids), req.text, reason,
-                            req.stats, error=error)
+                            req.stats, error=error, **logprob_fields(req, req.num_output))
         live.channel.put(out)
 
     def _abort(self, req: Request) -> None:

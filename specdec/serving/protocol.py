@@ -1,7 +1,7 @@
 """OpenAI request bodies -> (prompts, SamplingParams), and engine outputs -> OpenAI response bodies.
 
 Validation is strict: a field of the wrong type or out of range, an unknown field, or a feature this
-engine does not have (tools, echo) is a ``BadRequest`` naming the field. The sampling fields (n, min_p, the
+engine does not have (tools, best_of) is a ``BadRequest`` naming the field. The sampling fields (n, min_p, the
 repetition, presence and frequency penalties, logit_bias, vLLM's min_tokens, allowed_token_ids and bad_words
 included) are checked by ``SamplingParams`` itself.
 """
@@ -9,7 +9,7 @@ included) are checked by ``SamplingParams`` itself.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from specdec.errors import FieldError
@@ -31,8 +31,7 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "igno
                     "logit_bias", "bad_words")  # -> SamplingParams
 _COMMON = {"model", "stop", "stream", "stream_options", "user", *_SAMPLING_FIELDS}
 # accepted only at the value that means "off": these features do not exist here
-_OFF_VALUES = {"best_of": (None, 1), "echo": (None, False),
-               "suffix": (None,), "tools": (None,), "tool_choice": (None, "none"),
+_OFF_VALUES = {"best_of": (None, 1), "suffix": (None,), "tools": (None,), "tool_choice": (None, "none"),
                "response_format": (None,), "parallel_tool_calls": (None,)}
 MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never interpreted)
 # prompts of one /v1/completions body: each runs as n requests of its own, so a cap keeps one body from queueing an
@@ -40,7 +39,8 @@ MAX_USER_CHARS = 256  # the end-user id a client may send (kept for logs, never 
 MAX_PROMPTS = 256
 # choices of one body (prompts x n): the requests it queues at most, whatever the mix of the two
 MAX_CHOICES = 1024
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}  # logprobs: how many top tokens' (an int, OpenAI's legacy form)
+COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo"}  # logprobs: how many top tokens' (an int: OpenAI's
+# legacy form); echo: the prompt before each choice's text (and its tokens before the output's in logprobs)
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}  # logprobs: a bool
 # /tokenize and /detokenize (vLLM's, outside /v1); the flags only at what a request runs with (True)
 TOKENIZE_FLAGS = ("add_special_tokens", "add_generation_prompt")
@@ -62,6 +62,8 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     max_tokens_field: str = "max_tokens"  # the field that set params.max_new_tokens (named in its errors)
+    echo: bool = False  # completions: the prompt comes before each choice's text (and in its logprobs)
+    score_only: bool = False  # echo with max_tokens 0: the prompt scored, no output (one token is run, not sent)
 
 
 def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> ParsedRequest:
@@ -71,11 +73,20 @@ def parse_completion(body: Any, model: str, default_max_tokens: int = 16) -> Par
     if "prompt" not in body:
         raise BadRequest("prompt", "field 'prompt' is required")
     prompts, fields = _completion_prompts(body["prompt"])
-    params = _params(body, default_max_tokens, logprobs=_integer(body, "logprobs", None, 0, MAX_LOGPROBS))
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise BadRequest("echo", f"field 'echo' must be a boolean, got {_short(echo)}")
+    score_only = echo and _is_int(body.get("max_tokens")) and body["max_tokens"] == 0
+    if score_only:  # (OpenAI's way to score a prompt: its log-probabilities, no output)
+        body = {**body, "max_tokens": 1}
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    params = _params(body, default_max_tokens, logprobs=logprobs)
+    if echo and logprobs is not None:
+        params = replace(params, prompt_logprobs=logprobs)
     if len(prompts) * params.n > MAX_CHOICES:
         raise BadRequest("n", f"{len(prompts)} prompts x n={params.n} are {len(prompts) * params.n} choices; a "
                               f"request holds at most {MAX_CHOICES} (send fewer prompts or samples a request)")
-    return ParsedRequest(prompts, fields, params, *_stream_flags(body))
+    return ParsedRequest(prompts, fields, params, *_stream_flags(body), echo=echo, score_only=score_only)
 
 
 def parse_chat(body: Any, model: str, default_max_tokens: int = 256) -> ParsedRequest:
@@ -330,20 +341,34 @@ def usage(outs: list[RequestOutput]) -> dict:
             "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
 
 
-def completion_body(rid: str, model: str, outs: list[RequestOutput], chat: bool, top: int = 0) -> dict:
+@dataclass(frozen=True)
+class Echo:
+    """A completion prompt echoed before its choices (``echo``): its text, its first token's text (the first token
+    has no log-probability), and whether the output is left out (``score_only``)."""
+
+    text: str
+    first_token: str
+    score_only: bool = False
+
+
+def completion_body(rid: str, model: str, outs: list[RequestOutput], chat: bool, top: int = 0,
+                    echoes: list[Echo] | None = None) -> dict:
     """The non-streaming response for finished requests: one choice per sample of each prompt (``outs[i]``: prompt
     i's output, its samples in ``outputs``), in that order; choice ``index`` is i * n + sample (vLLM's). ``top``:
-    the most probable tokens each token's log-probabilities list (when the request asked for them)."""
+    the most probable tokens each token's log-probabilities list (when the request asked for them); ``echoes[i]``:
+    prompt i echoed before its choices' text and log-probabilities."""
     choices = []
     for i, out in enumerate(outs):
         for c in out.outputs:
             index = i * len(out.outputs) + c.index
-            lps = logprobs_body(c.logprobs, top, chat)
             if chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lps, "finish_reason": c.finish_reason})
-            else:
-                choices.append({"index": index, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason})
+                                "logprobs": logprobs_body(c.logprobs, top, chat), "finish_reason": c.finish_reason})
+                continue
+            text, lps = c.text, logprobs_body(c.logprobs, top, chat)
+            if echoes is not None:
+                text, lps = echoed(echoes[i], out.prompt_logprobs, c.text, c.logprobs, top)
+            choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": usage(outs)}
 
@@ -352,8 +377,9 @@ def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None
                role: bool = False, index: int = 0, logprobs: list[dict[int, Logprob]] | None = None, top: int = 0,
                offset: int = 0) -> dict:
     """One server-sent event of a streaming response, for choice ``index``; ``logprobs``: its new tokens' (their
-    text starting ``offset`` characters into the choice's, for a completion's ``text_offset``)."""
-    lps = logprobs_body(logprobs, top, chat, offset)
+    text starting ``offset`` characters into the choice's, for a completion's ``text_offset``), or a completion's
+    log-probabilities already in their shape (``echoed``)."""
+    lps = logprobs if isinstance(logprobs, dict) else logprobs_body(logprobs, top, chat, offset)
     if chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": finish_reason}
@@ -399,3 +425,16 @@ def _token_logprob(lp: Logprob) -> dict:
 def _finite(lp: Logprob) -> float:
     """A log-probability JSON can carry: OpenAI's -9999.0 for an impossible token (-inf)."""
     return max(lp.logprob, -9999.0)
+
+
+def echoed(echo: Echo, prompt_entries, text: str, entries, top: int) -> tuple[str, dict | None]:
+    """A completion choice's text and legacy log-probabilities with its prompt first (``echo``): the prompt's
+    tokens (the first with no log-probability, as OpenAI's), then the output's, unless ``echo.score_only``."""
+    if echo.score_only:
+        text, entries = "", None if entries is None else []
+    if entries is None:
+        return echo.text + text, None
+    body = logprobs_body([*(prompt_entries or [None])[1:], *entries], top, False, len(echo.first_token))
+    return echo.text + text, {"tokens": [echo.first_token, *body["tokens"]],
+                              "token_logprobs": [None, *body["token_logprobs"]],
+                              "top_logprobs": [None, *body["top_logprobs"]], "text_offset": [0, *body["text_offset"]]}

@@ -371,7 +371,8 @@ def _send_output(outbox, sent: dict, rid: str, out: RequestOutput) -> bool:
         sent[rid] = n + 1
         if n:
             out = replace(out, prompt_token_ids=[], token_ids=[], text="",
-                          logprobs=None if out.logprobs is None else [])
+                          logprobs=None if out.logprobs is None else [])  # (prompt_logprobs whole: they are
+            # filled by the prefill, after the first output was sent)
     outbox.put(("out", rid, out))
     return True
 

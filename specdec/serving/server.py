@@ -166,8 +166,9 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
             return _error(_refusal(acks[refused].error, parsed.prompt_fields[refused // n], parsed.max_tokens_field))
         timing = _Timing(metrics, arrival)
         if parsed.stream:
+            echoes = await _echoes(executor, parsed, ids)
             return StreamingResponse(_events(rid, samples, n, chat, parsed.include_usage, timing,
-                                             parsed.params.logprobs or 0),
+                                             parsed.params.logprobs or 0, echoes),
                                      media_type="text/event-stream")
         try:
             finals = await _until(request, asyncio.gather(*[_final(s, timing, a) for s, a in zip(samples, acks)]))
@@ -180,13 +181,16 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         failed = next((f for f in finals if f.finish_reason == "error"), None)
         if failed is not None:
             return _error(protocol.BadRequest(None, str(failed.error), 500))
-        return JSONResponse(protocol.completion_body(rid, model_name, outs, chat, parsed.params.logprobs or 0))
+        return JSONResponse(protocol.completion_body(rid, model_name, outs, chat, parsed.params.logprobs or 0,
+                                                     await _echoes(executor, parsed, ids)))
 
     async def _events(rid: str, samples: list, n: int, chat: bool, include_usage: bool,
-                      timing: _Timing, top: int) -> AsyncIterator[str]:
+                      timing: _Timing, top: int, echoes: list[protocol.Echo] | None) -> AsyncIterator[str]:
         """The event stream of the samples' outputs (choice k: ``samples[k]``, prompt k // n's sample k % n), in
         the order they come, with their new tokens' log-probabilities when asked for (``top``: how many of the most
-        probable); the usage event and [DONE] once every sample has finished."""
+        probable) and, with ``echoes``, each choice's prompt first (in its first event, once its prompt's
+        log-probabilities are known); the usage event and [DONE] once every sample has finished."""
+        before: dict[int, int] = {}  # choice -> characters of its echoed prompt tokens (its text_offset's start)
         finals: dict[int, RequestOutput] = {}
         merged = _merged(samples)
         try:
@@ -200,8 +204,19 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
                 if out.new_text or out.finished or out.new_logprobs:
-                    yield _sse(protocol.chunk_body(rid, model_name, out.new_text, out.finish_reason, chat, index=k,
-                                                   logprobs=out.new_logprobs, top=top, offset=_offset(out)))
+                    text, lps, offset = out.new_text, out.new_logprobs, _offset(out)
+                    if echoes is not None:
+                        echo = echoes[k // n]
+                        if k not in before:  # the prompt first
+                            text, lps = protocol.echoed(echo, out.prompt_logprobs, text, lps, top)
+                            before[k] = len(echo.first_token) + sum(_chosen_chars(e) for e in
+                                                                    (out.prompt_logprobs or [None])[1:])
+                        elif echo.score_only:
+                            text, lps = "", None if lps is None else []
+                        else:
+                            offset += before[k]
+                    yield _sse(protocol.chunk_body(rid, model_name, text, out.finish_reason, chat, index=k,
+                                                   logprobs=lps, top=top, offset=offset))
                 if out.finished:
                     finals[k] = out
                 if len(finals) == len(samples):
@@ -412,5 +427,22 @@ def _offset(out: RequestOutput) -> int:
     earlier tokens' own texts); 0 without log-probabilities."""
     if not out.new_logprobs:
         return 0
-    done = out.logprobs[:len(out.logprobs) - len(out.new_logprobs)]
-    return sum(len(next(iter(e.values())).decoded_token or "") for e in done)
+    return sum(_chosen_chars(e) for e in out.logprobs[:len(out.logprobs) - len(out.new_logprobs)])
+
+
+def _chosen_chars(entry: dict) -> int:
+    """The length of the text of a log-probabilities entry's own token (its first)."""
+    return len(next(iter(entry.values())).decoded_token or "")
+
+
+async def _echoes(executor, parsed: protocol.ParsedRequest, ids: list[list[int]]) -> list[protocol.Echo] | None:
+    """Each completion prompt's ``Echo`` when the request asks for it: its text (as sent, or its ids' text) and its
+    first token's text, decoded off the event loop."""
+    if not parsed.echo:
+        return None
+
+    def one(prompt, prompt_ids: list[int]) -> protocol.Echo:
+        text = prompt if isinstance(prompt, str) else executor.detokenize(prompt_ids)
+        return protocol.Echo(text, executor.detokenize(prompt_ids[:1]), parsed.score_only)
+
+    return await asyncio.to_thread(lambda: [one(p, i) for p, i in zip(parsed.prompts, ids)])

@@ -1,0 +1,81 @@
+"""Log-probabilities under the target's raw distribution: of the committed tokens (``SamplingParams.logprobs``),
+read from a verify's logits after its acceptance, and of the prompt tokens (``SamplingParams.prompt_logprobs``),
+read from the prefill's logits. Each token's entry is ``{token: (log-probability, rank)}``, the token itself first
+(rank 1 = the most probable), then the k most probable tokens; ``StopChecker`` turns them into ``Logprob``s."""
+
+from __future__ import annotations
+
+import torch
+
+Entry = dict[int, tuple[float, int]]
+
+
+@torch.inference_mode()
+def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
+    """One entry per row of ``rows`` ((M, V) raw logits): token ``chosen[j]``'s log-probability and rank, then the
+    ``ks[j]`` most probable tokens'; one log-softmax over all rows and one read."""
+    lp = torch.log_softmax(rows.float(), -1)  # (M, V)
+    ids = torch.tensor(chosen, dtype=torch.long, device=lp.device)
+    own = lp.gather(1, ids[:, None])[:, 0]  # (M,)
+    ranks = (lp > own[:, None]).sum(1) + 1  # (M,)
+    k = max(ks)
+    top_lp, top_ids = lp.topk(k, -1) if k else (lp[:, :0], ids[:, None][:, :0])  # (M, k)
+    own_h, rank_h, top_lp_h, top_ids_h = (t.tolist() for t in (own, ranks, top_lp, top_ids))
+    entries = []
+    for j, want in enumerate(ks):
+        entry = {chosen[j]: (own_h[j], rank_h[j])}
+        for r, (t, v) in enumerate(zip(top_ids_h[j][:want], top_lp_h[j][:want])):
+            entry.setdefault(t, (v, r + 1))
+        entries.append(entry)
+    return entries
+
+
+def with_logprobs(rows: list, logits, results: list) -> list:
+    """``results`` (``VerifyResult``s) with the log-probabilities of the rows that ask for them: each committed
+    token's at the verify query it was chosen at (the root for the first, then each accepted node's). ``logits``:
+    the verify's per-row logits (queries in verify order), read before any later forward overwrites them
+    (``Request.reads_logits`` keeps a queued step from doing so)."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not asking:
+        return results
+    picked, chosen, ks = [], [], []
+    for i in asking:
+        res = results[i]
+        queries = torch.tensor([0, *(n + 1 for n in res.accepted_nodes)], dtype=torch.long)
+        picked.append(logits[i].index_select(0, queries.to(logits[i].device)))  # (m + 1, V)
+        chosen += [*res.accepted_tokens, res.bonus_token]
+        ks += [rows[i].params.logprobs] * len(queries)
+    entries = ranked(torch.cat(picked), chosen, ks)
+    out, at = list(results), 0
+    for i in asking:
+        n = len(results[i].accepted_tokens) + 1
+        out[i] = results[i]._replace(logprobs=entries[at:at + n])
+        at += n
+    return out
+
+
+def wants_prompt_logprobs(req, start: int) -> bool:
+    """Whether a prefill chunk of ``req`` from position ``start`` predicts prompt tokens whose log-probabilities it
+    asks for (``SamplingParams.prompt_logprobs``): the logits at position p give token p + 1's."""
+    return req.params.prompt_logprobs is not None and start < req.num_prompt - 1
+
+
+def prompt_logprobs(chunks: list, logits, stopper) -> None:
+    """Fill ``req.prompt_logprobs`` of the prefill ``chunks`` that ask for them (``wants_prompt_logprobs``) from
+    their forward's per-row ``logits`` ((end - start, V) each): position p's logits give prompt token p + 1's entry
+    (entry 0, the first token's, stays None, as vLLM's). A chunk recomputed after a preemption overwrites nothing
+    new: the same positions, the same values."""
+    picked, chosen, ks, where = [], [], [], []
+    for i, c in enumerate(chunks):
+        req = c.req
+        if not wants_prompt_logprobs(req, c.start):
+            continue
+        last = min(c.end, req.num_prompt - 1)  # positions start..last-1 predict prompt tokens start+1..last
+        picked.append(logits[i][:last - c.start])
+        chosen += req.tokens[c.start + 1:last + 1]
+        ks += [req.params.prompt_logprobs] * (last - c.start)
+        where += [(req, p) for p in range(c.start + 1, last + 1)]
+    if not picked:
+        return
+    for (req, p), entry in zip(where, ranked(torch.cat(picked), chosen, ks)):
+        req.prompt_logprobs[p] = stopper.logprob_entry(entry)
