@@ -94,11 +94,11 @@ class StopChecker:
             text = stable + tail
             # only text that can hold a stop string not seen before: the earlier text was searched already (or came
             # before min_tokens, where stop strings do not end a request: one that ends past it still does)
-            cut = None if req.num_output < p.min_tokens else _first_stop(
+            hit = None if req.num_output < p.min_tokens else _first_stop(
                 text, p.stop, max(0, req.stop_scan - max(map(len, p.stop)) + 1))
             req.stop_scan = len(stable)
-            if cut is not None:
-                req.text, req.stop_cut = text[:cut], True
+            if hit is not None:  # (cut before the stop string, or after it with include_stop_str_in_output)
+                req.text, req.stop_cut = text[:hit[1] if p.include_stop_str_in_output else hit[0]], True
                 return "stop"
         if req.num_output >= p.max_new_tokens:
             return "length"
@@ -138,10 +138,11 @@ class StopChecker:
         req.text = self.decode(req.output_ids)
 
 
-def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> int | None:
-    """Where the first stop string found in ``text[start:]`` begins, or None."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, int] | None:
+    """Where the first stop string found in ``text[start:]`` begins and ends (of those that begin there, the first
+    given), or None."""
+    hits = [(i, i + len(s)) for i, s in ((text.find(s, start), s) for s in stops) if i >= 0]
+    return min(hits, key=lambda h: h[0]) if hits else None
 
 
 def _plain_backend(tokenizer):

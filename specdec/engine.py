@@ -195,9 +195,18 @@ class SpecEngine:
             except Exception as err:  # noqa: BLE001 - third-party tokenizers raise anything
                 raise FieldError("SamplingParams", "bad_words", f"could not be tokenised ({type(err).__name__}: "
                                  f"{err})", params.bad_words) from err
-        ids = to_prompt_ids(prompt, self.target.tokenizer)
+        ids = self._truncated(to_prompt_ids(prompt, self.target.tokenizer), params.truncate_prompt_tokens)
         self._validate(ids, params)
         return ids
+
+    def _truncated(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last ``keep`` tokens (``SamplingParams.truncate_prompt_tokens``; -1: the longest prompt that
+        leaves room for one output token), or all of them."""
+        if keep is None:
+            return ids
+        if keep == -1:
+            keep = self.target.config.max_position_embeddings - 1 - self.drafter.lookahead
+        return ids[-keep:] if len(ids) > keep else ids
 
     def detokenize(self, ids: list[int]) -> str:
         """The text of token ids ``ids`` as the target's tokenizer decodes them, special tokens kept (a chat's

@@ -71,7 +71,10 @@ class SamplingParams:
     distribution (its logits before temperature, filters and processors: vLLM's default ``raw_logprobs``) with its
     rank, and the ``logprobs`` most probable tokens' (0: the chosen token's alone; at most ``MAX_LOGPROBS``).
     ``prompt_logprobs`` (vLLM's) does the same for each prompt token after the first (the first's entry is None); such
-    a request computes its whole prompt (no prefix-cache hit serves it).
+    a request computes its whole prompt (no prefix-cache hit serves it). ``include_stop_str_in_output`` (vLLM's) keeps
+    the stop string that ended the output at its end (by default the text is cut before it).
+    ``truncate_prompt_tokens`` (vLLM's; None = off) keeps only the prompt's last k tokens (-1: as many as leave room
+    for one output token).
     """
 
     temperature: float = 0.0
@@ -94,6 +97,8 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -114,7 +119,14 @@ class SamplingParams:
         set_(self, "stop", _strings(self.stop, "stop", MAX_STOPS))
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         set_(self, "_stop_id_set", frozenset(self.stop_token_ids))  # (not a field: equality and repr ignore it)
-        _check(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool", self.ignore_eos)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
+        if self.truncate_prompt_tokens is not None:
+            set_(self, "truncate_prompt_tokens", _integer(
+                self.truncate_prompt_tokens, "truncate_prompt_tokens", "must be None, an int >= 1 (keep the prompt's "
+                "last k tokens) or -1 (as many as leave room for output)", -1, None))
+            _check(self.truncate_prompt_tokens != 0, "truncate_prompt_tokens", "must be None, an int >= 1 or -1",
+                   self.truncate_prompt_tokens)
         _check(isinstance(self.fit_max_new_tokens, bool), "fit_max_new_tokens", "must be a bool",
                self.fit_max_new_tokens)
         set_(self, "min_p", _real(self.min_p, "min_p", "must be a number in [0, 1] (0 = off)", lambda p: 0 <= p <= 1))
@@ -188,13 +200,11 @@ _UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the co
 VLLM_LACKING = {
     "best_of": "there is no best-of or beam search (n samples are n independent requests)",
     "use_beam_search": "there is no beam search", "length_penalty": "there is no beam search",
-    "include_stop_str_in_output": "a stop string is cut from the output, with what follows it",
     "skip_special_tokens": "output text always skips special tokens",
     "spaces_between_special_tokens": "output text always skips special tokens",
     "logits_processors": "no logits processors besides the penalties, logit_bias, allowed_token_ids, bad_words, "
                          "min_tokens, top_k, top_p and min_p",
     "guided_decoding": "no structured (guided) output", "structured_outputs": "no structured (guided) output",
-    "truncate_prompt_tokens": "prompts are not truncated: one longer than the model's context is refused",
     "detokenize": "outputs always carry their text", "output_kind": "outputs always carry their text",
 }
 
