@@ -10,10 +10,20 @@ import torch
 Entry = dict[int, tuple[float, int]]
 
 
-@torch.inference_mode()
+SLICE_ROWS = 1024  # rows of logits made float32 and log-softmaxed at once (a long prompt's chunk: bounded memory)
+
+
 def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
     """One entry per row of ``rows`` ((M, V) raw logits): token ``chosen[j]``'s log-probability and rank, then the
-    ``ks[j]`` most probable tokens'; one log-softmax over all rows and one read."""
+    ``ks[j]`` most probable tokens'; ``SLICE_ROWS`` rows at a time, one read each."""
+    entries = []
+    for s in range(0, rows.shape[0], SLICE_ROWS):
+        entries += _ranked(rows[s:s + SLICE_ROWS], chosen[s:s + SLICE_ROWS], ks[s:s + SLICE_ROWS])
+    return entries
+
+
+@torch.inference_mode()
+def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
     lp = torch.log_softmax(rows.float(), -1)  # (M, V)
     ids = torch.tensor(chosen, dtype=torch.long, device=lp.device)
     own = lp.gather(1, ids[:, None])[:, 0]  # (M,)

@@ -192,3 +192,21 @@ def test_prompt_logprobs_equal_the_full_models(tiny_target, tiny_draft, hf, opti
     eng.generate([PROMPTS[2]], plain)
     assert cache.stats.hit_tokens > before  # (the prompt_logprobs requests computed and cached it)
     assert eng.all_blocks_free()
+
+
+def test_ranked_in_slices_equals_one_pass(monkeypatch):
+    """``logprobs.ranked`` over slices of rows (a long prompt's chunk) gives what one pass gives: each chosen
+    token's log-softmax value and rank (1 + the tokens strictly more probable), then the top k."""
+    from specdec import logprobs
+
+    x = torch.randn(10, 50, generator=torch.Generator().manual_seed(0))
+    chosen, ks = [int(t) for t in torch.randint(0, 50, (10,), generator=torch.Generator().manual_seed(1))], [3] * 10
+    whole = logprobs.ranked(x, chosen, ks)
+    monkeypatch.setattr(logprobs, "SLICE_ROWS", 3)
+    assert logprobs.ranked(x, chosen, ks) == whole
+    lp = torch.log_softmax(x, -1)
+    for j, entry in enumerate(whole):
+        value, rank = entry[chosen[j]]
+        assert value == pytest.approx(lp[j, chosen[j]].item(), abs=1e-6)
+        assert rank == int((lp[j] > lp[j, chosen[j]]).sum()) + 1
+        assert set(entry) - {chosen[j]} <= set(lp[j].topk(3).indices.tolist())
