@@ -246,17 +246,17 @@ case "$stage" in
     ;;
   tests)  # (.whl, the model assembled, or .stage3/p_02 with piece 02) the GPU tests of the step: graphs, EAGLE, the
           # sampled rule and its kernels (token choice, top-k/top-p filter), fused and pipelined steps at every
-          # budget, n-gram on the device, the warm-up
+          # budget, n-gram on the device, the warm-up (GPU_K: the -k filter, "gpu or cuda" unless set; "" runs all)
     [ -s "$MODEL" ] || assemble
     install
     # shellcheck disable=SC2086 # (TEST_FILES: a space-separated subset of the files)
-    GPU_K="gpu or cuda" gpu_tests "${TESTS_LIMIT:-400}" ${TEST_FILES:-tests/test_step_graphs.py tests/test_eagle.py \
+    GPU_K="${GPU_K-gpu or cuda}" gpu_tests "${TESTS_LIMIT:-400}" ${TEST_FILES:-tests/test_step_graphs.py tests/test_eagle.py \
       tests/test_sampled_rule.py tests/test_fused_step.py tests/test_lookahead.py tests/test_ngram_device.py \
       tests/test_warm_up.py tests/test_pipelined_budgets.py tests/test_kernels_gumbel_choice.py \
       tests/test_kernels_nucleus.py tests/test_kernels_topk.py tests/test_kernels_advance.py \
       tests/test_kernels_kv_movement.py tests/test_eagle_budget_levels.py tests/test_mixed_batch_identity.py \
       tests/test_eagle_features.py tests/test_pipeline_churn.py tests/test_kernels_kl_rows.py tests/test_kernels_tree_write.py \
-      tests/test_tensor_parallel_gpu.py tests/test_serving_data_parallel.py}
+      tests/test_tensor_parallel_gpu.py tests/test_serving_data_parallel.py tests/test_logprobs.py}
     pack
     ;;
   plan)  # plan NAME TEMPERATURE (.whl .gpu, the model assembled or .stage3/p_02): ENGINES (default plan) cold and
