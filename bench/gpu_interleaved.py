@@ -4,7 +4,7 @@
     python -P bench/gpu_interleaved.py --prompts PROMPTS                     (CPU: write the prompt file)
 
 A machine's speed drifts over a minute, so engines timed back to back bias their ratios. Here the engines of
-one set (``ENGINES``, a key of ``ENGINE_SETS``; default ``ngram``) are built first for each batch size and
+one set (``ENGINES``, a key of ``ENGINE_SETS``; default ``plan``) are built first for each batch size and
 schedule, then timed in rounds, one run of each per round in rotating order; an engine's speed-up is the
 median over rounds of that round's ratio to target-only. Schedules: waves of ``batch`` prompts (the
 ``specdec bench`` method) and continuous batching (all prompts submitted, ``batch`` rows; not at batch 1).
@@ -58,49 +58,6 @@ ENGINE_SETS = {
     "trees": {"target_only": {"draft": None},
               "eagle": {"draft": "eagle", "tree": "dynamic:31"},
               "eagle63": {"draft": "eagle", "tree": "dynamic:63"}},
-    # the CUDA defaults (an admission group prefilled ahead of the rows it will take) against the same engines
-    # admitting only into free rows (admit_ahead=0)
-    "plan_ahead": {"target_only": {"draft": None},
-                   "target_only_noahead": {"draft": None, "admit_ahead": 0},
-                   "eagle": {"draft": "eagle", "tree": "dynamic:31"},
-                   "eagle_noahead": {"draft": "eagle", "tree": "dynamic:31", "admit_ahead": 0},
-                   "ngram": {"draft": "ngram"},
-                   "ngram_noahead": {"draft": "ngram", "admit_ahead": 0}},
-    # admission groups (each prefilled ahead of the rows it will take) of an eighth of the batch (the CUDA default),
-    # a quarter ("admit_share": 4) and a half (2); n-gram in halves also with a plain margin of 5% (its budget epochs'
-    # ``EpochConfig.plain_margin``, 15% by default: what rows ending at different steps were measured to cost)
-    "plan_groups": {"target_only": {"draft": None},
-                    "target_only_q": {"draft": None, "admit_share": 4},
-                    "target_only_h": {"draft": None, "admit_share": 2},
-                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
-                    "eagle_q": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 4},
-                    "eagle_h": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 2},
-                    "ngram": {"draft": "ngram"},
-                    "ngram_q": {"draft": "ngram", "admit_share": 4},
-                    "ngram_h": {"draft": "ngram", "admit_share": 2},
-                    "ngram_h5": {"draft": "ngram", "admit_share": 2, "epoch": {"plain_margin": 0.05}}},
-    # the defaults (admission groups of an eighth of the batch and at least 8 rows from 16 on: ``plan.admit_group``)
-    # against groups of an eighth ("_e", the default before; the same at batch 64)
-    # n-gram watched at plain decoding (``EpochBudget.watch``: probes only where its free chains say they may pay)
-    # against the same without watching ("blind"), where the probes ran in turn
-    "ngram_watch": {"target_only": {"draft": None},
-                    "target_only_e": {"draft": None, "admit_share": 8},
-                    "ngram": {"draft": "ngram"},
-                    "ngram_blind": {"draft": "ngram", "blind": True},
-                    "eagle": {"draft": "eagle", "tree": "dynamic:31"}},
-    # n-gram held at plain decoding probes the budget its free chains say would be chosen after one epoch
-    # (``EpochConfig.shadow_wait``) against waiting for its turn ("_wait", the watch before), greedy where text turns
-    # to what chains predict, and sampled where their counts should keep it from probing
-    "ngram_eager": {"target_only": {"draft": None},
-                    "ngram": {"draft": "ngram"},
-                    "ngram_wait": {"draft": "ngram", "epoch": {"shadow_wait": 1 << 30}},
-                    "ngram_blind": {"draft": "ngram", "blind": True}},
-    "plan_group8": {"target_only": {"draft": None},
-                    "target_only_e": {"draft": None, "admit_share": 8},
-                    "eagle": {"draft": "eagle", "tree": "dynamic:31"},
-                    "eagle_e": {"draft": "eagle", "tree": "dynamic:31", "admit_share": 8},
-                    "ngram": {"draft": "ngram"},
-                    "ngram_e": {"draft": "ngram", "admit_share": 8}},
     # n-gram's budget controller as it is, with no probe once a bucket's first search has chosen ("no_probes":
     # what the probes' rows, ending at different steps, cost a batch held at plain decoding), and held at plain
     # decoding from its first step, no search and no probe ("plain_only": what an n-gram engine's plain steps cost
@@ -109,12 +66,6 @@ ENGINE_SETS = {
                      "ngram": {"draft": "ngram"},
                      "ngram_noprobes": {"draft": "ngram", "no_probes": True},
                      "ngram_plain": {"draft": "ngram", "plain_only": True}},
-    # the same with the shipped draft at a fixed budget (sampled steps pipelined too, no controller)
-    "plan_fixed": {"target_only": {"draft": None},
-                   "eagle": {"draft": "eagle", "tree": "dynamic:31"},
-                   "eagle_fixed": {"draft": "eagle", "tree": "dynamic:31", "adaptive": False},
-                   "eagle_fixed15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
-                   "ngram": {"draft": "ngram"}},
     # the CUDA defaults against each proposer held at one budget (a tree of that many nodes, no controller): what
     # each budget gives a user, the figure the controller's choice is judged by
     "plan_budgets": {"target_only": {"draft": None},
@@ -124,10 +75,6 @@ ENGINE_SETS = {
                      "eagle_b15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
                      "ngram": {"draft": "ngram"},
                      "ngram_b1": {"draft": "ngram", "tree": "chain:1", "adaptive": False}},
-    # n-gram chain:8 with a fixed budget, with the adaptive budget, and without the table shared across requests
-    "ngram": {"target_only": {"draft": None}, "ngram_fixed": {"draft": "ngram", "adaptive": False},
-              "ngram_adaptive": {"draft": "ngram", "adaptive": True},
-              "ngram_unshared": {"draft": "ngram", "adaptive": False, "ngram_shared": False}},
     # pipelined steps (one step's host work overlapped with the next step's GPU work) against unpipelined ones
     "pipeline": {"target_only": {"draft": None},
                  "target_only_unpipelined": {"draft": None, "pipeline": False},
@@ -136,7 +83,7 @@ ENGINE_SETS = {
                  "ngram_pipelined": {"draft": "ngram", "pipeline": True},
                  "ngram_unpipelined": {"draft": "ngram", "pipeline": False}},
 }
-ENGINES = os.environ.get("ENGINES", "ngram")
+ENGINES = os.environ.get("ENGINES", "plan")
 # KV pool per engine: the default (40% of the free memory) shrinks geometrically over the engines of one process
 # and runs out with many engines; 200 x (prompt + 128 + lookahead) tokens of SmolLM2 + draft fit in 3 GiB
 KV = {"kv_memory_bytes": 3 << 30} if CUDA else {}
@@ -396,11 +343,9 @@ def main() -> None:
                 if ONLY and name not in ONLY and name != "target_only":
                     continue
                 fields = {"tree": "chain:8", **fields}
-                draft, share = fields.pop("draft"), fields.pop("admit_share", None)
+                draft = fields.pop("draft")
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
-                epoch, blind = fields.pop("epoch", {}), fields.pop("blind", False)
-                if share:
-                    fields["admit_min_free"] = max(1, b // share)
+                epoch = fields.pop("epoch", {})
                 if draft == "eagle":
                     draft = eagle = eagle or load_model("smollm2-135m-draft", dtype=target.dtype, device=DEV,
                                                         target=target)
@@ -410,7 +355,6 @@ def main() -> None:
                     epochs = dict(hold_epochs=1 << 30, max_hold_epochs=1 << 30) if no_probes else {}
                     epochs.update(epoch)
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, **epochs)
-                    eng.adaptive.shadow = None if blind else eng.adaptive.shadow
                     if plain_only:
                         eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once

@@ -101,12 +101,3 @@ def test_promised_is_the_held_budgets_rate_over_plain_decodings_in_the_runs_buck
     assert bench._promised(rates, 64) is None  # no such bucket
     assert bench._promised({"b16 sampled": {0: 733.0, 1: 739.6}}, 16) is None  # plain decoding held: no promise
     assert bench._promised({"b16 greedy": {3: None, 0: 600.0}}, 16) is None  # the held budget not measured yet
-
-
-def test_admit_share_sets_the_engines_admission_group_from_its_batch(tiny_dirs, tmp_path, monkeypatch):
-    """``plan_groups``' ``*_q`` engines admit once a quarter of their batch is free: 2 rows at batch 8 (the CPU
-    plan's own is 1, the unpipelined default)."""
-    env = {"ENGINES": "plan_groups", "ONLY": "ngram_q", "COLD": "1", "NUM_PROMPTS": "8", "REPEATS": "1",
-           "SCHEDULES": "continuous", "TEMPERATURE": "0"}
-    entry = _run(tiny_dirs, tmp_path, monkeypatch, {"mtbench": [[5, 6, 7, 8, 9]] * 8}, env, 8)["b8_continuous"]
-    assert entry["ngram_q"]["plan"]["admit_min_free"] == 2 and entry["target_only"]["plan"]["admit_min_free"] == 1
