@@ -13,16 +13,17 @@ class StopChecker:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._backend = _plain_backend(tokenizer)
-        self._one_token: dict[int, str] = {}  # decode([t]) by t: a one-token context window is decoded once
+        # decode([t]) by t, for skip_special_tokens True and False: a one-token context window is decoded once
+        self._one_token: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self._token_text: dict[int, str] = {}  # a token's own text, special tokens included (log-probabilities')
 
-    def decode(self, ids: list[int]) -> str:
-        """``tokenizer.decode(ids, skip_special_tokens=True)``; "" without a tokenizer."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """``tokenizer.decode(ids, skip_special_tokens=...)``; "" without a tokenizer."""
         if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=True)
+            return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token: int) -> str:
         """One token's own text (special tokens spelled out), as log-probabilities name tokens; "" without a
@@ -66,14 +67,15 @@ class StopChecker:
         if st[1] == num_output:
             return st[2], ""
         decode = (self.tokenizer if self._backend is None else self._backend).decode  # ``self.decode``'s call
-        start, read = base + st[0], base + st[1]
+        start, read, skip = base + st[0], base + st[1], req.params.skip_special_tokens
         if read - start == 1:  # the previous call's one new token (target-only steps, rows that accepted nothing)
-            prefix_text = self._one_token.get(ids[start])
+            one = self._one_token[skip]
+            prefix_text = one.get(ids[start])
             if prefix_text is None:
-                prefix_text = self._one_token[ids[start]] = decode(ids[start:read], skip_special_tokens=True)
+                prefix_text = one[ids[start]] = decode(ids[start:read], skip_special_tokens=skip)
         else:
-            prefix_text = decode(ids[start:read], skip_special_tokens=True)
-        new_text = decode(ids[start:], skip_special_tokens=True)
+            prefix_text = decode(ids[start:read], skip_special_tokens=skip)
+        new_text = decode(ids[start:], skip_special_tokens=skip)
         tail = new_text[len(prefix_text):]
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             st[2] += tail
@@ -135,7 +137,7 @@ class StopChecker:
         """Refresh ``req.text`` unless a stop string already fixed it."""
         if reason == "stop" and req.stop_cut:
             return
-        req.text = self.decode(req.output_ids)
+        req.text = self.decode(req.output_ids, req.params.skip_special_tokens)
 
 
 def _first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, int] | None:

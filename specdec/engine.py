@@ -386,7 +386,7 @@ class SpecEngine:
         own = [b for b in req.blocks if self.allocator.refcount(b) == 1]
         if own:
             self.pool.storage[torch.tensor(own, device=self.pool.storage.device)] = 0
-        req.text = self.stopper.decode(req.output_ids)
+        req.text = self.stopper.decode(req.output_ids, req.params.skip_special_tokens)
         self.scheduler.fail(req, err)
 
     def _fail_stuck(self) -> None:

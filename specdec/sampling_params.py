@@ -74,7 +74,8 @@ class SamplingParams:
     a request computes its whole prompt (no prefix-cache hit serves it). ``include_stop_str_in_output`` (vLLM's) keeps
     the stop string that ended the output at its end (by default the text is cut before it).
     ``truncate_prompt_tokens`` (vLLM's; None = off) keeps only the prompt's last k tokens (-1: as many as leave room
-    for one output token).
+    for one output token). ``skip_special_tokens`` (vLLM's, True by default) leaves special tokens out of the output
+    text; False spells them out (stop strings are then searched in that text).
     """
 
     temperature: float = 0.0
@@ -99,6 +100,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -119,7 +121,7 @@ class SamplingParams:
         set_(self, "stop", _strings(self.stop, "stop", MAX_STOPS))
         set_(self, "stop_token_ids", _token_ids(self.stop_token_ids))
         set_(self, "_stop_id_set", frozenset(self.stop_token_ids))  # (not a field: equality and repr ignore it)
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a bool", getattr(self, name))
         if self.truncate_prompt_tokens is not None:
             set_(self, "truncate_prompt_tokens", _integer(
@@ -200,8 +202,7 @@ _UNSET = object()  # max_tokens not given (None is a value: vLLM's "until the co
 VLLM_LACKING = {
     "best_of": "there is no best-of or beam search (n samples are n independent requests)",
     "use_beam_search": "there is no beam search", "length_penalty": "there is no beam search",
-    "skip_special_tokens": "output text always skips special tokens",
-    "spaces_between_special_tokens": "output text always skips special tokens",
+    "spaces_between_special_tokens": "special tokens are spelled as the tokenizer decodes them",
     "logits_processors": "no logits processors besides the penalties, logit_bias, allowed_token_ids, bad_words, "
                          "min_tokens, top_k, top_p and min_p",
     "guided_decoding": "no structured (guided) output", "structured_outputs": "no structured (guided) output",

@@ -1,6 +1,7 @@
 """vLLM's request options beside sampling: ``include_stop_str_in_output`` keeps the stop string that ended an output
 (streamed the same), ``truncate_prompt_tokens`` keeps a prompt's last k tokens (-1: as many as leave room for
-output); both through the Python API and the server's fields, and bad values name the field."""
+output), ``skip_special_tokens=False`` spells special tokens out in the text; all through the Python API and the
+server's fields, and bad values name the field."""
 
 from __future__ import annotations
 
@@ -56,7 +57,36 @@ def test_prompts_are_truncated_to_their_last_tokens(engine, letter_target):
     assert engine.all_blocks_free() and roomy.all_blocks_free()
 
 
+def test_special_tokens_are_spelled_out_when_asked(letter_target):
+    """With "b" (token 1) a special token of the tokenizer, an output that holds it reads without it by default and
+    with it under ``skip_special_tokens=False``, streamed or not; a stop string made of it ends only the latter."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.loading.registry import LoadedModel
+
+    inner = letter_target.tokenizer.backend_tokenizer
+    inner = type(inner).from_str(inner.to_str())  # (a copy: the session's letter tokenizer stays as it is)
+    inner.add_special_tokens([AddedToken("b", special=True)])
+    target = LoadedModel("tiny-letters-special", letter_target.model, PreTrainedTokenizerFast(tokenizer_object=inner),
+                         letter_target.config)
+    eng = SpecEngine(None, target, SpecConfig(num_blocks=64, block_size=4))
+    base = dict(max_tokens=8, ignore_eos=True, logit_bias={1: 30.0, 2: 29.0})  # "b" and "c", in turns
+    ids = eng.generate([PROMPTS[0]], SamplingParams(**base))[0].token_ids
+    assert 1 in ids and set(ids) - {1}
+    plain = "".join(target.tokenizer.decode([t]) for t in ids if t != 1)
+    spelled = "".join("b" if t == 1 else target.tokenizer.decode([t]) for t in ids)
+    assert eng.generate([PROMPTS[0]], SamplingParams(**base))[0].text == plain
+    raw = SamplingParams(**base, skip_special_tokens=False)
+    assert eng.generate([PROMPTS[0]], raw)[0].text == spelled
+    assert "".join(o.new_text for o in eng.stream([PROMPTS[0]], raw)) == spelled
+    stop_b = dict(base, stop=["b"])
+    assert eng.generate([PROMPTS[0]], SamplingParams(**stop_b))[0].finish_reason == "length"
+    assert eng.generate([PROMPTS[0]], SamplingParams(**stop_b, skip_special_tokens=False))[0].finish_reason == "stop"
+
+
 @pytest.mark.parametrize("fields,name", [(dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+                                         (dict(skip_special_tokens="no"), "skip_special_tokens"),
                                          (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
                                          (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
                                          (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens")])
@@ -68,6 +98,8 @@ def test_bad_values_name_the_field(fields, name):
     assert err.value.field == name
 
 
-def test_the_server_takes_both_fields():
-    parsed = parse_completion({"prompt": "hi", "include_stop_str_in_output": True, "truncate_prompt_tokens": 7}, "m")
+def test_the_server_takes_the_fields():
+    parsed = parse_completion({"prompt": "hi", "include_stop_str_in_output": True, "truncate_prompt_tokens": 7,
+                               "skip_special_tokens": False}, "m")
     assert parsed.params.include_stop_str_in_output and parsed.params.truncate_prompt_tokens == 7
+    assert not parsed.params.skip_special_tokens

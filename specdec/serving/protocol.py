@@ -28,8 +28,8 @@ class BadRequest(ValueError):
 
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "ignore_eos", "n", "repetition_penalty",
                     "presence_penalty", "frequency_penalty", "min_p", "min_tokens", "allowed_token_ids",
-                    "logit_bias", "bad_words", "include_stop_str_in_output",
-                    "truncate_prompt_tokens")  # -> SamplingParams
+                    "logit_bias", "bad_words", "include_stop_str_in_output", "truncate_prompt_tokens",
+                    "skip_special_tokens")  # -> SamplingParams
 _COMMON = {"model", "stop", "stream", "stream_options", "user", *_SAMPLING_FIELDS}
 # accepted only at the value that means "off": these features do not exist here
 _OFF_VALUES = {"best_of": (None, 1), "suffix": (None,), "tools": (None,), "tool_choice": (None, "none"),
