@@ -73,10 +73,11 @@ class AcceptanceStats:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Logprob:
     """One token's log-probability in an output (vLLM's ``Logprob``): under the target's raw distribution, its rank
-    there (1 = the most probable) and the token's own text."""
+    there (1 = the most probable) and the token's own text (one string per token id, shared). Slotted: an output
+    holds up to 21 of them per token."""
 
     logprob: float
     rank: int | None = None

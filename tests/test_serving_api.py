@@ -541,6 +541,7 @@ def test_echo_scores_the_prompt(client, server, target_dir, stream):
         r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=max_tokens, temperature=0, echo=True,
                                       logprobs=1, stream=stream)
         if not stream:
+            assert r.usage.completion_tokens == max_tokens  # (a prompt only scored counts no output)
             return r.choices[0].text, r.choices[0].logprobs.token_logprobs, r.choices[0].logprobs.tokens
         text, lps, toks = "", [], []
         for c in r:

@@ -329,15 +329,16 @@ def error_body(message: str, field: str | None, status: int) -> dict:
     return {"error": {"message": message, "type": kind, "param": field, "code": status}}
 
 
-def usage(outs: list[RequestOutput]) -> dict:
+def usage(outs: list[RequestOutput], scored_only: bool = False) -> dict:
     """OpenAI usage plus ``mean_accepted_length`` (tokens committed per target forward) and ``acceptance_rate``,
     over every prompt's output (``outs[i]``: prompt i's, its samples in ``outputs``): each prompt's tokens counted
-    once, the completion tokens of every choice."""
+    once, the completion tokens of every choice (none when the prompts were only scored: the token run is not
+    sent)."""
     stats = AcceptanceStats()
     for out in outs:
         stats.merge(out.stats)
     n_prompt = sum(len(out.prompt_token_ids) for out in outs)
-    n_out = sum(len(c.token_ids) for out in outs for c in out.outputs)
+    n_out = 0 if scored_only else sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out,
             "mean_accepted_length": stats.mean_accepted_length, "acceptance_rate": stats.acceptance_rate}
 
@@ -371,7 +372,8 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], chat: bool,
                 text, lps = echoed(echoes[i], out.prompt_logprobs, c.text, c.logprobs, top)
             choices.append({"index": index, "text": text, "logprobs": lps, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(outs)}
+            "model": model, "choices": choices,
+            "usage": usage(outs, echoes is not None and all(e.score_only for e in echoes))}
 
 
 def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None, chat: bool,
@@ -390,10 +392,10 @@ def chunk_body(rid: str, model: str, text: str | None, finish_reason: str | None
             "model": model, "choices": [choice]}
 
 
-def usage_chunk(rid: str, model: str, outs: list[RequestOutput], chat: bool) -> dict:
+def usage_chunk(rid: str, model: str, outs: list[RequestOutput], chat: bool, scored_only: bool = False) -> dict:
     """The last event of a stream with ``stream_options.include_usage``: ``usage(outs)`` and no choice."""
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [], "usage": usage(outs)}
+            "model": model, "choices": [], "usage": usage(outs, scored_only)}
 
 
 def logprobs_body(entries: list[dict[int, Logprob]] | None, top: int, chat: bool, offset: int = 0) -> dict | None:

@@ -223,7 +223,8 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
                     outs = _per_prompt(rid, [finals[k] for k in range(len(samples))], n)
                     timing.report(outs[0])
                     if include_usage:
-                        yield _sse(protocol.usage_chunk(rid, model_name, outs, chat))
+                        yield _sse(protocol.usage_chunk(rid, model_name, outs, chat,
+                                                        echoes is not None and echoes[0].score_only))
             yield "data: [DONE]\n\n"
         finally:  # also on disconnect: closing the stream cancels every unfinished request
             timing.abandoned()
