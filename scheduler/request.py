@@ -84,13 +84,6 @@ class Request:
         return p.logits_processed or (p.min_tokens > 0 and self.num_output < p.min_tokens)
 
     @property
-    def reads_logits(self) -> bool:
-        """Its step's verify logits are read after the acceptance: it is penalized (its penalties read the committed
-        tokens on the host) or asks for log-probabilities (``SamplingParams.logprobs``), so no step is queued behind
-        its verify (whose graph would overwrite them)."""
-        return self.params.logprobs is not None or self.penalized
-
-    @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits at its next step: the steps' greedy fast paths (the verify's own argmax) serve
         it."""

@@ -8,6 +8,7 @@ failed at once, and the rest is retried as one batch. See docs/design.md, "Fault
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,6 +16,8 @@ import torch
 
 from specdec.errors import RequestFault
 from specdec.scheduler.request import Request
+
+log = logging.getLogger(__name__)
 
 
 class Snapshot:
@@ -46,6 +49,9 @@ def run_isolated(items: list, req_of: Callable[[Any], Request], call: Callable[[
             snap.restore(req_of(it))
         named = set(err.request_ids) if isinstance(err, RequestFault) else set()
         culprits = [it for it in items if req_of(it).request_id in named]
+        if not culprits and len(items) > 1:  # (a fault no request is named for: a bug, or one row's bad input)
+            log.warning("a batch of %d requests raised %s: %s; retrying them one by one", len(items),
+                        type(err).__name__, err, exc_info=err)
         if culprits:
             for it in culprits:
                 fail(req_of(it), err)

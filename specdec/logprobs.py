@@ -40,11 +40,44 @@ def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]
     return entries
 
 
+class KeptLogits:
+    """The verify logits of the rows that ask for log-probabilities, copied out of a captured verify's output
+    (``keep_logits``): row i's (its queries, V) as float32, as the step's own logits give them."""
+
+    def __init__(self, block: torch.Tensor, where: dict[int, int], lengths: dict[int, int]) -> None:
+        self.block, self.where, self.lengths = block, where, lengths  # (n, q, V); row -> its block, its queries
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.block[self.where[i], :self.lengths[i]].float()
+
+
+@torch.inference_mode()
+def keep_logits(rows: list, logits, q: int | None = None, sel=None):
+    """A verify's per-row logits as row i of ``rows`` reads them, safe to read after a step is queued behind the
+    verify: when some row asks for log-probabilities and they are views of a captured graph's output (which the
+    queued step's replay rewrites), those rows' padded blocks are copied out first (one gather on the device,
+    queued behind the verify and ahead of the next step); else ``logits`` itself. ``logits``: the step's
+    ``runner._PaddedLogits``, per-row tensors of an eager step, or a queued verify's whole (B * q, V) output;
+    ``sel``: a step adopted by some of its rows (``QueuedStep.sel``): row i of ``rows`` is its row ``sel[i]``."""
+    asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if isinstance(logits, torch.Tensor):  # a queued verify's output: every row has q queries
+        full, lengths = logits, None
+    else:
+        full, q, lengths = getattr(logits, "logits", None), getattr(logits, "q", q), getattr(logits, "lengths", None)
+    if not asking or not isinstance(full, torch.Tensor):  # (eager logits are the forward's own tensors)
+        return logits
+    src = [int(sel[i]) if sel is not None else i for i in asking]  # (their rows in the step's output)
+    index = torch.tensor(src, dtype=torch.long).to(full.device, non_blocking=True)
+    block = full.view(-1, q, full.shape[-1]).index_select(0, index)  # (n, q, V): a copy
+    return KeptLogits(block, {i: j for j, i in enumerate(asking)},
+                      {i: q if lengths is None else lengths[s] for i, s in zip(asking, src)})
+
+
 def with_logprobs(rows: list, logits, results: list) -> list:
     """``results`` (``VerifyResult``s) with the log-probabilities of the rows that ask for them: each committed
     token's at the verify query it was chosen at (the root for the first, then each accepted node's). ``logits``:
-    the verify's per-row logits (queries in verify order), read before any later forward overwrites them
-    (``Request.reads_logits`` keeps a queued step from doing so)."""
+    the verify's per-row logits (queries in verify order), or ``keep_logits``' copy of them when a step was queued
+    behind the verify."""
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not asking:
         return results

@@ -14,7 +14,7 @@ from specdec.fault_isolation import check_distribution, check_finite, check_fini
 from specdec.fused_step import DeviceDraft, FusedOutcome
 from specdec.graphs import cache_for
 from specdec.kernels.gumbel_choice import choose_tokens
-from specdec.logprobs import with_logprobs
+from specdec.logprobs import keep_logits, with_logprobs
 from specdec.pipeline import HostRead, QueuedStep
 from specdec.repetition_penalty import ContextPenalty, penalized_rows
 from specdec.row_sampling import sampling_rows
@@ -71,13 +71,15 @@ class Verifier:
         if fwd is None:  # no graph bucket holds the step: packed rows, eagerly
             fwd = self.runner.forward(0, self.target, [self._row(r, t) for r, t in zip(rows, trees)],
                                       self.aux_layers)
+        logits = fwd.logits
         if fwd.accept is not None:  # padded step: every row's outcome on the device
             outcome = self._outcome(rows, trees, fwd, key)
             step = self._read_behind(rows, key, fwd, outcome)
+            logits = keep_logits(rows, logits) if step is not None and self.pipeline is not None else logits
             results = self._from_device(rows, trees, draft_computed, fwd, outcome, step, self._queue(rows, step))
         else:
             results = self._on_host(rows, trees, draft_computed, fwd)
-        return with_logprobs(rows, fwd.logits, results)
+        return with_logprobs(rows, logits, results)
 
     def verify_proposal(self, rows: list[Request], proposal) -> list[VerifyResult]:
         """``verify`` of a proposer's ``Proposal``, then the acceptance rule, with the step's one read. Trees still
@@ -88,13 +90,14 @@ class Verifier:
         if device is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
         step = device if isinstance(device, QueuedStep) else self.launch_queued(rows, device.key, device.n, device)
+        logits = keep_logits(rows, step.fwd.logits, step.key[2], step.sel)  # (before a step is queued behind it)
         queued = self._queue(rows, step)
         if step.trees is not None:  # an EAGLE step: its trees and outcome come with the read
             results = self._fused_results(rows, proposal, step, queued)
         else:  # (a queued chain step's sampled rows went through the rule when it was launched: its read holds them)
             results = self._from_device(rows, proposal.trees, proposal.draft_computed, step.fwd, step.fwd.accept,
                                         step, queued)
-        return with_logprobs(rows, step.fwd.logits, results)
+        return with_logprobs(rows, logits, results)
 
     def launch_queued(self, rows: list[Request], key, n: int, draft: DeviceDraft | None) -> QueuedStep:
         """Launch the verify of bucket ``key`` over ``rows`` whose inputs are on the device, and start its read:

@@ -6,11 +6,11 @@ named; the server answers OpenAI's shapes (chat ``logprobs``/``top_logprobs``, c
 
 from __future__ import annotations
 
+import logging
 import math
 
 import pytest
 import torch
-from conftest import PAIR_EOS
 from test_repetition_penalty import CONFIGS, PROMPTS
 from test_spec_sampling import tiny_eagle  # noqa: F401 (the fixture)
 
@@ -64,9 +64,11 @@ def _check(hf, prompt: list[int], out, k: int) -> None:
 
 
 @pytest.mark.parametrize("name,options", CONFIGS, ids=[f"{n}-{'-'.join(o) or 'packed'}" for n, o in CONFIGS])
-def test_logprobs_equal_the_full_models(tiny_target, tiny_draft, tiny_eagle, hf, name, options):  # noqa: F811
+def test_logprobs_equal_the_full_models(tiny_target, tiny_draft, tiny_eagle, hf, name, options,  # noqa: F811
+                                        caplog):
     """Every proposer and step kind (float32): greedy rows (top 3), seeded sampled rows (the chosen token's alone,
-    and top 5) and rows without logprobs in one batch; the tokens equal the same requests' without logprobs."""
+    and top 5) and rows without logprobs in one batch; the tokens equal the same requests' without logprobs, and no
+    batch raised (fault isolation, which would retry its rows one by one, warned of none)."""
     draft = {"none": None, "ngram": "ngram", "model": tiny_draft, "eagle": tiny_eagle}[name]
     tree = "chain:3" if name in ("none", "ngram") else "topk:2x2"
     eng = SpecEngine(draft, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
@@ -76,7 +78,9 @@ def test_logprobs_equal_the_full_models(tiny_target, tiny_draft, tiny_eagle, hf,
            SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0, top_p=0.8, seed=9, logprobs=5)]
     prompts = [*PROMPTS, PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     params = [greedy] * len(PROMPTS) + hot + [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)]
-    outs = eng.generate(prompts, params)
+    with caplog.at_level(logging.WARNING, logger="specdec.fault_isolation"):
+        outs = eng.generate(prompts, params)
+    assert not caplog.records
     for prompt, p, out in zip(prompts, params, outs):
         if p.logprobs is None:
             assert out.logprobs is None and out.outputs[0].cumulative_logprob is None
@@ -128,14 +132,26 @@ def test_bad_logprobs_name_the_field(value):
         SamplingParams(logprobs=value)
 
 
-def test_rows_with_logprobs_queue_nothing_behind_their_verify():
-    """``Request.reads_logits``: a row with logprobs (greedy or not) reads its verify's logits after acceptance,
-    so the pipelines queue no step behind it; a plain row does not."""
-    from specdec.scheduler.request import Request
+@pytest.mark.parametrize("name", ["none", "ngram", "eagle"])
+def test_rows_with_logprobs_keep_their_steps_pipelined(tiny_target, tiny_eagle, hf, name):  # noqa: F811
+    """A pipelined engine queues the next step behind the verify of rows asking for log-probabilities (their
+    logits are copied out of the verify's output first, ``logprobs.keep_logits``): it adopts as many queued steps
+    as for the same rows without them, and the values equal the full model's."""
+    draft = {"none": None, "ngram": "ngram", "eagle": tiny_eagle}[name]
+    tree = "chain:3" if name != "eagle" else "topk:2x2"
 
-    assert Request("a", [1], SamplingParams(logprobs=0), (PAIR_EOS,)).reads_logits
-    assert Request("a", [1], SamplingParams(logprobs=0), (PAIR_EOS,)).plain_greedy
-    assert not Request("b", [1], SamplingParams(), (PAIR_EOS,)).reads_logits
+    def run(logprobs):
+        options = dict(cuda_graphs=True, pipeline=True, ngram_device=name == "ngram")
+        eng = SpecEngine(draft, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
+                                                        **options))
+        outs = eng.generate(list(PROMPTS), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=logprobs))
+        return outs, eng.pipeline.adopted
+
+    (outs, adopted), (plain, adopted_plain) = run(2), run(None)
+    assert adopted == adopted_plain > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    for prompt, out in zip(PROMPTS, outs):
+        _check(hf, prompt, out, 2)
 
 
 def test_cli_prints_each_tokens_logprobs(tiny_dirs, tmp_path, capsys):
@@ -164,7 +180,7 @@ def test_cli_prints_each_tokens_logprobs(tiny_dirs, tmp_path, capsys):
 
 @pytest.mark.parametrize("options", [{}, dict(max_num_tokens=8), dict(cuda_graphs=True, pipeline=True)],
                          ids=["whole", "chunked", "pipelined"])
-def test_prompt_logprobs_equal_the_full_models(tiny_target, tiny_draft, hf, options):
+def test_prompt_logprobs_equal_the_full_models(tiny_target, tiny_draft, hf, options, caplog):
     """``prompt_logprobs`` (vLLM's): entry 0 is None, entry p the full model's log-probability and rank of prompt
     token p and its top k, whether the prompt is prefilled whole or in chunks of 8 tokens, batched with plain
     requests; a request after the same prompt was cached still gets every entry (no prefix hit serves it), and a
@@ -174,7 +190,9 @@ def test_prompt_logprobs_equal_the_full_models(tiny_target, tiny_draft, hf, opti
     asking = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
     plain = SamplingParams(max_tokens=4, ignore_eos=True)
     for _ in range(2):  # (the second time the prompts are cached)
-        outs = eng.generate(list(PROMPTS), [asking, plain] + [asking] * (len(PROMPTS) - 2))
+        with caplog.at_level(logging.WARNING, logger="specdec.fault_isolation"):
+            outs = eng.generate(list(PROMPTS), [asking, plain] + [asking] * (len(PROMPTS) - 2))
+        assert not caplog.records
         for prompt, out in zip(PROMPTS, outs):
             if out.prompt_logprobs is None:
                 continue
