@@ -75,6 +75,14 @@ ENGINE_SETS = {
                      "eagle_b15": {"draft": "eagle", "tree": "dynamic:15", "adaptive": False},
                      "ngram": {"draft": "ngram"},
                      "ngram_b1": {"draft": "ngram", "tree": "chain:1", "adaptive": False}},
+    # every request asking for its tokens' log-probabilities (top 5: "logprobs", a field of the requests, not of the
+    # engine) against the same engines without: what logprobs cost each proposer (its rows stay pipelined)
+    "logprobs": {"target_only": {"draft": None},
+                 "target_only_lp": {"draft": None, "logprobs": 5},
+                 "eagle": {"draft": "eagle", "tree": "dynamic:31"},
+                 "eagle_lp": {"draft": "eagle", "tree": "dynamic:31", "logprobs": 5},
+                 "ngram": {"draft": "ngram"},
+                 "ngram_lp": {"draft": "ngram", "logprobs": 5}},
     # pipelined steps (one step's host work overlapped with the next step's GPU work) against unpipelined ones
     "pipeline": {"target_only": {"draft": None},
                  "target_only_unpipelined": {"draft": None, "pipeline": False},
@@ -302,14 +310,15 @@ def write_prompts(path: str) -> None:
 
 def rounds(engines: dict, prompts, params, batch: int, continuous: bool, repeats: int,
            late: dict | None = None, splits: dict | None = None) -> dict[str, list[float]]:
-    """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines).
+    """tok/s of every engine in each of ``repeats`` rounds; round r starts at engine r mod len(engines); ``params``:
+    the requests' ``SamplingParams``, or a dict of them by engine name.
     ``late[name]``, when given, gets each round's (graphs captured, seconds, Triton kernels compiled) of that
     engine, ``splits[name]`` each round's ``StepSplit`` result."""
     names, out = list(engines), {name: [] for name in engines}
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            tok_per_s, graphs, seconds, compiled, split = counted_generate(engines[name], prompts, params, batch,
-                                                                           continuous)
+            tok_per_s, graphs, seconds, compiled, split = counted_generate(
+                engines[name], prompts, params[name] if isinstance(params, dict) else params, batch, continuous)
             out[name].append(tok_per_s)
             if late is not None:
                 late.setdefault(name, []).append((graphs, round(seconds, 4), compiled))
@@ -338,12 +347,13 @@ def main() -> None:
         for continuous in (False, True) if b > 1 else (False,):  # one row: both schedules are the same
             if SCHEDULES and ("continuous" if continuous else "waves") not in SCHEDULES:
                 continue
-            engines = {}
+            engines, per_engine = {}, {}
             for name, fields in ENGINE_SETS[ENGINES].items():
                 if ONLY and name not in ONLY and name != "target_only":
                     continue
                 fields = {"tree": "chain:8", **fields}
-                draft = fields.pop("draft")
+                draft, logprobs = fields.pop("draft"), fields.pop("logprobs", None)
+                per_engine[name] = dataclasses.replace(params, logprobs=logprobs)
                 no_probes, plain_only = fields.pop("no_probes", False), fields.pop("plain_only", False)
                 epoch = fields.pop("epoch", {})
                 if draft == "eagle":
@@ -361,8 +371,8 @@ def main() -> None:
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}
             splits: dict = {}
-            runs = rounds(engines, prompts, params, b, continuous, repeats if b > 1 else min(repeats, REPEATS_B1), late,
-                          splits)
+            runs = rounds(engines, prompts, per_engine, b, continuous,
+                          repeats if b > 1 else min(repeats, REPEATS_B1), late, splits)
             key = f"b{b}_{'continuous' if continuous else 'waves'}"
             entry = res[key] = {name: {"tok_per_s_runs": v, "median": statistics.median(v),
                                        "first_over_later": v[0] / statistics.median(v[1:]) if len(v) > 1 else None,

@@ -47,6 +47,24 @@ def test_gpu_interleaved_rounds_and_json(tiny_dirs, tmp_path, monkeypatch):
     assert entry["ngram"]["epochs"] == []  # (no budget controller on the CPU by default: no epochs)
 
 
+def test_the_logprobs_set_asks_for_them_on_its_engines_requests_only(tiny_dirs, tmp_path, monkeypatch):
+    """``ENGINES=logprobs``: the ``_lp`` engines' requests carry ``logprobs=5``, target-only's none."""
+    from specdec.engine import SpecEngine
+
+    seen, queue = [], SpecEngine._queue
+
+    def spy(self, ids, params, *rest):
+        seen.append(params.logprobs)
+        return queue(self, ids, params, *rest)
+
+    monkeypatch.setattr(SpecEngine, "_queue", spy)
+    env = {"ENGINES": "logprobs", "ONLY": "target_only_lp", "COLD": "1", "NUM_PROMPTS": "4", "REPEATS": "1",
+           "SCHEDULES": "continuous", "TEMPERATURE": "0"}
+    entry = _run(tiny_dirs, tmp_path, monkeypatch, {"mtbench": [[5, 6, 7, 8, 9]] * 4}, env, 2)["b2_continuous"]
+    assert set(entry) == {"target_only", "target_only_lp"}
+    assert sorted(seen, key=str) == [5] * 4 + [None] * 4  # 4 prompts for each engine, one round
+
+
 def test_the_epoch_summary_gives_each_buckets_phases_and_each_budgets_rates():
     """Each budget's epochs, and each probe from plain decoding with what the watch's counts said of it and what it
     measured against plain decoding's held epochs (520 against their median 620), and the share of looked-up rows
