@@ -15,7 +15,8 @@ class StopChecker:
         self._backend = _plain_backend(tokenizer)
         # decode([t]) by t, for skip_special_tokens True and False: a one-token context window is decoded once
         self._one_token: dict[bool, dict[int, str]] = {True: {}, False: {}}
-        self._token_text: dict[int, str] = {}  # a token's own text, special tokens included (log-probabilities')
+        self._token_text: dict[int, tuple[str, bytes]] = {}  # a token's own text and bytes (log-probabilities')
+        self._byte_level = _byte_level(tokenizer)  # its byte-level alphabet's decoding, for a GPT-2 style tokenizer
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """``tokenizer.decode(ids, skip_special_tokens=...)``; "" without a tokenizer."""
@@ -28,15 +29,20 @@ class StopChecker:
     def token_text(self, token: int) -> str:
         """One token's own text (special tokens spelled out), as log-probabilities name tokens; "" without a
         tokenizer."""
-        text = self._token_text.get(token)
-        if text is None:
+        return self._token(token)[0]
+
+    def _token(self, token: int) -> tuple[str, bytes]:
+        """One token's own text and bytes: the bytes it stands for under a byte-level tokenizer (GPT-2's alphabet)
+        or a byte-fallback one ("<0xE2>"), else its text's UTF-8."""
+        got = self._token_text.get(token)
+        if got is None:
             tok = self.tokenizer
             if self._backend is not None:
                 text = self._backend.decode([token], skip_special_tokens=False)
             else:
                 text = "" if tok is None else tok.decode([token], skip_special_tokens=False)
-            self._token_text[token] = text
-        return text
+            got = self._token_text[token] = (text, _token_bytes(tok, token, text, self._byte_level))
+        return got
 
     def add_logprobs(self, req: Request, entries: list[dict[int, tuple[float, int]]]) -> None:
         """Append committed tokens' log-probabilities (``VerifyResult.logprobs``, one dict per token, the chosen
@@ -48,7 +54,7 @@ class StopChecker:
 
     def logprob_entry(self, entry: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
         """One token's ``{token: (log-probability, rank)}`` as vLLM's ``{token: Logprob}``, with each token's text."""
-        return {t: Logprob(v, r, self.token_text(t)) for t, (v, r) in entry.items()}
+        return {t: Logprob(v, r, *self._token(t)) for t, (v, r) in entry.items()}
 
     def running_text(self, req: Request) -> str:
         """The output's text so far, decoded incrementally: each call decodes only the tokens added
@@ -157,3 +163,32 @@ def _plain_backend(tokenizer):
         return None
     plain = {"transformers.tokenization_utils_tokenizers", "transformers.tokenization_utils_fast"}
     return backend if decode.__module__ in plain else None
+
+
+def _byte_level(tokenizer) -> dict[str, int] | None:
+    """The character -> byte map of a byte-level (GPT-2 style) tokenizer's alphabet (printable bytes stand for
+    themselves, the others for 256 and up, in order), or None for other tokenizers."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None or "ByteLevel(" not in repr(decoder):  # (alone or in a Sequence)
+        return None
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return {c: b for b, c in chars.items()}
+
+
+def _token_bytes(tokenizer, token: int, text: str, byte_level: dict[str, int] | None) -> bytes:
+    """The bytes one token stands for (``StopChecker._token``)."""
+    to_piece = getattr(tokenizer, "convert_ids_to_tokens", None)
+    piece = None if to_piece is None else to_piece(token)
+    if isinstance(piece, str):
+        if byte_level is not None and all(c in byte_level for c in piece):
+            return bytes(byte_level[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte-fallback token
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+    return text.encode("utf-8")

@@ -76,12 +76,14 @@ class AcceptanceStats:
 @dataclass(frozen=True, slots=True)
 class Logprob:
     """One token's log-probability in an output (vLLM's ``Logprob``): under the target's raw distribution, its rank
-    there (1 = the most probable) and the token's own text (one string per token id, shared). Slotted: an output
-    holds up to 21 of them per token."""
+    there (1 = the most probable), the token's own text and its bytes (OpenAI's ``bytes``: a token holding part of
+    a UTF-8 character has text "\ufffd" but its own bytes), both shared by every entry of that token. Slotted: an
+    output holds up to 21 of them per token."""
 
     logprob: float
     rank: int | None = None
     decoded_token: str | None = None
+    token_bytes: bytes | None = None
 
 
 def _grow(xs: list[int], n: int) -> None:

@@ -228,3 +228,24 @@ def test_ranked_in_slices_equals_one_pass(monkeypatch):
         assert value == pytest.approx(lp[j, chosen[j]].item(), abs=1e-6)
         assert rank == int((lp[j] > lp[j, chosen[j]]).sum()) + 1
         assert set(entry) - {chosen[j]} <= set(lp[j].topk(3).indices.tolist())
+
+
+def test_each_token_carries_its_own_bytes(smollm2, letter_target):
+    """A byte-level tokenizer's tokens that hold part of a UTF-8 character read "\\ufffd" but carry their own bytes,
+    which joined give the text back; a chat answer's ``bytes`` are them. A word-level tokenizer's are its texts'."""
+    from specdec.scheduler.stop import StopChecker
+
+    from specdec.outputs import Logprob
+    from specdec.serving.protocol import logprobs_body
+
+    tok = smollm2.tokenizer
+    stop = StopChecker(tok)
+    text = "café 😀 naïve"
+    ids = tok.encode(text)
+    pieces = [stop.logprob_entry({t: (-1.0, 1)})[t] for t in ids]
+    assert b"".join(p.token_bytes for p in pieces).decode("utf-8") == text
+    assert any("\ufffd" in p.decoded_token for p in pieces)  # (the emoji spans tokens)
+    chat = logprobs_body([{t: p} for t, p in zip(ids, pieces)], 0, True)["content"]
+    assert bytes(sum((c["bytes"] for c in chat), [])).decode("utf-8") == text
+    letters = StopChecker(letter_target.tokenizer)
+    assert letters.logprob_entry({30: (-1.0, 1)})[30] == Logprob(-1.0, 1, "be", b"be")

@@ -201,7 +201,7 @@ def test_logprobs_equal_the_python_api(client, server, target_dir, stream):
     assert [c.logprob for c in content] == pytest.approx([e[t].logprob for e, t in zip(want.logprobs,
                                                                                        want.token_ids)], abs=1e-5)
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
-               and bytes(c.bytes).decode() == c.token for c in content)
+               and ("\ufffd" in c.token or bytes(c.bytes).decode() == c.token) for c in content)
     plain = client.chat.completions.create(messages=messages, **kw)
     if not stream:
         assert plain.choices[0].logprobs is None

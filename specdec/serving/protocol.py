@@ -422,7 +422,8 @@ def logprobs_body(entries: list[dict[int, Logprob]] | None, top: int, chat: bool
 
 def _token_logprob(lp: Logprob) -> dict:
     text = lp.decoded_token or ""
-    return {"token": text, "logprob": _finite(lp), "bytes": list(text.encode("utf-8", "replace"))}
+    raw = lp.token_bytes if lp.token_bytes is not None else text.encode("utf-8", "replace")
+    return {"token": text, "logprob": _finite(lp), "bytes": list(raw)}
 
 
 def _finite(lp: Logprob) -> float:
