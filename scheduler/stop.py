@@ -36,12 +36,8 @@ class StopChecker:
         or a byte-fallback one ("<0xE2>"), else its text's UTF-8."""
         got = self._token_text.get(token)
         if got is None:
-            tok = self.tokenizer
-            if self._backend is not None:
-                text = self._backend.decode([token], skip_special_tokens=False)
-            else:
-                text = "" if tok is None else tok.decode([token], skip_special_tokens=False)
-            got = self._token_text[token] = (text, _token_bytes(tok, token, text, self._byte_level))
+            text = self.decode([token], skip_special_tokens=False)
+            got = self._token_text[token] = (text, _token_bytes(self.tokenizer, token, text, self._byte_level))
         return got
 
     def add_logprobs(self, req: Request, entries: list[dict[int, tuple[float, int]]]) -> None:

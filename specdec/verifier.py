@@ -90,7 +90,8 @@ class Verifier:
         if device is None:
             return self.verify(rows, proposal.trees, proposal.draft_computed)
         step = device if isinstance(device, QueuedStep) else self.launch_queued(rows, device.key, device.n, device)
-        logits = keep_logits(rows, step.fwd.logits, step.key[2], step.sel)  # (before a step is queued behind it)
+        logits = step.fwd.logits  # (copied for log-probabilities before a step is queued behind it)
+        logits = keep_logits(rows, logits, step.key[2], step.sel) if self.pipeline is not None else logits
         queued = self._queue(rows, step)
         if step.trees is not None:  # an EAGLE step: its trees and outcome come with the read
             results = self._fused_results(rows, proposal, step, queued)

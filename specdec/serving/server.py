@@ -190,7 +190,7 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
         the order they come, with their new tokens' log-probabilities when asked for (``top``: how many of the most
         probable) and, with ``echoes``, each choice's prompt first (in its first event, once its prompt's
         log-probabilities are known); the usage event and [DONE] once every sample has finished."""
-        before: dict[int, int] = {}  # choice -> characters of its echoed prompt tokens (its text_offset's start)
+        sent: dict[int, int] = {}  # choice -> characters of the tokens its events carried (its next text_offset)
         finals: dict[int, RequestOutput] = {}
         merged = _merged(samples)
         try:
@@ -204,17 +204,16 @@ def build_app(executor: Executor | DataParallelExecutor, model_name: str, defaul
                     yield _sse(protocol.error_body(str(out.error), None, 500))
                     break
                 if out.new_text or out.finished or out.new_logprobs:
-                    text, lps, offset = out.new_text, out.new_logprobs, _offset(out)
+                    text, lps, offset = out.new_text, out.new_logprobs, sent.get(k, 0)
                     if echoes is not None:
                         echo = echoes[k // n]
-                        if k not in before:  # the prompt first
+                        if k not in sent:  # the prompt first (its offsets from 0, then the output's)
                             text, lps = protocol.echoed(echo, out.prompt_logprobs, text, lps, top)
-                            before[k] = len(echo.first_token) + sum(_chosen_chars(e) for e in
-                                                                    (out.prompt_logprobs or [None])[1:])
+                            offset = len(echo.first_token) + sum(_chosen_chars(e) for e in
+                                                                 (out.prompt_logprobs or [None])[1:])
                         elif echo.score_only:
                             text, lps = "", None if lps is None else []
-                        else:
-                            offset += before[k]
+                    sent[k] = offset + sum(_chosen_chars(e) for e in out.new_logprobs or ())
                     yield _sse(protocol.chunk_body(rid, model_name, text, out.finish_reason, chat, index=k,
                                                    logprobs=lps, top=top, offset=offset))
                 if out.finished:
@@ -421,14 +420,6 @@ class ServerThread:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(10)
-
-
-def _offset(out: RequestOutput) -> int:
-    """Where an output's new tokens start in its text, counted as the completions' ``text_offset`` counts (the
-    earlier tokens' own texts); 0 without log-probabilities."""
-    if not out.new_logprobs:
-        return 0
-    return sum(_chosen_chars(e) for e in out.logprobs[:len(out.logprobs) - len(out.new_logprobs)])
 
 
 def _chosen_chars(entry: dict) -> int:
