@@ -83,11 +83,11 @@ ENGINE_SETS = {
                  "eagle_lp": {"draft": "eagle", "tree": "dynamic:31", "logprobs": 5},
                  "ngram": {"draft": "ngram"},
                  "ngram_lp": {"draft": "ngram", "logprobs": 5}},
-    # n-gram held at plain decoding in its sampled buckets of more than 8 rows (no search, no probe there), greedy
-    # buckets and small sampled ones as by default: whether its sampled chains pay from 16 rows on
+    # n-gram as by default (its sampled buckets of more than 8 rows held at plain decoding: free_sampled_rows)
+    # against searching and probing there too, as before session 45
     "ngram_sampled": {"target_only": {"draft": None},
                       "ngram": {"draft": "ngram"},
-                      "ngram_sp": {"draft": "ngram", "plain_only": 8}},
+                      "ngram_search": {"draft": "ngram", "epoch": {"free_sampled_rows": None}}},
     # pipelined steps (one step's host work overlapped with the next step's GPU work) against unpipelined ones
     "pipeline": {"target_only": {"draft": None},
                  "target_only_unpipelined": {"draft": None, "pipeline": False},
@@ -110,12 +110,11 @@ REPEATS_B1 = int(os.environ.get("REPEATS_B1", "3"))  # batch 1 runs take ~10x lo
 FAILURES_SHOWN = [0]
 
 
-def _held_plain(make, above, key):
+def _held_plain(make, key):
     """An ``EpochBudget`` bucket state (``make``: its ``_new_state``) held at plain decoding with no search and no
-    probe (the ``plain_only`` engines: every bucket when ``above`` is None, else sampled buckets of more rows)."""
+    probe (the ``plain_only`` engines)."""
     state = make(key)
-    if above is None or (not key[1] and key[0] > above):
-        state.searching, state.held, state.best, state.hold = False, 0, 0, 1 << 30
+    state.searching, state.held, state.best, state.hold = False, 0, 0, 1 << 30
     return state
 
 
@@ -372,8 +371,7 @@ def main() -> None:
                     epochs.update(epoch)
                     eng.adaptive.config = dataclasses.replace(eng.adaptive.config, **epochs)
                     if plain_only:
-                        above = None if plain_only is True else plain_only
-                        eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state, above)
+                        eng.adaptive._new_state = functools.partial(_held_plain, eng.adaptive._new_state)
             for eng in [] if COLD else engines.values():  # warm-up: a whole batch, so every bucket has run once
                 eng.generate(prompts[:b], SamplingParams(max_new_tokens=8, ignore_eos=True))
             late: dict = {}

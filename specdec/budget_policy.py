@@ -62,7 +62,11 @@ class EpochConfig:
     chosen over plain decoding in a greedy bucket, it is probed after shadow_wait epochs instead of at its turn (the
     text turned to one the chains predict: the turn can be hundreds of steps away), the wait doubling while such
     probes change nothing (a budget's kept epochs from older text weigh on its rate for a few epochs) until they stop
-    saying so."""
+    saying so. free_sampled_rows: with such a proposer, a bucket of more rows than this with sampled rows holds plain
+    decoding from its first step, with no search, no probe and no watch: there its chains gain 10-17% per live row
+    while rows loop, less than what a probe's budget switches and the rows it leaves ending apart cost (on the H100,
+    held at plain decoding 0.993-0.997x of target-only at batch 16 and 64, T=0.7 and 1.0, against 0.977-0.988x with
+    the search and probes: bench/RESULTS.md, session 45); None: every bucket searches."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256
@@ -81,6 +85,7 @@ class EpochConfig:
     shadow_min_rows: int = 64
     shadow_kept: int = 2048
     shadow_wait: int = 1
+    free_sampled_rows: int | None = 8
 
 
 class _Epochs:
@@ -106,6 +111,7 @@ class _Epochs:
         # rows looked up while held at plain decoding, and the tokens each budget would have committed on them
         self.shadow = [0] * (n + 1)
         self.eager_wait = 0  # epochs before the next probe the chains ask for (``EpochConfig.shadow_wait``)
+        self.fixed = False  # held at plain decoding for good (``EpochConfig.free_sampled_rows``)
 
     @property
     def timed(self) -> int:
@@ -223,6 +229,9 @@ class EpochBudget:
         state = _Epochs(len(self.options), start, self.config.window)
         state.key, state.ended = key, self._ended
         state.hold, state.eager_wait = self.config.hold_epochs, self.config.shadow_wait
+        most = self.config.free_sampled_rows
+        if self.shadow is not None and not kind and most is not None and b > most:
+            state.fixed, state.searching, state.held, state.best, state.hold = True, False, 0, 0, 1 << 62
         return state
 
     def choose(self, rows: list) -> int:
@@ -266,7 +275,7 @@ class EpochBudget:
         if self.shadow is None or state is None:
             return
         cfg, longest = self.config, self._nodes[-1]
-        if state.held == 0 and not state.searching and rows:
+        if state.held == 0 and not state.searching and not state.fixed and rows:
             for _ in range(min(cfg.shadow_rows, len(rows))):
                 req = rows[self._turn % len(rows)]
                 self._turn += 1

@@ -5,6 +5,9 @@ read from the prefill's logits. Each token's entry is ``{token: (log-probability
 
 from __future__ import annotations
 
+import contextlib
+
+import numpy as np
 import torch
 
 Entry = dict[int, tuple[float, int]]
@@ -25,12 +28,17 @@ def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
 @torch.inference_mode()
 def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
     lp = torch.log_softmax(rows.float(), -1)  # (M, V)
-    ids = torch.tensor(chosen, dtype=torch.long, device=lp.device)
-    own = lp.gather(1, ids[:, None])[:, 0]  # (M,)
-    ranks = (lp > own[:, None]).sum(1) + 1  # (M,)
+    ids = torch.tensor(chosen, dtype=torch.long).to(lp.device, non_blocking=True)
+    own = lp.gather(1, ids[:, None])  # (M, 1)
+    ranks = (lp > own).sum(1, keepdim=True) + 1  # (M, 1)
     k = max(ks)
-    top_lp, top_ids = lp.topk(k, -1) if k else (lp[:, :0], ids[:, None][:, :0])  # (M, k)
-    own_h, rank_h, top_lp_h, top_ids_h = (t.tolist() for t in (own, ranks, top_lp, top_ids))
+    parts = [own.double(), ranks.double()]  # (float64 holds every float32 value, rank and token id exactly)
+    if k:
+        top_lp, top_ids = lp.topk(k, -1)  # (M, k)
+        parts += [top_lp.double(), top_ids.double()]
+    host = torch.cat(parts, 1).cpu().numpy()  # the one read: (M, 2 + 2k)
+    own_h, rank_h = host[:, 0].tolist(), host[:, 1].astype(np.int64).tolist()
+    top_lp_h, top_ids_h = host[:, 2:2 + k].tolist(), host[:, 2 + k:].astype(np.int64).tolist()
     entries = []
     for j, want in enumerate(ks):
         entry = {chosen[j]: (own_h[j], rank_h[j])}
@@ -42,10 +50,12 @@ def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]
 
 class KeptLogits:
     """The verify logits of the rows that ask for log-probabilities, copied out of a captured verify's output
-    (``keep_logits``): row i's (its queries, V) as float32, as the step's own logits give them."""
+    (``keep_logits``): row i's (its queries, V), as the step's own logits give them; ``ready``: on CUDA, an event
+    recorded right after the copy (the step queued behind it comes later on the same stream)."""
 
-    def __init__(self, block: torch.Tensor, where: dict[int, int], lengths: dict[int, int]) -> None:
+    def __init__(self, block: torch.Tensor, where: dict[int, int], lengths: dict[int, int], ready=None) -> None:
         self.block, self.where, self.lengths = block, where, lengths  # (n, q, V); row -> its block, its queries
+        self.ready = ready
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return self.block[self.where[i], :self.lengths[i]].float()
@@ -69,26 +79,71 @@ def keep_logits(rows: list, logits, q: int | None = None, sel=None):
     src = [int(sel[i]) if sel is not None else i for i in asking]  # (their rows in the step's output)
     index = torch.tensor(src, dtype=torch.long).to(full.device, non_blocking=True)
     block = full.view(-1, q, full.shape[-1]).index_select(0, index)  # (n, q, V): a copy
+    ready = None
+    if block.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()
     return KeptLogits(block, {i: j for j, i in enumerate(asking)},
-                      {i: q if lengths is None else lengths[s] for i, s in zip(asking, src)})
+                      {i: q if lengths is None else lengths[s] for i, s in zip(asking, src)}, ready)
 
 
+def _flat(logits, i: int) -> tuple[torch.Tensor, int] | None:
+    """Row i's verify logits as rows of one 2-D tensor: (that tensor, the row of its first query), or None for
+    per-row tensors (an eager step's)."""
+    if isinstance(logits, KeptLogits):
+        block = logits.block
+        return block.view(-1, block.shape[-1]), logits.where[i] * block.shape[1]
+    full = getattr(logits, "logits", None)
+    if isinstance(full, torch.Tensor) and full.dim() == 2:  # ``runner._PaddedLogits``: row i at i * q
+        return full, i * logits.q
+    return None
+
+
+_SIDE: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _after(ready):
+    """Run the enclosed device work on a side stream that waits for event ``ready`` only (the copy of
+    ``keep_logits``), not for the step queued behind it on the current stream: reading the result then waits for
+    that work, not for the next step (None: on the current stream)."""
+    if ready is None:
+        yield
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    side = _SIDE.get(device)
+    if side is None:
+        side = _SIDE[device] = torch.cuda.Stream(device)
+    side.wait_event(ready)
+    with torch.cuda.stream(side):
+        yield
+
+
+@torch.inference_mode()
 def with_logprobs(rows: list, logits, results: list) -> list:
     """``results`` (``VerifyResult``s) with the log-probabilities of the rows that ask for them: each committed
     token's at the verify query it was chosen at (the root for the first, then each accepted node's). ``logits``:
     the verify's per-row logits (queries in verify order), or ``keep_logits``' copy of them when a step was queued
-    behind the verify."""
+    behind the verify: then the work runs beside that step (``_after``). The asking rows' queries are gathered in
+    one index and read in one copy."""
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not asking:
         return results
-    picked, chosen, ks = [], [], []
+    queries = {i: [0, *(n + 1 for n in results[i].accepted_nodes)] for i in asking}
+    chosen, ks = [], []
     for i in asking:
-        res = results[i]
-        queries = torch.tensor([0, *(n + 1 for n in res.accepted_nodes)], dtype=torch.long)
-        picked.append(logits[i].index_select(0, queries.to(logits[i].device)))  # (m + 1, V)
-        chosen += [*res.accepted_tokens, res.bonus_token]
-        ks += [rows[i].params.logprobs] * len(queries)
-    entries = ranked(torch.cat(picked), chosen, ks)
+        chosen += [*results[i].accepted_tokens, results[i].bonus_token]
+        ks += [rows[i].params.logprobs] * len(queries[i])
+    where = [_flat(logits, i) for i in asking]
+    with _after(getattr(logits, "ready", None)):
+        if all(w is not None and w[0] is where[0][0] for w in where):  # one source: one gather
+            src = where[0][0]
+            flat = [first + j for (_, first), i in zip(where, asking) for j in queries[i]]
+            picked = src.index_select(0, torch.tensor(flat, dtype=torch.long).to(src.device, non_blocking=True))
+        else:  # (an eager step's per-row tensors)
+            picked = torch.cat([logits[i].index_select(0, torch.tensor(queries[i], dtype=torch.long).to(
+                logits[i].device)) for i in asking])
+        entries = ranked(picked, chosen, ks)
     out, at = list(results), 0
     for i in asking:
         n = len(results[i].accepted_tokens) + 1

@@ -499,3 +499,26 @@ def test_a_budget_the_free_chains_say_would_be_chosen_is_probed_soon(wait, greed
         assert state_of(ctrl, rows).best == 2 and seq[-100:].count(7) > 80
     else:
         assert first >= 200 + 16 + 2 * 4 and state_of(ctrl, rows).best == 0
+
+
+@pytest.mark.parametrize("rows, greedy, most", [(16, False, 8), (16, True, 8), (8, False, 8), (16, False, None)])
+def test_free_chains_hold_plain_decoding_in_large_sampled_buckets(rows, greedy, most):
+    """With free chains, a bucket of more than ``free_sampled_rows`` rows with sampled rows holds plain decoding from
+    its first step, however much its chains would gain: no search, no probe, and no chain looked up. A greedy bucket,
+    a sampled one of fewer rows, or the field None: the search finds budget 7 (the best here) as without it."""
+    text = lambda p: p % 11  # noqa: E731 - a row's tokens; the chains predict it, so every budget would pay
+    looked = []
+
+    def shadow(req, k):
+        looked.append(k)
+        return [text(p) for p in range(len(req.tokens), len(req.tokens) + k)]
+
+    ctrl = EpochBudget(OPTIONS, short(epoch_steps=4, hold_epochs=2, free_sampled_rows=most), shadow=shadow)
+    batch = [Row(12, text, greedy) for _ in range(rows)]
+    seq = [watched_step(ctrl, batch, TOK.__getitem__, lambda n: MS[n]) for _ in range(200)]
+    fixed = most is not None and not greedy and rows > most
+    assert state_of(ctrl, batch).fixed == fixed
+    if fixed:
+        assert set(seq) == {0} and not looked and {e["phase"] for e in ctrl.epoch_log()} == {"hold"}
+    else:
+        assert state_of(ctrl, batch).best == 2 and seq[-50:].count(7) > 40

@@ -168,7 +168,7 @@ def test_cli_prints_each_tokens_logprobs(tiny_dirs, tmp_path, capsys):
     err = capsys.readouterr().err.splitlines()
     rows = [line.split() for line in err if line[:4].strip().isdigit()]
     assert [int(r[0]) for r in rows] == list(range(5))
-    eng = SpecEngine("ngram", str(model), SpecConfig(num_blocks=64))
+    eng = SpecEngine("ngram", str(model), SpecConfig(num_blocks=64, device="cpu"))  # (the CLI's device)
     want = eng.generate(["abc"], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2))[0]
     for line, tok, entry in zip([line for line in err if line[:4].strip().isdigit()], want.token_ids,
                                 want.logprobs):
