@@ -10,10 +10,24 @@ import contextlib
 import numpy as np
 import torch
 
+from specdec.pipeline import HostUpload
+
 Entry = dict[int, tuple[float, int]]
 
 
 SLICE_ROWS = 1024  # rows of logits made float32 and log-softmaxed at once (a long prompt's chunk: bounded memory)
+_UPLOADS: dict[torch.device, HostUpload] = {}
+
+
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` through pinned buffers (``HostUpload``): a copy from pageable
+    memory would wait for the stream's work so far, which here is a verify in flight (or, before the next step
+    is queued, the pipeline's overlap)."""
+    device = torch.device(device)
+    up = _UPLOADS.get(device)
+    if up is None:
+        up = _UPLOADS[device] = HostUpload(device)
+    return up(np.asarray(values, dtype=np.int64))
 
 
 def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
@@ -28,7 +42,7 @@ def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
 @torch.inference_mode()
 def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
     lp = torch.log_softmax(rows.float(), -1)  # (M, V)
-    ids = torch.tensor(chosen, dtype=torch.long).to(lp.device, non_blocking=True)
+    ids = _upload(chosen, lp.device)
     own = lp.gather(1, ids[:, None])  # (M, 1)
     ranks = (lp > own).sum(1, keepdim=True) + 1  # (M, 1)
     k = max(ks)
@@ -77,7 +91,7 @@ def keep_logits(rows: list, logits, q: int | None = None, sel=None):
     if not asking or not isinstance(full, torch.Tensor):  # (eager logits are the forward's own tensors)
         return logits
     src = [int(sel[i]) if sel is not None else i for i in asking]  # (their rows in the step's output)
-    index = torch.tensor(src, dtype=torch.long).to(full.device, non_blocking=True)
+    index = _upload(src, full.device)
     block = full.view(-1, q, full.shape[-1]).index_select(0, index)  # (n, q, V): a copy
     ready = None
     if block.is_cuda:
@@ -139,10 +153,9 @@ def with_logprobs(rows: list, logits, results: list) -> list:
         if all(w is not None and w[0] is where[0][0] for w in where):  # one source: one gather
             src = where[0][0]
             flat = [first + j for (_, first), i in zip(where, asking) for j in queries[i]]
-            picked = src.index_select(0, torch.tensor(flat, dtype=torch.long).to(src.device, non_blocking=True))
+            picked = src.index_select(0, _upload(flat, src.device))
         else:  # (an eager step's per-row tensors)
-            picked = torch.cat([logits[i].index_select(0, torch.tensor(queries[i], dtype=torch.long).to(
-                logits[i].device)) for i in asking])
+            picked = torch.cat([logits[i].index_select(0, _upload(queries[i], logits[i].device)) for i in asking])
         entries = ranked(picked, chosen, ks)
     out, at = list(results), 0
     for i in asking:
