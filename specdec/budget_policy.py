@@ -258,6 +258,9 @@ class EpochBudget:
         """One propose -> verify step of ``rows`` under their bucket's budget (``proposer.budget``)."""
         proposer.budget = self.choose(rows)
         state = self._step[0]
+        if state.fixed:  # (held at plain decoding for good: nothing to watch, count or time)
+            self._step = None
+            return verifier.verify_proposal(rows, proposer.propose(rows))
         self.watch(rows)
         results = verifier.verify_proposal(rows, proposer.propose(rows))
         # (plain decoding commits one token per row: nothing to count)

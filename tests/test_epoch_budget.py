@@ -520,5 +520,14 @@ def test_free_chains_hold_plain_decoding_in_large_sampled_buckets(rows, greedy, 
     assert state_of(ctrl, batch).fixed == fixed
     if fixed:
         assert set(seq) == {0} and not looked and {e["phase"] for e in ctrl.epoch_log()} == {"hold"}
+        # through ``speculate``: the step is proposed and verified at budget 0, and nothing is timed or counted
+        proposer = SimpleNamespace(budget=None, propose=lambda rs: ("proposal", len(rs)))
+        verifier = SimpleNamespace(verify_proposal=lambda rs, p: [p] * len(rs))
+        ended = len(ctrl.epoch_log())
+        for _ in range(50):
+            assert ctrl.speculate(batch, proposer, verifier) == [("proposal", rows)] * rows
+            assert proposer.budget == 0 and ctrl._step is None
+            ctrl.observe_step(1.0)
+        assert len(ctrl.epoch_log()) == ended and not looked
     else:
         assert state_of(ctrl, batch).best == 2 and seq[-50:].count(7) > 40
