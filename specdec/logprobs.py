@@ -6,6 +6,7 @@ read from the prefill's logits. Each token's entry is ``{token: (log-probability
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import numpy as np
 import torch
@@ -16,17 +17,25 @@ Entry = dict[int, tuple[float, int]]
 
 
 SLICE_ROWS = 1024  # rows of logits made float32 and log-softmaxed at once (a long prompt's chunk: bounded memory)
-_UPLOADS: dict[torch.device, HostUpload] = {}
+_LOCAL = threading.local()  # per thread (engines stepped on different threads): its uploads and side streams
+
+
+def _per_thread(name: str) -> dict:
+    table = getattr(_LOCAL, name, None)
+    if table is None:
+        table = {}
+        setattr(_LOCAL, name, table)
+    return table
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """``values`` as an int64 tensor on ``device`` through pinned buffers (``HostUpload``): a copy from pageable
-    memory would wait for the stream's work so far, which here is a verify in flight (or, before the next step
-    is queued, the pipeline's overlap)."""
-    device = torch.device(device)
-    up = _UPLOADS.get(device)
+    """``values`` as an int64 tensor on ``device`` through pinned buffers (``HostUpload``, whose two buffers take
+    turns: one set per thread): a copy from pageable memory may wait for the stream's work so far, which here is a
+    verify in flight (or, before the next step is queued, the pipeline's overlap)."""
+    device, uploads = torch.device(device), _per_thread("uploads")
+    up = uploads.get(device)
     if up is None:
-        up = _UPLOADS[device] = HostUpload(device)
+        up = uploads[device] = HostUpload(device)
     return up(np.asarray(values, dtype=np.int64))
 
 
@@ -113,9 +122,6 @@ def _flat(logits, i: int) -> tuple[torch.Tensor, int] | None:
     return None
 
 
-_SIDE: dict[torch.device, torch.cuda.Stream] = {}
-
-
 @contextlib.contextmanager
 def _after(ready):
     """Run the enclosed device work on a side stream that waits for event ``ready`` only (the copy of
@@ -124,10 +130,10 @@ def _after(ready):
     if ready is None:
         yield
         return
-    device = torch.device("cuda", torch.cuda.current_device())
-    side = _SIDE.get(device)
+    device, streams = torch.device("cuda", torch.cuda.current_device()), _per_thread("streams")
+    side = streams.get(device)
     if side is None:
-        side = _SIDE[device] = torch.cuda.Stream(device)
+        side = streams[device] = torch.cuda.Stream(device)
     side.wait_event(ready)
     with torch.cuda.stream(side):
         yield
