@@ -68,22 +68,22 @@ class ContextPenalty(NamedTuple):
     def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str) -> ContextPenalty:
         """The penalties and processors of rows ``rows`` of ``reqs`` (each a ``Request``: ``tokens``,
         ``output_ids``, ``num_output``, ``eos_token_ids`` and ``params``) in a batch of ``b`` rows; other rows are
-        unchanged. One host->device copy of each tensor."""
+        unchanged. The (B, V) tensors are made on the device from the rows' token ids (one small copy each, not a
+        host array of the whole vocabulary per row)."""
         params = {i: reqs[i].params for i in rows}
         present = penalty = output = bias = held = None
         repeated = [i for i in rows if params[i].repetition_penalty != 1.0]
         if repeated:
-            present, penalty = np.zeros((b, vocab), dtype=bool), np.ones(b, dtype=np.float32)
-            for i in repeated:
-                present[i, np.asarray(reqs[i].tokens, dtype=np.int64)] = True
-                penalty[i] = params[i].repetition_penalty
-            present, penalty = torch.from_numpy(present).to(device), torch.from_numpy(penalty).to(device)
+            present = _dense_rows(b, vocab, {i: reqs[i].tokens for i in repeated}, torch.bool, device)
+            penalty = np.ones(b, dtype=np.float32)
+            penalty[repeated] = [params[i].repetition_penalty for i in repeated]
+            penalty = torch.from_numpy(penalty).to(device)
         counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
         if counted:
             output = _output_counts(reqs, counted, b, vocab, device)
         biased = [i for i in rows if params[i].logit_bias or params[i].allowed_token_ids is not None]
         if biased:
-            bias = torch.from_numpy(_bias_rows([params[i] for i in biased], biased, b, vocab)).to(device)
+            bias = _bias_rows([params[i] for i in biased], biased, b, vocab, device)
         early = [i for i in rows if reqs[i].num_output < params[i].min_tokens]
         if early:
             held = _held_back([reqs[i] for i in early], early, b, vocab, device)
@@ -164,17 +164,37 @@ def path_nodes(tree_mask: Tensor) -> Tensor:
     return bits
 
 
-def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int) -> np.ndarray:
-    """(b, vocab) float32: row ``rows[k]`` holds ``params[k]``'s logit biases, -inf outside its allowed token ids
-    (0 elsewhere, and in the other rows)."""
-    out = np.zeros((b, vocab), dtype=np.float32)
-    for i, p in zip(rows, params):
-        if p.allowed_token_ids is not None:
-            out[i] = -np.inf
-            out[i, np.asarray(p.allowed_token_ids, dtype=np.int64)] = 0
-        if p.logit_bias:
-            ids, values = zip(*p.logit_bias)
-            out[i, np.asarray(ids, dtype=np.int64)] += np.asarray(values, dtype=np.float32)
+def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.dtype, device,
+                count: bool = False) -> Tensor:
+    """(b, vocab) tensor on ``device``: row i set (True, or 1.0) at the token ids ``ids[i]`` below ``vocab``, or with
+    ``count`` each id's number of occurrences there; zero elsewhere and in the other rows. Built on the device from
+    one copy of the (row, id) pairs."""
+    out = torch.zeros((b, vocab), dtype=dtype, device=device)
+    rows = [np.full(len(t), i, dtype=np.int64) for i, t in ids.items()]
+    if not rows:
+        return out
+    pairs = np.stack([np.concatenate(rows), np.concatenate([np.asarray(t, dtype=np.int64) for t in ids.values()])])
+    pairs = torch.from_numpy(pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]).to(device)
+    if count:
+        out.index_put_((pairs[0], pairs[1]), torch.ones(pairs.shape[1], dtype=dtype, device=device), accumulate=True)
+    else:
+        out[pairs[0], pairs[1]] = True if dtype == torch.bool else 1
+    return out
+
+
+def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> Tensor:
+    """(b, vocab) float32 on ``device``: row ``rows[k]`` holds ``params[k]``'s logit biases, -inf outside its allowed
+    token ids (0 elsewhere, and in the other rows)."""
+    allowed = {i: p.allowed_token_ids for i, p in zip(rows, params) if p.allowed_token_ids is not None}
+    out = torch.zeros((b, vocab), dtype=torch.float32, device=device)
+    if allowed:
+        out[list(allowed)] = -torch.inf
+        out.masked_fill_(_dense_rows(b, vocab, allowed, torch.bool, device), 0.0)
+    biases = [(i, t, v) for i, p in zip(rows, params) if p.logit_bias for t, v in p.logit_bias if t < vocab]
+    if biases:
+        where = torch.from_numpy(np.array([(i, t) for i, t, _ in biases], dtype=np.int64).T).to(device)
+        values = torch.from_numpy(np.array([v for *_, v in biases], dtype=np.float32)).to(device)
+        out.index_put_((where[0], where[1]), values, accumulate=True)
     return out
 
 
@@ -210,24 +230,22 @@ def _bad_words(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) 
 
 def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> HeldBack:
     """The ``HeldBack`` of requests ``reqs`` at rows ``rows`` of a batch of ``b`` (the others hold nothing back)."""
-    tokens = np.zeros((b, vocab), dtype=bool)
     left = np.zeros(b, dtype=np.int64)
+    ending = {}
     for i, r in zip(rows, reqs):
         p = r.params
-        ending = [*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids]
-        tokens[i, np.asarray([t for t in ending if t < vocab], dtype=np.int64)] = True
+        ending[i] = [*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids]
         left[i] = p.min_tokens - r.num_output
-    return HeldBack(torch.from_numpy(tokens).to(device), torch.from_numpy(left).to(device))
+    return HeldBack(_dense_rows(b, vocab, ending, torch.bool, device), torch.from_numpy(left).to(device))
 
 
 def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> OutputCounts:
     """The ``OutputCounts`` of rows ``rows`` of ``reqs`` in a batch of ``b`` rows (the others count nothing)."""
-    counts = np.zeros((b, vocab), dtype=np.float32)
     presence, frequency = np.zeros(b, dtype=np.float32), np.zeros(b, dtype=np.float32)
     for i in rows:
-        counts[i] = np.bincount(np.asarray(reqs[i].output_ids, dtype=np.int64), minlength=vocab)[:vocab]
         presence[i], frequency[i] = reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty
-    return OutputCounts(*(torch.from_numpy(a).to(device) for a in (counts, presence, frequency)))
+    counts = _dense_rows(b, vocab, {i: reqs[i].output_ids for i in rows}, torch.float32, device, count=True)
+    return OutputCounts(counts, *(torch.from_numpy(a).to(device) for a in (presence, frequency)))
 
 
 def _on_path(context: Tensor, tokens: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:

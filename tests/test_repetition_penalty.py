@@ -82,6 +82,46 @@ def test_each_verify_token_has_its_own_context():
     assert [set(row.nonzero().flatten().tolist()) for row in at[0]] == want
 
 
+def test_the_context_tensors_hold_each_rows_tokens_counts_biases_and_held_back_tokens():
+    """``ContextPenalty.of`` builds its (B, V) tensors from the rows' token ids: ``present`` marks the prompt and
+    output tokens, ``output.counts`` counts the output's (repeats too), ``bias`` is -inf outside the allowed ids plus
+    each logit bias there, ``held`` marks the ending tokens of rows still under ``min_tokens``; rows without the
+    option (and the batch's other rows) hold zeros. Compared with a dense reference built token by token."""
+    from types import SimpleNamespace
+
+    vocab, b = 12, 4
+
+    def req(prompt, output, **kw):
+        params = SamplingParams(max_tokens=8, **kw)
+        return SimpleNamespace(tokens=prompt + output, output_ids=output, num_output=len(output), params=params,
+                               eos_token_ids=(11,), bad_word_ids=(), penalized=True)
+
+    reqs = [req([1, 2, 2], [3, 3, 5], repetition_penalty=1.5, presence_penalty=0.5),
+            req([4], [], allowed_token_ids=[0, 6, 7], logit_bias={6: 2.0, 9: -1.0}, min_tokens=2,
+                stop_token_ids=[10]),
+            req([5, 5], [7], frequency_penalty=1.0, logit_bias={7: 3.0}),
+            req([8], [9])]  # (not among the rows: unchanged)
+    got = ContextPenalty.of(reqs, [0, 1, 2], b, vocab, "cpu")
+    present = torch.zeros(b, vocab, dtype=torch.bool)
+    present[0, [1, 2, 3, 5]] = True
+    assert torch.equal(got.present, present) and got.penalty.tolist() == [1.5, 1.0, 1.0, 1.0]
+    counts = torch.zeros(b, vocab)
+    counts[0, 3], counts[0, 5], counts[2, 7] = 2, 1, 1
+    assert torch.equal(got.output.counts, counts)
+    assert got.output.presence.tolist() == [0.5, 0, 0, 0] and got.output.frequency.tolist() == [0, 0, 1.0, 0]
+    bias = torch.zeros(b, vocab)
+    bias[1] = -torch.inf
+    bias[1, [0, 6, 7]] = 0.0
+    bias[1, 6] += 2.0
+    bias[1, 9] += -1.0  # (outside the allowed ids: stays -inf)
+    bias[2, 7] = 3.0
+    assert torch.equal(got.bias, bias)
+    held = torch.zeros(b, vocab, dtype=torch.bool)
+    held[1, [10, 11]] = True
+    assert torch.equal(got.held.tokens, held) and got.held.left.tolist() == [0, 2, 0, 0]
+    assert got.bad is None
+
+
 def test_penalty_divides_positive_and_multiplies_negative_logits():
     x = torch.tensor([2.0, -2.0, 3.0, -1.0])
     got = repetition_penalty(x, torch.tensor([True, True, False, False]), 2.0)
