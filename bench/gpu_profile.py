@@ -73,11 +73,13 @@ CONFIGS = {
     # n-gram forced to chains of one token (``force``: the controller never falls back to plain decoding)
     "ng_t16_f1": ("ngram", {"force": 1}, 1.0, 16, "mtbench", 32),
     "ng_t64_f1": ("ngram", {"force": 1}, 1.0, 64, "sharegpt", 96),
-    # every request asking for its top 5 log-probabilities (``logprobs``: a request field, not the engine's), greedy:
-    # against to_g1 / to_g16 / ea_g16, what they cost a step
-    "to_g1_lp": (None, {"logprobs": 5}, 0.0, 1, "mtbench", 6),
-    "to_g16_lp": (None, {"logprobs": 5}, 0.0, 16, "mtbench", 32),
-    "ea_g16_lp": ("eagle", {"logprobs": 5}, 0.0, 16, "mtbench", 32),
+    # request fields (``request``: SamplingParams fields, not the engine's), greedy, against to_g1 / to_g16 / ea_g16:
+    # every request asking for its top 5 log-probabilities, or with a presence penalty (its batch steps unpipelined)
+    "to_g1_lp": (None, {"request": {"logprobs": 5}}, 0.0, 1, "mtbench", 6),
+    "to_g16_lp": (None, {"request": {"logprobs": 5}}, 0.0, 16, "mtbench", 32),
+    "ea_g16_lp": ("eagle", {"request": {"logprobs": 5}}, 0.0, 16, "mtbench", 32),
+    "to_g16_pen": (None, {"request": {"presence_penalty": 0.5}}, 0.0, 16, "mtbench", 32),
+    "ea_g16_pen": ("eagle", {"request": {"presence_penalty": 0.5}}, 0.0, 16, "mtbench", 32),
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt
@@ -264,7 +266,7 @@ def main() -> None:
         fields = {"tree": "dynamic:31" if draft is eagle and draft is not None else "chain:8", **fields}
         held = fields.pop("budget", None)
         forced = fields.pop("force", None)
-        logprobs = fields.pop("logprobs", None)
+        request = fields.pop("request", {})
         t0 = time.perf_counter()
         cfg = SpecConfig(device=DEV, dtype="bfloat16" if CUDA else "float32", max_batch_size=batch,
                          prefix_cache=False, kv_memory_bytes=3 << 30, **fields)
@@ -277,7 +279,7 @@ def main() -> None:
         prompts = prompt_sets[pset][:n if CUDA else 2]
         top_p = 0.9 if temp else 1.0
         params = SamplingParams(max_new_tokens=128 if CUDA else 8, ignore_eos=True, temperature=temp, top_p=top_p,
-                                logprobs=logprobs)
+                                **request)
         steps = Steps(engine)
         with FirstUse() as fresh:
             first = timed(engine, steps, prompts, params)
@@ -285,7 +287,7 @@ def main() -> None:
         engine.forget_drafts()
         run = timed(engine, steps, prompts, params)
         short = SamplingParams(max_new_tokens=48 if CUDA else 4, ignore_eos=True, temperature=temp, top_p=top_p,
-                               logprobs=logprobs)
+                               **request)
         few = prompts[:max(1, min(len(prompts), batch))]
         sync()
         steps.count = 0
