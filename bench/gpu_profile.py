@@ -74,12 +74,14 @@ CONFIGS = {
     "ng_t16_f1": ("ngram", {"force": 1}, 1.0, 16, "mtbench", 32),
     "ng_t64_f1": ("ngram", {"force": 1}, 1.0, 64, "sharegpt", 96),
     # request fields (``request``: SamplingParams fields, not the engine's), greedy, against to_g1 / to_g16 / ea_g16:
-    # every request asking for its top 5 log-probabilities, or with a presence penalty (its batch steps unpipelined)
+    # every request asking for its top 5 log-probabilities, with a presence penalty (its batch steps unpipelined) or a
+    # logit bias (its rules eager, its steps queued)
     "to_g1_lp": (None, {"request": {"logprobs": 5}}, 0.0, 1, "mtbench", 6),
     "to_g16_lp": (None, {"request": {"logprobs": 5}}, 0.0, 16, "mtbench", 32),
     "ea_g16_lp": ("eagle", {"request": {"logprobs": 5}}, 0.0, 16, "mtbench", 32),
     "to_g16_pen": (None, {"request": {"presence_penalty": 0.5}}, 0.0, 16, "mtbench", 32),
     "ea_g16_pen": ("eagle", {"request": {"presence_penalty": 0.5}}, 0.0, 16, "mtbench", 32),
+    "ea_g16_bias": ("eagle", {"request": {"logit_bias": {0: -1.0}}}, 0.0, 16, "mtbench", 32),  # (steps queued)
 }
 ONLY = os.environ.get("ONLY", "").split()
 PYPROF = os.environ.get("PYPROF", "") == "1"  # also a cProfile of one generate per configuration: <name>.py.txt

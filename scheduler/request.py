@@ -84,6 +84,15 @@ class Request:
         return p.logits_processed or (p.min_tokens > 0 and self.num_output < p.min_tokens)
 
     @property
+    def reads_context(self) -> bool:
+        """Its next step's processed logits depend on the tokens committed before that step
+        (``SamplingParams.reads_context``, or ``min_tokens`` still holding the ending tokens back): a step queued
+        on the device before the step ahead of it is committed cannot build them, so its batch is not queued. A
+        row that is ``penalized`` only by a bias or an allowed set is queued (its rule applies the same bias)."""
+        p = self.params
+        return p.reads_context or (p.min_tokens > 0 and self.num_output < p.min_tokens)
+
+    @property
     def plain_greedy(self) -> bool:
         """Greedy on the raw logits at its next step: the steps' greedy fast paths (the verify's own argmax) serve
         it."""

@@ -18,7 +18,8 @@ One mechanism for every proposer; the hooks (``specdec.pipeline_hooks``) differ 
 step's inputs: ``EagleAhead`` (the accepted path's KV moved, the draft program's catch-up, the next verify's
 skeleton, then the draft program's replay) and ``ChainAhead`` (n-gram chains looked up on the device, and target-only
 decoding with no chain: the next verify's whole bucket from the outcome and the chains, under any node budget).
-Steps with sampled rows (not with a penalized row, ``Request.penalized``) are queued by both: the sampled rule runs
+Steps with sampled rows, and with rows whose logits a bias or an allowed set changes (not with a row whose
+processed logits read its committed tokens, ``Request.reads_context``), are queued by both: the sampled rule runs
 right behind the verify (its choices read each row's positions from the queued inputs), and the next step is built
 from its outcome.
 

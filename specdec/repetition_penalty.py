@@ -77,7 +77,7 @@ class ContextPenalty(NamedTuple):
             present = _dense_rows(b, vocab, {i: reqs[i].tokens for i in repeated}, torch.bool, device)
             penalty = np.ones(b, dtype=np.float32)
             penalty[repeated] = [params[i].repetition_penalty for i in repeated]
-            penalty = torch.from_numpy(penalty).to(device)
+            penalty = _on_device(penalty, device)
         counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
         if counted:
             output = _output_counts(reqs, counted, b, vocab, device)
@@ -164,6 +164,13 @@ def path_nodes(tree_mask: Tensor) -> Tensor:
     return bits
 
 
+def _on_device(array: np.ndarray, device) -> Tensor:
+    """``array`` on ``device``: on CUDA through pinned memory, a copy that does not wait for the stream's work so far
+    (a verify in flight: a step queued behind it builds its rows' processors too)."""
+    out = torch.from_numpy(array)
+    return out.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else out
+
+
 def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.dtype, device,
                 count: bool = False) -> Tensor:
     """(b, vocab) tensor on ``device``: row i set (True, or 1.0) at the token ids ``ids[i]`` below ``vocab``, or with
@@ -174,7 +181,7 @@ def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.
     if not rows:
         return out
     pairs = np.stack([np.concatenate(rows), np.concatenate([np.asarray(t, dtype=np.int64) for t in ids.values()])])
-    pairs = torch.from_numpy(pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]).to(device)
+    pairs = _on_device(np.ascontiguousarray(pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]), device)
     if count:
         out.index_put_((pairs[0], pairs[1]), torch.ones(pairs.shape[1], dtype=dtype, device=device), accumulate=True)
     else:
@@ -192,8 +199,8 @@ def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int, device
         out.masked_fill_(_dense_rows(b, vocab, allowed, torch.bool, device), 0.0)
     biases = [(i, t, v) for i, p in zip(rows, params) if p.logit_bias for t, v in p.logit_bias if t < vocab]
     if biases:
-        where = torch.from_numpy(np.array([(i, t) for i, t, _ in biases], dtype=np.int64).T).to(device)
-        values = torch.from_numpy(np.array([v for *_, v in biases], dtype=np.float32)).to(device)
+        where = _on_device(np.array([[i for i, _, _ in biases], [t for _, t, _ in biases]], dtype=np.int64), device)
+        values = _on_device(np.array([v for *_, v in biases], dtype=np.float32), device)
         out.index_put_((where[0], where[1]), values, accumulate=True)
     return out
 
@@ -225,7 +232,7 @@ def _bad_words(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) 
             words[i, k, w - len(seq) + 1:] = seq
             if seq[-1] >= vocab:
                 words[i, k, w] = -1
-    return BadWords(torch.from_numpy(tail).to(device), torch.from_numpy(words).to(device))
+    return BadWords(_on_device(tail, device), _on_device(words, device))
 
 
 def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> HeldBack:
@@ -236,7 +243,7 @@ def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) 
         p = r.params
         ending[i] = [*(() if p.ignore_eos else r.eos_token_ids), *p.stop_token_ids]
         left[i] = p.min_tokens - r.num_output
-    return HeldBack(_dense_rows(b, vocab, ending, torch.bool, device), torch.from_numpy(left).to(device))
+    return HeldBack(_dense_rows(b, vocab, ending, torch.bool, device), _on_device(left, device))
 
 
 def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> OutputCounts:
@@ -245,7 +252,7 @@ def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, devi
     for i in rows:
         presence[i], frequency[i] = reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty
     counts = _dense_rows(b, vocab, {i: reqs[i].output_ids for i in rows}, torch.float32, device, count=True)
-    return OutputCounts(counts, *(torch.from_numpy(a).to(device) for a in (presence, frequency)))
+    return OutputCounts(counts, *(_on_device(a, device) for a in (presence, frequency)))
 
 
 def _on_path(context: Tensor, tokens: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -152,10 +152,10 @@ class SamplingParams:
                 set_(self, name, _integer(getattr(self, name), name, f"must be None or an int >= 0 and <= "
                                           f"{MAX_LOGPROBS} (the most probable tokens returned beside the chosen one)",
                                           0, MAX_LOGPROBS))
-        # (not a field: read for every row at every step, ``Request.penalized``)
-        set_(self, "_processed", self.repetition_penalty != 1.0 or self.presence_penalty != 0
-             or self.frequency_penalty != 0 or bool(self.logit_bias) or self.allowed_token_ids is not None
-             or bool(self.bad_words))
+        # (not fields: read for every row at every step, ``Request.penalized`` and ``Request.reads_context``)
+        set_(self, "_contextual", self.repetition_penalty != 1.0 or self.presence_penalty != 0
+             or self.frequency_penalty != 0 or bool(self.bad_words))
+        set_(self, "_processed", self._contextual or bool(self.logit_bias) or self.allowed_token_ids is not None)
 
     @property
     def stop_id_set(self) -> frozenset[int]:
@@ -171,6 +171,12 @@ class SamplingParams:
         """Every step's logits are changed: by a repetition, presence or frequency penalty (which depends on each
         verify token's context), ``logit_bias``, ``allowed_token_ids`` or ``bad_words``."""
         return self._processed
+
+    @property
+    def reads_context(self) -> bool:
+        """Its logits change with the tokens before them (a repetition, presence or frequency penalty, or
+        ``bad_words``); a bias or an allowed set alone changes them alike at every position."""
+        return self._contextual
 
     @property
     def filtered(self) -> bool:

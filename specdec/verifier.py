@@ -114,7 +114,7 @@ class Verifier:
                               draft)
         graphs = self.runner.graphs
         fwd, views = graphs.replay(key), graphs.inputs.views(key[1], key[2])
-        sampled = [i for i, req in enumerate(rows) if not req.params.greedy]
+        sampled = [i for i, req in enumerate(rows) if not req.plain_greedy]  # (and processed greedy rows)
         if sampled:  # each chain at most q - 1 nodes, cut on the device: the rule reads its length from the inputs
             _write(fwd.accept, self.sampled_rule.on_views(rows, sampled, key[2], views, fwd.logits, fwd.accept,
                                                           graphs.captured(key), ragged=True))
@@ -131,13 +131,14 @@ class Verifier:
     def _read_behind(self, rows: list[Request], key, fwd, outcome: torch.Tensor | None) -> QueuedStep | None:
         """The step of a graphed verify ``fwd`` (bucket ``key``, its step's ``outcome``) when a follow-up runs behind
         it and is read with its outcome, else None (the outcome alone is read). The follow-up runs behind plain
-        greedy rows, and when pipelined behind sampled rows too (not with a penalized row: a queued step would
-        need the penalty of tokens not committed yet); their outcome is the rule's, written into the verify's
+        greedy rows, and when pipelined behind sampled and processed rows too (not with a row whose processed
+        logits read its committed tokens, ``Request.reads_context``: a queued step would need the penalty of tokens
+        not committed yet); their outcome is the rule's, written into the verify's
         outcome buffer, which the follow-up and a queued step's writer read."""
         if self.followup is None or key is None or outcome is None:
             return None
         if not all(r.plain_greedy for r in rows):
-            if self.pipeline is None or any(r.penalized for r in rows):
+            if self.pipeline is None or any(r.reads_context for r in rows):
                 return None
             _write(fwd.accept, outcome)
         out = self.followup.launch(rows, key, fwd)
