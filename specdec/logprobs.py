@@ -73,15 +73,11 @@ def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]
 
 class KeptLogits:
     """The verify logits of the rows that ask for log-probabilities, copied out of a captured verify's output
-    (``keep_logits``): row i's (its queries, V), as the step's own logits give them; ``ready``: on CUDA, an event
-    recorded right after the copy (the step queued behind it comes later on the same stream)."""
+    (``keep_logits``): ``block`` (n, q, V), row i's padded queries at ``block[where[i]]``; ``ready``: on CUDA, an
+    event recorded right after the copy (the step queued behind it comes later on the same stream)."""
 
-    def __init__(self, block: torch.Tensor, where: dict[int, int], lengths: dict[int, int], ready=None) -> None:
-        self.block, self.where, self.lengths = block, where, lengths  # (n, q, V); row -> its block, its queries
-        self.ready = ready
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.block[self.where[i], :self.lengths[i]].float()
+    def __init__(self, block: torch.Tensor, where: dict[int, int], ready=None) -> None:
+        self.block, self.where, self.ready = block, where, ready
 
 
 @torch.inference_mode()
@@ -94,9 +90,9 @@ def keep_logits(rows: list, logits, q: int | None = None, sel=None):
     ``sel``: a step adopted by some of its rows (``QueuedStep.sel``): row i of ``rows`` is its row ``sel[i]``."""
     asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if isinstance(logits, torch.Tensor):  # a queued verify's output: every row has q queries
-        full, lengths = logits, None
+        full = logits
     else:
-        full, q, lengths = getattr(logits, "logits", None), getattr(logits, "q", q), getattr(logits, "lengths", None)
+        full, q = getattr(logits, "logits", None), getattr(logits, "q", q)
     if not asking or not isinstance(full, torch.Tensor):  # (eager logits are the forward's own tensors)
         return logits
     src = [int(sel[i]) if sel is not None else i for i in asking]  # (their rows in the step's output)
@@ -106,19 +102,18 @@ def keep_logits(rows: list, logits, q: int | None = None, sel=None):
     if block.is_cuda:
         ready = torch.cuda.Event()
         ready.record()
-    return KeptLogits(block, {i: j for j, i in enumerate(asking)},
-                      {i: q if lengths is None else lengths[s] for i, s in zip(asking, src)}, ready)
+    return KeptLogits(block, {i: j for j, i in enumerate(asking)}, ready)
 
 
-def _flat(logits, i: int) -> tuple[torch.Tensor, int] | None:
-    """Row i's verify logits as rows of one 2-D tensor: (that tensor, the row of its first query), or None for
-    per-row tensors (an eager step's)."""
+def _flat(logits):
+    """The verify's logits as one 2-D tensor of query rows and ``first(i)``, the row of row i's first query there:
+    (that tensor, ``first``), or None for per-row tensors (an eager step's)."""
     if isinstance(logits, KeptLogits):
-        block = logits.block
-        return block.view(-1, block.shape[-1]), logits.where[i] * block.shape[1]
+        block, where = logits.block, logits.where
+        return block.view(-1, block.shape[-1]), lambda i: where[i] * block.shape[1]
     full = getattr(logits, "logits", None)
     if isinstance(full, torch.Tensor) and full.dim() == 2:  # ``runner._PaddedLogits``: row i at i * q
-        return full, i * logits.q
+        return full, lambda i: i * logits.q
     return None
 
 
@@ -154,12 +149,11 @@ def with_logprobs(rows: list, logits, results: list) -> list:
     for i in asking:
         chosen += [*results[i].accepted_tokens, results[i].bonus_token]
         ks += [rows[i].params.logprobs] * len(queries[i])
-    where = [_flat(logits, i) for i in asking]
+    flat = _flat(logits)
     with _after(getattr(logits, "ready", None)):
-        if all(w is not None and w[0] is where[0][0] for w in where):  # one source: one gather
-            src = where[0][0]
-            flat = [first + j for (_, first), i in zip(where, asking) for j in queries[i]]
-            picked = src.index_select(0, _upload(flat, src.device))
+        if flat is not None:  # one source: one gather
+            src, first = flat
+            picked = src.index_select(0, _upload([first(i) + j for i in asking for j in queries[i]], src.device))
         else:  # (an eager step's per-row tensors)
             picked = torch.cat([logits[i].index_select(0, _upload(queries[i], logits[i].device)) for i in asking])
         entries = ranked(picked, chosen, ks)

@@ -230,6 +230,39 @@ def test_ranked_in_slices_equals_one_pass(monkeypatch):
         assert set(entry) - {chosen[j]} <= set(lp[j].topk(3).indices.tolist())
 
 
+def test_kept_logits_are_read_in_one_gather(monkeypatch):
+    """``keep_logits`` copies the asking rows' padded blocks out of a verify's (B * q, V) output (row i of the rows
+    at its row ``sel[i]`` of an adopted step), and ``with_logprobs`` reads every asking row's queries from that copy
+    in one gather (one index upload for it, one for the chosen tokens), whatever number of rows ask; each entry is
+    the log-softmax of its own query's logits, and a row that does not ask gets none."""
+    from types import SimpleNamespace
+
+    from specdec import logprobs
+
+    b, q, vocab = 4, 3, 20
+    full = torch.randn(b * q, vocab, generator=torch.Generator().manual_seed(2))
+    rows = [SimpleNamespace(params=SimpleNamespace(logprobs=k)) for k in (2, None, 1, 0)]
+    sel = [3, 0, 1, 2]  # (adopted: row i of ``rows`` is the step's row sel[i])
+    kept = logprobs.keep_logits(rows, full, q, sel)
+    uploads = []
+    real = logprobs._upload
+    monkeypatch.setattr(logprobs, "_upload", lambda values, device: uploads.append(list(values)) or real(values,
+                                                                                                           device))
+    full.zero_()  # (the queued step's replay rewrites the output: the copy is read)
+    result = SimpleNamespace(accepted_nodes=[1], accepted_tokens=[5], bonus_token=7, logprobs=None,
+                             _replace=lambda **kw: kw)
+    out = logprobs.with_logprobs(rows, kept, [result] * 4)
+    assert len(uploads) == 2 and out[1] is result
+    original = torch.randn(b * q, vocab, generator=torch.Generator().manual_seed(2)).view(b, q, vocab)
+    for i in (0, 2, 3):
+        lp = torch.log_softmax(original[sel[i]], -1)
+        entries = out[i]["logprobs"]
+        assert [next(iter(e)) for e in entries] == [5, 7]
+        for e, query, tok in zip(entries, (0, 2), (5, 7)):  # (query 0, then accepted node 1's: query 2)
+            assert e[tok][0] == pytest.approx(lp[query, tok].item(), abs=1e-6)
+            assert len(e) <= 1 + rows[i].params.logprobs
+
+
 def test_each_token_carries_its_own_bytes(smollm2, letter_target):
     """A byte-level tokenizer's tokens that hold part of a UTF-8 character read "\\ufffd" but carry their own bytes,
     which joined give the text back; a chat answer's ``bytes`` are them. A word-level tokenizer's are its texts'."""
