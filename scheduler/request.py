@@ -80,8 +80,13 @@ class Request:
     def penalized(self) -> bool:
         """Its next step's logits are changed (``SamplingParams.logits_processed``, or ``min_tokens`` still holds the
         ending tokens back): the step's fast paths, which read the raw logits, do not serve it."""
+        return self.params.logits_processed or self.holding_back
+
+    @property
+    def holding_back(self) -> bool:
+        """``min_tokens`` still holds the ending tokens back at its next step."""
         p = self.params
-        return p.logits_processed or (p.min_tokens > 0 and self.num_output < p.min_tokens)
+        return p.min_tokens > 0 and self.num_output < p.min_tokens
 
     @property
     def reads_context(self) -> bool:
@@ -89,8 +94,7 @@ class Request:
         (``SamplingParams.reads_context``, or ``min_tokens`` still holding the ending tokens back): a step queued
         on the device before the step ahead of it is committed cannot build them, so its batch is not queued. A
         row that is ``penalized`` only by a bias or an allowed set is queued (its rule applies the same bias)."""
-        p = self.params
-        return p.reads_context or (p.min_tokens > 0 and self.num_output < p.min_tokens)
+        return self.params.reads_context or self.holding_back
 
     @property
     def plain_greedy(self) -> bool:

@@ -65,8 +65,9 @@ class EpochConfig:
     saying so. free_sampled_rows: with such a proposer, a bucket of more rows than this with sampled rows holds plain
     decoding from its first step, with no search, no probe and no watch: there its chains gain 10-17% per live row
     while rows loop, less than what a probe's budget switches and the rows it leaves ending apart cost (on the H100,
-    held at plain decoding 0.993-0.997x of target-only at batch 16 and 64, T=0.7 and 1.0, against 0.977-0.988x with
-    the search and probes: bench/RESULTS.md, session 45); None: every bucket searches."""
+    held at plain decoding 0.993-1.001x of target-only in seven of eight runs at batch 16 and 64, T=0.7 and 1.0,
+    against 0.976-0.988x with the search and probes; the eighth, batch 64 at T=0.7, 0.972x against 1.020x:
+    bench/RESULTS.md, session 45); None: every bucket searches."""
 
     epoch_steps: int = 16
     epoch_rows: int = 256

@@ -185,7 +185,7 @@ def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.
     if count:
         out.index_put_((pairs[0], pairs[1]), torch.ones(pairs.shape[1], dtype=dtype, device=device), accumulate=True)
     else:
-        out[pairs[0], pairs[1]] = True if dtype == torch.bool else 1
+        out[pairs[0], pairs[1]] = 1
     return out
 
 
