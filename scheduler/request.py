@@ -92,8 +92,8 @@ class Request:
     def reads_context(self) -> bool:
         """Its next step's processed logits depend on the tokens committed before that step
         (``SamplingParams.reads_context``, or ``min_tokens`` still holding the ending tokens back): a step queued
-        on the device before the step ahead of it is committed cannot build them, so its batch is not queued. A
-        row that is ``penalized`` only by a bias or an allowed set is queued (its rule applies the same bias)."""
+        on the device before the step ahead of it is committed counts that step's tokens on the device
+        (``repetition_penalty.committed_ahead``); a row ``penalized`` only by a bias or an allowed set needs none."""
         return self.params.reads_context or self.holding_back
 
     @property

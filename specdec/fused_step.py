@@ -232,18 +232,18 @@ class FusedVerify:
             fwd = self.launch(draft.key, draft.reqs, tokens, parents, draft.bt)
         return fwd, tokens, draft.parents[:k] if parents is None else parents, top, ranks
 
-    def outcome(self, key, reqs: list, fwd: ForwardResult, k: int) -> Tensor:
+    def outcome(self, key, reqs: list, fwd: ForwardResult, k: int, ahead=None) -> Tensor:
         """(B, Q + 3) outcome of the fused verify ``fwd`` of bucket ``key`` whose trees have ``k`` nodes each:
-        its greedy acceptance itself when every row is greedy, else with the sampled rows (and greedy ones with a
-        repetition penalty) through the lossless rule (``SampledRule.on_views``: the trees are read where the
-        verify inputs hold them)."""
+        its greedy acceptance itself when every row is greedy, else with the sampled rows (and greedy ones with
+        processed logits) through the lossless rule (``SampledRule.on_views``: the trees are read where the
+        verify inputs hold them; ``ahead``: what the step before commits, ``repetition_penalty.committed_ahead``)."""
         sampled = [i for i, r in enumerate(reqs) if not r.plain_greedy]
         if not sampled:
             return fwd.accept
         graphs = self.runner.graphs
         views = graphs.inputs.views(key[1], key[2])
         return self.verifier.sampled_rule.on_views(reqs, sampled, k + 1, views, fwd.logits.logits, fwd.accept,
-                                                   graphs.captured(key))
+                                                   graphs.captured(key), ahead=ahead)
 
     def _tables(self, reqs: list, bt):
         """``bt``, or the rows' block tables (R, W) synced now."""

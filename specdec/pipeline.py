@@ -18,10 +18,11 @@ One mechanism for every proposer; the hooks (``specdec.pipeline_hooks``) differ 
 step's inputs: ``EagleAhead`` (the accepted path's KV moved, the draft program's catch-up, the next verify's
 skeleton, then the draft program's replay) and ``ChainAhead`` (n-gram chains looked up on the device, and target-only
 decoding with no chain: the next verify's whole bucket from the outcome and the chains, under any node budget).
-Steps with sampled rows, and with rows whose logits a bias or an allowed set changes (not with a row whose
-processed logits read its committed tokens, ``Request.reads_context``), are queued by both: the sampled rule runs
-right behind the verify (its choices read each row's positions from the queued inputs), and the next step is built
-from its outcome.
+Steps with sampled rows and with rows whose logits processors change are queued by both: the sampled rule runs right
+behind the verify (its choices read each row's positions from the queued inputs), and the next step is built from its
+outcome. Where a row's processed logits read its context (a penalty, bad words, ``min_tokens``:
+``Request.reads_context``), the queued step's rule counts the tokens the step before commits, gathered on the device
+from that step's outcome and inputs before the writer overwrites them (``repetition_penalty.committed_ahead``).
 
 Requests that take a decode row at a step (``StepBatch.joining``: their prefill ended in it, or earlier when they
 were prefilled ahead of a free row) join the step queued in that same step (``Drafter.joining``; EAGLE steps, decode
@@ -48,6 +49,7 @@ from torch import Tensor
 
 from specdec.fused_step import DeviceDraft
 from specdec.graphs import GraphCache
+from specdec.repetition_penalty import committed_ahead
 
 if TYPE_CHECKING:
     from specdec.drafters.base import Proposal
@@ -220,11 +222,16 @@ class StepPipeline:
         taken = np.zeros(step.key[1], dtype=bool)
         taken[np.arange(len(rows)) if step.sel is None else step.sel] = True
         at = np.flatnonzero(~taken)[:len(joining)]
+        ahead = None  # (what ``step`` commits, for rows whose processed logits read it: before the writer
+        if any(r.reads_context for r in every):  # overwrites ``step``'s inputs)
+            _, b, q = step.key
+            ahead = committed_ahead(step.outcome, self.runner.graphs.inputs.views(b, q).ids.view(b, q), len(rows),
+                                    step.sel, len(joining))
         nxt = self.hook.write_next(rows, step, self.upload, joining, at)
         if nxt is None:
             return None
         key, draft = nxt
-        self.ahead = self.verifier.launch_queued(every, key, drafter.node_budget, draft)
+        self.ahead = self.verifier.launch_queued(every, key, drafter.node_budget, draft, ahead)
         self.ahead.joined = tuple(joining)
         self.queued += 1
         self.joined += len(joining)

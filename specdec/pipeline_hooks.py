@@ -63,12 +63,10 @@ class EagleAhead:
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
         """Decoding: behind a decode step, as ``ChainAhead``. Else only behind a fused step (trees on the device,
-        target features), adopted by all its rows or some (those that go on are gathered from their rows of it),
-        and not for a row whose processed logits read the committed tokens (``Request.reads_context``)."""
+        target features), adopted by all its rows or some (those that go on are gathered from their rows of it)."""
         if self.decoding:
             return step.trees is None and self.decode.may_queue(rows, step)
-        return (step.trees is not None and step.fwd.features is not None
-                and not any(r.reads_context for r in rows))
+        return step.trees is not None and step.fwd.features is not None
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, DeviceDraft | None] | None:
@@ -158,19 +156,15 @@ class ChainAhead:
         return min(self.drafter.node_budget, self.k)
 
     def min_query(self, rows: list[Request]) -> int:
-        """The budget's queries (n + 1: the queued verify runs in the same bucket, whatever its chains' lengths)
-        when no row's processed logits read the committed tokens (``Request.reads_context``), greedy and sampled
-        rows alike (a bias or an allowed set is applied by the queued step's rule too); else 0 (nothing is queued,
-        and the verify keeps its own bucket)."""
-        return 0 if any(r.reads_context for r in rows) else self.nodes + 1
+        """The budget's queries (n + 1: the queued verify runs in the same bucket, whatever its chains' lengths),
+        greedy and sampled rows alike, processed or not (the queued step's rule applies their processors too)."""
+        return self.nodes + 1
 
     def may_queue(self, rows: list[Request], step: QueuedStep) -> bool:
-        """Behind a verify in its budget's bucket, of rows greedy or sampled but none whose processed logits read the
-        committed tokens (a queued step would need the penalty of tokens not committed yet: ``Request.reads_context``),
-        with room in the n-gram histories for what the queued step appends."""
+        """Behind a verify in its budget's bucket, with room in the n-gram histories for what the queued step
+        appends."""
         key = self.runner.packed_key(0, len(step.rows), self.nodes + 1, self.drafter.target_features)
-        return (key is not None and step.key[2] == key[2] and not any(r.reads_context for r in rows)
-                and self.follow.room(rows, step.key[2]))
+        return key is not None and step.key[2] == key[2] and self.follow.room(rows, step.key[2])
 
     def write_next(self, rows: list[Request], step: QueuedStep, upload, joining: list[Request] = (),
                    at: np.ndarray | None = None) -> tuple[tuple, None] | None:

@@ -63,13 +63,17 @@ class ContextPenalty(NamedTuple):
     bias: Tensor | None = None  # (B, V) float32 added to the raw logits (logit_bias; -inf outside allowed_token_ids)
     held: HeldBack | None = None  # None: no row holds its ending tokens back
     bad: BadWords | None = None  # None: no row has bad words
+    size: int = 0  # B
+
 
     @staticmethod
-    def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str) -> ContextPenalty:
+    def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str,
+           ahead: tuple[Tensor, Tensor] | None = None) -> ContextPenalty:
         """The penalties and processors of rows ``rows`` of ``reqs`` (each a ``Request``: ``tokens``,
         ``output_ids``, ``num_output``, ``eos_token_ids`` and ``params``) in a batch of ``b`` rows; other rows are
         unchanged. The (B, V) tensors are made on the device from the rows' token ids (one small copy each, not a
-        host array of the whole vocabulary per row)."""
+        host array of the whole vocabulary per row). ``ahead``: what each row commits in the step in flight, which
+        the host has not read (``committed_ahead``; ``after``)."""
         params = {i: reqs[i].params for i in rows}
         present = penalty = output = bias = held = None
         repeated = [i for i in rows if params[i].repetition_penalty != 1.0]
@@ -89,7 +93,32 @@ class ContextPenalty(NamedTuple):
             held = _held_back([reqs[i] for i in early], early, b, vocab, device)
         worded = [i for i in rows if reqs[i].bad_word_ids]
         bad = _bad_words([reqs[i] for i in worded], worded, b, vocab, device) if worded else None
-        return ContextPenalty(present, penalty, output, bias, held, bad)
+        out = ContextPenalty(present, penalty, output, bias, held, bad, b)
+        return out if ahead is None else out.after(*ahead)
+
+    def after(self, tokens: Tensor, counts: Tensor) -> ContextPenalty:
+        """This context once each row has also committed ``tokens`` (R, K) int64, its first ``counts[i]`` (R,)
+        (-1 after them; rows past R commit none): the tokens of a step still in flight, on the device only
+        (``committed_ahead``), for the rule of the step queued behind it. They join the prompt and output
+        (``present``), the output's counts and the tail that bad words match, and ``min_tokens`` waits for that
+        many fewer."""
+        b = self.size
+        if tokens.shape[0] < b:
+            tokens = torch.cat([tokens, tokens.new_full((b - tokens.shape[0], tokens.shape[1]), -1)])
+            counts = torch.cat([counts, counts.new_zeros(b - counts.shape[0])])
+        present, output, held, bad = self.present, self.output, self.held, self.bad
+        if present is not None:
+            present = _plus_tokens(present, tokens, True)
+        if output is not None:
+            output = output._replace(counts=_plus_tokens(output.counts, tokens, 1.0))
+        if held is not None:
+            held = held._replace(left=held.left - counts)
+        if bad is not None:
+            w = bad.tail.shape[1]
+            joined = torch.cat([bad.tail, tokens], 1)  # (B, W + K): the last W up to each row's count
+            tail = joined.gather(1, counts.view(-1, 1) + torch.arange(w, device=tokens.device))
+            bad = bad._replace(tail=tail)
+        return self._replace(present=present, output=output, held=held, bad=bad)
 
     def at_tokens(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
         """(B, Q, V) bool: the context of each verify token, the row's ``present`` plus the tokens (B, Q) whose bit
@@ -143,6 +172,38 @@ class ContextPenalty(NamedTuple):
         where = torch.where(match, last.unsqueeze(1), vocab)  # (B, Q, N)
         out = torch.zeros(b, q, vocab + 1, dtype=torch.bool, device=tokens.device)
         return out.scatter_(-1, where, True)[..., :vocab]
+
+
+def _plus_tokens(dense: Tensor, tokens: Tensor, value) -> Tensor:
+    """``dense`` (B, V) with ``value`` set (bool) or added (per occurrence) at each row's ``tokens`` (B, K) >= 0."""
+    vocab = dense.shape[1]
+    out = torch.cat([dense, dense.new_zeros(dense.shape[0], 1)], 1)  # (column V: the -1 padding's)
+    where = torch.where(tokens >= 0, tokens, vocab)
+    if dense.dtype == torch.bool:
+        return out.scatter_(1, where, True)[:, :vocab]
+    return out.scatter_add_(1, where, torch.full(where.shape, value, dtype=out.dtype, device=out.device))[:, :vocab]
+
+
+@torch.inference_mode()
+def committed_ahead(outcome: Tensor, ids: Tensor, rows: int, sel: np.ndarray | None,
+                    joined: int = 0) -> tuple[Tensor, Tensor]:
+    """The tokens a launched verify commits in each row that goes on, on the device, before the host reads them:
+    ((R, Q + 1) int64, its accepted path's tokens then its bonus token, -1 after them; (R,) their counts). From the
+    verify's ``outcome`` (rows in its order: [m, bonus, path (query indices)..., ...]) and its input ids (B, Q);
+    the rows that go on are its first ``rows``, or its rows ``sel``; ``joined`` rows after them (their prefill just
+    ended: their pending token is their own already) commit none."""
+    q, dev = ids.shape[1], ids.device
+    src = torch.arange(rows, device=dev) if sel is None else _on_device(np.asarray(sel, dtype=np.int64), dev)
+    acc = outcome.index_select(0, src).long()  # (R, C)
+    m = acc[:, :1]
+    toks = ids.index_select(0, src).long().gather(1, acc[:, 2:2 + q].clamp(0, q - 1))  # (R, Q)
+    toks = torch.cat([toks, toks.new_zeros(toks.shape[0], 1)], 1).scatter_(1, m, acc[:, 1:2])  # bonus at column m
+    toks = torch.where(torch.arange(q + 1, device=dev) <= m, toks, -1)
+    counts = m.view(-1) + 1
+    if joined:
+        toks = torch.cat([toks, toks.new_full((joined, q + 1), -1)])
+        counts = torch.cat([counts, counts.new_zeros(joined)])
+    return toks, counts
 
 
 def _mask_bits(tree_mask: Tensor) -> Tensor:

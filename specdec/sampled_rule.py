@@ -176,25 +176,27 @@ class SampledRule:
                          captured)
 
     def on_views(self, rows: Sequence, sampled: Sequence[int], n: int, views, logits: Tensor, accept: Tensor,
-                 captured: bool, ragged: bool = False) -> Tensor:
+                 captured: bool, ragged: bool = False, ahead: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``__call__`` for a step whose verify inputs ``views`` hold every row's tree of ``n - 1`` nodes and its
         positions (a fused or queued step: the trees never reached the host). ``ragged``: at most ``n - 1`` nodes,
-        each row's count in ``views`` (a queued chain step: the chains were cut on the device)."""
+        each row's count in ``views`` (a queued chain step: the chains were cut on the device). ``ahead``: a
+        queued step's rows' tokens that the step before commits, not read yet (``repetition_penalty.committed_ahead``:
+        its processed rows' context)."""
         host = sampling_array(rows, dict.fromkeys(sampled, n), accept.shape[0])
         return self._run("chains" if ragged else "views", host,
                          functools.partial(rule_on_views, views=views, ragged=ragged), rows, sampled, logits,
-                         accept, captured)
+                         accept, captured, ahead)
 
     def _run(self, kind: str, host: np.ndarray, fn, rows: Sequence, sampled: Sequence[int], logits: Tensor,
-             accept: Tensor, captured: bool) -> Tensor:
+             accept: Tensor, captured: bool, ahead: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``fn(inputs, logits=, accept=, filtered=)`` over the uploaded ``host``: replayed from the graph of
         (``kind``, B, Q, filtered, output buffers) when capturing and ``captured``, else eagerly (with the
-        repetition penalty of the rows that have one)."""
+        penalties and processors of the rows that have them, their context joined by ``ahead``)."""
         filtered = any(rows[i].params.filtered for i in sampled)
         build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered, use_triton=self.use_triton)
         penalized = penalized_rows(rows, sampled)
         if penalized:
-            penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device)
+            penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device, ahead)
             return build(self.upload(host), penalty=penalty, any_greedy=any(rows[i].params.greedy for i in sampled))
         if not (self.capture and captured):
             return build(self.upload(host))

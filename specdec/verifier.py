@@ -100,15 +100,18 @@ class Verifier:
                                         step, queued)
         return with_logprobs(rows, logits, results)
 
-    def launch_queued(self, rows: list[Request], key, n: int, draft: DeviceDraft | None) -> QueuedStep:
+    def launch_queued(self, rows: list[Request], key, n: int, draft: DeviceDraft | None,
+                      ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> QueuedStep:
         """Launch the verify of bucket ``key`` over ``rows`` whose inputs are on the device, and start its read:
         the trees ``draft`` keeps under budget ``n`` (then its lossless rule for sampled rows too), or (None) a
         verify whose inputs a queued step's writer filled whole (then the lossless rule for sampled rows, over the
-        chains the writer put in the inputs, and the follow-up launch behind it)."""
+        chains the writer put in the inputs, and the follow-up launch behind it). ``ahead``: a queued step's, the
+        tokens the step before it commits (``repetition_penalty.committed_ahead``), which the processed logits of
+        rows that read their context (``Request.reads_context``) count."""
         r = len(rows)
         if draft is not None:
             fwd, tokens, parents, top, ranks = self.fused.launch_draft(draft)
-            accept = self.fused.outcome(key, rows, fwd, tokens.shape[1])  # (B, Q + 3): sampled rows through the rule
+            accept = self.fused.outcome(key, rows, fwd, tokens.shape[1], ahead)  # (B, Q + 3): sampled rows: the rule
             reads = [tokens] + ([] if isinstance(parents, tuple) else [parents, top, ranks]) + [accept[:r]]
             return QueuedStep(rows, key, n, fwd, accept, self.reader.start(reads), (tokens, parents, top, ranks),
                               draft)
@@ -117,7 +120,7 @@ class Verifier:
         sampled = [i for i, req in enumerate(rows) if not req.plain_greedy]  # (and processed greedy rows)
         if sampled:  # each chain at most q - 1 nodes, cut on the device: the rule reads its length from the inputs
             _write(fwd.accept, self.sampled_rule.on_views(rows, sampled, key[2], views, fwd.logits, fwd.accept,
-                                                          graphs.captured(key), ragged=True))
+                                                          graphs.captured(key), ragged=True, ahead=ahead))
         out = self.followup.follow(rows, key, fwd.accept)
         return QueuedStep(rows, key, n, fwd, out, self.reader.start([out]))
 
@@ -131,14 +134,12 @@ class Verifier:
     def _read_behind(self, rows: list[Request], key, fwd, outcome: torch.Tensor | None) -> QueuedStep | None:
         """The step of a graphed verify ``fwd`` (bucket ``key``, its step's ``outcome``) when a follow-up runs behind
         it and is read with its outcome, else None (the outcome alone is read). The follow-up runs behind plain
-        greedy rows, and when pipelined behind sampled and processed rows too (not with a row whose processed
-        logits read its committed tokens, ``Request.reads_context``: a queued step would need the penalty of tokens
-        not committed yet); their outcome is the rule's, written into the verify's
-        outcome buffer, which the follow-up and a queued step's writer read."""
+        greedy rows, and when pipelined behind sampled and processed rows too; their outcome is the rule's, written
+        into the verify's outcome buffer, which the follow-up and a queued step's writer read."""
         if self.followup is None or key is None or outcome is None:
             return None
         if not all(r.plain_greedy for r in rows):
-            if self.pipeline is None or any(r.reads_context for r in rows):
+            if self.pipeline is None:
                 return None
             _write(fwd.accept, outcome)
         out = self.followup.launch(rows, key, fwd)

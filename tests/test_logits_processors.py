@@ -113,30 +113,36 @@ def test_processed_rows_equal_the_reference(tiny_target, tiny_draft, tiny_eagle,
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "eagle"])
-def test_a_bias_or_an_allowed_set_keeps_the_batch_pipelined(tiny_target, tiny_eagle, cases, target_only,  # noqa: F811
-                                                           name):
-    """Rows whose logits only a bias or an allowed set changes (``Request.reads_context`` False) ride in steps queued
-    on the device, as plain rows do, with the same tokens as the reference; a presence penalty (the committed
-    tokens' counts) or a row still held back by ``min_tokens`` keeps its batch's steps unqueued."""
+def test_processed_rows_keep_the_batch_pipelined(tiny_target, tiny_eagle, cases, target_only, name):  # noqa: F811
+    """Rows with processed logits ride in steps queued on the device, as plain rows do, with the same tokens as
+    unpipelined target-only decoding: a bias or an allowed set (the same at every position), and penalties or
+    ``min_tokens``, which read the context: a queued step counts the tokens the step before it commits, gathered on
+    the device (``committed_ahead``). The penalties change the output, so a queued step that missed those tokens
+    would show."""
     prompts, params, refs = cases
     draft = {"none": None, "ngram": "ngram", "eagle": tiny_eagle}[name]
     tree = "chain:3" if name in ("none", "ngram") else "topk:2x2"
     options = dict(PIPELINED, ngram_device=True) if name == "ngram" else PIPELINED
 
-    def run(rows, extra=None):
-        eng = SpecEngine(draft, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
-                                                        **options))
-        ps = [params[i] if extra is None else SamplingParams(max_tokens=NEW_TOKENS, **extra) for i in rows]
+    def run(rows, extra=None, engine_options=options, proposer=draft):
+        eng = SpecEngine(proposer, tiny_target, SpecConfig(tree=tree, num_blocks=256, block_size=4, adaptive=False,
+                                                           **engine_options))
+        ps = [params[i] if extra is None else SamplingParams(max_tokens=NEW_TOKENS, seed=i, **extra) for i in rows]
         outs = [o.token_ids for o in eng.generate([prompts[i] for i in rows], ps)]
         assert eng.all_blocks_free()
-        return outs, eng.pipeline.adopted
+        return outs, eng.pipeline and eng.pipeline.adopted
 
     static = [i for i in range(len(refs)) if i % 4 in (0, 1)] + [len(refs)]  # biases, allowed sets, a sampled one
     outs, adopted = run(static)
     assert adopted > 0 and outs == [target_only[i] for i in static]
     assert outs[:-1] == [refs[i] for i in static[:-1]]
-    assert run(static, dict(presence_penalty=0.5))[1] == 0
-    assert run(static, dict(min_tokens=NEW_TOKENS, ignore_eos=True))[1] == 0
+    plain = run(static, {}, {}, None)[0]
+    for extra in (dict(presence_penalty=1.5, frequency_penalty=0.5), dict(repetition_penalty=1.5, temperature=0.8),
+                  dict(min_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.0)):
+        outs, adopted = run(static, extra)
+        expected = run(static, extra, {}, None)[0]  # (target-only, packed steps: nothing queued)
+        assert adopted > 0 and outs == expected, extra
+        assert extra.get("min_tokens") or expected != plain  # (the penalty changes the output)
 
 
 def test_a_row_is_penalized_only_while_min_tokens_holds_it_back():

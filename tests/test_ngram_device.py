@@ -558,10 +558,10 @@ def test_pipelined_sampled_rows_equal_unpipelined_ones(tiny_target, monkeypatch,
 
 
 @pytest.mark.parametrize("proposer", ["ngram", None])
-def test_a_row_with_a_repetition_penalty_stays_unpipelined(tiny_target, proposer):
-    """A row with a repetition penalty (sampled or greedy) queues no step while it is in the batch (a queued step
-    would need the penalty of tokens not committed yet), and gives the unpipelined engine's tokens beside pipelined
-    greedy and sampled rows."""
+def test_a_row_with_a_repetition_penalty_rides_in_queued_steps(tiny_target, proposer):
+    """Rows with a repetition penalty (sampled or greedy) ride in queued steps (whose rule counts the tokens the step
+    before commits) and give the unpipelined engine's tokens beside pipelined greedy and sampled rows, alone and in
+    the batch."""
     prompts, params, _ = _sampled_case(tiny_target)
     params[1] = SamplingParams(max_new_tokens=params[1].max_new_tokens, temperature=0.7, top_p=0.9, seed=3,
                                repetition_penalty=1.3, ignore_eos=True)
@@ -572,9 +572,9 @@ def test_a_row_with_a_repetition_penalty_stays_unpipelined(tiny_target, proposer
         outs[pipeline] = _generated(eng, prompts, params)
         outs[pipeline, "alone"] = [r.token_ids for r in eng.generate(prompts[1:3], params[1:3])]
         if pipeline:
-            queued = eng.pipeline.queued
+            adopted = eng.pipeline.adopted
             eng.generate(prompts[1:3], params[1:3])
-            assert eng.pipeline.queued == queued
+            assert eng.pipeline.adopted > adopted
         assert eng.all_blocks_free()
     assert outs[True] == outs[False]
     assert outs[True, "alone"] == outs[False, "alone"] == outs[True][1:3]

@@ -5,6 +5,7 @@ negative control against the unpenalized one)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_sampling_power import VOCAB, check_with_control, pair, sample  # noqa: F401 (pair: the fixture)
@@ -120,6 +121,44 @@ def test_the_context_tensors_hold_each_rows_tokens_counts_biases_and_held_back_t
     held[1, [10, 11]] = True
     assert torch.equal(got.held.tokens, held) and got.held.left.tolist() == [0, 2, 0, 0]
     assert got.bad is None
+
+
+def test_a_queued_steps_context_counts_what_the_step_before_commits():
+    """``committed_ahead`` gathers each going-on row's accepted path tokens and bonus token from a verify's outcome
+    and input ids (rows picked by ``sel``, a joined row committing none), and ``ContextPenalty.of(..., ahead=)``
+    equals the context built on the host once those tokens are committed: present tokens, output counts, the tail
+    bad words match and the tokens ``min_tokens`` still holds back."""
+    from types import SimpleNamespace
+
+    from specdec.repetition_penalty import committed_ahead
+
+    vocab, q = 16, 3
+
+    def req(prompt, output, words=(), **kw):
+        params = SamplingParams(max_tokens=12, **kw)
+        return SimpleNamespace(tokens=prompt + output, output_ids=output, num_output=len(output), params=params,
+                               eos_token_ids=(15,), bad_word_ids=words, penalized=True)
+
+    def rows(extra):
+        return [req([1, 2], [3] + extra[0], ((4, 5, 6), (7,)), repetition_penalty=1.5, presence_penalty=0.5,
+                    min_tokens=4),
+                req([8], [9, 9] + extra[1], ((9, 10),), frequency_penalty=1.0, min_tokens=3),
+                req([11, 12], [] + extra[2], repetition_penalty=1.2)]
+
+    # the step before: 3 rows of 3 queries (root, then a chain), its outcome [m, bonus, path (query indices)...]
+    ids = torch.tensor([[0, 5, 6], [0, 12, 13], [0, 4, 5]])
+    outcome = torch.tensor([[2, 7, 1, 2, 0, 1], [0, 2, 0, 0, 0, 1], [1, 6, 1, 0, 0, 1]])
+    sel = np.array([2, 1])  # rows 0 and 1 of the queued step were rows 2 and 1 of the step before; row 2 joined
+    tokens, counts = committed_ahead(outcome, ids, 2, sel, joined=1)
+    assert tokens.tolist() == [[4, 6, -1, -1], [2, -1, -1, -1], [-1, -1, -1, -1]] and counts.tolist() == [2, 1, 0]
+    got = ContextPenalty.of(rows([[], [], []]), [0, 1, 2], 4, vocab, "cpu", (tokens, counts))
+    want = ContextPenalty.of(rows([[4, 6], [2], []]), [0, 1, 2], 4, vocab, "cpu")
+    # (the rows an option is off for gain the tokens too, which changes nothing: a penalty of 1, no count weight)
+    assert torch.equal(got.present[[0, 2]], want.present[[0, 2]])
+    assert torch.equal(got.output.counts[:2], want.output.counts[:2])
+    assert got.held.left.tolist()[:2] == [1, 0] and torch.equal(got.bad.tail[:2], want.bad.tail[:2])
+    logits, path, masks = torch.randn(4, q, vocab), torch.tensor([[0, 5, 10]] * 4), torch.tensor([[1, 3, 7]] * 4)
+    torch.testing.assert_close(got.apply(logits, path, masks), want.apply(logits, path, masks), rtol=0, atol=0)
 
 
 def test_penalty_divides_positive_and_multiplies_negative_logits():

@@ -69,8 +69,8 @@ class DeviceNgram:
         """After the graphed verify ``fwd`` of bucket ``key`` over ``rows`` was launched: launch the follow-up and
         return its output (R, Q + 4 + k) on the device (the outcome rows first), to read instead of ``fwd.accept``
         (sampled rows' outcome already there: the verifier launches this behind them only when pipelined); None when
-        it does not apply (a row whose logits read its context, too few rows not yet on the device, a row longer than
-        the history buffer, or an eager step)."""
+        it does not apply (too few rows not yet on the device, a row longer than the history buffer, or an eager
+        step)."""
         if key is None or fwd.accept is None or not self.serves(rows, key[2]):
             return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
@@ -80,10 +80,9 @@ class DeviceNgram:
         return self.follow(rows, key, fwd.accept)
 
     def serves(self, rows: list[Request], q: int) -> bool:
-        """The follow-up can run behind a verify of ``rows`` with ``q`` queries per row: no row's processed logits
-        read its committed tokens (``Request.reads_context``: such rows step unpipelined, looking up on the host) and
-        every row's history row holds its tokens and the verify's (else the host path)."""
-        return not any(r.reads_context for r in rows) and max(len(r.tokens) for r in rows) + q <= self.hist.shape[1]
+        """The follow-up can run behind a verify of ``rows`` with ``q`` queries per row: every row's history row
+        holds its tokens and the verify's (else the host path)."""
+        return max(len(r.tokens) for r in rows) + q <= self.hist.shape[1]
 
     @property
     def decoding(self) -> bool:
