@@ -120,6 +120,30 @@ class ContextPenalty(NamedTuple):
             bad = bad._replace(tail=tail)
         return self._replace(present=present, output=output, held=held, bad=bad)
 
+    def tensors(self) -> list[Tensor | None]:
+        """Its device tensors in a fixed order (None where a part is off)."""
+        out, held, bad = self.output, self.held, self.bad
+        return [self.present, self.penalty, *(out or (None,) * 3), self.bias, *(held or (None,) * 2),
+                *(bad or (None,) * 2)]
+
+    @property
+    def layout(self) -> tuple:
+        """Which parts it has and their shapes: a graph captured over one reads another of the same layout."""
+        return tuple(None if t is None else (tuple(t.shape), t.dtype) for t in self.tensors())
+
+    def cloned(self) -> ContextPenalty:
+        """A copy of its tensors, to be the fixed inputs of a graph (``copy_from`` refills them)."""
+        t = [None if x is None else x.clone() for x in self.tensors()]
+        return ContextPenalty(t[0], t[1], None if t[2] is None else OutputCounts(*t[2:5]), t[5],
+                              None if t[6] is None else HeldBack(*t[6:8]), None if t[8] is None else BadWords(*t[8:]),
+                              self.size)
+
+    def copy_from(self, other: ContextPenalty) -> None:
+        """Its tensors overwritten with ``other``'s (of the same ``layout``)."""
+        for mine, theirs in zip(self.tensors(), other.tensors()):
+            if mine is not None:
+                mine.copy_(theirs)
+
     def at_tokens(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
         """(B, Q, V) bool: the context of each verify token, the row's ``present`` plus the tokens (B, Q) whose bit
         is set in its tree mask (B, Q) (its path: itself and its ancestors; the root's bit 0 is not read, the

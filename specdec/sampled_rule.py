@@ -14,9 +14,9 @@ parameters, whether it samples), the device gets it in one copy, and a graph cap
 rule and the merge with the verify graph's greedy outcome, so the step still ends with one device->host read of
 a (B, Q + 3) outcome. Fused and queued steps read their trees and positions from the verify's inputs on the
 device (``rule_on_views``). One host flag is part of the key: ``filtered`` (some row uses top-k, top-p or
-min-p: the kept set is computed). Rows with a repetition penalty (greedy ones too: their argmax is the penalized
-logits') run the same rule eagerly, with their context's tokens as one more input
-(``repetition_penalty.ContextPenalty``).
+min-p: the kept set is computed). Rows with processed logits (greedy ones too: their argmax is the processed
+logits') take the same rule with their processors' inputs (``repetition_penalty.ContextPenalty``: built eagerly
+from their tokens, then copied into the graph's own copies of them) as one more input, their layout part of the key.
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ def rule_on_views(inputs: Tensor, views, logits: Tensor, accept: Tensor, filtere
 
 
 class SampledRule:
-    """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers) on CUDA, captured at its first
-    use into one memory pool shared by these graphs (replayed one at a time, each output read before the next
-    replay); eagerly elsewhere, when the verify's outputs are not a captured graph's buffers, or when a row has a
-    repetition penalty. ``use_triton``: the token choice's kernel (the Triton backend); ``graphs``: the cache of
-    those graphs (``GraphRunner.cache``, pool "own")."""
+    """``rule`` as one CUDA graph replay per (B, Q, filtered, verify output buffers; processors' layout) on CUDA,
+    captured at its first use into one memory pool shared by these graphs (replayed one at a time, each output read
+    before the next replay); eagerly elsewhere, or when the verify's outputs are not a captured graph's buffers.
+    ``use_triton``: the token choice's kernel (the Triton backend); ``graphs``: the cache of those graphs
+    (``GraphRunner.cache``, pool "own")."""
 
     def __init__(self, device: torch.device | str, capture: bool | None = None, use_triton: bool = False,
                  graphs: GraphCache | None = None) -> None:
@@ -190,29 +190,38 @@ class SampledRule:
     def _run(self, kind: str, host: np.ndarray, fn, rows: Sequence, sampled: Sequence[int], logits: Tensor,
              accept: Tensor, captured: bool, ahead: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``fn(inputs, logits=, accept=, filtered=)`` over the uploaded ``host``: replayed from the graph of
-        (``kind``, B, Q, filtered, output buffers) when capturing and ``captured``, else eagerly (with the
-        penalties and processors of the rows that have them, their context joined by ``ahead``)."""
+        (``kind``, B, Q, filtered, output buffers; and the processors' layout and whether a processed row is greedy)
+        when capturing and ``captured``, else eagerly; with the processors of the rows that have them, their context
+        joined by ``ahead``."""
         filtered = any(rows[i].params.filtered for i in sampled)
         build = functools.partial(fn, logits=logits, accept=accept, filtered=filtered, use_triton=self.use_triton)
-        penalized = penalized_rows(rows, sampled)
-        if penalized:
+        penalized, penalty = penalized_rows(rows, sampled), None
+        key = (kind, accept.shape[0], accept.shape[1] - 3, filtered, logits.data_ptr(), accept.data_ptr())
+        if penalized:  # (their context is built eagerly; the rule over it is as fixed in shape as the others')
             penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device, ahead)
-            return build(self.upload(host), penalty=penalty, any_greedy=any(rows[i].params.greedy for i in sampled))
+            greedy = any(rows[i].params.greedy for i in sampled)
+            build = functools.partial(build, any_greedy=greedy)
+            key += (penalty.layout, greedy)
         if not (self.capture and captured):
-            return build(self.upload(host))
-        b, q = accept.shape[0], accept.shape[1] - 3
-        return self._replay((kind, b, q, filtered, logits.data_ptr(), accept.data_ptr()), host, build)
+            return build(self.upload(host)) if penalty is None else build(self.upload(host), penalty=penalty)
+        return self._replay(key, host, build, penalty)
 
-    def _replay(self, key, host: np.ndarray, build) -> Tensor:
+    def _replay(self, key, host: np.ndarray, build, penalty: ContextPenalty | None = None) -> Tensor:
         """Replay the graph of ``key`` (``build(inputs)`` captured over an input buffer shaped like ``host`` on
-        first use) after copying ``host`` into its inputs."""
+        first use, and with ``penalty`` over a copy of its tensors) after copying ``host`` (and ``penalty``) into
+        its inputs."""
         entry = self.graphs.get(key)
         if entry is None:
             inputs = torch.zeros(host.shape, dtype=torch.int64, device=self.device)
             inputs.copy_(self.upload(host))  # the capture's first (uncaptured) run reads a real step's inputs
-            graph, out = self.graphs.capture(functools.partial(build, inputs))
-            entry = self.graphs[key] = (graph, inputs, out)
-        graph, inputs, out = entry
+            fixed = None if penalty is None else penalty.cloned()
+            run = functools.partial(build, inputs) if fixed is None else functools.partial(build, inputs,
+                                                                                           penalty=fixed)
+            graph, out = self.graphs.capture(run)
+            entry = self.graphs[key] = (graph, inputs, out, fixed)
+        graph, inputs, out, fixed = entry
         inputs.copy_(self.upload(host))
+        if fixed is not None:
+            fixed.copy_from(penalty)
         graph.replay()
         return out

@@ -220,6 +220,26 @@ def test_seeded_tokens_equal_on_every_path_and_batch(tiny_target, monkeypatch, d
         monkeypatch.setattr(verifier, "_host_rule", forbidden)
 
 
+@pytest.mark.parametrize("draft", ["ngram", None])
+def test_processed_rows_take_the_captured_rule(tiny_target, monkeypatch, draft):
+    """Rows with penalties, a bias or ``min_tokens`` (greedy and sampled) take the captured rule too, over the graph's
+    own copies of their processors' inputs refilled at each replay (CUDA stood in, pipelined): the eager engine's
+    tokens, with one graph per processors' layout and replays of it."""
+    params = [SamplingParams(max_new_tokens=24, ignore_eos=True, presence_penalty=2.0, frequency_penalty=2.0),
+              SamplingParams(temperature=0.8, seed=7, max_new_tokens=24, ignore_eos=True, repetition_penalty=4.0),
+              SamplingParams(max_new_tokens=10, min_tokens=8, logit_bias={3: 2.0}),
+              SamplingParams(temperature=1.2, seed=3, max_new_tokens=12, ignore_eos=True)]
+    make = lambda graphs, **kw: SpecEngine(draft, tiny_target, SpecConfig(tree="chain:4", num_blocks=256,
+                                                                          block_size=8, cuda_graphs=graphs, **kw))
+    want = [o.token_ids for o in make(False).generate(PROMPTS, params)]
+    eng = make(True, max_batch_size=4, pipeline=True, adaptive=False, ngram_device=draft is not None or None)
+    stand_in_verify_graphs(monkeypatch, eng)
+    outs = eng.generate(PROMPTS, params)
+    assert not any(o.error for o in outs) and [o.token_ids for o in outs] == want
+    processed = [g for key, (g, *_, fixed) in eng.verifier.sampled_rule.graphs.items() if fixed is not None]
+    assert processed and sum(g.replays for g in processed) > 1 and eng.pipeline.adopted > 0
+
+
 @pytest.mark.parametrize("tree", ["chain:3", "topk:2x2"])
 def test_draft_model_rows_sample_on_the_device(tiny_target, tiny_draft, monkeypatch, tree):
     """cuda_graphs=True with a draft model: sampled rows never reach the host rule, and their tokens equal the eager
