@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import torch
 
-from specdec.pipeline import HostUpload
+from specdec.pipeline import HostRead, HostUpload
 
 Entry = dict[int, tuple[float, int]]
 
@@ -39,6 +39,19 @@ def _upload(values: list[int], device: torch.device) -> torch.Tensor:
     return up(np.asarray(values, dtype=np.int64))
 
 
+def _read(values: torch.Tensor) -> np.ndarray:
+    """float64 ``values`` on the host: on CUDA through pinned buffers (``HostRead``, one per thread), a copy ordered on
+    the current stream alone; a read into pageable memory (``.cpu()``) is a synchronous copy, which has been seen to
+    wait for other streams' work too (here the step queued behind the verify)."""
+    if not values.is_cuda:
+        return values.numpy()
+    reads = _per_thread("reads")
+    read = reads.get(values.device)
+    if read is None:
+        read = reads[values.device] = HostRead(values.device)
+    return read.start([values.view(torch.int64)])().view(np.float64)
+
+
 def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
     """One entry per row of ``rows`` ((M, V) raw logits): token ``chosen[j]``'s log-probability and rank, then the
     ``ks[j]`` most probable tokens'; ``SLICE_ROWS`` rows at a time, one read each."""
@@ -59,7 +72,7 @@ def _ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]
     if k:
         top_lp, top_ids = lp.topk(k, -1)  # (M, k)
         parts += [top_lp.double(), top_ids.double()]
-    host = torch.cat(parts, 1).cpu().numpy()  # the one read: (M, 2 + 2k)
+    host = _read(torch.cat(parts, 1))  # the one read: (M, 2 + 2k)
     own_h, rank_h = host[:, 0].tolist(), host[:, 1].astype(np.int64).tolist()
     top_lp_h, top_ids_h = host[:, 2:2 + k].tolist(), host[:, 2 + k:].astype(np.int64).tolist()
     entries = []
