@@ -13,6 +13,7 @@
 #   any run after 3 (.whl)             bash bench/gpu_session.sh suites
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh profile
 #   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh chisq     (sampling losslessness, 20k samples)
+#   any run after 3 (.whl .gpu)        bash bench/gpu_session.sh lp_read   (log-probabilities' read, variants)
 #   any run after 3 (.whl)             bash bench/gpu_session.sh train_profile (a draft training step by phase)
 #   any run (.whl)                     bash bench/gpu_session.sh kernels   (launch settings of the sampling kernels)
 #   after 3, on several GPUs (.whl .gpu) bash bench/gpu_session.sh dp      (data-parallel serving against one GPU)
@@ -27,7 +28,7 @@
 # Each round packs its logs and JSON into $OUT/<round>.tgz (the device tool returns at most 8 files) and prints
 # a short summary last.
 set -uo pipefail
-stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | train_profile | chisq | kernels | dp | distill 1|2}
+stage=${1:?usage: gpu_session.sh prep | distill_prep | piece NN | parts | tests | plan NAME TEMPERATURE | suites | profile | lp_read | train_profile | chisq | kernels | dp | distill 1|2}
 OUT=${OUT:-/tmp/out}
 MODEL=${MODEL:-/tmp/model.gguf}
 root=$(pwd)
@@ -274,6 +275,15 @@ case "$stage" in
     (cd /tmp && timeout "${PROFILE_LIMIT:-420}" python3 -P "$root/bench/gpu_profile.py" "$D" "$MODEL" \
       "$root/.gpu/mtbench_ids.json" > "$D/profile.log" 2>&1)
     echo "profile exit $?"; grep -h "^profile\|Error\|error" "$D/profile.log" | tail -30
+    pack
+    ;;
+  lp_read)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_logprobs_read.py: what reading
+            # log-probabilities costs a pipelined target-only step, by how the read is made
+    [ -s "$MODEL" ] || assemble
+    install
+    (cd /tmp && timeout "${LP_READ_LIMIT:-200}" python3 -P "$root/bench/gpu_logprobs_read.py" "$D" "$MODEL" \
+      "$root/.gpu/mtbench_ids.json" > "$D/logprobs_read.log" 2>&1)
+    echo "lp_read exit $?"; grep -h "^logprobs_read b[0-9]*:\|Error" "$D/logprobs_read.log" | tail -4
     pack
     ;;
   chisq)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_chisq.py: the first two sampled
