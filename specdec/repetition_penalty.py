@@ -304,9 +304,11 @@ def bad_word_ids(words: Sequence[str], tokenizer) -> tuple[tuple[int, ...], ...]
 
 def _bad_words(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> BadWords:
     """The ``BadWords`` of requests ``reqs`` at rows ``rows`` of a batch of ``b`` (the others ban nothing); a word
-    whose last token is outside the vocabulary bans nothing."""
-    w = max(len(s) for r in reqs for s in r.bad_word_ids) - 1
-    n = max(len(r.bad_word_ids) for r in reqs)
+    whose last token is outside the vocabulary bans nothing. The columns before a word's leading tokens (which match
+    anything) and the words of a row (a word of none bans nothing) are padded to a power of two: a graph captured over
+    one batch's ``BadWords`` (``sampled_rule``, keyed by their shapes) serves the next batches' of like sizes."""
+    w = _pow2(max(len(s) for r in reqs for s in r.bad_word_ids) - 1)
+    n = _pow2(max(len(r.bad_word_ids) for r in reqs))
     tail = np.full((b, w), -1, dtype=np.int64)
     words = np.full((b, n, w + 1), WILDCARD, dtype=np.int64)
     words[..., w] = -1
@@ -318,6 +320,11 @@ def _bad_words(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) 
             if seq[-1] >= vocab:
                 words[i, k, w] = -1
     return BadWords(_on_device(tail, device), _on_device(words, device))
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= ``n`` (0 stays 0)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> HeldBack:

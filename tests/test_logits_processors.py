@@ -180,6 +180,25 @@ def test_held_back_tokens_follow_each_verify_tokens_depth():
     assert torch.isinf(y).tolist() == [True, True, True, False, True, False, True, True]
 
 
+def test_bad_words_pad_to_a_power_of_two_and_ban_the_same_tokens():
+    """``BadWords`` of words of up to 4 and up to 5 tokens, three and four words a row, share a layout (padded to
+    powers of two: one graph of the sampled rule serves both); padding bans nothing: at a root whose output ends with
+    a word's leading tokens exactly that word's last token is banned."""
+    def req(words, output):
+        r = Request("a", [1], SamplingParams(max_tokens=8), (2,))
+        r.tokens += output
+        r.bad_word_ids = words
+        return r
+
+    short = ContextPenalty.of([req(((3, 4, 5, 6), (9,), (4, 10)), [3, 4, 5])], [0], 1, 12, "cpu")
+    long = ContextPenalty.of([req(((1, 6, 7, 8, 11), (9,), (4, 10), (8, 3)), [1, 6, 7, 8])], [0], 1, 12, "cpu")
+    assert short.layout == long.layout and short.bad.words.shape == (1, 4, 5)
+    root, mask = torch.zeros(1, 1, dtype=torch.long), torch.tensor([[1]])
+    for penalty, banned in ((short, {6, 9}), (long, {11, 9, 3})):
+        x = penalty.apply(torch.zeros(1, 1, 12), root, mask)[0, 0]
+        assert set(torch.nonzero(torch.isinf(x)).flatten().tolist()) == banned
+
+
 def test_stop_strings_wait_for_min_tokens(letter_target):
     """A stop string the greedy output holds early ends it there without min_tokens, and only after min_tokens
     tokens with it (the text then cut at its first occurrence past them)."""
