@@ -49,8 +49,9 @@ def test_mixed_greedy_and_sampled_rows_equal_target_only(setup, device, n_rows):
 @pytest.mark.parametrize("device", DEVICES)
 def test_penalized_rows_in_a_mixed_batch_equal_target_only(setup, device):  # noqa: F811 - the fixture
     """Rows with presence, frequency and repetition penalties (greedy and seeded sampled) among plain ones, through
-    the device's defaults (on CUDA a batch with a penalized row steps unpipelined, its penalties applied on the
-    device to each verify token's path): every row gives eager target-only decoding's tokens."""
+    the device's defaults (on CUDA in pipelined steps, each queued step's penalties counting the tokens the step in
+    flight commits, applied on the device to each verify token's path): every row gives eager target-only decoding's
+    tokens."""
     prompts, params = _rows(7)
     penalties = [dict(presence_penalty=0.8, frequency_penalty=0.6), dict(presence_penalty=-1.5, frequency_penalty=-0.5,
                                                                          repetition_penalty=1.2)]
@@ -68,9 +69,9 @@ def test_penalized_rows_in_a_mixed_batch_equal_target_only(setup, device):  # no
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_processed_rows_in_a_mixed_batch_equal_target_only(setup, device):  # noqa: F811 - the fixture
-    """Rows with a ``logit_bias``, an ``allowed_token_ids`` set and ``min_tokens`` (its stop ids held back; such a
-    row steps unpipelined on CUDA until it has its tokens, pipelined after), greedy and seeded sampled, among plain
-    ones, through the device's defaults: every row gives eager target-only decoding's tokens."""
+    """Rows with a ``logit_bias``, an ``allowed_token_ids`` set and ``min_tokens`` (its stop ids held back until it
+    has its tokens), greedy and seeded sampled, among plain ones, through the device's defaults (pipelined on CUDA):
+    every row gives eager target-only decoding's tokens."""
     prompts, params = _rows(9)
     draft, target, _ = trained_pair(setup, device, params[0])
     plain_cfg = dict(num_blocks=800, block_size=8, max_batch_size=32, device=device, prefix_cache=False)
@@ -91,10 +92,10 @@ def test_processed_rows_in_a_mixed_batch_equal_target_only(setup, device):  # no
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_rows_with_logprobs_in_a_mixed_batch_equal_target_only(setup, device):  # noqa: F811 - the fixture
-    """Rows asking for log-probabilities (greedy and seeded sampled; on CUDA their batch steps unpipelined, reading
-    each verify's graph output after its acceptance) among plain ones, through the device's defaults, twice: every
-    row gives eager target-only decoding's tokens, and each asked-for token's log-probability, rank and top 4 equal
-    eager target-only decoding's (float32, 1e-4)."""
+    """Rows asking for log-probabilities (greedy and seeded sampled; on CUDA pipelined, each verify's asking rows'
+    logits kept before the next step is queued and read after the acceptance) among plain ones, through the device's
+    defaults, twice: every row gives eager target-only decoding's tokens, and each asked-for token's
+    log-probability, rank and top 4 equal eager target-only decoding's (float32, 1e-4)."""
     prompts, params = _rows(9)
     params = [replace(p, logprobs=4) if i % 2 == 0 else p for i, p in enumerate(params)]
     draft, target, _ = trained_pair(setup, device, params[0])
