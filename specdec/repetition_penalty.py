@@ -68,23 +68,27 @@ class ContextPenalty(NamedTuple):
 
     @staticmethod
     def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str,
-           ahead: tuple[Tensor, Tensor] | None = None) -> ContextPenalty:
+           ahead: tuple[Tensor, Tensor] | None = None, state: ContextState | None = None) -> ContextPenalty:
         """The penalties and processors of rows ``rows`` of ``reqs`` (each a ``Request``: ``tokens``,
-        ``output_ids``, ``num_output``, ``eos_token_ids`` and ``params``) in a batch of ``b`` rows; other rows are
-        unchanged. The (B, V) tensors are made on the device from the rows' token ids (one small copy each, not a
-        host array of the whole vocabulary per row). ``ahead``: what each row commits in the step in flight, which
-        the host has not read (``committed_ahead``; ``after``)."""
+        ``output_ids``, ``num_output``, ``eos_token_ids`` and ``params``; with ``state``, ``bt_row`` too) in a batch
+        of ``b`` rows; other rows are unchanged. The (B, V) tensors are made on the device from the rows' token ids
+        (one small copy each, not a host array of the whole vocabulary per row), or with ``state`` gathered from the
+        rows' contexts kept there (``ContextState``: only the tokens committed since the last step are sent; the
+        other rows of the batch then hold some context, which their neutral penalties leave unread). ``ahead``: what
+        each row commits in the step in flight, which the host has not read (``committed_ahead``; ``after``)."""
         params = {i: reqs[i].params for i in rows}
         present = penalty = output = bias = held = None
         repeated = [i for i in rows if params[i].repetition_penalty != 1.0]
+        counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
+        kept = state.rows_of(reqs, repeated, counted, b, vocab) if state is not None and (repeated or counted) else None
         if repeated:
-            present = _dense_rows(b, vocab, {i: reqs[i].tokens for i in repeated}, torch.bool, device)
+            present = kept[0] if kept else _dense_rows(b, vocab, {i: reqs[i].tokens for i in repeated}, torch.bool,
+                                                       device)
             penalty = np.ones(b, dtype=np.float32)
             penalty[repeated] = [params[i].repetition_penalty for i in repeated]
             penalty = _on_device(penalty, device)
-        counted = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
         if counted:
-            output = _output_counts(reqs, counted, b, vocab, device)
+            output = _output_counts(reqs, counted, b, vocab, device, kept[1] if kept else None)
         biased = [i for i in rows if params[i].logit_bias or params[i].allowed_token_ids is not None]
         if biased:
             bias = _bias_rows([params[i] for i in biased], biased, b, vocab, device)
@@ -256,6 +260,78 @@ def _on_device(array: np.ndarray, device) -> Tensor:
     return out.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else out
 
 
+class ContextState:
+    """The context of each block-table row's request on the device, kept across steps: which tokens its prompt and
+    output hold (``present``, for repetition penalties) and how often each occurs in its output (``counts``, for
+    presence and frequency penalties). Each is made at the first step that needs it, (rows, V): a bool and a float32
+    tensor, so for a vocabulary of V a row costs 5 V bytes. A step sends only the tokens a row's request committed
+    since it was last brought up to date, one copy for the batch; a row that another request took (a new one, or one
+    preempted that got a row back) is cleared and rebuilt from its tokens. Building the (B, V) context from every
+    row's whole token list at every step costs host time in proportion to the contexts' lengths (a batch of long
+    chats pays milliseconds a step); kept, it costs the tokens committed since."""
+
+    def __init__(self, rows: int, device: torch.device | str) -> None:
+        self.rows, self.device = rows, torch.device(device)
+        self.present: Tensor | None = None
+        self.counts: Tensor | None = None
+        self.owner: list = [None] * rows  # the request each row's context is of (compared by identity)
+        self.synced = {"present": np.zeros(rows, dtype=np.int64), "counts": np.zeros(rows, dtype=np.int64)}
+
+    def rows_of(self, reqs: Sequence, repeated: Sequence[int], counted: Sequence[int], b: int,
+                vocab: int) -> tuple[Tensor | None, Tensor | None]:
+        """(present (b, V) for the batch rows ``repeated`` of ``reqs``, counts (b, V) for ``counted``): each brought
+        up to date with its request's tokens, then gathered by its block-table row (rows of the batch outside the
+        list, and padding rows, hold some other context)."""
+        for name, which in (("present", repeated), ("counts", counted)):
+            if which and getattr(self, name) is None:
+                setattr(self, name, torch.zeros((self.rows, vocab), device=self.device,
+                                                dtype=torch.bool if name == "present" else torch.float32))
+        self._sync([reqs[i] for i in repeated], [reqs[i] for i in counted])
+        where = np.zeros(b, dtype=np.int64)
+        where[:len(reqs)] = [r.bt_row for r in reqs]
+        where = _on_device(where, self.device)
+        return (self.present.index_select(0, where) if repeated else None,
+                self.counts.index_select(0, where) if counted else None)
+
+    def _sync(self, repeated: Sequence, counted: Sequence) -> None:
+        """Send the tokens each request committed since its row was brought up to date: all of ``repeated``'s (prompt
+        and output) to ``present``, ``counted``'s output tokens to ``counts``; in one copy."""
+        parts: dict[str, list[np.ndarray]] = {"present": [], "counts": []}
+        cleared = []
+        for name, reqs in (("present", repeated), ("counts", counted)):
+            synced = self.synced[name]
+            for req in reqs:
+                row, n = req.bt_row, len(req.tokens)
+                if self.owner[row] is not req or n < synced[row]:  # (another request's row: both contexts cleared)
+                    self.owner[row] = req
+                    self.synced["present"][row] = self.synced["counts"][row] = 0
+                    cleared.append(row)
+                start = int(synced[row]) if name == "present" else max(int(synced[row]), req.num_prompt)
+                if start < n:
+                    parts[name].append(np.array([[row] * (n - start), req.tokens[start:n]], dtype=np.int64))
+                synced[row] = n
+        if cleared:
+            rows = _on_device(np.asarray(cleared, dtype=np.int64), self.device)
+            for t in (self.present, self.counts):
+                if t is not None:
+                    t.index_fill_(0, rows, 0)
+        joined = {k: np.concatenate(v, 1) if v else np.zeros((2, 0), dtype=np.int64) for k, v in parts.items()}
+        n_present = joined["present"].shape[1]
+        if n_present + joined["counts"].shape[1] == 0:
+            return
+        vocab = (self.present if self.present is not None else self.counts).shape[1]
+        pairs = np.concatenate([joined["present"], joined["counts"]], 1)
+        pairs[1] = np.where((pairs[1] >= 0) & (pairs[1] < vocab), pairs[1], 0)  # (ids are checked when queued)
+        pairs = _on_device(np.ascontiguousarray(pairs), self.device)
+        if n_present:
+            self.present[pairs[0, :n_present], pairs[1, :n_present]] = True
+        if pairs.shape[1] > n_present:
+            counted_pairs = pairs[:, n_present:]
+            self.counts.index_put_((counted_pairs[0], counted_pairs[1]),
+                                   torch.ones(counted_pairs.shape[1], dtype=torch.float32, device=self.device),
+                                   accumulate=True)
+
+
 def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.dtype, device,
                 count: bool = False) -> Tensor:
     """(b, vocab) tensor on ``device``: row i set (True, or 1.0) at the token ids ``ids[i]`` below ``vocab``, or with
@@ -338,12 +414,15 @@ def _held_back(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) 
     return HeldBack(_dense_rows(b, vocab, ending, torch.bool, device), _on_device(left, device))
 
 
-def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> OutputCounts:
-    """The ``OutputCounts`` of rows ``rows`` of ``reqs`` in a batch of ``b`` rows (the others count nothing)."""
+def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device,
+                   counts: Tensor | None = None) -> OutputCounts:
+    """The ``OutputCounts`` of rows ``rows`` of ``reqs`` in a batch of ``b`` rows (the others count nothing, or
+    whatever ``counts`` (B, V), gathered from a ``ContextState``, holds: their penalties are 0)."""
     presence, frequency = np.zeros(b, dtype=np.float32), np.zeros(b, dtype=np.float32)
     for i in rows:
         presence[i], frequency[i] = reqs[i].params.presence_penalty, reqs[i].params.frequency_penalty
-    counts = _dense_rows(b, vocab, {i: reqs[i].output_ids for i in rows}, torch.float32, device, count=True)
+    if counts is None:
+        counts = _dense_rows(b, vocab, {i: reqs[i].output_ids for i in rows}, torch.float32, device, count=True)
     return OutputCounts(counts, *(_on_device(a, device) for a in (presence, frequency)))
 
 

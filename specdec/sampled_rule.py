@@ -34,7 +34,7 @@ from specdec.graphs import GraphCache
 from specdec.kernels.gumbel_choice import choose_filtered_triton, choose_tokens
 from specdec.kernels.nucleus import takes_logits as nucleus_takes
 from specdec.pipeline import HostUpload
-from specdec.repetition_penalty import ContextPenalty, path_depth, penalized_rows
+from specdec.repetition_penalty import ContextPenalty, ContextState, path_depth, penalized_rows
 from specdec.row_sampling import RowSampling, shape_probs_rows
 from specdec.tree import DraftTree
 
@@ -160,8 +160,9 @@ class SampledRule:
     (``GraphRunner.cache``, pool "own")."""
 
     def __init__(self, device: torch.device | str, capture: bool | None = None, use_triton: bool = False,
-                 graphs: GraphCache | None = None) -> None:
+                 graphs: GraphCache | None = None, context: ContextState | None = None) -> None:
         self.device = torch.device(device)
+        self.context = context  # the rows' contexts kept on the device (an engine's; None: built at each step)
         self.capture = self.device.type == "cuda" if capture is None else capture  # (False: always eagerly)
         self.use_triton = use_triton
         self.upload = HostUpload(self.device)
@@ -198,7 +199,8 @@ class SampledRule:
         penalized, penalty = penalized_rows(rows, sampled), None
         key = (kind, accept.shape[0], accept.shape[1] - 3, filtered, logits.data_ptr(), accept.data_ptr())
         if penalized:  # (their context is built eagerly; the rule over it is as fixed in shape as the others')
-            penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device, ahead)
+            penalty = ContextPenalty.of(rows, penalized, accept.shape[0], logits.shape[-1], self.device, ahead,
+                                        self.context)
             greedy = any(rows[i].params.greedy for i in sampled)
             build = functools.partial(build, any_greedy=greedy)
             key += (penalty.layout, greedy)

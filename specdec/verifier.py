@@ -16,7 +16,7 @@ from specdec.graphs import cache_for
 from specdec.kernels.gumbel_choice import choose_tokens
 from specdec.logprobs import keep_logits, with_logprobs
 from specdec.pipeline import HostRead, QueuedStep
-from specdec.repetition_penalty import ContextPenalty, penalized_rows
+from specdec.repetition_penalty import ContextPenalty, ContextState, penalized_rows
 from specdec.row_sampling import sampling_rows
 from specdec.runner import ModelRunner, RowInput
 from specdec.sampled_rule import SampledRule, accept_sampled, verify_positions
@@ -61,7 +61,8 @@ class Verifier:
         self.reader = HostRead(runner.device)  # the one read of a step launched here (two in flight at most)
         # the sampled rows of a padded step, graphed on CUDA
         self.sampled_rule = SampledRule(runner.device, use_triton=runner.backend.uses_triton,
-                                        graphs=cache_for(runner.graphs, "sampled rule", runner.device, "own"))
+                                        graphs=cache_for(runner.graphs, "sampled rule", runner.device, "own"),
+                                        context=ContextState(runner.tables.host.shape[0], runner.device))
 
     def verify(self, rows: list[Request], trees: list[DraftTree], draft_computed) -> list[VerifyResult]:
         """Accept a path of each row's tree; output distribution is exactly the target's."""

@@ -161,6 +161,53 @@ def test_a_queued_steps_context_counts_what_the_step_before_commits():
     torch.testing.assert_close(got.apply(logits, path, masks), want.apply(logits, path, masks), rtol=0, atol=0)
 
 
+def test_kept_contexts_equal_contexts_built_from_the_tokens():
+    """``ContextState`` kept across steps (tokens appended, a row taken by a new request, a request back on another
+    row after a preemption, a row needing only counts) gives, for the rows that need them, the same ``present`` and
+    ``counts`` as ``ContextPenalty.of`` builds from each request's whole token list, sending only new tokens."""
+    from types import SimpleNamespace
+
+    from specdec.repetition_penalty import ContextState
+
+    vocab, rng = 20, np.random.default_rng(0)
+
+    def req(row, prompt, **kw):
+        r = SimpleNamespace(tokens=list(prompt), num_prompt=len(prompt), bt_row=row, eos_token_ids=(19,),
+                            params=SamplingParams(max_tokens=50, **kw), bad_word_ids=(), penalized=True)
+        return r
+
+    def built(reqs, idx, b):  # the reference: from each request's tokens
+        for r in reqs:
+            r.output_ids, r.num_output = r.tokens[r.num_prompt:], len(r.tokens) - r.num_prompt
+        return ContextPenalty.of(reqs, idx, b, vocab, "cpu")
+
+    state = ContextState(6, "cpu")
+    a = req(0, [1, 2, 3], repetition_penalty=1.3, presence_penalty=0.5)
+    b = req(3, [4, 4, 5], frequency_penalty=0.7)
+    c = req(5, [6, 7], repetition_penalty=1.1)
+    batches = [[a, b], [a, b, c], [b, c], [a, b, c]]
+    sent = []
+    for step, batch in enumerate(batches * 2):
+        if step == 4:  # a preempted, back on row 2; a new request takes row 5
+            a.bt_row, c = 2, req(5, [8, 9, 9], repetition_penalty=1.2, presence_penalty=1.0)
+            batch = [a, b, c]
+        for r in batch:
+            r.tokens += rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
+        for r in batch:
+            r.output_ids, r.num_output = r.tokens[r.num_prompt:], len(r.tokens) - r.num_prompt
+        idx = list(range(len(batch)))
+        before = state.synced["present"].sum() + state.synced["counts"].sum()
+        got = ContextPenalty.of(batch, idx, 4, vocab, "cpu", state=state)
+        want = built(batch, idx, 4)
+        sent.append(state.synced["present"].sum() + state.synced["counts"].sum() - before)
+        for i, r in enumerate(batch):
+            if r.params.repetition_penalty != 1.0:
+                assert torch.equal(got.present[i], want.present[i]), (step, i)
+            if r.params.presence_penalty or r.params.frequency_penalty:
+                assert torch.equal(got.output.counts[i], want.output.counts[i]), (step, i)
+    assert max(sent[1:4]) < 30  # (steps after the first send what was committed since, not whole contexts)
+
+
 def test_penalty_divides_positive_and_multiplies_negative_logits():
     x = torch.tensor([2.0, -2.0, 3.0, -1.0])
     got = repetition_penalty(x, torch.tensor([True, True, False, False]), 2.0)
