@@ -149,5 +149,34 @@ def test_sampled_rule(benchmark, device, batch, top_p):
     benchmark.extra_info.update(batch=batch, verify_tokens=q, top_p=top_p)
 
 
+@pytest.mark.parametrize("context", [600, 4000])
+@pytest.mark.parametrize("kept", [False, True], ids=["built", "kept"])
+def test_penalty_context(benchmark, kept, context):
+    """A step's repetition-penalty context for 16 rows of ``context``-token prompts, each row one token longer at
+    every round (the real vocabulary): built from every row's whole token list (``ContextPenalty.of``), or kept on
+    the device across steps (``ContextState``: the new tokens sent, the rows gathered). Host time mostly: the part
+    of a step that grows with the contexts' length."""
+    from types import SimpleNamespace
+
+    from specdec.repetition_penalty import ContextPenalty, ContextState
+
+    device, vocab, g = ("cuda" if CUDA else "cpu"), 49152, torch.Generator().manual_seed(0)
+    rows = [SimpleNamespace(tokens=torch.randint(vocab, (context,), generator=g).tolist(), num_prompt=context,
+                            bt_row=i, params=SamplingParams(max_tokens=4096, repetition_penalty=1.2),
+                            eos_token_ids=(2,), bad_word_ids=(), output_ids=[], num_output=0) for i in range(16)]
+    state = ContextState(24, device) if kept else None
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+
+    def run():
+        for r in rows:
+            r.tokens.append(int(torch.randint(vocab, (1,), generator=g)))
+            r.output_ids, r.num_output = r.tokens[r.num_prompt:], len(r.tokens) - r.num_prompt
+        ContextPenalty.of(rows, range(16), 16, vocab, device, state=state)
+        sync()
+
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP)
+    benchmark.extra_info.update(rows=16, context=context, kept=kept)
+
+
 def _dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
