@@ -178,5 +178,29 @@ def test_penalty_context(benchmark, kept, context):
     benchmark.extra_info.update(rows=16, context=context, kept=kept)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["built", "kept"])
+def test_allowed_set_rows(benchmark, kept):
+    """A step's logit-bias rows for 16 rows each allowed 10,000 token ids (a constrained vocabulary), the real
+    vocabulary: built from every row's params at each step (``ContextPenalty.of``), or made once per request and
+    kept on the device (``ContextState.bias_of``)."""
+    from types import SimpleNamespace
+
+    from specdec.repetition_penalty import ContextPenalty, ContextState
+
+    device, vocab, g = ("cuda" if CUDA else "cpu"), 49152, torch.Generator().manual_seed(0)
+    rows = [SimpleNamespace(tokens=[1, 2], num_prompt=2, bt_row=i, output_ids=[], num_output=0, eos_token_ids=(2,),
+                            bad_word_ids=(), params=SamplingParams(allowed_token_ids=torch.randperm(
+                                vocab, generator=g)[:10000].tolist())) for i in range(16)]
+    state = ContextState(24, device) if kept else None
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+
+    def run():
+        ContextPenalty.of(rows, range(16), 16, vocab, device, state=state)
+        sync()
+
+    benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=WARMUP)
+    benchmark.extra_info.update(rows=16, allowed=10000, kept=kept)
+
+
 def _dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"

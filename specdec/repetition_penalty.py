@@ -91,7 +91,8 @@ class ContextPenalty(NamedTuple):
             output = _output_counts(reqs, counted, b, vocab, device, kept[1] if kept else None)
         biased = [i for i in rows if params[i].logit_bias or params[i].allowed_token_ids is not None]
         if biased:
-            bias = _bias_rows([params[i] for i in biased], biased, b, vocab, device)
+            bias = (state.bias_of(reqs, biased, b, vocab) if state is not None
+                    else _bias_rows([params[i] for i in biased], biased, b, vocab, device))
         early = [i for i in rows if reqs[i].num_output < params[i].min_tokens]
         if early:
             held = _held_back([reqs[i] for i in early], early, b, vocab, device)
@@ -268,13 +269,16 @@ class ContextState:
     since it was last brought up to date, one copy for the batch; a row that another request took (a new one, or one
     preempted that got a row back) is cleared and rebuilt from its tokens. Building the (B, V) context from every
     row's whole token list at every step costs host time in proportion to the contexts' lengths (a batch of long
-    chats pays milliseconds a step); kept, it costs the tokens committed since."""
+    chats pays milliseconds a step); kept, it costs the tokens committed since. A request's logit-bias row (its biases,
+    -inf outside its allowed ids: an allowed set may hold thousands of ids) is made once too (``bias_of``)."""
 
     def __init__(self, rows: int, device: torch.device | str) -> None:
         self.rows, self.device = rows, torch.device(device)
         self.present: Tensor | None = None
         self.counts: Tensor | None = None
         self.owner: list = [None] * rows  # the request each row's context is of (compared by identity)
+        self.bias: Tensor | None = None  # (rows + 1, V) float32: each row's request's logit-bias row; the last is 0
+        self.bias_owner: list = [None] * rows
         self.synced = {"present": np.zeros(rows, dtype=np.int64), "counts": np.zeros(rows, dtype=np.int64)}
 
     def rows_of(self, reqs: Sequence, repeated: Sequence[int], counted: Sequence[int], b: int,
@@ -292,6 +296,23 @@ class ContextState:
         where = _on_device(where, self.device)
         return (self.present.index_select(0, where) if repeated else None,
                 self.counts.index_select(0, where) if counted else None)
+
+    def bias_of(self, reqs: Sequence, biased: Sequence[int], b: int, vocab: int) -> Tensor:
+        """(b, V) float32: the batch rows ``biased`` of ``reqs`` hold their request's bias row (``_bias_rows``: its
+        logit biases, -inf outside its allowed ids), made once per request and kept in its block-table row (a
+        request's bias does not change); the batch's other rows 0."""
+        if self.bias is None:
+            self.bias = torch.zeros((self.rows + 1, vocab), dtype=torch.float32, device=self.device)
+        fresh = [i for i in biased if self.bias_owner[reqs[i].bt_row] is not reqs[i]]
+        if fresh:
+            made = _bias_rows([reqs[i].params for i in fresh], range(len(fresh)), len(fresh), vocab, self.device)
+            at = _on_device(np.fromiter((reqs[i].bt_row for i in fresh), np.int64, len(fresh)), self.device)
+            self.bias.index_copy_(0, at, made)
+            for i in fresh:
+                self.bias_owner[reqs[i].bt_row] = reqs[i]
+        where = np.full(b, self.rows, dtype=np.int64)  # (the zero row)
+        where[list(biased)] = [reqs[i].bt_row for i in biased]
+        return self.bias.index_select(0, _on_device(where, self.device))
 
     def _sync(self, repeated: Sequence, counted: Sequence) -> None:
         """Send the tokens each request committed since its row was brought up to date: all of ``repeated``'s (prompt
@@ -389,7 +410,7 @@ def _bad_words(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device) 
     words = np.full((b, n, w + 1), WILDCARD, dtype=np.int64)
     words[..., w] = -1
     for i, r in zip(rows, reqs):
-        out = r.output_ids[-w:] if w else []
+        out = r.tokens[len(r.tokens) - min(w, r.num_output):] if w else []  # (its last w output tokens)
         tail[i, w - len(out):] = out
         for k, seq in enumerate(r.bad_word_ids):
             words[i, k, w - len(seq) + 1:] = seq

@@ -208,6 +208,29 @@ def test_kept_contexts_equal_contexts_built_from_the_tokens():
     assert max(sent[1:4]) < 30  # (steps after the first send what was committed since, not whole contexts)
 
 
+def test_kept_bias_rows_equal_bias_rows_built_from_the_params():
+    """``ContextState.bias_of``: each biased row's request's bias row, made once and kept while the request holds its
+    block-table row (a new request on the row gets its own), equals ``ContextPenalty.of``'s built one; rows of the
+    batch without a bias hold 0, whatever their block-table row held before."""
+    from types import SimpleNamespace
+
+    from specdec.repetition_penalty import ContextState
+
+    def req(row, **kw):
+        return SimpleNamespace(tokens=[1, 2], num_prompt=2, bt_row=row, output_ids=[], num_output=0,
+                               eos_token_ids=(19,), params=SamplingParams(max_tokens=8, **kw), bad_word_ids=())
+
+    state = ContextState(4, "cpu")
+    a, b = req(0, allowed_token_ids=[3, 5, 7], logit_bias={5: 2.0}), req(2, logit_bias={9: -3.0})
+    plain = req(1)
+    c = req(0, logit_bias={4: 1.5})  # (a's row, after a ended)
+    for batch in ([a, b], [a, b], [b, plain], [c, plain, b], [plain, c]):
+        idx = [i for i, r in enumerate(batch) if r.params.logits_processed]
+        got = ContextPenalty.of(batch, idx, 4, 12, "cpu", state=state).bias
+        assert torch.equal(got, ContextPenalty.of(batch, idx, 4, 12, "cpu").bias), batch
+    assert state.bias_owner[0] is c and not got[0].any()  # (plain, on row 1, first in the last batch)
+
+
 def test_penalty_divides_positive_and_multiplies_negative_logits():
     x = torch.tensor([2.0, -2.0, 3.0, -1.0])
     got = repetition_penalty(x, torch.tensor([True, True, False, False]), 2.0)
