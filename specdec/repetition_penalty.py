@@ -336,14 +336,15 @@ class ContextState:
             for t in (self.present, self.counts):
                 if t is not None:
                     t.index_fill_(0, rows, 0)
-        joined = {k: np.concatenate(v, 1) if v else np.zeros((2, 0), dtype=np.int64) for k, v in parts.items()}
+        vocab = (self.present if self.present is not None else self.counts).shape[1]
+        joined = {}
+        for k, v in parts.items():  # (an id outside the logits' vocabulary has no column: left out)
+            pairs = np.concatenate(v, 1) if v else np.zeros((2, 0), dtype=np.int64)
+            joined[k] = pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]
         n_present = joined["present"].shape[1]
         if n_present + joined["counts"].shape[1] == 0:
             return
-        vocab = (self.present if self.present is not None else self.counts).shape[1]
-        pairs = np.concatenate([joined["present"], joined["counts"]], 1)
-        pairs[1] = np.where((pairs[1] >= 0) & (pairs[1] < vocab), pairs[1], 0)  # (ids are checked when queued)
-        pairs = _on_device(np.ascontiguousarray(pairs), self.device)
+        pairs = _on_device(np.ascontiguousarray(np.concatenate([joined["present"], joined["counts"]], 1)), self.device)
         if n_present:
             self.present[pairs[0, :n_present], pairs[1, :n_present]] = True
         if pairs.shape[1] > n_present:
