@@ -20,23 +20,22 @@ SLICE_ROWS = 1024  # rows of logits made float32 and log-softmaxed at once (a lo
 _LOCAL = threading.local()  # per thread (engines stepped on different threads): its uploads and side streams
 
 
-def _per_thread(name: str) -> dict:
-    table = getattr(_LOCAL, name, None)
+def _per_thread(make, device: torch.device):
+    """This thread's ``make(device)`` (made on first use): a ``HostUpload``, a ``HostRead`` or a side stream."""
+    table = getattr(_LOCAL, "made", None)
     if table is None:
-        table = {}
-        setattr(_LOCAL, name, table)
-    return table
+        table = _LOCAL.made = {}
+    got = table.get((make, device))
+    if got is None:
+        got = table[make, device] = make(device)
+    return got
 
 
 def _upload(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device`` through pinned buffers (``HostUpload``, whose two buffers take
     turns: one set per thread): a copy from pageable memory may wait for the stream's work so far, which here is a
     verify in flight (or, before the next step is queued, the pipeline's overlap)."""
-    device, uploads = torch.device(device), _per_thread("uploads")
-    up = uploads.get(device)
-    if up is None:
-        up = uploads[device] = HostUpload(device)
-    return up(np.asarray(values, dtype=np.int64))
+    return _per_thread(HostUpload, torch.device(device))(np.asarray(values, dtype=np.int64))
 
 
 def _read(values: torch.Tensor) -> np.ndarray:
@@ -45,11 +44,7 @@ def _read(values: torch.Tensor) -> np.ndarray:
     wait for other streams' work too (here the step queued behind the verify)."""
     if not values.is_cuda:
         return values.numpy()
-    reads = _per_thread("reads")
-    read = reads.get(values.device)
-    if read is None:
-        read = reads[values.device] = HostRead(values.device)
-    return read.start([values.view(torch.int64)])().view(np.float64)
+    return _per_thread(HostRead, values.device).start([values.view(torch.int64)])().view(np.float64)
 
 
 def ranked(rows: torch.Tensor, chosen: list[int], ks: list[int]) -> list[Entry]:
@@ -138,10 +133,7 @@ def _after(ready):
     if ready is None:
         yield
         return
-    device, streams = torch.device("cuda", torch.cuda.current_device()), _per_thread("streams")
-    side = streams.get(device)
-    if side is None:
-        side = streams[device] = torch.cuda.Stream(device)
+    side = _per_thread(torch.cuda.Stream, torch.device("cuda", torch.cuda.current_device()))
     side.wait_event(ready)
     with torch.cuda.stream(side):
         yield

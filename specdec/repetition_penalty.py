@@ -63,8 +63,6 @@ class ContextPenalty(NamedTuple):
     bias: Tensor | None = None  # (B, V) float32 added to the raw logits (logit_bias; -inf outside allowed_token_ids)
     held: HeldBack | None = None  # None: no row holds its ending tokens back
     bad: BadWords | None = None  # None: no row has bad words
-    size: int = 0  # B
-
 
     @staticmethod
     def of(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, device: torch.device | str,
@@ -98,19 +96,20 @@ class ContextPenalty(NamedTuple):
             held = _held_back([reqs[i] for i in early], early, b, vocab, device)
         worded = [i for i in rows if reqs[i].bad_word_ids]
         bad = _bad_words([reqs[i] for i in worded], worded, b, vocab, device) if worded else None
-        out = ContextPenalty(present, penalty, output, bias, held, bad, b)
-        return out if ahead is None else out.after(*ahead)
-
-    def after(self, tokens: Tensor, counts: Tensor) -> ContextPenalty:
-        """This context once each row has also committed ``tokens`` (R, K) int64, its first ``counts[i]`` (R,)
-        (-1 after them; rows past R commit none): the tokens of a step still in flight, on the device only
-        (``committed_ahead``), for the rule of the step queued behind it. They join the prompt and output
-        (``present``), the output's counts and the tail that bad words match, and ``min_tokens`` waits for that
-        many fewer."""
-        b = self.size
+        out = ContextPenalty(present, penalty, output, bias, held, bad)
+        if ahead is None:
+            return out
+        tokens, counts = ahead  # (the batch's rows past them commit none)
         if tokens.shape[0] < b:
             tokens = torch.cat([tokens, tokens.new_full((b - tokens.shape[0], tokens.shape[1]), -1)])
             counts = torch.cat([counts, counts.new_zeros(b - counts.shape[0])])
+        return out.after(tokens, counts)
+
+    def after(self, tokens: Tensor, counts: Tensor) -> ContextPenalty:
+        """This context once each row has also committed ``tokens`` (B, K) int64, its first ``counts[i]`` (B,)
+        (-1 after them): the tokens of a step still in flight, on the device only (``committed_ahead``), for the rule
+        of the step queued behind it. They join the prompt and output (``present``), the output's counts and the
+        tail that bad words match, and ``min_tokens`` waits for that many fewer."""
         present, output, held, bad = self.present, self.output, self.held, self.bad
         if present is not None:
             present = _plus_tokens(present, tokens, True)
@@ -140,8 +139,7 @@ class ContextPenalty(NamedTuple):
         """A copy of its tensors, to be the fixed inputs of a graph (``copy_from`` refills them)."""
         t = [None if x is None else x.clone() for x in self.tensors()]
         return ContextPenalty(t[0], t[1], None if t[2] is None else OutputCounts(*t[2:5]), t[5],
-                              None if t[6] is None else HeldBack(*t[6:8]), None if t[8] is None else BadWords(*t[8:]),
-                              self.size)
+                              None if t[6] is None else HeldBack(*t[6:8]), None if t[8] is None else BadWords(*t[8:]))
 
     def copy_from(self, other: ContextPenalty) -> None:
         """Its tensors overwritten with ``other``'s (of the same ``layout``)."""
@@ -337,21 +335,16 @@ class ContextState:
                 if t is not None:
                     t.index_fill_(0, rows, 0)
         vocab = (self.present if self.present is not None else self.counts).shape[1]
-        joined = {}
-        for k, v in parts.items():  # (an id outside the logits' vocabulary has no column: left out)
-            pairs = np.concatenate(v, 1) if v else np.zeros((2, 0), dtype=np.int64)
-            joined[k] = pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]
+        joined = {k: _in_vocab(np.concatenate(v, 1) if v else np.zeros((2, 0), dtype=np.int64), vocab)
+                  for k, v in parts.items()}
         n_present = joined["present"].shape[1]
         if n_present + joined["counts"].shape[1] == 0:
             return
         pairs = _on_device(np.ascontiguousarray(np.concatenate([joined["present"], joined["counts"]], 1)), self.device)
         if n_present:
-            self.present[pairs[0, :n_present], pairs[1, :n_present]] = True
+            _put(self.present, pairs[:, :n_present])
         if pairs.shape[1] > n_present:
-            counted_pairs = pairs[:, n_present:]
-            self.counts.index_put_((counted_pairs[0], counted_pairs[1]),
-                                   torch.ones(counted_pairs.shape[1], dtype=torch.float32, device=self.device),
-                                   accumulate=True)
+            _put(self.counts, pairs[:, n_present:], count=True)
 
 
 def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.dtype, device,
@@ -364,12 +357,23 @@ def _dense_rows(b: int, vocab: int, ids: dict[int, Sequence[int]], dtype: torch.
     if not rows:
         return out
     pairs = np.stack([np.concatenate(rows), np.concatenate([np.asarray(t, dtype=np.int64) for t in ids.values()])])
-    pairs = _on_device(np.ascontiguousarray(pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]), device)
-    if count:
-        out.index_put_((pairs[0], pairs[1]), torch.ones(pairs.shape[1], dtype=dtype, device=device), accumulate=True)
-    else:
-        out[pairs[0], pairs[1]] = 1
+    _put(out, _on_device(np.ascontiguousarray(_in_vocab(pairs, vocab)), device), count)
     return out
+
+
+def _in_vocab(pairs: np.ndarray, vocab: int) -> np.ndarray:
+    """The (row, id) columns of ``pairs`` (2, N) whose id is below ``vocab`` (one outside it has no column)."""
+    return pairs[:, (pairs[1] >= 0) & (pairs[1] < vocab)]
+
+
+def _put(dense: Tensor, pairs: Tensor, count: bool = False) -> None:
+    """Set ``dense`` (rows, V) to 1 (True) at the (row, id) columns of ``pairs`` (2, N) on its device, or with
+    ``count`` add 1 for each occurrence."""
+    if count:
+        dense.index_put_((pairs[0], pairs[1]), torch.ones(pairs.shape[1], dtype=dense.dtype, device=dense.device),
+                         accumulate=True)
+    else:
+        dense[pairs[0], pairs[1]] = 1
 
 
 def _bias_rows(params: Sequence, rows: Sequence[int], b: int, vocab: int, device) -> Tensor:
