@@ -71,12 +71,15 @@ class DeviceNgram:
         (sampled rows' outcome already there: the verifier launches this behind them only when pipelined); None when
         it does not apply (too few rows not yet on the device, a row longer than the history buffer, or an eager
         step)."""
-        if key is None or fwd.accept is None or not self.serves(rows, key[2]):
+        if key is None or fwd.accept is None:
+            return None
+        if self.decoding:  # (the outcome itself, as target-only decoding reads it: no history read or written)
+            return self.follow(rows, key, fwd.accept)
+        if not self.serves(rows, key[2]):
             return None
         if len(rows) < self.min_rows and not all(self.owner[r.bt_row] is r for r in rows):
             return None
-        if not self.decoding:
-            self._catch_up(rows)
+        self._catch_up(rows)
         return self.follow(rows, key, fwd.accept)
 
     def serves(self, rows: list[Request], q: int) -> bool:
