@@ -10,6 +10,7 @@ import torch
 from specdec.kernels.gumbel_choice import choose_tokens_reference, choose_tokens_triton
 from specdec.kernels.kv_adopt import adopt_kv, adopt_kv_reference
 from specdec.kernels.kv_store import store_kv_reference, store_kv_triton
+from specdec.kernels.logit_processors import processed_logits_reference, processed_logits_triton
 from specdec.kernels.nucleus import filtered_probs
 from specdec.kernels.paged_attention import paged_attention_reference, paged_attention_triton
 from specdec.kernels.rope_cache import fused_rope_cache_write, fused_rope_cache_write_reference
@@ -299,3 +300,29 @@ def test_tree_writer(benchmark, impl, batch, queries, budget):
     views = StepInputs(batch, queries, 8, dev).views(batch, queries)
     writer = TreeWriter(5, dev, capture=True, use_triton=impl == "triton")
     _run(benchmark, lambda: writer(views, batch, queries, out, budget), torch.cuda.synchronize)
+
+
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("batch,tokens", [(16, 32), (64, 8)])
+@pytest.mark.parametrize("parts", ["penalties", "all"])
+def test_logit_processors(benchmark, impl, batch, tokens, parts):
+    """A step's processors over (B, Q, 49,152) bf16 verify logits (``ContextPenalty.apply``): the one-pass kernel
+    against the torch reference. penalties: a repetition penalty and presence/frequency penalties (each verify
+    token's path of up to Q tokens joined to its row's context); all: a bias, held-back and banned tokens too."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, q, v = batch, tokens, 49152
+    logits = torch.randn(b, q, v, generator=g, device="cuda").to(torch.bfloat16)
+    path = torch.randint(0, v, (b, q, q), generator=g, device="cuda")
+    path[torch.rand(b, q, q, generator=g, device="cuda") < 0.5] = -1
+    kw = dict(present=torch.rand(b, v, generator=g, device="cuda") < 0.01,
+              penalty=torch.full((b,), 1.2, device="cuda"),
+              counts=torch.randint(0, 3, (b, v), generator=g, device="cuda").float(),
+              presence=torch.full((b,), 0.5, device="cuda"), frequency=torch.full((b,), 0.25, device="cuda"))
+    if parts == "all":
+        kw.update(bias=torch.randn(b, v, generator=g, device="cuda"),
+                  held=torch.rand(b, v, generator=g, device="cuda") < 0.001, early=torch.ones(b, q, dtype=torch.bool,
+                                                                                            device="cuda"),
+                  banned=torch.randint(0, v, (b, q, 4), generator=g, device="cuda"))
+    fn = processed_logits_triton if impl == "triton" else processed_logits_reference
+    _run(benchmark, lambda: fn(logits, path, **kw), torch.cuda.synchronize)

@@ -17,7 +17,6 @@ apply to the raw logits first, then the rules apply the penalties (``acceptance.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -25,7 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from specdec.acceptance import count_penalty, repetition_penalty
+from specdec.kernels.arg_checks import FLOAT_DTYPES
+from specdec.kernels.logit_processors import processed_logits_reference, processed_logits_triton
 
 
 class OutputCounts(NamedTuple):
@@ -147,43 +147,28 @@ class ContextPenalty(NamedTuple):
             if mine is not None:
                 mine.copy_(theirs)
 
-    def at_tokens(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
-        """(B, Q, V) bool: the context of each verify token, the row's ``present`` plus the tokens (B, Q) whose bit
-        is set in its tree mask (B, Q) (its path: itself and its ancestors; the root's bit 0 is not read, the
-        pending token is in ``present`` already)."""
-        out, where = _on_path(self.present, tokens, tree_mask)
-        return out.scatter_(-1, where, True)[..., :-1]
-
-    def at_counts(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
-        """(B, Q, V) float32: each verify token's output counts, the row's ``output.counts`` plus one for each
-        occurrence among the tokens on its path (``at_tokens``'s path: the root's bit is not read, the pending
-        token is counted already when it is output)."""
-        out, where = _on_path(self.output.counts, tokens, tree_mask)
-        return out.scatter_add_(-1, where, torch.ones(where.shape, dtype=out.dtype, device=out.device))[..., :-1]
-
-    def apply(self, logits: Tensor, tokens: Tensor, tree_mask: Tensor) -> Tensor:
+    def apply(self, logits: Tensor, tokens: Tensor, tree_mask: Tensor, use_triton: bool = False) -> Tensor:
         """(B, Q, V) float32-or-wider logits at the verify tokens (B, Q) with each one's processors and penalties
-        applied: the bias and the held-back tokens, then the repetition penalty, then the frequency and presence
-        penalties."""
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if self.bias is not None:
-            x = x + self.bias.unsqueeze(1)
-        if self.held is not None:
-            early = path_depth(tree_mask) < self.held.left.view(-1, 1)  # (B, Q): its next token is output < min
-            x = x.masked_fill(early.unsqueeze(-1) & self.held.tokens.unsqueeze(1), -math.inf)
-        if self.bad is not None:
-            x = x.masked_fill(self.banned_words(tokens, tree_mask, x.shape[-1]), -math.inf)
-        if self.present is not None:
-            x = repetition_penalty(x, self.at_tokens(tokens, tree_mask), self.penalty.view(-1, 1, 1))
-        if self.output is None:
-            return x
-        return count_penalty(x, self.at_counts(tokens, tree_mask), self.output.presence.view(-1, 1, 1),
-                             self.output.frequency.view(-1, 1, 1))
+        applied: the bias and the held-back and banned tokens, then the repetition penalty, then the frequency and
+        presence penalties, each verify token's context the row's plus its path (its draft ancestors and itself;
+        the root's bit of its tree mask (B, Q) is not read: the pending token is in the row's context already).
+        ``use_triton``: in one launch (``kernels.logit_processors``; the same bits as its torch reference)."""
+        held, bad, out = self.held, self.bad, self.output
+        parts = dict(bias=self.bias, present=self.present, penalty=self.penalty)
+        if held is not None:
+            parts.update(held=held.tokens, early=path_depth(tree_mask) < held.left.view(-1, 1))
+        if bad is not None:
+            parts.update(banned=self.banned_ids(tokens, tree_mask))
+        if out is not None:
+            parts.update(counts=out.counts, presence=out.presence, frequency=out.frequency)
+        path = torch.where(path_nodes(tree_mask), tokens.unsqueeze(1), -1)  # (B, Q, Q): j's path tokens
+        if use_triton and logits.dtype in FLOAT_DTYPES:
+            return processed_logits_triton(logits, path, **parts)
+        return processed_logits_reference(logits, path, **parts)
 
-
-    def banned_words(self, tokens: Tensor, tree_mask: Tensor, vocab: int) -> Tensor:
-        """(B, Q, V) bool: at each verify token (B, Q), the last token of every bad word whose leading tokens end
-        the output there (the committed tail, then the tokens of its path by depth)."""
+    def banned_ids(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
+        """(B, Q, N) int64: at each verify token (B, Q), the last token of every bad word whose leading tokens end
+        the output there (the committed tail, then the tokens of its path by depth); -1 where a word does not."""
         b, q = tokens.shape
         tail, words = self.bad
         w = tail.shape[1]
@@ -196,9 +181,7 @@ class ContextPenalty(NamedTuple):
         window = seq.gather(-1, ends)  # (B, Q, W): the output's last W tokens up to j
         lead, last = words[..., :w].unsqueeze(1), words[..., w]  # (B, 1, N, W), (B, N)
         match = ((window.unsqueeze(2) == lead) | (lead == WILDCARD)).all(-1) & (last >= 0).unsqueeze(1)  # (B,Q,N)
-        where = torch.where(match, last.unsqueeze(1), vocab)  # (B, Q, N)
-        out = torch.zeros(b, q, vocab + 1, dtype=torch.bool, device=tokens.device)
-        return out.scatter_(-1, where, True)[..., :vocab]
+        return torch.where(match, last.unsqueeze(1), -1)
 
 
 def _plus_tokens(dense: Tensor, tokens: Tensor, value) -> Tensor:
@@ -450,18 +433,6 @@ def _output_counts(reqs: Sequence, rows: Sequence[int], b: int, vocab: int, devi
     if counts is None:
         counts = _dense_rows(b, vocab, {i: reqs[i].output_ids for i in rows}, torch.float32, device, count=True)
     return OutputCounts(counts, *(_on_device(a, device) for a in (presence, frequency)))
-
-
-def _on_path(context: Tensor, tokens: Tensor, tree_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """(out (B, Q, V + 1): ``context`` (B, V) at each verify token, column V zero; where (B, Q, Q) int64: at
-    [b, j, i] token i of row b where it is on j's path (bit i > 0 of j's tree mask), else V). Scattering the
-    path tokens into ``out`` at ``where`` and dropping column V adds each verify token's path to its context."""
-    b, q = tokens.shape
-    vocab = context.shape[1]
-    where = torch.where(path_nodes(tree_mask), tokens.unsqueeze(1), vocab)  # (B, Q, Q)
-    out = torch.zeros(b, q, vocab + 1, dtype=context.dtype, device=tokens.device)
-    out[..., :vocab] = context.unsqueeze(1)
-    return out, where
 
 
 def penalized_rows(reqs: Sequence, rows: Sequence[int]) -> list[int]:

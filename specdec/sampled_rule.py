@@ -108,7 +108,7 @@ def rule(inputs: Tensor, logits: Tensor, accept: Tensor, filtered: bool, penalty
         positions = verify_positions(col(_ROOT), masks)
     x = logits.view(b, q, -1)  # (B, Q, V)
     if penalty is not None:
-        x = penalty.apply(x.float(), tokens, masks)
+        x = penalty.apply(x, tokens, masks, use_triton)
     out = accept_sampled(x, tokens, parents, masks, col(_N), sampling, col(_KEY0), col(_KEY1), positions, use_triton)
     # a sampled row whose logits over its temperature overflow has no finite distribution: its row fails (the
     # tokens its processors took out, -inf, are not in it)

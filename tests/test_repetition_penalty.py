@@ -73,14 +73,16 @@ def test_greedy_with_penalty_equals_the_reference(tiny_target, tiny_draft, tiny_
 
 
 def test_each_verify_token_has_its_own_context():
-    """``ContextPenalty.at_tokens``: the row's context plus exactly the tokens on each verify token's path."""
+    """``ContextPenalty.apply``: each verify token's penalized tokens are the row's context plus exactly the tokens
+    on its path."""
     tree = DraftTree.of_parents([7, 8, 9, 7], [-1, 0, -1, 2])  # root -> 7 -> 8, root -> 9 -> 7
     masks, _ = tree.verify_rows()
     present = torch.zeros(1, 12, dtype=torch.bool)
     present[0, [1, 2]] = True
-    at = ContextPenalty(present, torch.ones(1)).at_tokens(torch.tensor([[0, 7, 8, 9, 7]]), torch.tensor([masks]))
+    x = ContextPenalty(present, torch.full((1,), 2.0)).apply(torch.ones(1, 5, 12), torch.tensor([[0, 7, 8, 9, 7]]),
+                                                            torch.tensor([masks]))
     want = [{1, 2}, {1, 2, 7}, {1, 2, 7, 8}, {1, 2, 9}, {1, 2, 9, 7}]
-    assert [set(row.nonzero().flatten().tolist()) for row in at[0]] == want
+    assert [set((row == 0.5).nonzero().flatten().tolist()) for row in x[0]] == want
 
 
 def test_the_context_tensors_hold_each_rows_tokens_counts_biases_and_held_back_tokens():
