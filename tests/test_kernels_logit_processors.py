@@ -61,31 +61,33 @@ def test_processed_logits_match_reference_bit_for_bit(b, q, v, block, names, dty
     assert not torch.equal(want, logits.float())
 
 
-def test_a_part_given_half_is_refused():
+@pytest.mark.parametrize("device", [DEVICE])
+def test_a_part_given_half_is_refused(device):
     logits, path, parts = _case(1, 2, 16, seed=0)
     with pytest.raises(ValueError, match="held and early"):
-        processed_logits_triton(logits.to(DEVICE), path.to(DEVICE), held=parts["held"].to(DEVICE))
+        processed_logits_triton(logits.to(device), path.to(device), held=parts["held"].to(device))
 
 
-def test_context_penalty_applies_the_same_either_way_on_a_tree():
+@pytest.mark.parametrize("device", [DEVICE])  # (its id names the device: the GPU round selects "cuda")
+def test_context_penalty_applies_the_same_either_way_on_a_tree(device):
     """``ContextPenalty.apply`` on a branched tree with every part (a bad word whose lead is on one branch, a
     repeated token on a path): the one launch equals the torch reference, and the parts landed where the tree puts
     them (the bad word's last token banned only on the branch that ends with its lead)."""
     v = 40
     tree = DraftTree.of_parents([7, 8, 9, 7], [-1, 0, -1, 2])  # root -> 7 -> 8, root -> 9 -> 7
     masks, _ = tree.verify_rows()
-    tokens, masks = torch.tensor([[0, 7, 8, 9, 7]], device=DEVICE), torch.tensor([masks], device=DEVICE)
-    present = torch.zeros(1, v, dtype=torch.bool, device=DEVICE)
+    tokens, masks = torch.tensor([[0, 7, 8, 9, 7]], device=device), torch.tensor([masks], device=device)
+    present = torch.zeros(1, v, dtype=torch.bool, device=device)
     present[0, [1, 2]] = True
-    words = torch.tensor([[[-2, 9, 7, 30]]], device=DEVICE)  # the word [9, 7, 30]: 30 banned after "... 9 7"
+    words = torch.tensor([[[-2, 9, 7, 30]]], device=device)  # the word [9, 7, 30]: 30 banned after "... 9 7"
     penalty = ContextPenalty(
-        present, torch.full((1,), 1.5, device=DEVICE),
-        OutputCounts(torch.ones(1, v, device=DEVICE), torch.full((1,), 0.5, device=DEVICE),
-                     torch.full((1,), 0.25, device=DEVICE)),
-        torch.linspace(-1, 1, v, device=DEVICE).view(1, v),
-        HeldBack(torch.arange(v, device=DEVICE).view(1, v) == 2, torch.tensor([2], device=DEVICE)),
-        BadWords(torch.full((1, 3), -1, device=DEVICE), words))
-    logits = torch.randn(1, 5, v, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        present, torch.full((1,), 1.5, device=device),
+        OutputCounts(torch.ones(1, v, device=device), torch.full((1,), 0.5, device=device),
+                     torch.full((1,), 0.25, device=device)),
+        torch.linspace(-1, 1, v, device=device).view(1, v),
+        HeldBack(torch.arange(v, device=device).view(1, v) == 2, torch.tensor([2], device=device)),
+        BadWords(torch.full((1, 3), -1, device=device), words))
+    logits = torch.randn(1, 5, v, generator=torch.Generator().manual_seed(3)).to(device)
     got = penalty.apply(logits, tokens, masks, use_triton=True)
     want = penalty.apply(logits, tokens, masks)
     assert torch.equal(got, want)
