@@ -19,12 +19,15 @@ from specdec.kernels.triton_import import tl, triton
 
 from specdec.acceptance import count_penalty, repetition_penalty
 
+_BIAS, _HELD, _BAD, _REP, _COUNT = 1, 2, 4, 8, 16  # the bits of ``parts``: which processors a batch has
 
-@triton.jit
+
+# (which parts, the verify tokens per row and the path and banned widths are arguments, not compile-time constants:
+# one compiled kernel serves every batch, so a new combination of request options compiles nothing mid-request)
+@triton.jit(do_not_specialize=["q", "n_banned", "n_path", "parts"])
 def _processed_kernel(x_ptr, out_ptr, n_cols, x_stride, q, bias_ptr, held_ptr, early_ptr, banned_ptr, n_banned,
-                      present_ptr, penalty_ptr, counts_ptr, presence_ptr, frequency_ptr, path_ptr, n_path,
-                      HAS_BIAS: tl.constexpr, HAS_HELD: tl.constexpr, HAS_BAD: tl.constexpr, HAS_REP: tl.constexpr,
-                      HAS_COUNT: tl.constexpr, BLOCK: tl.constexpr):
+                      present_ptr, penalty_ptr, counts_ptr, presence_ptr, frequency_ptr, path_ptr, n_path, parts,
+                      BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     b = r // q
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -32,24 +35,24 @@ def _processed_kernel(x_ptr, out_ptr, n_cols, x_stride, q, bias_ptr, held_ptr, e
     ninf = float("-inf")
     x = tl.load(x_ptr + r * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
     ctx = b * n_cols + cols  # (the (B, V) contexts are contiguous)
-    if HAS_BIAS:
+    if (parts & 1) != 0:  # (_BIAS)
         x = x + tl.load(bias_ptr + ctx, mask=ok, other=0.0)
-    if HAS_HELD:
+    if (parts & 2) != 0:  # (_HELD)
         early = tl.load(early_ptr + r)
         held = tl.load(held_ptr + ctx, mask=ok, other=0)
         x = tl.where((held != 0) & (early != 0), ninf, x)
-    if HAS_BAD:
+    if (parts & 4) != 0:  # (_BAD)
         for i in range(n_banned):
             x = tl.where(cols == tl.load(banned_ptr + r * n_banned + i), ninf, x)
-    if HAS_REP or HAS_COUNT:
+    if (parts & 24) != 0:  # (_REP or _COUNT)
         on_path = tl.zeros([BLOCK], tl.int32)  # occurrences of the column among r's path tokens
         for i in range(n_path):
             on_path += (cols == tl.load(path_ptr + r * n_path + i)).to(tl.int32)
-        if HAS_REP:
+        if (parts & 8) != 0:  # (_REP)
             present = (tl.load(present_ptr + ctx, mask=ok, other=0) != 0) | (on_path > 0)
             p = tl.load(penalty_ptr + b)
             x = tl.where(present, tl.where(x > 0, tl.math.div_rn(x, tl.zeros([BLOCK], tl.float32) + p), x * p), x)
-        if HAS_COUNT:
+        if (parts & 16) != 0:  # (_COUNT)
             c = tl.load(counts_ptr + ctx, mask=ok, other=0.0) + on_path.to(tl.float32)
             f, pr = tl.load(frequency_ptr + b), tl.load(presence_ptr + b)
             x = x - (f * c + pr * (c > 0).to(tl.float32))
@@ -89,14 +92,14 @@ def processed_logits_triton(logits: torch.Tensor, path: torch.Tensor, bias: torc
         return t.view(torch.uint8) if t.dtype == torch.bool else t if dtype is None else t.to(dtype)
 
     f32 = torch.float32
+    parts = sum(bit for bit, t in ((_BIAS, bias), (_HELD, held), (_BAD, banned), (_REP, present), (_COUNT, counts))
+                if t is not None)
     if b * q and v:
         _processed_kernel[(b * q, triton.cdiv(v, block))](
             x, out, v, x.stride(0), q, flat(bias), flat(held), flat(early), flat(banned),
             0 if banned is None else banned.shape[-1], flat(present), flat(penalty, f32), flat(counts),
-            flat(presence, f32), flat(frequency, f32), path.contiguous(), path.shape[-1],
-            HAS_BIAS=bias is not None, HAS_HELD=held is not None, HAS_BAD=banned is not None,
-            HAS_REP=present is not None, HAS_COUNT=counts is not None, BLOCK=block, num_warps=4,
-            enable_fp_fusion=False)
+            flat(presence, f32), flat(frequency, f32), path.contiguous(), path.shape[-1], parts, BLOCK=block,
+            num_warps=4, enable_fp_fusion=False)
     return out
 
 

@@ -262,6 +262,10 @@ class ContextState:
         self.bias_owner: list = [None] * rows
         self.synced = {"present": np.zeros(rows, dtype=np.int64), "counts": np.zeros(rows, dtype=np.int64)}
 
+    def clear(self) -> None:
+        """Drop every kept context and bias row (their memory too): the next step that needs one makes it anew."""
+        self.__init__(self.rows, self.device)
+
     def rows_of(self, reqs: Sequence, repeated: Sequence[int], counted: Sequence[int], b: int,
                 vocab: int) -> tuple[Tensor | None, Tensor | None]:
         """(present (b, V) for the batch rows ``repeated`` of ``reqs``, counts (b, V) for ``counted``): each brought

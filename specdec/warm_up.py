@@ -2,13 +2,14 @@
 
 Some graphs of a padded step are captured on their first use, because their keys depend on what a step
 holds: a queued step's advance per bucket and tree, a dynamic tree's writer per budget, the sampled rule per
-(bucket, filter flag). Captured in the middle of a user's first requests they would make those requests
-several times slower than later ones. ``warm_up`` drives short synthetic requests through
-``SpecEngine.generate`` at every batch bucket's row count, greedy and sampled (with and without top-p), under
-every budget the engine may choose, and batches that shrink from every bucket to every smaller one in one step (a
+(bucket, filter flag, and the layout of the processors' inputs). Captured in the middle of a user's first requests
+they would make those requests several times slower than later ones, and so would Triton kernels compiled there.
+``warm_up`` drives short synthetic requests through ``SpecEngine.generate`` at every batch bucket's row count,
+greedy and sampled (with and without top-p), under every budget the engine may choose (rows with penalties under
+the smallest and the largest), and batches that shrink from every bucket to every smaller one in one step (a
 queued decode or chain step's writer is keyed by its bucket and the previous step's), so those graphs exist when
-the first request arrives; then it forgets everything
-the synthetic requests left behind (statistics, drafted text, cached prefixes, the blocks they held).
+the first request arrives; then it forgets everything the synthetic requests left behind (statistics, drafted
+text, kept penalty contexts, cached prefixes, the blocks they held).
 """
 
 from __future__ import annotations
@@ -71,6 +72,17 @@ def warm_up(engine) -> float:
                 engine.generate([prompt] * rows, greedy)
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
                 engine.generate([prompt] * rows, sampled[1])  # the sampled rule with top-p on
+        # rows with logits processors (penalties: every processor runs through the same rule and kernel): the rule's
+        # graph of their inputs' layout, its greedy-row variant and the processors' kernel, at the smallest and the
+        # largest budget (one and many verify tokens a row) of every bucket
+        penalized = dict(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.1)
+        plain_pen = SamplingParams(**penalized)
+        sampled_pen = SamplingParams(**penalized, temperature=1.0, top_p=0.9, seed=2)
+        for rows in counts:
+            for nodes in dict.fromkeys((budgets[0], budgets[-1])):
+                engine.adaptive = None if controller is None else FixedBudget(nodes)
+                engine.generate([prompt] * rows, plain_pen)
+                engine.generate([prompt] * rows, [sampled_pen] + [plain_pen] * (rows - 1))
         if engine.pipeline is not None:
             _shrinking(engine, controller, budgets, counts, prompt)
         engine.adaptive = None if controller is None else FixedBudget(None)

@@ -22,6 +22,7 @@ from specdec.engine import SpecConfig, SpecEngine
 from specdec.loading.registry import load_model
 from specdec.pipeline import AdvanceGraphs
 from specdec.sampling_params import SamplingParams
+from specdec.warm_up import FixedBudget
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -72,6 +73,7 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     after = graphs()
     assert min(after) > 0, after
     assert eng.stats.target_forwards == 0 and eng.all_blocks_free() and eng.pipeline.ahead is None
+    assert rule.context.present is None and rule.context.counts is None  # (the synthetic rows' contexts dropped)
     sampled = [SamplingParams(max_new_tokens=n, temperature=t, top_p=p, seed=i, ignore_eos=True)
                for i, (n, t, p) in enumerate(((10, 0.8, 1.0), (6, 1.0, 0.9), (8, 0.7, 0.9), (11, 1.2, 1.0)))]
     first = eng.generate(PROMPTS[:4], greedy)
@@ -84,6 +86,17 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
     assert eng.drafter.paths["ahead"] > 0 and eng.adaptive.chosen
     assert graphs() == after  # nothing captured on first use
     assert eng.all_blocks_free()
+    # penalized rows, greedy and sampled, at the largest budget: their rule's graphs were captured by the warm-up too
+    # (one per bucket and layout, greedy or not), and the contexts they kept were dropped after it
+    penalized = [key for key in rule.graphs if len(key) > 6]
+    assert {key[-1] for key in penalized} == {False, True} and len({key[1] for key in penalized}) > 1
+    controller, eng.adaptive = eng.adaptive, FixedBudget(max(o.nodes for o in eng.adaptive.options))
+    for batch in ([0], [0, 1, 2], [0, 1, 2, 3]):
+        params = [dataclasses.replace(sampled[i] if i % 2 else greedy[i], presence_penalty=0.5,
+                                      repetition_penalty=1.1) for i in batch]
+        assert all(o.error is None for o in eng.generate([PROMPTS[i] for i in batch], params))
+    eng.adaptive = controller
+    assert graphs() == after
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -91,7 +104,7 @@ def test_no_graph_is_captured_after_the_warm_up(setup, monkeypatch):  # noqa: F8
 def test_gpu_first_long_requests_compile_no_triton_kernel(tiny_factory, proposer):
     """On CUDA the warm-up at construction leaves nothing for the first requests to compile: prompts of up to
     3,000 tokens (long key ranges, where attention splits its keys and a second kernel combines the splits),
-    greedy and sampled, batched, compile no Triton kernel while they run."""
+    greedy and sampled, with and without penalties, batched, compile no Triton kernel while they run."""
     from triton import knobs
 
     target = str(tiny_factory("long_target", max_position_embeddings=4096))
@@ -105,8 +118,14 @@ def test_gpu_first_long_requests_compile_no_triton_kernel(tiny_factory, proposer
     # each compile's kernel and specialisation (argument types, constexprs, alignment): what the warm-up missed
     knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw.get("repr") or kw.get("fn").name)
     try:
+        penalties = dict(presence_penalty=0.5, repetition_penalty=1.1)
         for params in (SamplingParams(max_new_tokens=24, ignore_eos=True),
-                       SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1)):
+                       SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=1),
+                       SamplingParams(max_new_tokens=24, ignore_eos=True, **penalties),
+                       [SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.7, top_p=0.9, seed=i,
+                                       **penalties) if i % 2 else SamplingParams(max_new_tokens=24, ignore_eos=True,
+                                                                                 **penalties)
+                        for i in range(len(prompts))]):
             assert all(o.error is None for o in eng.generate(prompts, params))
     finally:
         knobs.runtime.jit_post_compile_hook = previous
