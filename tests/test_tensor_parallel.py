@@ -116,13 +116,18 @@ def test_tp2_greedy_equals_tp1(tiny_target, tiny_draft, which):
 SAMPLED_RUNS = [("model", dict(tree="topk:2x2", block_size=4, num_blocks=128, max_num_tokens=16))]
 
 
-def test_tp2_sampled_equals_tp1(tiny_target, tiny_draft):
+@pytest.mark.parametrize("penalized", [False, True], ids=["plain", "penalized"])
+def test_tp2_sampled_equals_tp1(tiny_target, tiny_draft, penalized):
     """Seeded sampled rows (T=0.7 top-p 0.9, T=1.0) batched with a greedy row: 2 ranks give one process's tokens
     with a draft model (a static tree's deterministic children; chunked prefill); an unseeded row gets the same seed
-    on both ranks (torch's global RNG seeded from rank 0). (n-gram drafts sampled: test_tensor_parallel_cli.py.)"""
-    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.9, seed=11),
+    on both ranks (torch's global RNG seeded from rank 0); penalized: a repetition penalty on the first sampled row
+    and presence and frequency penalties on the greedy one (the rule over the gathered logits on every rank).
+    (n-gram drafts sampled: test_tensor_parallel_cli.py.)"""
+    first, greedy = (dict(repetition_penalty=1.3), dict(presence_penalty=0.8, frequency_penalty=0.4)) if penalized \
+        else ({}, {})
+    params = [SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, top_p=0.9, seed=11, **first),
               SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=12),
-              SamplingParams(max_new_tokens=12, ignore_eos=True),
+              SamplingParams(max_new_tokens=12, ignore_eos=True, **greedy),
               SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7)]  # unseeded: ranks agree only
     want = []
     for draft, options in SAMPLED_RUNS:
