@@ -83,24 +83,31 @@ def processed_logits_triton(logits: torch.Tensor, path: torch.Tensor, bias: torc
         check_tensor("banned", banned, shape=(b, q, None), dtypes=(torch.int64,), device=dev)
     x = logits.view(b * q, v) if logits.is_contiguous() else logits.reshape(b * q, v)
     out = torch.empty(b, q, v, dtype=torch.float32, device=dev)
-    dummy = out  # (a part that is off: never read)
-
-    def flat(t: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if t is None:
-            return dummy
-        t = t.contiguous()
-        return t.view(torch.uint8) if t.dtype == torch.bool else t if dtype is None else t.to(dtype)
-
-    f32 = torch.float32
     parts = sum(bit for bit, t in ((_BIAS, bias), (_HELD, held), (_BAD, banned), (_REP, present), (_COUNT, counts))
                 if t is not None)
     if b * q and v:
         _processed_kernel[(b * q, triton.cdiv(v, block))](
-            x, out, v, x.stride(0), q, flat(bias), flat(held), flat(early), flat(banned),
-            0 if banned is None else banned.shape[-1], flat(present), flat(penalty, f32), flat(counts),
-            flat(presence, f32), flat(frequency, f32), path.contiguous(), path.shape[-1], parts, BLOCK=block,
-            num_warps=4, enable_fp_fusion=False)
+            x, out, v, x.stride(0), q, *kernel_parts(dev, bias, held, early, banned, present, penalty, counts, presence,
+                                                   frequency, path), parts, BLOCK=block, num_warps=4,
+            enable_fp_fusion=False)
     return out
+
+
+def kernel_parts(device, bias, held, early, banned, present, penalty, counts, presence, frequency,
+                 path) -> list:
+    """The kernel's part arguments in order (``_processed_kernel``'s from ``bias_ptr`` to ``n_path``): contiguous
+    tensors, bool ones as uint8, and for a part that is off a one-element stand-in of the dtype it would have, so
+    the kernel's signature (which Triton compiles a kernel per) is the same whatever parts a batch has."""
+    def arg(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if t is None:
+            return torch.empty(1, dtype=dtype, device=device)  # (never read)
+        t = t.contiguous()
+        return t.view(torch.uint8) if t.dtype == torch.bool else t.to(dtype)
+
+    f32, u8, i64 = torch.float32, torch.uint8, torch.int64
+    return [arg(bias, f32), arg(held, u8), arg(early, u8), arg(banned, i64), 0 if banned is None else banned.shape[-1],
+            arg(present, u8), arg(penalty, f32), arg(counts, f32), arg(presence, f32), arg(frequency, f32),
+            path.contiguous(), path.shape[-1]]
 
 
 def processed_logits_reference(logits: torch.Tensor, path: torch.Tensor, bias: torch.Tensor | None = None,

@@ -94,3 +94,19 @@ def test_context_penalty_applies_the_same_either_way_on_a_tree(device):
     banned = torch.isinf(want[0, :, 30])
     assert banned.tolist() == [False, False, False, False, True]  # (only after root -> 9 -> 7)
     assert torch.isinf(want[0, :, 2]).tolist() == [True, True, False, True, False]  # (held at depths 0 and 1)
+
+
+def test_the_kernel_signature_is_the_same_whatever_parts_a_batch_has():
+    """Triton compiles a kernel per signature (each pointer's dtype among it): the part arguments of every
+    combination of parts have the same dtypes, so one compile serves every batch."""
+    from specdec.kernels.logit_processors import kernel_parts
+
+    logits, path, parts = _case(2, 3, 40, seed=1)
+    names = ["bias", "held", "banned", "present", "counts"]
+    seen = set()
+    for mask in range(1 << len(names)):
+        kw = _pick(parts, [n for i, n in enumerate(names) if mask >> i & 1])
+        args = kernel_parts(DEVICE, *(kw.get(k) for k in ("bias", "held", "early", "banned", "present", "penalty",
+                                                          "counts", "presence", "frequency")), path.to(DEVICE))
+        seen.add(tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args))
+    assert len(seen) == 1, seen
