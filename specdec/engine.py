@@ -474,8 +474,7 @@ class SpecEngine:
         """Run every batch bucket and budget the engine can step through short synthetic requests, so the graphs
         captured on first use exist before real requests arrive (``specdec.warm_up``), then forget what they
         left: statistics, drafted text, kept penalty contexts, cached prefixes, the step queued behind their last
-        step. Returns the
-        seconds it took; called at construction when ``plan.warm_up``."""
+        step. Returns the seconds it took; called at construction when ``plan.warm_up``."""
         from specdec.warm_up import warm_up
 
         with on_device(self.device):
@@ -484,8 +483,7 @@ class SpecEngine:
             self.pipeline.ahead = None
         self.stats = AcceptanceStats()
         self.forget_drafts()
-        if self.verifier.sampled_rule.context is not None:  # (the penalized synthetic rows' contexts: 5 V bytes a row)
-            self.verifier.sampled_rule.context.clear()
+        self.verifier.sampled_rule.context.clear()  # (the penalized synthetic rows' contexts: 5 V bytes a row)
         if self.scheduler.prefix_cache is not None:
             self.scheduler.prefix_cache.evict_all()
         return seconds

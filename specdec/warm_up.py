@@ -14,6 +14,7 @@ text, kept penalty contexts, cached prefixes, the blocks they held).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from specdec.sampling_params import SamplingParams
@@ -63,6 +64,11 @@ def warm_up(engine) -> float:
     greedy = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
     sampled = [SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, temperature=1.0, top_p=top_p, seed=i)
                for i, top_p in enumerate((1.0, 0.9))]  # without and with top-p: the rule's two graphs
+    # rows with logits processors (penalties: every processor runs through the same rule and kernel): the rule's graph
+    # of their inputs' layout, its greedy-row variant and the processors' kernel, at the smallest and the largest
+    # budget (one and many verify tokens a row) of every bucket
+    plain_pen = dataclasses.replace(greedy, presence_penalty=0.5, repetition_penalty=1.1)
+    sampled_pen = dataclasses.replace(sampled[1], presence_penalty=0.5, repetition_penalty=1.1)
     buckets = set(engine.runner.graphs.batch_buckets) if engine.runner.graphs is not None else set()
     counts = sorted(buckets | {cfg.max_batch_size})  # every graph is keyed by the batch bucket, not the row count
     try:
@@ -72,17 +78,9 @@ def warm_up(engine) -> float:
                 engine.generate([prompt] * rows, greedy)
                 engine.generate([prompt] * rows, [sampled[0]] + [greedy] * (rows - 1))
                 engine.generate([prompt] * rows, sampled[1])  # the sampled rule with top-p on
-        # rows with logits processors (penalties: every processor runs through the same rule and kernel): the rule's
-        # graph of their inputs' layout, its greedy-row variant and the processors' kernel, at the smallest and the
-        # largest budget (one and many verify tokens a row) of every bucket
-        penalized = dict(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True, presence_penalty=0.5, repetition_penalty=1.1)
-        plain_pen = SamplingParams(**penalized)
-        sampled_pen = SamplingParams(**penalized, temperature=1.0, top_p=0.9, seed=2)
-        for rows in counts:
-            for nodes in dict.fromkeys((budgets[0], budgets[-1])):
-                engine.adaptive = None if controller is None else FixedBudget(nodes)
-                engine.generate([prompt] * rows, plain_pen)
-                engine.generate([prompt] * rows, [sampled_pen] + [plain_pen] * (rows - 1))
+                if nodes in (budgets[0], budgets[-1]):
+                    engine.generate([prompt] * rows, plain_pen)
+                    engine.generate([prompt] * rows, [sampled_pen] + [plain_pen] * (rows - 1))
         if engine.pipeline is not None:
             _shrinking(engine, controller, budgets, counts, prompt)
         engine.adaptive = None if controller is None else FixedBudget(None)
