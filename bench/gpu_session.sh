@@ -83,6 +83,19 @@ assemble() {  # the model from the pieces of runs 1-3
   cat /tmp/stage/piece.* > "$MODEL.part" && mv "$MODEL.part" "$MODEL" && md5sum "$MODEL" | tee "$D/md5.txt"
 }
 
+script_round() {  # script_round SECONDS SCRIPT LOG PATTERN LINES [ARG...]: bench/SCRIPT over the model (assembled
+                 # first if need be) and the prompt file, its output in $D/LOG; prints its exit status and the last
+                 # LINES lines of LOG that match PATTERN, then packs the round
+  local limit=$1 script=$2 log=$3 pattern=$4 lines=$5
+  shift 5
+  [ -s "$MODEL" ] || assemble
+  install
+  (cd /tmp && timeout "$limit" python3 -P "$root/bench/$script" "$D" "$MODEL" "$root/.gpu/mtbench_ids.json" "$@" \
+    > "$D/$log" 2>&1)
+  echo "$stage exit $?"; grep -h "$pattern" "$D/$log" | tail -"$lines"
+  pack
+}
+
 gpu_tests() {  # gpu_tests SECONDS FILE...: the GPU test files into $D/tests.log (GPU_K: a -k filter)
   local limit=$1; shift
   SPECDEC_TESTS_WITHOUT_SMOLLM2=1 timeout "$limit" python3 -P -m pytest -v -p no:cacheprovider "$@" ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$D/tests.log" 2>&1
@@ -270,33 +283,18 @@ case "$stage" in
     ;;
   profile)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_profile.py: wall time per step
              # against kernel time per step, per configuration (ONLY: a subset)
-    [ -s "$MODEL" ] || assemble
-    install
-    (cd /tmp && timeout "${PROFILE_LIMIT:-420}" python3 -P "$root/bench/gpu_profile.py" "$D" "$MODEL" \
-      "$root/.gpu/mtbench_ids.json" > "$D/profile.log" 2>&1)
-    echo "profile exit $?"; grep -h "^profile\|Error\|error" "$D/profile.log" | tail -30
-    pack
+    script_round "${PROFILE_LIMIT:-420}" gpu_profile.py profile.log "^profile\|Error\|error" 30
     ;;
   lp_read)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_logprobs_read.py: what reading
             # log-probabilities costs a pipelined target-only step, by how the read is made
-    [ -s "$MODEL" ] || assemble
-    install
-    (cd /tmp && timeout "${LP_READ_LIMIT:-200}" python3 -P "$root/bench/gpu_logprobs_read.py" "$D" "$MODEL" \
-      "$root/.gpu/mtbench_ids.json" > "$D/logprobs_read.log" 2>&1)
-    echo "lp_read exit $?"; grep -h "^logprobs_read b[0-9]*:\|Error" "$D/logprobs_read.log" | tail -4
-    pack
+    script_round "${LP_READ_LIMIT:-200}" gpu_logprobs_read.py logprobs_read.log "^logprobs_read b[0-9]*:\|Error" 4
     ;;
   chisq)  # (.whl .gpu, the model assembled or .stage3/p_02 with piece 02) bench/gpu_chisq.py: the first two sampled
           # tokens of CHISQ_SAMPLES (20000) seeded requests with the shipped draft through the CUDA defaults, float32,
           # chi-square against the exact target distribution at T=0.7/1.0 top-p 0.9 and T=1.0, and the negative control
           # (CHISQ_CONTROL_ONLY=1: the control alone)
-    [ -s "$MODEL" ] || assemble
-    install
-    (cd /tmp && timeout "${CHISQ_LIMIT:-540}" python3 -P "$root/bench/gpu_chisq.py" "$D" "$MODEL" \
-      "$root/.gpu/mtbench_ids.json" --samples "${CHISQ_SAMPLES:-20000}" ${CHISQ_CONTROL_ONLY:+--control-only} \
-      > "$D/chisq.log" 2>&1)
-    echo "chisq exit $?"; grep -h "^chisq\|Error\|error" "$D/chisq.log" | tail -10
-    pack
+    script_round "${CHISQ_LIMIT:-540}" gpu_chisq.py chisq.log "^chisq\|Error\|error" 10 \
+      --samples "${CHISQ_SAMPLES:-20000}" ${CHISQ_CONTROL_ONLY:+--control-only}
     ;;
   train_profile)  # (.whl, the model assembled or .stage3/p_02 with piece 02) bench/gpu_train_profile.py: a draft
                   # training step's time by phase and its top operators (TRAIN_STEPS timed steps, default 10)
