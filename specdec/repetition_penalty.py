@@ -155,25 +155,27 @@ class ContextPenalty(NamedTuple):
         ``use_triton``: in one launch (``kernels.logit_processors``; the same bits as its torch reference)."""
         held, bad, out = self.held, self.bad, self.output
         parts = dict(bias=self.bias, present=self.present, penalty=self.penalty)
+        nodes = path_nodes(tree_mask)  # (B, Q, Q)
+        depth = path_depth(tree_mask) if held is not None or bad is not None else None  # (B, Q)
         if held is not None:
-            parts.update(held=held.tokens, early=path_depth(tree_mask) < held.left.view(-1, 1))
+            parts.update(held=held.tokens, early=depth < held.left.view(-1, 1))
         if bad is not None:
-            parts.update(banned=self.banned_ids(tokens, tree_mask))
+            parts.update(banned=self.banned_ids(tokens, nodes, depth))
         if out is not None:
             parts.update(counts=out.counts, presence=out.presence, frequency=out.frequency)
-        path = torch.where(path_nodes(tree_mask), tokens.unsqueeze(1), -1)  # (B, Q, Q): j's path tokens
+        path = torch.where(nodes, tokens.unsqueeze(1), -1)  # (B, Q, Q): j's path tokens
         if use_triton and logits.dtype in FLOAT_DTYPES:
             return processed_logits_triton(logits, path, **parts)
         return processed_logits_reference(logits, path, **parts)
 
-    def banned_ids(self, tokens: Tensor, tree_mask: Tensor) -> Tensor:
+    def banned_ids(self, tokens: Tensor, nodes: Tensor, depth: Tensor) -> Tensor:
         """(B, Q, N) int64: at each verify token (B, Q), the last token of every bad word whose leading tokens end
-        the output there (the committed tail, then the tokens of its path by depth); -1 where a word does not."""
+        the output there (the committed tail, then the tokens of its path by depth); -1 where a word does not.
+        ``nodes`` (B, Q, Q) and ``depth`` (B, Q): the tree's ``path_nodes`` and ``path_depth``."""
         b, q = tokens.shape
         tail, words = self.bad
         w = tail.shape[1]
-        depth = path_depth(tree_mask)  # (B, Q)
-        at = torch.where(path_nodes(tree_mask), (depth - 1).unsqueeze(1), q)  # (B, Q, Q): i's place in j's path
+        at = torch.where(nodes, (depth - 1).unsqueeze(1), q)  # (B, Q, Q): i's place in j's path
         path = torch.full((b, q, q + 1), -1, dtype=torch.int64, device=tokens.device)
         path.scatter_(-1, at, tokens.unsqueeze(1).expand(b, q, q))  # (B, Q, Q + 1): j's path tokens by depth
         seq = torch.cat([tail.unsqueeze(1).expand(b, q, w), path[..., :q - 1]], -1)  # (B, Q, W + Q - 1)
