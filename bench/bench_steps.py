@@ -204,3 +204,26 @@ def test_allowed_set_rows(benchmark, kept):
 
 def _dtype(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
+
+
+@pytest.mark.parametrize("k", [5, 20])
+def test_logprob_entries(benchmark, k):
+    """The host side of a step's log-probabilities for 16 committed tokens, each with its ``k`` most probable
+    tokens: read entries (``logprobs.ranked``'s ``{token: (log-probability, rank)}``) turned into vLLM's
+    ``{token: Logprob}`` and appended to the request (``StopChecker.add_logprobs``), every token's text already
+    cached. A pipelined step whose host work is its bottleneck pays this at every step."""
+    import random
+    from types import SimpleNamespace
+
+    from specdec.scheduler.stop import StopChecker
+
+    rng, stopper = random.Random(0), StopChecker(None)
+    entries = [{rng.randrange(49152): (-rng.random(), r + 1) for r in range(k + 1)} for _ in range(16)]
+    req = SimpleNamespace(logprobs=[], cumulative_logprob=0.0)
+
+    def run():
+        req.logprobs.clear()
+        stopper.add_logprobs(req, entries)
+
+    benchmark.pedantic(run, rounds=200, warmup_rounds=20)
+    benchmark.extra_info.update(tokens=16, k=k)
